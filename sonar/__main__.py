@@ -1,0 +1,31 @@
+"""`python -m sonar {serve,actor,bench}`."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else "serve"
+    rest = argv[1:]
+    if command == "actor":
+        from sonar.actors.host import main as actor_main
+
+        return actor_main(rest)
+    if command == "serve":
+        from sonar.models.embedded import EMBEDDED_NAME, gguf_path
+
+        model = rest[0] if rest and not rest[0].startswith("-") else None
+        source = model or f"{EMBEDDED_NAME} (embedded: {gguf_path()})"
+        print(f"sonar serve: would serve {source}; the HTTP server is not built yet.")
+        return 0
+    if command in ("-h", "--help", "help"):
+        print("usage: python -m sonar {serve,actor} [ARGS...]")
+        return 0
+    print(f"sonar: unknown command {command!r} (expected serve or actor)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

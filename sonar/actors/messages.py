@@ -1,0 +1,88 @@
+"""The message vocabulary every mailbox shares: the ask base, reply addresses, system messages.
+
+An actor's protocol is a tagged union of `msgspec.Struct`s. A message that expects an answer
+derives from `Ask`: `ask()` fills in `reply_to`, so the reply address travels inside the message
+whichever mailbox carries it. The reply's type is the class variable `reply_type`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, ClassVar
+
+import msgspec
+
+
+class ReplyTo(msgspec.Struct, frozen=True, array_like=True):
+    """Where a reply goes: the asking node, its pending-ask id, and (when bound) its address."""
+
+    node: str
+    id: int
+    address: str | None = None
+
+
+class Ask(msgspec.Struct, kw_only=True):
+    """Base of messages that expect a reply. Subclasses set `reply_type` for a typed answer."""
+
+    reply_type: ClassVar[Any] = Any
+    reply_to: ReplyTo | None = None
+
+
+class Ping(Ask, tag="sonar.ping"):
+    """Liveness probe sent by a supervisor through the mailbox: a stuck actor cannot answer."""
+
+
+class Pong(msgspec.Struct, tag="sonar.pong"):
+    mailbox_depth: int
+    pid: int
+
+
+Ping.reply_type = Pong
+
+
+class Stop(msgspec.Struct, tag="sonar.stop"):
+    """Polite request to stop: the actor finishes the messages before it, runs `stopping()`, exits."""
+
+
+SYSTEM_MESSAGES = (Ping, Stop)
+
+
+class RemoteError(msgspec.Struct, frozen=True):
+    """An exception as data, so it can cross a process boundary."""
+
+    type: str
+    message: str
+    traceback: str = ""
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> "RemoteError":
+        return cls(
+            type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+            message=str(exc),
+            traceback="".join(traceback.format_exception(exc)),
+        )
+
+
+class ActorError(RuntimeError):
+    """Raised at the asker when the actor failed to handle the message (possibly in another process)."""
+
+    def __init__(self, error: RemoteError, actor: str = "?") -> None:
+        self.error = error
+        self.actor = actor
+        super().__init__(f"actor {actor!r} failed: {error.type}: {error.message}")
+
+
+class AskTimeout(TimeoutError):
+    """No reply arrived within the ask's timeout."""
+
+
+class ActorNotFound(LookupError):
+    """No actor of that name lives at that address (never started, or stopped for good)."""
+
+
+class ExitInfo(msgspec.Struct, frozen=True):
+    """How one run of an actor ended: normally (stop, `exit()`) or not (crash, kill, hang)."""
+
+    normal: bool
+    reason: str
+    error: RemoteError | None = None

@@ -1,0 +1,355 @@
+"""The per-process (per event loop) half of the runtime: mailboxes, pending asks, ZMQ sockets.
+
+Every process that runs actors has one `Node`. Local delivery puts the message object straight
+into the actor's bounded anyio memory stream (no serialization). Remote delivery encodes it with
+the codec and sends it through a DEALER socket connected to the ROUTER socket of the node that
+hosts the actor; the DEALER's routing id is this node's id, so replies come back over the same
+connection. A node binds its ROUTER only when another process needs to reach it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+import socket
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import msgspec
+import zmq
+import zmq.asyncio
+
+from sonar.actors.codec import Codec, resolve
+from sonar.actors.messages import (
+    ActorError,
+    ActorNotFound,
+    RemoteError,
+    ReplyTo,
+)
+from sonar.log import get_logger
+
+log = get_logger("sonar.actors")
+
+
+_nodes: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Node]" = weakref.WeakKeyDictionary()
+
+
+def get_node() -> "Node":
+    """The node of the running event loop, created on first use."""
+    loop = asyncio.get_running_loop()
+    node = _nodes.get(loop)
+    if node is None:
+        node = _nodes[loop] = Node()
+    return node
+
+
+class Hello(msgspec.Struct):
+    """First frame a child process sends to its parent: who it is and where it listens."""
+
+    key: str
+    node: str
+    address: str
+    pid: int
+
+
+class _ReplyToOnly(msgspec.Struct):
+    reply_to: ReplyTo | None = None
+
+
+@dataclass
+class Mailbox:
+    """An actor's bounded inbox; it outlives restarts of the actor that reads it."""
+
+    name: str
+    protocol: Any
+    decode_type: Any
+    types: tuple[type, ...]
+    send: Any
+    receive: Any
+    size: int
+
+    def depth(self) -> int:
+        return self.send.statistics().current_buffer_used
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    reply_type: Any
+    actor: str
+
+
+@dataclass
+class _Dealer:
+    socket: zmq.asyncio.Socket
+    reader: asyncio.Task | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class Node:
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.node_id = f"{socket.gethostname()}-{self.pid}-{secrets.token_hex(3)}"
+        self.address: str | None = None
+        self.codec = Codec(make_ref=self._make_ref)
+        self.mailboxes: dict[str, Mailbox] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._router_task: asyncio.Task | None = None
+        self._dealers: dict[str, _Dealer] = {}
+        self._hellos: dict[str, asyncio.Future] = {}
+        self._ipc_path: str | None = None
+        # Messages queued per ZMQ connection (each way) before a sender waits.
+        self.hwm = int(os.environ.get("SONAR_ACTOR_HWM", "1000"))
+        self.users = 0  # open supervision trees; the last one to end closes the sockets
+        self._loose = msgspec.msgpack.Decoder(_ReplyToOnly, ext_hook=lambda code, data: None)
+
+    # -- mailboxes --------------------------------------------------------------------------
+    def mailbox(self, name: str, protocol: Any, size: int) -> Mailbox:
+        """The mailbox named `name`, created on first use (a restarted actor gets the same one)."""
+        mb = self.mailboxes.get(name)
+        if mb is None:
+            from sonar.actors.ref import protocol_types
+            from sonar.actors.messages import SYSTEM_MESSAGES
+
+            types = protocol_types(protocol)
+            send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=size)
+            decode_type = _union(*types, *SYSTEM_MESSAGES)
+            mb = self.mailboxes[name] = Mailbox(name, protocol, decode_type, types + SYSTEM_MESSAGES,
+                                                send, receive, size)
+        return mb
+
+    def remove_mailbox(self, name: str) -> None:
+        mb = self.mailboxes.pop(name, None)
+        if mb is not None:
+            mb.send.close()
+            mb.receive.close()
+
+    def is_local(self, address: str | None) -> bool:
+        return address is None or address == self.address
+
+    # -- delivery ---------------------------------------------------------------------------
+    async def deliver(self, name: str, address: str | None, msg: Any) -> None:
+        if self.is_local(address):
+            mb = self.mailboxes.get(name)
+            if mb is None:
+                raise ActorNotFound(f"no actor named {name!r} in this process")
+            if not isinstance(msg, mb.types):
+                raise TypeError(f"actor {name!r} does not accept {type(msg).__qualname__}")
+            try:
+                await mb.send.send(msg)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                raise ActorNotFound(f"actor {name!r} has stopped") from None
+            return
+        frames = [b"M", name.encode(), *self.codec.encode(msg)]
+        await self._send_dealer(address, frames)
+
+    def new_ask(self, reply_type: Any, actor: str) -> tuple[ReplyTo, asyncio.Future]:
+        ask_id = next(self._ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[ask_id] = _Pending(fut, reply_type, actor)
+        return ReplyTo(self.node_id, ask_id, self.address), fut
+
+    def forget_ask(self, ask_id: int) -> None:
+        self._pending.pop(ask_id, None)
+
+    async def reply(self, to: ReplyTo, value: Any = None, error: RemoteError | None = None) -> None:
+        """Send a reply (or an error) to the asker, wherever it lives."""
+        if to.node == self.node_id:
+            self._resolve_local(to.id, value, error)
+            return
+        head = [b"R", to.id.to_bytes(8, "little")]
+        frames = head + ([b"err", msgspec.msgpack.encode(error)] if error else [b"ok", *self.codec.encode(value)])
+        if self._router is not None:
+            try:
+                await self._router.send_multipart([to.node.encode(), *frames], copy=False)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH:
+                    raise
+        if to.address is None:
+            log.warning("actor.reply_lost", to=to.node, reason="asker unreachable")
+            return
+        await self._send_dealer(to.address, frames)
+
+    def _resolve_local(self, ask_id: int, value: Any, error: RemoteError | None) -> None:
+        pending = self._pending.pop(ask_id, None)
+        if pending is None or pending.future.done():
+            return  # the asker gave up (timeout or cancel) before the reply came
+        if error is not None:
+            pending.future.set_exception(ActorError(error, pending.actor))
+        else:
+            pending.future.set_result(value)
+
+    def _resolve_remote(self, frames: list[Any]) -> None:
+        ask_id = int.from_bytes(frames[0].bytes, "little")
+        pending = self._pending.get(ask_id)
+        if pending is None or pending.future.done():
+            self._pending.pop(ask_id, None)
+            return
+        status = frames[1].bytes
+        try:
+            if status == b"err":
+                error = msgspec.msgpack.decode(frames[2].bytes, type=RemoteError)
+                self._resolve_local(ask_id, None, error)
+            else:
+                self._resolve_local(ask_id, self.codec.decode(frames[2:], pending.reply_type), None)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+            self._resolve_local(ask_id, None, RemoteError.from_exception(exc))
+
+    # -- ZMQ --------------------------------------------------------------------------------
+    def _context(self) -> zmq.asyncio.Context:
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        return self._ctx
+
+    def ensure_bound(self, address: str | None = None) -> str:
+        """Bind this node's ROUTER (default: a private ipc path) and start reading from it."""
+        if self._router is not None:
+            return self.address  # type: ignore[return-value]
+        if address is None:
+            address = f"ipc://{tempfile.gettempdir()}/sonar-{self.node_id}.sock"
+        if address.startswith("ipc://"):
+            self._ipc_path = address.removeprefix("ipc://")
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+        router = self._context().socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, self.hwm)
+        router.setsockopt(zmq.RCVHWM, self.hwm)
+        router.bind(address)
+        if address.startswith("tcp://") and address.endswith(":0"):
+            address = router.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self._router = router
+        self.address = address
+        self._router_task = asyncio.get_running_loop().create_task(self._read_router())
+        return address
+
+    def _dealer(self, address: str) -> _Dealer:
+        dealer = self._dealers.get(address)
+        if dealer is None:
+            sock = self._context().socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self.hwm)
+            sock.setsockopt(zmq.RCVHWM, self.hwm)
+            sock.connect(address)
+            dealer = self._dealers[address] = _Dealer(sock)
+            dealer.reader = asyncio.get_running_loop().create_task(self._read_dealer(dealer))
+        return dealer
+
+    async def _send_dealer(self, address: str, frames: list[Any]) -> None:
+        dealer = self._dealer(address)
+        await dealer.socket.send_multipart(frames, copy=False)
+
+    async def _read_dealer(self, dealer: _Dealer) -> None:
+        while True:
+            frames = await dealer.socket.recv_multipart(copy=False)
+            if frames[0].bytes == b"R":
+                self._resolve_remote(frames[1:])
+
+    async def _read_router(self) -> None:
+        assert self._router is not None
+        while True:
+            frames = await self._router.recv_multipart(copy=False)
+            kind = frames[1].bytes
+            try:
+                if kind == b"M":
+                    await self._incoming(frames[2].bytes.decode(), frames[3:])
+                elif kind == b"R":
+                    self._resolve_remote(frames[2:])
+                elif kind == b"H":
+                    hello = msgspec.msgpack.decode(frames[2].bytes, type=Hello)
+                    fut = self._hellos.get(hello.key)
+                    if fut is not None and not fut.done():
+                        fut.set_result(hello)
+            except Exception as exc:  # a bad frame must not stop the node from reading
+                log.error("actor.bad_frame", kind=kind, error=repr(exc))
+
+    async def _incoming(self, name: str, frames: list[Any]) -> None:
+        mb = self.mailboxes.get(name)
+        if mb is None:
+            await self._refuse(frames, ActorNotFound(f"no actor named {name!r} at {self.address}"), name)
+            return
+        try:
+            msg = self.codec.decode(frames, mb.decode_type)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            log.error("actor.bad_message", actor=name, error=str(exc))
+            await self._refuse(frames, TypeError(f"message for {name!r} failed to decode: {exc}"), name)
+            return
+        try:
+            await mb.send.send(msg)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await self._refuse(frames, ActorNotFound(f"actor {name!r} has stopped"), name)
+
+    async def _refuse(self, frames: list[Any], exc: Exception, name: str) -> None:
+        """Answer a message that cannot be delivered with an error, when it expects an answer."""
+        try:
+            reply_to = self._loose.decode(frames[0].buffer).reply_to
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            reply_to = None
+        if reply_to is None:
+            log.warning("actor.message_dropped", actor=name, reason=str(exc))
+            return
+        await self.reply(reply_to, error=RemoteError.from_exception(exc))
+
+    # -- child handshake ----------------------------------------------------------------------
+    def expect_hello(self, key: str) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self._hellos[key] = fut
+        fut.add_done_callback(lambda _: self._hellos.pop(key, None))
+        return fut
+
+    async def say_hello(self, parent: str, key: str) -> None:
+        assert self.address is not None
+        hello = Hello(key=key, node=self.node_id, address=self.address, pid=self.pid)
+        await self._send_dealer(parent, [b"H", msgspec.msgpack.encode(hello)])
+
+    def _make_ref(self, name: str, address: str | None, protocol: str) -> Any:
+        from sonar.actors.ref import ActorRef
+
+        if address == self.address:
+            address = None
+        return ActorRef(name, resolve(protocol), address)
+
+    def close(self, linger_ms: int = 0) -> None:
+        """Close every socket and reader task (the node can be used again afterwards).
+
+        `linger_ms` lets queued outgoing messages (a last reply) leave before the sockets go.
+        """
+        tasks = [self._router_task] + [d.reader for d in self._dealers.values()]
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+        for dealer in self._dealers.values():
+            dealer.socket.close(linger=linger_ms)
+        if self._router is not None:
+            self._router.close(linger=linger_ms)
+        if self._ipc_path:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+        self._dealers.clear()
+        self._router = self._router_task = None
+        self.address = None
+        self._ipc_path = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+def _union(*types: Any) -> Any:
+    from typing import Union
+
+    return Union[types]  # type: ignore[valid-type]

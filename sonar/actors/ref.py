@@ -1,0 +1,121 @@
+"""`ActorRef[Msg]`: the only way to talk to an actor, wherever it runs."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any, Generic, TypeVar
+
+import anyio
+import msgspec
+
+from sonar.actors.codec import import_path
+from sonar.actors.messages import SYSTEM_MESSAGES, Ask, AskTimeout
+from sonar.actors.node import get_node
+
+Msg = TypeVar("Msg")
+
+_types_cache: dict[Any, tuple[type, ...]] = {}
+
+
+def protocol_types(protocol: Any) -> tuple[type, ...]:
+    """The message classes of a protocol (a Struct class or a Union of tagged Structs)."""
+    types = _types_cache.get(protocol)
+    if types is None:
+        args = typing.get_args(protocol) if typing.get_origin(protocol) in (typing.Union, _UnionType) else ()
+        types = tuple(args) if args else (protocol,)
+        for t in types:
+            if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+                raise TypeError(f"protocol member {t!r} is not a msgspec.Struct")
+        if len(types) > 1:
+            untagged = [t.__name__ for t in types if t.__struct_config__.tag is None]
+            if untagged:
+                raise TypeError(f"protocol structs must be tagged (tag=True): {', '.join(untagged)}")
+        _types_cache[protocol] = types
+    return types
+
+
+try:
+    from types import UnionType as _UnionType
+except ImportError:  # pragma: no cover
+    _UnionType = typing.Union  # type: ignore[misc,assignment]
+
+
+class ActorRef(Generic[Msg]):
+    """A handle on a named actor: `send` (fire and forget) and `ask` (request/reply).
+
+    `address` is None for an actor in this process, or the ZMQ address of the node that hosts it
+    (an ipc path for a child process, `tcp://host:port` for a remote one). Sending code cannot
+    tell which one it holds. Messages must not be mutated after they were sent: in-process the
+    receiver gets the very same object.
+    """
+
+    __slots__ = ("name", "protocol", "address", "_types", "_allowed")
+
+    def __init__(self, name: str, protocol: Any, address: str | None = None) -> None:
+        self.name = name
+        self.protocol = protocol
+        self.address = address
+        self._types = protocol_types(protocol)
+        self._allowed = self._types + SYSTEM_MESSAGES
+
+    def _check(self, msg: Any) -> None:
+        if not isinstance(msg, self._allowed):
+            names = ", ".join(t.__name__ for t in self._types)
+            raise TypeError(
+                f"actor {self.name!r} does not accept {type(msg).__qualname__}; its protocol is: {names}"
+            )
+
+    async def send(self, msg: Msg) -> None:
+        """Deliver `msg`; waits while the mailbox is full (backpressure), never drops it."""
+        self._check(msg)
+        await get_node().deliver(self.name, self.address, msg)
+
+    async def ask(self, msg: Msg, timeout: float | None = None) -> Any:
+        """Deliver `msg` and wait for the actor's reply (of `type(msg).reply_type`).
+
+        Raises `AskTimeout` when no reply comes in `timeout` seconds and `ActorError` when the
+        actor failed while handling it.
+        """
+        self._check(msg)
+        if not isinstance(msg, Ask):
+            raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
+        node = get_node()
+        reply_to, fut = node.new_ask(type(msg).reply_type, self.name)
+        msg = msgspec.structs.replace(msg, reply_to=reply_to)
+        try:
+            with anyio.fail_after(timeout):
+                await node.deliver(self.name, self.address, msg)
+                return await fut
+        except TimeoutError:
+            raise AskTimeout(f"actor {self.name!r} did not answer {type(msg).__qualname__} in {timeout} s") from None
+        finally:
+            node.forget_ask(reply_to.id)
+
+    def __sonar_ref__(self) -> tuple[str, str | None, str]:
+        address = self.address
+        if address is None:
+            address = get_node().ensure_bound()
+        return (self.name, address, import_path(self.protocol) if isinstance(self.protocol, type) else _union_path(self.protocol))
+
+    def __repr__(self) -> str:
+        where = self.address or "local"
+        return f"ActorRef({self.name!r} @ {where})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ActorRef) and (self.name, self.address) == (other.name, other.address)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.address))
+
+
+def _union_path(protocol: Any) -> str:
+    """A Union protocol has no import path of its own: name it by a module attribute holding it."""
+    path = getattr(protocol, "__sonar_path__", None)
+    if path:
+        return path
+    for t in protocol_types(protocol):
+        module = __import__(t.__module__, fromlist=["_"])
+        for attr, value in vars(module).items():
+            if value == protocol:
+                return f"{t.__module__}:{attr}"
+    raise TypeError(f"protocol {protocol!r} must be a module-level name to cross processes")

@@ -1,0 +1,428 @@
+"""How a supervisor runs one child in each placement.
+
+Each runner starts one run (incarnation) of its child at a time, reports how a run ended to its
+supervisor (unless the supervisor stopped it on purpose), and knows how to stop it politely
+within a deadline and how to force it down: cancel a task, or SIGTERM then SIGKILL a process.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from sonar.actors.actor import Incarnation, launch
+from sonar.actors.codec import import_path, resolve
+from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
+from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
+from sonar.actors.node import get_node
+from sonar.actors.ref import ActorRef
+from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SupervisorSpec, placement_name
+from sonar.actors.tree import ActorInfo
+from sonar.log import get_logger
+
+if TYPE_CHECKING:
+    from sonar.actors.supervisor import Supervisor
+
+log = get_logger("sonar.actors")
+
+KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL, and to wait after a cancel
+
+
+class Runner:
+    """Common state of a supervised child; subclasses implement `_start`, `_stop`, `_force`."""
+
+    kind = "actor"
+
+    def __init__(self, spec: Any, sup: "Supervisor") -> None:
+        self.spec = spec
+        self.sup = sup
+        self.name: str = spec.name
+        self.restarts = 0
+        self.incarnation = 0
+        self.state = "stopped"
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self.last_exit: ExitInfo | None = None
+        self.last_pong: Pong | None = None
+        self.ref: ActorRef | None = None
+        self._stopping = False
+
+    @property
+    def running(self) -> bool:
+        return self.state in ("running", "starting")
+
+    async def start(self) -> None:
+        """Start a new run; returns when it is ready, raises when it fails to start."""
+        self.incarnation += 1
+        self._stopping = False
+        self.state = "starting"
+        self.last_pong = None
+        try:
+            await self._start(self.incarnation)
+        except BaseException:
+            self.state = "crashed"
+            raise
+        self.state = "running"
+        self.started_at = time.time()
+        log.info("actor.ready", actor=self.name, placement=self.placement, pid=self.pid,
+                 incarnation=self.incarnation)
+
+    async def stop(self) -> None:
+        """Stop on purpose: politely, then by force after the shutdown deadline."""
+        if not self.running:
+            return
+        self._stopping = True
+        self.state = "stopping"
+        await self._stop()
+        self.state = "stopped"
+        log.info("actor.stopped", actor=self.name)
+
+    async def fail(self, reason: str) -> None:
+        """Force the current run down and report it as failed (a hung child)."""
+        if self.state != "running":
+            return
+        await self._force(reason)
+
+    def exited(self, incarnation: int, info: ExitInfo) -> None:
+        """Called by the run's watcher when the run ended."""
+        if incarnation != self.incarnation:
+            return
+        self.last_exit = info
+        self.pid = self.pid if self.kind == "supervisor" else None
+        if self._stopping:
+            return
+        self.state = "stopped" if info.normal else "crashed"
+        self.sup.child_exited(self, incarnation, info)
+
+    @property
+    def placement(self) -> str:
+        return "inprocess"
+
+    def info(self) -> ActorInfo:
+        depth = self.last_pong.mailbox_depth if self.last_pong else None
+        return ActorInfo(
+            name=self.name, kind=self.kind, placement=self.placement, pid=self.pid,
+            state=self.state, restarts=self.restarts, mailbox_depth=depth,
+            started_at=self.started_at,
+            last_exit=(self.last_exit.reason if self.last_exit else None),
+        )
+
+    async def _start(self, incarnation: int) -> None:
+        raise NotImplementedError
+
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    async def _force(self, reason: str) -> None:
+        raise NotImplementedError
+
+
+def _actor_class(spec: ChildSpec) -> type:
+    return resolve(spec.actor) if isinstance(spec.actor, str) else spec.actor
+
+
+class InProcessRunner(Runner):
+    """The child is a task in the supervisor's task group."""
+
+    def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
+        super().__init__(spec, sup)
+        self.cls = _actor_class(spec)
+        self.ref = ActorRef(spec.name, self.cls.protocol)
+        self.inc: Incarnation | None = None
+
+    async def _start(self, incarnation: int) -> None:
+        self.pid = os.getpid()
+        self.inc = await launch(self.sup.tg, self.cls(**self.spec.kwargs), self.name, self.spec.mailbox_size)
+        self.sup.tg.start_soon(self._watch, incarnation, self.inc)
+
+    async def _watch(self, incarnation: int, inc: Incarnation) -> None:
+        await inc.done.wait()
+        assert inc.exit is not None
+        self.exited(incarnation, inc.exit)
+
+    async def _stop(self) -> None:
+        inc = self.inc
+        if inc is None or inc.done.is_set():
+            return
+        with anyio.move_on_after(self.spec.shutdown):
+            try:
+                await inc.mailbox.send.send(Stop())
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                pass
+            await inc.done.wait()
+        if not inc.done.is_set():
+            log.warning("actor.kill", actor=self.name, reason=f"no stop within {self.spec.shutdown} s")
+            inc.kill("killed after shutdown deadline")
+            with anyio.move_on_after(KILL_GRACE):
+                await inc.done.wait()
+            if not inc.done.is_set():
+                log.error("actor.unstoppable", actor=self.name, reason="blocked outside an await")
+
+    async def _force(self, reason: str) -> None:
+        if self.inc is not None:
+            self.inc.kill(reason)
+
+
+class _HostedRunner(Runner):
+    """Shared by child-process and remote placements: the child runs inside an actor host."""
+
+    host: ActorRef
+    address: str
+
+    async def _spawn(self, incarnation: int, timeout: float) -> None:
+        cls = _actor_class(self.spec)
+        target = self.spec.actor if isinstance(self.spec.actor, str) else import_path(cls)
+        spawned = await self.host.ask(
+            Spawn(name=self.name, target=target, kwargs=self.spec.kwargs, mailbox_size=self.spec.mailbox_size),
+            timeout=timeout,
+        )
+        self.pid = spawned.pid
+        self.ref = ActorRef(self.name, cls.protocol, self.address)
+
+    async def _monitor(self, incarnation: int, out: list[ExitInfo]) -> None:
+        """Wait for the host to tell how this run ended."""
+        try:
+            out.append(await self.host.ask(Monitor(name=self.name)))
+        except Exception as exc:  # the host went away: the process watcher reports it
+            out.append(ExitInfo(False, "host unreachable", RemoteError.from_exception(exc)))
+
+
+class ChildProcessRunner(_HostedRunner):
+    """The child runs in a spawned `python -m sonar actor --parent ...` process."""
+
+    def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
+        super().__init__(spec, sup)
+        self.proc: anyio.abc.Process | None = None
+        self._exit_event: anyio.Event | None = None
+        self._force_reason: str | None = None
+
+    @property
+    def placement(self) -> str:
+        return "process"
+
+    async def _start(self, incarnation: int) -> None:
+        node = get_node()
+        parent = node.ensure_bound()
+        self.address = f"ipc://{tempfile.gettempdir()}/sonar-{node.node_id}-{self.name}.sock"
+        self.host = ActorRef(HOST_NAME, HostMsg, self.address)
+        key = secrets.token_hex(8)
+        hello = node.expect_hello(key)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        cmd = [sys.executable, "-m", "sonar", "actor", "--parent", parent, "--parent-pid", str(os.getpid()),
+               "--key", key, "--bind", self.address]
+        proc = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env,
+                                        start_new_session=True)
+        self.proc = proc
+        self.pid = proc.pid
+        self._force_reason = None
+        timeout = self.spec.placement.start_timeout
+        try:
+            with anyio.fail_after(timeout):
+                async with anyio.create_task_group() as tg:
+                    async def _died() -> None:
+                        await proc.wait()
+                        raise RuntimeError(f"actor process exited with code {proc.returncode} before it was ready")
+                    tg.start_soon(_died)
+                    await hello
+                    await self._spawn(incarnation, timeout)
+                    tg.cancel_scope.cancel()
+        except BaseException as exc:
+            await self._kill_process(proc)
+            raise _unwrap(exc) from None
+        self._exit_event = anyio.Event()
+        self.sup.tg.start_soon(self._watch, incarnation, proc, self._exit_event)
+
+    async def _watch(self, incarnation: int, proc: anyio.abc.Process, exited: anyio.Event) -> None:
+        infos: list[ExitInfo] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._monitor, incarnation, infos)
+            code = await proc.wait()
+            with anyio.move_on_after(0.2):  # the host's last words, if they are on the way
+                while not infos:
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+        exited.set()
+        reported = infos[0] if infos and infos[0].reason != "host unreachable" else None
+        if self._force_reason is not None:
+            info = ExitInfo(False, self._force_reason)
+        elif reported is not None:
+            info = reported
+        elif code == 0:
+            info = ExitInfo(True, "normal")
+        elif code < 0:
+            info = ExitInfo(False, f"killed by signal {signal.Signals(-code).name}")
+        else:
+            info = ExitInfo(False, f"process exited with code {code}")
+        self.exited(incarnation, info)
+
+    async def _stop(self) -> None:
+        proc, exited = self.proc, self._exit_event
+        if proc is None or exited is None or exited.is_set():
+            return
+        with anyio.move_on_after(self.spec.shutdown):
+            try:
+                await self.ref.send(Stop())  # type: ignore[union-attr]
+            except ActorNotFound:
+                pass
+            await exited.wait()
+        if not exited.is_set():
+            log.warning("actor.kill", actor=self.name, pid=proc.pid, reason=f"no stop within {self.spec.shutdown} s")
+            await self._kill_process(proc)
+            await exited.wait()
+
+    async def _force(self, reason: str) -> None:
+        self._force_reason = reason
+        if self.proc is not None and self.proc.returncode is None:
+            log.warning("actor.kill", actor=self.name, pid=self.proc.pid, reason=reason)
+            _signal(self.proc, signal.SIGKILL)
+
+    async def _kill_process(self, proc: anyio.abc.Process) -> None:
+        """SIGTERM, then SIGKILL after a grace period; returns when the process is gone."""
+        if proc.returncode is not None:
+            return
+        _signal(proc, signal.SIGTERM)
+        with anyio.move_on_after(KILL_GRACE):
+            await proc.wait()
+            return
+        log.warning("actor.sigkill", actor=self.name, pid=proc.pid)
+        _signal(proc, signal.SIGKILL)
+        await proc.wait()
+
+
+class RemoteRunner(_HostedRunner):
+    """The child runs in an actor host that listens at a fixed address (possibly another machine)."""
+
+    def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
+        super().__init__(spec, sup)
+        placement = spec.placement
+        assert isinstance(placement, Remote)
+        self.address = placement.address
+        self.host = ActorRef(HOST_NAME, HostMsg, self.address)
+        self._exit_event: anyio.Event | None = None
+        self._force_reason: str | None = None
+
+    @property
+    def placement(self) -> str:
+        return self.address
+
+    async def _start(self, incarnation: int) -> None:
+        self._force_reason = None
+        try:
+            await self._spawn(incarnation, self.spec.placement.start_timeout)
+        except AskTimeout:
+            raise RuntimeError(f"no actor host answered at {self.address}") from None
+        self._exit_event = anyio.Event()
+        self.sup.tg.start_soon(self._watch, incarnation, self._exit_event)
+
+    async def _watch(self, incarnation: int, exited: anyio.Event) -> None:
+        infos: list[ExitInfo] = []
+        await self._monitor(incarnation, infos)
+        exited.set()
+        info = ExitInfo(False, self._force_reason) if self._force_reason else infos[0]
+        self.exited(incarnation, info)
+
+    async def _stop(self) -> None:
+        exited = self._exit_event
+        if exited is None or exited.is_set():
+            return
+        with anyio.move_on_after(self.spec.shutdown):
+            await self.ref.send(Stop())  # type: ignore[union-attr]
+            await exited.wait()
+        if not exited.is_set():
+            log.warning("actor.kill", actor=self.name, address=self.address)
+            with anyio.move_on_after(KILL_GRACE + 1):
+                await self.host.ask(Kill(name=self.name), timeout=KILL_GRACE + 1)
+                await exited.wait()
+
+    async def _force(self, reason: str) -> None:
+        self._force_reason = reason
+        try:
+            await self.host.ask(Kill(name=self.name), timeout=KILL_GRACE)
+        except (AskTimeout, ActorNotFound):
+            log.error("actor.unreachable", actor=self.name, address=self.address)
+            if self._exit_event is not None and not self._exit_event.is_set():
+                self.exited(self.incarnation, ExitInfo(False, reason))
+
+
+class SupervisorRunner(Runner):
+    """A nested supervisor, run as a child of its parent supervisor."""
+
+    kind = "supervisor"
+
+    def __init__(self, spec: SupervisorSpec, sup: "Supervisor") -> None:
+        super().__init__(spec, sup)
+        self.child: "Supervisor | None" = None
+
+    async def _start(self, incarnation: int) -> None:
+        from sonar.actors.supervisor import Supervisor
+
+        self.pid = os.getpid()
+        self.child = Supervisor(self.spec, parent=self.sup)
+        done = anyio.Event()
+        ready = anyio.Event()
+        box: list[BaseException] = []
+        self.sup.tg.start_soon(self._run, incarnation, self.child, ready, done, box)
+        await ready.wait()
+        if box and not self.child.ready:
+            raise box[0]
+
+    async def _run(self, incarnation: int, child: "Supervisor", ready: anyio.Event, done: anyio.Event,
+                   box: list[BaseException]) -> None:
+        try:
+            await child.run(on_ready=ready.set)
+            info = ExitInfo(True, "normal")
+        except Exception as exc:
+            box.append(exc)
+            info = ExitInfo(False, "gave up" if child.ready else "failed to start", RemoteError.from_exception(exc))
+        finally:
+            ready.set()
+            done.set()
+        if child.ready:
+            self.exited(incarnation, info)
+
+    async def _stop(self) -> None:
+        if self.child is not None:
+            await self.child.shutdown()
+
+    async def _force(self, reason: str) -> None:
+        await self._stop()
+
+    def info(self) -> ActorInfo:
+        info = super().info()
+        if self.child is not None and self.running:
+            info.children = [r.info() for r in self.child.runners]
+        return info
+
+
+def make_runner(spec: "ChildSpec | SupervisorSpec", sup: "Supervisor") -> Runner:
+    if isinstance(spec, SupervisorSpec):
+        return SupervisorRunner(spec, sup)
+    if isinstance(spec.placement, InProcess):
+        return InProcessRunner(spec, sup)
+    if isinstance(spec.placement, ChildProcess):
+        return ChildProcessRunner(spec, sup)
+    if isinstance(spec.placement, Remote):
+        return RemoteRunner(spec, sup)
+    raise TypeError(f"unknown placement {spec.placement!r}")
+
+
+def _signal(proc: anyio.abc.Process, sig: int) -> None:
+    try:
+        proc.send_signal(sig)
+    except ProcessLookupError:
+        pass
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

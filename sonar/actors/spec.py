@@ -1,0 +1,88 @@
+"""What a supervisor is told to run: child specs, supervisor specs, placements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+import msgspec
+
+Restart = Literal["permanent", "transient", "temporary"]
+Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
+
+
+class InProcess(msgspec.Struct, frozen=True, tag="inprocess"):
+    """A task in the supervisor's own event loop: no serialization, lowest latency."""
+
+
+class ChildProcess(msgspec.Struct, frozen=True, tag="process"):
+    """A spawned `python -m sonar actor` process on this machine that connects back over ipc."""
+
+    start_timeout: float = 60.0
+
+
+class Remote(msgspec.Struct, frozen=True, tag="remote"):
+    """An actor host already listening at `address` (`python -m sonar actor --listen ADDRESS`)."""
+
+    address: str
+    start_timeout: float = 60.0
+
+
+Placement = Union[InProcess, ChildProcess, Remote]
+
+
+def parse_placement(value: "str | Placement") -> Placement:
+    """`inprocess`, `process` or `tcp://host:port` (as written in flags and config files)."""
+    if isinstance(value, (InProcess, ChildProcess, Remote)):
+        return value
+    text = value.strip()
+    if text in ("inprocess", "in-process", "thread", "local"):
+        return InProcess()
+    if text in ("process", "child", "subprocess"):
+        return ChildProcess()
+    if text.startswith(("tcp://", "ipc://")):
+        return Remote(text)
+    raise ValueError(f"unknown placement {value!r}: expected inprocess, process or tcp://host:port")
+
+
+def placement_name(p: Placement) -> str:
+    if isinstance(p, Remote):
+        return p.address
+    return "process" if isinstance(p, ChildProcess) else "inprocess"
+
+
+@dataclass
+class ChildSpec:
+    """One supervised actor.
+
+    `actor` is the Actor subclass (or its `module:Class` path); it is built as `actor(**kwargs)`,
+    in another process when placed there, so kwargs must then be msgspec-encodable.
+    `shutdown` is the polite-stop deadline in seconds; `ping_interval=None` turns liveness off.
+    """
+
+    name: str
+    actor: Any
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    placement: Placement = field(default_factory=InProcess)
+    restart: Restart = "permanent"
+    shutdown: float = 5.0
+    ping_interval: float | None = 1.0
+    ping_timeout: float = 5.0
+    mailbox_size: int = 1024
+
+
+@dataclass
+class SupervisorSpec:
+    """A supervisor: its children (actors or supervisors) in start order, and its policy.
+
+    More than `max_restarts` restarts within `period` seconds make it stop all its children and
+    fail to its parent (the root then exits the process non-zero).
+    """
+
+    name: str
+    children: list["ChildSpec | SupervisorSpec"]
+    strategy: Strategy = "one_for_one"
+    max_restarts: int = 3
+    period: float = 5.0
+    restart: Restart = "permanent"
+    shutdown: float | None = None

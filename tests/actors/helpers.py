@@ -1,0 +1,40 @@
+"""Small helpers shared by the runtime tests."""
+
+import os
+import time
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
+    """Poll `predicate` until it is true; fail the test after `timeout` seconds."""
+    import anyio
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await anyio.sleep(interval)
+
+
+def other_pids() -> set[int]:
+    """Live child processes of this test process."""
+    me = os.getpid()
+    out = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().split(") ")[1].split()
+                if int(fields[1]) == me and fields[0] != "Z":
+                    out.add(int(entry))
+            except (FileNotFoundError, IndexError, ProcessLookupError):
+                pass
+    return out

@@ -1,0 +1,147 @@
+"""Restart strategies, restart types and restart intensity, checked event by event."""
+
+import os
+
+import anyio
+import pytest
+
+from sonar.actors import ChildSpec, SupervisorGaveUp, SupervisorSpec, supervise
+from tests.actors.helpers import alive, wait_for
+from tests.actors.sample import Crash, Echo, Quit, Sample
+
+pytestmark = pytest.mark.anyio
+
+
+def three(placement, strategy, **sup_kwargs):
+    children = [ChildSpec(n, Sample, placement=placement, ping_interval=None) for n in "abc"]
+    return SupervisorSpec("root", children, strategy=strategy, **sup_kwargs)
+
+
+def after_crash(sup):
+    events = [(e.kind, e.child) for e in sup.events]
+    return events[events.index(("crash", "b")):]
+
+
+async def crash_b_and_settle(sup, expected_events: int):
+    pids = {n: sup.child(n).pid for n in "abc"}
+    await sup.child("b").ref.send(Crash())
+    await wait_for(lambda: ("crash", "b") in [(e.kind, e.child) for e in sup.events]
+                   and len(after_crash(sup)) >= expected_events
+                   and all(sup.child(n).state == "running" for n in "abc"))
+    for n in "abc":  # everyone answers after the restarts
+        assert await sup.child(n).ref.ask(Echo(n), timeout=5) == n
+    return pids
+
+
+async def test_one_for_one_restarts_only_the_crashed_child(placement):
+    async with supervise(three(placement, "one_for_one")) as sup:
+        pids = await crash_b_and_settle(sup, 3)
+        assert after_crash(sup) == [("crash", "b"), ("restart", "b"), ("start", "b")]
+        assert [sup.child(n).restarts for n in "abc"] == [0, 1, 0]
+        assert sup.child("a").pid == pids["a"] and sup.child("c").pid == pids["c"]
+
+
+async def test_one_for_all_stops_the_others_in_reverse_and_restarts_all_in_order(placement):
+    async with supervise(three(placement, "one_for_all")) as sup:
+        await crash_b_and_settle(sup, 9)
+        assert after_crash(sup) == [
+            ("crash", "b"), ("stop", "c"), ("stop", "a"),
+            ("restart", "a"), ("start", "a"), ("restart", "b"), ("start", "b"),
+            ("restart", "c"), ("start", "c"),
+        ]
+        assert [sup.child(n).restarts for n in "abc"] == [1, 1, 1]
+        started = [sup.child(n).started_at for n in "abc"]
+        assert started == sorted(started)
+
+
+async def test_rest_for_one_restarts_the_crashed_child_and_those_after_it(placement):
+    async with supervise(three(placement, "rest_for_one")) as sup:
+        pids = await crash_b_and_settle(sup, 6)
+        assert after_crash(sup) == [
+            ("crash", "b"), ("stop", "c"), ("restart", "b"), ("start", "b"), ("restart", "c"), ("start", "c"),
+        ]
+        assert [sup.child(n).restarts for n in "abc"] == [0, 1, 1]
+        assert sup.child("a").pid == pids["a"]
+
+
+async def test_transient_child_is_restarted_only_after_an_abnormal_exit(placement):
+    spec = SupervisorSpec("root", [
+        ChildSpec("t", Sample, placement=placement, restart="transient", ping_interval=None),
+    ])
+    async with supervise(spec) as sup:
+        t = sup.child("t")
+        await t.ref.send(Crash())
+        await wait_for(lambda: t.restarts == 1 and t.state == "running")
+        await t.ref.send(Quit())
+        await wait_for(lambda: t.state == "stopped")
+        await anyio.sleep(0.3)
+        assert t.restarts == 1 and t.state == "stopped"
+        assert [(e.kind, e.child) for e in sup.events][-1] == ("exit", "t")
+
+
+async def test_temporary_child_is_never_restarted(placement):
+    spec = SupervisorSpec("root", [
+        ChildSpec("keep", Sample, placement=placement, ping_interval=None),
+        ChildSpec("tmp", Sample, placement=placement, restart="temporary", ping_interval=None),
+    ])
+    async with supervise(spec) as sup:
+        tmp = sup.child("tmp")
+        await tmp.ref.send(Crash())
+        await wait_for(lambda: [r.name for r in sup.runners] == ["keep"])
+        await anyio.sleep(0.3)
+        assert tmp.restarts == 0
+        assert [c.name for c in sup.tree().children] == ["keep"]
+
+
+async def test_intensity_exceeded_stops_children_and_fails_upward(placement):
+    spec = three(placement, "one_for_one", max_restarts=2, period=30)
+    pids: list[int] = []
+    with pytest.raises(SupervisorGaveUp, match="3 restarts within 30"):
+        async with supervise(spec) as sup:
+            pids += [sup.child(n).pid for n in "abc"]
+            b = sup.child("b")
+            for crash in range(3):
+                await wait_for(lambda: b.state == "running" and b.restarts == crash)
+                pids.append(b.pid)
+                await b.ref.send(Crash())
+            await anyio.sleep(30)  # cancelled when the supervisor gives up
+    events = [(e.kind, e.child) for e in sup.events]
+    assert events[-3:] == [("give_up", "b"), ("stop", "c"), ("stop", "a")]
+    assert events.count(("restart", "b")) == 2
+    assert all(r.state in ("stopped", "crashed") for r in sup.runners)
+    await wait_for(lambda: not any(alive(p) for p in set(pids) if p != os.getpid()), timeout=5)
+
+
+async def test_nested_supervisor_gives_up_and_its_parent_restarts_it(placement):
+    inner = SupervisorSpec("inner", [
+        ChildSpec("x", Sample, placement=placement, ping_interval=None),
+        ChildSpec("y", Sample, placement=placement, ping_interval=None),
+    ], max_restarts=0)
+    spec = SupervisorSpec("root", [ChildSpec("top", Sample, placement=placement, ping_interval=None), inner],
+                          strategy="one_for_one", max_restarts=3, period=30)
+    async with supervise(spec) as sup:
+        tree = sup.tree()
+        assert [c.name for c in tree.children] == ["top", "inner"]
+        assert [c.name for c in tree.find("inner").children] == ["x", "y"]
+        runner = sup.child("inner")
+        x_pid = runner.child.child("x").pid
+        await runner.child.child("x").ref.send(Crash())
+        await wait_for(lambda: runner.restarts == 1 and runner.state == "running")
+        assert [(e.kind, e.child) for e in sup.events][-3:] == [
+            ("crash", "inner"), ("restart", "inner"), ("start", "inner"),
+        ]
+        x = runner.child.child("x")
+        assert await x.ref.ask(Echo("back"), timeout=5) == "back"
+        assert sup.tree().find("inner").state == "running"
+        if placement.__class__.__name__ == "ChildProcess":
+            assert x.pid != x_pid and not alive(x_pid)
+
+
+async def test_failed_start_stops_the_children_already_started(placement):
+    spec = SupervisorSpec("root", [
+        ChildSpec("ok", Sample, placement=placement, ping_interval=None),
+        ChildSpec("bad", Sample, kwargs={"fail_start": True}, placement=placement, ping_interval=None),
+    ])
+    with pytest.raises(Exception, match="refusing to start|before it was ready|exited with code"):
+        async with supervise(spec):
+            pass
