@@ -246,9 +246,10 @@ class ChildProcessRunner(_HostedRunner):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._monitor, incarnation, infos)
             code = await proc.wait()
-            with anyio.move_on_after(0.2):  # the host's last words, if they are on the way
-                while not infos:
-                    await anyio.sleep(0.01)
+            if self._force_reason is None:
+                with anyio.move_on_after(0.2):  # the host's last words, if they are on the way
+                    while not infos:
+                        await anyio.sleep(0.01)
             tg.cancel_scope.cancel()
         exited.set()
         reported = infos[0] if infos and infos[0].reason != "host unreachable" else None

@@ -29,6 +29,7 @@ class Note(msgspec.Struct, tag=True):
     """Fire-and-forget: append `value` (slowly, when the actor was built with a delay)."""
 
     value: int
+    pad: bytes = b""
 
 
 class Notes(Ask, tag=True):

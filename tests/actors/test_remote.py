@@ -1,0 +1,60 @@
+"""An actor host listening on TCP (`python -m sonar actor --listen`), as another machine would run it."""
+
+import os
+import socket
+import subprocess
+import sys
+
+import anyio
+import pytest
+import torch
+
+from sonar.actors import ChildSpec, Remote, SupervisorSpec, parse_placement, supervise
+from tests.actors.helpers import wait_for
+from tests.actors.sample import Crash, Echo, Hang, Sample, Tensors, Whoami
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def host():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "sonar", "actor", "--listen", address],
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    yield address, proc
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+async def test_remote_actor_round_trip_restart_and_stop(host):
+    address, proc = host
+    placement = parse_placement(address)
+    assert placement == Remote(address)
+    spec = SupervisorSpec("root", [ChildSpec("far", Sample, placement=placement, ping_interval=0.2, ping_timeout=3)])
+    async with supervise(spec) as sup:
+        far = sup.child("far")
+        assert far.placement == address and far.pid == proc.pid
+        assert await far.ref.ask(Echo("over tcp"), timeout=10) == "over tcp"
+        assert (await far.ref.ask(Whoami(), timeout=10))["pid"] == proc.pid
+        t = torch.randn(1000, 100)
+        reply = await far.ref.ask(Tensors([t]), timeout=10)
+        assert torch.equal(reply["first"], t)
+        await far.ref.send(Crash())
+        await wait_for(lambda: far.restarts == 1 and far.state == "running", timeout=10)
+        assert far.last_exit.reason == "crash"
+        assert await far.ref.ask(Echo("restarted"), timeout=10) == "restarted"
+        await far.ref.send(Hang())  # liveness works across machines too
+        await wait_for(lambda: far.restarts == 2 and far.state == "running", timeout=10)
+        assert [e.kind for e in sup.events if e.kind == "hung"] == ["hung"]
+    assert proc.poll() is None  # the host outlives the supervisor that used it
+
+
+async def test_unreachable_remote_host_fails_the_start():
+    spec = SupervisorSpec("root", [ChildSpec("nobody", Sample, placement=Remote("tcp://127.0.0.1:1", start_timeout=0.5))])
+    with anyio.fail_after(10):
+        with pytest.raises(RuntimeError, match="no actor host answered at tcp://127.0.0.1:1"):
+            async with supervise(spec):
+                pass
