@@ -1,4 +1,4 @@
-"""`python -m sonar {serve,actor,bench}`."""
+"""`python -m sonar {serve,bench,actor}`."""
 
 from __future__ import annotations
 
@@ -20,8 +20,16 @@ def main(argv: list[str] | None = None) -> int:
         source = model or f"{EMBEDDED_NAME} (embedded: {gguf_path()})"
         print(f"sonar serve: would serve {source}; the HTTP server is not built yet.")
         return 0
+    if command == "bench":
+        sub = rest[0] if rest else ""
+        if sub == "actors":
+            from sonar.bench.actors import main as bench_actors
+
+            return bench_actors(rest[1:])
+        print("usage: python -m sonar bench actors [ARGS...]", file=sys.stderr)
+        return 2
     if command in ("-h", "--help", "help"):
-        print("usage: python -m sonar {serve,actor} [ARGS...]")
+        print("usage: python -m sonar {serve,bench,actor} [ARGS...]")
         return 0
     print(f"sonar: unknown command {command!r} (expected serve or actor)", file=sys.stderr)
     return 2

@@ -6,6 +6,7 @@ import os
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 from sonar.actors.messages import ExitInfo, Ping, Pong, RemoteError, Stop
@@ -79,7 +80,20 @@ async def serve(actor: Actor, mailbox: Mailbox, *, task_status: TaskStatus = any
             await actor.started()
             tg.start_soon(actor.run)
             task_status.started()
-            async for msg in receive:
+            handled = 0
+            while True:
+                try:
+                    msg = receive.receive_nowait()
+                    handled += 1
+                    if handled % 64 == 0:  # a long queue must not starve the rest of the loop
+                        await anyio.lowlevel.checkpoint()
+                except anyio.WouldBlock:
+                    try:
+                        msg = await receive.receive()
+                    except anyio.EndOfStream:
+                        break
+                except anyio.EndOfStream:
+                    break
                 if isinstance(msg, Ping):
                     if msg.reply_to is not None:
                         await node.reply(msg.reply_to, Pong(mailbox.depth(), os.getpid()))

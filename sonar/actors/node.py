@@ -16,15 +16,15 @@ import secrets
 import socket
 import tempfile
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import msgspec
 import zmq
-import zmq.asyncio
 
 from sonar.actors.codec import Codec, resolve
+from sonar.actors.transport import Channel
 from sonar.actors.messages import (
     ActorError,
     ActorNotFound,
@@ -84,13 +84,6 @@ class _Pending:
     actor: str
 
 
-@dataclass
-class _Dealer:
-    socket: zmq.asyncio.Socket
-    reader: asyncio.Task | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
 class Node:
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -100,10 +93,10 @@ class Node:
         self.mailboxes: dict[str, Mailbox] = {}
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
-        self._ctx: zmq.asyncio.Context | None = None
-        self._router: zmq.asyncio.Socket | None = None
-        self._router_task: asyncio.Task | None = None
-        self._dealers: dict[str, _Dealer] = {}
+        self._ctx: zmq.Context | None = None
+        self._router: Channel | None = None
+        self._dealers: dict[str, Channel] = {}
+        self._tasks: set[asyncio.Task] = set()
         self._hellos: dict[str, asyncio.Future] = {}
         self._ipc_path: str | None = None
         # Messages queued per ZMQ connection (each way) before a sender waits.
@@ -144,7 +137,10 @@ class Node:
             if not isinstance(msg, mb.types):
                 raise TypeError(f"actor {name!r} does not accept {type(msg).__qualname__}")
             try:
-                await mb.send.send(msg)
+                try:
+                    mb.send.send_nowait(msg)  # the common case, without a trip round the loop
+                except anyio.WouldBlock:
+                    await mb.send.send(msg)
             except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                 raise ActorNotFound(f"actor {name!r} has stopped") from None
             return
@@ -169,7 +165,7 @@ class Node:
         frames = head + ([b"err", msgspec.msgpack.encode(error)] if error else [b"ok", *self.codec.encode(value)])
         if self._router is not None:
             try:
-                await self._router.send_multipart([to.node.encode(), *frames], copy=False)
+                await self._router.send([to.node.encode(), *frames])
                 return
             except zmq.ZMQError as exc:
                 if exc.errno != zmq.EHOSTUNREACH:
@@ -205,9 +201,9 @@ class Node:
             self._resolve_local(ask_id, None, RemoteError.from_exception(exc))
 
     # -- ZMQ --------------------------------------------------------------------------------
-    def _context(self) -> zmq.asyncio.Context:
+    def _context(self) -> zmq.Context:
         if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
+            self._ctx = zmq.Context()
         return self._ctx
 
     def ensure_bound(self, address: str | None = None) -> str:
@@ -222,20 +218,19 @@ class Node:
                 os.unlink(self._ipc_path)
             except FileNotFoundError:
                 pass
-        router = self._context().socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        router.setsockopt(zmq.SNDHWM, self.hwm)
-        router.setsockopt(zmq.RCVHWM, self.hwm)
-        router.bind(address)
+        sock = self._context().socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.bind(address)
         if address.startswith("tcp://") and address.endswith(":0"):
-            address = router.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self._router = router
+            address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.address = address
-        self._router_task = asyncio.get_running_loop().create_task(self._read_router())
+        self._router = Channel(sock, self._on_router)
         return address
 
-    def _dealer(self, address: str) -> _Dealer:
+    def _dealer(self, address: str) -> Channel:
         dealer = self._dealers.get(address)
         if dealer is None:
             sock = self._context().socket(zmq.DEALER)
@@ -244,53 +239,67 @@ class Node:
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.setsockopt(zmq.RCVHWM, self.hwm)
             sock.connect(address)
-            dealer = self._dealers[address] = _Dealer(sock)
-            dealer.reader = asyncio.get_running_loop().create_task(self._read_dealer(dealer))
+            dealer = self._dealers[address] = Channel(sock, self._on_dealer)
         return dealer
 
     async def _send_dealer(self, address: str, frames: list[Any]) -> None:
-        dealer = self._dealer(address)
-        await dealer.socket.send_multipart(frames, copy=False)
+        await self._dealer(address).send(frames)
 
-    async def _read_dealer(self, dealer: _Dealer) -> None:
-        while True:
-            frames = await dealer.socket.recv_multipart(copy=False)
-            if frames[0].bytes == b"R":
-                self._resolve_remote(frames[1:])
+    def _on_dealer(self, frames: list[Any]) -> None:
+        if frames[0].bytes == b"R":
+            self._resolve_remote(frames[1:])
 
-    async def _read_router(self) -> None:
-        assert self._router is not None
-        while True:
-            frames = await self._router.recv_multipart(copy=False)
-            kind = frames[1].bytes
-            try:
-                if kind == b"M":
-                    await self._incoming(frames[2].bytes.decode(), frames[3:])
-                elif kind == b"R":
-                    self._resolve_remote(frames[2:])
-                elif kind == b"H":
-                    hello = msgspec.msgpack.decode(frames[2].bytes, type=Hello)
-                    fut = self._hellos.get(hello.key)
-                    if fut is not None and not fut.done():
-                        fut.set_result(hello)
-            except Exception as exc:  # a bad frame must not stop the node from reading
-                log.error("actor.bad_frame", kind=kind, error=repr(exc))
+    def _on_router(self, frames: list[Any]) -> bool | None:
+        kind = frames[1].bytes
+        try:
+            if kind == b"M":
+                return self._incoming(frames[2].bytes.decode(), frames[3:])
+            if kind == b"R":
+                self._resolve_remote(frames[2:])
+            elif kind == b"H":
+                hello = msgspec.msgpack.decode(frames[2].bytes, type=Hello)
+                fut = self._hellos.get(hello.key)
+                if fut is not None and not fut.done():
+                    fut.set_result(hello)
+        except Exception as exc:  # a bad frame must not stop the node from reading
+            log.error("actor.bad_frame", kind=kind, error=repr(exc))
+        return None
 
-    async def _incoming(self, name: str, frames: list[Any]) -> None:
+    def _incoming(self, name: str, frames: list[Any]) -> bool | None:
+        """Put a received message into its mailbox; returns False to pause reading when it is full."""
         mb = self.mailboxes.get(name)
         if mb is None:
-            await self._refuse(frames, ActorNotFound(f"no actor named {name!r} at {self.address}"), name)
-            return
+            self._spawn(self._refuse(frames, ActorNotFound(f"no actor named {name!r} at {self.address}"), name))
+            return None
         try:
             msg = self.codec.decode(frames, mb.decode_type)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             log.error("actor.bad_message", actor=name, error=str(exc))
-            await self._refuse(frames, TypeError(f"message for {name!r} failed to decode: {exc}"), name)
-            return
+            self._spawn(self._refuse(frames, TypeError(f"message for {name!r} failed to decode: {exc}"), name))
+            return None
+        try:
+            mb.send.send_nowait(msg)
+            return None
+        except anyio.WouldBlock:
+            self._spawn(self._deliver_later(mb, msg, frames))
+            return False  # backpressure: stop reading until the actor catches up
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._spawn(self._refuse(frames, ActorNotFound(f"actor {name!r} has stopped"), name))
+            return None
+
+    async def _deliver_later(self, mb: Mailbox, msg: Any, frames: list[Any]) -> None:
         try:
             await mb.send.send(msg)
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            await self._refuse(frames, ActorNotFound(f"actor {name!r} has stopped"), name)
+            await self._refuse(frames, ActorNotFound(f"actor {mb.name!r} has stopped"), mb.name)
+        finally:
+            if self._router is not None:
+                self._router.resume()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _refuse(self, frames: list[Any], exc: Exception, name: str) -> None:
         """Answer a message that cannot be delivered with an error, when it expects an answer."""
@@ -323,25 +332,23 @@ class Node:
         return ActorRef(name, resolve(protocol), address)
 
     def close(self, linger_ms: int = 0) -> None:
-        """Close every socket and reader task (the node can be used again afterwards).
+        """Close every socket (the node can be used again afterwards).
 
         `linger_ms` lets queued outgoing messages (a last reply) leave before the sockets go.
         """
-        tasks = [self._router_task] + [d.reader for d in self._dealers.values()]
-        for task in tasks:
-            if task is not None:
-                task.cancel()
+        for task in self._tasks:
+            task.cancel()
         for dealer in self._dealers.values():
-            dealer.socket.close(linger=linger_ms)
+            dealer.close(linger_ms)
         if self._router is not None:
-            self._router.close(linger=linger_ms)
+            self._router.close(linger_ms)
         if self._ipc_path:
             try:
                 os.unlink(self._ipc_path)
             except FileNotFoundError:
                 pass
         self._dealers.clear()
-        self._router = self._router_task = None
+        self._router = None
         self.address = None
         self._ipc_path = None
         if self._ctx is not None:

@@ -83,6 +83,9 @@ class ActorRef(Generic[Msg]):
         reply_to, fut = node.new_ask(type(msg).reply_type, self.name)
         msg = msgspec.structs.replace(msg, reply_to=reply_to)
         try:
+            if timeout is None:
+                await node.deliver(self.name, self.address, msg)
+                return await fut
             with anyio.fail_after(timeout):
                 await node.deliver(self.name, self.address, msg)
                 return await fut
