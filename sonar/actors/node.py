@@ -10,6 +10,7 @@ connection. A node binds its ROUTER only when another process needs to reach it.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import os
 import secrets
@@ -87,7 +88,8 @@ class _Pending:
 class Node:
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.node_id = f"{socket.gethostname()}-{self.pid}-{secrets.token_hex(3)}"
+        self.short_id = f"{self.pid}-{secrets.token_hex(3)}"
+        self.node_id = f"{socket.gethostname()}-{self.short_id}"
         self.address: str | None = None
         self.codec = Codec(make_ref=self._make_ref)
         self.mailboxes: dict[str, Mailbox] = {}
@@ -211,7 +213,7 @@ class Node:
         if self._router is not None:
             return self.address  # type: ignore[return-value]
         if address is None:
-            address = f"ipc://{tempfile.gettempdir()}/sonar-{self.node_id}.sock"
+            address = self.ipc_address("node")
         if address.startswith("ipc://"):
             self._ipc_path = address.removeprefix("ipc://")
             try:
@@ -229,6 +231,12 @@ class Node:
         self.address = address
         self._router = Channel(sock, self._on_router)
         return address
+
+    def ipc_address(self, name: str) -> str:
+        """A private ipc address for `name` under this node (short: unix paths max out at 107)."""
+        if len(name) > 40 or not name.replace("_", "").replace("-", "").isalnum():
+            name = hashlib.sha1(name.encode()).hexdigest()[:16]
+        return f"ipc://{tempfile.gettempdir()}/sonar-{self.short_id}-{name}.sock"
 
     def _dealer(self, address: str) -> Channel:
         dealer = self._dealers.get(address)

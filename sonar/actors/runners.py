@@ -12,7 +12,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
 from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
 from sonar.actors.node import get_node
 from sonar.actors.ref import ActorRef
-from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SupervisorSpec, placement_name
+from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SupervisorSpec
 from sonar.actors.tree import ActorInfo
 from sonar.log import get_logger
 
@@ -211,7 +210,7 @@ class ChildProcessRunner(_HostedRunner):
     async def _start(self, incarnation: int) -> None:
         node = get_node()
         parent = node.ensure_bound()
-        self.address = f"ipc://{tempfile.gettempdir()}/sonar-{node.node_id}-{self.name}.sock"
+        self.address = node.ipc_address(f"child-{self.name}")
         self.host = ActorRef(HOST_NAME, HostMsg, self.address)
         key = secrets.token_hex(8)
         hello = node.expect_hello(key)

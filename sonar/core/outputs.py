@@ -1,0 +1,85 @@
+"""What one scheduling step hands to the model runner, and what the scheduler reports back.
+
+These are msgspec Structs of strings, ints and lists so the same values can cross a
+process boundary (msgpack) unchanged.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats"]
+
+
+class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
+    """One request's share of a step.
+
+    The runner computes ``token_ids`` at positions ``start_pos .. start_pos + len - 1``,
+    writing their KV into the slots those positions map to through ``block_ids`` (position
+    ``p`` lives in block ``block_ids[p // block_size]`` at offset ``p % block_size``) and
+    attending over positions ``0 .. start_pos + len - 1``. When ``sample`` is true the step
+    reaches the last known token of the request and the runner samples the next token from
+    the logits of the last position; otherwise this is a chunk of a longer prefill.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_ids: list[int]
+    sample: bool
+    is_new: bool
+    """First step since admission or since resuming after preemption: the runner must
+    (re)build its per-request state (sampling parameters, output history)."""
+    num_prompt_tokens: int
+    """Tokens of the original prompt; positions past it are earlier outputs (after a
+    preemption they are recomputed with the prompt)."""
+
+
+class SchedulerOutput(msgspec.Struct, gc=False):
+    """One step of work: everything a runner needs to build a flat batch.
+
+    ``requests`` lists running requests first (decodes, then continuing prefills), then
+    requests admitted this step. The runner must write the KV of every token of the step
+    before any attention of the step reads the cache: a request admitted this step may
+    reuse a prefix block that another request of the same step is filling.
+    """
+
+    step_id: int
+    requests: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted_req_ids: list[str]
+    """Requests sent back to the waiting queue this step; the runner drops their state."""
+    finished_req_ids: list[str]
+    """Requests finished or aborted since the previous step; the runner drops their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class RequestUpdate(msgspec.Struct, gc=False):
+    """What a step did to one request: the tokens it accepted and, if it ended, why."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    """``stop``, ``length`` or ``abort`` once finished, else None."""
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that finished the request."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+
+
+class SchedulerStats(msgspec.Struct, gc=False):
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    """Preemptions since start."""
+    kv_usage: float
+    """Fraction of KV blocks held by requests."""
+    num_free_blocks: int
+    prefix_queries: int
+    """Prompt tokens looked up in the prefix cache since start."""
+    prefix_hits: int
+    """Of those, tokens served from the cache."""

@@ -1,0 +1,172 @@
+"""A request as the scheduler sees it: token ids, limits, progress and status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sonar.core.prefix import BlockHash
+
+__all__ = [
+    "DuplicateRequestError",
+    "PromptTooLongError",
+    "Request",
+    "RequestRejectedError",
+    "RequestStatus",
+]
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    """A stop token (or a stop string found downstream) ended it."""
+    FINISHED_LENGTH = 4
+    """``max_tokens`` or the model's context length ended it."""
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI ``finish_reason`` for a finished status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class RequestRejectedError(ValueError):
+    """The scheduler refused a request before queueing it."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+
+
+class PromptTooLongError(RequestRejectedError):
+    """The prompt has more tokens than the model's context length (``--max-model-len``)."""
+
+    def __init__(self, request_id: str, prompt_len: int, max_model_len: int) -> None:
+        super().__init__(
+            request_id,
+            f"prompt has {prompt_len} tokens, more than the maximum model length of "
+            f"{max_model_len} tokens",
+        )
+        self.prompt_len = prompt_len
+        self.max_model_len = max_model_len
+
+
+class DuplicateRequestError(RequestRejectedError):
+    """A request with this id is already queued or running."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id, "a request with this id is already in the scheduler")
+
+
+class Request:
+    """Mutable per-request state owned by the scheduler.
+
+    ``all_token_ids`` is the prompt followed by the generated tokens, kept as one list so a
+    scheduling step can slice the tokens to compute without concatenating. The sampling
+    parameters are opaque here (``sampling_params``); only the limits the scheduler needs
+    to finish a request are fields.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "all_token_ids",
+        "max_tokens",
+        "min_tokens",
+        "stop_token_ids",
+        "priority",
+        "arrival_time",
+        "cache_salt",
+        "sampling_params",
+        "status",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "num_preemptions",
+        "block_hashes",
+        "stop_reason",
+        "seq",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+        stop_token_ids: Iterable[int] = (),
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        sampling_params: Any = None,
+    ) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestRejectedError(request_id, f"max_tokens must be >= 1, got {max_tokens}")
+        if min_tokens < 0:
+            raise RequestRejectedError(request_id, f"min_tokens must be >= 0, got {min_tokens}")
+        if not prompt_token_ids:
+            raise RequestRejectedError(request_id, "the prompt is empty")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.max_tokens = max_tokens
+        """Most tokens to generate; None: until a stop token or the model's context length."""
+        self.min_tokens = min_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        """Token ids that finish the request once ``min_tokens`` are out (EOS included)."""
+        self.priority = priority
+        """Smaller runs earlier under the priority policy."""
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.sampling_params = sampling_params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        """Tokens whose KV is in the cache (or scheduled to be written by the step in flight)."""
+        self.num_cached_tokens = -1
+        """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
+        self.num_preemptions = 0
+        self.block_hashes: list[BlockHash] = []
+        """Hash chain of the full blocks of ``all_token_ids`` (empty if prefix caching is off)."""
+        self.stop_reason: int | str | None = None
+        """The stop token id or stop string that finished the request, if any."""
+        self.seq = -1
+        """Order of arrival at the scheduler; breaks every tie."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, computed={self.num_computed_tokens}/"
+            f"{self.num_tokens}, out={self.num_output_tokens}/{self.max_tokens})"
+        )

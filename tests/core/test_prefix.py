@@ -1,0 +1,88 @@
+import hashlib
+import pickle
+
+import pytest
+
+from sonar.core.prefix import HASH_ALGOS, PrefixHasher
+
+
+ALGOS = list(HASH_ALGOS)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_same_prefix_same_hashes(algo: str) -> None:
+    hasher = PrefixHasher(4, algo)
+    a = hasher.chain(list(range(12)) + [99, 98])
+    b = hasher.chain(list(range(12)) + [7])
+    assert len(a) == len(b) == 3
+    assert a == b
+    assert len(set(a)) == 3
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_chain_depends_on_every_earlier_block(algo: str) -> None:
+    hasher = PrefixHasher(4, algo)
+    base = hasher.chain(list(range(12)))
+    changed = hasher.chain([100] + list(range(1, 12)))
+    assert all(x != y for x, y in zip(base, changed))
+    changed_last = hasher.chain(list(range(11)) + [100])
+    assert changed_last[:2] == base[:2] and changed_last[2] != base[2]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_salt_separates_the_whole_chain(algo: str) -> None:
+    hasher = PrefixHasher(4, algo)
+    tokens = list(range(16))
+    plain = hasher.chain(tokens)
+    salted = hasher.chain(tokens, cache_salt="tenant-a")
+    other = hasher.chain(tokens, cache_salt="tenant-b")
+    assert hasher.chain(tokens, cache_salt="tenant-a") == salted
+    for x, y, z in zip(plain, salted, other):
+        assert len({x, y, z}) == 3
+
+
+def test_algorithms_differ() -> None:
+    tokens = list(range(8))
+    chains = {algo: PrefixHasher(4, algo).chain(tokens) for algo in HASH_ALGOS}
+    assert len({c[0] for c in chains.values()}) == len(chains) == 4
+    assert len(chains["xxhash"][0]) == 16
+    assert len(chains["sha256"][0]) == 32
+
+
+def test_sha256_is_pickle_then_sha256() -> None:
+    hasher = PrefixHasher(2, "sha256")
+    expected = hashlib.sha256(
+        pickle.dumps((hasher.root, (5, 6), None), protocol=5)
+    ).digest()
+    assert hasher.chain([5, 6]) == [expected]
+    assert hasher.hash_block(hasher.root, [5, 6]) == expected
+
+
+def test_cbor_variant_is_reproducible_bytes() -> None:
+    import cbor2
+
+    hasher = PrefixHasher(2, "sha256_cbor")
+    payload = cbor2.dumps((hasher.root, (5, 6), ("salt",)), canonical=True)
+    assert hasher.chain([5, 6], cache_salt="salt") == [hashlib.sha256(payload).digest()]
+
+
+def test_extend_only_adds_new_full_blocks() -> None:
+    hasher = PrefixHasher(4)
+    tokens = list(range(6))
+    hashes = hasher.chain(tokens)
+    assert len(hashes) == 1
+    first = hashes[0]
+    tokens += [6, 7, 8]
+    hasher.extend(hashes, tokens)
+    assert hashes[0] is first and len(hashes) == 2
+    assert hashes == hasher.chain(tokens)
+
+
+def test_root_is_stable_across_instances() -> None:
+    assert PrefixHasher(4).root == PrefixHasher(16).root
+    assert PrefixHasher(4).chain([1, 2, 3, 4]) == PrefixHasher(4).chain([1, 2, 3, 4])
+
+
+def test_unknown_algorithm() -> None:
+    with pytest.raises(ValueError, match="unknown prefix caching hash algorithm 'md5'"):
+        PrefixHasher(4, "md5")

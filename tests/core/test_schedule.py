@@ -1,0 +1,555 @@
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import pytest
+
+from sonar.core.blocks import BlockManager
+from sonar.core.outputs import SchedulerOutput
+from sonar.core.request import (
+    DuplicateRequestError,
+    PromptTooLongError,
+    Request,
+    RequestRejectedError,
+    RequestStatus,
+)
+from sonar.core.schedule import Scheduler, SchedulerConfig
+from tests.core.simulate import FakeRunner
+
+BS = 4
+
+
+def make_runner(
+    num_blocks: int = 64, *, prefix_caching: bool = True, **config: Any
+) -> tuple[Scheduler, FakeRunner]:
+    config.setdefault("max_model_len", 64)
+    config.setdefault("max_num_batched_tokens", 64)
+    config.setdefault("max_num_seqs", 8)
+    bm = BlockManager(num_blocks, BS, enable_prefix_caching=prefix_caching)
+    scheduler = Scheduler(SchedulerConfig(**config), bm)
+    return scheduler, FakeRunner(scheduler)
+
+
+_bases = itertools.count(1)
+
+
+def req(request_id: str, prompt: Sequence[int] | int, **kwargs: Any) -> Request:
+    """A request; an int prompt means that many tokens no other request shares."""
+    if isinstance(prompt, int):
+        base = 10_000 * next(_bases)
+        tokens = list(range(base, base + prompt))
+    else:
+        tokens = list(prompt)
+    kwargs.setdefault("max_tokens", 4)
+    return Request(request_id, tokens, **kwargs)
+
+
+def chunks(out: SchedulerOutput) -> dict[str, tuple[int, int]]:
+    """req_id -> (start position, number of tokens) of one step."""
+    return {r.req_id: (r.start_pos, len(r.token_ids)) for r in out.requests}
+
+
+def assert_all_free(scheduler: Scheduler) -> None:
+    scheduler.check_invariants()
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not scheduler.running and not len(scheduler.waiting)
+
+
+# Budget, order and chunking.
+
+
+def test_decodes_go_before_prefills_and_budget_is_respected() -> None:
+    scheduler, runner = make_runner(max_num_batched_tokens=16)
+    runner.add(req("a", 5, max_tokens=10))
+    runner.add(req("b", 6, max_tokens=10))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 5), "b": (0, 6)}
+    runner.add(req("long", 40, max_tokens=2))
+    out, _ = runner.step()
+    assert list(chunks(out)) == ["a", "b", "long"]
+    assert chunks(out) == {"a": (5, 1), "b": (6, 1), "long": (0, 14)}
+    assert out.num_scheduled_tokens == 16
+    assert [r.sample for r in out.requests] == [True, True, False]
+    assert [r.is_new for r in out.requests] == [False, False, True]
+    # The running prefill continues after the decodes, behind them in the step.
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (6, 1), "b": (7, 1), "long": (14, 14)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_a_decode_goes_before_a_more_important_running_prefill() -> None:
+    scheduler, runner = make_runner(max_num_batched_tokens=8, scheduling_policy="priority")
+    runner.add(req("young", 3, max_tokens=10, priority=1))
+    runner.step()
+    runner.add(req("old", 40, priority=0))
+    out, _ = runner.step()
+    assert [r.request_id for r in scheduler.running] == ["old", "young"]
+    assert list(chunks(out)) == ["young", "old"] and chunks(out)["old"] == (0, 7)
+    out, _ = runner.step()
+    assert list(chunks(out)) == ["young", "old"] and chunks(out)["old"] == (7, 7)
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_chunked_prefill_sequence() -> None:
+    scheduler, runner = make_runner(max_num_batched_tokens=8)
+    runner.add(req("a", 30, max_tokens=2))
+    starts = []
+    for _ in range(4):
+        out, updates = runner.step()
+        ((start, n),) = chunks(out).values()
+        starts.append((start, n, out.requests[0].sample))
+    assert starts == [(0, 8, False), (8, 8, False), (16, 8, False), (24, 6, True)]
+    assert [u.new_token_ids for u in updates] == [[7]]
+    out, updates = runner.step()
+    assert chunks(out) == {"a": (30, 1)}
+    assert updates[0].finish_reason == "length"
+    assert_all_free(scheduler)
+
+
+def test_long_prefill_threshold_caps_chunks() -> None:
+    scheduler, runner = make_runner(max_num_batched_tokens=32, long_prefill_token_threshold=5)
+    runner.add(req("a", 12, max_tokens=1))
+    runner.add(req("b", 3, max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 5), "b": (0, 3)}
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (5, 5)}
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (10, 2)}
+    assert_all_free(scheduler)
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits() -> None:
+    scheduler, runner = make_runner(
+        max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
+    )
+    runner.add(req("a", 4, max_tokens=3))
+    runner.step()
+    runner.add(req("big", 16, max_tokens=1))
+    runner.add(req("small", 2, max_tokens=1))
+    out, _ = runner.step()
+    # 15 tokens of budget are left, "big" needs 16; first come first served, so "small" waits too.
+    assert chunks(out) == {"a": (4, 1)}
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (5, 1)}
+    out, _ = runner.step()
+    assert chunks(out) == {"big": (0, 16)}
+    out, _ = runner.step()
+    assert chunks(out) == {"small": (0, 2)}
+    assert_all_free(scheduler)
+
+
+def test_max_num_seqs_is_respected() -> None:
+    scheduler, runner = make_runner(max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(5):
+        runner.add(req(f"r{i}", 3, max_tokens=3))
+    out, _ = runner.step()
+    assert list(chunks(out)) == ["r0", "r1"]
+    assert (scheduler.num_running, scheduler.num_waiting) == (2, 3)
+    seen_max = 0
+    while scheduler.has_unfinished_requests():
+        out, _ = runner.step()
+        seen_max = max(seen_max, len(out.requests), scheduler.num_running)
+    assert seen_max == 2
+    assert_all_free(scheduler)
+
+
+# Prefix caching.
+
+
+def test_prefix_hit_skips_computed_tokens() -> None:
+    scheduler, runner = make_runner()
+    shared = list(range(16))
+    runner.add(req("a", shared + [100, 101, 102], max_tokens=1))
+    runner.drain()
+    runner.add(req("b", shared + [200, 201], max_tokens=1))
+    out, updates = runner.step()
+    assert chunks(out) == {"b": (16, 2)}
+    assert out.requests[0].token_ids == [200, 201]
+    assert updates[0].num_cached_tokens == 16 and updates[0].num_prompt_tokens == 18
+    stats = scheduler.stats()
+    assert (stats.prefix_queries, stats.prefix_hits) == (19 + 18, 16)
+    assert_all_free(scheduler)
+
+
+def test_fully_cached_prompt_still_computes_its_last_token() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", range(8), max_tokens=1))
+    runner.drain()
+    runner.add(req("b", range(8), max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"b": (4, 4)}
+    runner.add(req("c", range(9), max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"c": (8, 1)}
+    assert_all_free(scheduler)
+
+
+def test_siblings_share_the_prompt_in_the_same_step() -> None:
+    scheduler, runner = make_runner()
+    prompt = list(range(50, 60))
+    for i in range(3):
+        runner.add(req(f"n-{i}", prompt, max_tokens=3))
+    out, _ = runner.step()
+    assert chunks(out) == {"n-0": (0, 10), "n-1": (8, 2), "n-2": (8, 2)}
+    tables = [r.block_ids for r in out.requests]
+    assert tables[0][:2] == tables[1][:2] == tables[2][:2]
+    assert scheduler.block_manager.num_free_blocks == 64 - 5
+    tokens = iter(range(300, 400))
+    runner.step(sample=lambda _: next(tokens))
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_salted_requests_do_not_share() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", range(12), max_tokens=1, cache_salt="x"))
+    runner.drain()
+    runner.add(req("b", range(12), max_tokens=1, cache_salt="y"))
+    runner.add(req("c", range(12), max_tokens=1, cache_salt="x"))
+    out, _ = runner.step()
+    assert chunks(out) == {"b": (0, 12), "c": (8, 4)}
+    assert_all_free(scheduler)
+
+
+def test_prefix_caching_off() -> None:
+    scheduler, runner = make_runner(prefix_caching=False)
+    runner.add(req("a", range(12), max_tokens=1))
+    runner.drain()
+    runner.add(req("b", range(12), max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"b": (0, 12)}
+    assert scheduler.stats().prefix_queries == 0
+    assert_all_free(scheduler)
+
+
+# Preemption.
+
+
+def preemption_setup(policy: str, priorities: Sequence[int]) -> tuple[Scheduler, FakeRunner]:
+    """Three 8-token prompts fill a 6-block cache; the first decode needs a 7th block."""
+    scheduler, runner = make_runner(
+        num_blocks=6, max_model_len=24, max_num_batched_tokens=32, scheduling_policy=policy
+    )
+    for name, priority in zip("abc", priorities):
+        runner.add(req(name, 8, max_tokens=6, priority=priority, arrival_time=0.0))
+    out, _ = runner.step()
+    assert sorted(chunks(out)) == ["a", "b", "c"]
+    assert scheduler.block_manager.num_free_blocks == 0
+    return scheduler, runner
+
+
+def test_fcfs_preempts_the_newest_request() -> None:
+    scheduler, runner = preemption_setup("fcfs", [0, 0, 0])
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["c"]
+    assert chunks(out) == {"a": (8, 1), "b": (8, 1)}
+    c = scheduler.get_request("c")
+    assert c is not None and c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
+    assert c.num_preemptions == 1 and scheduler.stats().num_preemptions == 1
+    assert scheduler.waiting.peek() is c
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_priority_preempts_the_largest_priority_value() -> None:
+    scheduler, runner = preemption_setup("priority", [1, 5, 0])
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["b"]
+    assert list(chunks(out)) == ["c", "a"]
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_priority_ties_preempt_the_later_arrival() -> None:
+    scheduler, runner = make_runner(
+        num_blocks=6, max_model_len=24, max_num_batched_tokens=32, scheduling_policy="priority"
+    )
+    runner.add(req("late", 8, max_tokens=6, priority=2, arrival_time=30.0))
+    runner.add(req("early", 8, max_tokens=6, priority=2, arrival_time=10.0))
+    runner.add(req("urgent", 8, max_tokens=6, priority=0, arrival_time=20.0))
+    out, _ = runner.step()
+    assert list(chunks(out)) == ["urgent", "early", "late"]
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["late"]
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_preempting_a_request_already_in_the_step_takes_it_out() -> None:
+    # "b" decodes in the first pass; "a" continues a chunked prefill in the second pass,
+    # runs out of blocks and preempts "b", which was already in the step.
+    scheduler, runner = make_runner(
+        num_blocks=12,
+        max_model_len=48,
+        max_num_batched_tokens=16,
+        scheduling_policy="priority",
+        scheduler_reserve_full_isl=False,
+    )
+    runner.add(req("b", 16, max_tokens=8, priority=1))
+    runner.step()
+    runner.add(req("a", 44, max_tokens=1, priority=0))
+    out, _ = runner.step()
+    assert chunks(out) == {"b": (16, 1), "a": (0, 15)}
+    assert scheduler.block_manager.num_free_blocks == 3
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["b"]
+    assert chunks(out) == {"a": (15, 15)} and out.num_scheduled_tokens == 15
+    b = scheduler.get_request("b")
+    assert b is not None and b.status == RequestStatus.PREEMPTED
+    assert b.num_computed_tokens == 0 and b.num_tokens == 18
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_a_step_that_preempts_admits_nobody() -> None:
+    scheduler, runner = make_runner(
+        num_blocks=5, max_model_len=20, max_num_batched_tokens=32, scheduling_policy="priority"
+    )
+    runner.add(req("a", 8, max_tokens=4, priority=1))
+    runner.add(req("c", 12, max_tokens=4, priority=2))
+    runner.step()
+    runner.add(req("d", 2, max_tokens=1, priority=0))
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["c"]
+    assert chunks(out) == {"a": (8, 1)}
+    assert scheduler.block_manager.num_free_blocks == 2  # d would fit, but memory is tight
+    assert [r.request_id for r in scheduler.waiting] == ["d", "c"]
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (9, 1), "d": (0, 2)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_a_request_that_cannot_grow_preempts_itself_when_last() -> None:
+    scheduler, runner = make_runner(num_blocks=4, max_model_len=16, max_num_batched_tokens=16)
+    runner.add(req("a", 6, max_tokens=8))
+    runner.add(req("b", 8, max_tokens=8))
+    out, _ = runner.step()
+    assert scheduler.block_manager.num_free_blocks == 0
+    # a: 6 -> 7 tokens fits block 1; b: needs a 3rd block at position 8: b preempts itself.
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["b"]
+    assert chunks(out) == {"a": (6, 1)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_watermark_keeps_blocks_free_at_admission() -> None:
+    scheduler, runner = make_runner(num_blocks=10, max_model_len=40, watermark=0.2)
+    runner.add(req("a", 12, max_tokens=20))
+    runner.add(req("b", 16, max_tokens=1))
+    out, _ = runner.step()
+    # a takes 3 blocks; b needs 4 more and would leave 3 >= 2 free: admitted.
+    assert sorted(chunks(out)) == ["a", "b"]
+    runner.step()
+    runner.add(req("c", 20, max_tokens=1))  # 5 blocks: 10 - 4 (a) - 5 = 1 < 2 free
+    out, _ = runner.step()
+    assert "c" not in chunks(out)
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_watermark_is_waived_when_nothing_runs() -> None:
+    scheduler, runner = make_runner(num_blocks=10, max_model_len=40, watermark=0.5)
+    runner.add(req("a", 36, max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 36)}
+    assert_all_free(scheduler)
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_reserve_full_input(reserve: bool) -> None:
+    scheduler, runner = make_runner(
+        num_blocks=10,
+        max_model_len=40,
+        max_num_batched_tokens=8,
+        long_prefill_token_threshold=4,
+        scheduler_reserve_full_isl=reserve,
+    )
+    runner.add(req("a", 20, max_tokens=1))  # 4 tokens (1 block) a step
+    runner.step()
+    runner.add(req("b", 36, max_tokens=1))  # first chunk: 1 block; full input: 9 blocks
+    out, _ = runner.step()
+    assert chunks(out) == ({"a": (4, 4)} if reserve else {"a": (4, 4), "b": (0, 4)})
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+# Finishing and aborting.
+
+
+def test_stop_tokens_min_tokens_and_lengths() -> None:
+    scheduler, runner = make_runner(max_model_len=10)
+    runner.add(req("stop", 3, max_tokens=10, stop_token_ids=[7], min_tokens=2))
+    runner.add(req("len", 3, max_tokens=2))
+    runner.add(req("ctx", 8, max_tokens=50))
+    _, updates = runner.step()
+    by_id = {u.req_id: u for u in updates}
+    assert by_id["stop"].finish_reason is None  # the stop token 7 came before min_tokens
+    _, updates = runner.step()
+    by_id = {u.req_id: u for u in updates}
+    assert (by_id["stop"].finish_reason, by_id["stop"].stop_reason) == ("stop", 7)
+    assert by_id["stop"].new_token_ids == [7]
+    assert by_id["len"].finish_reason == "length"
+    assert by_id["ctx"].finish_reason == "length"  # 8 prompt + 2 outputs = max_model_len
+    out, _ = runner.step()
+    assert sorted(out.finished_req_ids) == ["ctx", "len", "stop"]
+    assert_all_free(scheduler)
+
+
+def test_multiple_sampled_tokens_stop_at_the_first_stop_token() -> None:
+    scheduler, _ = make_runner()
+    scheduler.add_request(req("a", 3, max_tokens=10, stop_token_ids=[9]))
+    scheduler.schedule()
+    (update,) = scheduler.update_from_output({"a": [1, 9, 2, 3]})
+    assert update.new_token_ids == [1, 9] and update.finish_reason == "stop"
+    assert_all_free(scheduler)
+
+
+def test_stop_found_downstream() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", 3, max_tokens=10))
+    runner.add(req("b", 3, max_tokens=10))
+    runner.step()
+    _, updates = runner.step(stopped={"a": "\n\n"})
+    by_id = {u.req_id: u for u in updates}
+    assert (by_id["a"].finish_reason, by_id["a"].stop_reason) == ("stop", "\n\n")
+    assert by_id["b"].finish_reason is None
+    assert scheduler.finish_requests(["b"], RequestStatus.FINISHED_STOPPED, "END") == ["b"]
+    runner.forget("b")
+    assert_all_free(scheduler)
+
+
+def test_abort_at_every_stage() -> None:
+    scheduler, runner = make_runner(
+        num_blocks=6, max_model_len=24, max_num_batched_tokens=32, max_num_seqs=3
+    )
+    for name in ("run", "victim", "third", "queued"):
+        runner.add(req(name, 8, max_tokens=6))
+    runner.step()
+    out, _ = runner.step()
+    assert out.preempted_req_ids == ["third"]
+    statuses = {r.request_id: r.status for r in scheduler.requests.values()}
+    assert statuses == {
+        "run": RequestStatus.RUNNING,
+        "victim": RequestStatus.RUNNING,
+        "third": RequestStatus.PREEMPTED,
+        "queued": RequestStatus.WAITING,
+    }
+    assert scheduler.abort(["run", "third", "queued", "unknown"]) == ["run", "third", "queued"]
+    for name in ("run", "third", "queued"):
+        runner.forget(name)
+    scheduler.check_invariants()
+    assert scheduler.num_running == 1 and scheduler.num_waiting == 0
+    out, _ = runner.step()
+    assert sorted(out.finished_req_ids) == ["queued", "run", "third"]
+    assert scheduler.abort(["run"]) == []
+    # Results for an aborted request that arrive late are ignored.
+    assert scheduler.update_from_output({"run": [1]}) == []
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_abort_between_schedule_and_update() -> None:
+    scheduler, _ = make_runner()
+    scheduler.add_request(req("a", 5))
+    scheduler.schedule()
+    scheduler.abort(["a"])
+    assert scheduler.update_from_output({"a": [3]}) == []
+    assert scheduler.schedule().finished_req_ids == ["a"]
+    assert_all_free(scheduler)
+
+
+# Admission errors and configuration.
+
+
+def test_too_long_prompt_is_rejected_before_queueing() -> None:
+    scheduler, _ = make_runner(max_model_len=16)
+    message = "17 tokens, more than the maximum model length of 16"
+    with pytest.raises(PromptTooLongError, match=message) as info:
+        scheduler.add_request(req("x", 17))
+    assert (info.value.prompt_len, info.value.max_model_len, info.value.request_id) == (17, 16, "x")
+    assert isinstance(info.value, ValueError)
+    assert not scheduler.has_unfinished_requests()
+    scheduler.add_request(req("x", 16))
+
+
+def test_bad_requests() -> None:
+    scheduler, _ = make_runner()
+    scheduler.add_request(req("x", 3))
+    with pytest.raises(DuplicateRequestError, match="'x'"):
+        scheduler.add_request(req("x", 3))
+    with pytest.raises(RequestRejectedError, match="empty"):
+        req("y", [])
+    with pytest.raises(RequestRejectedError, match="max_tokens"):
+        req("y", 3, max_tokens=0)
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+        ({"max_model_len": 8, "watermark": 1.0}, "watermark"),
+        ({"max_model_len": 8, "scheduling_policy": "lifo"}, "unknown scheduling policy 'lifo'"),
+        ({"max_model_len": 8, "long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
+        (
+            {"max_model_len": 8, "max_num_batched_tokens": 4, "max_num_seqs": 8},
+            "at least max_num_seqs",
+        ),
+        (
+            {
+                "max_model_len": 64,
+                "max_num_batched_tokens": 32,
+                "max_num_seqs": 4,
+                "enable_chunked_prefill": False,
+            },
+            "without chunked prefill",
+        ),
+    ],
+)
+def test_config_validation(config: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SchedulerConfig(**config)
+
+
+def test_max_model_len_must_fit_the_cache() -> None:
+    with pytest.raises(ValueError, match="needs 5 KV blocks"):
+        Scheduler(
+            SchedulerConfig(max_model_len=20, max_num_batched_tokens=32, max_num_seqs=4),
+            BlockManager(4, BS),
+        )
+
+
+# Recovery and wire format.
+
+
+def test_reset_after_worker_failure_recomputes_everything() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", 10, max_tokens=5))
+    runner.add(req("b", 10, max_tokens=5))
+    runner.step()
+    runner.step()
+    assert scheduler.reset_after_worker_failure() == ["b", "a"]
+    runner.crash()
+    assert [r.request_id for r in scheduler.waiting] == ["a", "b"]
+    assert scheduler.block_manager.pool.cached == {}
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 12), "b": (0, 12)}
+    assert all(r.is_new for r in out.requests)
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_scheduler_output_round_trips_through_msgpack() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", 10))
+    out = scheduler.schedule()
+    data = msgspec.msgpack.encode(out)
+    assert msgspec.msgpack.decode(data, type=SchedulerOutput) == out
+    stats = scheduler.stats()
+    assert stats.num_running == 1 and 0 < stats.kv_usage < 1

@@ -1,0 +1,112 @@
+"""Seeded random workloads: arrivals, siblings, aborts, stops, worker crashes, tiny caches.
+
+Every step goes through ``FakeRunner``, which checks the budget and batch limits and that
+every KV position a request attends to holds what its own tokens imply; the scheduler's
+invariants are checked before and after each step. At the end everything drains and the
+cache must be entirely free.
+"""
+
+import random
+from typing import Any
+
+import pytest
+
+from sonar.core.blocks import BlockManager
+from sonar.core.request import Request
+from sonar.core.schedule import Scheduler, SchedulerConfig
+from tests.core.simulate import FakeRunner
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "fcfs-chunked": {"scheduling_policy": "fcfs"},
+    "priority-chunked": {"scheduling_policy": "priority"},
+    "fcfs-no-chunking": {"enable_chunked_prefill": False, "max_num_batched_tokens": 48},
+    "priority-no-chunking": {
+        "scheduling_policy": "priority",
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": 48,
+    },
+    "threshold-watermark": {"long_prefill_token_threshold": 6, "watermark": 0.1},
+    "no-reserve": {"scheduler_reserve_full_isl": False, "max_num_seqs": 6},
+    "no-prefix-caching": {"prefix_caching": False},
+    "xxhash-cbor": {"hash_algo": "xxhash_cbor"},
+}
+
+STOP_TOKEN = 3
+
+
+def run_workload(seed: int, steps: int, options: dict[str, Any]) -> FakeRunner:
+    rng = random.Random(seed)
+    options = dict(options)
+    block_size = rng.choice([2, 4, 8])
+    prefix_caching = options.pop("prefix_caching", True)
+    hash_algo = options.pop("hash_algo", "sha256")
+    config = SchedulerConfig(
+        **{"max_model_len": 48, "max_num_batched_tokens": 16, "max_num_seqs": 4, **options}
+    )
+    num_blocks = -(-config.max_model_len // block_size) + rng.randint(0, 8)
+    bm = BlockManager(
+        num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_algo=hash_algo
+    )
+    scheduler = Scheduler(config, bm)
+    runner = FakeRunner(scheduler)
+    prefixes = [[rng.randrange(4, 60) for _ in range(rng.randint(1, 30))] for _ in range(4)]
+    ids = iter(range(10**6))
+
+    def new_prompt() -> list[int]:
+        prompt = list(rng.choice(prefixes)) if rng.random() < 0.7 else []
+        prompt += [rng.randrange(4, 60) for _ in range(rng.randint(1, 20))]
+        return prompt[: rng.randint(1, config.max_model_len)]
+
+    def add(prompt: list[int], **kwargs: Any) -> None:
+        runner.add(
+            Request(
+                f"r{next(ids)}",
+                prompt,
+                max_tokens=rng.choice([1, 2, 5, 10, 30, None]),
+                min_tokens=rng.choice([0, 0, 2]),
+                stop_token_ids=[STOP_TOKEN] if rng.random() < 0.5 else [],
+                priority=rng.randint(0, 3),
+                cache_salt=rng.choice([None, None, "tenant"]),
+                **kwargs,
+            )
+        )
+
+    for _ in range(steps):
+        if rng.random() < 0.35:
+            if rng.random() < 0.2:
+                prompt = new_prompt()
+                for _ in range(rng.randint(2, 3)):
+                    add(prompt)
+            else:
+                add(new_prompt())
+        if scheduler.requests and rng.random() < 0.05:
+            victim = rng.choice(list(scheduler.requests))
+            assert scheduler.abort([victim]) == [victim]
+            runner.forget(victim)
+        if rng.random() < 0.01:
+            scheduler.reset_after_worker_failure()
+            runner.crash()
+            scheduler.check_invariants()
+        stopped = None
+        if scheduler.running and rng.random() < 0.03:
+            stopped = {rng.choice(scheduler.running).request_id: "stop-string"}
+        runner.step(sample=lambda _: rng.randrange(0, 60), stopped=stopped)
+
+    runner.drain()
+    scheduler.check_invariants()
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not scheduler.running and not len(scheduler.waiting)
+    return runner
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_random_workload(name: str, seed: int) -> None:
+    if CONFIGS[name].get("hash_algo", "").startswith("xxhash"):
+        pytest.importorskip("xxhash")
+        pytest.importorskip("cbor2")
+    runner = run_workload(seed * 7919 + list(CONFIGS).index(name), 500, CONFIGS[name])
+    stats = runner.scheduler.stats()
+    assert stats.kv_usage == 0.0
+    if CONFIGS[name].get("prefix_caching", True):
+        assert stats.prefix_hits > 0
