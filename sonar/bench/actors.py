@@ -94,6 +94,50 @@ async def _measure(placement: str, asks: int, sends: int, tensor_mib: int, repea
     return out
 
 
+_ZMQ_ECHO = """
+import sys, zmq
+ctx = zmq.Context(); sock = ctx.socket(zmq.ROUTER); sock.bind(sys.argv[1])
+while True:
+    frames = sock.recv_multipart()
+    if frames[1] == b"quit":
+        break
+    sock.send_multipart(frames)
+"""
+
+
+def zmq_floor(asks: int) -> float:
+    """Median round trip of bare blocking pyzmq DEALER→ROUTER→DEALER between two processes (µs):
+    the floor under any cross-process ask, measured in the same run for a ratio."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import zmq
+
+    address = f"ipc://{tempfile.gettempdir()}/sonar-bench-{os.getpid()}.sock"
+    server = subprocess.Popen([sys.executable, "-c", _ZMQ_ECHO, address])
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    try:
+        lat = []
+        for i in range(asks + min(asks, 200)):
+            t0 = time.perf_counter_ns()
+            sock.send(b"x")
+            sock.recv()
+            if i >= min(asks, 200):
+                lat.append((time.perf_counter_ns() - t0) / 1000)
+        sock.send(b"quit")
+        server.wait(timeout=10)
+        return statistics.median(lat)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        if server.poll() is None:
+            server.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sonar bench actors", description=__doc__)
     ap.add_argument("--placements", default="inprocess,process", help="comma-separated placements")
@@ -103,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object per placement")
     args = ap.parse_args(argv)
+    floor = zmq_floor(args.asks)
     rows = []
     for placement in args.placements.split(","):
         rows.append(anyio.run(_measure, placement, args.asks, args.sends, args.tensor_mib, args.repeats,
@@ -110,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for row in rows:
             print(msgspec.json.encode(row).decode())
+        print(msgspec.json.encode({"zmq_floor_round_trip_us": floor}).decode())
         return 0
     print(f"{'placement':<12} {'ask p50 µs':>11} {'ask p99 µs':>11} {'asks/s':>9} {'sends/s':>9} {'tensor GB/s':>12}")
     for r in rows:
-        gbs = f"{r['tensor_gb_per_s']:.2f}" if "tensor_gb_per_s" in r else "-"
+        in_process = r["placement"] == "inprocess"  # the receiver gets the sender's own tensor
+        gbs = f"{r['tensor_gb_per_s']:.2f}" if "tensor_gb_per_s" in r and not in_process else "-"
         print(f"{r['placement']:<12} {r['ask_median_us']:>11.1f} {r['ask_p99_us']:>11.1f} {r['asks_per_s']:>9.0f} "
               f"{r['sends_per_s']:>9.0f} {gbs:>12}")
+    print(f"bare pyzmq round trip between two processes (blocking, no codec): {floor:.1f} µs median")
     return 0
