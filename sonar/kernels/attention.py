@@ -1,0 +1,274 @@
+"""Paged attention: the torch reference (the CPU path) for the KV-cache write and for attention.
+
+Contract, shared with the Triton kernels that will implement the same functions:
+
+* **KV cache**, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+  (index 0 keys, 1 values). A token at position ``p`` of a sequence lives in the block
+  ``block_table[p // block_size]`` at offset ``p % block_size``; its *slot* is
+  ``block_id * block_size + offset``. Keeping K and V of one layer in a single tensor lets a
+  worker move or offload a block of a layer with one copy, and the token-major layout
+  (``[block_size, num_kv_heads, head_dim]`` per block) makes the write of one token's K (or V)
+  one contiguous row, which is what both the torch reference and a Triton store want.
+* **A flat batch**: the new tokens of all sequences of a step are concatenated, sequence after
+  sequence. Sequence ``i`` owns query rows ``query_start_loc[i]:query_start_loc[i + 1]``, whose
+  positions are the last ``query_len`` positions of its ``seq_lens[i]`` tokens of context. That
+  covers a prefill (no prefix), a chunk of a prefill over an already-cached prefix, and a decode
+  (one query token) in the same batch.
+* **Order of operations** in a layer: ``write_kv_cache`` with the new tokens' K/V first, then
+  ``paged_attention``, which reads every key and value, the new ones included, from the cache.
+* Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+* Only slots that hold context are ever allowed to influence the result; cache slots past a
+  sequence's length, and block-table entries past its last block, may hold anything (tests fill
+  them with NaN). Padding entries of ``block_tables`` must still be valid block ids (0 will do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class AttentionMetadata:
+    """What attention needs to know about one step's flat batch; built once, shared by all layers.
+
+    ``query_start_loc``: int32 ``[num_seqs + 1]``, the cumulative sum of the query lengths.
+    ``seq_lens``: int32 ``[num_seqs]``, each sequence's context length *after* this step.
+    ``block_tables``: int32 ``[num_seqs, max_blocks]``, padded with any valid block id.
+    ``slot_mapping``: int64 ``[num_tokens]``, the cache slot each new token is written to.
+    ``max_query_len`` / ``max_seq_len``: host-side maxima, so no kernel has to read them back.
+    """
+
+    query_start_loc: Tensor
+    seq_lens: Tensor
+    block_tables: Tensor
+    slot_mapping: Tensor
+    max_query_len: int
+    max_seq_len: int
+    _plans: dict[int, _ReferencePlan] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata from host-side lists: per sequence its new-token count, its context length
+        after the step and its block ids (lists may differ in length; they are padded with 0)."""
+        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables need one entry per sequence")
+        for q, s, blocks in zip(query_lens, seq_lens, block_tables):
+            if not 0 < q <= s:
+                raise ValueError(f"need 0 < query_len <= seq_len, got {q} and {s}")
+            if len(blocks) * block_size < s:
+                raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {s} tokens")
+        max_blocks = max((len(b) for b in block_tables), default=0)
+        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+        for i, blocks in enumerate(block_tables):
+            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        q_lens = torch.tensor(list(query_lens), dtype=torch.int64)
+        s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
+        start = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=start[1:])
+        token_index = torch.arange(int(start[-1])) - start[seq_of_token]
+        positions = (s_lens - q_lens)[seq_of_token] + token_index
+        blocks = table.to(torch.int64)[seq_of_token, positions // block_size]
+        slots = blocks * block_size + positions % block_size
+        return cls(
+            query_start_loc=start.to(device=device, dtype=torch.int32),
+            seq_lens=s_lens.to(device=device, dtype=torch.int32),
+            block_tables=table.to(device),
+            slot_mapping=slots.to(device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+    def reference_plan(self, block_size: int) -> _ReferencePlan:
+        """Index tensors and masks of the torch reference, computed once per step (not per layer)."""
+        plan = self._plans.get(block_size)
+        if plan is None:
+            plan = self._plans[block_size] = _ReferencePlan.build(self, block_size)
+        return plan
+
+
+@dataclass(eq=False)
+class _ReferencePlan:
+    """Host-side view of the batch for the torch reference.
+
+    Decode sequences (one query token) are served together: their context is gathered into a
+    ``[num_decodes, max_len]`` grid of slots (positions past a sequence's length point at its
+    first slot, so nothing uninitialized is read, and are masked) and attended in one SDPA call.
+    Every other sequence is served alone with its own slot list.
+    """
+
+    device: torch.device
+    query_starts: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: Tensor
+    block_size: int
+    decode_rows: Tensor | None
+    decode_all: bool
+    decode_slots: Tensor | None
+    decode_valid: Tensor | None
+    decode_positions: Tensor | None
+    prefills: list[int]
+    _prefill_slots: dict[int, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int) -> _ReferencePlan:
+        starts = meta.query_start_loc.tolist()
+        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        s_lens = meta.seq_lens.tolist()
+        decodes = [i for i, q in enumerate(q_lens) if q == 1]
+        prefills = [i for i, q in enumerate(q_lens) if q != 1]
+        device = meta.slot_mapping.device
+        rows = slots = valid = positions = None
+        if decodes:
+            index = torch.tensor(decodes, device=device)
+            rows = torch.tensor([starts[i] for i in decodes], device=device)
+            lens = meta.seq_lens.to(torch.int64)[index]
+            max_len = max(s_lens[i] for i in decodes)
+            pos = torch.arange(max_len, device=device)
+            valid = pos[None, :] < lens[:, None]
+            table = meta.block_tables.to(torch.int64)[index]
+            n_blocks = -(-max_len // block_size)
+            grid = table[:, :n_blocks, None] * block_size + torch.arange(block_size, device=device)
+            grid = grid.reshape(len(decodes), -1)[:, :max_len]
+            slots = torch.where(valid, grid, grid[:, :1])
+            positions = lens - 1
+        return cls(
+            device=device,
+            query_starts=starts,
+            query_lens=q_lens,
+            seq_lens=s_lens,
+            block_tables=meta.block_tables,
+            block_size=block_size,
+            decode_rows=rows,
+            decode_all=len(decodes) == len(q_lens) and len(decodes) == meta.num_tokens,
+            decode_slots=slots,
+            decode_valid=valid,
+            decode_positions=positions,
+            prefills=prefills,
+        )
+
+    def prefill_slots(self, seq: int) -> Tensor:
+        """The slots of positions ``0 .. seq_len - 1`` of one sequence."""
+        slots = self._prefill_slots.get(seq)
+        if slots is None:
+            pos = torch.arange(self.seq_lens[seq], device=self.device)
+            blocks = self.block_tables[seq].to(torch.int64)[pos // self.block_size]
+            slots = self._prefill_slots[seq] = blocks * self.block_size + pos % self.block_size
+        return slots
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[Tensor]:
+    """One zeroed cache tensor per layer (zeroed: stale memory may hold NaN bit patterns)."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def write_kv_cache(key: Tensor, value: Tensor, kv_cache: Tensor, slot_mapping: Tensor) -> None:
+    """Store the new tokens' ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` at their
+    slots (``slot_mapping``, int64 ``[num_tokens]``) of ``kv_cache``, in place."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+
+
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Causal attention of a flat batch of queries over their sequences' cached context.
+
+    ``query``: ``[num_tokens, num_heads, head_dim]``; returns the same shape. A query at position
+    ``p`` attends to the keys at positions ``j <= p`` of its own sequence, and with a
+    ``sliding_window`` ``w`` only to ``p - w < j <= p`` (the window counts the query itself).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    plan = meta.reference_plan(block_size)
+    out = torch.empty_like(query) if not plan.decode_all else None
+
+    if plan.decode_slots is not None:
+        q = query if plan.decode_all else query.index_select(0, plan.decode_rows)
+        n = q.shape[0]
+        slots = plan.decode_slots.reshape(-1)
+        k = flat[0].index_select(0, slots).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = flat[1].index_select(0, slots).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        mask = plan.decode_valid
+        if sliding_window is not None:
+            first = plan.decode_positions - sliding_window
+            mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > first[:, None])
+        o = F.scaled_dot_product_attention(
+            q.view(n, num_kv_heads, group, head_dim).to(k.dtype),
+            k,
+            v,
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+        ).reshape(n, num_heads, head_dim)
+        if plan.decode_all:
+            return o.to(query.dtype)
+        out.index_copy_(0, plan.decode_rows, o.to(query.dtype))
+
+    for seq in plan.prefills:
+        start, q_len, seq_len = plan.query_starts[seq], plan.query_lens[seq], plan.seq_lens[seq]
+        slots = plan.prefill_slots(seq)
+        k = flat[0].index_select(0, slots).transpose(0, 1)[:, None]
+        v = flat[1].index_select(0, slots).transpose(0, 1)[:, None]
+        q = query[start : start + q_len].to(k.dtype)
+        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        prefix = seq_len - q_len
+        if prefix == 0 and sliding_window is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            mask = _causal_mask(q_len, seq_len, sliding_window, query.device)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out
+
+
+def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> Tensor:
+    """``[q_len, seq_len]`` bool: the last ``q_len`` positions attending causally to all of them."""
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

