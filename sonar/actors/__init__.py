@@ -9,6 +9,7 @@ from sonar.actors.spec import (
     InProcess,
     Placement,
     Remote,
+    SiblingRef,
     SupervisorSpec,
     parse_placement,
 )
@@ -18,6 +19,6 @@ from sonar.actors.tree import ActorInfo
 __all__ = [
     "NO_REPLY", "Actor", "ActorError", "ActorExit", "ActorInfo", "ActorNotFound", "ActorRef", "Ask",
     "AskTimeout", "ChildProcess", "ChildSpec", "ExitInfo", "InProcess", "Placement", "Remote",
-    "RemoteError", "Supervisor", "SupervisorGaveUp", "SupervisorSpec", "parse_placement", "run_root",
+    "RemoteError", "SiblingRef", "Supervisor", "SupervisorGaveUp", "SupervisorSpec", "parse_placement", "run_root",
     "supervise",
 ]

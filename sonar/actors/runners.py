@@ -23,7 +23,7 @@ from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
 from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
 from sonar.actors.node import get_node
 from sonar.actors.ref import ActorRef
-from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SupervisorSpec
+from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SiblingRef, SupervisorSpec
 from sonar.actors.tree import ActorInfo
 from sonar.log import get_logger
 
@@ -124,6 +124,18 @@ class Runner:
         raise NotImplementedError
 
 
+def _kwargs(runner: Runner) -> dict[str, Any]:
+    """The child's constructor arguments, with each `SiblingRef` replaced by that sibling's ref."""
+    out = {}
+    for key, value in runner.spec.kwargs.items():
+        if isinstance(value, SiblingRef):
+            value = runner.sup.child(value.name).ref
+            if value is None:
+                raise RuntimeError(f"{runner.name}: sibling {key!r} has no reference yet (start it first)")
+        out[key] = value
+    return out
+
+
 def _actor_class(spec: ChildSpec) -> type:
     return resolve(spec.actor) if isinstance(spec.actor, str) else spec.actor
 
@@ -139,7 +151,7 @@ class InProcessRunner(Runner):
 
     async def _start(self, incarnation: int) -> None:
         self.pid = os.getpid()
-        self.inc = await launch(self.sup.tg, self.cls(**self.spec.kwargs), self.name, self.spec.mailbox_size)
+        self.inc = await launch(self.sup.tg, self.cls(**_kwargs(self)), self.name, self.spec.mailbox_size)
         self.sup.tg.start_soon(self._watch, incarnation, self.inc)
 
     async def _watch(self, incarnation: int, inc: Incarnation) -> None:
@@ -180,7 +192,7 @@ class _HostedRunner(Runner):
         cls = _actor_class(self.spec)
         target = self.spec.actor if isinstance(self.spec.actor, str) else import_path(cls)
         spawned = await self.host.ask(
-            Spawn(name=self.name, target=target, kwargs=self.spec.kwargs, mailbox_size=self.spec.mailbox_size),
+            Spawn(name=self.name, target=target, kwargs=_kwargs(self), mailbox_size=self.spec.mailbox_size),
             timeout=timeout,
         )
         self.pid = spawned.pid

@@ -51,6 +51,14 @@ def placement_name(p: Placement) -> str:
     return "process" if isinstance(p, ChildProcess) else "inprocess"
 
 
+@dataclass(frozen=True)
+class SiblingRef:
+    """A kwarg placeholder: replaced, when the child starts, by the current reference to the
+    sibling named `name` (a child started earlier under the same supervisor)."""
+
+    name: str
+
+
 @dataclass
 class ChildSpec:
     """One supervised actor.

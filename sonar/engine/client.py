@@ -1,0 +1,339 @@
+"""The in-process library API: `async with sonar.open(...) as llm`.
+
+`open()` starts the engine's supervision tree (worker, detokenizer, scheduler) inside the
+caller's event loop, plus a small client actor that receives the detokenizer's outputs and hands
+each request's deltas to the task waiting for them. Everything it started is stopped when the
+block ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from sonar.actors import (
+    Actor,
+    ActorInfo,
+    ChildSpec,
+    SiblingRef,
+    Supervisor,
+    SupervisorSpec,
+    supervise,
+)
+from sonar.actors.actor import launch
+from sonar.engine.config import EngineConfig
+from sonar.engine.detokenizer import DetokenizerActor
+from sonar.engine.protocol import (
+    Abort,
+    AddRequest,
+    DescribeWorker,
+    EngineFailed,
+    FrontendMsg,
+    GetStats,
+    OutputDelta,
+    Outputs,
+    PositionLogprobs,
+    WorkerInfo,
+)
+from sonar.engine.scheduler import SchedulerActor
+from sonar.engine.worker import WorkerActor
+from sonar.errors import EngineDeadError, InvalidRequestError
+from sonar.sampling_params import SamplingParams, SamplingParamsError
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. `text`, `token_ids`, ... are those of the first (often only) completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class StreamDelta:
+    """New output of one completion (`index`) of a streamed request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class _Failed:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class ClientActor(Actor):
+    """Receives `Outputs` and routes each delta to the stream of the request it belongs to."""
+
+    protocol = FrontendMsg
+
+    def __init__(self, streams: dict[str, Any]) -> None:
+        self.streams = streams
+
+    async def handle(self, msg: FrontendMsg) -> Any:
+        if isinstance(msg, Outputs):
+            for delta in msg.deltas:
+                stream = self.streams.get(delta.req_id)
+                if stream is not None:
+                    stream.send_nowait(delta)
+        elif isinstance(msg, EngineFailed):
+            for rid in msg.request_ids:
+                stream = self.streams.get(rid)
+                if stream is not None:
+                    stream.send_nowait(_Failed(msg.reason))
+        return None
+
+
+class LLM:
+    """Handle on a running engine; see `sonar.open`."""
+
+    def __init__(self, config: EngineConfig, supervisor: Supervisor, client: Any, streams: dict[str, Any],
+                 info: WorkerInfo, tokenizer: Any) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.info = info
+        self.tokenizer = tokenizer
+        self._client = client
+        self._streams = streams
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+        self._closed = False
+
+    # -- public API -------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None, request_id: str | None = None) -> RequestOutput:
+        """Generate a completion of `prompt` (text or token ids) and return it when finished."""
+        params = params or SamplingParams()
+        prompt_ids, text = await self._prepare(prompt, params)
+        rid = request_id or self._new_id()
+        outputs = [CompletionOutput(i) for i in range(params.n)]
+        result = RequestOutput(rid, text, prompt_ids, outputs)
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt):
+            out = outputs[delta.index]
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+            if delta.logprobs:
+                out.logprobs = (out.logprobs or []) + delta.logprobs
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = (result.prompt_logprobs or []) + delta.prompt_logprobs
+            if delta.finish_reason is not None:
+                out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+            result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+        if params.logprobs is not None:
+            for out in outputs:
+                out.logprobs = out.logprobs or []
+        return result
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                     cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
+        params = params or SamplingParams()
+        prompt_ids, _ = await self._prepare(prompt, params)
+        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt):
+            yield delta
+
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   chat_template: str | None = None, **kwargs: Any) -> RequestOutput:
+        """Apply the model's chat template to `messages`, then `generate`."""
+        prompt_ids = await self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message,
+                                                    chat_template=chat_template)
+        return await self.generate(prompt_ids, params, **kwargs)
+
+    async def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+                            **kwargs: Any) -> list[RequestOutput]:
+        """Generate for all prompts at once (continuous batching); results in prompt order."""
+        results: list[RequestOutput | None] = [None] * len(prompts)
+
+        async def one(i: int, p: Prompt) -> None:
+            results[i] = await self.generate(p, params, **kwargs)
+
+        async with anyio.create_task_group() as tg:
+            for i, p in enumerate(prompts):
+                tg.start_soon(one, i, p)
+        return results  # type: ignore[return-value]
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                                  continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be set")
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=chat_template)
+            except Exception as exc:
+                raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+
+        return await anyio.to_thread.run_sync(render)
+
+    async def stats(self):
+        return await self.supervisor.child("scheduler").ref.ask(GetStats(), timeout=10)
+
+    def tree(self) -> ActorInfo:
+        return self.supervisor.tree()
+
+    # -- internals --------------------------------------------------------------------------
+    def _new_id(self) -> str:
+        return f"req-{self._prefix}-{next(self._ids)}"
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        try:
+            params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.info.vocab_size)
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        if isinstance(prompt, str):
+            text = prompt
+            ids = await anyio.to_thread.run_sync(lambda: self.tokenizer(prompt).input_ids)
+        else:
+            text = None
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.info.vocab_size - 1})",
+                                          param="prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return list(ids), text
+
+    async def _run(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+                   cache_salt: str | None) -> AsyncIterator[StreamDelta]:
+        """Submit the request (n completions as n engine requests) and yield their deltas."""
+        children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        index = {cid: i for i, cid in enumerate(ids)}
+        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)
+        for cid in ids:
+            self._streams[cid] = send
+        scheduler = self.supervisor.child("scheduler").ref
+        pending = set(ids)
+        try:
+            for cid, child in zip(ids, children):
+                accepted = await scheduler.ask(AddRequest(
+                    request_id=cid, prompt_token_ids=prompt_ids, params=child, sink=self._client,
+                    priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic()), timeout=30)
+                if not accepted.ok:
+                    code = accepted.error_type
+                    raise InvalidRequestError(accepted.error or "rejected", param="prompt" if code == "too_long" else None,
+                                              code=code)
+            while pending:
+                item = await receive.receive()
+                if isinstance(item, _Failed):
+                    raise EngineDeadError(item.reason)
+                delta: OutputDelta = item
+                if delta.finish_reason is not None:
+                    pending.discard(delta.req_id)
+                yield StreamDelta(rid, index[delta.req_id], delta.text, delta.token_ids, delta.finish_reason,
+                                  delta.stop_reason, delta.logprobs, delta.prompt_logprobs,
+                                  delta.num_prompt_tokens, delta.num_cached_tokens)
+        finally:
+            for cid in ids:
+                self._streams.pop(cid, None)
+            if pending:  # cancelled, failed, or the caller stopped iterating: free the engine's work
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await scheduler.send(Abort(sorted(pending)))
+                    except Exception:
+                        pass
+
+
+def engine_spec(config: EngineConfig) -> SupervisorSpec:
+    """The engine's supervision tree: worker, detokenizer, scheduler (started in that order)."""
+    raw = msgspec.to_builtins(config)
+    return SupervisorSpec("engine", [
+        ChildSpec("worker", WorkerActor, kwargs={"config": raw}, placement=config.placement_of("worker"),
+                  ping_interval=2.0, ping_timeout=max(30.0, config.step_timeout), shutdown=5.0),
+        ChildSpec("detokenizer", DetokenizerActor, kwargs={"worker": SiblingRef("worker"), "tokenizer": config.tokenizer},
+                  placement=config.placement_of("detokenizer"), ping_interval=2.0, ping_timeout=30.0),
+        ChildSpec("scheduler", SchedulerActor,
+                  kwargs={"config": raw, "worker": SiblingRef("worker"), "detokenizer": SiblingRef("detokenizer")},
+                  placement=config.placement_of("scheduler"), ping_interval=2.0, ping_timeout=30.0),
+    ], strategy="rest_for_one", max_restarts=5, period=60)
+
+
+@asynccontextmanager
+async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LLM]:
+    """Start an engine for `model` (None: the embedded SmolLM2-135M-Instruct) in this event loop.
+
+    `engine_args` are the server's flags with underscores (`max_model_len`, `max_num_seqs`,
+    `block_size`, `kv_cache_memory_bytes`, `dtype`, `seed`, `placement`, ...).
+    """
+    config = EngineConfig.from_args(model, **engine_args)
+    streams: dict[str, Any] = {}
+    async with supervise(engine_spec(config)) as sup:
+        async with anyio.create_task_group() as tg:
+            client_name = f"client-{secrets.token_hex(4)}"
+            inc = await launch(tg, ClientActor(streams), client_name, 4096)
+            info = await sup.child("worker").ref.ask(DescribeWorker(), timeout=60)
+            tokenizer_path = config.tokenizer or info.tokenizer_path
+            if tokenizer_path is None:
+                raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
+            from transformers import AutoTokenizer
+
+            tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
+            llm = LLM(config, sup, inc.actor.ref, streams, info, tokenizer)
+            try:
+                yield llm
+            finally:
+                llm._closed = True
+                for stream in list(streams.values()):
+                    stream.send_nowait(_Failed("the engine is shutting down"))
+                tg.cancel_scope.cancel()

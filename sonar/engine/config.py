@@ -1,0 +1,89 @@
+"""The engine's configuration: the server flags that shape the engine, with underscores.
+
+`EngineConfig.from_args(**engine_args)` is what `sonar.open(model, **engine_args)` and (later)
+the CLI use; unknown names are a `TypeError`, bad values a `ValueError` naming the argument.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from sonar.actors.spec import parse_placement, placement_name
+from sonar.units import parse_max_model_len, parse_memory_size
+
+ACTORS = ("worker", "detokenizer", "scheduler")
+
+
+class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
+    model: str | None = None
+    tokenizer: str | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: from the model's config; -1: auto (fit the KV cache)
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.0
+    scheduler_reserve_full_isl: bool = True
+    max_logprobs: int = 20
+    enforce_eager: bool = True
+    placement: dict[str, str] = {}
+    step_timeout: float = 600.0
+    """Seconds the scheduler waits for one step before it counts the worker as failed."""
+
+    @classmethod
+    def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
+        fields = set(cls.__struct_fields__)
+        unknown = sorted(set(args) - fields)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        if "max_model_len" in args and args["max_model_len"] is not None:
+            args["max_model_len"] = parse_max_model_len(args["max_model_len"])
+        if args.get("kv_cache_memory_bytes") is not None:
+            args["kv_cache_memory_bytes"] = parse_memory_size(args["kv_cache_memory_bytes"])
+        placement = args.get("placement")
+        if isinstance(placement, str):  # "worker=process,detokenizer=inprocess"
+            pairs = [p.split("=", 1) for p in placement.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise ValueError(f"placement: expected actor=where pairs, got {placement!r}")
+            args["placement"] = {k.strip(): v.strip() for k, v in pairs}
+        try:
+            config = msgspec.convert(dict(args, model=model), cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid engine argument: {exc}") from None
+        config.check()
+        return config
+
+    def check(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len != -1 and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive or 'auto', got {self.max_model_len}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
+            raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
+        for actor, where in self.placement.items():
+            if actor not in ACTORS:
+                raise ValueError(f"placement: unknown actor {actor!r} (one of {', '.join(ACTORS)})")
+            parse_placement(where)
+
+    def placement_of(self, actor: str):
+        return parse_placement(self.placement.get(actor, "inprocess"))
+
+    def describe_placement(self) -> dict[str, str]:
+        return {a: placement_name(self.placement_of(a)) for a in ACTORS}

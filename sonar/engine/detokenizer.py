@@ -1,0 +1,117 @@
+"""The detokenizer actor: turns each step's token ids into text deltas for the frontends.
+
+It keeps one `IncrementalDetokenizer` per request, finds stop strings (and tells the scheduler to
+finish those requests), turns logprob token ids into strings, and sends each frontend one
+`Outputs` message per step with the deltas of its requests.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+
+from sonar.actors import Actor, ActorRef
+from sonar.core.detokenize import IncrementalDetokenizer
+from sonar.engine.protocol import (
+    DescribeWorker,
+    DetokenizerMsg,
+    Forget,
+    Logprob,
+    OutputDelta,
+    Outputs,
+    PositionLogprobs,
+    StepOutputs,
+    StopStringHit,
+    TokenLogprobs,
+)
+from sonar.log import get_logger
+from sonar.sampling_params import SamplingParams
+
+log = get_logger("sonar.detokenizer")
+
+
+@dataclass
+class _Tracked:
+    detok: IncrementalDetokenizer
+    params: SamplingParams
+    sink: ActorRef
+
+
+class DetokenizerActor(Actor):
+    protocol = DetokenizerMsg
+
+    def __init__(self, worker: ActorRef, tokenizer: str | None = None) -> None:
+        self.worker = worker
+        self.tokenizer_path = tokenizer
+        self.requests: dict[str, _Tracked] = {}
+
+    async def started(self) -> None:
+        path = self.tokenizer_path
+        if path is None:
+            info = await self.worker.ask(DescribeWorker(), timeout=60)
+            path = info.tokenizer_path
+        if path is None:
+            raise RuntimeError("the model has no tokenizer; pass tokenizer=...")
+        from transformers import AutoTokenizer
+
+        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, path)
+
+    async def handle(self, msg: DetokenizerMsg) -> Any:
+        if isinstance(msg, StepOutputs):
+            await self._step(msg)
+        elif isinstance(msg, Forget):
+            for rid in msg.request_ids:
+                self.requests.pop(rid, None)
+        else:
+            raise TypeError(f"unexpected {type(msg).__name__}")
+        return None
+
+    async def _step(self, msg: StepOutputs) -> None:
+        for t in msg.new:
+            self.requests[t.req_id] = _Tracked(
+                IncrementalDetokenizer.from_params(self.tokenizer, t.params, t.prompt_token_ids), t.params, t.sink)
+        by_sink: dict[ActorRef, list[OutputDelta]] = defaultdict(list)
+        hits: dict[str, str] = {}
+        for u in msg.updates:
+            tracked = self.requests.get(u.req_id)
+            if tracked is None:
+                continue  # finished by a stop string or aborted since
+            finish, reason = u.finish_reason, u.stop_reason
+            stop_token = finish == "stop" and isinstance(reason, int)
+            update = tracked.detok.update(u.new_token_ids, final=finish is not None, stop_token=stop_token)
+            if update.stopped and finish is None:
+                finish, reason = "stop", update.stop_str
+                hits[u.req_id] = update.stop_str
+            delta = OutputDelta(
+                req_id=u.req_id, text=update.text, token_ids=list(u.new_token_ids), finish_reason=finish,
+                stop_reason=reason, num_prompt_tokens=u.num_prompt_tokens, num_cached_tokens=u.num_cached_tokens,
+            )
+            lps = msg.logprobs.get(u.req_id)
+            if lps:
+                delta.logprobs = [self._position(lp) for lp in lps]
+            plps = msg.prompt_logprobs.get(u.req_id)
+            if plps is not None:
+                delta.prompt_logprobs = [self._position(lp) if lp is not None else None for lp in plps]
+            by_sink[tracked.sink].append(delta)
+            if finish is not None:
+                del self.requests[u.req_id]
+        # prompt logprobs of prefill chunks that sampled nothing yet
+        for rid, plps in msg.prompt_logprobs.items():
+            tracked = self.requests.get(rid)
+            if tracked is not None and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ())):
+                by_sink[tracked.sink].append(OutputDelta(
+                    req_id=rid, text="", token_ids=[],
+                    prompt_logprobs=[self._position(lp) if lp is not None else None for lp in plps]))
+        if hits and msg.scheduler is not None:
+            await msg.scheduler.send(StopStringHit(hits))
+        for sink, deltas in by_sink.items():
+            await sink.send(Outputs(deltas))
+
+    def _position(self, lp: TokenLogprobs) -> PositionLogprobs:
+        tokens = self.tokenizer.convert_ids_to_tokens(lp.token_ids)
+        tokens = [self.tokenizer.convert_tokens_to_string([t]) if t is not None else "" for t in tokens]
+        top = [Logprob(t, s, p) for t, s, p in zip(lp.token_ids[1:], tokens[1:], lp.logprobs[1:])]
+        return PositionLogprobs(lp.token_ids[0], tokens[0], lp.logprobs[0], lp.rank, top)

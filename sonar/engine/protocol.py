@@ -1,0 +1,169 @@
+"""The messages the engine's actors exchange (one tagged union per actor)."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from sonar.actors import Ask
+from sonar.core.outputs import RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.sampling_params import SamplingParams
+
+
+# -- worker --------------------------------------------------------------------------------------
+class WorkerInfo(msgspec.Struct):
+    """What the scheduler and the frontend need to know about the loaded model and its cache."""
+
+    model: str
+    architecture: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    kv_cache_memory_bytes: int
+    tokenizer_path: str | None
+    pid: int
+
+
+class DescribeWorker(Ask, tag="worker.describe"):
+    reply_type = WorkerInfo
+
+
+class NewRequestData(msgspec.Struct, array_like=True):
+    """Per-request state the worker keeps while a request runs (sent on its first step)."""
+
+    req_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """For one position: the chosen token, then the top-N alternatives (ids, logprobs), its rank."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+class StepResult(msgspec.Struct):
+    step_id: int
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    seconds: float = 0.0
+
+
+class ExecuteStep(Ask, tag="worker.step"):
+    output: SchedulerOutput
+    new_requests: list[NewRequestData] = []
+    reply_type = StepResult
+
+
+WorkerMsg = Union[DescribeWorker, ExecuteStep]
+
+
+# -- scheduler -----------------------------------------------------------------------------------
+class Accepted(msgspec.Struct):
+    ok: bool
+    error: str | None = None
+    error_type: str | None = None  # "too_long" | "invalid" | "duplicate" | "unavailable"
+
+
+class AddRequest(Ask, tag="scheduler.add"):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Any  # ActorRef of the frontend that receives the outputs
+    priority: int = 0
+    cache_salt: str | None = None
+    arrival_time: float | None = None
+    reply_type = Accepted
+
+
+class Abort(msgspec.Struct, tag="scheduler.abort"):
+    request_ids: list[str]
+
+
+class StopStringHit(msgspec.Struct, tag="scheduler.stop_string"):
+    """The detokenizer found a stop string: finish these requests."""
+
+    hits: dict[str, str]
+
+
+class GetStats(Ask, tag="scheduler.stats"):
+    reply_type = SchedulerStats
+
+
+SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats]
+
+
+# -- detokenizer ---------------------------------------------------------------------------------
+class TrackRequest(msgspec.Struct, array_like=True):
+    req_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    sink: Any
+
+
+class StepOutputs(msgspec.Struct, tag="detok.step"):
+    """From the scheduler after each step: requests that started, what each step did, logprobs."""
+
+    new: list[TrackRequest]
+    updates: list[RequestUpdate]
+    scheduler: Any = None  # where stop-string hits go (the sender)
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+
+
+class Forget(msgspec.Struct, tag="detok.forget"):
+    request_ids: list[str]
+
+
+DetokenizerMsg = Union[StepOutputs, Forget]
+
+
+# -- frontend (the library's client, later the HTTP server) -------------------------------------
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, array_like=True):
+    """The chosen token's logprob and the top alternatives at one position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[Logprob]
+
+
+class OutputDelta(msgspec.Struct, array_like=True):
+    req_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+class Outputs(msgspec.Struct, tag="frontend.outputs"):
+    deltas: list[OutputDelta]
+
+
+class EngineFailed(msgspec.Struct, tag="frontend.failed"):
+    """The engine cannot finish these requests (it gave up, or lost their state)."""
+
+    request_ids: list[str]
+    reason: str
+
+
+FrontendMsg = Union[Outputs, EngineFailed]
