@@ -48,6 +48,8 @@ class Supervisor:
         self.runners: list[Runner] = []
         self.ready = False
         self.events: deque[Event] = deque(maxlen=1000)
+        self.listeners: list[Callable[[Event], None]] = []
+        """Called (synchronously, in the supervisor's task) with every new event."""
         self._restarts: deque[float] = deque()
         self._exits_send, self._exits = anyio.create_memory_object_stream[tuple](max_buffer_size=1000)
         self._shutdown = anyio.Event()
@@ -120,7 +122,13 @@ class Supervisor:
 
     # -- internals --------------------------------------------------------------------------
     def _event(self, kind: str, child: str, detail: str = "") -> None:
-        self.events.append(Event(time.time(), kind, child, detail))
+        event = Event(time.time(), kind, child, detail)
+        self.events.append(event)
+        for listener in self.listeners:
+            try:
+                listener(event)
+            except Exception as exc:  # a listener must not break supervision
+                log.error("supervisor.listener_failed", error=repr(exc))
 
     async def _start(self, runner: Runner) -> None:
         log.info("actor.start", supervisor=self.name, actor=runner.name, placement=runner.placement)

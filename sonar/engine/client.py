@@ -296,7 +296,12 @@ class LLM:
 
 
 def engine_spec(config: EngineConfig) -> SupervisorSpec:
-    """The engine's supervision tree: worker, detokenizer, scheduler (started in that order)."""
+    """The engine's supervision tree: worker, detokenizer, scheduler (started in that order).
+
+    one_for_one: a restarted worker is caught up by the scheduler (it recomputes the requests in
+    flight); a restarted scheduler or detokenizer starts empty and the frontend fails the requests
+    it had (see `open`).
+    """
     raw = msgspec.to_builtins(config)
     return SupervisorSpec("engine", [
         ChildSpec("worker", WorkerActor, kwargs={"config": raw}, placement=config.placement_of("worker"),
@@ -306,7 +311,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
         ChildSpec("scheduler", SchedulerActor,
                   kwargs={"config": raw, "worker": SiblingRef("worker"), "detokenizer": SiblingRef("detokenizer")},
                   placement=config.placement_of("scheduler"), ping_interval=2.0, ping_timeout=30.0),
-    ], strategy="rest_for_one", max_restarts=5, period=60)
+    ], strategy="one_for_one", max_restarts=5, period=60)
 
 
 @asynccontextmanager
@@ -330,6 +335,16 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
 
             tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
             llm = LLM(config, sup, inc.actor.ref, streams, info, tokenizer)
+
+            def on_event(event: Any) -> None:
+                # The worker can be restarted under running requests (the scheduler recomputes
+                # them); the scheduler and the detokenizer hold request state that a restart
+                # loses, so the requests they held end with an error rather than hang.
+                if event.kind == "crash" and event.child in ("scheduler", "detokenizer"):
+                    for stream in list(streams.values()):
+                        stream.send_nowait(_Failed(f"the {event.child} crashed ({event.detail}); request lost"))
+
+            sup.listeners.append(on_event)
             try:
                 yield llm
             finally:
