@@ -1,12 +1,40 @@
-"""Sonar: an LLM inference server built from supervised actors."""
+"""Sonar: an LLM inference server built from supervised actors.
 
-from sonar.engine.client import LLM, CompletionOutput, RequestOutput, StreamDelta, open
-from sonar.errors import EngineDeadError, InvalidRequestError, SonarError
-from sonar.sampling_params import SamplingParams, SamplingParamsError
+The public names are imported on first use, so `python -m sonar actor` and `sonar serve --help`
+start without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LLM", "CompletionOutput", "EngineDeadError", "InvalidRequestError", "RequestOutput", "SamplingParams",
-    "SamplingParamsError", "SonarError", "StreamDelta", "__version__", "open",
-]
+_EXPORTS = {
+    "open": "sonar.engine.client",
+    "LLM": "sonar.engine.client",
+    "CompletionOutput": "sonar.engine.client",
+    "RequestOutput": "sonar.engine.client",
+    "StreamDelta": "sonar.engine.client",
+    "EngineDeadError": "sonar.errors",
+    "InvalidRequestError": "sonar.errors",
+    "SonarError": "sonar.errors",
+    "SamplingParams": "sonar.sampling_params",
+    "SamplingParamsError": "sonar.sampling_params",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'sonar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

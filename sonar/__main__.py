@@ -14,12 +14,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return actor_main(rest)
     if command == "serve":
-        from sonar.models.embedded import EMBEDDED_NAME, gguf_path
+        from sonar.cli.serve import main as serve_main
 
-        model = rest[0] if rest and not rest[0].startswith("-") else None
-        source = model or f"{EMBEDDED_NAME} (embedded: {gguf_path()})"
-        print(f"sonar serve: would serve {source}; the HTTP server is not built yet.")
-        return 0
+        return serve_main(rest)
     if command == "bench":
         sub = rest[0] if rest else ""
         if sub == "actors":

@@ -1,0 +1,83 @@
+"""`ServeConfig`: everything `sonar serve` was told, as one typed, immutable value.
+
+The engine's share is an `EngineConfig` (`engine`); the rest are the HTTP frontend's settings.
+`parse_serve_args` builds it from the command line, a `--config` YAML file and the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from sonar.engine.config import EngineConfig
+
+DEFAULT_PORT = 2242
+
+
+class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
+    engine: EngineConfig
+    served_model_name: tuple[str, ...]
+    """Names clients may use for the model; the first is reported in responses."""
+
+    # Listening.
+    host: str | None = None
+    port: int = DEFAULT_PORT
+    uds: str | None = None
+    root_path: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_cert_reqs: int = 0
+    h11_max_incomplete_event_size: int = 4194304
+    h11_max_header_count: int = 256
+    shutdown_timeout: float = 0.0
+
+    # Access control and CORS.
+    api_key: tuple[str, ...] | None = None
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    # Requests and responses.
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] = {}
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_request_id_headers: bool = False
+    fingerprint_mode: str = "full"
+    fingerprint_value: str | None = None
+    stream_interval: int = 1
+
+    # Logging.
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: int | None = None
+    disable_log_stats: bool = False
+    uvicorn_log_level: str = "info"
+    disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
+
+    # Device memory: the worker will honour this once it sizes memory from it.
+    gpu_memory_utilization: float = 0.92
+
+    accepted_noops: tuple[str, ...] = ()
+    """Flags that were given but have no effect in Sonar (each accepted on purpose; see --help=NAME)."""
+
+    @property
+    def model(self) -> str | None:
+        """The model as given (None: the embedded default model)."""
+        return self.engine.model
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.max_logprobs
+
+    @property
+    def enforce_eager(self) -> bool:
+        return self.engine.enforce_eager

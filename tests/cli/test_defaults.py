@@ -1,0 +1,127 @@
+"""The flag table against the reference: names, groups, defaults; implemented flags land in real fields."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from sonar.cli import FLAGS, GROUPS, Kind, ServeConfig, Status, parse_serve_args
+from sonar.engine.config import EngineConfig
+
+# (flag, the reference's documented default, how to read Sonar's parsed value; None: the table's default)
+REFERENCE_DEFAULTS = [
+    ("--port", 2242, lambda c: c.port),
+    ("--host", None, lambda c: c.host),
+    ("--uds", None, lambda c: c.uds),
+    ("--uvicorn-log-level", "info", lambda c: c.uvicorn_log_level),
+    ("--allowed-origins", ("*",), lambda c: c.allowed_origins),
+    ("--allowed-methods", ("*",), lambda c: c.allowed_methods),
+    ("--allowed-headers", ("*",), lambda c: c.allowed_headers),
+    ("--allow-credentials", False, lambda c: c.allow_credentials),
+    ("--response-role", "assistant", lambda c: c.response_role),
+    ("--fingerprint-mode", "full", lambda c: c.fingerprint_mode),
+    ("--ssl-cert-reqs", 0, lambda c: c.ssl_cert_reqs),
+    ("--h11-max-incomplete-event-size", 4194304, lambda c: c.h11_max_incomplete_event_size),
+    ("--h11-max-header-count", 256, lambda c: c.h11_max_header_count),
+    ("--shutdown-timeout", 0, lambda c: c.shutdown_timeout),
+    ("--generation-config", "auto", lambda c: c.generation_config),
+    ("--override-generation-config", {}, lambda c: c.override_generation_config),
+    ("--stream-interval", 1, lambda c: c.stream_interval),
+    ("--gpu-memory-utilization", 0.92, lambda c: c.gpu_memory_utilization),
+    ("--max-logprobs", 20, lambda c: c.max_logprobs),
+    ("--enforce-eager", False, lambda c: c.enforce_eager),
+    ("--dtype", "auto", lambda c: c.engine.dtype),
+    ("--seed", 0, lambda c: c.engine.seed),
+    ("--load-format", "auto", lambda c: c.engine.load_format),
+    ("--max-model-len", None, lambda c: c.engine.max_model_len),
+    ("--kv-cache-memory-bytes", None, lambda c: c.engine.kv_cache_memory_bytes),
+    ("--prefix-caching-hash-algo", "sha256", lambda c: c.engine.prefix_caching_hash_algo),
+    ("--scheduling-policy", "fcfs", lambda c: c.engine.scheduling_policy),
+    ("--long-prefill-token-threshold", 0, lambda c: c.engine.long_prefill_token_threshold),
+    ("--watermark", 0.0, lambda c: c.engine.watermark),
+    ("--scheduler-reserve-full-isl", True, lambda c: c.engine.scheduler_reserve_full_isl),
+    ("--tensor-parallel-size", 1, None),
+    ("--pipeline-parallel-size", 1, None),
+    ("--data-parallel-size", 1, None),
+    ("--kv-cache-dtype", "auto", None),
+    ("--tokenizer-mode", "auto", None),
+    ("--max-lora-rank", 16, None),
+    ("--master-port", 29501, None),
+    ("--disable-cascade-attn", True, None),
+    ("--enable-log-deltas", True, None),
+    ("--use-tqdm-on-load", True, None),
+    ("--safetensors-prefetch-block-size", 16777216, None),
+    ("--optimization-level", 2, None),
+    ("--mm-processor-cache-gb", 4, None),
+    ("--ignore-patterns", ("original/**/*",), None),
+    ("--enable-prefix-caching", None, None),
+]
+
+
+@pytest.fixture(scope="module")
+def defaults() -> ServeConfig:
+    return parse_serve_args([])
+
+
+@pytest.mark.parametrize(("name", "documented", "read"), REFERENCE_DEFAULTS, ids=[r[0] for r in REFERENCE_DEFAULTS])
+def test_default_matches_reference(defaults: ServeConfig, name: str, documented, read) -> None:
+    assert FLAGS[name].default == documented
+    if read is not None:
+        assert read(defaults) == documented
+
+
+def test_every_documented_flag_is_known() -> None:
+    own = {"--placement", "--step-timeout"}
+    assert len(FLAGS) - len(own) == 278
+    assert own <= set(FLAGS)
+    names = [f.name for g in GROUPS for f in g.flags]
+    assert len(names) == len(set(names))
+    assert FLAGS["--max-model-len"].group == "ModelConfig"
+    assert FLAGS["--block-size"].group == "CacheConfig"
+    assert FLAGS["--compilation-config"].group == "Sonar configuration"
+    assert FLAGS["--tensor-parallel-size"].aliases == ("-tp",)
+    assert FLAGS["--data-parallel-hybrid-lb"].aliases == ("-dph",)
+
+
+def test_implemented_flags_target_real_fields() -> None:
+    engine_fields = set(EngineConfig.__struct_fields__)
+    serve_fields = set(ServeConfig.__struct_fields__)
+    for flag in FLAGS.values():
+        if flag.target is None or "." not in flag.target:
+            continue
+        part, field = flag.target.split(".")
+        assert field in (engine_fields if part == "engine" else serve_fields), flag.name
+        assert flag.noop is None and not flag.accepts, flag.name
+
+
+def test_every_status_is_explained() -> None:
+    for flag in FLAGS.values():
+        assert flag.help.strip(), flag.name
+        if flag.status is Status.NOOP:
+            assert flag.noop and not flag.accepts, flag.name
+
+
+def _words(flag, value) -> list[str]:
+    if flag.kind is Kind.BOOL:
+        return [flag.name] if value else [f"--no-{flag.name[2:]}"]
+    if isinstance(value, tuple):
+        return [flag.name, *map(str, value)] if value else []
+    if isinstance(value, dict):
+        return [flag.name, msgspec.json.encode(value).decode()]
+    return [flag.name, str(value)]
+
+
+def test_every_flag_accepts_its_default_explicitly() -> None:
+    """Passing a documented default is never an error: it means what leaving the flag out means."""
+    checked = 0
+    for flag in FLAGS.values():
+        if flag.kind is Kind.HELP or flag.default is None or flag.target == "config":
+            continue
+        if flag.kind is Kind.BOOL and not flag.negatable and not flag.default:
+            continue  # a store-true flag has no way to say False
+        words = _words(flag, flag.default)
+        if not words:
+            continue
+        parse_serve_args(words)
+        checked += 1
+    assert checked > 150

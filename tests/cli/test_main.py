@@ -1,0 +1,72 @@
+"""`python -m sonar serve` end to end: exit codes, one-line errors, help, the summary it prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sonar.cli.serve import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+RUNS = {
+    "ok": ["org/model", "--max-model-len", "4k", "--port", "8000", "--placement", "worker=process",
+           "--trust-remote-code"],
+    "bad-value": ["--max-num-seqs", "abc"],
+    "unsupported": ["--tensor-parallel-size", "2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, subprocess.CompletedProcess]:
+    """Each run is a fresh interpreter (~2 s of imports), so start them all at once."""
+    procs = {
+        name: subprocess.Popen([sys.executable, "-m", "sonar", "serve", *argv], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for name, argv in RUNS.items()
+    }
+    done = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return done
+
+
+def test_serve_prints_the_settings_and_exits_0(runs) -> None:
+    run = runs["ok"]
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert all(line.startswith("sonar serve: ") for line in lines)
+    assert "sonar serve: model: org/model" in lines
+    assert "sonar serve: dtype: auto" in lines
+    assert "sonar serve: max model len: 4000" in lines
+    assert "sonar serve: listening on: http://0.0.0.0:8000 (all interfaces)" in lines
+    assert "sonar serve: placement: worker=process, detokenizer=inprocess, scheduler=inprocess" in lines
+    assert "sonar serve: accepted, no effect in Sonar: --trust-remote-code" in lines
+
+
+def test_bad_value_is_one_line_and_exit_2(runs) -> None:
+    run = runs["bad-value"]
+    assert run.returncode == 2
+    assert run.stdout == ""
+    assert run.stderr == "sonar serve: error: argument --max-num-seqs: expected an integer, got 'abc'\n"
+
+
+def test_unsupported_flag_is_one_line_and_exit_2(runs) -> None:
+    run = runs["unsupported"]
+    assert run.returncode == 2
+    assert run.stderr == "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)\n"
+
+
+def test_main_in_process(capsys) -> None:
+    assert main(["--uds", "/tmp/sonar.sock", "--max-model-len", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "sonar serve: listening on: unix:/tmp/sonar.sock" in out
+    assert "sonar serve: max model len: auto (the longest that fits the KV cache)" in out
+    assert main(["--help=max-model-len"]) == 0
+    assert "--max-model-len MAX_MODEL_LEN" in capsys.readouterr().out
+    assert main(["--help=zzzz"]) == 2
+    assert capsys.readouterr().err == "sonar serve: error: --help: no flag or group matches 'zzzz'\n"

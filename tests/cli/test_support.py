@@ -1,0 +1,61 @@
+"""Flags Sonar does not implement: accepted when they mean nothing for Sonar, else one clear error."""
+
+from __future__ import annotations
+
+import pytest
+
+from sonar.cli import FLAGS, Status, parse_serve_args
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--tensor-parallel-size", "2"],
+     "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)"),
+    (["-tp", "4"], "sonar serve: --tensor-parallel-size is not supported yet (got 4; Sonar accepts only 1)"),
+    (["--lora-modules", "a=/x"], "sonar serve: --lora-modules is not supported yet (got a=/x)"),
+    (["--enable-lora"], "sonar serve: --enable-lora is not supported yet (Sonar accepts only --no-enable-lora)"),
+    (["--grpc"], "sonar serve: --grpc is not supported yet"),
+    (["--speculative-config.method", "ngram"],
+     'sonar serve: --speculative-config is not supported yet (got {"method": "ngram"})'),
+    (["--kv-cache-dtype", "fp8"], "sonar serve: --kv-cache-dtype is not supported yet (got fp8; Sonar accepts only auto)"),
+    (["--load-format", "pt"],
+     "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)"),
+    (["--async-scheduling"],
+     "sonar serve: --async-scheduling is not supported yet (Sonar accepts only --no-async-scheduling)"),
+])
+def test_unsupported_values_fail_clearly(usage_error, argv: list[str], expected: str) -> None:
+    assert usage_error(*argv) == expected
+
+
+def test_unsupported_still_checks_the_value_first(usage_error) -> None:
+    assert usage_error("--tensor-parallel-size", "two").startswith(
+        "sonar serve: error: argument --tensor-parallel-size/-tp: expected an integer"
+    )
+
+
+@pytest.mark.parametrize("argv", [
+    ["--tensor-parallel-size", "1"], ["--pipeline-parallel-size", "1"], ["--data-parallel-size", "1"],
+    ["--kv-cache-dtype", "auto"], ["--no-enable-lora"], ["--no-async-scheduling"],
+    ["--distributed-executor-backend", "uni"], ["--tokenizer-mode", "hf"], ["-O0"],
+    ["--load-format", "gguf"], ["--load-format", "dummy"],
+])
+def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
+    assert parse_serve_args(argv).accepted_noops == ()
+
+
+@pytest.mark.parametrize("argv", [
+    ["--trust-remote-code"], ["--no-use-tqdm-on-load"], ["--disable-fastapi-docs"],
+    ["--master-port", "1234"], ["--language-model-only"], ["--moe-backend", "triton"],
+])
+def test_noops_are_accepted_and_reported(argv: list[str]) -> None:
+    config = parse_serve_args(argv)
+    assert config.accepted_noops == (argv[0].replace("--no-", "--"),)
+
+
+def test_noop_values_are_still_validated(usage_error) -> None:
+    assert "argument --moe-backend: invalid choice: 'magic'" in usage_error("--moe-backend", "magic")
+
+
+def test_status_counts_are_stable() -> None:
+    counts = {status: sum(f.status is status for f in FLAGS.values()) for status in Status}
+    assert counts[Status.IMPLEMENTED] >= 60
+    assert sum(counts.values()) == len(FLAGS)
