@@ -93,6 +93,7 @@ class Request:
         "priority",
         "arrival_time",
         "cache_salt",
+        "skip_reading_prefix_cache",
         "sampling_params",
         "status",
         "num_computed_tokens",
@@ -114,6 +115,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        skip_reading_prefix_cache: bool = False,
         sampling_params: Any = None,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -135,6 +137,9 @@ class Request:
         """Smaller runs earlier under the priority policy."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
+        position's logits); its blocks still enter the cache for other requests."""
         self.sampling_params = sampling_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -240,7 +240,10 @@ class Scheduler:
         # whole cache is still admitted once it is alone.
         while len(waiting) and budget > 0 and len(self.running) < config.max_num_seqs:
             request = waiting.peek()
-            hits, num_hit_tokens = bm.get_computed_blocks(request)
+            if request.skip_reading_prefix_cache:
+                hits, num_hit_tokens = [], 0
+            else:
+                hits, num_hit_tokens = bm.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if config.enable_chunked_prefill:
                 if threshold and num_new > threshold:

@@ -258,6 +258,8 @@ class LLM:
                    cache_salt: str | None) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        # The prompt is scored once: only the first completion asks for its logprobs.
+        children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
         send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)

@@ -38,7 +38,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
     max_logprobs: int = 20
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     placement: dict[str, str] = {}
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""

@@ -38,6 +38,21 @@ class _Tracked:
     detok: IncrementalDetokenizer
     params: SamplingParams
     sink: ActorRef
+    prompt_sent: int = 0
+    """Prompt positions whose logprobs went out."""
+    prompt_pass: int = 0
+    """Prompt positions received in the current pass over the prompt."""
+
+    def fresh_prompt_logprobs(self, plps: list[TokenLogprobs | None]) -> list[TokenLogprobs | None]:
+        """The part of one chunk's prompt logprobs not sent yet: a preempted (or recovered)
+        request computes its prompt again from position 0, whose chunk starts with None."""
+        if plps and plps[0] is None:
+            self.prompt_pass = 0
+        first = self.prompt_pass
+        self.prompt_pass += len(plps)
+        fresh = plps[max(0, self.prompt_sent - first):]
+        self.prompt_sent = max(self.prompt_sent, self.prompt_pass)
+        return fresh
 
 
 class DetokenizerActor(Actor):
@@ -93,7 +108,7 @@ class DetokenizerActor(Actor):
             if lps:
                 delta.logprobs = [self._position(lp) for lp in lps]
             plps = msg.prompt_logprobs.get(u.req_id)
-            if plps is not None:
+            if plps is not None and (plps := tracked.fresh_prompt_logprobs(plps)):
                 delta.prompt_logprobs = [self._position(lp) if lp is not None else None for lp in plps]
             by_sink[tracked.sink].append(delta)
             if finish is not None:
@@ -101,7 +116,8 @@ class DetokenizerActor(Actor):
         # prompt logprobs of prefill chunks that sampled nothing yet
         for rid, plps in msg.prompt_logprobs.items():
             tracked = self.requests.get(rid)
-            if tracked is not None and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ())):
+            if tracked is not None and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ())) \
+                    and (plps := tracked.fresh_prompt_logprobs(plps)):
                 by_sink[tracked.sink].append(OutputDelta(
                     req_id=rid, text="", token_ids=[],
                     prompt_logprobs=[self._position(lp) if lp is not None else None for lp in plps]))

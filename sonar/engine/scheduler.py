@@ -95,6 +95,7 @@ class SchedulerActor(Actor):
                 msg.request_id, msg.prompt_token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
                 stop_token_ids=stop_ids, priority=msg.priority, arrival_time=msg.arrival_time or time.monotonic(),
                 cache_salt=msg.cache_salt, sampling_params=params,
+                skip_reading_prefix_cache=params.prompt_logprobs is not None,
             )
             self.core.add_request(request)
         except PromptTooLongError as exc:
@@ -135,7 +136,8 @@ class SchedulerActor(Actor):
             self.steps += 1
             updates = self.core.update_from_output(result.sampled)
             tracked, self.pending = self.pending, []
-            if updates or tracked:
+            # a prefill chunk that samples nothing still carries its prompt logprobs
+            if updates or tracked or result.prompt_logprobs:
                 await self.detokenizer.send(StepOutputs(
                     new=tracked, updates=updates, scheduler=self.ref, logprobs=result.logprobs,
                     prompt_logprobs=result.prompt_logprobs,
