@@ -1,9 +1,17 @@
-"""`python -m sonar serve`: parse the flags, then (until the HTTP server exists) say what would run."""
+"""`python -m sonar serve`: parse the flags, start the engine, serve the OpenAI API until a signal.
+
+SIGTERM or SIGINT stops uvicorn (in-flight requests get `--shutdown-timeout` seconds), then the
+engine, and the process exits 0. A second signal forces the exit.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
-from typing import Sequence
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
 
 from sonar.cli.config import ServeConfig
 from sonar.cli.errors import PROG, HelpRequested, UsageError
@@ -20,10 +28,133 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return error.exit_code
+    import anyio
+
+    return anyio.run(serve, config, backend="asyncio")
+
+
+def _say(line: str) -> None:
+    print(f"{PROG}: {line}", flush=True)
+
+
+async def serve(config: ServeConfig) -> int:
+    """Open the engine, serve HTTP until SIGTERM/SIGINT, shut everything down; the exit code."""
+    import anyio
+    import msgspec
+    import uvicorn
+
+    import sonar
+    from sonar.http.app import build_app
+
+    started_at = time.monotonic()
     for line in describe(config):
-        print(f"{PROG}: {line}")
-    print(f"{PROG}: the HTTP server is not built yet; nothing is started")
+        _say(line)
+    holder: dict[str, Any] = {}
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
+
+            async def watch_signals() -> None:
+                async for sig in signals:
+                    server = holder.get("server")
+                    _say(f"{signal.Signals(sig).name}: shutting down")
+                    if server is None:  # still starting: stop the start
+                        tg.cancel_scope.cancel()
+                        return
+                    if server.should_exit:
+                        server.force_exit = True
+                    server.should_exit = True
+
+            tg.start_soon(watch_signals)
+            args = msgspec.structs.asdict(config.engine)
+            model = args.pop("model")
+            try:
+                async with sonar.open(model, **args) as llm:
+                    for line in startup_summary(config, llm, time.monotonic() - started_at):
+                        _say(line)
+                    server = _make_server(uvicorn.Config(build_app(llm, _settings(config)), **_uvicorn_args(config)))
+                    holder["server"] = server
+                    try:
+                        await server.serve()
+                    finally:
+                        if config.uds and os.path.exists(config.uds):  # uvicorn leaves the socket file
+                            os.unlink(config.uds)
+            except Exception as exc:
+                print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                tg.cancel_scope.cancel()
+                return 1
+            tg.cancel_scope.cancel()
+    _say("stopped")
     return 0
+
+
+def _make_server(uvicorn_config: Any) -> Any:
+    """A uvicorn `Server` without its own signal handling: `serve()` handles the signals, and
+    uvicorn would re-raise them when it returns."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(uvicorn_config)
+
+
+def _settings(config: ServeConfig) -> Any:
+    from sonar.http.common import ServerSettings
+
+    return ServerSettings(
+        served_model_names=config.served_model_name, api_keys=config.api_key or (),
+        chat_template=_chat_template(config.chat_template), response_role=config.response_role,
+        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
+        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
+        enable_force_include_usage=config.enable_force_include_usage)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's path or the template itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _uvicorn_args(config: ServeConfig) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=config.shutdown_timeout or None,
+        h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
+        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs, root_path=config.root_path or "",
+    )
+    if config.uds:
+        args["uds"] = config.uds
+    else:
+        args["host"] = config.host or "0.0.0.0"
+        args["port"] = config.port
+    return args
+
+
+def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
+    """What was loaded, how big its KV cache is (and the flag that reproduces it), where to call it."""
+    info = llm.info
+    tokens = info.num_blocks * info.block_size
+    return [
+        f"engine ready in {seconds:.1f} s: {info.model} ({info.architecture}), dtype {info.dtype}",
+        f"max model len: {info.max_model_len}",
+        f"KV cache: {info.num_blocks} blocks of {info.block_size} tokens ({tokens} tokens); "
+        f"reproduce with --kv-cache-memory-bytes {info.kv_cache_memory_bytes}",
+        f"serving {', '.join(config.served_model_name)} at {_address(config)}",
+    ]
+
+
+def _address(config: ServeConfig) -> str:
+    if config.uds:
+        return f"unix:{config.uds}"
+    scheme = "https" if config.ssl_certfile else "http"
+    return f"{scheme}://{config.host or '0.0.0.0'}:{config.port}"
 
 
 def describe(config: ServeConfig) -> list[str]:

@@ -1,4 +1,7 @@
-"""`python -m sonar serve` end to end: exit codes, one-line errors, help, the summary it prints."""
+"""`python -m sonar serve` end to end: exit codes, one-line errors, help, the summary it prints.
+
+Serving itself (engine up, HTTP answered, SIGTERM → exit 0) is tested in tests/http.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from sonar.cli.serve import main
+from sonar.cli import parse_serve_args
+from sonar.cli.serve import describe, main
 
 ROOT = Path(__file__).resolve().parents[2]
 
 RUNS = {
-    "ok": ["org/model", "--max-model-len", "4k", "--port", "8000", "--placement", "worker=process",
+    "missing-model": ["org/model", "--max-model-len", "4k", "--port", "8000", "--placement", "worker=process",
            "--trust-remote-code"],
     "bad-value": ["--max-num-seqs", "abc"],
     "unsupported": ["--tensor-parallel-size", "2"],
@@ -35,9 +39,13 @@ def runs() -> dict[str, subprocess.CompletedProcess]:
     return done
 
 
-def test_serve_prints_the_settings_and_exits_0(runs) -> None:
-    run = runs["ok"]
-    assert run.returncode == 0, run.stderr
+def test_serve_prints_the_settings_then_a_missing_model_is_one_line_and_exit_1(runs) -> None:
+    run = runs["missing-model"]
+    assert run.returncode == 1, run.stderr
+    errors = [line for line in run.stderr.splitlines() if line.startswith("sonar serve: ")]
+    assert len(errors) == 1
+    assert errors[0].startswith("sonar serve: error: ")
+    assert "model 'org/model' is not a local path" in errors[0]
     lines = run.stdout.splitlines()
     assert all(line.startswith("sonar serve: ") for line in lines)
     assert "sonar serve: model: org/model" in lines
@@ -61,11 +69,10 @@ def test_unsupported_flag_is_one_line_and_exit_2(runs) -> None:
     assert run.stderr == "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)\n"
 
 
-def test_main_in_process(capsys) -> None:
-    assert main(["--uds", "/tmp/sonar.sock", "--max-model-len", "auto"]) == 0
-    out = capsys.readouterr().out
-    assert "sonar serve: listening on: unix:/tmp/sonar.sock" in out
-    assert "sonar serve: max model len: auto (the longest that fits the KV cache)" in out
+def test_describe_and_help_in_process(capsys) -> None:
+    lines = describe(parse_serve_args(["--uds", "/tmp/sonar.sock", "--max-model-len", "auto"]))
+    assert "listening on: unix:/tmp/sonar.sock" in lines
+    assert "max model len: auto (the longest that fits the KV cache)" in lines
     assert main(["--help=max-model-len"]) == 0
     assert "--max-model-len MAX_MODEL_LEN" in capsys.readouterr().out
     assert main(["--help=zzzz"]) == 2

@@ -1,0 +1,161 @@
+"""The OpenAI-compatible starlette app around a running `LLM`.
+
+    app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET|POST /ping, GET /version, POST /tokenize, POST /detokenize. With API keys set, every
+/v1/* route needs `Authorization: Bearer <key>` (the others stay open, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import sonar
+from sonar.engine.client import LLM
+from sonar.http.chat import create_chat_completion
+from sonar.http.common import ServerSettings, error_response, exception_response, json_response
+from sonar.http.completions import create_completion
+from sonar.http.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    RequestError,
+    TokenizeRequest,
+    TokenizeResponse,
+    decode_request,
+)
+
+
+class ApiKeyMiddleware:
+    """401 for /v1/* requests without one of `keys` as a bearer token (compared in constant time)."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._protected(scope):
+            auth = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            given = token.strip().encode() if scheme.lower() == "bearer" else b""
+            ok = False
+            for key in self.keys:  # no early exit: every key is compared
+                ok |= hmac.compare_digest(given, key)
+            if not ok:
+                await error_response("invalid or missing API key", 401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _protected(scope: Scope) -> bool:
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return path.startswith("/v1/") or path == "/v1"
+
+
+def build_app(llm: LLM, settings: ServerSettings) -> Starlette:
+    names = settings.served_model_names
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model not in names:
+            raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, llm, settings, check_model)
+
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(request, llm, settings, check_model)
+
+    async def models(request: Request) -> Response:
+        root = llm.config.model or llm.info.model
+        return json_response(ModelList([ModelCard(id=name, root=root, max_model_len=llm.info.max_model_len)
+                                        for name in names]))
+
+    async def health(request: Request) -> Response:
+        """200 when the scheduler answers within the deadline (the engine is serving), else 503."""
+        try:
+            with anyio.fail_after(settings.health_timeout):
+                await llm.stats()
+        except Exception:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return json_response({"version": sonar.__version__})
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), TokenizeRequest)
+            check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise RequestError("give either prompt or messages", "prompt")
+            if req.messages is not None:
+                messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
+                ids = await llm.apply_chat_template(
+                    messages, add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+            else:
+                prompt = req.prompt
+                ids = await anyio.to_thread.run_sync(
+                    lambda: llm.tokenizer(prompt, add_special_tokens=req.add_special_tokens).input_ids)
+            strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return json_response(TokenizeResponse(len(ids), llm.info.max_model_len, list(ids), strs))
+        except Exception as exc:
+            return exception_response(exc)
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = decode_request(await request.body(), DetokenizeRequest)
+            check_model(req.model)
+            vocab = llm.info.vocab_size
+            bad = [t for t in req.tokens if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
+            text = await anyio.to_thread.run_sync(lambda: llm.tokenizer.decode(req.tokens))
+            return json_response(DetokenizeResponse(text))
+        except Exception as exc:
+            return exception_response(exc)
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                             allow_methods=list(settings.allowed_methods),
+                             allow_headers=list(settings.allowed_headers),
+                             allow_credentials=settings.allow_credentials)]
+    if settings.api_keys:
+        middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.llm = llm
+    app.state.settings = settings
+    return app
+
+
+async def _not_found(request: Request, exc: Any) -> Response:
+    return error_response(f"no route {request.url.path}", 404)
+
+
+async def _not_allowed(request: Request, exc: Any) -> Response:
+    return error_response(f"method {request.method} is not allowed on {request.url.path}", 405)

@@ -1,0 +1,85 @@
+"""POST /v1/chat/completions: the chat template renders the messages, then the engine generates.
+
+Streamed, each choice's first chunk carries the role (sent when the engine's first output
+arrives, so that a rejected request still gets a proper 400), then content chunks, the last one
+with the finish reason; with `stream_options.include_usage` a final chunk carries the usage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sonar.engine.client import LLM
+from sonar.http.common import ServerSettings, cancel_on_disconnect, chat_logprobs, exception_response, json_response, new_id
+from sonar.http.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeltaMessage,
+    ResponseMessage,
+    Usage,
+    decode_request,
+)
+from sonar.http.sse import Emit, EventStream
+from sonar.sampling_params import SamplingParams
+
+
+async def create_chat_completion(request: Request, llm: LLM, settings: ServerSettings,
+                                 check_model: Callable[[str | None], None]) -> Response:
+    rid = new_id("chatcmpl")
+    try:
+        req = decode_request(await request.body(), ChatCompletionRequest)
+        check_model(req.model)
+        params = req.sampling_params()
+        messages = req.template_messages()
+        prompt_ids = await llm.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+        role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
+        if req.stream:
+            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid), rid)
+        finished, result = await cancel_on_disconnect(
+            request, lambda: llm.generate(prompt_ids, params, priority=req.priority, request_id=rid), rid)
+        if not finished:
+            return Response(status_code=499)  # nobody reads it
+        choices = [
+            ChatChoice(out.index, ResponseMessage(role, out.text),
+                       chat_logprobs(out.logprobs or []) if req.logprobs else None,
+                       out.finish_reason, out.stop_reason)
+            for out in result.outputs
+        ]
+        completion_tokens = sum(len(out.token_ids) for out in result.outputs)
+        usage = Usage(len(prompt_ids), completion_tokens, len(prompt_ids) + completion_tokens)
+        return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage))
+    except Exception as exc:
+        return exception_response(exc, rid)
+
+
+async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompletionRequest,
+                  prompt_ids: list[int], params: SamplingParams, role: str, rid: str) -> None:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=rid, model=settings.model_name, choices=choices, created=created, usage=usage)
+
+    completion_tokens = 0
+    started = False
+    async for d in llm.stream(prompt_ids, params, priority=req.priority, request_id=rid):
+        if not started:
+            started = True
+            for i in range(params.n):
+                await emit(chunk([ChatChunkChoice(i, DeltaMessage(role=role, content=""))]))
+        completion_tokens += len(d.token_ids)
+        logprobs = chat_logprobs(d.logprobs) if req.logprobs and d.logprobs else None
+        if d.text or d.finish_reason is not None or logprobs is not None:
+            await emit(chunk([ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs,
+                                              d.finish_reason, d.stop_reason)]))
+    if req.include_usage or settings.enable_force_include_usage:
+        usage = Usage(len(prompt_ids), completion_tokens, len(prompt_ids) + completion_tokens)
+        await emit(chunk([], usage))

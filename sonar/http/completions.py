@@ -1,0 +1,128 @@
+"""POST /v1/completions: one or more prompts (text or token ids), n completions each.
+
+Choice `i` of prompt `p` has index `p * n + i`, as OpenAI and vLLM number them. Usage counts
+each prompt's tokens once (not once per completion) and every completion token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sonar.engine.client import LLM, RequestOutput
+from sonar.http.common import (
+    ServerSettings,
+    cancel_on_disconnect,
+    completion_logprobs,
+    exception_response,
+    gather,
+    json_response,
+    merge_completion_logprobs,
+    new_id,
+)
+from sonar.http.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    decode_request,
+)
+from sonar.http.sse import Emit, EventStream
+from sonar.sampling_params import SamplingParams
+
+
+async def create_completion(request: Request, llm: LLM, settings: ServerSettings,
+                            check_model: Callable[[str | None], None]) -> Response:
+    rid = new_id("cmpl")
+    try:
+        req = decode_request(await request.body(), CompletionRequest)
+        check_model(req.model)
+        prompts = req.prompts()
+        params = req.sampling_params()
+        if req.stream:
+            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid), rid)
+        finished, outputs = await cancel_on_disconnect(request, lambda: gather([
+            (lambda p=p, i=i: llm.generate(p, params, priority=req.priority, request_id=f"{rid}-{i}"))
+            for i, p in enumerate(prompts)
+        ]), rid)
+        if not finished:
+            return Response(status_code=499)  # nobody reads it
+        return json_response(_response(llm, settings, req, rid, outputs, params.n))
+    except Exception as exc:
+        return exception_response(exc, rid)
+
+
+def _prompt_text(llm: LLM, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)
+
+
+def _first_token_text(llm: LLM, prompt_ids: list[int]) -> list[str]:
+    return [llm.tokenizer.decode(prompt_ids[:1])]
+
+
+def _response(llm: LLM, settings: ServerSettings, req: CompletionRequest, rid: str,
+              outputs: list[RequestOutput], n: int) -> CompletionResponse:
+    choices = []
+    prompt_tokens = completion_tokens = 0
+    for p, result in enumerate(outputs):
+        prompt_tokens += len(result.prompt_token_ids)
+        prompt_text = (result.prompt if result.prompt is not None
+                       else llm.tokenizer.decode(result.prompt_token_ids)) if req.echo else ""
+        for out in result.outputs:
+            completion_tokens += len(out.token_ids)
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(out.logprobs or [], offset=len(prompt_text))
+                if req.echo:
+                    scored = completion_logprobs(result.prompt_logprobs or [],
+                                                 _first_token_text(llm, result.prompt_token_ids))
+                    logprobs = merge_completion_logprobs(scored, logprobs)
+            choices.append(CompletionChoice(p * n + out.index, prompt_text + out.text, logprobs,
+                                            out.finish_reason, out.stop_reason))
+    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    return CompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage)
+
+
+async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: CompletionRequest,
+                  prompts: list[str | list[int]], params: SamplingParams, rid: str) -> None:
+    created = int(time.time())
+    counts = {"prompt": 0, "completion": 0}
+
+    def chunk(choice: CompletionChoice) -> CompletionResponse:
+        return CompletionResponse(id=rid, model=settings.model_name, choices=[choice], created=created)
+
+    async def one(p: int, prompt: str | list[int]) -> None:
+        echo_pending = set(range(params.n)) if req.echo else set()
+        prompt_text = _prompt_text(llm, prompt) if req.echo else ""
+        offsets = [len(prompt_text)] * params.n
+        counted = False
+        async for d in llm.stream(prompt, params, priority=req.priority, request_id=f"{rid}-{p}"):
+            if not counted and d.num_prompt_tokens:
+                counts["prompt"] += d.num_prompt_tokens
+                counted = True
+            counts["completion"] += len(d.token_ids)
+            text = d.text
+            logprobs: CompletionLogprobs | None = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(d.logprobs or [], offset=offsets[d.index])
+                if req.echo and d.prompt_logprobs:
+                    first = _first_token_text(llm, prompt) if isinstance(prompt, list) else \
+                        [llm.tokenizer.decode(llm.tokenizer(prompt).input_ids[:1])]
+                    scored = completion_logprobs(d.prompt_logprobs, first)
+                    logprobs = merge_completion_logprobs(scored, logprobs)
+            if d.index in echo_pending:
+                echo_pending.discard(d.index)
+                text = prompt_text + text
+            offsets[d.index] += len(d.text)
+            if text or d.finish_reason is not None or (logprobs and logprobs.tokens):
+                await emit(chunk(CompletionChoice(p * params.n + d.index, text, logprobs, d.finish_reason,
+                                                  d.stop_reason)))
+
+    await gather([(lambda p=p, prompt=prompt: one(p, prompt)) for p, prompt in enumerate(prompts)])
+    if req.include_usage or settings.enable_force_include_usage:
+        usage = Usage(counts["prompt"], counts["completion"], counts["prompt"] + counts["completion"])
+        await emit(CompletionResponse(id=rid, model=settings.model_name, choices=[], usage=usage, created=created))

@@ -1,0 +1,353 @@
+"""The OpenAI request and response shapes the HTTP server speaks, as msgspec Structs.
+
+Requests are decoded with `decode_request`: unknown fields are accepted and ignored (as vLLM
+does by default), a wrong type or an out-of-range value raises `RequestError` naming the
+parameter, which the app turns into a 400 in the OpenAI error shape.
+
+Optional sampling fields are `T | None`: a client that sends `"temperature": null` gets the
+default, as with the OpenAI API.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any, TypeVar
+
+import msgspec
+
+from sonar.sampling_params import SamplingParams, SamplingParamsError
+
+T = TypeVar("T")
+
+#: OpenAI's cap on `top_logprobs` for chat completions.
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(ValueError):
+    """A request the server cannot take as sent: `status` (400/404), `param` names the field."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+# -- requests -------------------------------------------------------------------------------------
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The sampling fields completions and chat completions share (OpenAI's and vLLM's extras)."""
+
+    model: str | None = None
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    user: str | None = None
+    # vLLM's extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    priority: int = 0
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The set sampling fields as `SamplingParams` keyword arguments."""
+        names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
+                 "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
+                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+                 "spaces_between_special_tokens")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
+    # the list is checked by `prompts()`.
+    prompt: str | list[Any]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt(s) as a list: each a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise RequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, str) for x in p):
+            return list(p)
+        if all(_is_int(x) for x in p):
+            return [list(p)]
+        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+            return [list(x) for x in p]
+        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                           "lists of token ids", "prompt")
+
+    def sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise RequestError("best_of is not supported (only best_of == n)", "best_of")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise RequestError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        fields = self.sampling_fields()
+        return make_sampling_params(
+            max_tokens=self.max_tokens, logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **fields)
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self, index: int) -> dict[str, Any]:
+        """The message as the chat template expects it: content flattened to one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise RequestError(f"content part type {part.type!r} is not supported (only 'text')",
+                                       f"messages[{index}].content")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise RequestError("messages must not be empty", "messages")
+        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+    def sampling_params(self) -> SamplingParams:
+        top = self.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
+        if top and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return make_sampling_params(max_tokens=max_tokens, logprobs=(top or 0) if self.logprobs else None,
+                                    _max_tokens_param=param, **self.sampling_fields())
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int]
+
+
+def make_sampling_params(_max_tokens_param: str = "max_tokens", **kwargs: Any) -> SamplingParams:
+    """`SamplingParams(**kwargs)`, its range errors as `RequestError`s naming the parameter."""
+    try:
+        return SamplingParams(**kwargs)
+    except SamplingParamsError as exc:
+        param = _max_tokens_param if exc.param == "max_tokens" else exc.param
+        raise RequestError(str(exc).replace("max_tokens:", f"{param}:", 1), param) from None
+
+
+_PATH = re.compile(r" - at `\$\.?(.*)`$")
+
+
+def decode_request(body: bytes, kind: type[T]) -> T:
+    """Decode a JSON body into `kind`; malformed JSON, wrong types → `RequestError` (400)."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        match = _PATH.search(message)
+        param = match.group(1) if match and match.group(1) else None
+        if param is None:  # "Object missing required field `prompt`"
+            missing = re.search(r"missing required field `(\w+)`", message)
+            param = missing.group(1) if missing else None
+        return _raise(RequestError(f"invalid request: {message}", param))
+    except msgspec.DecodeError as exc:
+        return _raise(RequestError(f"malformed JSON body: {exc}"))
+
+
+def _raise(exc: Exception) -> Any:
+    raise exc
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# -- responses ------------------------------------------------------------------------------------
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class CompletionLogprobs(msgspec.Struct):
+    """The legacy completions logprobs block: parallel lists, one entry per token."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+
+
+class TopLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[TokenLogprob]
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+
+
+class DeltaMessage(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    model: str
+    choices: list[ChatChunkChoice]
+    created: int
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    root: str
+    max_model_len: int
+    object: str = "model"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    owned_by: str = "sonar"
+    parent: str | None = None
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+class TokenizeResponse(msgspec.Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(msgspec.Struct):
+    prompt: str

@@ -1,0 +1,82 @@
+"""Start the real server (`python -m sonar serve`) as a subprocess for a test module.
+
+The server serves the embedded SmolLM2-135M-Instruct in float32 with a small KV cache; its
+stdout and stderr go to files under the module's temporary directory, so a failing test (or a
+test that needs the server's log) can read them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    base_url: str
+    stdout: Path
+    stderr: Path
+    #: Seconds from starting the process to the first 200 from /health.
+    startup_seconds: float = 0.0
+
+    def log(self) -> str:
+        return self.stderr.read_text(errors="replace")
+
+    def out(self) -> str:
+        return self.stdout.read_text(errors="replace")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp: Path, *args: str, timeout: float = 120.0) -> ServerProcess:
+    """Start `python -m sonar serve --port <free> *args` and wait for /health to answer 200."""
+    port = free_port()
+    out, err = tmp / "server.out", tmp / "server.err"
+    # One intra-op thread: on a 2-vCPU machine two-thread OpenMP regions stall (see tests/engine).
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    started = time.monotonic()
+    with out.open("wb") as fout, err.open("wb") as ferr:
+        proc = subprocess.Popen([sys.executable, "-m", "sonar", "serve", "--host", "127.0.0.1",
+                                 "--port", str(port), *args], cwd=ROOT, env=env, stdout=fout, stderr=ferr)
+    server = ServerProcess(proc, f"http://127.0.0.1:{port}", out, err)
+    deadline = started + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{server.out()}\n{server.log()[-4000:]}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
+                server.startup_seconds = time.monotonic() - started
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_server(server)
+    pytest.fail(f"the server did not become healthy in {timeout} s:\n{server.log()[-4000:]}")
+
+
+def stop_server(server: ServerProcess) -> int:
+    """SIGTERM, then wait for the orderly exit (SIGKILL after 30 s); the exit code."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+    return server.proc.returncode
