@@ -71,7 +71,7 @@ class Actor:
 async def serve(actor: Actor, mailbox: Mailbox, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
     """Run `actor` on `mailbox` until it stops (returns) or crashes (raises)."""
     node = get_node()
-    actor.name = mailbox.name
+    actor.name = mailbox.display
     actor.ref = ActorRef(mailbox.name, mailbox.protocol)
     receive = mailbox.receive
     try:
@@ -190,15 +190,18 @@ class _ReadyStatus:
         self.event.set()
 
 
-async def launch(tg: TaskGroup, actor: Actor, name: str, size: int) -> Incarnation:
-    """Start `actor` under `name` in `tg` on a new mailbox; return once it is ready.
+async def launch(tg: TaskGroup, actor: Actor, name: str, size: int, display: str | None = None) -> Incarnation:
+    """Start `actor` in `tg` on a new mailbox named `name`; return once it is ready.
+
+    `display` is the name the actor sees as `self.name` and logs use (default: `name`)."""
+    """
 
     Raises the actor's own exception when it fails before it is ready.
     """
     node = get_node()
     if name in node.mailboxes:
         raise RuntimeError(f"an actor named {name!r} is already running in this process")
-    inc = Incarnation(actor, node.mailbox(name, type(actor).protocol, size))
+    inc = Incarnation(actor, node.mailbox(name, type(actor).protocol, size, display))
     tg.start_soon(inc.run)
     await inc.ready.wait()
     if inc.start_error is not None:

@@ -40,6 +40,7 @@ class Spawn(Ask, tag="sonar.spawn"):
     target: str
     kwargs: dict[str, Any] = {}
     mailbox_size: int = 1024
+    display: str | None = None
     reply_type = Spawned
 
 
@@ -77,7 +78,7 @@ class HostActor(Actor):
                     await old.done.wait()
             cls = resolve(msg.target)
             actor = cls(**msg.kwargs)
-            inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size)
+            inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
             self.actors[msg.name] = inc
             self.task_group.start_soon(self._after_exit, msg.name, inc)
             log.info("actor.spawned", actor=msg.name, pid=os.getpid())

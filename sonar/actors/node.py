@@ -68,6 +68,7 @@ class Mailbox:
 
     name: str
     protocol: Any
+    display: str
     decode_type: Any
     types: tuple[type, ...]
     send: Any
@@ -107,7 +108,7 @@ class Node:
         self._loose = msgspec.msgpack.Decoder(_ReplyToOnly, ext_hook=lambda code, data: None)
 
     # -- mailboxes --------------------------------------------------------------------------
-    def mailbox(self, name: str, protocol: Any, size: int) -> Mailbox:
+    def mailbox(self, name: str, protocol: Any, size: int, display: str | None = None) -> Mailbox:
         """The mailbox named `name`, created on first use (a restarted actor gets the same one)."""
         mb = self.mailboxes.get(name)
         if mb is None:
@@ -117,7 +118,7 @@ class Node:
             types = protocol_types(protocol)
             send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=size)
             decode_type = _union(*types, *SYSTEM_MESSAGES)
-            mb = self.mailboxes[name] = Mailbox(name, protocol, decode_type, types + SYSTEM_MESSAGES,
+            mb = self.mailboxes[name] = Mailbox(name, protocol, display or name, decode_type, types + SYSTEM_MESSAGES,
                                                 send, receive, size)
         return mb
 
@@ -234,7 +235,7 @@ class Node:
 
     def ipc_address(self, name: str) -> str:
         """A private ipc address for `name` under this node (short: unix paths max out at 107)."""
-        if len(name) > 40 or not name.replace("_", "").replace("-", "").isalnum():
+        if len(name) > 40 or not name.replace("_", "").replace("-", "").replace(".", "").isalnum():
             name = hashlib.sha1(name.encode()).hexdigest()[:16]
         return f"ipc://{tempfile.gettempdir()}/sonar-{self.short_id}-{name}.sock"
 

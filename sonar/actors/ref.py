@@ -58,11 +58,16 @@ class ActorRef(Generic[Msg]):
         self._types = protocol_types(protocol)
         self._allowed = self._types + SYSTEM_MESSAGES
 
+    @property
+    def label(self) -> str:
+        """The actor's name as its supervisor knows it (without the tree qualifier)."""
+        return self.name.split(".", 1)[-1]
+
     def _check(self, msg: Any) -> None:
         if not isinstance(msg, self._allowed):
             names = ", ".join(t.__name__ for t in self._types)
             raise TypeError(
-                f"actor {self.name!r} does not accept {type(msg).__qualname__}; its protocol is: {names}"
+                f"actor {self.label!r} does not accept {type(msg).__qualname__}; its protocol is: {names}"
             )
 
     async def send(self, msg: Msg) -> None:
@@ -80,7 +85,7 @@ class ActorRef(Generic[Msg]):
         if not isinstance(msg, Ask):
             raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
         node = get_node()
-        reply_to, fut = node.new_ask(type(msg).reply_type, self.name)
+        reply_to, fut = node.new_ask(type(msg).reply_type, self.label)
         msg = msgspec.structs.replace(msg, reply_to=reply_to)
         try:
             if timeout is None:
@@ -90,7 +95,7 @@ class ActorRef(Generic[Msg]):
                 await node.deliver(self.name, self.address, msg)
                 return await fut
         except TimeoutError:
-            raise AskTimeout(f"actor {self.name!r} did not answer {type(msg).__qualname__} in {timeout} s") from None
+            raise AskTimeout(f"actor {self.label!r} did not answer {type(msg).__qualname__} in {timeout} s") from None
         finally:
             node.forget_ask(reply_to.id)
 

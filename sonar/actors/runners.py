@@ -44,6 +44,9 @@ class Runner:
         self.spec = spec
         self.sup = sup
         self.name: str = spec.name
+        # Mailboxes are named per process: qualify the name by this supervisor, so two trees
+        # (two engines, say) can each have a child called "worker".
+        self.mailbox_name = f"{sup.uid}.{spec.name}"
         self.restarts = 0
         self.incarnation = 0
         self.state = "stopped"
@@ -146,12 +149,13 @@ class InProcessRunner(Runner):
     def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
         super().__init__(spec, sup)
         self.cls = _actor_class(spec)
-        self.ref = ActorRef(spec.name, self.cls.protocol)
+        self.ref = ActorRef(self.mailbox_name, self.cls.protocol)
         self.inc: Incarnation | None = None
 
     async def _start(self, incarnation: int) -> None:
         self.pid = os.getpid()
-        self.inc = await launch(self.sup.tg, self.cls(**_kwargs(self)), self.name, self.spec.mailbox_size)
+        self.inc = await launch(self.sup.tg, self.cls(**_kwargs(self)), self.mailbox_name, self.spec.mailbox_size,
+                                self.name)
         self.sup.tg.start_soon(self._watch, incarnation, self.inc)
 
     async def _watch(self, incarnation: int, inc: Incarnation) -> None:
@@ -192,16 +196,17 @@ class _HostedRunner(Runner):
         cls = _actor_class(self.spec)
         target = self.spec.actor if isinstance(self.spec.actor, str) else import_path(cls)
         spawned = await self.host.ask(
-            Spawn(name=self.name, target=target, kwargs=_kwargs(self), mailbox_size=self.spec.mailbox_size),
+            Spawn(name=self.mailbox_name, target=target, kwargs=_kwargs(self), mailbox_size=self.spec.mailbox_size,
+                  display=self.name),
             timeout=timeout,
         )
         self.pid = spawned.pid
-        self.ref = ActorRef(self.name, cls.protocol, self.address)
+        self.ref = ActorRef(self.mailbox_name, cls.protocol, self.address)
 
     async def _monitor(self, incarnation: int, out: list[ExitInfo]) -> None:
         """Wait for the host to tell how this run ended."""
         try:
-            out.append(await self.host.ask(Monitor(name=self.name)))
+            out.append(await self.host.ask(Monitor(name=self.mailbox_name)))
         except Exception as exc:  # the host went away: the process watcher reports it
             out.append(ExitInfo(False, "host unreachable", RemoteError.from_exception(exc)))
 
@@ -222,7 +227,7 @@ class ChildProcessRunner(_HostedRunner):
     async def _start(self, incarnation: int) -> None:
         node = get_node()
         parent = node.ensure_bound()
-        self.address = node.ipc_address(f"child-{self.name}")
+        self.address = node.ipc_address(f"child-{self.mailbox_name}")
         self.host = ActorRef(HOST_NAME, HostMsg, self.address)
         key = secrets.token_hex(8)
         hello = node.expect_hello(key)
@@ -315,6 +320,9 @@ class RemoteRunner(_HostedRunner):
 
     def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
         super().__init__(spec, sup)
+        # A remote host outlives supervisors: a restarted supervisor's child replaces the
+        # instance its predecessor left there, so the name is not qualified.
+        self.mailbox_name = spec.name
         placement = spec.placement
         assert isinstance(placement, Remote)
         self.address = placement.address
@@ -352,13 +360,13 @@ class RemoteRunner(_HostedRunner):
         if not exited.is_set():
             log.warning("actor.kill", actor=self.name, address=self.address)
             with anyio.move_on_after(KILL_GRACE + 1):
-                await self.host.ask(Kill(name=self.name), timeout=KILL_GRACE + 1)
+                await self.host.ask(Kill(name=self.mailbox_name), timeout=KILL_GRACE + 1)
                 await exited.wait()
 
     async def _force(self, reason: str) -> None:
         self._force_reason = reason
         try:
-            await self.host.ask(Kill(name=self.name), timeout=KILL_GRACE)
+            await self.host.ask(Kill(name=self.mailbox_name), timeout=KILL_GRACE)
         except (AskTimeout, ActorNotFound):
             log.error("actor.unreachable", actor=self.name, address=self.address)
             if self._exit_event is not None and not self._exit_event.is_set():

@@ -3,6 +3,7 @@ restart intensity, liveness pings, and a root that turns giving up into a non-ze
 
 from __future__ import annotations
 
+import secrets
 import signal
 import time
 from collections import deque
@@ -44,6 +45,7 @@ class Supervisor:
     def __init__(self, spec: SupervisorSpec, parent: "Supervisor | None" = None) -> None:
         self.spec = spec
         self.name = spec.name
+        self.uid = secrets.token_hex(3)
         self.parent = parent
         self.runners: list[Runner] = []
         self.ready = False

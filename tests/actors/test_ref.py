@@ -61,7 +61,7 @@ IntruderMsg = Union[Intruder, Echo]
 async def test_undecodable_message_is_reported_and_actor_survives(placement):
     async with supervise(tree(placement)) as sup:
         a = sup.child("a").ref
-        liar = ActorRef("a", IntruderMsg, a.address)
+        liar = ActorRef(a.name, IntruderMsg, a.address)
         with pytest.raises((ActorError, TypeError), match="Intruder|decode"):
             await liar.ask(Intruder("boo"), timeout=5)
         assert await a.ask(Echo("alive"), timeout=5) == "alive"

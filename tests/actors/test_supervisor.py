@@ -7,7 +7,7 @@ import pytest
 
 from sonar.actors import ChildSpec, SupervisorGaveUp, SupervisorSpec, supervise
 from tests.actors.helpers import alive, wait_for
-from tests.actors.sample import Crash, Echo, Quit, Sample
+from tests.actors.sample import Add, Crash, Echo, Quit, Sample
 
 pytestmark = pytest.mark.anyio
 
@@ -145,3 +145,15 @@ async def test_failed_start_stops_the_children_already_started(placement):
     with pytest.raises(Exception, match="refusing to start|before it was ready|exited with code"):
         async with supervise(spec):
             pass
+
+
+async def test_two_trees_can_each_have_a_child_of_the_same_name(placement):
+    def spec():
+        return SupervisorSpec("root", [ChildSpec("a", Sample, placement=placement, ping_interval=None)])
+
+    async with supervise(spec()) as one, supervise(spec()) as two:
+        a1, a2 = one.child("a").ref, two.child("a").ref
+        assert a1 != a2
+        assert await a1.ask(Add(1), timeout=5) == [1]
+        assert await a2.ask(Add(2), timeout=5) == [2]
+        assert await a1.ask(Add(3), timeout=5) == [1, 3]

@@ -38,6 +38,6 @@ async def test_tree_reports_each_actor_and_survives_json():
         assert child.last_exit == "crash" and child.mailbox_depth == 0
         assert tree.find("inner").kind == "supervisor"
         from sonar.actors.node import get_node
-        assert get_node().mailboxes["local"].depth() >= 5
+        assert get_node().mailboxes[local.ref.name].depth() >= 5
         round_trip = msgspec.json.decode(msgspec.json.encode(tree), type=ActorInfo)
         assert round_trip == tree

@@ -176,3 +176,13 @@ async def test_preempted_request_resumes_with_the_same_output(one_thread):
         assert [p.logprob for p in out.prompt_logprobs[1:]] == pytest.approx(
             [p.logprob for p in ref.prompt_logprobs[1:]], abs=1e-3)
         assert len(results["first"].token_ids) == 40
+
+
+async def test_two_engines_in_one_process(reference, one_thread):
+    """Actor names are qualified per tree: two engines (one with a child-process worker) run side
+    by side in one event loop and each answers as an engine alone would."""
+    async with sonar.open(**ENGINE) as one, sonar.open(placement="worker=process", **ENGINE) as two:
+        assert one.info.pid == os.getpid() and two.info.pid != os.getpid()
+        first, second = await asyncio.gather(one.generate_many(PROMPTS, PARAMS), two.generate_many(PROMPTS, PARAMS))
+    assert [(o.token_ids, o.text) for o in first] == reference
+    assert [(o.token_ids, o.text) for o in second] == reference
