@@ -1,7 +1,9 @@
 """`python -m sonar serve`: parse the flags, start the engine, serve the OpenAI API until a signal.
 
-SIGTERM or SIGINT stops uvicorn (in-flight requests get `--shutdown-timeout` seconds), then the
-engine, and the process exits 0. A second signal forces the exit.
+SIGTERM or SIGINT drains the server: new requests get 503 (`/health` too), the requests in flight
+get `--shutdown-timeout` seconds to finish (default 0: none), then the rest are aborted (they end
+with finish_reason "abort"; streams with a last chunk saying so, then `[DONE]`). Then uvicorn and
+the engine stop and the process exits 0. A second signal aborts at once; a third forces the exit.
 """
 
 from __future__ import annotations
@@ -30,7 +32,28 @@ def main(argv: Sequence[str]) -> int:
         return error.exit_code
     import anyio
 
-    return anyio.run(serve, config, backend="asyncio")
+    code = anyio.run(serve, config, backend="asyncio")
+    if _is_process_entry():
+        _exit_now(code)
+    return code
+
+
+def _is_process_entry() -> bool:
+    """True when this process is `python -m sonar` (not a test or a program calling `main`)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec is not None and spec.name == "sonar.__main__"
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown. Everything is stopped and flushed by now; what is
+    left is freeing the model's memory object by object, which takes about a second on a small
+    model and would make `--shutdown-timeout 0` slow to exit. The atexit handlers still run."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _say(line: str) -> None:
@@ -45,24 +68,42 @@ async def serve(config: ServeConfig) -> int:
 
     import sonar
     from sonar.http.app import build_app
+    from sonar.http.common import Drain, FrontDoor
 
     started_at = time.monotonic()
     for line in describe(config):
         _say(line)
     holder: dict[str, Any] = {}
+    drain = Drain()
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
                 async for sig in signals:
                     server = holder.get("server")
-                    _say(f"{signal.Signals(sig).name}: shutting down")
+                    _say(f"{signal.Signals(sig).name}: " + ("shutting down" if not drain.draining else "stopping now"))
                     if server is None:  # still starting: stop the start
                         tg.cancel_scope.cancel()
                         return
-                    if server.should_exit:
-                        server.force_exit = True
-                    server.should_exit = True
+                    waiting = holder.get("waiting")
+                    if not drain.draining:
+                        holder["waiting"] = anyio.CancelScope()
+                        tg.start_soon(shut_down, server, holder["llm"], holder["waiting"])
+                    elif waiting is not None and not waiting.cancel_called:
+                        waiting.cancel()  # second signal: abort what is still running now
+                    else:
+                        server.should_exit = server.force_exit = True
+
+            async def shut_down(server: Any, llm: Any, waiting: Any) -> None:
+                drain.draining = True
+                if drain.in_flight:
+                    _say(f"draining: {drain.in_flight} request(s) in flight, "
+                         f"up to {config.shutdown_timeout:g} s to finish")
+                with waiting:
+                    with anyio.move_on_after(config.shutdown_timeout):
+                        await drain.wait_idle()
+                await _abort_rest(drain, llm)
+                server.should_exit = True
 
             tg.start_soon(watch_signals)
             args = msgspec.structs.asdict(config.engine)
@@ -71,7 +112,10 @@ async def serve(config: ServeConfig) -> int:
                 async with sonar.open(model, **args) as llm:
                     for line in startup_summary(config, llm, time.monotonic() - started_at):
                         _say(line)
-                    server = _make_server(uvicorn.Config(build_app(llm, _settings(config)), **_uvicorn_args(config)))
+                    app = build_app(llm, _settings(config), log_stats_interval=None if config.disable_log_stats else 10.0)
+                    app = FrontDoor(app, drain, request_id_headers=config.enable_request_id_headers)
+                    server = _make_server(uvicorn.Config(app, **_uvicorn_args(config)))
+                    holder["llm"] = llm
                     holder["server"] = server
                     try:
                         await server.serve()
@@ -85,6 +129,23 @@ async def serve(config: ServeConfig) -> int:
             tg.cancel_scope.cancel()
     _say("stopped")
     return 0
+
+
+async def _abort_rest(drain: Any, llm: Any, patience: float = 3.0) -> None:
+    """End the requests still in flight with finish_reason "abort", and wait (up to `patience`
+    seconds) for their responses to go out. Repeated, for requests still tokenizing the first time."""
+    import anyio
+
+    from sonar.http.common import abort_all
+
+    aborted: set[str] = set()
+    with anyio.move_on_after(patience):
+        while drain.in_flight:
+            aborted.update(await abort_all(llm))
+            with anyio.move_on_after(0.1):
+                await drain.wait_idle(0.01)
+    if aborted:
+        _say(f"aborted {len(aborted)} request(s) still running")
 
 
 def _make_server(uvicorn_config: Any) -> Any:
@@ -108,7 +169,29 @@ def _settings(config: ServeConfig) -> Any:
         chat_template=_chat_template(config.chat_template), response_role=config.response_role,
         allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
         allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
-        enable_force_include_usage=config.enable_force_include_usage)
+        enable_force_include_usage=config.enable_force_include_usage,
+        enable_prompt_tokens_details=config.enable_prompt_tokens_details,
+        enable_request_id_headers=config.enable_request_id_headers,
+        system_fingerprint=system_fingerprint(config), stream_interval=config.stream_interval,
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids)
+
+
+def system_fingerprint(config: ServeConfig) -> str | None:
+    """`--fingerprint-mode`: full and hash give `sonar-<version>-<hash8>` (8 hex digits of the
+    engine configuration's sha256; full would add parallelism degrees above 1, and Sonar runs
+    none), custom the `--fingerprint-value` text, none null."""
+    import hashlib
+
+    import msgspec
+
+    import sonar
+
+    if config.fingerprint_mode == "none":
+        return None
+    if config.fingerprint_mode == "custom":
+        return config.fingerprint_value
+    digest = hashlib.sha256(msgspec.json.encode(config.engine)).hexdigest()[:8]
+    return f"sonar-{sonar.__version__}-{digest}"
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -124,7 +207,8 @@ def _chat_template(value: str | None) -> str | None:
 def _uvicorn_args(config: ServeConfig) -> dict[str, Any]:
     args: dict[str, Any] = dict(
         log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=config.shutdown_timeout or None,
+        # serve() drains and aborts before it tells uvicorn to exit; this only bounds the rest.
+        timeout_graceful_shutdown=2.0,
         h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ca_certs=config.ssl_ca_certs,
         ssl_cert_reqs=config.ssl_cert_reqs, root_path=config.root_path or "",

@@ -14,7 +14,7 @@ import secrets
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -154,14 +154,19 @@ class LLM:
 
     # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None, request_id: str | None = None) -> RequestOutput:
-        """Generate a completion of `prompt` (text or token ids) and return it when finished."""
+                       cache_salt: str | None = None, request_id: str | None = None,
+                       on_delta: Callable[[StreamDelta], None] | None = None) -> RequestOutput:
+        """Generate a completion of `prompt` (text or token ids) and return it when finished.
+
+        `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
         prompt_ids, text = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
         async for delta in self._run(rid, prompt_ids, params, priority, cache_salt):
+            if on_delta is not None:
+                on_delta(delta)
             out = outputs[delta.index]
             out.text += delta.text
             out.token_ids += delta.token_ids
@@ -222,6 +227,22 @@ class LLM:
             return self.tokenizer(text, add_special_tokens=False).input_ids
 
         return await anyio.to_thread.run_sync(render)
+
+    async def abort_all(self) -> list[str]:
+        """End every request in flight with finish_reason "abort" (what has been generated so far
+        is kept: `generate` returns it, `stream` yields a last delta) and free their blocks.
+        Returns the engine request ids."""
+        ids = sorted(self._streams)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                try:
+                    stream.send_nowait(OutputDelta(rid, "", [], finish_reason="abort"))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+        if ids:
+            await self.supervisor.child("scheduler").ref.send(Abort(ids))
+        return ids
 
     async def stats(self):
         return await self.supervisor.child("scheduler").ref.ask(GetStats(), timeout=10)

@@ -3,17 +3,22 @@
     app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET|POST /ping, GET /version, POST /tokenize, POST /detokenize. With API keys set, every
-/v1/* route needs `Authorization: Bearer <key>` (the others stay open, as in vLLM).
+GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, and the observability routes
+GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
+`sonar/http/metrics.py`). With API keys set, every /v1/* route needs `Authorization: Bearer <key>`
+(the others stay open, as in vLLM).
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
 
 import anyio
 import anyio.to_thread
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
@@ -28,6 +33,7 @@ from sonar.engine.client import LLM
 from sonar.http.chat import create_chat_completion
 from sonar.http.common import ServerSettings, error_response, exception_response, json_response
 from sonar.http.completions import create_completion
+from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -68,8 +74,10 @@ class ApiKeyMiddleware:
         return path.startswith("/v1/") or path == "/v1"
 
 
-def build_app(llm: LLM, settings: ServerSettings) -> Starlette:
+def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float | None = None) -> Starlette:
+    """`log_stats_interval`: seconds between stats log lines while the app runs (None: none)."""
     names = settings.served_model_names
+    metrics = ServerMetrics()
 
     def check_model(model: str | None) -> None:
         if model is not None and model not in names:
@@ -131,6 +139,21 @@ def build_app(llm: LLM, settings: ServerSettings) -> Starlette:
         except Exception as exc:
             return exception_response(exc)
 
+    async def prometheus(request: Request) -> Response:
+        body = await metrics.render(llm, settings.health_timeout)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def actors(request: Request) -> Response:
+        return Response(msgspec.json.encode(llm.tree()), media_type="application/json")
+
+    async def load(request: Request) -> Response:
+        return json_response({"server_load": metrics.server_load})
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with stats_logging(llm, metrics, log_stats_interval):
+            yield
+
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
@@ -140,6 +163,9 @@ def build_app(llm: LLM, settings: ServerSettings) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+        Route("/actors", actors, methods=["GET"]),
+        Route("/load", load, methods=["GET"]),
     ]
     middleware = [Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                              allow_methods=list(settings.allowed_methods),
@@ -147,9 +173,12 @@ def build_app(llm: LLM, settings: ServerSettings) -> Starlette:
                              allow_credentials=settings.allow_credentials)]
     if settings.api_keys:
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_allowed})
+    middleware.append(Middleware(LoadMiddleware, metrics=metrics))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_allowed},
+                    lifespan=lifespan)
     app.state.llm = llm
     app.state.settings = settings
+    app.state.metrics = metrics
     return app
 
 

@@ -14,7 +14,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.client import LLM
-from sonar.http.common import ServerSettings, cancel_on_disconnect, chat_logprobs, exception_response, json_response, new_id
+from sonar.http.common import (
+    ServerSettings,
+    batched,
+    cancel_on_disconnect,
+    chat_logprobs,
+    exception_response,
+    json_response,
+    make_usage,
+    new_id,
+)
+from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,6 +43,7 @@ from sonar.sampling_params import SamplingParams
 async def create_chat_completion(request: Request, llm: LLM, settings: ServerSettings,
                                  check_model: Callable[[str | None], None]) -> Response:
     rid = new_id("chatcmpl")
+    rec = recorder(request)
     try:
         req = decode_request(await request.body(), ChatCompletionRequest)
         check_model(req.model)
@@ -43,43 +54,47 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
             continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
         role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
         if req.stream:
-            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid), rid)
+            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
         finished, result = await cancel_on_disconnect(
-            request, lambda: llm.generate(prompt_ids, params, priority=req.priority, request_id=rid), rid)
+            request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority, request_id=rid), rid)
         if not finished:
             return Response(status_code=499)  # nobody reads it
         choices = [
             ChatChoice(out.index, ResponseMessage(role, out.text),
-                       chat_logprobs(out.logprobs or []) if req.logprobs else None,
+                       chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
                        out.finish_reason, out.stop_reason)
             for out in result.outputs
         ]
         completion_tokens = sum(len(out.token_ids) for out in result.outputs)
-        usage = Usage(len(prompt_ids), completion_tokens, len(prompt_ids) + completion_tokens)
-        return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage))
+        usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
+        return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
+                                                    system_fingerprint=settings.system_fingerprint))
     except Exception as exc:
         return exception_response(exc, rid)
 
 
 async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompletionRequest,
-                  prompt_ids: list[int], params: SamplingParams, role: str, rid: str) -> None:
+                  prompt_ids: list[int], params: SamplingParams, role: str, rid: str, rec: RequestRecorder) -> None:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, model=settings.model_name, choices=choices, created=created, usage=usage)
+        return ChatCompletionChunk(id=rid, model=settings.model_name, choices=choices, created=created, usage=usage,
+                                   system_fingerprint=settings.system_fingerprint)
 
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     started = False
-    async for d in llm.stream(prompt_ids, params, priority=req.priority, request_id=rid):
+    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, request_id=rid))
+    async for d in batched(deltas, settings.stream_interval):
+        cached_tokens = max(cached_tokens, d.num_cached_tokens)
         if not started:
             started = True
             for i in range(params.n):
                 await emit(chunk([ChatChunkChoice(i, DeltaMessage(role=role, content=""))]))
         completion_tokens += len(d.token_ids)
-        logprobs = chat_logprobs(d.logprobs) if req.logprobs and d.logprobs else None
+        as_ids = settings.return_tokens_as_token_ids
+        logprobs = chat_logprobs(d.logprobs, as_ids) if req.logprobs and d.logprobs else None
         if d.text or d.finish_reason is not None or logprobs is not None:
             await emit(chunk([ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs,
                                               d.finish_reason, d.stop_reason)]))
     if req.include_usage or settings.enable_force_include_usage:
-        usage = Usage(len(prompt_ids), completion_tokens, len(prompt_ids) + completion_tokens)
-        await emit(chunk([], usage))
+        await emit(chunk([], make_usage(settings, len(prompt_ids), completion_tokens, cached_tokens)))

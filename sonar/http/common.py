@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import msgspec
 from starlette.responses import Response
 
+from sonar.engine.client import StreamDelta
 from sonar.engine.protocol import PositionLogprobs
 from sonar.errors import EngineDeadError, InvalidRequestError
 from sonar.http.protocol import (
@@ -17,9 +18,11 @@ from sonar.http.protocol import (
     CompletionLogprobs,
     ErrorInfo,
     ErrorResponse,
+    PromptTokensDetails,
     RequestError,
     TokenLogprob,
     TopLogprob,
+    Usage,
 )
 from sonar.log import get_logger
 
@@ -42,6 +45,16 @@ class ServerSettings:
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
     enable_force_include_usage: bool = False
+    #: Add `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from the prefix cache).
+    enable_prompt_tokens_details: bool = False
+    #: Add an `X-Request-Id` header to every response (the client's own, else a fresh one).
+    enable_request_id_headers: bool = False
+    #: What responses carry as `system_fingerprint` (None: null).
+    system_fingerprint: str | None = None
+    #: Streams send a chunk once a choice has this many new tokens (or has finished).
+    stream_interval: int = 1
+    #: Logprob tokens are written `token_id:<id>` instead of their text.
+    return_tokens_as_token_ids: bool = False
     #: Seconds /health waits for the scheduler to answer before it reports 503.
     health_timeout: float = 5.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -141,24 +154,31 @@ async def cancel_on_disconnect(request: Any, call: Callable[[], Awaitable[Any]],
 
 
 # -- logprobs -------------------------------------------------------------------------------------
+def token_name(token_id: int, token: str, as_ids: bool = False) -> str:
+    """How a logprob entry names its token: the text, or `token_id:<id>` (--return-tokens-as-token-ids)."""
+    return f"token_id:{token_id}" if as_ids else token
+
+
 def completion_logprobs(positions: Sequence[PositionLogprobs | None], first_tokens: Sequence[str] = (),
-                        offset: int = 0) -> CompletionLogprobs:
+                        offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
     """The legacy completions logprobs block. A None position (a prompt's first token, which has
-    no logprob) takes its text from `first_tokens`; `offset` is where the first token's text starts."""
+    no logprob) takes its text from `first_tokens`; `offset` is where the first token's text starts.
+    With `as_ids` tokens are named `token_id:<id>` (offsets still count the text)."""
     out = CompletionLogprobs([], [], [], [])
     fallback = iter(first_tokens)
     for pos in positions:
         if pos is None:
-            token, logprob, top = next(fallback, ""), None, None
+            token = text = next(fallback, "")
+            logprob, top = None, None
         else:
-            token, logprob = pos.token, pos.logprob
-            top = {t.token: t.logprob for t in pos.top}
-            top.setdefault(pos.token, pos.logprob)
+            text, token, logprob = pos.token, token_name(pos.token_id, pos.token, as_ids), pos.logprob
+            top = {token_name(t.token_id, t.token, as_ids): t.logprob for t in pos.top}
+            top.setdefault(token, pos.logprob)
         out.tokens.append(token)
         out.token_logprobs.append(logprob)
         out.top_logprobs.append(top)
         out.text_offset.append(offset)
-        offset += len(token)
+        offset += len(text)
     return out
 
 
@@ -167,9 +187,106 @@ def merge_completion_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> C
                               a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)
 
 
-def chat_logprobs(positions: Sequence[PositionLogprobs]) -> ChatLogprobs:
+def chat_logprobs(positions: Sequence[PositionLogprobs], as_ids: bool = False) -> ChatLogprobs:
     return ChatLogprobs([
-        TokenLogprob(p.token, p.logprob, list(p.token.encode()),
-                     [TopLogprob(t.token, t.logprob, list(t.token.encode())) for t in p.top])
+        TokenLogprob(token_name(p.token_id, p.token, as_ids), p.logprob, list(p.token.encode()),
+                     [TopLogprob(token_name(t.token_id, t.token, as_ids), t.logprob, list(t.token.encode()))
+                      for t in p.top])
         for p in positions
     ])
+
+
+# -- usage, stream batching -----------------------------------------------------------------------
+def make_usage(settings: ServerSettings, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    """The usage block; `prompt_tokens_details` only with --enable-prompt-tokens-details."""
+    details = PromptTokensDetails(cached_tokens) if settings.enable_prompt_tokens_details else None
+    return Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens, details)
+
+
+def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
+    def cat(x: list[Any] | None, y: list[Any] | None) -> list[Any] | None:
+        return x if y is None else y if x is None else x + y
+
+    return StreamDelta(a.request_id, a.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
+                       b.stop_reason, cat(a.logprobs, b.logprobs), cat(a.prompt_logprobs, b.prompt_logprobs),
+                       max(a.num_prompt_tokens, b.num_prompt_tokens), max(a.num_cached_tokens, b.num_cached_tokens))
+
+
+async def batched(deltas: AsyncIterator[StreamDelta], interval: int) -> AsyncIterator[StreamDelta]:
+    """--stream-interval: hold each choice's deltas until it has `interval` new tokens or finishes,
+    then yield them as one delta. An interval of 1 passes the deltas through."""
+    held: dict[int, StreamDelta] = {}
+    async for d in deltas:
+        if interval <= 1:
+            yield d
+            continue
+        d = _merge(held.pop(d.index), d) if d.index in held else d
+        if d.finish_reason is not None or len(d.token_ids) >= interval:
+            yield d
+        else:
+            held[d.index] = d
+    for d in held.values():  # only when the engine ended without a finish reason
+        yield d
+
+
+# -- shutdown: drain, then abort ------------------------------------------------------------------
+class Drain:
+    """What the server does on SIGTERM: refuse new requests (503), wait for those in flight, then
+    end the rest with finish_reason "abort" (`abort_all`)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self.in_flight = 0
+
+    async def wait_idle(self, poll: float = 0.05) -> None:
+        while self.in_flight:
+            await anyio.sleep(poll)
+
+
+async def abort_all(llm: Any) -> list[str]:
+    """`llm.abort_all()`, tolerating an engine that is already going away."""
+    try:
+        return await llm.abort_all()
+    except Exception as exc:  # the engine is going away anyway
+        log.warning("shutdown.abort_failed", detail=f"{type(exc).__name__}: {exc}")
+        return []
+
+
+class FrontDoor:
+    """The ASGI wrapper around the app: counts requests in flight for `Drain`, answers 503 while
+    draining, and adds `X-Request-Id` headers when asked to."""
+
+    def __init__(self, app: Any, drain: Drain, request_id_headers: bool = False) -> None:
+        self.app = app
+        self.drain = drain
+        self.request_id_headers = request_id_headers
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.request_id_headers:
+            send = self._with_request_id(scope, send)
+        if self.drain.draining:
+            response = error_response("the server is shutting down and accepts no new requests", 503)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        self.drain.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.in_flight -= 1
+
+    @staticmethod
+    def _with_request_id(scope: Any, send: Any) -> Any:
+        given = next((v for k, v in scope.get("headers", ()) if k.lower() == b"x-request-id"), None)
+        rid = given or secrets.token_hex(16).encode()
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": headers + [(b"x-request-id", rid)]}
+            await send(message)
+
+        return send_with_id

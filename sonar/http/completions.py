@@ -15,20 +15,22 @@ from starlette.responses import Response
 from sonar.engine.client import LLM, RequestOutput
 from sonar.http.common import (
     ServerSettings,
+    batched,
     cancel_on_disconnect,
     completion_logprobs,
     exception_response,
     gather,
     json_response,
+    make_usage,
     merge_completion_logprobs,
     new_id,
 )
+from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
     decode_request,
 )
 from sonar.http.sse import Emit, EventStream
@@ -38,15 +40,16 @@ from sonar.sampling_params import SamplingParams
 async def create_completion(request: Request, llm: LLM, settings: ServerSettings,
                             check_model: Callable[[str | None], None]) -> Response:
     rid = new_id("cmpl")
+    rec = recorder(request)
     try:
         req = decode_request(await request.body(), CompletionRequest)
         check_model(req.model)
         prompts = req.prompts()
         params = req.sampling_params()
         if req.stream:
-            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid), rid)
+            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
         finished, outputs = await cancel_on_disconnect(request, lambda: gather([
-            (lambda p=p, i=i: llm.generate(p, params, priority=req.priority, request_id=f"{rid}-{i}"))
+            (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority, request_id=f"{rid}-{i}"))
             for i, p in enumerate(prompts)
         ]), rid)
         if not finished:
@@ -60,59 +63,70 @@ def _prompt_text(llm: LLM, prompt: str | list[int]) -> str:
     return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)
 
 
-def _first_token_text(llm: LLM, prompt_ids: list[int]) -> list[str]:
-    return [llm.tokenizer.decode(prompt_ids[:1])]
+def _first_token_text(llm: LLM, prompt_ids: list[int], as_ids: bool = False) -> list[str]:
+    return [f"token_id:{prompt_ids[0]}"] if as_ids and prompt_ids else [llm.tokenizer.decode(prompt_ids[:1])]
 
 
 def _response(llm: LLM, settings: ServerSettings, req: CompletionRequest, rid: str,
               outputs: list[RequestOutput], n: int) -> CompletionResponse:
     choices = []
-    prompt_tokens = completion_tokens = 0
+    prompt_tokens = completion_tokens = cached_tokens = 0
+    as_ids = settings.return_tokens_as_token_ids
     for p, result in enumerate(outputs):
         prompt_tokens += len(result.prompt_token_ids)
+        cached_tokens += result.num_cached_tokens
         prompt_text = (result.prompt if result.prompt is not None
                        else llm.tokenizer.decode(result.prompt_token_ids)) if req.echo else ""
         for out in result.outputs:
             completion_tokens += len(out.token_ids)
             logprobs = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(out.logprobs or [], offset=len(prompt_text))
+                logprobs = completion_logprobs(out.logprobs or [], offset=len(prompt_text), as_ids=as_ids)
                 if req.echo:
                     scored = completion_logprobs(result.prompt_logprobs or [],
-                                                 _first_token_text(llm, result.prompt_token_ids))
+                                                 _first_token_text(llm, result.prompt_token_ids, as_ids),
+                                                 as_ids=as_ids)
                     logprobs = merge_completion_logprobs(scored, logprobs)
             choices.append(CompletionChoice(p * n + out.index, prompt_text + out.text, logprobs,
                                             out.finish_reason, out.stop_reason))
-    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
-    return CompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage)
+    usage = make_usage(settings, prompt_tokens, completion_tokens, cached_tokens)
+    return CompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
+                              system_fingerprint=settings.system_fingerprint)
 
 
 async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: CompletionRequest,
-                  prompts: list[str | list[int]], params: SamplingParams, rid: str) -> None:
+                  prompts: list[str | list[int]], params: SamplingParams, rid: str, rec: RequestRecorder) -> None:
     created = int(time.time())
-    counts = {"prompt": 0, "completion": 0}
+    counts = {"prompt": 0, "completion": 0, "cached": 0}
+    as_ids = settings.return_tokens_as_token_ids
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=settings.model_name, choices=[choice], created=created)
+        return CompletionResponse(id=rid, model=settings.model_name, choices=[choice], created=created,
+                                  system_fingerprint=settings.system_fingerprint)
 
     async def one(p: int, prompt: str | list[int]) -> None:
         echo_pending = set(range(params.n)) if req.echo else set()
         prompt_text = _prompt_text(llm, prompt) if req.echo else ""
         offsets = [len(prompt_text)] * params.n
         counted = False
-        async for d in llm.stream(prompt, params, priority=req.priority, request_id=f"{rid}-{p}"):
+        cached = 0
+        deltas = rec.track(llm.stream(prompt, params, priority=req.priority, request_id=f"{rid}-{p}"), p)
+        async for d in batched(deltas, settings.stream_interval):
             if not counted and d.num_prompt_tokens:
                 counts["prompt"] += d.num_prompt_tokens
                 counted = True
+            if d.num_cached_tokens > cached:
+                counts["cached"] += d.num_cached_tokens - cached
+                cached = d.num_cached_tokens
             counts["completion"] += len(d.token_ids)
             text = d.text
             logprobs: CompletionLogprobs | None = None
             if req.logprobs is not None:
-                logprobs = completion_logprobs(d.logprobs or [], offset=offsets[d.index])
+                logprobs = completion_logprobs(d.logprobs or [], offset=offsets[d.index], as_ids=as_ids)
                 if req.echo and d.prompt_logprobs:
-                    first = _first_token_text(llm, prompt) if isinstance(prompt, list) else \
-                        [llm.tokenizer.decode(llm.tokenizer(prompt).input_ids[:1])]
-                    scored = completion_logprobs(d.prompt_logprobs, first)
+                    first = _first_token_text(llm, prompt if isinstance(prompt, list)
+                                              else llm.tokenizer(prompt).input_ids, as_ids)
+                    scored = completion_logprobs(d.prompt_logprobs, first, as_ids=as_ids)
                     logprobs = merge_completion_logprobs(scored, logprobs)
             if d.index in echo_pending:
                 echo_pending.discard(d.index)
@@ -124,5 +138,6 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
 
     await gather([(lambda p=p, prompt=prompt: one(p, prompt)) for p, prompt in enumerate(prompts)])
     if req.include_usage or settings.enable_force_include_usage:
-        usage = Usage(counts["prompt"], counts["completion"], counts["prompt"] + counts["completion"])
-        await emit(CompletionResponse(id=rid, model=settings.model_name, choices=[], usage=usage, created=created))
+        usage = make_usage(settings, counts["prompt"], counts["completion"], counts["cached"])
+        await emit(CompletionResponse(id=rid, model=settings.model_name, choices=[], usage=usage, created=created,
+                                      system_fingerprint=settings.system_fingerprint))

@@ -223,10 +223,15 @@ def _is_int(x: Any) -> bool:
 
 
 # -- responses ------------------------------------------------------------------------------------
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(msgspec.Struct):
@@ -264,6 +269,7 @@ class CompletionResponse(msgspec.Struct):
     usage: Usage | None = None
     object: str = "text_completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str | None = None
 
 
 class TopLogprob(msgspec.Struct):
@@ -303,6 +309,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    system_fingerprint: str | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -325,6 +332,7 @@ class ChatCompletionChunk(msgspec.Struct):
     created: int
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
+    system_fingerprint: str | None = None
 
 
 class ModelCard(msgspec.Struct):

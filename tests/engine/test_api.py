@@ -39,26 +39,6 @@ def anyio_backend():
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """Run torch with one intra-op thread (here and in spawned actor processes) while the module runs.
-
-    On the 2-vCPU test VM every two-thread OpenMP region (attention, elementwise ops) can stall
-    for ~8 ms waiting for the other vCPU, which made a decode step of this model ~250 ms instead
-    of ~65 ms. One thread keeps the module's runtime predictable; it changes no behaviour tested.
-    """
-    import torch
-
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 async def llm(one_thread):
     async with sonar.open(dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_BLOCKS,
                           seed=0) as engine:

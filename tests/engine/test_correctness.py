@@ -26,7 +26,7 @@ import sonar
 from tests.engine.conftest import TinyCheckpoint
 from tests.models.conftest import TEXTS, hf_generate_batch
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
 
 # -- tolerances on logprobs (natural log), float32 against float32 -------------------------------
 #: SmolLM2: the model tests hold its logits to 2e-3 + 1e-4 * |logit| (logits are O(10-30));
@@ -79,20 +79,6 @@ TINY_SCENARIOS: dict[str, dict[str, Any]] = {
 def anyio_backend() -> str:
     # module scope, so that module-scoped async fixtures (the alone references) can run
     return "asyncio"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Any:
-    """One intra-op thread while this module runs (restored afterwards).
-
-    On this 2-core machine, shared with other test runs, two OpenMP threads whose spin-waits
-    land on a busy core turn a 3 ms tiny-model step into 100+ ms; one thread is as fast or
-    faster for these models and keeps the module's time steady. Results do not depend on it.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _chat_or_plain(tokenizer: Any, texts: list[str]) -> list[str]:

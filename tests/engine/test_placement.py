@@ -47,23 +47,6 @@ def anyio_backend():
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    """One torch intra-op thread here and in spawned actor processes (see tests/engine/test_api.py:
-    two-thread OpenMP regions stall on the 2-vCPU test VM). Both sides use the same setting, so
-    their float32 results can be compared exactly."""
-    import torch
-
-    before = torch.get_num_threads()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
 async def reference(one_thread) -> list[tuple[list[int], str]]:
     """Greedy outputs of the all-in-process engine."""
     async with sonar.open(**ENGINE) as llm:

@@ -39,18 +39,6 @@ async def wait_running(llm: sonar.LLM) -> None:
             await anyio.sleep(0.02)
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread while the in-process engine runs (see tests/engine/test_api.py: two-thread
-    OpenMP regions stall on a 2-vCPU machine)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 async def test_disconnect_aborts_streamed_and_whole_requests(one_thread):
     async with sonar.open(dtype="float32", max_model_len=256, num_gpu_blocks_override=64) as llm:
         port = free_port()

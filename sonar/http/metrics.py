@@ -1,0 +1,296 @@
+"""The server's observability: Prometheus `/metrics`, `/load`, and the periodic stats log line.
+
+`ServerMetrics` owns one `CollectorRegistry` per app (never prometheus_client's global one, so
+several apps in one process do not collide). The metric names mirror vLLM's, with the `sonar:`
+prefix:
+
+- per-request, recorded by the completion and chat handlers through a `RequestRecorder` (one per
+  HTTP request; `track()` wraps the engine's delta stream and calls it at each output):
+  `sonar:prompt_tokens_total`, `sonar:generation_tokens_total`,
+  `sonar:request_success_total{finished_reason}`, and the histograms
+  `sonar:time_to_first_token_seconds`, `sonar:inter_token_latency_seconds`,
+  `sonar:e2e_request_latency_seconds`, `sonar:request_queue_time_seconds`;
+- engine-side, read from `llm.stats()` when `/metrics` is scraped (a custom collector: the engine
+  keeps the counts, nothing here increments them): `sonar:num_requests_running`,
+  `sonar:num_requests_waiting`, `sonar:kv_cache_usage_perc`, `sonar:num_preemptions_total`,
+  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`;
+- from the supervision tree (`llm.tree()`): `sonar:actor_restarts_total{actor}` and
+  `sonar:actor_mailbox_depth{actor}`.
+
+A "request" in the histograms and in `request_success_total` is one engine request: one
+completion choice (an HTTP request with `n=2` and two prompts is four). Prompt tokens count each
+prompt once, as the responses' usage does.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Iterable, Iterator
+
+import anyio
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sonar.actors.tree import ActorInfo
+from sonar.engine.client import LLM, RequestOutput, StreamDelta
+from sonar.log import get_logger
+
+log = get_logger("sonar.stats")
+
+#: The routes whose requests count toward `/load` (vLLM counts its generation endpoints).
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+# Buckets as vLLM uses them (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Engine-side gauges and counters from the last `llm.stats()` and `llm.tree()` snapshot.
+
+    `collect()` is synchronous, so `/metrics` takes the snapshot (an ask to the scheduler) first
+    and then renders; a scrape whose stats ask failed leaves the engine metrics out."""
+
+    def __init__(self) -> None:
+        self.stats: Any = None
+        self.tree: ActorInfo | None = None
+
+    def collect(self) -> Iterator[Any]:
+        s = self.stats
+        if s is not None:
+            yield GaugeMetricFamily("sonar:num_requests_running", "Requests in the engine's running batch.",
+                                    value=s.num_running)
+            yield GaugeMetricFamily("sonar:num_requests_waiting", "Requests waiting to be scheduled.",
+                                    value=s.num_waiting)
+            yield GaugeMetricFamily("sonar:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                                    value=s.kv_usage)
+            yield CounterMetricFamily("sonar:num_preemptions", "Preemptions since the engine started.",
+                                      value=s.num_preemptions)
+            yield CounterMetricFamily("sonar:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      value=s.prefix_queries)
+            yield CounterMetricFamily("sonar:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                                      value=s.prefix_hits)
+        if self.tree is not None:
+            restarts = CounterMetricFamily("sonar:actor_restarts", "Restarts of each actor of the engine tree.",
+                                           labels=["actor"])
+            depth = GaugeMetricFamily("sonar:actor_mailbox_depth", "Messages waiting in each actor's mailbox.",
+                                      labels=["actor"])
+            for node in _walk(self.tree):
+                restarts.add_metric([node.name], node.restarts)
+                if node.mailbox_depth is not None:
+                    depth.add_metric([node.name], node.mailbox_depth)
+            yield restarts
+            yield depth
+
+
+def _walk(node: ActorInfo) -> Iterable[ActorInfo]:
+    yield node
+    for child in node.children:
+        yield from _walk(child)
+
+
+class ServerMetrics:
+    """The app's metrics registry, its per-request instruments and its in-flight count."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter("sonar:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("sonar:generation_tokens", "Generation tokens produced.", registry=r)
+        self.request_success = Counter("sonar:request_success", "Finished requests, by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.ttft = Histogram("sonar:time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("sonar:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sonar:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("sonar:request_queue_time_seconds",
+                               "Time from arrival to the first output (approximates the queue time).",
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+        #: HTTP requests to the generation routes whose response has not ended yet (`/load`).
+        self.server_load = 0
+        # Totals for the stats log line (the Counters keep theirs, but reading them back is clumsy).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
+
+    def request(self) -> "RequestRecorder":
+        """A recorder for one HTTP request, arriving now."""
+        return RequestRecorder(self)
+
+    async def render(self, llm: LLM, timeout: float = 5.0) -> bytes:
+        """The Prometheus text exposition, with the engine's stats asked for now."""
+        try:
+            with anyio.fail_after(timeout):
+                self.engine.stats = await llm.stats()
+        except Exception as exc:  # the engine's metrics are left out of this scrape
+            log.warning("metrics.stats_failed", error=f"{type(exc).__name__}: {exc}")
+            self.engine.stats = None
+        try:
+            self.engine.tree = llm.tree()
+        except Exception:
+            self.engine.tree = None
+        return generate_latest(self.registry)
+
+
+class RequestRecorder:
+    """Per-request observations of one HTTP request (all its prompts and choices).
+
+    The handlers call `output()` for each engine output delta (the first one of a choice is its
+    first token, later ones are the following tokens, the one with a finish reason is its end) and
+    `close()` when they stop reading; `track()` does both around a delta stream.
+
+    Queue time: the engine does not report when a request left the waiting queue, so
+    `sonar:request_queue_time_seconds` is approximated as the time from the request's arrival at
+    the server to its first output (it includes the prefill, as the time to first token does).
+    """
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.arrival = time.monotonic()
+        self._last: dict[tuple[int, int], float] = {}  # (prompt, choice) -> time of its last output
+        self._finished: set[tuple[int, int]] = set()
+        self._prompts_counted: set[int] = set()
+
+    def output(self, delta: StreamDelta, prompt: int = 0) -> None:
+        """Record one output delta of choice `delta.index` of the request's `prompt`-th prompt."""
+        m, now, key = self.metrics, time.monotonic(), (prompt, delta.index)
+        if prompt not in self._prompts_counted and delta.num_prompt_tokens:
+            self._prompts_counted.add(prompt)
+            m.prompt_tokens.inc(delta.num_prompt_tokens)
+            m.total_prompt_tokens += delta.num_prompt_tokens
+        if delta.token_ids:
+            m.generation_tokens.inc(len(delta.token_ids))
+            m.total_generation_tokens += len(delta.token_ids)
+            last = self._last.get(key)
+            if last is None:
+                m.ttft.observe(now - self.arrival)
+                m.queue.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - last)
+            self._last[key] = now
+        if delta.finish_reason is not None and key not in self._finished:
+            self._finished.add(key)
+            m.request_success.labels(finished_reason=delta.finish_reason).inc()
+            m.e2e.observe(now - self.arrival)
+
+    def close(self) -> None:
+        """The handler stopped reading: a started choice that did not finish counts as aborted."""
+        for key in self._last.keys() - self._finished:
+            self._finished.add(key)
+            self.metrics.request_success.labels(finished_reason="abort").inc()
+
+    async def track(self, deltas: AsyncIterator[StreamDelta], prompt: int = 0) -> AsyncIterator[StreamDelta]:
+        """Yield `deltas` (an `llm.stream(...)`), recording each one."""
+        try:
+            async for d in deltas:
+                self.output(d, prompt)
+                yield d
+        finally:
+            self.close()
+            aclose = getattr(deltas, "aclose", None)
+            if aclose is not None:  # leave the engine's stream now (it aborts what is unfinished)
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+    async def generate(self, llm: LLM, prompt: str | list[int], params: Any, prompt_index: int = 0,
+                       **kwargs: Any) -> RequestOutput:
+        """`llm.generate(prompt, params, **kwargs)`, with each delta recorded as it arrives."""
+        try:
+            return await llm.generate(prompt, params, on_delta=lambda d: self.output(d, prompt_index), **kwargs)
+        finally:
+            self.close()
+
+
+class LoadMiddleware:
+    """Counts the HTTP requests to the generation routes in flight (until their response, streamed
+    or whole, has ended) in `metrics.server_load`: what `GET /load` reports."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _path(scope) not in LOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.metrics.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.metrics.server_load -= 1
+
+
+def _path(scope: Scope) -> str:
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path
+
+
+# -- the periodic stats log line -------------------------------------------------------------------
+def stats_line(stats: Any, prompt_tps: float, generation_tps: float, hit_rate: float | None) -> dict[str, Any]:
+    """The fields of one stats log line (vLLM's "Avg prompt throughput ..." line)."""
+    return {
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "kv_cache_usage": f"{stats.kv_usage * 100:.1f}%",
+        "prompt_tokens_per_s": round(prompt_tps, 1),
+        "generation_tokens_per_s": round(generation_tps, 1),
+        "prefix_cache_hit_rate": "n/a" if hit_rate is None else f"{hit_rate * 100:.1f}%",
+    }
+
+
+async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 10.0) -> None:
+    """Every `interval` seconds log running/waiting requests, KV cache usage, prompt and generation
+    throughput over the interval, and the prefix cache hit rate over the interval (of the prompt
+    tokens looked up in it; n/a when none were)."""
+    last_time = time.monotonic()
+    last_prompt, last_gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+    last_queries = last_hits = None
+    while True:
+        await anyio.sleep(interval)
+        try:
+            with anyio.fail_after(interval):
+                stats = await llm.stats()
+        except Exception as exc:
+            log.warning("stats.unavailable", error=f"{type(exc).__name__}: {exc}")
+            continue
+        now = time.monotonic()
+        elapsed = max(now - last_time, 1e-9)
+        prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+        queries = stats.prefix_queries - (last_queries or 0)
+        hits = stats.prefix_hits - (last_hits or 0)
+        fields = stats_line(stats, (prompt - last_prompt) / elapsed, (gen - last_gen) / elapsed,
+                            hits / queries if queries > 0 else None)
+        log.info("engine.stats", **fields)
+        last_time, last_prompt, last_gen = now, prompt, gen
+        last_queries, last_hits = stats.prefix_queries, stats.prefix_hits
+
+
+@asynccontextmanager
+async def stats_logging(llm: LLM, metrics: ServerMetrics, interval: float | None) -> AsyncIterator[None]:
+    """Run `log_stats_forever` for the length of the block (not at all when `interval` is None)."""
+    if interval is None:
+        yield
+        return
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(log_stats_forever, llm, metrics, interval)
+        try:
+            yield
+        finally:
+            tg.cancel_scope.cancel()
+
+
+def recorder(request: Any) -> RequestRecorder:
+    """A recorder for `request`, arriving now, on its app's `ServerMetrics` (`app.state.metrics`)."""
+    return request.app.state.metrics.request()
