@@ -115,6 +115,7 @@ async def serve(config: ServeConfig) -> int:
                     app = build_app(llm, _settings(config), log_stats_interval=None if config.disable_log_stats else 10.0)
                     app = FrontDoor(app, drain, request_id_headers=config.enable_request_id_headers)
                     server = _make_server(uvicorn.Config(app, **_uvicorn_args(config)))
+                    _quiet_access_log(config.disable_access_log_for_endpoints)
                     holder["llm"] = llm
                     holder["server"] = server
                     try:
@@ -148,6 +149,25 @@ async def _abort_rest(drain: Any, llm: Any, patience: float = 3.0) -> None:
         _say(f"aborted {len(aborted)} request(s) still running")
 
 
+def _quiet_access_log(paths: Sequence[str]) -> None:
+    """--disable-access-log-for-endpoints: drop uvicorn's access log lines for these paths (the
+    query string aside). Installed after uvicorn has configured its loggers."""
+    import logging
+
+    quiet = {p.strip() for p in paths if p.strip()}
+    if not quiet:
+        return
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            args = record.args
+            if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+                return args[2].split("?", 1)[0] not in quiet
+            return True
+
+    logging.getLogger("uvicorn.access").addFilter(Quiet())
+
+
 def _make_server(uvicorn_config: Any) -> Any:
     """A uvicorn `Server` without its own signal handling: `serve()` handles the signals, and
     uvicorn would re-raise them when it returns."""
@@ -173,7 +193,49 @@ def _settings(config: ServeConfig) -> Any:
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         enable_request_id_headers=config.enable_request_id_headers,
         system_fingerprint=system_fingerprint(config), stream_interval=config.stream_interval,
-        return_tokens_as_token_ids=config.return_tokens_as_token_ids)
+        return_tokens_as_token_ids=config.return_tokens_as_token_ids,
+        default_sampling=generation_defaults(config),
+        enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
+        enable_log_requests=config.enable_log_requests, enable_log_outputs=config.enable_log_outputs,
+        max_log_len=config.max_log_len)
+
+
+#: generation_config.json keys that become sampling defaults, and their SamplingParams names.
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                   "max_tokens": "max_tokens"}
+
+
+def generation_defaults(config: ServeConfig) -> dict[str, Any]:
+    """`--generation-config` and `--override-generation-config` as SamplingParams defaults.
+
+    'auto' reads generation_config.json from the model's folder (none for the embedded model or
+    a model that has no such file), a folder path reads it from there (it must exist), 'sonar'
+    (or 'vllm') reads none. The override is merged over what was read."""
+    import json
+
+    source = config.generation_config
+    found: dict[str, Any] = {}
+    if source == "auto":
+        model = config.engine.model
+        folder = model if model is not None and os.path.isdir(model) else None
+    elif source in ("sonar", "vllm", "aphrodite"):
+        folder = None
+    else:
+        folder = source
+        if not os.path.isfile(os.path.join(folder, "generation_config.json")):
+            raise FileNotFoundError(f"--generation-config {source}: no generation_config.json there")
+    if folder is not None:
+        path = os.path.join(folder, "generation_config.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                found = json.load(f)
+    merged = {**found, **config.override_generation_config}
+    defaults = {GENERATION_KEYS[k]: v for k, v in merged.items() if k in GENERATION_KEYS and v is not None}
+    if defaults:
+        _say("sampling defaults from the generation config: "
+             + ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+    return defaults
 
 
 def system_fingerprint(config: ServeConfig) -> str | None:

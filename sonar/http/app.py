@@ -3,7 +3,8 @@
     app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, and the observability routes
+GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (only with
+--enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`). With API keys set, every /v1/* route needs `Authorization: Bearer <key>`
 (the others stay open, as in vLLM).
@@ -139,6 +140,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         except Exception as exc:
             return exception_response(exc)
 
+    async def tokenizer_info(request: Request) -> Response:
+        return json_response(describe_tokenizer(llm.tokenizer, settings.chat_template))
+
     async def prometheus(request: Request) -> Response:
         body = await metrics.render(llm, settings.health_timeout)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
@@ -167,6 +171,8 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/actors", actors, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
     ]
+    if settings.enable_tokenizer_info_endpoint:
+        routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
     middleware = [Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                              allow_methods=list(settings.allowed_methods),
                              allow_headers=list(settings.allowed_headers),
@@ -180,6 +186,30 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     app.state.settings = settings
     app.state.metrics = metrics
     return app
+
+
+def describe_tokenizer(tokenizer: Any, chat_template: str | None = None) -> dict[str, Any]:
+    """GET /tokenizer_info: the tokenizer's configuration (its init arguments, as in
+    tokenizer_config.json, the added-tokens table left out), its class, special tokens, maximum
+    length and the chat template the server uses (--chat-template, else the tokenizer's)."""
+    info = {k: _plain(v) for k, v in getattr(tokenizer, "init_kwargs", {}).items()
+            if k not in ("added_tokens_decoder", "vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    info["tokenizer_class"] = type(tokenizer).__name__
+    info["model_max_length"] = _plain(getattr(tokenizer, "model_max_length", None))
+    info["chat_template"] = chat_template or getattr(tokenizer, "chat_template", None)
+    info.update({name: _plain(value) for name, value in getattr(tokenizer, "special_tokens_map", {}).items()})
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-safe copy: AddedToken and other objects become their text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
 
 
 async def _not_found(request: Request, exc: Any) -> Response:

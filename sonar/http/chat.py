@@ -21,6 +21,8 @@ from sonar.http.common import (
     chat_logprobs,
     exception_response,
     json_response,
+    log_output,
+    log_request,
     make_usage,
     new_id,
 )
@@ -47,11 +49,13 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
     try:
         req = decode_request(await request.body(), ChatCompletionRequest)
         check_model(req.model)
-        params = req.sampling_params()
+        params = req.sampling_params(settings.default_sampling)
         messages = req.template_messages()
         prompt_ids = await llm.apply_chat_template(
             messages, add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+        if settings.enable_log_requests:
+            log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
         role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
         if req.stream:
             return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
@@ -66,6 +70,8 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
             for out in result.outputs
         ]
         completion_tokens = sum(len(out.token_ids) for out in result.outputs)
+        log_output(settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices],
+                   completion_tokens)
         usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
         return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
                                                     system_fingerprint=settings.system_fingerprint))
@@ -82,6 +88,8 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompl
                                    system_fingerprint=settings.system_fingerprint)
 
     completion_tokens = cached_tokens = 0
+    texts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
     started = False
     deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, request_id=rid))
     async for d in batched(deltas, settings.stream_interval):
@@ -91,10 +99,15 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompl
             for i in range(params.n):
                 await emit(chunk([ChatChunkChoice(i, DeltaMessage(role=role, content=""))]))
         completion_tokens += len(d.token_ids)
+        texts[d.index] = texts.get(d.index, "") + d.text
+        if d.finish_reason is not None:
+            finished[d.index] = d.finish_reason
         as_ids = settings.return_tokens_as_token_ids
         logprobs = chat_logprobs(d.logprobs, as_ids) if req.logprobs and d.logprobs else None
         if d.text or d.finish_reason is not None or logprobs is not None:
             await emit(chunk([ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs,
                                               d.finish_reason, d.stop_reason)]))
+    order = sorted(texts)
+    log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], completion_tokens)
     if req.include_usage or settings.enable_force_include_usage:
         await emit(chunk([], make_usage(settings, len(prompt_ids), completion_tokens, cached_tokens)))

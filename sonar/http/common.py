@@ -55,6 +55,17 @@ class ServerSettings:
     stream_interval: int = 1
     #: Logprob tokens are written `token_id:<id>` instead of their text.
     return_tokens_as_token_ids: bool = False
+    #: Sampling defaults for fields a request leaves out (--generation-config and its override):
+    #: SamplingParams names; `max_tokens` (generation_config's max_new_tokens) also caps requests.
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    #: Serve GET /tokenizer_info (--enable-tokenizer-info-endpoint).
+    enable_tokenizer_info_endpoint: bool = False
+    #: --enable-log-requests: one `request.received` log line per request (id, prompt, sampling).
+    enable_log_requests: bool = False
+    #: --enable-log-outputs (with --enable-log-requests): a `request.output` line with the output.
+    enable_log_outputs: bool = False
+    #: --max-log-len: logged prompts and outputs keep this many characters (token ids: ids).
+    max_log_len: int | None = None
     #: Seconds /health waits for the scheduler to answer before it reports 503.
     health_timeout: float = 5.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -151,6 +162,30 @@ async def cancel_on_disconnect(request: Any, call: Callable[[], Awaitable[Any]],
     if isinstance(outcome[0], Exception):
         raise outcome[0]
     return outcome[0]
+
+
+# -- request logging (--enable-log-requests, --enable-log-outputs) ------------------------------
+def _clip(value: Any, limit: int | None) -> Any:
+    """A prompt or output cut to `limit` characters (a string) or ids (a list of token ids)."""
+    return value if limit is None else value[:limit]
+
+
+def log_request(settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any) -> None:
+    """With --enable-log-requests: one line with the request's id, prompt(s) and sampling params."""
+    if settings.enable_log_requests:
+        clipped = [_clip(p, settings.max_log_len) for p in prompts]
+        log.info("request.received", request_id=request_id, prompt=clipped[0] if len(clipped) == 1 else clipped,
+                 params=msgspec.json.encode(params).decode())
+
+
+def log_output(settings: ServerSettings, request_id: str, texts: Sequence[str], finish_reasons: Sequence[Any],
+               completion_tokens: int) -> None:
+    """With --enable-log-requests and --enable-log-outputs: one line with what was generated."""
+    if settings.enable_log_requests and settings.enable_log_outputs:
+        clipped = [_clip(t, settings.max_log_len) for t in texts]
+        log.info("request.output", request_id=request_id, output=clipped[0] if len(clipped) == 1 else clipped,
+                 finish_reason=finish_reasons[0] if len(finish_reasons) == 1 else list(finish_reasons),
+                 completion_tokens=completion_tokens)
 
 
 # -- logprobs -------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from sonar.http.common import (
     exception_response,
     gather,
     json_response,
+    log_output,
+    log_request,
     make_usage,
     merge_completion_logprobs,
     new_id,
@@ -45,7 +47,8 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
         req = decode_request(await request.body(), CompletionRequest)
         check_model(req.model)
         prompts = req.prompts()
-        params = req.sampling_params()
+        params = req.sampling_params(settings.default_sampling)
+        log_request(settings, rid, prompts, params)
         if req.stream:
             return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
         finished, outputs = await cancel_on_disconnect(request, lambda: gather([
@@ -54,7 +57,10 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
         ]), rid)
         if not finished:
             return Response(status_code=499)  # nobody reads it
-        return json_response(_response(llm, settings, req, rid, outputs, params.n))
+        response = _response(llm, settings, req, rid, outputs, params.n)
+        log_output(settings, rid, [c.text for c in response.choices], [c.finish_reason for c in response.choices],
+                   response.usage.completion_tokens if response.usage else 0)
+        return json_response(response)
     except Exception as exc:
         return exception_response(exc, rid)
 
@@ -98,6 +104,8 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
                   prompts: list[str | list[int]], params: SamplingParams, rid: str, rec: RequestRecorder) -> None:
     created = int(time.time())
     counts = {"prompt": 0, "completion": 0, "cached": 0}
+    texts: dict[int, str] = {}
+    finished: dict[int, str | None] = {}
     as_ids = settings.return_tokens_as_token_ids
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
@@ -132,11 +140,16 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
                 echo_pending.discard(d.index)
                 text = prompt_text + text
             offsets[d.index] += len(d.text)
+            texts[p * params.n + d.index] = texts.get(p * params.n + d.index, "") + text
+            if d.finish_reason is not None:
+                finished[p * params.n + d.index] = d.finish_reason
             if text or d.finish_reason is not None or (logprobs and logprobs.tokens):
                 await emit(chunk(CompletionChoice(p * params.n + d.index, text, logprobs, d.finish_reason,
                                                   d.stop_reason)))
 
     await gather([(lambda p=p, prompt=prompt: one(p, prompt)) for p, prompt in enumerate(prompts)])
+    order = sorted(texts)
+    log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], counts["completion"])
     if req.include_usage or settings.enable_force_include_usage:
         usage = make_usage(settings, counts["prompt"], counts["completion"], counts["cached"])
         await emit(CompletionResponse(id=rid, model=settings.model_name, choices=[], usage=usage, created=created,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import msgspec
 
@@ -66,13 +66,16 @@ class _Sampling(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool | None = None
     priority: int = 0
 
-    def sampling_fields(self) -> dict[str, Any]:
-        """The set sampling fields as `SamplingParams` keyword arguments."""
+    def sampling_fields(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The set sampling fields as `SamplingParams` keyword arguments, over `defaults` (the
+        server's generation config: temperature, top_p, ...; its max_tokens is handled apart)."""
         names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
                  "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
                  "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
                  "spaces_between_special_tokens")
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        fields = {k: v for k, v in (defaults or {}).items() if k in names}
+        fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
+        return fields
 
     @property
     def include_usage(self) -> bool:
@@ -83,7 +86,8 @@ class CompletionRequest(_Sampling, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
     # the list is checked by `prompts()`.
     prompt: str | list[Any]
-    max_tokens: int | None = 16
+    #: Absent: 16, or the generation config's max_new_tokens (null: up to the context).
+    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -105,16 +109,19 @@ class CompletionRequest(_Sampling, kw_only=True):
         raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
                            "lists of token ids", "prompt")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's generation config (see `sampling_fields`, `default_max_tokens`)."""
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise RequestError("best_of is not supported (only best_of == n)", "best_of")
         if self.logprobs is not None and self.logprobs < 0:
             raise RequestError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
-        fields = self.sampling_fields()
+        fields = self.sampling_fields(defaults)
+        max_tokens = default_max_tokens(None if self.max_tokens is msgspec.UNSET else self.max_tokens,
+                                        defaults, 16 if self.max_tokens is msgspec.UNSET else None)
         return make_sampling_params(
-            max_tokens=self.max_tokens, logprobs=self.logprobs,
+            max_tokens=max_tokens, logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **fields)
 
 
@@ -159,7 +166,8 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise RequestError("messages must not be empty", "messages")
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """`defaults`: the server's generation config (see `sampling_fields`, `default_max_tokens`)."""
         top = self.top_logprobs
         if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", "top_logprobs")
@@ -167,8 +175,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return make_sampling_params(max_tokens=max_tokens, logprobs=(top or 0) if self.logprobs else None,
-                                    _max_tokens_param=param, **self.sampling_fields())
+        return make_sampling_params(max_tokens=default_max_tokens(max_tokens, defaults),
+                                    logprobs=(top or 0) if self.logprobs else None,
+                                    _max_tokens_param=param, **self.sampling_fields(defaults))
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -184,6 +193,16 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[int]
+
+
+def default_max_tokens(given: int | None, defaults: Mapping[str, Any] | None,
+                       fallback: int | None = None) -> int | None:
+    """The request's max_tokens under the generation config's `max_tokens` (its max_new_tokens):
+    that is the default when the request sets none, and caps what it sets."""
+    cap = (defaults or {}).get("max_tokens")
+    if given is None:
+        return cap if cap is not None else fallback
+    return given if cap is None else min(given, cap)
 
 
 def make_sampling_params(_max_tokens_param: str = "max_tokens", **kwargs: Any) -> SamplingParams:
