@@ -22,7 +22,14 @@ py=.venv/bin/python
 stamp=.venv/.sonar-setup
 want=$(cat pyproject.toml scripts/_setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    pip_q() { "$py" -m pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v '^WARNING: Location' || true; }
+    # pip's output without this machine's noise about missing local index folders; a failing
+    # install stops the setup.
+    pip_q() {
+        local out status=0
+        out=$("$py" -m pip install -q --disable-pip-version-check "$@" 2>&1) || status=$?
+        printf '%s\n' "$out" | grep -v -e '^WARNING: Location' -e '^$' >&2 || true
+        return "$status"
+    }
     # torch first, pinned: on this kind of machine pip's configured wheel store holds the CPU
     # build of 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
     if ! "$py" -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
