@@ -120,8 +120,9 @@ async def serve(actor: Actor, mailbox: Mailbox, *, task_status: TaskStatus = any
         if not exc.normal:
             raise
     except BaseExceptionGroup as group:
-        exits = [e for e in _leaves(group) if isinstance(e, ActorExit)]
-        others = [e for e in _leaves(group) if not isinstance(e, ActorExit)]
+        leaves = exception_leaves(group)
+        exits = [e for e in leaves if isinstance(e, ActorExit)]
+        others = [e for e in leaves if not isinstance(e, ActorExit)]
         if others:
             if len(others) == 1:
                 raise others[0] from None
@@ -130,10 +131,11 @@ async def serve(actor: Actor, mailbox: Mailbox, *, task_status: TaskStatus = any
             raise exits[0] from None
 
 
-def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+def exception_leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    """The exceptions inside a (nested) exception group, depth first, in order."""
     out: list[BaseException] = []
     for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+        out.extend(exception_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
     return out
 
 

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 import anyio
 import msgspec
 
+from sonar.actors.actor import exception_leaves
 from sonar.actors.messages import ActorError, ActorNotFound, AskTimeout, ExitInfo, Ping
 from sonar.actors.node import get_node
 from sonar.actors.runners import Runner, make_runner
@@ -289,14 +290,7 @@ def run_root(spec: SupervisorSpec, main: Callable[[Supervisor], "anyio.abc.Await
 
 def _first_real(group: BaseExceptionGroup) -> BaseException:
     """The exception that matters in an anyio group: the first that is not a cancellation."""
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [group]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack[:0] = list(exc.exceptions)
-        else:
-            leaves.append(exc)
+    leaves = exception_leaves(group)
     cancelled = anyio.get_cancelled_exc_class()
     real = [e for e in leaves if not isinstance(e, cancelled)]
     for exc in real[1:]:

@@ -118,8 +118,8 @@ class SchedulerActor(Actor):
                 continue
             output = self.core.schedule()
             if output.is_empty and not output.finished_req_ids:
-                # Nothing fits this step (all waiting on blocks held by nobody running cannot
-                # happen; the core guarantees progress); yield so messages get handled.
+                # Nothing could be scheduled this step (the core guarantees progress once blocks
+                # free up); yield so that aborts and new requests get handled meanwhile.
                 await anyio.sleep(0.001)
                 continue
             new = []

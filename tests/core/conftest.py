@@ -8,12 +8,9 @@ import pytest
 @pytest.fixture(scope="session")
 def embedded_tokenizer():
     """The embedded model's tokenizer (SmolLM2, byte-level BPE), converted once per cache."""
-    from sonar.models.embedded import EmbeddedModelMissing, load_tokenizer
+    from sonar.models.embedded import load_tokenizer
 
-    try:
-        return load_tokenizer()
-    except EmbeddedModelMissing as exc:
-        pytest.skip(str(exc))
+    return load_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,17 @@ test that needs the server's log) can read them.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -68,6 +71,25 @@ def start_server(tmp: Path, *args: str, timeout: float = 120.0) -> ServerProcess
         time.sleep(0.2)
     stop_server(server)
     pytest.fail(f"the server did not become healthy in {timeout} s:\n{server.log()[-4000:]}")
+
+
+@contextmanager
+def serving(tmp: Path, *args: str) -> Iterator[ServerProcess]:
+    """A server for the length of the block; it must then stop on SIGTERM with exit code 0."""
+    server = start_server(tmp, *args)
+    yield server
+    code = stop_server(server)
+    assert code == 0, f"the server exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """The `data:` payloads of an SSE response, JSON-decoded, `[DONE]` kept as the string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
 
 
 def stop_server(server: ServerProcess) -> int:

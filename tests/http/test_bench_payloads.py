@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.http.conftest import start_server, stop_server
+from tests.http.conftest import serving
 
 MODEL = "smol"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
@@ -34,11 +34,9 @@ HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer None"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = start_server(tmp_path_factory.mktemp("bench"), "--dtype", "float32", "--max-model-len", "256",
-                       "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL)
-    yield srv
-    code = stop_server(srv)
-    assert code == 0, f"the server exited with {code}:\n{srv.log()[-4000:]}"
+    with serving(tmp_path_factory.mktemp("bench"), "--dtype", "float32", "--max-model-len", "256",
+                 "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL) as srv:
+        yield srv
 
 
 def read_like_bench(response: httpx.Response, chat: bool) -> tuple[str, int | None, list[dict[str, Any]]]:

@@ -24,7 +24,7 @@ import pytest
 
 from sonar.cli.parse import parse_serve_args
 from sonar.cli.serve import system_fingerprint
-from tests.http.conftest import ROOT, ServerProcess, start_server, stop_server
+from tests.http.conftest import ROOT, ServerProcess, sse_events, start_server, stop_server
 
 COMMON = ("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--seed", "0",
           "--served-model-name", "smol")
@@ -90,16 +90,6 @@ def start_uds_server(tmp: Path, sock: Path, *args: str, timeout: float = 120.0) 
 
 def uds_client(sock: Path) -> httpx.Client:
     return httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://sonar", timeout=60)
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    """The `data:` payloads of an SSE response, decoded ("[DONE]" kept as the string)."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 class StreamInBackground:

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sonar.core.outputs import SchedulerStats
 from sonar.http.metrics import stats_line
-from tests.http.conftest import ServerProcess, start_server, stop_server
+from tests.http.conftest import ServerProcess, serving, sse_events
 
 MODEL = "smol"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -27,11 +27,9 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = start_server(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "256",
-                       "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL)
-    yield srv
-    code = stop_server(srv)
-    assert code == 0, f"the server exited with {code} on SIGTERM:\n{srv.log()[-4000:]}"
+    with serving(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "256",
+                 "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +53,6 @@ def value(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, frozenset(labels.items())), 0.0)
 
 
-def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            events.append(json.loads(line[len("data: "):]))
-    return events
-
-
 def test_metrics_count_what_the_responses_reported(http: httpx.Client) -> None:
     before = scrape(http)
     base = {"model": MODEL, "max_tokens": MAX_TOKENS, "ignore_eos": True, "temperature": 0}
@@ -79,7 +69,7 @@ def test_metrics_count_what_the_responses_reported(http: httpx.Client) -> None:
     for path, body in (("/v1/completions", {**base, "prompt": PROMPT + " there"}), ("/v1/chat/completions", chat)):
         with http.stream("POST", path, json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
             assert r.status_code == 200
-            events = sse_events(r)
+            events = [e for e in sse_events(r) if e != "[DONE]"]
         assert [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")] == ["length"]
         usages.append(events[-1]["usage"])
     requests = len(usages)

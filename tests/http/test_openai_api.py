@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.http.conftest import ServerProcess, start_server, stop_server
+from tests.http.conftest import ServerProcess, sse_events, start_server, stop_server
 
 MODEL = "smol"
 API_KEY = "sonar-test-key"
@@ -62,16 +62,6 @@ def expect_error(response: httpx.Response, status: int, param: str | None = None
     if param is not None:
         assert error["param"] == param, error
     return error
-
-
-def sse_events(response: httpx.Response) -> list[Any]:
-    """The `data:` payloads of an SSE response, JSON-decoded, `[DONE]` as the string."""
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
 
 
 # -- completions ----------------------------------------------------------------------------------
