@@ -108,8 +108,12 @@ class Runner:
     def placement(self) -> str:
         return "inprocess"
 
+    def mailbox_depth(self) -> int | None:
+        """Messages waiting in the mailbox, as the last answered ping reported it."""
+        return self.last_pong.mailbox_depth if self.last_pong else None
+
     def info(self) -> ActorInfo:
-        depth = self.last_pong.mailbox_depth if self.last_pong else None
+        depth = self.mailbox_depth()
         return ActorInfo(
             name=self.name, kind=self.kind, placement=self.placement, pid=self.pid,
             state=self.state, restarts=self.restarts, mailbox_depth=depth,
@@ -151,6 +155,12 @@ class InProcessRunner(Runner):
         self.cls = _actor_class(spec)
         self.ref = ActorRef(self.mailbox_name, self.cls.protocol)
         self.inc: Incarnation | None = None
+
+    def mailbox_depth(self) -> int | None:
+        """The live depth: the mailbox is in this process, no ping needed."""
+        if self.inc is None or self.inc.done.is_set():
+            return None
+        return self.inc.mailbox.depth()
 
     async def _start(self, incarnation: int) -> None:
         self.pid = os.getpid()
