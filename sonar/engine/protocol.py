@@ -26,6 +26,8 @@ class WorkerInfo(msgspec.Struct):
     kv_cache_memory_bytes: int
     tokenizer_path: str | None
     pid: int
+    startup_seconds: dict[str, float] = {}
+    """Where the worker's start-up went, by phase: "weights", "convert", "kv_cache", "warmup"."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

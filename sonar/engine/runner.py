@@ -84,12 +84,15 @@ class ModelRunner:
         self.config = cfg = config
         self.requests: dict[str, _RequestState] = {}
         torch.manual_seed(cfg.seed)
+        t0 = time.perf_counter()
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format,
                                  revision=cfg.revision, download_dir=cfg.download_dir)
         self.model = self.loaded.model
+        t1 = time.perf_counter()
         self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded)
         self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
                                             self.model.num_kv_heads, self.model.head_dim, self.loaded.dtype)
+        t2 = time.perf_counter()
         kv_bytes = self.num_blocks * kv_bytes_per_block(self.model, cfg.block_size, self.loaded.dtype)
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
@@ -100,7 +103,7 @@ class ModelRunner:
             dtype=str(self.loaded.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_bytes, tokenizer_path=tokenizer,
-            pid=os.getpid(),
+            pid=os.getpid(), startup_seconds={"weights": t1 - t0, "kv_cache": t2 - t1},
         )
         log.info("kv cache allocated", blocks=self.num_blocks, block_size=cfg.block_size,
                  tokens=self.num_blocks * cfg.block_size, max_model_len=self.max_model_len,
