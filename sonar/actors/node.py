@@ -84,6 +84,7 @@ class _Pending:
     future: asyncio.Future
     reply_type: Any
     actor: str
+    target: str | None = None  # the asked actor's mailbox name
 
 
 class Node:
@@ -150,11 +151,23 @@ class Node:
         frames = [b"M", name.encode(), *self.codec.encode(msg)]
         await self._send_dealer(address, frames)
 
-    def new_ask(self, reply_type: Any, actor: str) -> tuple[ReplyTo, asyncio.Future]:
+    def new_ask(self, reply_type: Any, actor: str, target: str | None = None) -> tuple[ReplyTo, asyncio.Future]:
         ask_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
-        self._pending[ask_id] = _Pending(fut, reply_type, actor)
+        self._pending[ask_id] = _Pending(fut, reply_type, actor, target)
         return ReplyTo(self.node_id, ask_id, self.address), fut
+
+    def fail_asks(self, target: str, reason: str) -> int:
+        """Fail this process's asks still waiting on the actor `target` (a mailbox name): its run
+        ended, so no answer will come. A supervisor calls it when a child's run ends, so an asker
+        in the supervisor's process learns of a dead child at once instead of at its timeout."""
+        failed = 0
+        for ask_id, pending in list(self._pending.items()):
+            if pending.target == target and not pending.future.done():
+                error = RemoteError(type="ActorExited", message=reason, traceback="")
+                self._resolve_local(ask_id, None, error)
+                failed += 1
+        return failed
 
     def forget_ask(self, ask_id: int) -> None:
         self._pending.pop(ask_id, None)

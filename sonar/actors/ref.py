@@ -85,7 +85,7 @@ class ActorRef(Generic[Msg]):
         if not isinstance(msg, Ask):
             raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
         node = get_node()
-        reply_to, fut = node.new_ask(type(msg).reply_type, self.label)
+        reply_to, fut = node.new_ask(type(msg).reply_type, self.label, self.name)
         msg = msgspec.structs.replace(msg, reply_to=reply_to)
         try:
             if timeout is None:

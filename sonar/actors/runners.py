@@ -99,6 +99,8 @@ class Runner:
             return
         self.last_exit = info
         self.pid = self.pid if self.kind == "supervisor" else None
+        if self.kind == "actor":
+            get_node().fail_asks(self.mailbox_name, f"actor {self.name!r} ended ({info.reason}) before it answered")
         if self._stopping:
             return
         self.state = "stopped" if info.normal else "crashed"

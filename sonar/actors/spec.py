@@ -84,7 +84,8 @@ class SupervisorSpec:
     """A supervisor: its children (actors or supervisors) in start order, and its policy.
 
     More than `max_restarts` restarts within `period` seconds make it stop all its children and
-    fail to its parent (the root then exits the process non-zero).
+    fail to its parent (the root then exits the process non-zero). The period is counted without
+    the time the supervisor spends starting children, so slow starts do not hide a crash loop.
     """
 
     name: str

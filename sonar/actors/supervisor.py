@@ -54,6 +54,9 @@ class Supervisor:
         self.listeners: list[Callable[[Event], None]] = []
         """Called (synchronously, in the supervisor's task) with every new event."""
         self._restarts: deque[float] = deque()
+        self._starting_seconds = 0.0
+        """Time spent starting children since this supervisor started; the restart-intensity
+        clock leaves it out (see `_clock`)."""
         self._exits_send, self._exits = anyio.create_memory_object_stream[tuple](max_buffer_size=1000)
         self._shutdown = anyio.Event()
         self._done = anyio.Event()
@@ -135,8 +138,18 @@ class Supervisor:
 
     async def _start(self, runner: Runner) -> None:
         log.info("actor.start", supervisor=self.name, actor=runner.name, placement=runner.placement)
-        await runner.start()
+        began = time.monotonic()
+        try:
+            await runner.start()
+        finally:
+            self._starting_seconds += time.monotonic() - began
         self._event("start", runner.name)
+
+    def _clock(self) -> float:
+        """The restart-intensity clock: monotonic time, less the time spent starting children. A
+        child that takes 15 s to load and crashes at once must still trip `max_restarts` within
+        `period`, not get 4 restarts a minute forever."""
+        return time.monotonic() - self._starting_seconds
 
     async def _stop(self, runner: Runner) -> None:
         if runner.running:
@@ -172,7 +185,7 @@ class Supervisor:
             if restart == "temporary":
                 self.runners.remove(runner)
             return
-        now = time.monotonic()
+        now = self._clock()
         self._restarts.append(now)
         while self._restarts and self._restarts[0] < now - self.spec.period:
             self._restarts.popleft()

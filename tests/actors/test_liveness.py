@@ -8,7 +8,7 @@ import time
 import anyio
 import pytest
 
-from sonar.actors import ChildProcess, ChildSpec, SupervisorSpec, supervise
+from sonar.actors import ActorError, ChildProcess, ChildSpec, SupervisorSpec, supervise
 from tests.actors.helpers import alive, other_pids, wait_for
 from tests.actors.sample import Echo, Freeze, Hang, Sample
 
@@ -127,3 +127,27 @@ async def test_child_process_exits_when_its_parent_dies(tmp_path):
         proc.kill()
         await proc.wait()
     await wait_for(lambda: not alive(child), timeout=3)
+
+
+async def test_an_ask_to_a_child_that_dies_fails_at_once_not_at_its_timeout(placement):
+    """The asker (here, in the supervisor's process) learns of the death when the supervisor does."""
+    spec = SupervisorSpec("root", [ChildSpec("a", Sample, placement=placement, ping_interval=None)])
+    async with supervise(spec) as sup:
+        a = sup.child("a")
+        await a.ref.send(Hang())  # the next ask waits behind a handler that never returns
+        t0 = time.monotonic()
+
+        async def kill_soon() -> None:
+            await anyio.sleep(0.3)
+            if is_process(placement):
+                os.kill(a.pid, signal.SIGKILL)
+            else:
+                await a.fail("killed by the test")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(kill_soon)
+            with pytest.raises(ActorError, match="ended"):
+                await a.ref.ask(Echo("never"), timeout=30)
+        assert time.monotonic() - t0 < 3
+        await wait_for(lambda: a.restarts == 1 and a.state == "running", timeout=10)
+        assert await a.ref.ask(Echo("back"), timeout=5) == "back"

@@ -93,6 +93,20 @@ async def test_temporary_child_is_never_restarted(placement):
         assert [c.name for c in sup.tree().children] == ["keep"]
 
 
+async def test_slow_starts_do_not_hide_a_crash_loop():
+    """Each restart takes 0.4 s, longer than the 0.3 s period: the intensity clock leaves start
+    time out, so three quick crashes still make the supervisor give up."""
+    spec = SupervisorSpec("root", [ChildSpec("slow", Sample, kwargs={"start_delay": 0.4})],
+                          max_restarts=2, period=0.3)
+    with pytest.raises(SupervisorGaveUp, match="3 restarts within 0.3"):
+        async with supervise(spec) as sup:
+            slow = sup.child("slow")
+            for crash in range(3):
+                await wait_for(lambda: slow.state == "running" and slow.restarts == crash)
+                await slow.ref.send(Crash())
+            await anyio.sleep(30)  # cancelled when the supervisor gives up
+
+
 async def test_intensity_exceeded_stops_children_and_fails_upward(placement):
     spec = three(placement, "one_for_one", max_restarts=2, period=30)
     pids: list[int] = []
