@@ -1,0 +1,112 @@
+"""Kernel dispatch: the Triton kernel for CUDA tensors when Triton is importable, the torch
+reference otherwise, so CPU behaviour is exactly the reference's.
+
+``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
+never needs Triton and never imports Triton on a CPU-only run. ``SONAR_USE_TRITON=0`` forces the
+references on CUDA as well (for A/B checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from sonar.kernels import reference
+from sonar.kernels.attention import AttentionMetadata
+
+
+@functools.cache
+def _triton_kernels() -> ModuleType | None:
+    try:
+        import sonar.kernels.triton as kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported here."""
+    return _triton_kernels() is not None
+
+
+def use_triton(*tensors: Tensor) -> bool:
+    """Whether a call on these tensors goes to Triton: all on CUDA, Triton importable, and not
+    turned off by ``SONAR_USE_TRITON=0``."""
+    if os.environ.get("SONAR_USE_TRITON", "1") == "0":
+        return False
+    return all(t.is_cuda for t in tensors) and triton_available()
+
+
+def write_kv_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Store new tokens' K/V at their slots (float8 caches quantize with the scales)."""
+    if use_triton(key, kv_cache):
+        _triton_kernels().write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    else:
+        reference.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Causal paged attention of a flat batch (see :mod:`sonar.kernels.attention`).
+    ``num_splits`` fixes the decode kernel's KV split count (CUDA graphs need one value per
+    captured graph); the reference ignores it."""
+    if use_triton(query, kv_cache):
+        return _triton_kernels().paged_attention(
+            query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits
+        )
+    return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm; with ``residual`` returns ``(normed, x + residual)``. The Triton path updates
+    ``residual`` in place, the reference returns a new tensor: use the returned one."""
+    if use_triton(x, weight):
+        return _triton_kernels().rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def rotary_embedding(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Rotated ``(query, key)``. The Triton path rotates in place, the reference returns new
+    tensors: use the returned ones."""
+    if use_triton(query, key, cos_sin_cache):
+        return _triton_kernels().rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+    return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    if use_triton(x):
+        return _triton_kernels().silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) -> None:
+    """Copy KV blocks between caches: the kernel when both caches are on one GPU, torch (a gather,
+    one copy, a scatter) across devices."""
+    if use_triton(src, dst) and src.device == dst.device:
+        device = src.device
+        _triton_kernels().copy_blocks(
+            src, dst, src_block_ids.to(device, torch.int64), dst_block_ids.to(device, torch.int64)
+        )
+    else:
+        reference.copy_blocks(src, dst, src_block_ids, dst_block_ids)

@@ -1,0 +1,184 @@
+"""Torch references for the Triton kernels in ``sonar/kernels/triton/`` (the CPU path).
+
+Attention and the plain KV-cache write have their references in :mod:`sonar.kernels.attention`
+(the layouts are documented there); this module adds what the kernels do beyond them: an FP8
+(e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, rotary
+embeddings applied from a cos/sin cache (neox and gpt-j layouts), SiLU-and-mul and the block copy
+between cache tensors. Each function states the contract its kernel follows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sonar.kernels import attention
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+
+
+# --- FP8 KV cache -------------------------------------------------------------------------------
+
+
+def _scale_for(x: Tensor, scale: Tensor) -> Tensor:
+    """A scale of shape ``[1]`` (per tensor) or ``[num_kv_heads]`` (per head), broadcast against
+    ``x`` ``[..., num_kv_heads, head_dim]``."""
+    if scale.numel() == 1:
+        return scale.reshape(()).to(torch.float32)
+    return scale.to(torch.float32)[:, None]
+
+
+def quantize_fp8(x: Tensor, scale: Tensor) -> Tensor:
+    """``x / scale`` rounded to float8 e4m3fn (to nearest, ties to even), saturating at +-448."""
+    y = x.to(torch.float32) / _scale_for(x, scale)
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(x: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    return (x.to(torch.float32) * _scale_for(x, scale)).to(dtype)
+
+
+def kv_scales(key: Tensor, value: Tensor, per_head: bool = False) -> tuple[Tensor, Tensor]:
+    """Scales that map the largest ``|key|`` / ``|value|`` (``[num_tokens, num_kv_heads,
+    head_dim]``) onto the e4m3 range: float32 ``[1]``, or ``[num_kv_heads]`` with ``per_head``."""
+
+    def one(x: Tensor) -> Tensor:
+        amax = x.abs().to(torch.float32).amax(dim=(0, 2)) if per_head else x.abs().max().to(torch.float32)[None]
+        return (amax / FP8_E4M3_MAX).clamp_min(1e-12)
+
+    return one(key), one(value)
+
+
+def write_kv_cache(
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    slot_mapping: Tensor,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """:func:`sonar.kernels.attention.write_kv_cache`, plus: a float8 ``kv_cache`` stores
+    :func:`quantize_fp8` of the keys and values with ``k_scale`` / ``v_scale``; negative slots
+    (padding tokens) are skipped."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if kv_cache.dtype != FP8_DTYPE:
+        attention.write_kv_cache(key, value, kv_cache, slot_mapping)
+        return
+    if k_scale is None or v_scale is None:
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    # index_copy_ has no float8 kernel on CPU: copy the bytes
+    attention.write_kv_cache(
+        quantize_fp8(key, k_scale).view(torch.uint8),
+        quantize_fp8(value, v_scale).view(torch.uint8),
+        kv_cache.view(torch.uint8),
+        slot_mapping,
+    )
+
+
+def dequantize_kv_cache(kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """A float8 cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` back in ``dtype``."""
+    return torch.stack((dequantize_fp8(kv_cache[0], k_scale, dtype), dequantize_fp8(kv_cache[1], v_scale, dtype)))
+
+
+def paged_attention(
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: attention.AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> Tensor:
+    """:func:`sonar.kernels.attention.paged_attention`; a float8 cache is dequantized first."""
+    if kv_cache.dtype == FP8_DTYPE:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+        kv_cache = dequantize_kv_cache(kv_cache, k_scale, v_scale, query.dtype)
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
+
+
+# --- norms and activations ----------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dimension, as ``sonar.models.decoder.RMSNorm`` computes it (float32
+    statistics, cast back to ``x.dtype`` before the weight multiplies).
+
+    With ``residual``: ``residual = x + residual`` first (in ``x.dtype``), then the norm of that;
+    returns ``(normed, residual)``.
+    """
+    if residual is not None:
+        x = (x.to(torch.float32) + residual.to(torch.float32)).to(x.dtype)
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = (weight * h.to(x.dtype)).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2 * d]``, in ``x.dtype`` as the model's MLP
+    computes it (the kernel computes in float32 and rounds once)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# --- rotary embeddings --------------------------------------------------------------------------
+
+
+def build_cos_sin_cache(inv_freq: Tensor, max_positions: int, scale: float = 1.0) -> Tensor:
+    """float32 ``[max_positions, rot_dim]``: row ``p`` is ``cos(p * inv_freq) * scale`` then
+    ``sin(p * inv_freq) * scale`` (``rot_dim // 2`` each). Scaled frequencies (linear, Llama-3,
+    YaRN: ``sonar.models.rotary.inv_freq_and_scale``) come in through ``inv_freq`` and ``scale``."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    angles = positions[:, None] * inv_freq.to(torch.float32)[None, :]
+    return torch.cat((angles.cos() * scale, angles.sin() * scale), dim=-1)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+    rot = cos.shape[-1] * 2
+    xr = x[..., :rot]
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    if is_neox:  # pairs (i, i + rot / 2)
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:  # gpt-j: pairs (2i, 2i + 1)
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((out, x[..., rot:]), dim=-1)
+
+
+def rotary_embedding(
+    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Rotate ``query`` ``[num_tokens, num_heads, head_dim]`` and ``key`` ``[num_tokens,
+    num_kv_heads, head_dim]`` by the cache rows at ``positions`` (the first ``rot_dim`` dims; the
+    rest pass through). Returns new tensors (the Triton kernel rotates in place).
+
+    Computed in the input dtype with cos/sin rounded to it, which for the neox layout is bit for
+    bit ``sonar.models.rotary.apply_rotary`` with ``RotaryEmbedding.cos_sin`` (the kernel computes
+    in float32 and rounds once)."""
+    half = cos_sin_cache.shape[-1] // 2
+    rows = cos_sin_cache.index_select(0, positions.to(torch.int64))
+    cos, sin = rows[:, :half], rows[:, half:]
+    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
+
+
+# --- block copy ---------------------------------------------------------------------------------
+
+
+def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) -> None:
+    """Copy blocks ``src[:, src_block_ids[i]]`` to ``dst[:, dst_block_ids[i]]`` for KV caches laid
+    out ``[2, num_blocks, ...]`` (the block shapes and dtypes must match; the devices may differ,
+    e.g. a GPU cache and a CPU staging tensor)."""
+    if src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype:
+        raise ValueError(f"block shapes/dtypes differ: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}")
+    src_ids = src_block_ids.to(device=src.device, dtype=torch.int64)
+    dst_ids = dst_block_ids.to(device=dst.device, dtype=torch.int64)
+    if src.dtype == FP8_DTYPE:  # index_copy_ has no float8 kernel on CPU: copy the bytes
+        src, dst = src.view(torch.uint8), dst.view(torch.uint8)
+    # asynchronous only towards a GPU: a GPU -> CPU copy must land before index_copy_ reads it
+    dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device, non_blocking=dst.is_cuda))
