@@ -1,0 +1,205 @@
+"""`python -m sonar.bench.step`: what one model-runner step costs, without actors or HTTP.
+
+Builds a `ModelRunner` and drives `execute` with synthetic scheduler outputs: a prefill of
+``--batch`` random prompts of ``--prompt-len`` tokens (``--prefill-chunk`` tokens per step at
+most, like the scheduler's token budget; decodes of prefilled requests go first), then
+``--decode-steps`` decode steps of the whole batch. Prints the median and mean time per step of each phase, the output tokens/s the decode
+steps alone would give, and the physical floor of a decode step on this machine (weights read
+once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whichever is larger).
+``--profile`` adds a torch profiler table of a few decode steps. ``--compare-eager`` times
+prefill and decode steps alternating between the prepacked linears and plain ``nn.Linear``
+layers on the same weights (what ``--enforce-eager`` serves) and prints both and their ratio.
+
+usage: python -m sonar.bench.step [--batch 16] [--prompt-len 128] [--decode-steps 32]
+       [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sonar.core.outputs import ScheduledRequest, SchedulerOutput
+from sonar.engine.config import EngineConfig
+from sonar.engine.protocol import ExecuteStep, NewRequestData
+from sonar.engine.runner import ModelRunner
+from sonar.kernels.linear import PackedLinear
+from sonar.sampling_params import SamplingParams
+
+
+class StepDriver:
+    """Feeds a runner the steps a scheduler would send for one static batch (no preemption)."""
+
+    def __init__(self, runner: ModelRunner, batch: int, prompt_len: int, seed: int = 0) -> None:
+        self.runner = runner
+        self.block_size = runner.config.block_size
+        gen = torch.Generator().manual_seed(seed)
+        vocab = runner.vocab_size
+        self.prompts = [torch.randint(1, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+        self.computed = [0] * batch
+        self.last = [0] * batch
+        self.blocks: list[list[int]] = [[] for _ in range(batch)]
+        self.free = list(range(runner.num_blocks))
+        self.step_id = 0
+        self.params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+        self.elapsed = 0.0
+        #: per request, the driver's elapsed seconds when the step that finished its prompt ended
+        self.first_token: dict[int, float] = {}
+
+    def _grow(self, i: int, length: int) -> None:
+        while len(self.blocks[i]) * self.block_size < length:
+            self.blocks[i].append(self.free.pop())
+
+    def step(self, budget: int) -> float:
+        """One step of at most `budget` tokens: decodes first, then prefill chunks. Seconds it took."""
+        reqs: list[ScheduledRequest] = []
+        new: list[NewRequestData] = []
+        for i, prompt in enumerate(self.prompts):
+            if budget <= 0:
+                break
+            start = self.computed[i]
+            if start < len(prompt):
+                tokens = prompt[start : start + budget]
+            else:
+                tokens = [self.last[i]]
+            n = len(tokens)
+            self._grow(i, start + n)
+            is_new = start == 0
+            reqs.append(ScheduledRequest(f"r{i}", tokens, start, list(self.blocks[i]),
+                                         start + n >= len(prompt), is_new, len(prompt)))
+            if is_new:
+                new.append(NewRequestData(f"r{i}", self.params, prompt, []))
+            budget -= n
+        out = SchedulerOutput(self.step_id, reqs, sum(len(r.token_ids) for r in reqs), [], [])
+        self.step_id += 1
+        t = time.perf_counter()
+        result = self.runner.execute(ExecuteStep(out, new))
+        seconds = time.perf_counter() - t
+        self.elapsed += seconds
+        for r in reqs:
+            i = int(r.req_id[1:])
+            self.computed[i] = r.start_pos + len(r.token_ids)
+            if r.sample and i not in self.first_token:
+                self.first_token[i] = self.elapsed
+            if r.req_id in result.sampled:
+                self.last[i] = result.sampled[r.req_id][-1]
+        return seconds
+
+    @property
+    def prefilled(self) -> bool:
+        return all(c >= len(p) for c, p in zip(self.computed, self.prompts))
+
+
+def decode_floor_ms(params: int, element_bytes: int, batch: int, bandwidth_gbs: float, gflops: float) -> float:
+    """The least time a decode step of `batch` tokens can take: read every weight once, or do
+    2 FLOPs per weight per token, whichever is slower."""
+    read = params * element_bytes / (bandwidth_gbs * 1e9)
+    compute = 2 * params * batch / (gflops * 1e9)
+    return 1000 * max(read, compute)
+
+
+class LinearSwitch:
+    """Swaps every `PackedLinear` of a model for a plain ``nn.Linear`` on the same parameters
+    and back (the packed weights are opaque oneDNN tensors: the model cannot be deep-copied)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.slots: list[tuple[torch.nn.Module, str, PackedLinear, torch.nn.Linear]] = []
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, PackedLinear):
+                    plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                            device="meta")
+                    plain.weight, plain.bias = child.weight, child.bias
+                    self.slots.append((parent, name, child, plain))
+
+    def packed(self, on: bool) -> None:
+        for parent, name, packed, plain in self.slots:
+            setattr(parent, name, packed if on else plain)
+
+
+def compare_eager(runner: ModelRunner, driver: StepDriver, batch: int, steps: int) -> None:
+    """Prefill and decode steps alternating between prepacked and plain linear layers."""
+    switch = LinearSwitch(runner.model)
+    variants = {"prepacked": True, "eager": False}
+    times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in variants}
+    for rep in range(3):
+        for name, packed in variants.items():
+            switch.packed(packed)
+            driver.computed = [0] * len(driver.prompts)
+            seconds = driver.step(batch * len(driver.prompts[0]))
+            if rep:  # the first round pays one-time costs
+                times[name]["prefill"].append(seconds)
+    for _ in range(steps):
+        for name, packed in variants.items():
+            switch.packed(packed)
+            times[name]["decode"].append(driver.step(batch))
+    switch.packed(True)
+    med = {k: {p: statistics.median(v) for p, v in t.items()} for k, t in times.items()}
+    for name in variants:
+        print(f"{name:9}: prefill {1000 * med[name]['prefill']:.0f} ms, decode {1000 * med[name]['decode']:.1f} ms "
+              f"per step (medians, interleaved)")
+    print(f"prepacked / eager: prefill {med['prepacked']['prefill'] / med['eager']['prefill']:.2f}x, "
+          f"decode {med['prepacked']['decode'] / med['eager']['decode']:.2f}x")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m sonar.bench.step", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model path or id (default: the embedded SmolLM2)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per step (the token budget)")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--warmup-steps", type=int, default=3, help="decode steps not timed")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print a torch profiler table of decode steps")
+    ap.add_argument("--compare-eager", action="store_true",
+                    help="also time plain (not prepacked) linear layers, interleaved")
+    ap.add_argument("--bandwidth", type=float, default=26.0, help="GB/s of weight reads (half the copy figure)")
+    ap.add_argument("--flops", type=float, default=390.0, help="GFLOP/s of bf16 matmul")
+    args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    config = EngineConfig.from_args(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
+                                    num_gpu_blocks_override=max(64, args.batch * (args.prompt_len + args.decode_steps
+                                                                + args.warmup_steps + 32) // 16 + 16))
+    t0 = time.perf_counter()
+    runner = ModelRunner(config)
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s: {runner.info.startup_seconds}")
+    driver = StepDriver(runner, args.batch, args.prompt_len)
+    prefill: list[float] = []
+    while not driver.prefilled:
+        prefill.append(driver.step(args.prefill_chunk))
+    for _ in range(args.warmup_steps):
+        driver.step(args.batch)
+    decode = [driver.step(args.batch) for _ in range(args.decode_steps)]
+    params = sum(p.numel() for p in runner.model.parameters())
+    element = runner.loaded.dtype.itemsize
+    floor = decode_floor_ms(params, element, args.batch, args.bandwidth, args.flops)
+    med = statistics.median(decode)
+    print(f"threads {torch.get_num_threads()}, dtype {runner.info.dtype}, batch {args.batch}, "
+          f"prompt {args.prompt_len}, eager {args.enforce_eager}")
+    print(f"prefill: {len(prefill)} step(s), {1000 * sum(prefill):.0f} ms total "
+          f"({args.batch * args.prompt_len / sum(prefill):.0f} prompt tok/s), mean time to first token "
+          f"{1000 * statistics.mean(driver.first_token.values()):.0f} ms")
+    print(f"decode: median {1000 * med:.1f} ms, mean {1000 * statistics.mean(decode):.1f} ms, "
+          f"min {1000 * min(decode):.1f} ms per step -> {args.batch / med:.0f} tok/s; "
+          f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)")
+    if args.compare_eager:
+        compare_eager(runner, driver, args.batch, args.decode_steps)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(5):
+                driver.step(args.batch)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
