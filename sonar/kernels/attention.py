@@ -112,10 +112,11 @@ class AttentionMetadata:
 class _ReferencePlan:
     """Host-side view of the batch for the torch reference.
 
-    Decode sequences (one query token) are served together: their context is gathered into a
-    ``[num_decodes, max_len]`` grid of slots (positions past a sequence's length point at its
-    first slot, so nothing uninitialized is read, and are masked) and attended in one SDPA call.
-    Every other sequence is served alone with its own slot list.
+    Decode sequences (one query token) are served together: their context, keys and values in
+    one `index_select`, is gathered into a ``[2, num_decodes, max_len]`` grid of slots (positions
+    past a sequence's length point at its first slot, so nothing uninitialized is read, and are
+    masked) and attended in one SDPA call. Every other sequence is served alone with its own
+    slot list.
     """
 
     device: torch.device
@@ -131,6 +132,16 @@ class _ReferencePlan:
     decode_positions: Tensor | None
     prefills: list[int]
     _prefill_slots: dict[int, Tensor] = field(default_factory=dict)
+    _decode_kv_rows: dict[int, Tensor] = field(default_factory=dict)
+
+    def decode_kv_rows(self, num_slots: int) -> Tensor:
+        """The decode grid's keys then values as rows of a cache viewed as ``[2 * num_slots, ...]``
+        (one `index_select` along dim 0, a row copy; along any other dim it loops per element)."""
+        rows = self._decode_kv_rows.get(num_slots)
+        if rows is None:
+            assert self.decode_slots is not None
+            rows = self._decode_kv_rows[num_slots] = torch.cat((self.decode_slots, self.decode_slots + num_slots))
+        return rows
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> _ReferencePlan:
@@ -142,17 +153,20 @@ class _ReferencePlan:
         device = meta.slot_mapping.device
         rows = slots = valid = positions = None
         if decodes:
-            index = torch.tensor(decodes, device=device)
-            rows = torch.tensor([starts[i] for i in decodes], device=device)
-            lens = meta.seq_lens.to(torch.int64)[index]
+            all_decode = len(decodes) == len(q_lens)
+            index = None if all_decode else torch.tensor(decodes, device=device)
+            rows = None if all_decode else torch.tensor([starts[i] for i in decodes], device=device)
+            lens = meta.seq_lens.to(torch.int64)
+            table = meta.block_tables
+            if index is not None:
+                lens, table = lens[index], table[index]
             max_len = max(s_lens[i] for i in decodes)
+            n_blocks = -(-max_len // block_size)
             pos = torch.arange(max_len, device=device)
             valid = pos[None, :] < lens[:, None]
-            table = meta.block_tables.to(torch.int64)[index]
-            n_blocks = -(-max_len // block_size)
-            grid = table[:, :n_blocks, None] * block_size + torch.arange(block_size, device=device)
+            grid = table[:, :n_blocks, None].to(torch.int64) * block_size + torch.arange(block_size, device=device)
             grid = grid.reshape(len(decodes), -1)[:, :max_len]
-            slots = torch.where(valid, grid, grid[:, :1])
+            slots = torch.where(valid, grid, grid[:, :1]).reshape(-1)
             positions = lens - 1
         return cls(
             device=device,
@@ -229,9 +243,9 @@ def paged_attention(
     if plan.decode_slots is not None:
         q = query if plan.decode_all else query.index_select(0, plan.decode_rows)
         n = q.shape[0]
-        slots = plan.decode_slots.reshape(-1)
-        k = flat[0].index_select(0, slots).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = flat[1].index_select(0, slots).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        rows = plan.decode_kv_rows(num_blocks * block_size)
+        kv = flat.view(-1, num_kv_heads, head_dim).index_select(0, rows).view(2, n, -1, num_kv_heads, head_dim)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         mask = plan.decode_valid
         if sliding_window is not None:
             first = plan.decode_positions - sliding_window

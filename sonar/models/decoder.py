@@ -76,13 +76,15 @@ class Attention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
     ) -> Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+            k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+        else:  # rotate queries and keys in one go: half the small ops of a decode step's rotary
+            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))

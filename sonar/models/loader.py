@@ -59,6 +59,8 @@ class LoadedModel:
     model_dir: Path
     tokenizer_path: Path | None
     load_seconds: float
+    convert_seconds: float = 0.0
+    """Of `load_seconds`, the time spent finding and (first time only) converting a GGUF source."""
     _tokenizer: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -117,7 +119,10 @@ def load_model(
     if dtype not in ("auto", *DTYPES):
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
     device = torch.device(device)
+    resolving = time.perf_counter()
     model_dir, source = _resolve(model, load_format, revision, download_dir)
+    from_gguf = source.startswith(("GGUF", "embedded"))
+    convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
     config = _read_config(model_dir, source)
     cls = model_class(config)
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
@@ -151,6 +156,7 @@ def load_model(
         model_dir=model_dir,
         tokenizer_path=tokenizer_path,
         load_seconds=seconds,
+        convert_seconds=convert_seconds,
     )
 
 

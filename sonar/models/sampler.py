@@ -217,6 +217,21 @@ class SamplingBatch:
         )
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Whether the argmax of the raw logits is this request's whole sampling step, at every
+    position: greedy, no penalty, bias, `min_tokens` or logprobs. A batch of such requests
+    needs no `SamplingBatch` (see `Sampler.greedy`)."""
+    return (
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+        and not params.logit_bias
+        and params.min_tokens == 0
+        and params.logprobs is None
+    )
+
+
 class Sampler:
     """Turns logits into tokens for a `SamplingBatch`. Holds no per-request state.
 
@@ -254,6 +269,12 @@ class Sampler:
             raw = torch.log_softmax(logits.float(), dim=-1)
             logprobs = gather_logprobs(raw, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def greedy(logits: torch.Tensor) -> SamplerOutput:
+        """The fast path for a batch of `is_plain_greedy` requests: the argmax of each row
+        (the same token the full path picks for them)."""
+        return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
 
     def _noise(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Exp(1) noise per logit: the sampler's generator for unseeded rows, a generator seeded

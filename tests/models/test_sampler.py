@@ -12,6 +12,7 @@ from sonar.models.sampler import (
     apply_penalties,
     apply_truncation,
     compute_prompt_logprobs,
+    is_plain_greedy,
 )
 from sonar.sampling_params import SamplingParams as SP
 
@@ -39,6 +40,21 @@ def test_greedy_is_argmax_and_logits_untouched() -> None:
     assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
     assert torch.equal(logits, before)
     assert out.logprobs is None
+
+
+def test_plain_greedy_fast_path() -> None:
+    """Which params may skip the `SamplingBatch`, and that the fast path picks the full path's tokens."""
+    plain = [SP(temperature=0.0), SP(temperature=0.0, ignore_eos=True, max_tokens=128, top_p=0.5)]
+    not_plain = [
+        SP(temperature=0.7), SP(temperature=0.0, repetition_penalty=1.2), SP(temperature=0.0, presence_penalty=0.5),
+        SP(temperature=0.0, frequency_penalty=0.5), SP(temperature=0.0, logit_bias={3: 1.0}),
+        SP(temperature=0.0, min_tokens=2), SP(temperature=0.0, logprobs=0),
+    ]
+    assert all(is_plain_greedy(p) for p in plain)
+    assert not any(is_plain_greedy(p) for p in not_plain)
+    logits = torch.randn(5, 70, generator=torch.Generator().manual_seed(9))
+    full = sample(logits, [plain[i % 2] for i in range(5)])
+    assert torch.equal(Sampler.greedy(logits).sampled_token_ids, full.sampled_token_ids)
 
 
 def test_top_k_1_is_greedy_in_a_mixed_batch() -> None:

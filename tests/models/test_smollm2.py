@@ -113,3 +113,18 @@ def test_bfloat16_is_sane(smollm2_prompts: Any, smollm2_fp32: Any) -> None:
         if j < n:
             step = ref_logits[j, i]
             assert step.max() - step[ours.tokens[i][j]] <= 1.0, (i, j)
+
+
+def test_bfloat16_prepacked_linears_equal_plain(smollm2_prompts: Any) -> None:
+    """The serving path packs bf16 linear weights for oneDNN (`prepack_linears`); it must give the
+    plain module's greedy tokens, and its logits within bf16 rounding."""
+    from sonar.kernels.linear import prepack_linears
+
+    _, prompts = smollm2_prompts
+    loaded = load_model(None, dtype="bfloat16")
+    plain = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
+    assert prepack_linears(loaded.model) == 4 * loaded.model.num_layers + 1  # and the (tied) head
+    packed = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
+    assert packed.tokens == plain.tokens
+    for a, b in zip(packed.logits, plain.logits):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.02)

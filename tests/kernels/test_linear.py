@@ -1,0 +1,58 @@
+"""Prepacked oneDNN linear layers against ``F.linear``, and the module swap that installs them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonar.kernels.linear import PackedLinear, can_pack, prepack_linears
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16, 77])
+def test_packed_equals_f_linear(rows: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    linear = nn.Linear(96, 40, bias=bias, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(40, 96, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(40, generator=gen))
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    packed = PackedLinear(linear, batch_hint=16)
+    got = packed(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
+    torch.testing.assert_close(got.float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.06, rtol=1e-2)
+
+
+def test_other_inputs_take_f_linear() -> None:
+    linear = nn.Linear(8, 4, dtype=torch.bfloat16)
+    packed = PackedLinear(linear, batch_hint=1)
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)  # not a flat batch
+    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_prepack_keeps_parameters_and_ties() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 8)
+            self.proj = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8, bias=False))
+            self.head = nn.Linear(8, 32, bias=False)
+            self.head.weight = self.embed.weight
+
+    model = Tied().to(torch.bfloat16)
+    names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    assert prepack_linears(model) == 3
+    assert {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} == names
+    assert isinstance(model.head, PackedLinear) and model.head.weight is model.embed.weight
+    assert set(model.state_dict()) == {"embed.weight", "proj.0.weight", "proj.0.bias", "proj.1.weight", "head.weight"}
+
+
+def test_float32_is_left_alone() -> None:
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert not can_pack(model[0].weight)
+    assert prepack_linears(model) == 0 and type(model[0]) is nn.Linear
