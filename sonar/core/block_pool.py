@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from sonar.core.events import AllBlocksCleared, BlockRemoved, KVEvent
 from sonar.core.free_queue import FreeBlockQueue, KVBlock
 from sonar.core.prefix import BlockHash
 
@@ -33,6 +34,9 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         """Prefix cache: block hash -> the one block holding that content."""
         self.num_evictions = 0
+        self.event_log: list[KVEvent] | None = None
+        """When a list (KV events on), every cache entry that goes away is appended to it as a
+        ``BlockRemoved`` (medium ``GPU``), a reset as ``AllBlocksCleared``."""
 
     @property
     def num_free(self) -> int:
@@ -54,10 +58,13 @@ class BlockPool:
             )
         out = []
         popleft = self.free_queue.popleft
+        log = self.event_log
         for _ in range(count):
             block = popleft()
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
+                if log is not None:
+                    log.append(BlockRemoved([block.block_hash], "GPU"))
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -101,6 +108,8 @@ class BlockPool:
         """Forget ``block``'s cached content (it was never computed, or the cache is reset)."""
         if block.block_hash is not None:
             del self.cached[block.block_hash]
+            if self.event_log is not None:
+                self.event_log.append(BlockRemoved([block.block_hash], "GPU"))
             block.block_hash = None
 
     def reset_cache(self) -> int:
@@ -109,6 +118,8 @@ class BlockPool:
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        if self.event_log is not None:
+            self.event_log.append(AllBlocksCleared("GPU"))
         return dropped
 
     def check_invariants(self, expected_refs: Counter[int] | None = None) -> None:

@@ -7,6 +7,18 @@ entered into the prefix cache as soon as the step that fills it is scheduled, so
 admitted later in the same step (an ``n > 1`` sibling, say) can reuse it. That relies on the
 model runner writing the KV of every token of a step before any attention of that step
 reads the cache, which a flat batch (write all new KV of a layer, then attend) does.
+
+Hooks for the KV offload manager and KV events (both off by default, both pure bookkeeping):
+
+* ``kv_events=True``: every block entered into the prefix cache is logged as a ``BlockStored``
+  (medium ``GPU``; parent hash, token ids and the cache salt as extra key), every entry that
+  leaves it (evicted, uncached, reset) as ``BlockRemoved`` / ``AllBlocksCleared``;
+  ``take_kv_events()`` hands them over in order.
+* ``offload_blocks_per_chunk=n``: when a request's blocks are freed (finished, aborted,
+  preempted) and ``free`` is given the request, its complete computed chunks of ``n`` blocks are
+  offered for offloading (``take_kv_stores()``), unless ``offloaded_keys`` says the tiers already
+  hold them. ``allocate_for_load`` / ``cache_loaded`` give a request blocks for a prefix that is
+  loaded from the tiers and enter them into the prefix cache once loaded.
 """
 
 from __future__ import annotations
@@ -15,8 +27,10 @@ from collections import Counter
 from collections.abc import Sequence
 
 from sonar.core.block_pool import BlockPool
+from sonar.core.events import BlockStored, KVEvent
 from sonar.core.free_queue import KVBlock
-from sonar.core.prefix import PrefixHasher
+from sonar.core.outputs import KVStoreSpec
+from sonar.core.prefix import BlockHash, PrefixHasher
 from sonar.core.request import Request
 
 __all__ = ["BlockManager"]
@@ -32,9 +46,15 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
+        kv_events: bool = False,
+        offload_blocks_per_chunk: int = 0,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if offload_blocks_per_chunk < 0:
+            raise ValueError(f"offload_blocks_per_chunk must be >= 0, got {offload_blocks_per_chunk}")
+        if offload_blocks_per_chunk and not enable_prefix_caching:
+            raise ValueError("KV offloading needs prefix caching: offloaded chunks are keyed by block hashes")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.hasher: PrefixHasher | None = (
@@ -48,6 +68,13 @@ class BlockManager:
         """Prompt tokens looked up in the prefix cache at admission (cumulative)."""
         self.prefix_hits = 0
         """Of those, tokens found cached (cumulative)."""
+        self._events: list[KVEvent] | None = [] if kv_events else None
+        self.pool.event_log = self._events
+        self.offload_blocks_per_chunk = offload_blocks_per_chunk
+        self._kv_stores: list[KVStoreSpec] = []
+        self.offloaded_keys: set[BlockHash] = set()
+        """Chunk keys (last block hash) offered to, or loaded from, the offload tiers and not
+        reported gone since (``forget_offloaded``): not offered again."""
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -102,6 +129,7 @@ class BlockManager:
         new_computed_blocks: Sequence[KVBlock] = (),
         reserve_tokens: int = 0,
         keep_free_blocks: int = 0,
+        cache_tokens: int | None = None,
     ) -> bool:
         """Give ``request`` room for ``num_new_tokens`` more tokens; False if blocks run out.
 
@@ -152,8 +180,41 @@ class BlockManager:
             ids.extend(block.block_id for block in fresh)
 
         if self.hasher is not None:
-            self._cache_full_blocks(request, table, total_tokens)
+            self._cache_full_blocks(request, table, total_tokens if cache_tokens is None else cache_tokens)
         return True
+
+    def allocate_for_load(
+        self,
+        request: Request,
+        new_computed_blocks: Sequence[KVBlock],
+        num_load_blocks: int,
+        *,
+        reserve_tokens: int = 0,
+        keep_free_blocks: int = 0,
+    ) -> list[int] | None:
+        """Admit ``request`` with its prefix-cache hits plus ``num_load_blocks`` fresh blocks that
+        the offload tiers will fill; return those blocks' ids, or None (nothing changed) when the
+        pool cannot hold them. The fresh blocks stay out of the prefix cache until
+        ``cache_loaded`` (no other request may read them before the KV is there)."""
+        num_hits = len(new_computed_blocks)
+        if not self.allocate_slots(
+            request, num_load_blocks * self.block_size, new_computed_blocks=new_computed_blocks,
+            reserve_tokens=reserve_tokens, keep_free_blocks=keep_free_blocks, cache_tokens=num_hits * self.block_size,
+        ):
+            return None
+        return self._table_ids[request.request_id][num_hits : num_hits + num_load_blocks]
+
+    def cache_loaded(self, request: Request, num_tokens: int) -> None:
+        """The KV of ``request``'s first ``num_tokens`` tokens is in its blocks now (loaded):
+        enter those blocks into the prefix cache and remember their chunks are in the tiers."""
+        table = self._tables[request.request_id]
+        if self.hasher is not None:
+            self._cache_full_blocks(request, table, num_tokens)
+        bpc = self.offload_blocks_per_chunk
+        if bpc:
+            hashes = request.block_hashes
+            for c in range(min(num_tokens // self.block_size, len(hashes)) // bpc):
+                self.offloaded_keys.add(hashes[(c + 1) * bpc - 1])
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         """Offer the blocks that the first ``num_tokens`` tokens fill to the prefix cache."""
@@ -163,23 +224,94 @@ class BlockManager:
             return
         hashes = request.block_hashes
         cache = self.pool.cache
-        for i in range(start, num_full):
-            block = table[i]
-            if block.block_hash is None:
-                cache(block, hashes[i])
+        if self._events is None:
+            for i in range(start, num_full):
+                block = table[i]
+                if block.block_hash is None:
+                    cache(block, hashes[i])
+        else:
+            run_start = -1  # a run of consecutive blocks newly cached: one BlockStored
+            for i in range(start, num_full):
+                block = table[i]
+                if block.block_hash is None and cache(block, hashes[i]):
+                    if run_start < 0:
+                        run_start = i
+                elif run_start >= 0:
+                    self._log_stored(request, run_start, i)
+                    run_start = -1
+            if run_start >= 0:
+                self._log_stored(request, run_start, num_full)
         self._num_cached[request.request_id] = num_full
 
-    def free(self, request_id: str, *, num_computed_tokens: int | None = None) -> None:
+    def _log_stored(self, request: Request, lo: int, hi: int) -> None:
+        assert self._events is not None
+        bs = self.block_size
+        hashes = request.block_hashes
+        salt = request.cache_salt
+        self._events.append(BlockStored(
+            block_hashes=hashes[lo:hi], parent_block_hash=hashes[lo - 1] if lo else None,
+            token_ids=request.all_token_ids[lo * bs : hi * bs], block_size=bs, medium="GPU",
+            extra_keys=[[salt] if i == 0 else None for i in range(lo, hi)] if salt is not None and lo == 0 else None,
+        ))
+
+    def take_kv_events(self) -> list[KVEvent]:
+        """The KV events logged since the last call, in order (empty when events are off)."""
+        if not self._events:
+            return []
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    def take_kv_stores(self) -> list[KVStoreSpec]:
+        """The chunks offered for offloading since the last call."""
+        out, self._kv_stores = self._kv_stores, []
+        return out
+
+    @property
+    def has_kv_stores(self) -> bool:
+        return bool(self._kv_stores)
+
+    def forget_offloaded(self, keys: Sequence[BlockHash]) -> None:
+        """The tiers dropped these chunks: offer them again when a request frees them."""
+        self.offloaded_keys.difference_update(keys)
+
+    def _offer(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
+        """Offer ``request``'s complete chunks among its first ``num_tokens`` computed tokens."""
+        bpc = self.offload_blocks_per_chunk
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = min(num_tokens // bs, len(hashes), len(table))
+        keys = self.offloaded_keys
+        tokens = request.all_token_ids
+        salt = request.cache_salt
+        for c in range(num_full // bpc):
+            lo, hi = c * bpc, (c + 1) * bpc
+            key = hashes[hi - 1]
+            if key in keys:
+                continue
+            keys.add(key)
+            self._kv_stores.append(KVStoreSpec(
+                hashes[lo:hi], hashes[lo - 1] if lo else None, tokens[lo * bs : hi * bs],
+                [table[i].block_id for i in range(lo, hi)],
+                [[salt]] + [None] * (bpc - 1) if salt is not None and lo == 0 else None,
+            ))
+
+    def free(
+        self, request_id: str, *, num_computed_tokens: int | None = None, request: Request | None = None
+    ) -> None:
         """Release a request's blocks, tail first so its last blocks are evicted first.
 
         Pass ``num_computed_tokens`` when the request is dropped before the step that
         would fill its later blocks runs (preempted in the step that scheduled it): blocks
         beyond that many tokens were entered into the cache but never computed, so they
-        leave the cache here.
+        leave the cache here. Pass ``request`` to offer its computed chunks for offloading.
         """
         table = self._tables.pop(request_id, None)
         if table is None:
             return
+        if self.offload_blocks_per_chunk and request is not None:
+            computed = request.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+            self._offer(request, table, computed)
         del self._table_ids[request_id]
         del self._num_cached[request_id]
         if num_computed_tokens is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["KVLoadSpec", "KVStoreSpec", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats"]
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
@@ -35,6 +35,38 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     preemption they are recomputed with the prompt)."""
 
 
+class KVStoreSpec(msgspec.Struct, array_like=True, gc=False):
+    """One chunk to copy out to the offload tiers before this step's forward pass overwrites it.
+
+    ``block_ids`` are primary blocks whose KV is complete now (their request finished, was
+    aborted or preempted); the runner gathers them at the start of the step, before any KV of
+    the step is written, since the scheduler may already have handed them to other requests.
+    """
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    token_ids: list[int]
+    block_ids: list[int]
+    extra_keys: list[list[object] | None] | None = None
+
+
+class KVLoadSpec(msgspec.Struct, array_like=True, gc=False):
+    """Bring blocks ``start_block ..`` of a request's prefix back from the offload tiers.
+
+    ``block_hashes`` are the request's hashes from block 0 up to the last block to load;
+    ``block_ids[i]`` receives block ``start_block + i``. The request waits (status
+    ``WAITING_FOR_KV``) until the runner reports how many blocks it loaded
+    (``Scheduler.finish_kv_load``); blocks that could not be loaded are recomputed.
+    """
+
+    req_id: str
+    block_hashes: list[bytes]
+    start_block: int
+    block_ids: list[int]
+    load_id: int = 0
+    """Echoed back in ``finish_kv_load`` so a late report of an abandoned load is ignored."""
+
+
 class SchedulerOutput(msgspec.Struct, gc=False):
     """One step of work: everything a runner needs to build a flat batch.
 
@@ -51,10 +83,19 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     """Requests sent back to the waiting queue this step; the runner drops their state."""
     finished_req_ids: list[str]
     """Requests finished or aborted since the previous step; the runner drops their state."""
+    kv_stores: list[KVStoreSpec] = []
+    """Chunks to offload, gathered before this step's forward pass (empty without offloading)."""
+    kv_loads: list[KVLoadSpec] = []
+    """Prefix blocks to load from the offload tiers, off the step's critical path."""
 
     @property
     def is_empty(self) -> bool:
+        """No request to compute (there may still be KV to store or load)."""
         return not self.requests
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        return bool(self.kv_stores or self.kv_loads)
 
 
 class RequestUpdate(msgspec.Struct, gc=False):
@@ -83,3 +124,7 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """Prompt tokens looked up in the prefix cache since start."""
     prefix_hits: int
     """Of those, tokens served from the cache."""
+    offload_hits: int = 0
+    """Prompt tokens loaded back from the offload tiers instead of being recomputed (cumulative)."""
+    num_loading: int = 0
+    """Requests waiting for their prefix to be loaded from the offload tiers."""

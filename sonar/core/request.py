@@ -27,16 +27,20 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4
     """``max_tokens`` or the model's context length ended it."""
     FINISHED_ABORTED = 5
+    WAITING_FOR_KV = 6
+    """Admitted, holding blocks, waiting for its prefix to be loaded from the offload tiers."""
 
     @property
     def is_finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self in _FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         """The OpenAI ``finish_reason`` for a finished status, else None."""
         return _FINISH_REASONS.get(self)
 
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -98,6 +102,7 @@ class Request:
         "status",
         "num_computed_tokens",
         "num_cached_tokens",
+        "num_offloaded_tokens",
         "num_preemptions",
         "block_hashes",
         "stop_reason",
@@ -146,6 +151,8 @@ class Request:
         """Tokens whose KV is in the cache (or scheduled to be written by the step in flight)."""
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
+        self.num_offloaded_tokens = 0
+        """Of ``num_cached_tokens``, those loaded back from the offload tiers."""
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = []
         """Hash chain of the full blocks of ``all_token_ids`` (empty if prefix caching is off)."""

@@ -15,17 +15,26 @@ requests on a stop token, ``max_tokens`` or ``max_model_len``.
 
 A step is assumed to have run before the next ``schedule`` call's step runs (the worker
 executes steps in order), so blocks freed in one call can be reused by the next.
+
+KV offloading (``lower_tier_lookup`` given, and a block manager with
+``offload_blocks_per_chunk``): a waiting request whose prefix continues, past its prefix-cache
+hits, in the offload tiers is admitted with blocks for that part and parked as
+``WAITING_FOR_KV``: it spends no token budget and does not block the requests behind it. The
+step's ``kv_loads`` tell the runner what to load; ``finish_kv_load`` (called when the runner
+reports back) caches the loaded blocks and moves the request to the running list, where it
+computes the rest. Blocks that could not be loaded are simply recomputed. Freed requests offer
+their computed chunks (``kv_stores``) for offloading.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sonar.core.blocks import BlockManager
-from sonar.core.outputs import RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import KVLoadSpec, RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
 from sonar.core.policy import POLICIES, make_waiting_queue, policy_key
 from sonar.core.request import (
     DuplicateRequestError,
@@ -84,12 +93,22 @@ class SchedulerConfig:
 
 
 _RUNNING = RequestStatus.RUNNING
+_LOADING = RequestStatus.WAITING_FOR_KV
+
+LowerTierLookup = Callable[[Request], int]
+"""How many leading blocks of a request's prefix the offload tiers hold (whole chunks)."""
 
 
 class Scheduler:
     """Owns every unfinished request, the waiting queue, the running list and the KV blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        *,
+        lower_tier_lookup: LowerTierLookup | None = None,
+    ) -> None:
         needed = block_manager.blocks_for(config.max_model_len)
         if needed > block_manager.num_blocks:
             raise ValueError(
@@ -109,6 +128,17 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._watermark_blocks = int(config.watermark * block_manager.num_blocks + 1e-9)
         self.num_preemptions = 0
+        self.lower_tier_lookup = lower_tier_lookup
+        self.loading: dict[str, Request] = {}
+        """Requests waiting for their prefix to be loaded (``WAITING_FOR_KV``), aborted ones included
+        until their load ends (their blocks must not be reused while the runner writes them)."""
+        self._kv_loads: list[KVLoadSpec] = []
+        self._load_ids = itertools.count(1)
+        self._load_of: dict[str, int] = {}
+        """Request id -> the id of the load it waits for."""
+        self._fresh: set[str] = set()
+        """Requests moved to the running list by a finished load: their next step is their first."""
+        self.offload_hits = 0
 
     # Requests in and out.
 
@@ -150,8 +180,10 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == _RUNNING:
-                self.block_manager.free(request_id)
+                self.block_manager.free(request_id, request=request)
                 finished_running = True
+            elif request.status == _LOADING:
+                pass  # its blocks are freed when its load ends (the runner may be writing them)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -220,14 +252,19 @@ class Scheduler:
                     start,
                     bm.block_ids(request_id).copy(),
                     end == len(request.all_token_ids),
-                    request_id in admitted,
+                    request_id in admitted or request_id in self._fresh,
                     request.num_prompt_tokens,
                 )
             )
             request.num_computed_tokens = end
             total += num_new
+        if self._fresh:
+            self._fresh.difference_update(scheduled)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(next(self._step_ids), step, total, preempted, finished)
+        loads, self._kv_loads = self._kv_loads, []
+        return SchedulerOutput(
+            next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads
+        )
 
     def _admit(
         self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]
@@ -238,12 +275,19 @@ class Scheduler:
         reserve_full = config.scheduler_reserve_full_isl
         # The watermark is waived while nothing runs, so a request that needs nearly the
         # whole cache is still admitted once it is alone.
-        while len(waiting) and budget > 0 and len(self.running) < config.max_num_seqs:
+        lookup = self.lower_tier_lookup
+        while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
             request = waiting.peek()
             if request.skip_reading_prefix_cache:
                 hits, num_hit_tokens = [], 0
             else:
                 hits, num_hit_tokens = bm.get_computed_blocks(request)
+                if lookup is not None:
+                    admitted_to_load = self._admit_for_load(request, hits, lookup, reserve_full)
+                    if admitted_to_load is None:
+                        break  # no room for its blocks now
+                    if admitted_to_load:
+                        continue
             num_new = request.num_tokens - num_hit_tokens
             if config.enable_chunked_prefill:
                 if threshold and num_new > threshold:
@@ -271,10 +315,74 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _admit_for_load(
+        self, request: Request, hits: list, lookup: LowerTierLookup, reserve_full: bool
+    ) -> bool | None:
+        """Park ``request`` as ``WAITING_FOR_KV`` if the tiers extend its prefix-cache hits.
+
+        True: admitted to load; False: nothing to load (admit it the usual way); None: it would
+        load but its blocks do not fit now (it stays first in the queue).
+        """
+        bm = self.block_manager
+        limit = min((request.num_tokens - 1) // bm.block_size, len(request.block_hashes))
+        num_lower = min(lookup(request), limit)
+        num_load = num_lower - len(hits)
+        if num_load <= 0:
+            return False
+        block_ids = bm.allocate_for_load(
+            request, hits, num_load,
+            reserve_tokens=request.num_tokens if reserve_full else 0,
+            keep_free_blocks=self._watermark_blocks if self.running else 0,
+        )
+        if block_ids is None:
+            return None
+        self.waiting.pop()
+        request.status = _LOADING
+        request.num_computed_tokens = len(hits) * bm.block_size
+        self.loading[request.request_id] = request
+        load_id = self._load_of[request.request_id] = next(self._load_ids)
+        self._kv_loads.append(
+            KVLoadSpec(request.request_id, request.block_hashes[:num_lower], len(hits), list(block_ids), load_id)
+        )
+        return True
+
+    def finish_kv_load(self, request_id: str, num_loaded_blocks: int, load_id: int | None = None) -> bool:
+        """The runner loaded the first ``num_loaded_blocks`` blocks of a ``kv_loads`` entry.
+
+        The loaded blocks enter the prefix cache, count as computed and cached tokens, and the
+        request moves to the running list (its next step computes the rest, including blocks
+        that could not be loaded). An aborted request's blocks are freed now. Returns False for
+        an unknown request, or for another ``load_id`` than the one of its current load (a late
+        report of a load abandoned by a reset).
+        """
+        if request_id not in self.loading or (load_id is not None and self._load_of.get(request_id) != load_id):
+            return False
+        request = self.loading.pop(request_id)
+        del self._load_of[request_id]
+        bm = self.block_manager
+        if request.status != _LOADING:  # finished (aborted) while loading
+            bm.free(request_id)
+            return True
+        loaded_tokens = max(0, num_loaded_blocks) * bm.block_size
+        limit = (request.num_tokens - 1) // bm.block_size * bm.block_size
+        computed = min(request.num_computed_tokens + loaded_tokens, limit)
+        loaded_tokens = computed - request.num_computed_tokens
+        bm.cache_loaded(request, computed)
+        request.num_computed_tokens = computed
+        self.offload_hits += loaded_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = computed
+            request.num_offloaded_tokens = loaded_tokens
+        request.status = _RUNNING
+        bisect.insort(self.running, request, key=self._key)
+        self._fresh.add(request_id)
+        return True
+
     def _preempt(self, request: Request) -> None:
         """Send a running request (already off the running list) back to the waiting queue."""
+        self._fresh.discard(request.request_id)
         self.block_manager.free(
-            request.request_id, num_computed_tokens=request.num_computed_tokens
+            request.request_id, num_computed_tokens=request.num_computed_tokens, request=request
         )
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -327,7 +435,7 @@ class Scheduler:
             if request.status == _RUNNING:
                 bm.update_hashes(request)
             else:
-                bm.free(request_id)
+                bm.free(request_id, request=request)
                 self._retire(request)
                 any_finished = True
             updates.append(self._update(request, output[first:]))
@@ -363,6 +471,20 @@ class Scheduler:
             request = self.running.pop()
             self._preempt(request)
             ids.append(request.request_id)
+        # Loads in flight died with the worker: recompute those requests too.
+        self._load_of.clear()
+        for request_id, request in list(self.loading.items()):
+            del self.loading[request_id]
+            self.block_manager.free(request_id)
+            if request.status == _LOADING:
+                request.status = RequestStatus.PREEMPTED
+                request.num_computed_tokens = 0
+                self.waiting.add_preempted(request)
+        self._kv_loads.clear()
+        # Their blocks' KV is gone with the worker: drop the stores, and offer those chunks again
+        # when a request computes them anew.
+        dropped = self.block_manager.take_kv_stores()
+        self.block_manager.forget_offloaded([spec.block_hashes[-1] for spec in dropped])
         self.block_manager.reset_prefix_cache()
         return ids
 
@@ -379,6 +501,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """KV to store or load that the next ``schedule()`` would hand out (the shell must step
+        even when no request is left, so freed blocks are offloaded before they are reused)."""
+        return bool(self._kv_loads) or self.block_manager.has_kv_stores
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
@@ -392,6 +519,8 @@ class Scheduler:
             num_free_blocks=bm.num_free_blocks,
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
+            offload_hits=self.offload_hits,
+            num_loading=sum(1 for r in self.loading.values() if r.status == _LOADING),
         )
 
     def check_invariants(self) -> None:
@@ -400,15 +529,16 @@ class Scheduler:
         bm.check_invariants()
         running_ids = [r.request_id for r in self.running]
         waiting_ids = [r.request_id for r in self.waiting]
-        if len(self.running) > self.config.max_num_seqs:
+        if len(self.running) + len(self.loading) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self.running)} running, above max_num_seqs")
-        if sorted(running_ids + waiting_ids) != sorted(self.requests):
+        loading_ids = [rid for rid, r in self.loading.items() if r.status == _LOADING]
+        if sorted(running_ids + waiting_ids + loading_ids) != sorted(self.requests):
             raise AssertionError("a request is missing from, or duplicated in, the queues")
         keys = [self._key(r) for r in self.running]
         if keys != sorted(keys):  # type: ignore[type-var]
             raise AssertionError("the running list is out of policy order")
-        if sorted(bm.request_ids()) != sorted(running_ids):
-            raise AssertionError("block tables do not belong to exactly the running requests")
+        if sorted(bm.request_ids()) != sorted(running_ids + list(self.loading)):
+            raise AssertionError("block tables do not belong to exactly the running and loading requests")
         for request in self.running:
             if request.status != _RUNNING:
                 raise AssertionError(f"{request!r} is on the running list")

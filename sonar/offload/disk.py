@@ -1,0 +1,149 @@
+"""The disk tier: one file per chunk in a directory, size-limited, checked on every read.
+
+File ``<dir>/<key hex>.kvchunk``::
+
+    magic  b"SONARKVC"            8 bytes
+    u32    header length          little endian
+    header msgpack ``ChunkHeader``: the layout identity, the key, the block hashes, the parent
+           hash, the token ids, the extra keys, the payload length
+    payload the chunk tensor's bytes (C order, ``KVLayout.chunk_shape``, ``KVLayout.dtype``)
+    digest xxh3-128 of header + payload   16 bytes
+
+Files are written to a temporary name and renamed, so a crash never leaves a half-written chunk
+under a real name. On start the directory is indexed from the headers alone (fast); the digest
+is checked on every read. A file whose header or digest is wrong is *corrupt*: deleted and
+counted. A file whose identity (model, dtype, layout, block size, hash algorithm, format
+version) differs is *foreign*: never indexed nor served, and left in place (another deployment
+may own it). Neither is ever served.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import torch
+import xxhash
+
+from sonar.offload.layout import KVLayout
+
+__all__ = ["ChunkHeader", "ChunkMeta", "CorruptChunk", "DiskFile", "ForeignChunk", "decode_chunk", "encode_chunk"]
+
+MAGIC = b"SONARKVC"
+SUFFIX = ".kvchunk"
+TMP_PREFIX = ".tmp-"
+_LEN = struct.Struct("<I")
+DIGEST_BYTES = 16
+
+
+class ChunkMeta(msgspec.Struct, frozen=True):
+    """What a chunk holds besides its tensor (enough to announce it as a ``BlockStored``)."""
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    token_ids: list[int]
+    extra_keys: list[list[object] | None] | None = None
+
+    @property
+    def key(self) -> bytes:
+        return self.block_hashes[-1]
+
+
+class ChunkHeader(msgspec.Struct, frozen=True):
+    identity: KVLayout
+    meta: ChunkMeta
+    payload_bytes: int
+
+
+class CorruptChunk(ValueError):
+    """The file is damaged (bad magic, header, length or digest)."""
+
+
+class ForeignChunk(ValueError):
+    """The file is intact but holds KV of another model, dtype, layout or format."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(ChunkHeader)
+
+
+def encode_chunk(layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> list[bytes | memoryview]:
+    """The pieces of a chunk file, in order (written with one ``writelines``)."""
+    if tuple(chunk.shape) != layout.chunk_shape or chunk.dtype != layout.torch_dtype:
+        raise ValueError(f"chunk must be {layout.chunk_shape} {layout.dtype}, got {tuple(chunk.shape)} {chunk.dtype}")
+    data = chunk.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    payload = memoryview(data)
+    header = _encoder.encode(ChunkHeader(layout, meta, payload.nbytes))
+    digest = xxhash.xxh3_128()
+    digest.update(header)
+    digest.update(payload)
+    return [MAGIC, _LEN.pack(len(header)), header, payload, digest.digest()]
+
+
+def read_header(f) -> tuple[ChunkHeader, bytes]:
+    """Read and decode the header at the start of an open file; returns it and its raw bytes."""
+    start = f.read(len(MAGIC) + _LEN.size)
+    if len(start) != len(MAGIC) + _LEN.size or start[: len(MAGIC)] != MAGIC:
+        raise CorruptChunk("bad magic")
+    (length,) = _LEN.unpack(start[len(MAGIC) :])
+    raw = f.read(length)
+    if len(raw) != length:
+        raise CorruptChunk("truncated header")
+    try:
+        return _header_decoder.decode(raw), raw
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+        raise CorruptChunk(f"undecodable header: {exc}") from None
+
+
+def decode_chunk(path: Path, layout: KVLayout, key: bytes | None = None) -> tuple[ChunkMeta, torch.Tensor]:
+    """Read a chunk file and check everything; raise ``CorruptChunk`` or ``ForeignChunk``."""
+    with open(path, "rb") as f:
+        header, raw_header = read_header(f)
+        if header.identity != layout:
+            raise ForeignChunk(f"identity {header.identity} differs from {layout}")
+        if header.payload_bytes != layout.chunk_bytes:
+            raise CorruptChunk(f"payload of {header.payload_bytes} bytes, expected {layout.chunk_bytes}")
+        if key is not None and header.meta.key != key:
+            raise CorruptChunk("the header names another key than the file")
+        payload = bytearray(header.payload_bytes)
+        if f.readinto(payload) != len(payload):
+            raise CorruptChunk("truncated payload")
+        digest = f.read(DIGEST_BYTES + 1)
+    if len(digest) != DIGEST_BYTES:
+        raise CorruptChunk("missing or oversized digest")
+    check = xxhash.xxh3_128()
+    check.update(raw_header)
+    check.update(payload)
+    if check.digest() != digest:
+        raise CorruptChunk("digest mismatch")
+    tensor = torch.frombuffer(payload, dtype=torch.uint8).view(layout.torch_dtype).reshape(layout.chunk_shape)
+    return header.meta, tensor
+
+
+@dataclass(slots=True)
+class DiskFile:
+    """An indexed chunk file."""
+
+    path: Path
+    nbytes: int
+    meta: ChunkMeta
+
+
+def chunk_path(root: Path, key: bytes) -> Path:
+    return root / f"{key.hex()}{SUFFIX}"
+
+
+def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> DiskFile:
+    """Write a chunk atomically (temporary name, then rename); return its index entry."""
+    pieces = encode_chunk(layout, meta, chunk)
+    final = chunk_path(root, meta.key)
+    tmp = root / f"{TMP_PREFIX}{meta.key.hex()}-{uuid.uuid4().hex[:8]}"
+    with open(tmp, "wb") as f:
+        f.writelines(pieces)
+        nbytes = f.tell()
+    os.replace(tmp, final)
+    return DiskFile(final, nbytes, meta)
