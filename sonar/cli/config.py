@@ -31,6 +31,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     ssl_cert_reqs: int = 0
     h11_max_incomplete_event_size: int = 4194304
     h11_max_header_count: int = 256
+    disable_fastapi_docs: bool = False
+    enable_log_deltas: bool = True
     shutdown_timeout: float = 0.0
 
     # Access control and CORS.

@@ -12,8 +12,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from sonar.cli.config import ServeConfig
 from sonar.cli.errors import PROG, HelpRequested, UsageError
@@ -60,76 +59,112 @@ def _say(line: str) -> None:
     print(f"{PROG}: {line}", flush=True)
 
 
-async def serve(config: ServeConfig) -> int:
-    """Open the engine, serve HTTP until SIGTERM/SIGINT, shut everything down; the exit code."""
-    import anyio
+def server_engine_config(config: ServeConfig) -> Any:
+    """The engine configuration `serve` runs: the worker in a child process unless `--placement`
+    says where (a crash or a hang of the model then takes only that process down)."""
     import msgspec
-    import uvicorn
 
-    import sonar
+    engine = config.engine
+    if "worker" in engine.placement:
+        return engine
+    return msgspec.structs.replace(engine, placement={**engine.placement, "worker": "process"})
+
+
+def root_spec(config: ServeConfig, drain: Any) -> Any:
+    """The server's supervision tree: the frontend (uvicorn), then the engine.
+
+    Restart intensity 0: the engine's own supervisor restarts what crashed inside it; when it
+    gives up, or the frontend dies, the root gives up too and the process exits 1 (so an
+    orchestrator restarts the server rather than believing it ended well)."""
+    from sonar.actors import ChildSpec, InProcess, SupervisorSpec
+    from sonar.engine.client import engine_spec
+    from sonar.http.frontend import FrontendActor
+
+    frontend = ChildSpec("frontend", FrontendActor, placement=InProcess(), ping_interval=2.0, ping_timeout=15.0,
+                         shutdown=5.0, kwargs={"uvicorn_args": _uvicorn_args(config), "drain": drain,
+                                               "request_id_headers": config.enable_request_id_headers,
+                                               "max_header_count": config.h11_max_header_count,
+                                               "quiet_paths": tuple(config.disable_access_log_for_endpoints)})
+    return SupervisorSpec("sonar", [frontend, engine_spec(server_engine_config(config))],
+                          strategy="one_for_one", max_restarts=0, period=60)
+
+
+async def serve(config: ServeConfig) -> int:
+    """Start the root supervisor (frontend, engine), serve HTTP until SIGTERM/SIGINT, shut down;
+    the exit code."""
+    import anyio
+
+    from sonar.actors import supervise
+    from sonar.actors.supervisor import SupervisorGaveUp
+    from sonar.engine.client import connect
     from sonar.http.app import build_app
-    from sonar.http.common import Drain, FrontDoor
+    from sonar.http.common import Drain
+    from sonar.http.metrics import stats_logging
 
     started_at = time.monotonic()
     for line in describe(config):
         _say(line)
-    holder: dict[str, Any] = {}
     drain = Drain()
+    finished = anyio.Event()
+    waiting = anyio.CancelScope()
+    code = 0
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
                 async for sig in signals:
-                    server = holder.get("server")
-                    _say(f"{signal.Signals(sig).name}: " + ("shutting down" if not drain.draining else "stopping now"))
-                    if server is None:  # still starting: stop the start
+                    _say(f"{signal.Signals(sig).name}: " + ("shutting down" if drain.phase == "serving" else "stopping now"))
+                    if drain.phase == "serving":
+                        drain.phase = "draining"
+                        tg.start_soon(shut_down)
+                    elif drain.phase == "draining" and not waiting.cancel_called:
+                        waiting.cancel()  # second signal: abort what is still running now
+                    else:  # still starting, or a third signal: stop at once
                         tg.cancel_scope.cancel()
                         return
-                    waiting = holder.get("waiting")
-                    if not drain.draining:
-                        holder["waiting"] = anyio.CancelScope()
-                        tg.start_soon(shut_down, server, holder["llm"], holder["waiting"])
-                    elif waiting is not None and not waiting.cancel_called:
-                        waiting.cancel()  # second signal: abort what is still running now
-                    else:
-                        server.should_exit = server.force_exit = True
 
-            async def shut_down(server: Any, llm: Any, waiting: Any) -> None:
-                drain.draining = True
+            async def shut_down() -> None:
                 if drain.in_flight:
                     _say(f"draining: {drain.in_flight} request(s) in flight, "
                          f"up to {config.shutdown_timeout:g} s to finish")
                 with waiting:
                     with anyio.move_on_after(config.shutdown_timeout):
                         await drain.wait_idle()
-                await _abort_rest(drain, llm)
-                server.should_exit = True
+                await _abort_rest(drain, holder["llm"])
+                finished.set()
 
+            holder: dict[str, Any] = {}
             tg.start_soon(watch_signals)
-            args = msgspec.structs.asdict(config.engine)
-            model = args.pop("model")
             try:
-                async with sonar.open(model, **args) as llm:
-                    for line in startup_summary(config, llm, time.monotonic() - started_at):
-                        _say(line)
-                    app = build_app(llm, _settings(config), log_stats_interval=None if config.disable_log_stats else 10.0)
-                    app = FrontDoor(app, drain, request_id_headers=config.enable_request_id_headers)
-                    server = _make_server(uvicorn.Config(app, **_uvicorn_args(config)))
-                    _quiet_access_log(config.disable_access_log_for_endpoints)
-                    holder["llm"] = llm
-                    holder["server"] = server
-                    try:
-                        await server.serve()
-                    finally:
-                        if config.uds and os.path.exists(config.uds):  # uvicorn leaves the socket file
-                            os.unlink(config.uds)
+                async with supervise(root_spec(config, drain)) as root:
+                    engine = root.child("engine").child
+                    async with connect(engine, server_engine_config(config)) as llm:
+                        llm.root = root
+                        holder["llm"] = llm
+
+                        def on_event(event: Any) -> None:
+                            if event.kind == "give_up":
+                                drain.phase, drain.reason = "dead", "it gave up after repeated crashes"
+                                _say(f"error: the engine gave up ({event.detail}); failing requests with 503 "
+                                     "and exiting")
+
+                        engine.listeners.append(on_event)
+                        for line in startup_summary(config, llm, time.monotonic() - started_at):
+                            _say(line)
+                        app = build_app(llm, _settings(config))
+                        root.child("frontend").inc.actor.attach(app)
+                        interval = None if config.disable_log_stats else 10.0
+                        async with stats_logging(llm, app.state.metrics, interval):
+                            await finished.wait()
+            except SupervisorGaveUp as exc:
+                print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+                code = 1
             except Exception as exc:
                 print(f"{PROG}: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                tg.cancel_scope.cancel()
-                return 1
+                code = 1
             tg.cancel_scope.cancel()
-    _say("stopped")
-    return 0
+    _say("stopped" if code == 0 else f"exiting with code {code}")
+    return code
 
 
 async def _abort_rest(drain: Any, llm: Any, patience: float = 3.0) -> None:
@@ -149,38 +184,6 @@ async def _abort_rest(drain: Any, llm: Any, patience: float = 3.0) -> None:
         _say(f"aborted {len(aborted)} request(s) still running")
 
 
-def _quiet_access_log(paths: Sequence[str]) -> None:
-    """--disable-access-log-for-endpoints: drop uvicorn's access log lines for these paths (the
-    query string aside). Installed after uvicorn has configured its loggers."""
-    import logging
-
-    quiet = {p.strip() for p in paths if p.strip()}
-    if not quiet:
-        return
-
-    class Quiet(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            args = record.args
-            if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
-                return args[2].split("?", 1)[0] not in quiet
-            return True
-
-    logging.getLogger("uvicorn.access").addFilter(Quiet())
-
-
-def _make_server(uvicorn_config: Any) -> Any:
-    """A uvicorn `Server` without its own signal handling: `serve()` handles the signals, and
-    uvicorn would re-raise them when it returns."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            yield
-
-    return Server(uvicorn_config)
-
-
 def _settings(config: ServeConfig) -> Any:
     from sonar.http.common import ServerSettings
 
@@ -197,7 +200,8 @@ def _settings(config: ServeConfig) -> Any:
         default_sampling=generation_defaults(config),
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         enable_log_requests=config.enable_log_requests, enable_log_outputs=config.enable_log_outputs,
-        max_log_len=config.max_log_len)
+        max_log_len=config.max_log_len, enable_openapi=not config.disable_fastapi_docs,
+        enable_log_deltas=config.enable_log_deltas)
 
 
 #: generation_config.json keys that become sampling defaults, and their SamplingParams names.
@@ -287,12 +291,24 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
     """What was loaded, how big its KV cache is (and the flag that reproduces it), where to call it."""
     info = llm.info
     tokens = info.num_blocks * info.block_size
-    return [
+    offload, events = config.engine.offload_config(), config.engine.kv_events()
+    kv_lines = []
+    if offload is not None:
+        tiers = ", ".join(f"{t.medium.upper()} {t.size_bytes / 2**30:g} GiB" + (f" at {t.path}" if t.path else "")
+                          for t in offload.tiers)
+        kv_lines.append(f"KV offloading: {offload.spec_name}: {tiers}; chunks of {offload.blocks_per_chunk} "
+                        f"block(s) ({offload.blocks_per_chunk * info.block_size} tokens), {offload.eviction_policy}")
+    if events is not None:
+        replay = f", replay at {events.replay_endpoint}" if events.replay_endpoint else ""
+        kv_lines.append(f"KV events: published at {events.endpoint}{replay} (topic {events.topic!r})")
+    return kv_lines + [
         f"engine ready in {seconds:.1f} s: {info.model} ({info.architecture}), dtype {info.dtype}",
         f"max model len: {info.max_model_len}",
         f"KV cache: {info.num_blocks} blocks of {info.block_size} tokens ({tokens} tokens); "
         f"reproduce with --kv-cache-memory-bytes {info.kv_cache_memory_bytes}",
         f"serving {', '.join(config.served_model_name)} at {_address(config)}",
+        "startup: " + " ".join(f"{phase}={secs:.2f}" for phase, secs in
+                               [*info.startup_seconds.items(), ("ready", seconds)]),
     ]
 
 

@@ -41,7 +41,6 @@ NO_POOLING = "only affects pooling (embedding / scoring) models; Sonar serves ge
 NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
 NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
 NO_KV_QUANT = "only used with a quantized KV cache (--kv-cache-dtype other than auto), not supported yet"
-NO_KV_OFFLOAD = "only used with --kv-offloading-size, which Sonar does not support yet"
 
 
 def _f(names: str, kind: Kind, default: Any, help: str, **kw: Any) -> dict[str, Any]:
@@ -151,7 +150,8 @@ GROUPS: tuple[Group, ...] = (
            "Also log what the model generated; only has an effect together with --enable-log-requests.",
            to=S),
         _f("--enable-log-deltas", B, True,
-           "When outputs are logged, log each streamed piece as well; switch off to log only final outputs."),
+           "When outputs are logged, log each streamed piece as well; switch off to log only final outputs.",
+           to=S),
         _f("--log-error-stack", B, False, "Log the traceback behind each error response."),
         _f("--tokens-only", B, False,
            "Serve only the token-in/token-out endpoint (for fully disaggregated deployments)."),
@@ -200,15 +200,16 @@ GROUPS: tuple[Group, ...] = (
            extend=True),
         _f("--enable-request-id-headers", B, False, "Add an X-Request-Id header to every response.", to=S),
         _f("--disable-fastapi-docs", B, False,
-           "Turn off the OpenAPI schema and the interactive API documentation pages.",
-           noop="Sonar's HTTP app has no OpenAPI schema or documentation pages, so they are always off"),
+           "Turn off the OpenAPI schema (/openapi.json). Sonar serves no interactive documentation pages.",
+           to=S),
         _f("--h11-max-incomplete-event-size", I, 4194304,
            "Most bytes of an unfinished HTTP event (headers or body part) the h11 parser buffers; "
            "guards against oversized headers.", to=S, check=positive),
-        _f("--h11-max-header-count", I, 256, "Most headers a request may carry (h11 parser).",
-           to=S, check=positive),
+        _f("--h11-max-header-count", I, 256,
+           "Most headers a request may carry; a request with more gets 431.", to=S, check=positive),
         _f("--enable-offline-docs", B, False,
-           "Serve the API documentation pages from bundled files, for machines without internet access."),
+           "Serve the API documentation pages from bundled files, for machines without internet access.",
+           noop="Sonar serves no documentation pages (only /openapi.json), so there is nothing to bundle"),
         _f("--enable-flash-late-interaction", B, True,
            "Compute late-interaction (MaxSim) scores of pooling models on the GPU in the API server.",
            noop=NO_POOLING),
@@ -264,8 +265,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--allow-deprecated-quantization", B, False, "Permit quantization methods that are deprecated.",
            noop="Sonar implements no quantization methods (GGUF weights are dequantized), so none is deprecated"),
         _f("--enforce-eager", B, False,
-           "Always run the model as plain eager PyTorch, without CUDA graphs: faster startup, slower decode.",
-           to=E),
+           "Always run the model as plain eager PyTorch, without CUDA graphs and (on CPU) without prepacking "
+           "the linear weights for oneDNN: faster startup, slower decode.", to=E),
         _f("--enable-return-routed-experts", B, False,
            "Return which experts each token was routed to in MoE models.", noop=NO_MOE),
         _f("--max-logprobs", I, 20,
@@ -526,9 +527,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--use-replayssm", B, False, "Use the ReplaySSM decode kernel for Mamba2 layers.", noop=NO_MAMBA),
         _f("--kv-offloading-size", F, None,
            "GiB of CPU memory to offload KV cache blocks into (summed over tensor-parallel ranks); unset: "
-           "no offloading."),
+           "no offloading. Exclusive with --kv-transfer-config.", to=E, check=positive),
         _f("--kv-offloading-backend", S_, "native", "KV offloading implementation: 'native' or 'lmcache'.",
-           choices=("lmcache", "native"), noop=NO_KV_OFFLOAD),
+           choices=("lmcache", "native"), to=E, supported=("native",)),
     ),
     _group(
         "OffloadConfig", "Keeping part of the model weights in CPU memory.",
@@ -649,7 +650,9 @@ GROUPS: tuple[Group, ...] = (
         "SchedulerConfig", "How the scheduler fills each step: budgets, chunked prefill, policy, streaming.",
         _f("--max-num-batched-tokens", H, None,
            "Token budget of one scheduler step, shared by decodes and prefill chunks; takes 8192, 8k or 8K.",
-           to=E, check=positive, default_note="2048"),
+           to=E, check=positive,
+           default_note="512: on CPU, small steps let prefills interleave with decodes (half the time to "
+                        "first token at the same prefill throughput)"),
         _f("--max-num-scheduled-tokens", H, None,
            "Tokens the scheduler itself may schedule per step when the model appends more (speculative "
            "decoding); unset: the batched-token budget."),
@@ -721,8 +724,13 @@ GROUPS: tuple[Group, ...] = (
         _f("--spec-model", S_, None, "Draft model, EAGLE head or extra weights used for speculative decoding."),
         _f("--spec-tokens", I, None, "Tokens proposed per speculative step."),
         _f("--diffusion-config -dc", J, None, "Settings for diffusion language models.", dotted=True),
-        _f("--kv-transfer-config", J, None, "Settings for moving KV cache between instances.", dotted=True),
-        _f("--kv-events-config", J, None, "Settings for publishing KV cache events.", dotted=True),
+        _f("--kv-transfer-config", J, None,
+           "Settings for moving KV cache between instances and tiers. Sonar implements the OffloadingConnector "
+           "(kv_role kv_both) with spec_name CPUOffloadingSpec or TieringOffloadingSpec (CPU, then a disk "
+           "directory); see docs/kv_offload.md.", dotted=True, to=E),
+        _f("--kv-events-config", J, None,
+           "Settings for publishing KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ, "
+           "with a replay endpoint.", dotted=True, to=E),
         _f("--ec-transfer-config", J, None, "Settings for moving encoder caches between instances.", dotted=True),
         _f("--compilation-config -cc", J, {},
            "torch.compile and CUDA graph settings, as JSON or one key at a time (-cc.mode=3).", dotted=True,
@@ -755,6 +763,16 @@ GROUPS: tuple[Group, ...] = (
         _f("--step-timeout", F, 600.0,
            "Seconds the scheduler waits for one model step before it counts the worker as failed.",
            to=E, check=positive),
+        _f("--hang-margin", F, 5.0,
+           "The worker's liveness deadline: a model step counts as hung when it runs longer than twice "
+           "what the steps seen so far predict for its size, plus this many seconds; the worker is then "
+           "restarted as if it had crashed (before any step has finished, --step-timeout applies).",
+           to=E, check=positive),
+        _f("--fault-injection", S_, None,
+           "For tests and drills: make the worker fail on purpose. Comma-separated ACTION@step=N (once, on "
+           "the N-th model step) or ACTION@p=P (each step with probability P); ACTION is raise (an "
+           "exception in the forward pass), hang (a step that never returns) or exit (the worker process "
+           "dies). Off by default.", to=E, metavar="ACTION@step=N|ACTION@p=P[,...]"),
     ),
 )
 

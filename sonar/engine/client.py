@@ -23,6 +23,7 @@ import msgspec
 from sonar.actors import (
     Actor,
     ActorInfo,
+    ChildProcess,
     ChildSpec,
     SiblingRef,
     Supervisor,
@@ -35,6 +36,7 @@ from sonar.engine.detokenizer import DetokenizerActor
 from sonar.engine.protocol import (
     Abort,
     AddRequest,
+    CountRequests,
     DescribeWorker,
     EngineFailed,
     FrontendMsg,
@@ -46,6 +48,7 @@ from sonar.engine.protocol import (
 )
 from sonar.engine.scheduler import SchedulerActor
 from sonar.engine.worker import WorkerActor
+from sonar.offload.manager import OffloadManagerActor
 from sonar.errors import EngineDeadError, InvalidRequestError
 from sonar.sampling_params import SamplingParams, SamplingParamsError
 
@@ -151,6 +154,10 @@ class LLM:
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._closed = False
+        self.dead: str | None = None
+        """Why the engine can serve no more (it gave up), or None."""
+        self.root: Supervisor | None = None
+        """The supervisor above the engine's, when there is one (`sonar serve`'s root)."""
 
     # -- public API -------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
@@ -248,13 +255,35 @@ class LLM:
         return await self.supervisor.child("scheduler").ref.ask(GetStats(), timeout=10)
 
     def tree(self) -> ActorInfo:
-        return self.supervisor.tree()
+        """The live supervision tree: the whole server's when the engine runs under a root
+        supervisor (`sonar serve`), else the engine's."""
+        return (self.root or self.supervisor).tree()
+
+    async def tracked_requests(self, timeout: float = 5.0) -> dict[str, int]:
+        """How many requests each part holds state for: this frontend, the scheduler, the
+        detokenizer (all zero when nothing runs: anything else is a leak)."""
+        with anyio.fail_after(timeout):
+            return {
+                "frontend": len(self._streams),
+                "scheduler": await self.supervisor.child("scheduler").ref.ask(CountRequests()),
+                "detokenizer": await self.supervisor.child("detokenizer").ref.ask(CountRequests()),
+            }
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        """One round trip through the scheduler's and the worker's mailboxes, or an exception."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        with anyio.fail_after(timeout):
+            await self.supervisor.child("scheduler").ref.ask(GetStats())
+            await self.supervisor.child("worker").ref.ask(DescribeWorker())
 
     # -- internals --------------------------------------------------------------------------
     def _new_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
 
     async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if self._closed:
             raise EngineDeadError("the engine is shut down")
         try:
@@ -319,20 +348,40 @@ class LLM:
 
 
 def engine_spec(config: EngineConfig) -> SupervisorSpec:
-    """The engine's supervision tree: worker, detokenizer, scheduler (started in that order).
+    """The engine's supervision tree: worker, the KV offload manager (only with offloading or KV
+    events), detokenizer, scheduler (started in that order).
 
     one_for_one: a restarted worker is caught up by the scheduler (it recomputes the requests in
     flight); a restarted scheduler or detokenizer starts empty and the frontend fails the requests
     it had (see `open`).
     """
     raw = msgspec.to_builtins(config)
+    worker_at = config.placement_of("worker")
+    # The KV offload manager (second tiers, KV events) runs only when a flag asks for it. Restarted
+    # alone, it starts with an empty CPU tier and re-indexes its disk directory; the scheduler's
+    # mirror of the tiers resynchronizes, and requests meanwhile just miss the tiers.
+    offload = []
+    scheduler_kwargs: dict[str, Any] = {"config": raw, "worker": SiblingRef("worker"),
+                                        "detokenizer": SiblingRef("detokenizer")}
+    if config.offload_manager_needed:
+        tiers = config.offload_config()
+        events = config.kv_events()
+        offload.append(ChildSpec(
+            "offload", OffloadManagerActor,
+            kwargs={"config": None if tiers is None else msgspec.to_builtins(tiers),
+                    "events": None if events is None else msgspec.to_builtins(events),
+                    "worker": SiblingRef("worker"), "hash_algo": config.prefix_caching_hash_algo},
+            placement=config.placement_of("offload"), ping_interval=2.0, ping_timeout=30.0, shutdown=15.0))
+        scheduler_kwargs["offload"] = SiblingRef("offload")
     return SupervisorSpec("engine", [
-        ChildSpec("worker", WorkerActor, kwargs={"config": raw}, placement=config.placement_of("worker"),
-                  ping_interval=2.0, ping_timeout=max(30.0, config.step_timeout), shutdown=5.0),
+        # The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
+        # deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
+        ChildSpec("worker", WorkerActor, kwargs={"config": raw, "own_process": isinstance(worker_at, ChildProcess)},
+                  placement=worker_at, ping_interval=2.0, ping_timeout=15.0, shutdown=5.0),
+        *offload,
         ChildSpec("detokenizer", DetokenizerActor, kwargs={"worker": SiblingRef("worker"), "tokenizer": config.tokenizer},
                   placement=config.placement_of("detokenizer"), ping_interval=2.0, ping_timeout=30.0),
-        ChildSpec("scheduler", SchedulerActor,
-                  kwargs={"config": raw, "worker": SiblingRef("worker"), "detokenizer": SiblingRef("detokenizer")},
+        ChildSpec("scheduler", SchedulerActor, kwargs=scheduler_kwargs,
                   placement=config.placement_of("scheduler"), ping_interval=2.0, ping_timeout=30.0),
     ], strategy="one_for_one", max_restarts=5, period=60)
 
@@ -345,33 +394,48 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
     `block_size`, `kv_cache_memory_bytes`, `dtype`, `seed`, `placement`, ...).
     """
     config = EngineConfig.from_args(model, **engine_args)
-    streams: dict[str, Any] = {}
     async with supervise(engine_spec(config)) as sup:
-        async with anyio.create_task_group() as tg:
-            client_name = f"client-{secrets.token_hex(4)}"
-            inc = await launch(tg, ClientActor(streams), client_name, 4096)
-            info = await sup.child("worker").ref.ask(DescribeWorker(), timeout=60)
-            tokenizer_path = config.tokenizer or info.tokenizer_path
-            if tokenizer_path is None:
-                raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
-            from transformers import AutoTokenizer
+        async with connect(sup, config) as llm:
+            yield llm
 
-            tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
-            llm = LLM(config, sup, inc.actor.ref, streams, info, tokenizer)
 
-            def on_event(event: Any) -> None:
-                # The worker can be restarted under running requests (the scheduler recomputes
-                # them); the scheduler and the detokenizer hold request state that a restart
-                # loses, so the requests they held end with an error rather than hang.
-                if event.kind == "crash" and event.child in ("scheduler", "detokenizer"):
-                    for stream in list(streams.values()):
-                        stream.send_nowait(_Failed(f"the {event.child} crashed ({event.detail}); request lost"))
+@asynccontextmanager
+async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
+    """An `LLM` on the running engine tree `sup` (built from `engine_spec(config)`): starts the
+    client actor that receives outputs and loads the tokenizer."""
+    streams: dict[str, Any] = {}
+    async with anyio.create_task_group() as tg:
+        client_name = f"client-{secrets.token_hex(4)}"
+        inc = await launch(tg, ClientActor(streams), client_name, 4096)
+        info = await sup.child("worker").ref.ask(DescribeWorker(), timeout=60)
+        tokenizer_path = config.tokenizer or info.tokenizer_path
+        if tokenizer_path is None:
+            raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
+        from transformers import AutoTokenizer
 
-            sup.listeners.append(on_event)
-            try:
-                yield llm
-            finally:
-                llm._closed = True
-                for stream in list(streams.values()):
-                    stream.send_nowait(_Failed("the engine is shutting down"))
-                tg.cancel_scope.cancel()
+        tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
+        llm = LLM(config, sup, inc.actor.ref, streams, info, tokenizer)
+
+        def fail_all(reason: str) -> None:
+            for stream in list(streams.values()):
+                stream.send_nowait(_Failed(reason))
+
+        def on_event(event: Any) -> None:
+            # The worker can be restarted under running requests (the scheduler recomputes
+            # them); the scheduler and the detokenizer hold request state that a restart
+            # loses, so the requests they held end with an error rather than hang. When the
+            # tree gives up, everything in flight ends with an error and new requests fail.
+            if event.kind == "crash" and event.child in ("scheduler", "detokenizer"):
+                fail_all(f"the {event.child} crashed ({event.detail}); request lost")
+            elif event.kind == "give_up":
+                llm.dead = f"the engine gave up after repeated crashes ({event.detail})"
+                fail_all(llm.dead)
+
+        sup.listeners.append(on_event)
+        try:
+            yield llm
+        finally:
+            sup.listeners.remove(on_event)
+            llm._closed = True
+            fail_all("the engine is shutting down")
+            tg.cancel_scope.cancel()

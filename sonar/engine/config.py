@@ -13,7 +13,7 @@ import msgspec
 from sonar.actors.spec import parse_placement, placement_name
 from sonar.units import parse_max_model_len, parse_memory_size
 
-ACTORS = ("worker", "detokenizer", "scheduler")
+ACTORS = ("worker", "offload", "detokenizer", "scheduler")
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -31,7 +31,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
+    """On CPU a 2048-token step makes every running request wait ~2 s for a wave of prefills; 512
+    interleaves them with decodes at the same prefill throughput (BENCHMARKS.md)."""
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -42,6 +44,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     placement: dict[str, str] = {}
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""
+    hang_margin: float = 5.0
+    """Slack of the worker's liveness deadline: a step counts as hung past twice what earlier steps
+    predict for its size plus this many seconds (`step_timeout` until a first step has finished)."""
+    fault_injection: str | None = None
+    """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
+    kv_offloading_size: float | None = None
+    """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
+    kv_offloading_backend: str = "native"
+    kv_transfer_config: dict[str, Any] | None = None
+    """`--kv-transfer-config`: the OffloadingConnector with a CPU or a CPU-then-disk spec."""
+    kv_events_config: dict[str, Any] | None = None
+    """`--kv-events-config`: publish KV cache events over ZMQ."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -49,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         unknown = sorted(set(args) - fields)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        for name in ("kv_transfer_config", "kv_events_config"):
+            if isinstance(args.get(name), str):  # a JSON object, as on the command line
+                args[name] = _json_object(args[name], name)
         if "max_model_len" in args and args["max_model_len"] is not None:
             args["max_model_len"] = parse_max_model_len(args["max_model_len"])
         if args.get("kv_cache_memory_bytes") is not None:
@@ -75,15 +92,59 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.hang_margin <= 0:
+            raise ValueError(f"hang_margin must be positive, got {self.hang_margin}")
+        if self.fault_injection:
+            from sonar.engine.faults import FaultPlan
+
+            FaultPlan.parse(self.fault_injection)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         for actor, where in self.placement.items():
             if actor not in ACTORS:
                 raise ValueError(f"placement: unknown actor {actor!r} (one of {', '.join(ACTORS)})")
             parse_placement(where)
+        offload = self.offload_config()
+        self.kv_events()
+        if offload is not None and not self.enable_prefix_caching:
+            raise ValueError("KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
+                             "drop --no-enable-prefix-caching")
+
+    def offload_config(self) -> Any:
+        """The `OffloadConfig` the offload flags ask for, or None (raises ValueError naming the rule)."""
+        from sonar.offload.config import offload_config_from_flags
+
+        return offload_config_from_flags(
+            primary_block_size=self.block_size, kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend, kv_transfer_config=self.kv_transfer_config)
+
+    def kv_events(self) -> Any:
+        """The `KVEventsConfig` of `--kv-events-config`, or None when events are off."""
+        from sonar.offload.config import kv_events_config_from_flags
+
+        return kv_events_config_from_flags(self.kv_events_config)
+
+    @property
+    def offload_manager_needed(self) -> bool:
+        """The engine runs the KV offload manager (second tiers, or KV events, or both)."""
+        return self.offload_config() is not None or self.kv_events() is not None
 
     def placement_of(self, actor: str):
         return parse_placement(self.placement.get(actor, "inprocess"))
 
     def describe_placement(self) -> dict[str, str]:
-        return {a: placement_name(self.placement_of(a)) for a in ACTORS}
+        """Where each actor of this engine runs (the offload manager only when it runs)."""
+        actors = [a for a in ACTORS if a != "offload" or self.offload_manager_needed]
+        return {a: placement_name(self.placement_of(a)) for a in actors}
+
+
+def _json_object(text: str, name: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(value).__name__}")
+    return value

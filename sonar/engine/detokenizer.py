@@ -16,6 +16,7 @@ import anyio.to_thread
 from sonar.actors import Actor, ActorRef
 from sonar.core.detokenize import IncrementalDetokenizer
 from sonar.engine.protocol import (
+    CountRequests,
     DescribeWorker,
     DetokenizerMsg,
     Forget,
@@ -80,6 +81,8 @@ class DetokenizerActor(Actor):
         elif isinstance(msg, Forget):
             for rid in msg.request_ids:
                 self.requests.pop(rid, None)
+        elif isinstance(msg, CountRequests):
+            return len(self.requests)
         else:
             raise TypeError(f"unexpected {type(msg).__name__}")
         return None

@@ -28,6 +28,11 @@ class WorkerInfo(msgspec.Struct):
     pid: int
     startup_seconds: dict[str, float] = {}
     """Where the worker's start-up went, by phase: "weights", "convert", "kv_cache", "warmup"."""
+    num_layers: int = 0
+    """The KV cache's shape (per layer ``[2, num_blocks, block_size, num_kv_heads, head_dim]``):
+    the offload manager builds its chunk layout from it."""
+    num_kv_heads: int = 0
+    head_dim: int = 0
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -62,6 +67,12 @@ class StepResult(msgspec.Struct):
 class ExecuteStep(Ask, tag="worker.step"):
     output: SchedulerOutput
     new_requests: list[NewRequestData] = []
+    fault: str | None = None
+    """--fault-injection: "raise", "hang" or "exit" makes this step fail that way (tests, drills)."""
+    notify: Any = None
+    """The scheduler's ActorRef: where the worker reports finished KV loads (`KVLoaded`)."""
+    offload: Any = None
+    """The offload manager's ActorRef (None: no offloading): where `kv_stores` go and `kv_loads` come from."""
     reply_type = StepResult
 
 
@@ -100,7 +111,22 @@ class GetStats(Ask, tag="scheduler.stats"):
     reply_type = SchedulerStats
 
 
-SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats]
+class CountRequests(Ask, tag="count_requests"):
+    """How many requests the actor holds state for (leak checks, `/metrics`)."""
+
+    reply_type = int
+
+
+class KVLoaded(msgspec.Struct, tag="scheduler.kv_loaded"):
+    """From the worker: the load ``load_id`` of ``req_id`` put ``num_blocks`` blocks (from the load's
+    ``start_block``) into the primary cache; 0 when it failed (the blocks are then recomputed)."""
+
+    req_id: str
+    num_blocks: int
+    load_id: int
+
+
+SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats, CountRequests, KVLoaded]
 
 
 # -- detokenizer ---------------------------------------------------------------------------------
@@ -125,7 +151,7 @@ class Forget(msgspec.Struct, tag="detok.forget"):
     request_ids: list[str]
 
 
-DetokenizerMsg = Union[StepOutputs, Forget]
+DetokenizerMsg = Union[StepOutputs, Forget, CountRequests]
 
 
 # -- frontend (the library's client, later the HTTP server) -------------------------------------

@@ -17,9 +17,10 @@ import torch
 from sonar.engine.config import EngineConfig
 from sonar.engine.protocol import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
+from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.models.loader import LoadedModel, load_model
-from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs
+from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.sampling_params import SamplingParams
 from sonar.units import format_memory_size
 
@@ -28,11 +29,17 @@ log = get_logger("sonar.runner")
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 
+class UnknownRequestError(RuntimeError):
+    """A step names a request this runner was never given (a step meant for a predecessor)."""
+
+
 @dataclass
 class _RequestState:
     params: SamplingParams
     prompt: list[int]
     output: list[int]
+    plain_greedy: bool = False
+    """`is_plain_greedy(params)`, computed once: such rows skip building a `SamplingBatch`."""
 
 
 def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
@@ -93,6 +100,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
                                             self.model.num_kv_heads, self.model.head_dim, self.loaded.dtype)
         t2 = time.perf_counter()
+        if not cfg.enforce_eager:  # enforce_eager: plain eager torch, the reference path
+            prepack_linears(self.model)
+        self._warm_up()
+        t3 = time.perf_counter()
         kv_bytes = self.num_blocks * kv_bytes_per_block(self.model, cfg.block_size, self.loaded.dtype)
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
@@ -103,7 +114,11 @@ class ModelRunner:
             dtype=str(self.loaded.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_bytes, tokenizer_path=tokenizer,
-            pid=os.getpid(), startup_seconds={"weights": t1 - t0, "kv_cache": t2 - t1},
+            pid=os.getpid(), startup_seconds={
+                "weights": t1 - t0 - self.loaded.convert_seconds, "convert": self.loaded.convert_seconds,
+                "kv_cache": t2 - t1, "warmup": t3 - t2,
+            },
+            num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
         )
         log.info("kv cache allocated", blocks=self.num_blocks, block_size=cfg.block_size,
                  tokens=self.num_blocks * cfg.block_size, max_model_len=self.max_model_len,
@@ -118,7 +133,11 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in msg.new_requests:
-            self.requests[new.req_id] = _RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids))
+            self.requests[new.req_id] = _RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids),
+                                                      is_plain_greedy(new.params))
+        unknown = [s.req_id for s in out.requests if s.req_id not in self.requests]
+        if unknown:
+            raise UnknownRequestError(f"step {out.step_id} names request(s) this worker does not hold: {unknown[:3]}")
         result = StepResult(step_id=out.step_id, sampled={})
         if not out.requests:
             return result
@@ -150,13 +169,18 @@ class ModelRunner:
         for rid, first, rows, start in prompt_rows:
             result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first:first + rows], rid, start)
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+            # a pure decode step samples every row: no gather of the rows needed
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows)]
+            logits = self.model.compute_logits(rows)[:, : self.vocab_size]
             states = [self.requests[rid] for rid in sample_ids]
-            batch = SamplingBatch.build(
-                [s.params for s in states], [s.output for s in states], [s.prompt for s in states],
-                vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
-            )
-            sampled = self.sampler(logits[:, : self.vocab_size], batch)
+            if all(s.plain_greedy for s in states):
+                sampled = Sampler.greedy(logits)
+            else:
+                batch = SamplingBatch.build(
+                    [s.params for s in states], [s.output for s in states], [s.prompt for s in states],
+                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                )
+                sampled = self.sampler(logits, batch)
             tokens = sampled.sampled_token_ids.tolist()
             for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
                 state.output.append(token)
@@ -165,6 +189,21 @@ class ModelRunner:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
         result.seconds = time.perf_counter() - started
         return result
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One short prefill and one decode step through the model on the first KV block, so
+        the first request does not pay one-time costs (oneDNN primitive creation, first touch
+        of the weights and of the thread pool). Nothing is cached in block 0 yet: the scheduler
+        overwrites whatever this writes before any attention reads it."""
+        block = self.config.block_size
+        n = min(block, self.max_model_len)
+        for q_len, s_len in ((n, n), (1, n)):
+            meta = AttentionMetadata.build([q_len], [s_len], [[0]], block)
+            ids = torch.zeros(q_len, dtype=torch.int64)
+            positions = torch.arange(s_len - q_len, s_len)
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+rows (row t predicts token t+1)."""

@@ -5,6 +5,14 @@ runs beside it in `run()`: schedule, ask the worker to execute, feed the sampled
 the core, and pass what happened to the detokenizer. When a step fails (the worker crashed, hung
 or was restarted), every running request is preempted and recomputed once the worker answers
 again: clients see a pause, not an error.
+
+With the KV offload manager (`offload`): the core's lookups of the lower tiers read a mirror of
+what they hold (`KVBlockIndex`), kept by a long poll of the manager's tier events (`WatchTiers`;
+a restart of either side resynchronizes it from a snapshot); chunks the tiers drop are offered
+again (`forget_offloaded`). Steps that only store or load KV still go to the worker, and the loop
+waits only when no request is left and no transfer is pending. `KVLoaded` from the worker ends a
+request's wait for its prefix. The block manager's GPU events go to the manager, which publishes
+them with its own.
 """
 
 from __future__ import annotations
@@ -17,16 +25,20 @@ import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
+from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
 from sonar.engine.config import EngineConfig
+from sonar.engine.faults import FaultPlan
 from sonar.engine.protocol import (
     Abort,
     Accepted,
     AddRequest,
+    CountRequests,
     DescribeWorker,
     ExecuteStep,
     Forget,
     GetStats,
+    KVLoaded,
     NewRequestData,
     SchedulerMsg,
     StepOutputs,
@@ -34,7 +46,11 @@ from sonar.engine.protocol import (
     TrackRequest,
     WorkerInfo,
 )
+from sonar.kv_events import KVBlockIndex
 from sonar.log import get_logger
+from sonar.offload.protocol import PublishEvents, TierUpdate, WatchTiers
+
+TIER_MEDIA = ("CPU", "DISK")
 
 log = get_logger("sonar.scheduler")
 
@@ -42,20 +58,33 @@ log = get_logger("sonar.scheduler")
 class SchedulerActor(Actor):
     protocol = SchedulerMsg
 
-    def __init__(self, config: dict[str, Any], worker: ActorRef, detokenizer: ActorRef) -> None:
+    def __init__(self, config: dict[str, Any], worker: ActorRef, detokenizer: ActorRef,
+                 offload: ActorRef | None = None) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.worker = worker
         self.detokenizer = detokenizer
+        self.offload = offload
         self.pending: list[TrackRequest] = []
         self.wake = anyio.Event()
+        self.kicked = False
+        """A message changed what the next `schedule()` can do (set by `handle`)."""
         self.steps = 0
+        self.faults = FaultPlan.parse(self.config.fault_injection, seed=self.config.seed)
+        offload_config = self.config.offload_config()
+        self.offload_bpc = 0 if offload_config is None or offload is None else offload_config.blocks_per_chunk
+        self.kv_events = offload is not None and self.config.kv_events() is not None
+        self.tiers = KVBlockIndex()
+        """Mirror of the block hashes each lower tier holds (what the core's lookups read)."""
+        self.tier_epoch: str | None = None
+        self.tier_seq = 0
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
         self.info = info
         cfg = self.config
         blocks = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                              hash_algo=cfg.prefix_caching_hash_algo)
+                              hash_algo=cfg.prefix_caching_hash_algo, kv_events=self.kv_events,
+                              offload_blocks_per_chunk=self.offload_bpc)
         self.core = Scheduler(SchedulerConfig(
             max_model_len=info.max_model_len,
             max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
@@ -65,7 +94,16 @@ class SchedulerActor(Actor):
             scheduling_policy=cfg.scheduling_policy,
             watermark=cfg.watermark,
             scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
-        ), blocks)
+        ), blocks, lower_tier_lookup=self._lookup if self.offload_bpc else None)
+        if self.kv_events:
+            # A new scheduler starts with an empty cache: whatever a predecessor announced is gone.
+            await self._send_offload(PublishEvents([AllBlocksCleared("GPU")]))
+        if self.offload_bpc:
+            try:  # the mirror before the first request (else the watch below brings it soon)
+                self._apply_tier_update(await self.offload.ask(WatchTiers(None, 0, 0.0), timeout=30))
+            except (ActorError, AskTimeout, ActorNotFound) as exc:
+                log.warning("offload manager unavailable; the tiers are looked up once it answers", error=str(exc))
+            self.task_group.start_soon(self._watch_tiers)
 
     async def handle(self, msg: SchedulerMsg) -> Any:
         if isinstance(msg, AddRequest):
@@ -83,6 +121,13 @@ class SchedulerActor(Actor):
             return None
         if isinstance(msg, GetStats):
             return self.core.stats()
+        if isinstance(msg, CountRequests):
+            return len(self.core.requests) + len(self.pending)
+        if isinstance(msg, KVLoaded):
+            if self.core.finish_kv_load(msg.req_id, msg.num_blocks, msg.load_id):
+                self.kicked = True
+                self.wake.set()
+            return None
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     def _add(self, msg: AddRequest) -> Accepted:
@@ -105,22 +150,32 @@ class SchedulerActor(Actor):
         except RequestRejectedError as exc:
             return Accepted(False, str(exc), "invalid")
         self.pending.append(TrackRequest(msg.request_id, params, msg.prompt_token_ids, msg.sink))
+        self.kicked = True
         self.wake.set()
         return Accepted(True)
 
     async def run(self) -> None:
         while True:
-            if not self.core.has_unfinished_requests():
+            if not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers():
                 self.wake = anyio.Event()
                 if self.pending:  # requests admitted and already finished (aborted) still need no step
                     self.pending = []
+                await self._publish_kv_events()
                 await self.wake.wait()
                 continue
+            self.kicked = False
             output = self.core.schedule()
-            if output.is_empty and not output.finished_req_ids:
+            await self._publish_kv_events()
+            if output.is_empty and not output.finished_req_ids and not output.has_kv_transfers:
                 # Nothing could be scheduled this step (the core guarantees progress once blocks
                 # free up); yield so that aborts and new requests get handled meanwhile.
-                await anyio.sleep(0.001)
+                if self.core.loading and not self.kicked:
+                    # only requests waiting for their KV: a `KVLoaded` (or a new request) wakes us
+                    self.wake = anyio.Event()
+                    with anyio.move_on_after(0.05):
+                        await self.wake.wait()
+                else:
+                    await anyio.sleep(0.001)
                 continue
             new = []
             for sched in output.requests:
@@ -128,8 +183,10 @@ class SchedulerActor(Actor):
                     req = self.core.get_request(sched.req_id)
                     new.append(NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids,
                                               list(req.output_token_ids)))
+            fault = self.faults.next_step() if self.faults is not None else None
             try:
-                result = await self.worker.ask(ExecuteStep(output, new), timeout=self.config.step_timeout)
+                result = await self.worker.ask(ExecuteStep(output, new, fault, notify=self.ref, offload=self.offload),
+                                               timeout=self.config.step_timeout)
             except (ActorError, AskTimeout, ActorNotFound) as exc:
                 await self._recover(exc)
                 continue
@@ -142,6 +199,67 @@ class SchedulerActor(Actor):
                     new=tracked, updates=updates, scheduler=self.ref, logprobs=result.logprobs,
                     prompt_logprobs=result.prompt_logprobs,
                 ))
+
+    # -- KV offloading -------------------------------------------------------------------------
+    def _in_tiers(self, block_hash: bytes) -> bool:
+        refs = self.tiers.refs
+        return any(block_hash in refs.get(medium, ()) for medium in TIER_MEDIA)
+
+    def _lookup(self, request: Request) -> int:
+        """Leading blocks of `request` whose chunks the lower tiers hold (by the mirror)."""
+        hashes = request.block_hashes
+        bpc = self.offload_bpc
+        n = 0
+        while n + bpc <= len(hashes) and self._in_tiers(hashes[n + bpc - 1]):
+            n += bpc
+        return n
+
+    def _apply_tier_update(self, update: TierUpdate) -> None:
+        bm = self.core.block_manager
+        if update.snapshot is not None:
+            index = KVBlockIndex()
+            for medium, hashes in update.snapshot.items():
+                refs = index.refs.setdefault(medium, {})
+                for h in hashes:
+                    refs[h] = refs.get(h, 0) + 1
+            self.tiers = index
+            cleared = True
+        else:
+            cleared = False
+            gone: list[bytes] = []
+            for event in update.events:
+                self.tiers.apply(event)
+                if isinstance(event, BlockRemoved):
+                    gone += event.block_hashes
+                elif isinstance(event, AllBlocksCleared):
+                    cleared = True
+            if gone and not cleared:
+                bm.forget_offloaded([h for h in gone if not self._in_tiers(h)])
+        if cleared:  # the tiers lost chunks wholesale: offer again what they no longer hold
+            bm.forget_offloaded([h for h in bm.offloaded_keys if not self._in_tiers(h)])
+        self.tier_epoch, self.tier_seq = update.epoch, update.seq
+
+    async def _watch_tiers(self) -> None:
+        """Keep the tier mirror: long-poll the manager's tier events (a snapshot after a restart)."""
+        while True:
+            try:
+                update = await self.offload.ask(WatchTiers(self.tier_epoch, self.tier_seq, 5.0), timeout=30)
+            except (ActorError, AskTimeout, ActorNotFound):
+                await anyio.sleep(0.2)  # the manager is restarting; its successor sends a snapshot
+                continue
+            self._apply_tier_update(update)
+
+    async def _publish_kv_events(self) -> None:
+        if self.kv_events:
+            events = self.core.block_manager.take_kv_events()
+            if events:
+                await self._send_offload(PublishEvents(events))
+
+    async def _send_offload(self, msg: Any) -> None:
+        try:
+            await self.offload.send(msg)
+        except ActorNotFound:  # the manager is restarting: these events are lost
+            log.warning("offload manager unavailable; KV events dropped")
 
     async def _recover(self, exc: Exception) -> None:
         """The step failed: recompute everything in flight once the worker answers again."""

@@ -1,35 +1,206 @@
 """The worker actor: a thin shell around the `ModelRunner` of one device (`sonar/engine/runner.py`).
 
-Loading and forward passes run in a thread so the mailbox loop stays responsive while a step
-computes.
+Loading and forward passes run in a thread. A step is started from `handle` and answered later,
+so the mailbox loop stays free while it computes: liveness pings are answered at once, and a
+watchdog beside the loop (`run`) enforces the worker's own liveness deadline on the step (see
+`deadline`). A step past the deadline counts as a hang: in its own process the worker exits (the
+stuck thread goes with it) and its supervisor restarts it; in-process it crashes (the thread
+cannot be stopped and is left behind, so the `process` placement is the one to use in earnest).
+An exception in a step crashes the worker, as does an injected fault (`sonar.engine.faults`).
+
+KV offloading: a step's `kv_stores` are copied out of the cache first, before its forward pass
+(their blocks may already belong to requests of this very step), and sent to the offload manager
+(`Store`); each of its `kv_loads` becomes a task of its own (`Load` from the manager, copy into
+the cache, `KVLoaded` to the scheduler) that runs beside the forward pass, off the step's
+critical path. A failed store is dropped and a failed load reports 0 blocks (they are recomputed).
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from functools import partial
 from typing import Any
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from sonar.actors import Actor
+from sonar.actors import Actor, ActorNotFound
+from sonar.actors.actor import NO_REPLY
+from sonar.actors.messages import RemoteError
+from sonar.actors.node import get_node
 from sonar.engine.config import EngineConfig
-from sonar.engine.protocol import DescribeWorker, ExecuteStep, WorkerMsg
-from sonar.engine.runner import ModelRunner
+from sonar.core.outputs import KVLoadSpec, KVStoreSpec
+from sonar.engine.protocol import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
+from sonar.engine.runner import ModelRunner, UnknownRequestError
+from sonar.log import get_logger
+from sonar.offload.disk import ChunkMeta
+from sonar.offload.protocol import Load, Store
+from sonar.offload.transfer import gather_chunks, scatter_chunks
+
+log = get_logger("sonar.worker")
+
+EXIT_HUNG = 75
+"""Exit code of a worker process that found its own step hung."""
+EXIT_INJECTED = 137
+"""Exit code of a worker process told to die by --fault-injection (what a SIGKILL reports)."""
+
+
+class WorkerHung(RuntimeError):
+    pass
+
+
+class InjectedFault(RuntimeError):
+    pass
 
 
 class WorkerActor(Actor):
     protocol = WorkerMsg
 
-    def __init__(self, config: dict[str, Any]) -> None:
+    def __init__(self, config: dict[str, Any], own_process: bool = False) -> None:
         self.config = msgspec.convert(config, EngineConfig)
+        self.own_process = own_process
+        self.slowest = 0.0
+        self.worst_per_token = 0.0
+        self.step_started: float | None = None
+        self.step_tokens = 0
+        self._unhang = threading.Event()
+        """Releases an injected hang once the worker has given up on the step (in-process, the
+        thread would otherwise outlive the actor and keep the interpreter from exiting)."""
 
     async def started(self) -> None:
         self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
+        self.lock = anyio.Lock()
 
     async def handle(self, msg: WorkerMsg) -> Any:
         if isinstance(msg, ExecuteStep):
-            return await anyio.to_thread.run_sync(self.runner.execute, msg)
+            self.task_group.start_soon(self._step, msg)
+            return NO_REPLY
         if isinstance(msg, DescribeWorker):
             return self.runner.info
         raise TypeError(f"unexpected {type(msg).__name__}")
+
+    async def stopping(self) -> None:
+        self._unhang.set()
+
+    def deadline(self) -> float:
+        """Seconds the running step may take before it counts as hung: twice what the steps seen
+        so far predict for it (the slowest step, or its token count at the slowest rate per token
+        seen, whichever is more), plus `hang_margin`. Until a first step has finished, and while
+        the runner compiles, `step_timeout`."""
+        if self.slowest == 0.0:
+            return self.config.step_timeout
+        expected = max(self.slowest, self.step_tokens * self.worst_per_token)
+        return min(2 * expected + self.config.hang_margin, self.config.step_timeout)
+
+    async def run(self) -> None:
+        """The watchdog: a step past its deadline means the worker is hung."""
+        while True:
+            await anyio.sleep(0.1)
+            started = self.step_started
+            if started is None:
+                continue
+            elapsed = time.monotonic() - started
+            # a step that compiles takes as long as the compiler does
+            limit = self.config.step_timeout if getattr(self.runner, "compiling", False) else self.deadline()
+            if elapsed > limit:
+                log.error("worker.hung", elapsed=round(elapsed, 2), deadline=round(limit, 2),
+                          slowest=round(self.slowest, 3))
+                if self.own_process:
+                    os._exit(EXIT_HUNG)
+                self._unhang.set()
+                raise WorkerHung(f"a step has run {elapsed:.1f} s, past the liveness deadline of {limit:.1f} s")
+
+    async def _step(self, msg: ExecuteStep) -> None:
+        node = get_node()
+        async with self.lock:  # steps run one at a time, in the order they came
+            self.step_tokens = msg.output.num_scheduled_tokens
+            self.step_started = time.monotonic()
+            try:
+                if msg.output.kv_stores or msg.output.kv_loads:
+                    await self._kv_transfers(msg)
+                # Abandoned on cancel: a crash (or a stop) must not wait for a step that may never
+                # return; its result, if it ever comes, is dropped.
+                result = await anyio.to_thread.run_sync(self._execute, msg, abandon_on_cancel=True)
+            except UnknownRequestError as exc:
+                # A step sent to this worker's predecessor: answer with an error, stay up.
+                if msg.reply_to is not None:
+                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+                return
+            except Exception as exc:
+                if msg.reply_to is not None:
+                    with anyio.CancelScope(shield=True):
+                        await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+                raise
+            finally:
+                if self.step_started is not None:
+                    took = time.monotonic() - self.step_started
+                    self.slowest = max(self.slowest, took)
+                    if self.step_tokens:
+                        self.worst_per_token = max(self.worst_per_token, took / self.step_tokens)
+                self.step_started = None
+        if msg.reply_to is not None:
+            await node.reply(msg.reply_to, result)
+
+    # -- KV offloading -------------------------------------------------------------------------
+    async def _kv_transfers(self, msg: ExecuteStep) -> None:
+        """Copy out and send the step's stores, then start its loads (before the forward pass)."""
+        out = msg.output
+        offload = msg.offload
+        if out.kv_stores and offload is not None:
+            try:
+                data = await anyio.to_thread.run_sync(self._gather, out.kv_stores)
+                metas = [ChunkMeta(s.block_hashes, s.parent_hash, s.token_ids, s.extra_keys) for s in out.kv_stores]
+                await offload.send(Store(metas, data))
+            except ActorNotFound:  # the manager is restarting or stopping: the chunks are not offloaded
+                log.warning("worker.kv_store_dropped", chunks=len(out.kv_stores), reason="offload manager unavailable")
+            except Exception as exc:  # the chunks are just not offloaded
+                log.error("worker.kv_store_failed", chunks=len(out.kv_stores), error=f"{type(exc).__name__}: {exc}")
+        for spec in out.kv_loads:
+            self.task_group.start_soon(self._kv_load, spec, offload, msg.notify)
+
+    def _gather(self, stores: list[KVStoreSpec]) -> Any:
+        block_ids = [b for spec in stores for b in spec.block_ids]
+        return gather_chunks(self.runner.kv_caches, block_ids, len(stores[0].block_ids))
+
+    async def _kv_load(self, spec: KVLoadSpec, offload: Any, notify: Any) -> None:
+        """Load one request's prefix blocks and tell the scheduler how many arrived."""
+        loaded = 0
+        try:
+            if offload is not None:
+                result = await offload.ask(Load(spec.block_hashes, spec.start_block, count_hits=True),
+                                          timeout=self.config.step_timeout)
+                n = min(max(0, result.num_blocks - spec.start_block), len(spec.block_ids))
+                if n and result.data is not None:
+                    await anyio.to_thread.run_sync(partial(
+                        scatter_chunks, self.runner.kv_caches, result.data, spec.block_ids[:n],
+                        skip_blocks=result.skip_blocks))
+                    loaded = n
+        except Exception as exc:  # the blocks are recomputed
+            log.warning("worker.kv_load_failed", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")
+            loaded = 0
+        if notify is not None:
+            try:
+                await notify.send(KVLoaded(spec.req_id, loaded, spec.load_id))
+            except Exception as exc:  # the scheduler is gone; its successor starts without this request
+                log.warning("worker.kv_loaded_lost", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _execute(self, msg: ExecuteStep) -> StepResult:
+        if msg.fault is not None:
+            self._inject(msg.fault, msg.output.step_id)
+        return self.runner.execute(msg)
+
+    def _inject(self, action: str, step_id: int) -> None:
+        log.warning("worker.fault_injected", action=action, step=step_id)
+        if action == "raise":
+            raise InjectedFault(f"injected fault in the forward pass of step {step_id}")
+        if action == "hang":
+            self._unhang.wait()  # a real hang never returns; this one ends when the watchdog gives up
+            raise InjectedFault(f"injected hang at step {step_id}, released after the worker gave up on it")
+        if action == "exit":
+            if self.own_process:
+                os._exit(EXIT_INJECTED)
+            raise InjectedFault(f"injected exit at step {step_id} (in-process: a crash)")
+        raise ValueError(f"unknown fault action {action!r}")

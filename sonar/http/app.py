@@ -35,6 +35,7 @@ from sonar.http.chat import create_chat_completion
 from sonar.http.common import ServerSettings, error_response, exception_response, json_response
 from sonar.http.completions import create_completion
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
+from sonar.http.openapi import openapi_endpoint
 from sonar.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -96,10 +97,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
                                         for name in names]))
 
     async def health(request: Request) -> Response:
-        """200 when the scheduler answers within the deadline (the engine is serving), else 503."""
+        """200 when the scheduler and the worker answer within the deadline (the engine is serving), else 503."""
         try:
-            with anyio.fail_after(settings.health_timeout):
-                await llm.stats()
+            await llm.ping(settings.health_timeout)
         except Exception:
             return Response(status_code=503)
         return Response(status_code=200)
@@ -173,6 +173,8 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     ]
     if settings.enable_tokenizer_info_endpoint:
         routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
+    if settings.enable_openapi:
+        routes.append(Route("/openapi.json", openapi_endpoint(llm, settings), methods=["GET"]))
     middleware = [Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                              allow_methods=list(settings.allowed_methods),
                              allow_headers=list(settings.allowed_headers),

@@ -21,6 +21,7 @@ from sonar.http.common import (
     chat_logprobs,
     exception_response,
     json_response,
+    log_delta,
     log_output,
     log_request,
     make_usage,
@@ -49,6 +50,7 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
     try:
         req = decode_request(await request.body(), ChatCompletionRequest)
         check_model(req.model)
+        req.check_max_tokens(llm.info.max_model_len)
         params = req.sampling_params(settings.default_sampling)
         messages = req.template_messages()
         prompt_ids = await llm.apply_chat_template(
@@ -93,6 +95,7 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompl
     started = False
     deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, request_id=rid))
     async for d in batched(deltas, settings.stream_interval):
+        log_delta(settings, rid, d)
         cached_tokens = max(cached_tokens, d.num_cached_tokens)
         if not started:
             started = True

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import anyio
 import msgspec
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from sonar.engine.client import StreamDelta
@@ -28,7 +29,7 @@ from sonar.log import get_logger
 
 log = get_logger("sonar.http")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 431: "BadRequestError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
@@ -64,10 +65,14 @@ class ServerSettings:
     enable_log_requests: bool = False
     #: --enable-log-outputs (with --enable-log-requests): a `request.output` line with the output.
     enable_log_outputs: bool = False
+    #: --enable-log-deltas: with the two above, also a `request.delta` line per streamed piece.
+    enable_log_deltas: bool = True
     #: --max-log-len: logged prompts and outputs keep this many characters (token ids: ids).
     max_log_len: int | None = None
     #: Seconds /health waits for the scheduler to answer before it reports 503.
     health_timeout: float = 5.0
+    #: Serve GET /openapi.json (off with --disable-fastapi-docs).
+    enable_openapi: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -100,6 +105,8 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
         return 400, error_body(str(exc), 400, exc.param)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(f"the engine is not available: {exc}", 503)
+    if isinstance(exc, ClientDisconnect):  # gone before its body arrived: nobody reads the answer
+        return 499, error_body("the client disconnected before the request body arrived", 499)
     log.error("request.failed", request_id=request_id, exc_info=exc)
     return 500, error_body(f"internal server error (request id {request_id}): {type(exc).__name__}", 500)
 
@@ -188,6 +195,15 @@ def log_output(settings: ServerSettings, request_id: str, texts: Sequence[str], 
                  completion_tokens=completion_tokens)
 
 
+def log_delta(settings: ServerSettings, request_id: str, delta: StreamDelta) -> None:
+    """With --enable-log-requests, --enable-log-outputs and --enable-log-deltas: one line per
+    streamed piece (as it goes out, after --stream-interval batching)."""
+    if settings.enable_log_requests and settings.enable_log_outputs and settings.enable_log_deltas:
+        log.info("request.delta", request_id=request_id, index=delta.index,
+                 delta=_clip(delta.text, settings.max_log_len), tokens=len(delta.token_ids),
+                 finish_reason=delta.finish_reason)
+
+
 # -- logprobs -------------------------------------------------------------------------------------
 def token_name(token_id: int, token: str, as_ids: bool = False) -> str:
     """How a logprob entry names its token: the text, or `token_id:<id>` (--return-tokens-as-token-ids)."""
@@ -264,14 +280,27 @@ async def batched(deltas: AsyncIterator[StreamDelta], interval: int) -> AsyncIte
         yield d
 
 
-# -- shutdown: drain, then abort ------------------------------------------------------------------
+# -- the server's phases: starting, serving, draining, dead ------------------------------------------
 class Drain:
-    """What the server does on SIGTERM: refuse new requests (503), wait for those in flight, then
-    end the rest with finish_reason "abort" (`abort_all`)."""
+    """Where the server is in its life, and the requests in flight.
+
+    `phase` is "starting" (the engine is loading: every route answers 503), "serving",
+    "draining" (SIGTERM: new requests get 503 while those in flight finish, then the rest are
+    aborted with `abort_all`) or "dead" (the engine gave up: 503 with `reason`)."""
 
     def __init__(self) -> None:
-        self.draining = False
+        self.phase = "starting"
+        self.reason = ""
         self.in_flight = 0
+
+    @property
+    def draining(self) -> bool:
+        return self.phase == "draining"
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        if value:
+            self.phase = "draining"
 
     async def wait_idle(self, poll: float = 0.05) -> None:
         while self.in_flight:
@@ -287,31 +316,53 @@ async def abort_all(llm: Any) -> list[str]:
         return []
 
 
-class FrontDoor:
-    """The ASGI wrapper around the app: counts requests in flight for `Drain`, answers 503 while
-    draining, and adds `X-Request-Id` headers when asked to."""
+UNAVAILABLE = {
+    "starting": "the server is starting: the engine is not ready yet",
+    "draining": "the server is shutting down and accepts no new requests",
+    "dead": "the engine is not available",
+}
 
-    def __init__(self, app: Any, drain: Drain, request_id_headers: bool = False) -> None:
+
+class FrontDoor:
+    """The ASGI wrapper around the app: answers 431 to a request with too many headers and 503
+    unless the server is serving, counts requests in flight for `Drain`, and adds `X-Request-Id`
+    headers when asked to. `app` is set once the
+    engine is ready (None while starting)."""
+
+    def __init__(self, app: Any, drain: Drain, request_id_headers: bool = False,
+                 max_header_count: int | None = None) -> None:
         self.app = app
         self.drain = drain
         self.request_id_headers = request_id_headers
+        self.max_header_count = max_header_count
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            if self.app is not None:
+                await self.app(scope, receive, send)
             return
         if self.request_id_headers:
             send = self._with_request_id(scope, send)
-        if self.drain.draining:
-            response = error_response("the server is shutting down and accepts no new requests", 503)
+        if self.max_header_count is not None and len(scope.get("headers", ())) > self.max_header_count:
+            response = error_response(f"the request has more than {self.max_header_count} headers "
+                                      "(--h11-max-header-count)", 431)
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return
-        self.drain.in_flight += 1
+        drain = self.drain
+        if drain.phase != "serving" or self.app is None:
+            message = UNAVAILABLE.get(drain.phase, UNAVAILABLE["starting"])
+            if drain.reason:
+                message = f"{message}: {drain.reason}"
+            response = error_response(message, 503)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        drain.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.drain.in_flight -= 1
+            drain.in_flight -= 1
 
     @staticmethod
     def _with_request_id(scope: Any, send: Any) -> Any:

@@ -21,6 +21,7 @@ from sonar.http.common import (
     exception_response,
     gather,
     json_response,
+    log_delta,
     log_output,
     log_request,
     make_usage,
@@ -33,6 +34,7 @@ from sonar.http.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    check_token_ids,
     decode_request,
 )
 from sonar.http.sse import Emit, EventStream
@@ -47,6 +49,8 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
         req = decode_request(await request.body(), CompletionRequest)
         check_model(req.model)
         prompts = req.prompts()
+        check_token_ids(prompts, llm.info.vocab_size)
+        req.check_max_tokens(llm.info.max_model_len)
         params = req.sampling_params(settings.default_sampling)
         log_request(settings, rid, prompts, params)
         if req.stream:
@@ -120,6 +124,7 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
         cached = 0
         deltas = rec.track(llm.stream(prompt, params, priority=req.priority, request_id=f"{rid}-{p}"), p)
         async for d in batched(deltas, settings.stream_interval):
+            log_delta(settings, rid, d)
             if not counted and d.num_prompt_tokens:
                 counts["prompt"] += d.num_prompt_tokens
                 counted = True

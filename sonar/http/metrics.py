@@ -14,8 +14,22 @@ prefix:
   keeps the counts, nothing here increments them): `sonar:num_requests_running`,
   `sonar:num_requests_waiting`, `sonar:kv_cache_usage_perc`, `sonar:num_preemptions_total`,
   `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`;
-- from the supervision tree (`llm.tree()`): `sonar:actor_restarts_total{actor}` and
-  `sonar:actor_mailbox_depth{actor}`.
+- `sonar:requests_tracked{actor}`: requests the frontend, the scheduler and the detokenizer hold
+  state for (`llm.tracked_requests()`; all 0 when idle, anything else is a leak);
+- from the supervision tree (`llm.tree()`): `sonar:actor_restarts_total{actor}`,
+  `sonar:actor_mailbox_depth{actor}` and `sonar:actor_resident_memory_bytes{actor}` (actors in
+  other processes); the server process's own `process_resident_memory_bytes` and friends come
+  from prometheus_client's `ProcessCollector`;
+- with KV offloading, from the scheduler's stats: `sonar:num_requests_waiting_for_kv`,
+  `sonar:external_prefix_cache_queries_total` / `sonar:external_prefix_cache_hits_total` (prompt
+  tokens looked up, and loaded back from the offload tiers); and from the offload manager
+  (`GetOffloadStats`, asked at scrape time), per tier (`medium` CPU or DISK):
+  `sonar:kv_offload_capacity_bytes`, `sonar:kv_offload_used_bytes`, `sonar:kv_offload_chunks`,
+  `sonar:kv_offload_stores_total`, `sonar:kv_offload_store_bytes_total`,
+  `sonar:kv_offload_loads_total`, `sonar:kv_offload_load_bytes_total`,
+  `sonar:kv_offload_hit_blocks_total`, `sonar:kv_offload_evictions_total`,
+  `sonar:kv_offload_corrupt_chunks_total`, `sonar:kv_offload_foreign_chunks_total`, and the
+  histogram `sonar:kv_offload_load_latency_seconds` (by the slowest tier a load read from).
 
 A "request" in the histograms and in `request_success_total` is one engine request: one
 completion choice (an HTTP request with `n=2` and two prompts is four). Prompt tokens count each
@@ -24,13 +38,14 @@ prompt once, as the responses' usage does.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import anyio
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -61,6 +76,11 @@ class _EngineCollector(Collector):
     def __init__(self) -> None:
         self.stats: Any = None
         self.tree: ActorInfo | None = None
+        self.tracked: dict[str, int] | None = None
+        self.offload: Any = None
+        """The offload manager's `OffloadStats` (None: no manager, or its ask failed)."""
+        self.offloading = False
+        """The engine offloads KV (the external prefix cache metrics apply)."""
 
     def collect(self) -> Iterator[Any]:
         s = self.stats
@@ -77,17 +97,110 @@ class _EngineCollector(Collector):
                                       value=s.prefix_queries)
             yield CounterMetricFamily("sonar:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                                       value=s.prefix_hits)
+            if self.offloading:
+                yield GaugeMetricFamily("sonar:num_requests_waiting_for_kv",
+                                        "Requests waiting for their prefix to be loaded from the offload tiers.",
+                                        value=s.num_loading)
+                yield CounterMetricFamily("sonar:external_prefix_cache_queries",
+                                          "Prompt tokens looked up in the prefix cache (and the offload tiers).",
+                                          value=s.prefix_queries)
+                yield CounterMetricFamily("sonar:external_prefix_cache_hits",
+                                          "Prompt tokens loaded back from the offload tiers instead of recomputed.",
+                                          value=s.offload_hits)
+        if self.offload is not None:
+            yield from _offload_metrics(self.offload)
+        if self.tracked is not None:
+            tracked = GaugeMetricFamily("sonar:requests_tracked",
+                                        "Requests each part of the server holds state for (0 when idle).",
+                                        labels=["actor"])
+            for actor, count in self.tracked.items():
+                tracked.add_metric([actor], count)
+            yield tracked
         if self.tree is not None:
             restarts = CounterMetricFamily("sonar:actor_restarts", "Restarts of each actor of the engine tree.",
                                            labels=["actor"])
             depth = GaugeMetricFamily("sonar:actor_mailbox_depth", "Messages waiting in each actor's mailbox.",
                                       labels=["actor"])
+            memory = GaugeMetricFamily("sonar:actor_resident_memory_bytes",
+                                       "Resident memory of each actor process other than the server's own.",
+                                       labels=["actor"])
             for node in _walk(self.tree):
                 restarts.add_metric([node.name], node.restarts)
                 if node.mailbox_depth is not None:
                     depth.add_metric([node.name], node.mailbox_depth)
+                if node.kind == "actor" and node.pid and node.pid != os.getpid():
+                    rss = _resident_bytes(node.pid)
+                    if rss is not None:
+                        memory.add_metric([node.name], rss)
             yield restarts
             yield depth
+            yield memory
+
+
+_TIER_GAUGES = (
+    ("capacity_bytes", "sonar:kv_offload_capacity_bytes", "Bytes the offload tier may hold."),
+    ("used_bytes", "sonar:kv_offload_used_bytes", "Bytes the offload tier holds."),
+    ("chunks", "sonar:kv_offload_chunks", "Chunks the offload tier holds."),
+)
+_TIER_COUNTERS = (
+    ("stores", "sonar:kv_offload_stores", "Chunks written into the offload tier."),
+    ("store_bytes", "sonar:kv_offload_store_bytes", "Bytes written into the offload tier."),
+    ("loads", "sonar:kv_offload_loads", "Chunks loaded back from the offload tier."),
+    ("load_bytes", "sonar:kv_offload_load_bytes", "Bytes loaded back from the offload tier."),
+    ("hit_blocks", "sonar:kv_offload_hit_blocks", "KV blocks of prompts served from the offload tier."),
+    ("evictions", "sonar:kv_offload_evictions", "Chunks the offload tier evicted."),
+    ("corrupt", "sonar:kv_offload_corrupt_chunks", "Damaged chunks found (dropped, never served)."),
+    ("foreign", "sonar:kv_offload_foreign_chunks", "Chunk files of another model or layout (ignored)."),
+)
+
+
+def _offload_metrics(stats: Any) -> Iterator[Any]:
+    """The offload manager's `OffloadStats` as metric families, labelled by tier."""
+    for field, name, doc in _TIER_GAUGES:
+        gauge = GaugeMetricFamily(name, doc, labels=["medium"])
+        for tier in stats.tiers:
+            gauge.add_metric([tier.medium], getattr(tier, field))
+        yield gauge
+    for field, name, doc in _TIER_COUNTERS:
+        counter = CounterMetricFamily(name, doc, labels=["medium"])
+        for tier in stats.tiers:
+            counter.add_metric([tier.medium], getattr(tier, field))
+        yield counter
+    latency = HistogramMetricFamily("sonar:kv_offload_load_latency_seconds",
+                                    "Time to load a prefix from the offload tiers, by the slowest tier read.",
+                                    labels=["medium"])
+    for medium, hist in sorted(stats.load_latency.items()):
+        buckets, total = [], 0
+        for bound, count in zip([*hist.bounds, float("inf")], hist.counts):
+            total += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), total))
+        latency.add_metric([medium], buckets, sum_value=hist.sum)
+    yield latency
+
+
+async def _offload_stats(llm: LLM, timeout: float) -> Any:
+    """The offload manager's stats, or None (no manager, or it is restarting)."""
+    from sonar.offload.protocol import GetOffloadStats
+
+    try:
+        ref = llm.supervisor.child("offload").ref
+        with anyio.fail_after(timeout):
+            return await ref.ask(GetOffloadStats())
+    except Exception as exc:
+        log.warning("metrics.offload_stats_failed", error=f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def _resident_bytes(pid: int) -> int | None:
+    """A process's resident set size from /proc (None where there is no /proc or no process)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _walk(node: ActorInfo) -> Iterable[ActorInfo]:
@@ -117,6 +230,7 @@ class ServerMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, of this process
         #: HTTP requests to the generation routes whose response has not ended yet (`/load`).
         self.server_load = 0
         # Totals for the stats log line (the Counters keep theirs, but reading them back is clumsy).
@@ -132,9 +246,12 @@ class ServerMetrics:
         try:
             with anyio.fail_after(timeout):
                 self.engine.stats = await llm.stats()
+                self.engine.tracked = await llm.tracked_requests()
         except Exception as exc:  # the engine's metrics are left out of this scrape
             log.warning("metrics.stats_failed", error=f"{type(exc).__name__}: {exc}")
-            self.engine.stats = None
+            self.engine.stats = self.engine.tracked = None
+        self.engine.offloading = llm.config.offload_config() is not None
+        self.engine.offload = await _offload_stats(llm, timeout) if self.engine.offloading else None
         try:
             self.engine.tree = llm.tree()
         except Exception:

@@ -6,13 +6,20 @@ parameter, which the app turns into a 400 in the OpenAI error shape.
 
 Optional sampling fields are `T | None`: a client that sends `"temperature": null` gets the
 default, as with the OpenAI API.
+
+Every number carries its range in its type (`msgspec.Meta`), so decoding rejects it (and the
+OpenAPI schema, `sonar/http/openapi.py`, states it): integers fit in int64 (`2**70` is a 400, not
+an overflow deep in the engine), `n` is at most `MAX_N`, a request asks for at most
+`MAX_SEQUENCES` completions (prompts x n). Limits that depend on the engine (`max_tokens` up to
+the model length, `logprobs` up to --max-logprobs, token ids inside the vocabulary) are checked
+once the engine is known.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Any, Mapping, TypeVar
+from typing import Annotated, Any, Mapping, TypeVar
 
 import msgspec
 
@@ -22,6 +29,26 @@ T = TypeVar("T")
 
 #: OpenAI's cap on `top_logprobs` for chat completions.
 MAX_TOP_LOGPROBS = 20
+#: OpenAI's cap on `n` (completions per prompt).
+MAX_N = 128
+#: The most completions one request may ask for (prompts x n): a bigger batch is a 400, not an
+#: out-of-memory kill of the server.
+MAX_SEQUENCES = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+NumCompletions = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+TopK = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
+TopLogprobs = Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)]
+Temperature = Annotated[float, msgspec.Meta(ge=0)]
+TopP = Annotated[float, msgspec.Meta(gt=0, le=1)]
+MinP = Annotated[float, msgspec.Meta(ge=0, le=1)]
+Penalty = Annotated[float, msgspec.Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0)]
+LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 
 
 class RequestError(ValueError):
@@ -43,28 +70,28 @@ class _Sampling(msgspec.Struct, kw_only=True):
     """The sampling fields completions and chat completions share (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: NumCompletions | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Int64 | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[int, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenId, LogitBias] | None = None
     user: str | None = None
     # vLLM's extras.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
+    min_tokens: NonNegative | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    priority: int = 0
+    priority: Int64 = 0
 
     def sampling_fields(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The set sampling fields as `SamplingParams` keyword arguments, over `defaults` (the
@@ -87,11 +114,11 @@ class CompletionRequest(_Sampling, kw_only=True):
     # the list is checked by `prompts()`.
     prompt: str | list[Any]
     #: Absent: 16, or the generation config's max_new_tokens (null: up to the context).
-    max_tokens: int | None | msgspec.UnsetType = msgspec.UNSET
-    logprobs: int | None = None
+    max_tokens: Positive | None | msgspec.UnsetType = msgspec.UNSET
+    logprobs: NonNegative | None = None
     echo: bool | None = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: NumCompletions | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a string or a list of token ids."""
@@ -101,13 +128,21 @@ class CompletionRequest(_Sampling, kw_only=True):
         if not p:
             raise RequestError("prompt must not be empty", "prompt")
         if all(isinstance(x, str) for x in p):
-            return list(p)
-        if all(_is_int(x) for x in p):
-            return [list(p)]
-        if all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
-            return [list(x) for x in p]
-        raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                           "lists of token ids", "prompt")
+            prompts: list[str | list[int]] = list(p)
+        elif all(_is_int(x) for x in p):
+            prompts = [list(p)]
+        elif all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
+            prompts = [list(x) for x in p]
+        else:
+            raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
+                               "lists of token ids", "prompt")
+        if len(prompts) * (self.n or 1) > MAX_SEQUENCES:
+            raise RequestError(f"a request may ask for at most {MAX_SEQUENCES} completions (prompts x n), "
+                               f"got {len(prompts)} x {self.n or 1}", "prompt")
+        return prompts
+
+    def check_max_tokens(self, max_model_len: int) -> None:
+        check_max_tokens(None if self.max_tokens is msgspec.UNSET else self.max_tokens, max_model_len)
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the server's generation config (see `sampling_fields`, `default_max_tokens`)."""
@@ -141,9 +176,11 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise RequestError(f"content part type {part.type!r} is not supported (only 'text')",
                                        f"messages[{index}].content")
+                if part.text is None:
+                    raise RequestError("a 'text' content part needs its `text`", f"messages[{index}].content")
                 texts.append(part.text)
             content = "\n".join(texts)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
@@ -154,17 +191,26 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    max_tokens: int | None = None
+    max_completion_tokens: Positive | None = None
+    max_tokens: Positive | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise RequestError("messages must not be empty", "messages")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise RequestError("add_generation_prompt and continue_final_message cannot both be set "
+                               "(set add_generation_prompt to false)", "continue_final_message")
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+
+    def check_max_tokens(self, max_model_len: int) -> None:
+        if self.max_completion_tokens is not None:
+            check_max_tokens(self.max_completion_tokens, max_model_len, "max_completion_tokens")
+        else:
+            check_max_tokens(self.max_tokens, max_model_len)
 
     def sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """`defaults`: the server's generation config (see `sampling_fields`, `default_max_tokens`)."""
@@ -192,7 +238,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def default_max_tokens(given: int | None, defaults: Mapping[str, Any] | None,
@@ -205,6 +251,25 @@ def default_max_tokens(given: int | None, defaults: Mapping[str, Any] | None,
     return given if cap is None else min(given, cap)
 
 
+def check_token_ids(prompts: list[str | list[int]], vocab_size: int) -> None:
+    """Every token id of every prompt inside the vocabulary, checked before any prompt of a batch
+    starts (a streamed batch would otherwise have begun its answer when a later prompt fails)."""
+    for prompt in prompts:
+        if isinstance(prompt, list):
+            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+
+
+def check_max_tokens(given: int | None, max_model_len: int, param: str = "max_tokens") -> None:
+    """A `max_tokens` the client set beyond the model's whole context can never be honoured: a 400
+    (as vLLM) rather than a request that runs until the context is full. (A server default above
+    it is not the client's fault: generation simply stops at the context length.)"""
+    if given is not None and given > max_model_len:
+        raise RequestError(f"{param} must be at most the model's context length ({max_model_len}), "
+                           f"got {given}", param)
+
+
 def make_sampling_params(_max_tokens_param: str = "max_tokens", **kwargs: Any) -> SamplingParams:
     """`SamplingParams(**kwargs)`, its range errors as `RequestError`s naming the parameter."""
     try:
@@ -214,23 +279,30 @@ def make_sampling_params(_max_tokens_param: str = "max_tokens", **kwargs: Any) -
         raise RequestError(str(exc).replace("max_tokens:", f"{param}:", 1), param) from None
 
 
-_PATH = re.compile(r" - at `\$\.?(.*)`$")
+_PATH = re.compile(r" - at `(?:key` in `)?\$\.?(.*)`$")
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
-    """Decode a JSON body into `kind`; malformed JSON, wrong types → `RequestError` (400)."""
+    """Decode a JSON body into `kind`; malformed JSON, invalid UTF-8 (anywhere in the body, even
+    in a field that is ignored), nesting too deep, wrong types → `RequestError` (400)."""
     try:
+        if not body.isascii():
+            body.decode("utf-8")
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _PATH.search(message)
-        param = match.group(1) if match and match.group(1) else None
+        param = match.group(1).removesuffix("[...]") if match and match.group(1) else None
         if param is None:  # "Object missing required field `prompt`"
             missing = re.search(r"missing required field `(\w+)`", message)
             param = missing.group(1) if missing else None
         return _raise(RequestError(f"invalid request: {message}", param))
     except msgspec.DecodeError as exc:
         return _raise(RequestError(f"malformed JSON body: {exc}"))
+    except UnicodeDecodeError as exc:
+        return _raise(RequestError(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}"))
+    except RecursionError:
+        return _raise(RequestError("malformed JSON body: nested too deeply"))
 
 
 def _raise(exc: Exception) -> Any:

@@ -43,7 +43,7 @@ def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["--trust-remote-code"], ["--no-use-tqdm-on-load"], ["--disable-fastapi-docs"],
+    ["--trust-remote-code"], ["--no-use-tqdm-on-load"], ["--enable-offline-docs"],
     ["--master-port", "1234"], ["--language-model-only"], ["--moe-backend", "triton"],
 ])
 def test_noops_are_accepted_and_reported(argv: list[str]) -> None:

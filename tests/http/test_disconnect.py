@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 import sonar
-from sonar.cli.serve import _make_server
+from sonar.http.frontend import _make_server
 from sonar.http.app import build_app
 from sonar.http.common import ServerSettings
 from tests.http.conftest import free_port

@@ -26,11 +26,12 @@ PROMPT = "Tell me a long story about a lighthouse keeper and the sea"
 @pytest.fixture(scope="module")
 def options_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Everything on: a 3-token default, /tokenizer_info, request and output logs clipped to 12
-    characters, no access log lines for /health and /metrics."""
+    characters, no access log lines for /health and /metrics; and no /openapi.json."""
     srv = start_server(tmp_path_factory.mktemp("options"), *BASE,
                        "--override-generation-config", '{"max_new_tokens": 3, "temperature": 0.0}',
                        "--enable-tokenizer-info-endpoint", "--enable-log-requests", "--enable-log-outputs",
-                       "--max-log-len", "12", "--disable-access-log-for-endpoints", "/health,/metrics")
+                       "--max-log-len", "12", "--disable-access-log-for-endpoints", "/health,/metrics",
+                       "--disable-fastapi-docs")
     yield srv
     assert stop_server(srv) == 0, srv.log()[-4000:]
 
@@ -172,6 +173,8 @@ def test_log_streamed_chat(options_server: Any) -> None:
     mine = [line for line in both.splitlines() if f"request_id={rid}" in line]
     assert any("request.received" in line for line in mine), mine
     assert any("request.output" in line and "completion_tokens=3" in line for line in mine), mine
+    deltas = [line for line in mine if "request.delta" in line]  # --enable-log-deltas is on by default
+    assert len(deltas) == 3 and "finish_reason=length" in deltas[-1], mine
 
 
 def test_no_request_log_by_default(plain_server: Any) -> None:
@@ -192,3 +195,10 @@ def test_access_log_leaves_out_the_listed_endpoints(options_server: Any) -> None
 def test_access_log_keeps_everything_by_default(plain_server: Any) -> None:
     assert httpx.get(plain_server.base_url + "/metrics", timeout=30).status_code == 200
     assert '"GET /metrics HTTP/1.1" 200' in wait_for(plain_server, '"GET /metrics HTTP/1.1" 200')
+
+
+def test_openapi_schema_is_served_unless_disabled(options_server: Any, plain_server: Any) -> None:
+    schema = httpx.get(f"{plain_server.base_url}/openapi.json", timeout=10)
+    assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+    gone = httpx.get(f"{options_server.base_url}/openapi.json", timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == 404

@@ -1,0 +1,77 @@
+"""`--fault-injection`: make the worker fail on purpose, for tests and drills.
+
+A plan is a comma-separated list of `ACTION@step=N` (once, on the N-th model step the scheduler
+sends, counted from 1 over the engine's life, so a restarted worker does not fail again) or
+`ACTION@p=P` (on each step, with probability P). Actions: `raise` (an exception in the forward
+pass), `hang` (the step never returns) and `exit` (the worker's process exits at once, as an
+out-of-memory kill would; in-process, the worker crashes instead).
+
+The scheduler owns the plan (it outlives worker restarts) and marks the steps that must fail;
+the worker carries the fault out.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+ACTIONS = ("raise", "hang", "exit")
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    action: str
+    step: int | None = None
+    probability: float | None = None
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], seed: int = 0) -> None:
+        self.faults = faults
+        self.steps = 0
+        self._rng = random.Random(seed)
+
+    @classmethod
+    def parse(cls, text: str | None, seed: int = 0) -> "FaultPlan | None":
+        if not text or not text.strip():
+            return None
+        faults = []
+        for item in text.split(","):
+            item = item.strip()
+            action, sep, when = item.partition("@")
+            if action not in ACTIONS or not sep:
+                raise FaultSpecError(f"fault {item!r}: expected ACTION@step=N or ACTION@p=P with ACTION one of "
+                                     f"{', '.join(ACTIONS)}")
+            key, _, value = when.partition("=")
+            try:
+                if key == "step":
+                    step = int(value)
+                    if step < 1:
+                        raise ValueError
+                    faults.append(Fault(action, step=step))
+                elif key == "p":
+                    p = float(value)
+                    if not 0.0 <= p <= 1.0:
+                        raise ValueError
+                    faults.append(Fault(action, probability=p))
+                else:
+                    raise FaultSpecError(f"fault {item!r}: the condition is step=N or p=P")
+            except ValueError as exc:
+                if isinstance(exc, FaultSpecError):
+                    raise
+                raise FaultSpecError(f"fault {item!r}: step must be an integer >= 1, p a number in [0, 1]") from None
+        return cls(faults, seed)
+
+    def next_step(self) -> str | None:
+        """Count one more step; the action to carry out on it, if any."""
+        self.steps += 1
+        for fault in self.faults:
+            if fault.step is not None and fault.step == self.steps:
+                return fault.action
+            if fault.probability is not None and self._rng.random() < fault.probability:
+                return fault.action
+        return None

@@ -1,0 +1,122 @@
+"""The frontend actor: uvicorn serving the OpenAI app, as the first child of `sonar serve`'s root
+supervisor.
+
+It starts before the engine, so the port answers from the first second: every route says 503
+("starting") until `serve` hands it the engine (`FrontendActor.attach`). On a polite stop (the
+root stopping, after a drain or because the engine gave up) it lets the responses in flight go
+out, up to its shutdown deadline, then stops uvicorn.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import anyio
+import msgspec
+
+from sonar.actors import Actor, Ask
+from sonar.http.common import Drain, FrontDoor
+from sonar.log import get_logger
+
+log = get_logger("sonar.frontend")
+
+
+class FrontendStatus(msgspec.Struct):
+    phase: str
+    in_flight: int
+
+
+class GetFrontendStatus(Ask, tag="frontend.status"):
+    reply_type = FrontendStatus
+
+
+class FrontendStartError(RuntimeError):
+    pass
+
+
+class FrontendActor(Actor):
+    protocol = GetFrontendStatus
+
+    def __init__(self, uvicorn_args: dict[str, Any], drain: Drain, request_id_headers: bool = False,
+                 max_header_count: int | None = None, quiet_paths: Sequence[str] = (), linger: float = 3.0) -> None:
+        import uvicorn
+
+        self.drain = drain
+        self.door = FrontDoor(None, drain, request_id_headers=request_id_headers, max_header_count=max_header_count)
+        self.server = _make_server(uvicorn.Config(self.door, lifespan="off", **uvicorn_args))
+        _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
+        self.uds = uvicorn_args.get("uds")
+        self.linger = linger
+        self.done = anyio.Event()
+
+    async def started(self) -> None:
+        failure: list[BaseException] = []
+        self.task_group.start_soon(self._serve, failure)
+        while not self.server.started and not self.done.is_set():
+            await anyio.sleep(0.01)
+        if not self.server.started:
+            reason = failure[0] if failure else "uvicorn stopped"
+            raise FrontendStartError(f"the HTTP server did not start: {reason}")
+
+    async def _serve(self, failure: list[BaseException]) -> None:
+        try:
+            await self.server.serve()
+        except SystemExit as exc:  # uvicorn exits when it cannot bind
+            failure.append(RuntimeError(f"cannot listen (uvicorn exited with {exc.code})"))
+        finally:
+            if self.uds and os.path.exists(self.uds):  # uvicorn leaves the socket file behind
+                os.unlink(self.uds)
+            self.done.set()
+        if self.server.started and not self.server.should_exit:
+            raise RuntimeError("the HTTP server stopped by itself")
+
+    def attach(self, app: Any) -> None:
+        """Start serving `app` (the engine is ready)."""
+        self.door.app = app
+        if self.drain.phase == "starting":
+            self.drain.phase = "serving"
+
+    async def handle(self, msg: GetFrontendStatus) -> FrontendStatus:
+        return FrontendStatus(self.drain.phase, self.drain.in_flight)
+
+    async def stopping(self) -> None:
+        if self.drain.phase in ("starting", "serving"):
+            self.drain.phase = "draining"
+        with anyio.move_on_after(self.linger):
+            await self.drain.wait_idle(0.01)
+        self.server.should_exit = True
+        await self.done.wait()
+
+
+def _make_server(uvicorn_config: Any) -> Any:
+    """A uvicorn `Server` without its own signal handling: `serve` handles the signals, and
+    uvicorn would re-raise them when it returns."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return Server(uvicorn_config)
+
+
+def _quiet_access_log(paths: Sequence[str]) -> None:
+    """--disable-access-log-for-endpoints: drop uvicorn's access log lines for these paths (the
+    query string aside), from the first request on."""
+    import logging
+
+    quiet = {p.strip() for p in paths if p.strip()}
+    if not quiet:
+        return
+
+    class Quiet(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            args = record.args
+            if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+                return args[2].split("?", 1)[0] not in quiet
+            return True
+
+    logging.getLogger("uvicorn.access").addFilter(Quiet())

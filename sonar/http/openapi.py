@@ -1,0 +1,197 @@
+"""GET /openapi.json: the server's OpenAPI 3.1 description, built from the msgspec request and
+response structs of `sonar/http/protocol.py`.
+
+The structs carry their fixed ranges (`msgspec.Meta`); the limits that depend on the engine are
+filled in here, so the schema states what this server accepts: `max_tokens` up to the model
+length, `logprobs` up to --max-logprobs, token ids inside the vocabulary. A request the schema
+allows can still be refused (a 400) for what a schema cannot say: a prompt longer than the
+model, `min_tokens` above `max_tokens`, more than `MAX_SEQUENCES` completions, `top_logprobs`
+without `logprobs`. Every error is the OpenAI error object (`ErrorResponse`).
+
+Unknown request fields are accepted and ignored (as vLLM does), so the request objects do not
+forbid additional properties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+import sonar
+from sonar.http.protocol import (
+    MAX_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+
+_REF = "#/components/schemas/{name}"
+
+#: The statuses an endpoint that takes a request body can answer with an error.
+_ERRORS = {400: "Invalid request: malformed JSON, a wrong type, a value out of range, a prompt too long",
+           401: "Missing or wrong API key (only with --api-key, only /v1/* routes)",
+           404: "Unknown model name",
+           500: "Internal fault (the message carries the request id)",
+           503: "The server is draining or the engine is not available"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The engine-dependent limits the schema states."""
+
+    max_model_len: int
+    max_logprobs: int
+    vocab_size: int
+    served_model_names: tuple[str, ...] = ()
+    api_key: bool = False
+
+
+def build_openapi(limits: Limits) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the server's API routes."""
+    structs = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, CompletionResponse,
+               ChatCompletionResponse, ChatCompletionChunk, TokenizeResponse, DetokenizeResponse, ModelList,
+               ErrorResponse]
+    _, components = msgspec.json.schema_components(structs, ref_template=_REF)
+    _apply_limits(components, limits)
+
+    def ref(name: str) -> dict[str, Any]:
+        return {"$ref": _REF.format(name=name)}
+
+    def errors(*statuses: int) -> dict[str, Any]:
+        return {str(s): {"description": _ERRORS[s], "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+                for s in statuses}
+
+    def post(summary: str, request: str, response: str, *, chunk: str | None = None,
+             protected: bool) -> dict[str, Any]:
+        ok: dict[str, Any] = {"application/json": {"schema": ref(response)}}
+        if chunk is not None:  # "stream": true answers server-sent events; the schema is one event's
+            ok["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"],
+                "description": f"`data` is a {chunk} as JSON, an ErrorResponse (an error after the stream "
+                               "began), or `[DONE]` (the last event)",
+                "properties": {"data": {"anyOf": [
+                    {"const": "[DONE]"},
+                    {"type": "string", "contentMediaType": "application/json",
+                     "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]},
+                               "event": {"type": "string"}, "id": {"type": "string"}}}}
+        op: dict[str, Any] = {
+            "summary": summary,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {"200": {"description": "OK", "content": ok},
+                          **errors(400, *((401,) if protected and limits.api_key else ()), 404, 500, 503)},
+        }
+        if protected and limits.api_key:
+            op["security"] = [{"bearer": []}]
+        return op
+
+    def get(summary: str, content: dict[str, Any] | None, *, protected: bool = False,
+            statuses: tuple[int, ...] = (500, 503)) -> dict[str, Any]:
+        ok: dict[str, Any] = {"description": "OK"}
+        if content is not None:
+            ok["content"] = content
+        op: dict[str, Any] = {"summary": summary, "responses": {"200": ok, **errors(*statuses)}}
+        if protected and limits.api_key:
+            op["security"] = [{"bearer": []}]
+            op["responses"].update(errors(401))
+        return op
+
+    json_object = {"application/json": {"schema": {"type": "object"}}}
+    paths: dict[str, Any] = {
+        "/v1/completions": {"post": post("Text completions", "CompletionRequest", "CompletionResponse",
+                                         chunk="CompletionResponse", protected=True)},
+        "/v1/chat/completions": {"post": post("Chat completions", "ChatCompletionRequest", "ChatCompletionResponse",
+                                              chunk="ChatCompletionChunk", protected=True)},
+        "/tokenize": {"post": post("Prompt or messages to token ids", "TokenizeRequest", "TokenizeResponse",
+                                   protected=False)},
+        "/detokenize": {"post": post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse",
+                                     protected=False)},
+        "/v1/models": {"get": get("The served model names", {"application/json": {"schema": ref("ModelList")}},
+                                  protected=True)},
+        "/health": {"get": {"summary": "200 when the engine answers within its deadline, else 503",
+                            "responses": {"200": {"description": "Serving"},
+                                          "503": {"description": "Starting, draining or given up"}}}},
+        "/version": {"get": get("The server's version", json_object)},
+        "/load": {"get": get("Requests in flight", json_object)},
+        "/metrics": {"get": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": "Sonar: OpenAI-compatible API", "version": sonar.__version__},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if limits.api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
+
+
+def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
+    """Write the engine's limits (and the prompt's real shape) into the msgspec-made schemas."""
+    last_id = limits.vocab_size - 1
+    token_id = {"type": "integer", "minimum": 0, "maximum": last_id}
+    token_ids = {"type": "array", "items": token_id, "minItems": 1, "maxItems": limits.max_model_len}
+    completion = components["CompletionRequest"]["properties"]
+    completion["prompt"] = {"anyOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_SEQUENCES},
+        token_ids,
+        {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_SEQUENCES},
+    ]}
+    chat = components["ChatCompletionRequest"]["properties"]
+    chat["messages"] = {"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1}
+    for props, names in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
+        for name in names:
+            _set_max(props[name], limits.max_model_len)
+    _set_max(completion["logprobs"], limits.max_logprobs)
+    _set_max(chat["top_logprobs"], min(MAX_TOP_LOGPROBS, limits.max_logprobs))
+    for props in (completion, chat):
+        _set_max(props["stop_token_ids"], last_id)
+        for branch in props["logit_bias"]["anyOf"]:
+            if branch.get("type") == "object":
+                branch["propertyNames"] = {"pattern": "^[0-9]+$"}
+    components["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id}
+    components["TextPart"] = {"title": "TextPart", "type": "object", "required": ["type", "text"],
+                              "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+    if limits.served_model_names:
+        for props in (completion, chat, components["TokenizeRequest"]["properties"],
+                      components["DetokenizeRequest"]["properties"]):
+            props["model"] = {"anyOf": [{"type": "string", "enum": list(limits.served_model_names)},
+                                        {"type": "null"}], "default": None}
+
+
+def _set_max(schema: dict[str, Any], maximum: int) -> None:
+    """Set `maximum` on every integer branch of `schema` (a plain, anyOf or array-of-int schema)."""
+    if schema.get("type") == "integer":
+        schema["maximum"] = maximum
+    if schema.get("type") == "array" and isinstance(schema.get("items"), dict):
+        _set_max(schema["items"], maximum)
+    for branch in schema.get("anyOf", ()):
+        _set_max(branch, maximum)
+
+
+def openapi_endpoint(llm: Any, settings: Any) -> Callable[[Request], Any]:
+    """The GET /openapi.json handler for the app around `llm` (an `LLM`) and its `ServerSettings`."""
+    body: list[bytes] = []
+
+    async def openapi(request: Request) -> Response:
+        if not body:
+            limits = Limits(max_model_len=llm.info.max_model_len, max_logprobs=llm.config.max_logprobs,
+                            vocab_size=llm.info.vocab_size, served_model_names=tuple(settings.served_model_names),
+                            api_key=bool(settings.api_keys))
+            body.append(msgspec.json.encode(build_openapi(limits)))
+        return Response(body[0], media_type="application/json")
+
+    return openapi
