@@ -148,7 +148,10 @@ class OffloadManagerActor(Actor):
                 self._tier_base += extra
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(lambda: self._changed.set())  # the Event current when it runs
+            try:
+                loop.call_soon_threadsafe(lambda: self._changed.set())  # the Event current when it runs
+            except RuntimeError:  # the loop closed meanwhile (the actor stopped): nobody watches
+                pass
 
     # -- tier watchers --------------------------------------------------------------------------
     def _update_for(self, msg: WatchTiers) -> TierUpdate | None:

@@ -254,3 +254,54 @@ async def test_events_only_mode_publishes_and_misses(placement, tmp_path):
                 return consumer.index.blocks("GPU")
 
         assert await anyio.to_thread.run_sync(replay) == {b"a" * 32, b"b" * 32}
+
+
+async def test_tier_watchers_get_events_then_a_snapshot_after_a_restart(placement, tmp_path):
+    """`WatchTiers`: a watcher without the manager's epoch gets a snapshot; a watcher up to date
+    waits and is answered with the next tier events (or with none when its wait is over); after a
+    restart (new epoch) the old position is answered with a snapshot of what the new run holds,
+    and `Load(count_hits=True)` counts the chunks it serves as hits."""
+    from sonar.core.events import BlockRemoved
+    from sonar.offload.protocol import TierUpdate, WatchTiers
+
+    lay = layout()
+    hashes, metas, data = sequence(lay, 3)
+    cfg = config(lay, cpu_chunks=2, disk=str(tmp_path), disk_chunks=8)
+    async with supervise(spec(placement, lay, cfg)) as sup:
+        runner = sup.child("offload")
+        first: TierUpdate = await runner.ref.ask(WatchTiers(None, 0, 0.0), timeout=10)
+        assert first.snapshot == {"CPU": [], "DISK": []} and first.events == []
+        idle: TierUpdate = await runner.ref.ask(WatchTiers(first.epoch, first.seq, 0.2), timeout=10)
+        assert idle.events == [] and idle.seq == first.seq and idle.snapshot is None
+
+        async def watch() -> TierUpdate:
+            return await runner.ref.ask(WatchTiers(first.epoch, first.seq, 10.0), timeout=20)
+
+        async with anyio.create_task_group() as tg:
+            got: list[TierUpdate] = []
+            tg.start_soon(lambda: _collect(watch, got))
+            await anyio.sleep(0.2)  # parked: nothing new yet
+            assert got == []
+            await runner.ref.send(Store(metas, data))  # 3 chunks into a 2-chunk CPU tier: one evicted
+        (update,) = got
+        assert update.snapshot is None and update.seq > first.seq
+        stored = [e for e in update.events if isinstance(e, BlockStored)]
+        assert {e.medium for e in stored} <= {"CPU", "DISK"} and any(e.medium == "CPU" for e in stored)
+        await runner.ref.ask(Flush(), timeout=10)
+        rest: TierUpdate = await runner.ref.ask(WatchTiers(first.epoch, update.seq, 0.5), timeout=10)
+        events = update.events + rest.events
+        assert any(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in events)
+        loaded = await runner.ref.ask(Load(hashes, count_hits=True), timeout=10)
+        assert loaded.num_blocks == 3
+        stats = await runner.ref.ask(GetOffloadStats(), timeout=5)
+        assert stats.tier("CPU").hit_blocks + stats.tier("DISK").hit_blocks == 3
+
+        await runner.fail("killed by the test")
+        await wait_for(lambda: runner.restarts == 1 and runner.state == "running", timeout=30)
+        after: TierUpdate = await sup.child("offload").ref.ask(WatchTiers(first.epoch, rest.seq, 0.0), timeout=10)
+    assert after.epoch != first.epoch and after.snapshot is not None
+    assert after.snapshot["CPU"] == [] and set(after.snapshot["DISK"]) == set(hashes)
+
+
+async def _collect(fn, out: list) -> None:
+    out.append(await fn())
