@@ -763,8 +763,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--step-timeout", F, 600.0,
            "Seconds the scheduler waits for one model step before it counts the worker as failed.",
            to=E, check=positive),
-        _f("--hang-margin", F, 5.0,
-           "The worker's liveness deadline: a model step counts as hung when it runs longer than twice "
+        _f("--hang-margin", F, 10.0,
+           "The worker's liveness deadline: a model step counts as hung when it runs longer than four times "
            "what the steps seen so far predict for its size, plus this many seconds; the worker is then "
            "restarted as if it had crashed (before any step has finished, --step-timeout applies).",
            to=E, check=positive),

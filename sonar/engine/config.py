@@ -44,9 +44,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     placement: dict[str, str] = {}
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""
-    hang_margin: float = 5.0
-    """Slack of the worker's liveness deadline: a step counts as hung past twice what earlier steps
-    predict for its size plus this many seconds (`step_timeout` until a first step has finished)."""
+    hang_margin: float = 10.0
+    """Slack of the worker's liveness deadline: a step counts as hung past four times what earlier
+    steps predict for its size plus this many seconds (`step_timeout` until a first step has
+    finished)."""
     fault_injection: str | None = None
     """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
     kv_offloading_size: float | None = None
