@@ -213,16 +213,16 @@ GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top
 def generation_defaults(config: ServeConfig) -> dict[str, Any]:
     """`--generation-config` and `--override-generation-config` as SamplingParams defaults.
 
-    'auto' reads generation_config.json from the model's folder (none for the embedded model or
-    a model that has no such file), a folder path reads it from there (it must exist), 'sonar'
+    'auto' reads generation_config.json from the model's folder, or from its snapshot in the local
+    Hugging Face cache for a model id (none for the embedded model or a model that has no such
+    file), a folder path reads it from there (it must exist), 'sonar'
     (or 'vllm') reads none. The override is merged over what was read."""
     import json
 
     source = config.generation_config
     found: dict[str, Any] = {}
     if source == "auto":
-        model = config.engine.model
-        folder = model if model is not None and os.path.isdir(model) else None
+        folder = _model_folder(config)
     elif source in ("sonar", "vllm", "aphrodite"):
         folder = None
     else:
@@ -240,6 +240,24 @@ def generation_defaults(config: ServeConfig) -> dict[str, Any]:
         _say("sampling defaults from the generation config: "
              + ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
     return defaults
+
+
+def _model_folder(config: ServeConfig) -> str | None:
+    """The served model's folder: the path given, or a hub id's snapshot in the local cache."""
+    engine = config.engine
+    model = engine.model
+    if model is None:
+        return None
+    if os.path.isdir(model):
+        return model
+    from sonar.models.loader import _REPO_ID, ModelLoadError, _resolve_hub_cache
+
+    if not _REPO_ID.match(model):
+        return None
+    try:
+        return str(_resolve_hub_cache(model, engine.revision, engine.download_dir))
+    except ModelLoadError:
+        return None  # loading the model reports it
 
 
 def system_fingerprint(config: ServeConfig) -> str | None:

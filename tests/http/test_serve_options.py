@@ -112,6 +112,18 @@ def test_generation_defaults_resolution(tmp_path: Path) -> None:
                                   "--override-generation-config", '{"min_p": 0.1}'])
         assert generation_defaults(alone) == {"min_p": 0.1}
     assert generation_defaults(parse_serve_args([])) == {}
+    # a hub id is looked up in the local Hugging Face cache (never downloaded)
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--someone--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (cache / "models--someone--tiny" / "refs").mkdir()
+    (cache / "models--someone--tiny" / "refs" / "main").write_text("abc123")
+    (snapshot / "config.json").write_text("{}")
+    (snapshot / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.95}))
+    hub = parse_serve_args(["--model", "someone/tiny", "--download-dir", str(cache)])
+    assert generation_defaults(hub) == {"temperature": 0.6, "top_p": 0.95}
+    absent = parse_serve_args(["--model", "someone/absent", "--download-dir", str(cache)])
+    assert generation_defaults(absent) == {}
     with pytest.raises(FileNotFoundError):
         generation_defaults(parse_serve_args(["--generation-config", str(tmp_path / "missing")]))
 
