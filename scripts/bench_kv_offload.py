@@ -23,25 +23,19 @@ import os
 import platform
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from sonar.bench.launch import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ttft(base: str, prompt: list[int], max_tokens: int) -> tuple[float, str, int]:

@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,17 +24,14 @@ from typing import Any
 import anyio
 import httpx
 
+from sonar.bench.launch import free_port
+from sonar.procfs import resident_bytes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def rss_mib(pid: int) -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+    return (resident_bytes(pid) or 0) / 2**20
 
 
 def worker(base: str) -> dict[str, Any]:
@@ -45,12 +41,6 @@ def worker(base: str) -> dict[str, Any]:
         return next((found for c in node.get("children", []) if (found := walk(c))), None)
 
     return walk(httpx.get(f"{base}/actors", timeout=10).json())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def one_request(client: httpx.AsyncClient, rng: random.Random, stats: dict[str, Any]) -> None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from sonar.procfs import resident_bytes
 
 PREFIXES = ("sonar:", "vllm:")
 ALIASES = {
@@ -53,17 +54,6 @@ async def scrape(client: httpx.AsyncClient, base_url: str) -> dict[str, float] |
         return None
 
 
-def rss_of_pid(pid: int) -> float | None:
-    """Resident memory of a local process (Linux), for servers that do not export it."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return float(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 @dataclass
 class MetricsPoller:
     """Polls `/metrics` every `interval` seconds while a benchmark runs and keeps the peaks."""
@@ -86,7 +76,7 @@ class MetricsPoller:
             if running is not None:
                 self.peak_running = max(self.peak_running or 0.0, running)
         if rss is None and self.server_pid is not None:
-            rss = rss_of_pid(self.server_pid)
+            rss = resident_bytes(self.server_pid)
         if kv is not None:
             self.peak_kv_usage = max(self.peak_kv_usage or 0.0, kv)
         if rss is not None:
@@ -104,10 +94,10 @@ def with_rss(metrics: dict[str, float] | None, server_pid: int | None) -> dict[s
     """`metrics` with the process memory of `server_pid` filled in where the server does not export it."""
     if server_pid is None or (metrics is not None and RSS in metrics):
         return metrics
-    rss = rss_of_pid(server_pid)
+    rss = resident_bytes(server_pid)
     if rss is None:
         return metrics
-    return {**(metrics or {}), RSS: rss}
+    return {**(metrics or {}), RSS: float(rss)}
 
 
 def server_summary(before: dict[str, float] | None, after: dict[str, float] | None,

@@ -293,15 +293,6 @@ class Drain:
         self.reason = ""
         self.in_flight = 0
 
-    @property
-    def draining(self) -> bool:
-        return self.phase == "draining"
-
-    @draining.setter
-    def draining(self, value: bool) -> None:
-        if value:
-            self.phase = "draining"
-
     async def wait_idle(self, poll: float = 0.05) -> None:
         while self.in_flight:
             await anyio.sleep(poll)

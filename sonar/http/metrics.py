@@ -52,6 +52,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sonar.actors.tree import ActorInfo
 from sonar.engine.client import LLM, RequestOutput, StreamDelta
 from sonar.log import get_logger
+from sonar.procfs import resident_bytes
 
 log = get_logger("sonar.stats")
 
@@ -129,7 +130,7 @@ class _EngineCollector(Collector):
                 if node.mailbox_depth is not None:
                     depth.add_metric([node.name], node.mailbox_depth)
                 if node.kind == "actor" and node.pid and node.pid != os.getpid():
-                    rss = _resident_bytes(node.pid)
+                    rss = resident_bytes(node.pid)
                     if rss is not None:
                         memory.add_metric([node.name], rss)
             yield restarts
@@ -189,18 +190,6 @@ async def _offload_stats(llm: LLM, timeout: float) -> Any:
     except Exception as exc:
         log.warning("metrics.offload_stats_failed", error=f"{type(exc).__name__}: {exc}")
         return None
-
-
-def _resident_bytes(pid: int) -> int | None:
-    """A process's resident set size from /proc (None where there is no /proc or no process)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
 
 
 def _walk(node: ActorInfo) -> Iterable[ActorInfo]:

@@ -10,7 +10,8 @@ from pathlib import Path
 import anyio
 import httpx
 
-from tests.chaos.helpers import ENGINE_ARGS, PROMPTS, actor, alive, stream_completion
+from tests.actors.helpers import alive
+from tests.chaos.helpers import ENGINE_ARGS, PROMPTS, actor, stream_completion
 from tests.http.conftest import start_server, stop_server
 
 

@@ -26,7 +26,6 @@ def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
 
     with serving(tmp_path, *ENGINE_ARGS) as server:
         async def storm() -> None:
-            nonlocal cut
             limits = httpx.Limits(max_connections=N + 8)
             async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=limits) as client:
                 async def one(prompt: str, max_tokens: int, cut_after: float | None) -> None:

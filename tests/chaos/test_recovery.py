@@ -15,7 +15,8 @@ from typing import Any, Iterator
 import anyio
 import pytest
 
-from tests.chaos.helpers import ENGINE_ARGS, PROMPTS, actor, alive, metrics, stream_fleet
+from tests.actors.helpers import alive
+from tests.chaos.helpers import ENGINE_ARGS, PROMPTS, actor, metrics, stream_fleet
 from tests.http.conftest import ServerProcess, serving
 
 MAX_TOKENS = 24

@@ -24,6 +24,7 @@ import pytest
 
 from sonar.cli.parse import parse_serve_args
 from sonar.cli.serve import system_fingerprint
+from tests.actors.helpers import alive
 from tests.http.conftest import ROOT, ServerProcess, sse_events, start_server, stop_server
 
 COMMON = ("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--seed", "0",
@@ -55,14 +56,6 @@ def child_pids(pid: int) -> set[int]:
         frontier = {c for c, p in parents.items() if p in frontier} - found
         found |= frontier
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def start_uds_server(tmp: Path, sock: Path, *args: str, timeout: float = 120.0) -> tuple[subprocess.Popen, Path]:
