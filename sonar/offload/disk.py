@@ -137,13 +137,37 @@ def chunk_path(root: Path, key: bytes) -> Path:
     return root / f"{key.hex()}{SUFFIX}"
 
 
+@dataclass(slots=True)
+class PendingFile:
+    """A chunk written under a temporary name, not yet renamed to its final one."""
+
+    tmp: Path
+    file: DiskFile
+
+    def commit(self) -> DiskFile:
+        """Rename into place (atomic). Callers that index files do it under their index's lock,
+        so a rename can never land after, and be undone by, a delete of the same key's path."""
+        os.replace(self.tmp, self.file.path)
+        return self.file
+
+    def discard(self) -> None:
+        self.tmp.unlink(missing_ok=True)
+
+
+def write_chunk_temp(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> PendingFile:
+    """Write a chunk under a temporary name (the slow part, outside any lock); `commit` renames it."""
+    pieces = encode_chunk(layout, meta, chunk)
+    tmp = root / f"{TMP_PREFIX}{meta.key.hex()}-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as f:
+            f.writelines(pieces)
+            nbytes = f.tell()
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+    return PendingFile(tmp, DiskFile(chunk_path(root, meta.key), nbytes, meta))
+
+
 def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> DiskFile:
     """Write a chunk atomically (temporary name, then rename); return its index entry."""
-    pieces = encode_chunk(layout, meta, chunk)
-    final = chunk_path(root, meta.key)
-    tmp = root / f"{TMP_PREFIX}{meta.key.hex()}-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.writelines(pieces)
-        nbytes = f.tell()
-    os.replace(tmp, final)
-    return DiskFile(final, nbytes, meta)
+    return write_chunk_temp(root, layout, meta, chunk).commit()

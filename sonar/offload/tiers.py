@@ -36,7 +36,7 @@ from sonar.offload.disk import (
     ForeignChunk,
     decode_chunk,
     read_header,
-    write_chunk_file,
+    write_chunk_temp,
 )
 from sonar.offload.layout import KVLayout
 from sonar.offload.policy import make_policy
@@ -114,8 +114,9 @@ class CpuTier:
 class DiskTier:
     """Chunk files in a directory, bounded by bytes; indexes what it finds there on start.
 
-    The index and accounting are not thread-safe (the store locks around them); reading and
-    writing files is done by the caller outside the lock (``write_chunk_file``, ``read``).
+    The index and accounting are not thread-safe (the store locks around them). The caller reads
+    and writes file contents outside the lock (``write_chunk_temp``, ``read``); renames and
+    deletes, which touch a key's one path, happen under it.
     """
 
     medium = "DISK"
@@ -307,15 +308,23 @@ class TieredStore:
         return spill
 
     def _write_disk(self, meta: ChunkMeta, chunk: torch.Tensor) -> None:
-        """Write one chunk file (outside the lock), then index it (under it)."""
+        """Write one chunk under a temporary name (outside the lock), then rename it into place,
+        index it and delete what it evicts (under the lock: file names are the chunk keys, so a
+        rename and a delete of the same key must not interleave)."""
         disk = self.disk
         assert disk is not None
         try:
-            file = write_chunk_file(disk.root, self.layout, meta, chunk)
+            pending = write_chunk_temp(disk.root, self.layout, meta, chunk)
         except OSError as exc:
             log.error("offload.disk.write_failed", key=meta.key.hex(), error=str(exc))
             return
         with self._lock:
+            try:
+                file = pending.commit()
+            except OSError as exc:
+                pending.discard()
+                log.error("offload.disk.write_failed", key=meta.key.hex(), error=str(exc))
+                return
             replaced = meta.key in disk
             evicted = disk.add(file)
             gone = [f for f in evicted if f is not file]
@@ -325,8 +334,8 @@ class TieredStore:
             if meta.key in disk and not replaced:
                 events.append(self._stored(meta, "DISK"))
             self._emit(events)
-        for f in evicted:  # victims, or the new file itself when it exceeds the whole tier
-            f.path.unlink(missing_ok=True)
+            for f in evicted:  # victims, or the new file itself when it exceeds the whole tier
+                f.path.unlink(missing_ok=True)
 
     # -- lookup / load --------------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[bytes]) -> tuple[int, list[str]]:
@@ -410,8 +419,8 @@ class TieredStore:
                 if disk.index.get(file.meta.key) is file:
                     disk.drop(file.meta.key)
                     self._emit([self._removed([file.meta], "DISK")])
-            if kind == "corrupt":
-                file.path.unlink(missing_ok=True)
+                    if kind == "corrupt":  # a newer file of the same key, if any, is not ours to delete
+                        file.path.unlink(missing_ok=True)
             return None
         with self._lock:
             disk.stats.loads += 1
@@ -458,8 +467,8 @@ class TieredStore:
                 n += len(doomed)
                 events.append(AllBlocksCleared("DISK"))
             self._emit(events)
-        for f in doomed:
-            f.path.unlink(missing_ok=True)
+            for f in doomed:
+                f.path.unlink(missing_ok=True)
         return n
 
     def tier_stats(self) -> list[TierStats]:
