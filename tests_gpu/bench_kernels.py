@@ -4,7 +4,9 @@ measured here (a large device-to-device copy and a large read for HBM bandwidth,
 matmul for FLOP/s). Every timed output is first checked against the torch reference.
 
 The headline is decode attention at batch 64 x 4096 context (Llama-3-8B heads: 32 query, 8 KV,
-head_dim 128, bf16), whose target is >= 70% of the measured HBM bandwidth.
+head_dim 128, bf16), whose target is >= 70% of the measured HBM bandwidth. The last section is the
+model runner: a Qwen3-0.6B-shaped model decoding at batch 1, eager and with CUDA graphs, against
+the weight-bandwidth floor (`tests_gpu.bench_decode`; target: graphs within 2x of the floor).
 
     python -m tests_gpu.bench_kernels [--json PATH] [--markdown PATH] [--junit PATH] [--quick]
 
@@ -338,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     rows: list[Row] = []
     hbm = peak = 0.0
-    for name in ("ceilings", "decode", "prefill", "elementwise"):
+    for name in ("ceilings", "decode", "prefill", "elementwise", "model decode"):
         t0 = time.perf_counter()
         try:
             if name == "ceilings":
@@ -347,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
                 new = decode_rows(hbm, args.quick)
             elif name == "prefill":
                 new = prefill_rows(peak, args.quick)
+            elif name == "model decode":
+                import tempfile
+                from pathlib import Path
+
+                from tests_gpu.bench_decode import model_decode_rows
+
+                with tempfile.TemporaryDirectory() as tmp:
+                    new = [Row(**r) for r in model_decode_rows(hbm, args.quick, Path(tmp))]
             else:
                 new = elementwise_rows(hbm, args.quick)
         except Exception as e:  # a broken section is a failed row, the others still run

@@ -9,9 +9,16 @@ once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whic
 ``--profile`` adds a torch profiler table of a few decode steps. ``--compare-eager`` times
 prefill and decode steps alternating between the prepacked linears and plain ``nn.Linear``
 layers on the same weights (what ``--enforce-eager`` serves) and prints both and their ratio.
+``--compare-compiled`` loads a second copy of the weights, compiles its forward pass with
+`sonar.engine.compile.compile_forward` (cache under ``--compile-cache-root``, default
+``$SONAR_CACHE_ROOT``), warms it up on decode sizes 1 and ``--batch`` and on a
+``--prefill-chunk`` prefill before the timed steps, prints the compile seconds and the cache's
+hits and misses, then times prefill and decode steps alternating between the default (prepacked,
+eager) model and the compiled one over the same KV cache.
 
 usage: python -m sonar.bench.step [--batch 16] [--prompt-len 128] [--decode-steps 32]
-       [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile]
+       [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile] [--compare-eager]
+       [--compare-compiled [--compile-cache-root DIR]]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,7 +34,8 @@ from sonar.core.outputs import ScheduledRequest, SchedulerOutput
 from sonar.engine.config import EngineConfig
 from sonar.engine.protocol import ExecuteStep, NewRequestData
 from sonar.engine.runner import ModelRunner
-from sonar.kernels.linear import PackedLinear
+from sonar.kernels.linear import PackedLinear, prepack_linears
+from sonar.models.loader import load_model
 from sonar.sampling_params import SamplingParams
 
 
@@ -145,6 +154,59 @@ def compare_eager(runner: ModelRunner, driver: StepDriver, batch: int, steps: in
           f"decode {med['prepacked']['decode'] / med['eager']['decode']:.2f}x")
 
 
+class CompiledCopy:
+    """A second copy of the runner's weights whose forward pass is compiled, to swap in for
+    ``runner.model`` (same KV caches, same steps)."""
+
+    def __init__(self, runner: ModelRunner, prefill_chunk: int, batch: int, cache_root: Path | None) -> None:
+        from sonar.engine.compile import compile_forward
+
+        cfg = runner.config
+        self.model = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format, revision=cfg.revision,
+                                download_dir=cfg.download_dir).model
+        prepack_linears(self.model)  # as the runner does; compile_forward keeps them as opaque oneDNN calls
+        key = {"model": runner.loaded.source, "revision": cfg.revision, "dtype": runner.info.dtype,
+               "block_size": cfg.block_size}
+        t = time.perf_counter()
+        self.forward = compile_forward(self.model, config_key_parts=key, cache_root=cache_root)
+        self.manifest = self.forward.warm_up(runner.kv_caches, cfg.block_size, (1, batch, prefill_chunk))
+        self.seconds = time.perf_counter() - t
+        self.model.forward = self.forward
+
+
+def compare_compiled(runner: ModelRunner, driver: StepDriver, compiled: CompiledCopy, batch: int, steps: int,
+                     prefill_chunk: int) -> None:
+    """Prefill chunks and decode steps alternating between the eager model and the compiled copy."""
+    m = compiled.manifest
+    print(f"compile + warm-up {compiled.seconds:.1f} s (token counts {m['token_counts']}): FX graph cache "
+          f"{m['fxgraph_hit']} hit(s), {m['fxgraph_miss']} miss(es); {compiled.forward.directory}")
+    eager_model = runner.model
+    variants = {"eager": eager_model, "compiled": compiled.model}
+    times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in variants}
+    for _ in range(3):
+        for name, model in variants.items():
+            runner.model = model
+            driver.computed = [0] * len(driver.prompts)
+            times[name]["prefill"].append(driver.step(prefill_chunk))
+            while not driver.prefilled:
+                driver.step(prefill_chunk)
+    for _ in range(steps):
+        for name, model in variants.items():
+            runner.model = model
+            times[name]["decode"].append(driver.step(batch))
+    runner.model = eager_model
+    med = {k: {p: statistics.median(v) for p, v in t.items()} for k, t in times.items()}
+    low = {k: {p: min(v) for p, v in t.items()} for k, t in times.items()}
+    for name in variants:
+        print(f"{name:9}: first prefill step ({prefill_chunk} tokens max) {1000 * med[name]['prefill']:.0f} ms "
+              f"(min {1000 * low[name]['prefill']:.0f}), decode {1000 * med[name]['decode']:.1f} ms "
+              f"(min {1000 * low[name]['decode']:.1f}) per step (medians, interleaved)")
+    print(f"compiled / eager: prefill {med['compiled']['prefill'] / med['eager']['prefill']:.2f}x "
+          f"(mins {low['compiled']['prefill'] / low['eager']['prefill']:.2f}x), "
+          f"decode {med['compiled']['decode'] / med['eager']['decode']:.2f}x "
+          f"(mins {low['compiled']['decode'] / low['eager']['decode']:.2f}x)")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sonar.bench.step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path or id (default: the embedded SmolLM2)")
@@ -159,17 +221,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a torch profiler table of decode steps")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also time plain (not prepacked) linear layers, interleaved")
+    ap.add_argument("--compare-compiled", action="store_true",
+                    help="also time a torch.compile'd copy of the model, interleaved")
+    ap.add_argument("--compile-cache-root", type=Path, default=None,
+                    help="compile cache root for --compare-compiled (default: $SONAR_CACHE_ROOT)")
     ap.add_argument("--bandwidth", type=float, default=26.0, help="GB/s of weight reads (half the copy figure)")
     ap.add_argument("--flops", type=float, default=390.0, help="GFLOP/s of bf16 matmul")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    # each request decodes --decode-steps once, and twice more per comparison (once per variant)
+    rounds = 1 + 2 * (args.compare_eager + args.compare_compiled)
+    per_request = -(-(args.prompt_len + rounds * args.decode_steps + args.warmup_steps + 5 + 32) // 16)
+    blocks = max(64, args.batch * per_request + 16, -(-args.prefill_chunk // 16) + 1)
     config = EngineConfig.from_args(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                                    num_gpu_blocks_override=max(64, args.batch * (args.prompt_len + args.decode_steps
-                                                                + args.warmup_steps + 32) // 16 + 16))
+                                    num_gpu_blocks_override=blocks)
     t0 = time.perf_counter()
     runner = ModelRunner(config)
     print(f"runner ready in {time.perf_counter() - t0:.1f} s: {runner.info.startup_seconds}")
+    compiled = None
+    if args.compare_compiled:  # before any step: its warm-up writes the first KV blocks
+        compiled = CompiledCopy(runner, args.prefill_chunk, args.batch, args.compile_cache_root)
     driver = StepDriver(runner, args.batch, args.prompt_len)
     prefill: list[float] = []
     while not driver.prefilled:
@@ -191,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
           f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)")
     if args.compare_eager:
         compare_eager(runner, driver, args.batch, args.decode_steps)
+    if compiled is not None:
+        compare_compiled(runner, driver, compiled, args.batch, args.decode_steps, args.prefill_chunk)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -65,9 +65,6 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     disable_uvicorn_access_log: bool = False
     disable_access_log_for_endpoints: tuple[str, ...] = ()
 
-    # Device memory: the worker will honour this once it sizes memory from it.
-    gpu_memory_utilization: float = 0.92
-
     accepted_noops: tuple[str, ...] = ()
     """Flags that were given but have no effect in Sonar (each accepted on purpose; see --help=NAME)."""
 
@@ -79,6 +76,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     @property
     def max_logprobs(self) -> int:
         return self.engine.max_logprobs
+
+    @property
+    def gpu_memory_utilization(self) -> float:
+        return self.engine.gpu_memory_utilization
 
     @property
     def enforce_eager(self) -> bool:

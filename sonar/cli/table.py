@@ -40,7 +40,6 @@ NO_LORA = "only used with LoRA adapters (--enable-lora), which Sonar does not su
 NO_POOLING = "only affects pooling (embedding / scoring) models; Sonar serves generative models"
 NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
 NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
-NO_KV_QUANT = "only used with a quantized KV cache (--kv-cache-dtype other than auto), not supported yet"
 
 
 def _f(names: str, kind: Kind, default: Any, help: str, **kw: Any) -> dict[str, Any]:
@@ -402,7 +401,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--numa-bind-cpus", L, None, "CPU list for each visible GPU (numactl syntax such as 0-3).",
            noop="only used with --numa-bind, which Sonar does not support yet"),
         _f("--device-ids", S_, None,
-           "Comma-separated GPU indices or UUIDs to use, instead of setting CUDA_VISIBLE_DEVICES."),
+           "Comma-separated GPU indices or UUIDs to use, instead of setting CUDA_VISIBLE_DEVICES. Sonar "
+           "serves from one device: it takes one index (SONAR_DEVICE=cpu|cuda|cuda:N overrides the choice).",
+           to=E, default_note="CUDA device 0 when torch sees one, else the CPU"),
         _f("--tensor-parallel-size -tp", I, 1, "Number of GPUs each layer's weights are split across."),
         _f("--decode-context-parallel-size -dcp", I, 1,
            "Number of ranks sharing the decode KV cache (reusing tensor-parallel ranks)."),
@@ -483,13 +484,16 @@ GROUPS: tuple[Group, ...] = (
            default_note="16"),
         _f("--gpu-memory-utilization -gmu", F, 0.92,
            "Share of the GPU's total memory this server instance may use for weights, activations and KV "
-           "cache, between 0 and 1; startup fails if that much is not free.", to=S, check=fraction),
+           "cache, between 0 and 1; startup fails if that much is not free (it is never applied to the free "
+           "memory instead). Unused on CPU.", to=E, check=fraction),
         _f("--kv-cache-memory-bytes", Kind.BYTES, None,
            "KV cache size per GPU in bytes, e.g. 2G (2 GiB), 2g (2*10^9) or 1.5GiB. When set, it sizes the "
            "cache instead of --gpu-memory-utilization and memory profiling is skipped.", to=E,
            check=positive),
         _f("--kv-cache-dtype", S_, "auto",
-           "Storage type of the KV cache; 'auto' uses the model's dtype, the others quantize it.",
+           "Storage type of the KV cache; 'auto' uses the model's dtype. fp8 (= fp8_e4m3) stores keys and "
+           "values as float8 e4m3 with the scale 1.0, half the bytes of bfloat16 per block.",
+           to=E, supported=("auto", "bfloat16", "float16", "fp8", "fp8_e4m3"),
            choices=("auto", "bfloat16", "float16", "fp8", "fp8_ds_mla", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
                     "fp8_per_token_head", "int4_per_token_head", "int8_per_token_head", "nvfp4",
                     "turboquant_3bit_nc", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_k8v4")),
@@ -504,10 +508,9 @@ GROUPS: tuple[Group, ...] = (
            "cryptographic, so think about multi-tenant risk first).",
            choices=("sha256", "sha256_cbor", "xxhash", "xxhash_cbor"), to=E),
         _f("--calculate-kv-scales", B, False,
-           "Deprecated: compute fp8 KV cache scales at run time instead of loading them.", noop=NO_KV_QUANT),
+           "Deprecated: compute fp8 KV cache scales at run time instead of loading them."),
         _f("--kv-cache-dtype-skip-layers", L, (),
-           "Layers (by index, or by attention kind such as sliding_window) whose KV cache is not quantized.",
-           noop=NO_KV_QUANT),
+           "Layers (by index, or by attention kind such as sliding_window) whose KV cache is not quantized."),
         _f("--kv-sharing-fast-prefill", B, False,
            "In models whose layers share KV cache (YOCO style), let eligible layers skip prefill tokens."),
         _f("--mamba-cache-dtype", S_, "auto", "Dtype of the Mamba conv and SSM state cache.",
@@ -687,8 +690,12 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "CompilationConfig", "torch.compile and CUDA graph capture.",
         _f("--cudagraph-capture-sizes", Kind.INT_LIST, None,
-           "Batch sizes to capture CUDA graphs for; unset: derived from the other settings."),
-        _f("--max-cudagraph-capture-size", I, None, "Largest batch size captured as a CUDA graph."),
+           "Decode batch sizes to capture as CUDA graphs (positive; sorted and deduplicated); unset: 1, 2, 4, "
+           "then every 8 up to 248, then every 16 up to --max-cudagraph-capture-size.", to=E),
+        _f("--max-cudagraph-capture-size", I, None,
+           "Largest decode batch size captured as a CUDA graph; with --cudagraph-capture-sizes it must be that "
+           "list's largest.", to=E, check=positive,
+           default_note="min(2 * --max-num-seqs, 512)"),
     ),
     _group(
         "KernelConfig", "Kernel selection and warmup.",
@@ -746,8 +753,10 @@ GROUPS: tuple[Group, ...] = (
         _f("--profiler-config", J, {}, "Profiler settings.", dotted=True,
            reference_default="ProfilerConfig(...) with every field at its default"),
         _f("--optimization-level -O", I, 2,
-           "Trade startup time for speed: -O0 starts fastest (nothing compiled), -O3 runs fastest. Sonar "
-           "compiles nothing yet, so it accepts -O0 and the default.", choices=(0, 1, 2, 3), accepts=(0,)),
+           "Trade startup time for speed: -O0 starts fastest (no torch.compile, no CUDA graphs); -O1 captures "
+           "CUDA graphs; -O2 also compiles the model on GPUs; -O3 compiles on the CPU too (a few percent "
+           "faster per step there, for a longer start). Compiled code is cached under SONAR_CACHE_ROOT.",
+           choices=(0, 1, 2, 3), to=E),
         _f("--performance-mode", S_, "balanced",
            "Tune for 'interactivity' (low latency at small batches), 'throughput' (many concurrent requests) "
            "or 'balanced'.", choices=("balanced", "interactivity", "throughput")),

@@ -25,6 +25,7 @@ from sonar.actors import (
     ActorInfo,
     ChildProcess,
     ChildSpec,
+    Remote,
     SiblingRef,
     Supervisor,
     SupervisorSpec,
@@ -53,6 +54,9 @@ from sonar.errors import EngineDeadError, InvalidRequestError
 from sonar.sampling_params import SamplingParams, SamplingParamsError
 
 Prompt = str | Sequence[int]
+
+WORKER_START_TIMEOUT = 900.0
+"""Seconds a worker in its own process may take to become ready (load, compile, capture)."""
 
 
 @dataclass
@@ -357,6 +361,11 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     """
     raw = msgspec.to_builtins(config)
     worker_at = config.placement_of("worker")
+    if isinstance(worker_at, (ChildProcess, Remote)):
+        # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
+        # graphs captured: a cold compile alone takes minutes on a small CPU
+        worker_at = msgspec.structs.replace(worker_at, start_timeout=max(worker_at.start_timeout,
+                                                                         WORKER_START_TIMEOUT))
     # The KV offload manager (second tiers, KV events) runs only when a flag asks for it. Restarted
     # alone, it starts with an empty CPU tier and re-indexes its disk directory; the scheduler's
     # mirror of the tiers resynchronizes, and requests meanwhile just miss the tiers.

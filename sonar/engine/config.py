@@ -41,6 +41,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     scheduler_reserve_full_isl: bool = True
     max_logprobs: int = 20
     enforce_eager: bool = False
+    optimization_level: int = 2
+    """``-O``: 0 compiles nothing and captures no CUDA graph; 1 captures graphs; 2 (default) also
+    compiles the model with ``torch.compile`` on CUDA; 3 compiles on the CPU too, where it was
+    measured ~5-7 % faster per step for 12-15 s more start-up with a warm cache (81 s cold), so
+    it is not the default there (BENCHMARKS.md). ``enforce_eager`` overrides every level."""
+    """Plain eager PyTorch: no CUDA graphs (and on CPU no oneDNN prepacking)."""
+    gpu_memory_utilization: float = 0.92
+    """Share of the device's *total* memory this instance may use (weights, activations, graphs,
+    KV cache); startup fails when that much is not free. Unused on CPU."""
+    kv_cache_dtype: str = "auto"
+    """Storage type of the KV cache: auto (the model's dtype), bfloat16, float16, fp8 / fp8_e4m3."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Decode batch sizes captured as CUDA graphs; None: derived (`sonar.engine.cudagraph`)."""
+    max_cudagraph_capture_size: int | None = None
+    device_ids: str | None = None
+    """One CUDA device index to run on (``--device-ids 1``); None: device 0. ``SONAR_DEVICE``
+    (cpu, cuda, cuda:N) overrides the choice of device."""
     placement: dict[str, str] = {}
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""
@@ -93,6 +110,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"num_gpu_blocks_override must be positive, got {self.num_gpu_blocks_override}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        if self.optimization_level not in (0, 1, 2, 3):
+            raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        from sonar.engine.cudagraph import capture_sizes
+        from sonar.engine.device import parse_device_ids
+        from sonar.engine.memory import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        capture_sizes(self)
+        parse_device_ids(self.device_ids)
         if self.hang_margin <= 0:
             raise ValueError(f"hang_margin must be positive, got {self.hang_margin}")
         if self.fault_injection:
@@ -107,6 +135,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             parse_placement(where)
         offload = self.offload_config()
         self.kv_events()
+        if offload is not None and self.kv_cache_dtype != "auto":
+            raise ValueError(f"KV offloading with kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
+                             "(the offload tiers store the model's dtype); drop one of the two")
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError("KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
                              "drop --no-enable-prefix-caching")

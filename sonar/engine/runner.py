@@ -3,19 +3,33 @@
 It keeps, per running request, only what sampling needs (parameters, prompt and output ids); the
 scheduler resends that state whenever a request (re)starts, so a new runner can be rebuilt from
 the scheduler alone. Everything here is synchronous; the worker actor runs it in a thread.
+
+The device is CUDA when torch sees one (`sonar.engine.device`; ``SONAR_DEVICE=cpu`` forces the
+CPU), else the CPU. On CUDA, startup checks ``--gpu-memory-utilization`` against the free memory,
+profiles a forward pass and the CUDA graphs, gives the rest to the KV cache
+(`sonar.engine.memory`), and captures one graph per decode batch size (`sonar.engine.cudagraph`):
+a pure-decode step replays the graph of the smallest size that holds it, any other step runs
+eagerly. On CPU the KV cache has a fixed default size, linear weights are prepacked for oneDNN,
+and every step runs eagerly and unpadded, as before.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from sonar.engine import memory
+from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
+from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
+from sonar.engine.device import memory_info, select_device
 from sonar.engine.protocol import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
+from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
@@ -26,7 +40,13 @@ from sonar.units import format_memory_size
 
 log = get_logger("sonar.runner")
 
-DEFAULT_CPU_KV_BYTES = 2 * 2**30
+
+def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
+    """Whether the runner compiles its forward pass: never with ``enforce_eager``; from ``-O2``
+    (the default) on CUDA, only at ``-O3`` on the CPU (see `EngineConfig.optimization_level`)."""
+    if config.enforce_eager:
+        return False
+    return config.optimization_level >= (2 if device.type == "cuda" else 3)
 
 
 class UnknownRequestError(RuntimeError):
@@ -43,86 +63,182 @@ class _RequestState:
 
 
 def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_dim * element
+    return memory.kv_bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
 
 
-def plan_kv_cache(config: EngineConfig, loaded: LoadedModel) -> tuple[int, int]:
-    """(number of KV blocks, max model length) from the flags, the model and the memory."""
-    per_block = kv_bytes_per_block(loaded.model, config.block_size, loaded.dtype)
+def plan_kv_cache(config: EngineConfig, loaded: LoadedModel, kv_bytes: int | None = None,
+                  kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(number of KV blocks, max model length) from the flags, the model and the memory:
+    ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes``, else ``kv_bytes`` (what
+    profiling left on a GPU), else the CPU default (`sonar.engine.memory`)."""
+    dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
+    per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
-    elif config.kv_cache_memory_bytes is not None:
-        num_blocks = config.kv_cache_memory_bytes // per_block
     else:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        num_blocks = min(DEFAULT_CPU_KV_BYTES, total // 10) // per_block
-    if num_blocks < 1:
-        raise ValueError(f"the KV cache holds no block of {per_block} bytes; give it more memory")
-    capacity = num_blocks * config.block_size
-    model_len = loaded.max_model_len
-    if config.max_model_len == -1:
-        max_model_len = min(model_len, capacity)
-        if max_model_len < model_len:
-            log.warning("max_model_len reduced to fit the KV cache", max_model_len=max_model_len,
-                        model_max=model_len)
-    elif config.max_model_len is not None:
-        if config.max_model_len > model_len:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum {model_len}")
-        max_model_len = config.max_model_len
-    else:
-        max_model_len = model_len
-    if max_model_len > capacity:
-        if config.max_model_len is None:
-            max_model_len = capacity
-            log.warning("max_model_len reduced to fit the KV cache", max_model_len=max_model_len,
-                        model_max=model_len)
-        else:
-            raise ValueError(
-                f"max_model_len {max_model_len} needs {-(-max_model_len // config.block_size)} KV blocks but the "
-                f"cache holds {num_blocks} ({capacity} tokens): lower max_model_len or give the KV cache more memory"
-            )
-    return num_blocks, max_model_len
+        if config.kv_cache_memory_bytes is not None:
+            kv_bytes = config.kv_cache_memory_bytes
+        elif kv_bytes is None:
+            kv_bytes = memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        num_blocks = memory.num_blocks_for(kv_bytes, per_block)
+    fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
+    if fitted.reduced_from is not None:
+        log.warning("max_model_len reduced to fit the KV cache", max_model_len=fitted.value,
+                    model_max=fitted.reduced_from)
+    return num_blocks, fitted.value
 
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        """Load the weights and allocate the KV cache (slow: seconds)."""
+        """Load the weights, size and allocate the KV cache, capture the CUDA graphs (slow: seconds)."""
         self.config = cfg = config
         self.requests: dict[str, _RequestState] = {}
+        self.device = device = select_device(cfg.device_ids)
+        self.graphs: CudaGraphs | None = None
+        self._decode_buffers: DecodeBuffers | None = None
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(device)
+            free, total = memory_info(device)
+            if cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
+                memory.check_free_memory(total, free, cfg.gpu_memory_utilization)
+            used_at_start = total - free
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format,
-                                 revision=cfg.revision, download_dir=cfg.download_dir)
+                                 revision=cfg.revision, download_dir=cfg.download_dir, device=device)
         self.model = self.loaded.model
-        t1 = time.perf_counter()
-        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded)
-        self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
-                                            self.model.num_kv_heads, self.model.head_dim, self.loaded.dtype)
-        t2 = time.perf_counter()
-        if not cfg.enforce_eager:  # enforce_eager: plain eager torch, the reference path
+        self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
+        t_pack = time.perf_counter()
+        if not cuda and not cfg.enforce_eager:  # enforce_eager: plain eager torch, the reference path
             prepack_linears(self.model)
-        self._warm_up()
+        convert_seconds = self.loaded.convert_seconds + time.perf_counter() - t_pack
+        self.forward: Callable[..., torch.Tensor] = self.model
+        """The forward pass steps run: the model, or its compiled form (`sonar.engine.compile`)."""
+        self.compiled: CompiledForward | None = None
+        if compile_wanted(cfg, device):
+            self.compiled = self.forward = self._compile()
+        t1 = time.perf_counter()
+        kv_bytes = None
+        profile = None
+        sizes = capture_sizes(cfg) if cuda else []
+        if sizes and not ops.use_triton(torch.empty(0, device=device)):
+            log.warning("no CUDA graphs: the torch references read metadata on the host (Triton missing or "
+                        "SONAR_USE_TRITON=0)")
+            sizes = []
+        if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
+            profile = self._profile(total, used_at_start, sizes)
+            kv_bytes = memory.kv_cache_bytes(profile)
+        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype)
+        self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
+                                            self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, device)
+        if self.compiled is not None:  # the graphs of both step kinds, before capture uses them
+            self.compiled.warm_up(self.kv_caches, cfg.block_size)
+        t2 = time.perf_counter()
+        if sizes:
+            self.graphs = CudaGraphs(self._forward, self._buffers(sizes[-1]), sizes, self.model.num_kv_heads)
+            self.graphs.capture()
+            log.info("cuda graphs captured", sizes=len(sizes), max_size=sizes[-1],
+                     seconds=round(self.graphs.capture_seconds, 2),
+                     memory=format_memory_size(self.graphs.memory_bytes),
+                     estimated=format_memory_size(profile.graphs) if profile else None)
         t3 = time.perf_counter()
-        kv_bytes = self.num_blocks * kv_bytes_per_block(self.model, cfg.block_size, self.loaded.dtype)
+        self._warm_up()
+        t4 = time.perf_counter()
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
+        kv_total = memory.reproduce_bytes(self.num_blocks, per_block)
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.sampler = Sampler()
         tokenizer = cfg.tokenizer or (str(self.loaded.tokenizer_path) if self.loaded.tokenizer_path else None)
+        compile_seconds = self.compiled.compile_seconds if self.compiled is not None else 0.0
+        phases = {"weights": t1 - t0 - convert_seconds, "convert": convert_seconds,
+                  "kv_cache": t2 - t1 - compile_seconds}
+        if self.compiled is not None:
+            phases["compile"] = compile_seconds
+        if sizes:
+            phases["graphs"] = t3 - t2
+        phases["warmup"] = t4 - t3
         self.info = WorkerInfo(
             model=self.loaded.source, architecture=self.loaded.architecture,
             dtype=str(self.loaded.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
             block_size=cfg.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_bytes, tokenizer_path=tokenizer,
-            pid=os.getpid(), startup_seconds={
-                "weights": t1 - t0 - self.loaded.convert_seconds, "convert": self.loaded.convert_seconds,
-                "kv_cache": t2 - t1, "warmup": t3 - t2,
-            },
+            eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_total, tokenizer_path=tokenizer,
+            pid=os.getpid(), startup_seconds=phases,
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
         )
-        log.info("kv cache allocated", blocks=self.num_blocks, block_size=cfg.block_size,
-                 tokens=self.num_blocks * cfg.block_size, max_model_len=self.max_model_len,
-                 reproduce_with=f"--kv-cache-memory-bytes {kv_bytes}", size=format_memory_size(kv_bytes))
+        log.info("kv cache allocated", device=str(device), dtype=str(self.kv_dtype).removeprefix("torch."),
+                 blocks=self.num_blocks, block_size=cfg.block_size, tokens=self.num_blocks * cfg.block_size,
+                 max_model_len=self.max_model_len, reproduce_with=f"--kv-cache-memory-bytes {kv_total}",
+                 size=format_memory_size(kv_total), **(profile.describe() if profile else {}))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.forward(ids, positions, self.kv_caches, meta)
+
+    def _compile(self) -> CompiledForward:
+        """The model's forward pass compiled, its artifacts cached under ``SONAR_CACHE_ROOT``
+        for this model and the settings that shape the code (nothing compiles until a first call)."""
+        cfg = self.config
+        return compile_forward(self.model, config_key_parts={
+            "model": self.loaded.source, "revision": cfg.revision, "load_format": cfg.load_format,
+            "dtype": str(self.loaded.dtype), "block_size": cfg.block_size, "kv_cache_dtype": cfg.kv_cache_dtype,
+        })
+
+    def _buffers(self, max_size: int) -> DecodeBuffers:
+        if self._decode_buffers is None or self._decode_buffers.max_size < max_size:
+            self._decode_buffers = DecodeBuffers(max_size, self.max_model_len, self.config.block_size, self.device)
+        return self._decode_buffers
+
+    @torch.inference_mode()
+    def _profile(self, total: int, used_at_start: int, sizes: list[int]) -> memory.MemoryProfile:
+        """Measure what serving needs besides the KV cache: a forward pass (and the logits of up
+        to ``max_num_seqs`` rows) at ``max_num_batched_tokens`` tokens for the peak activations,
+        and, unless graphs are off, a capture of the largest and the smallest decode graph over a
+        throwaway KV cache, from which the memory of all graphs is estimated."""
+        cfg, model, device = self.config, self.model, self.device
+        torch.cuda.synchronize(device)
+        weights = torch.cuda.memory_allocated(device)
+        tokens = cfg.max_num_batched_tokens
+        seq_len = max(1, min(tokens, self.loaded.max_model_len if cfg.max_model_len in (None, -1)
+                             else cfg.max_model_len))
+        q_lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        bs = cfg.block_size
+        blocks_per_seq = -(-seq_len // bs)
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(q_lens))]
+        scratch = allocate_kv_caches(model.num_layers, blocks_per_seq * len(q_lens), bs, model.num_kv_heads,
+                                     model.head_dim, self.kv_dtype, device)
+        meta = AttentionMetadata.build(q_lens, q_lens, tables, bs, device=device)
+        positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        hidden = self.forward(ids, positions, scratch, meta)
+        rows = min(cfg.max_num_seqs, tokens)
+        torch.softmax(model.compute_logits(hidden[-rows:]), dim=-1)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del hidden
+        graphs = 0
+        if sizes:
+            self.kv_caches = scratch  # the probe graphs read the throwaway cache (contexts of length 0)
+            model_len = cfg.max_model_len if cfg.max_model_len not in (None, -1) else self.loaded.max_model_len
+            probe = CudaGraphs(self._forward, DecodeBuffers(sizes[-1], model_len, bs, device), sizes,
+                               model.num_kv_heads)
+            probe.capture([sizes[-1]])
+            largest = probe.memory_bytes
+            probe.capture([sizes[0]])
+            graphs = largest + max(probe.memory_bytes - largest, 0) * (len(sizes) - 1)
+            probe.release()
+            del self.kv_caches
+        del scratch
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        free, _ = memory_info(device)
+        non_torch = (total - free) - used_at_start - torch.cuda.memory_reserved(device)
+        profile = memory.MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
+                                       peak_activations=peak, non_torch=non_torch, graphs=graphs)
+        log.info("memory profiled", tokens=tokens, **profile.describe())
+        return profile
 
     @torch.inference_mode()
     def execute(self, msg: ExecuteStep) -> StepResult:
@@ -164,13 +280,19 @@ class ModelRunner:
             if sched.sample:
                 sample_rows.append(len(ids) - 1)
                 sample_ids.append(sched.req_id)
-        meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.kv_caches, meta)
+        hidden = None
+        if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows:
+            hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
+        if hidden is None:
+            device = self.device
+            meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
+            hidden = self.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                  self.kv_caches, meta)
         for rid, first, rows, start in prompt_rows:
             result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first:first + rows], rid, start)
         if sample_rows:
             # a pure decode step samples every row: no gather of the rows needed
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows)]
+            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows, device=hidden.device)]
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
@@ -178,7 +300,7 @@ class ModelRunner:
             else:
                 batch = SamplingBatch.build(
                     [s.params for s in states], [s.output for s in states], [s.prompt for s in states],
-                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids,
+                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids, device=logits.device,
                 )
                 sampled = self.sampler(logits, batch)
             tokens = sampled.sampled_token_ids.tolist()
@@ -191,6 +313,16 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
+    def decode_padded(self, ids: list[int], positions: list[int], tables: list[list[int]], size: int) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a decode batch (one token per request) run through the
+        static buffers padded to ``size`` rows, without a graph: the path CUDA graphs replay,
+        callable on any device (the CPU tests compare it with the unpadded step)."""
+        buffers = self._buffers(size)
+        buffers.fill(size, ids, positions, tables)
+        meta = buffers.metadata(size)
+        return self._forward(buffers.input_ids[:size], buffers.positions[:size], meta)[: len(ids)]
+
+    @torch.inference_mode()
     def _warm_up(self) -> None:
         """One short prefill and one decode step through the model on the first KV block, so
         the first request does not pay one-time costs (oneDNN primitive creation, first touch
@@ -199,10 +331,10 @@ class ModelRunner:
         block = self.config.block_size
         n = min(block, self.max_model_len)
         for q_len, s_len in ((n, n), (1, n)):
-            meta = AttentionMetadata.build([q_len], [s_len], [[0]], block)
-            ids = torch.zeros(q_len, dtype=torch.int64)
-            positions = torch.arange(s_len - q_len, s_len)
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            meta = AttentionMetadata.build([q_len], [s_len], [[0]], block, device=self.device)
+            ids = torch.zeros(q_len, dtype=torch.int64, device=self.device)
+            positions = torch.arange(s_len - q_len, s_len, device=self.device)
+            hidden = self.forward(ids, positions, self.kv_caches, meta)
             self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
@@ -214,7 +346,7 @@ class ModelRunner:
         out: list[TokenLogprobs | None] = [None] if start == 0 else []
         if last > start:
             logits = self.model.compute_logits(hidden[: last - start])[:, : self.vocab_size]
-            targets = torch.tensor(prompt[start + 1 : last + 1])
+            targets = torch.tensor(prompt[start + 1 : last + 1], device=logits.device)
             n = state.params.prompt_logprobs or 0
             lp = compute_prompt_logprobs(logits, targets, n)
             out += [_row(lp, i, n) for i in range(last - start)]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,10 @@ class AttentionMetadata:
     ``seq_lens``: int32 ``[num_seqs]``, each sequence's context length *after* this step.
     ``block_tables``: int32 ``[num_seqs, max_blocks]``, padded with any valid block id.
     ``slot_mapping``: int64 ``[num_tokens]``, the cache slot each new token is written to.
-    ``max_query_len`` / ``max_seq_len``: host-side maxima, so no kernel has to read them back.
+    ``max_query_len`` / ``max_seq_len``: host-side maxima, so no kernel has to read them back
+    (upper bounds will do: a padded decode batch passes the max model length).
+    ``num_splits``: the decode kernel's KV split count, fixed per captured CUDA graph (None: the
+    kernel picks one per call).
     """
 
     query_start_loc: Tensor
@@ -50,6 +52,7 @@ class AttentionMetadata:
     slot_mapping: Tensor
     max_query_len: int
     max_seq_len: int
+    num_splits: int | None = None
     _plans: dict[int, _ReferencePlan] = field(default_factory=dict, init=False, repr=False)
 
     @property
@@ -226,26 +229,39 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a flat batch of queries over their sequences' cached context.
 
     ``query``: ``[num_tokens, num_heads, head_dim]``; returns the same shape. A query at position
     ``p`` attends to the keys at positions ``j <= p`` of its own sequence, and with a
     ``sliding_window`` ``w`` only to ``p - w < j <= p`` (the window counts the query itself).
+    A float8 cache needs ``k_scale`` / ``v_scale``: only the gathered context is dequantized.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an fp8 KV cache needs k_scale and v_scale")
+    # index_select has no float8 kernel on CPU: gather the bytes, then dequantize what was gathered
+    flat = kv_cache.view(torch.uint8 if fp8 else kv_cache.dtype).view(2, num_blocks * block_size, num_kv_heads, head_dim)
     plan = meta.reference_plan(block_size)
     out = torch.empty_like(query) if not plan.decode_all else None
+
+    def dequantized(x: Tensor, s: Tensor | None) -> Tensor:
+        if not fp8:
+            return x
+        s = s.reshape(()) if s.numel() == 1 else s[:, None]
+        return (x.view(torch.float8_e4m3fn).to(torch.float32) * s.to(torch.float32)).to(query.dtype)
 
     if plan.decode_slots is not None:
         q = query if plan.decode_all else query.index_select(0, plan.decode_rows)
         n = q.shape[0]
         rows = plan.decode_kv_rows(num_blocks * block_size)
         kv = flat.view(-1, num_kv_heads, head_dim).index_select(0, rows).view(2, n, -1, num_kv_heads, head_dim)
-        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        k, v = dequantized(kv[0], k_scale).transpose(1, 2), dequantized(kv[1], v_scale).transpose(1, 2)
         mask = plan.decode_valid
         if sliding_window is not None:
             first = plan.decode_positions - sliding_window
@@ -264,8 +280,8 @@ def paged_attention(
     for seq in plan.prefills:
         start, q_len, seq_len = plan.query_starts[seq], plan.query_lens[seq], plan.seq_lens[seq]
         slots = plan.prefill_slots(seq)
-        k = flat[0].index_select(0, slots).transpose(0, 1)[:, None]
-        v = flat[1].index_select(0, slots).transpose(0, 1)[:, None]
+        k = dequantized(flat[0].index_select(0, slots), k_scale).transpose(0, 1)[:, None]
+        v = dequantized(flat[1].index_select(0, slots), v_scale).transpose(0, 1)[:, None]
         q = query[start : start + q_len].to(k.dtype)
         q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
         prefix = seq_len - q_len

@@ -4,6 +4,10 @@ reference otherwise, so CPU behaviour is exactly the reference's.
 ``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
 never needs Triton and never imports Triton on a CPU-only run. ``SONAR_USE_TRITON=0`` forces the
 references on CUDA as well (for A/B checks).
+
+A float8 KV cache written or read without scales uses the per-tensor scale 1.0 (Sonar computes
+no KV scales yet), and `paged_attention` takes the decode split count from the metadata when the
+caller gives none (the runner fixes it per captured CUDA graph).
 """
 
 from __future__ import annotations
@@ -34,11 +38,34 @@ def triton_available() -> bool:
 
 
 def use_triton(*tensors: Tensor) -> bool:
-    """Whether a call on these tensors goes to Triton: all on CUDA, Triton importable, and not
-    turned off by ``SONAR_USE_TRITON=0``."""
-    if os.environ.get("SONAR_USE_TRITON", "1") == "0":
+    """Whether a call on these tensors goes to Triton: all on CUDA, Triton importable, not while
+    ``torch.compile`` traces, and not turned off by ``SONAR_USE_TRITON=0``."""
+    if not all(t.is_cuda for t in tensors):  # first: the CPU path pays one attribute read per tensor
         return False
-    return all(t.is_cuda for t in tensors) and triton_available()
+    if torch.compiler.is_compiling():  # inductor generates and fuses its own kernels for these
+        return False
+    return os.environ.get("SONAR_USE_TRITON", "1") != "0" and triton_available()
+
+
+_UNIT_SCALES: dict[torch.device, Tensor] = {}
+
+
+def unit_scale(device: torch.device) -> Tensor:
+    """The float32 ``[1]`` scale 1.0 on ``device``, one tensor per device (a CUDA graph captured
+    with it keeps reading the same memory)."""
+    scale = _UNIT_SCALES.get(device)
+    if scale is None:
+        scale = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return scale
+
+
+def _scales(kv_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    if kv_cache.dtype == reference.FP8_DTYPE:
+        if k_scale is None:
+            k_scale = unit_scale(kv_cache.device)
+        if v_scale is None:
+            v_scale = unit_scale(kv_cache.device)
+    return k_scale, v_scale
 
 
 def write_kv_cache(
@@ -49,7 +76,9 @@ def write_kv_cache(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> None:
-    """Store new tokens' K/V at their slots (float8 caches quantize with the scales)."""
+    """Store new tokens' K/V at their slots (float8 caches quantize with the scales); negative
+    slots (padding rows) are skipped."""
+    k_scale, v_scale = _scales(kv_cache, k_scale, v_scale)
     if use_triton(key, kv_cache):
         _triton_kernels().write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     else:
@@ -68,7 +97,10 @@ def paged_attention(
 ) -> Tensor:
     """Causal paged attention of a flat batch (see :mod:`sonar.kernels.attention`).
     ``num_splits`` fixes the decode kernel's KV split count (CUDA graphs need one value per
-    captured graph); the reference ignores it."""
+    captured graph; None: ``meta.num_splits``); the reference ignores it."""
+    k_scale, v_scale = _scales(kv_cache, k_scale, v_scale)
+    if num_splits is None:
+        num_splits = meta.num_splits
     if use_triton(query, kv_cache):
         return _triton_kernels().paged_attention(
             query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits

@@ -93,12 +93,9 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
 ) -> Tensor:
-    """:func:`sonar.kernels.attention.paged_attention`; a float8 cache is dequantized first."""
-    if kv_cache.dtype == FP8_DTYPE:
-        if k_scale is None or v_scale is None:
-            raise ValueError("an fp8 KV cache needs k_scale and v_scale")
-        kv_cache = dequantize_kv_cache(kv_cache, k_scale, v_scale, query.dtype)
-    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window)
+    """:func:`sonar.kernels.attention.paged_attention`; a float8 cache is read with its scales
+    (the context each query reads is dequantized, as the kernels do, not the whole cache)."""
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
 
 
 # --- norms and activations ----------------------------------------------------------------------

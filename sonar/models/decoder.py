@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sonar.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from sonar.kernels import ops
+from sonar.kernels.attention import AttentionMetadata
+from sonar.kernels.attention_op import attention, step_metadata
 from sonar.models.errors import ModelLoadError
 from sonar.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 
@@ -41,7 +42,8 @@ class DecoderVariant:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back before the weight multiplies."""
+    """Root-mean-square norm, computed in float32 and cast back before the weight multiplies
+    (`sonar.kernels.ops.rms_norm`: the Triton kernel on CUDA, this same formula on CPU)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -49,9 +51,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -85,8 +85,7 @@ class Attention(nn.Module):
         else:  # rotate queries and keys in one go: half the small ops of a decode step's rotary
             qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        o = paged_attention(q, kv_cache, meta, self.scale, self.sliding_window)
+        o = attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -101,8 +100,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -175,10 +173,16 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[Tensor],
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
+        with step_metadata(attn_metadata):
+            return self.forward_tensors(input_ids, positions, kv_caches)
+
+    def forward_tensors(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor]) -> Tensor:
+        """`forward` on tensors alone, what ``torch.compile`` takes (`sonar.engine.compile`): the
+        layers' attention reads the step's metadata that `step_metadata` made current."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, attn_metadata)
+            x = layer(x, cos, sin, kv_cache, None)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

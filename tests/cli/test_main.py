@@ -21,6 +21,8 @@ RUNS = {
            "--trust-remote-code"],
     "bad-value": ["--max-num-seqs", "abc"],
     "unsupported": ["--tensor-parallel-size", "2"],
+    "kv-dtype": ["--kv-cache-dtype", "fp8_e5m2"],
+    "capture-sizes": ["--cudagraph-capture-sizes", "1", "8", "--max-cudagraph-capture-size", "16"],
 }
 
 
@@ -67,6 +69,17 @@ def test_unsupported_flag_is_one_line_and_exit_2(runs) -> None:
     run = runs["unsupported"]
     assert run.returncode == 2
     assert run.stderr == "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)\n"
+
+
+def test_gpu_flag_errors_are_one_line_and_exit_2(runs) -> None:
+    run = runs["kv-dtype"]
+    assert run.returncode == 2
+    assert run.stderr == ("sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; Sonar accepts only "
+                          "auto or bfloat16 or float16 or fp8 or fp8_e4m3)\n")
+    run = runs["capture-sizes"]
+    assert run.returncode == 2
+    assert run.stderr == ("sonar serve: error: max_cudagraph_capture_size 16 must equal the largest of "
+                          "cudagraph_capture_sizes (8) when both are given\n")
 
 
 def test_describe_and_help_in_process(capsys) -> None:

@@ -16,7 +16,12 @@ from sonar.cli import FLAGS, Status, parse_serve_args
     (["--grpc"], "sonar serve: --grpc is not supported yet"),
     (["--speculative-config.method", "ngram"],
      'sonar serve: --speculative-config is not supported yet (got {"method": "ngram"})'),
-    (["--kv-cache-dtype", "fp8"], "sonar serve: --kv-cache-dtype is not supported yet (got fp8; Sonar accepts only auto)"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; "
+                                       "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)"),
+    (["--kv-cache-dtype", "nvfp4"], "sonar serve: --kv-cache-dtype is not supported yet (got nvfp4; "
+                                    "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)"),
+    (["--calculate-kv-scales"],
+     "sonar serve: --calculate-kv-scales is not supported yet (Sonar accepts only --no-calculate-kv-scales)"),
     (["--load-format", "pt"],
      "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)"),
     (["--async-scheduling"],

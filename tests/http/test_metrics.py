@@ -6,7 +6,6 @@ a scrape after its requests with one taken before them.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 

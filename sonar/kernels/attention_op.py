@@ -1,0 +1,121 @@
+"""Attention as one opaque operator, so ``torch.compile`` can take the rest of the decoder.
+
+A decoder layer's attention writes the new tokens' keys and values into the layer's paged KV
+cache and attends over it (:mod:`sonar.kernels.attention` for the layouts). Both steps depend
+on the step's `AttentionMetadata`, a Python object of host-side lists and index tensors that
+must not reach a compiled graph (every value in it would become a guard, and every step a
+recompile). So:
+
+* `step_metadata` is a context manager that makes one step's metadata current for the calling
+  thread (the worker runs steps in a thread; other threads see their own, or none).
+* ``torch.ops.sonar.attention(query, key, value, kv_cache, scale, sliding_window)`` is a
+  ``torch.library`` custom operator that reads the current metadata, writes ``key``/``value``
+  into ``kv_cache`` (declared mutated) and returns paged attention of ``query``. Its fake
+  implementation only allocates the output, so Dynamo and Inductor treat it as a black box
+  between the fused element-wise code before and after it.
+* `attention` is what the model calls: the operator while compiling, the plain functions in
+  eager mode (same arithmetic, without the operator's dispatch cost).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from sonar.kernels import ops
+from sonar.kernels.attention import AttentionMetadata
+
+_current = threading.local()
+
+
+class MissingStepMetadataError(RuntimeError):
+    """Attention ran with no `AttentionMetadata` passed and none made current by `step_metadata`."""
+
+
+@contextmanager
+def step_metadata(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    """Make `meta` the current step's metadata for this thread while the block runs (nests: the
+    previous one is restored on exit)."""
+    previous = getattr(_current, "meta", None)
+    _current.meta = meta
+    try:
+        yield meta
+    finally:
+        _current.meta = previous
+
+
+def current_metadata() -> AttentionMetadata:
+    """The metadata `step_metadata` made current in this thread."""
+    meta = getattr(_current, "meta", None)
+    if meta is None:
+        raise MissingStepMetadataError(
+            "sonar attention ran outside a step: wrap the forward pass in "
+            "sonar.kernels.attention_op.step_metadata(meta)"
+        )
+    return meta
+
+
+def _attend(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> Tensor:
+    ops.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
+    return ops.paged_attention(query, kv_cache, meta, scale, sliding_window)
+
+
+@torch.library.custom_op("sonar::attention", mutates_args=("kv_cache",))
+def attention_op(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> Tensor:
+    """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at the
+    current step's slots, then return causal paged attention of ``query``
+    ``[num_tokens, num_heads, head_dim]`` (same shape and dtype as ``query``)."""
+    out = _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window)
+    return out.contiguous()  # the layout the fake promises, which compiled code relies on
+
+
+@attention_op.register_fake
+def _attention_fake(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> Tensor:
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata | None,
+    scale: float,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """One layer's KV-cache write and paged attention.
+
+    ``meta`` None means "the current step's" (`step_metadata`); the compiled forward pass always
+    passes None and goes through ``torch.ops.sonar.attention``, eager code calls the functions
+    directly.
+    """
+    if torch.compiler.is_compiling():
+        return attention_op(query, key, value, kv_cache, scale, sliding_window)
+    return _attend(query, key, value, kv_cache, meta if meta is not None else current_metadata(), scale,
+                   sliding_window)
