@@ -87,8 +87,10 @@ def decode_step_seconds(runner: ModelRunner, steps: int, graphs: bool) -> float:
 
 
 def dummy_runner(directory: Path, enforce_eager: bool, **engine_args) -> ModelRunner:
+    # -O1: CUDA graphs over the eager model, no torch.compile (the graphs' own effect, and no
+    # minute of cold compiling inside gpu_check's time limit)
     args = dict(load_format="dummy", dtype="bfloat16", kv_cache_memory_bytes=256 * 2**20, max_model_len=4096,
-                cudagraph_capture_sizes=[1, 2, 4], enforce_eager=enforce_eager)
+                cudagraph_capture_sizes=[1, 2, 4], enforce_eager=enforce_eager, optimization_level=1)
     args.update(engine_args)
     return ModelRunner(EngineConfig.from_args(str(directory), **args))
 

@@ -27,21 +27,26 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, device: str, **engine_args) -
 
 
 async def test_smollm2_greedy_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager, CUDA graphs alone (-O1), and the default -O2 (torch.compile + graphs; a cold compile)."""
     cpu = await _greedy(monkeypatch, "cpu", enforce_eager=True)
-    graphs = await _greedy(monkeypatch, "cuda", cudagraph_capture_sizes=[1, 2, 4, 8])
     eager = await _greedy(monkeypatch, "cuda", enforce_eager=True)
+    graphs = await _greedy(monkeypatch, "cuda", cudagraph_capture_sizes=[1, 2, 4, 8], optimization_level=1)
+    compiled = await _greedy(monkeypatch, "cuda", cudagraph_capture_sizes=[1, 2, 4, 8])
     assert eager == cpu
     assert graphs == cpu
+    assert compiled == cpu
 
 
 async def test_fp8_kv_cache_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = await _greedy(monkeypatch, "cuda", kv_cache_dtype="fp8", cudagraph_capture_sizes=[1, 2, 4])
+    out = await _greedy(monkeypatch, "cuda", kv_cache_dtype="fp8", cudagraph_capture_sizes=[1, 2, 4],
+                        optimization_level=1)
     assert all(len(tokens) == NEW_TOKENS for tokens in out)
 
 
 async def test_memory_profiling_sizes_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SONAR_DEVICE", "cuda")
-    async with sonar.open(dtype="bfloat16", gpu_memory_utilization=0.5, cudagraph_capture_sizes=[1, 2]) as llm:
+    async with sonar.open(dtype="bfloat16", gpu_memory_utilization=0.5, cudagraph_capture_sizes=[1, 2],
+                          optimization_level=1) as llm:
         info = llm.info
     assert info.num_blocks > 1000
     assert {"weights", "kv_cache", "graphs", "warmup"} <= set(info.startup_seconds)

@@ -31,3 +31,11 @@ def test_bad_gpu_flag_values_are_one_line(usage_error) -> None:
     assert usage_error("--kv-cache-dtype", "fp8", "--kv-offloading-size", "4") == (
         "sonar serve: error: KV offloading with kv_cache_dtype fp8 is not supported yet (the offload tiers "
         "store the model's dtype); drop one of the two")
+
+
+def test_optimization_level_reaches_the_engine(usage_error) -> None:
+    """-O0 (nothing compiled, no graphs) to -O3 (compile on the CPU too); the default is 2."""
+    assert parse_serve_args([]).engine.optimization_level == 2
+    for argv, level in ((["-O0"], 0), (["-O", "1"], 1), (["--optimization-level", "3"], 3), (["-O3"], 3)):
+        assert parse_serve_args(argv).engine.optimization_level == level
+    assert "argument --optimization-level/-O: invalid choice: 4" in usage_error("-O4")

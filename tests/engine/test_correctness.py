@@ -134,6 +134,17 @@ async def _run_alone(model: str | None, prompts: list[list[int]], params: sonar.
         return [(await llm.generate(p, params)).token_ids for p in prompts]
 
 
+def _transformers_greedy(hf: Any, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """transformers' unpadded single-prompt greedy `n` tokens, and their logprobs [n, vocab]."""
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True,
+        )
+    return ref.sequences[0, len(prompt):].tolist(), torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+
+
 def _assert_engine_idle(stats: Any, info: Any) -> None:
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     assert stats.num_free_blocks == info.num_blocks
@@ -174,14 +185,8 @@ async def test_tiny_greedy_equals_transformers(name: str, tiny_engine_checkpoint
                                          num_gpu_blocks_override=64)
     assert info.architecture == type(tiny.hf).__name__
     for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            ref = tiny.hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=TINY_NEW_TOKENS, eos_token_id=None, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
-        ref_logprobs = torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+        ref_tokens, ref_logprobs = _transformers_greedy(tiny.hf, prompt, TINY_NEW_TOKENS)
+        assert out.token_ids == ref_tokens
         _assert_logprobs_match(out, ref_logprobs, TINY_LOGPROBS, TINY_LOGPROB_ATOL)
     _assert_engine_idle(stats, info)
 

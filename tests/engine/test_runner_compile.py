@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import sonar
 from tests.engine.conftest import TinyCheckpoint
@@ -24,6 +23,7 @@ from tests.engine.test_correctness import (
     _greedy,
     _random_prompts,
     _run_batch,
+    _transformers_greedy,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
@@ -51,15 +51,9 @@ async def test_compiled_engine_equals_transformers_and_caches(
     outs, stats, info = await _run_batch(str(tiny.path), prompts, _greedy(NEW_TOKENS, LOGPROBS), **args)
     assert info.startup_seconds["compile"] > 0
     for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            ref = tiny.hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True,
-            )
-        assert out.token_ids == ref.sequences[0, len(prompt):].tolist()
-        _assert_logprobs_match(out, torch.log_softmax(torch.cat(ref.logits).float(), dim=-1), LOGPROBS,
-                               TINY_LOGPROB_ATOL)
+        ref_tokens, ref_logprobs = _transformers_greedy(tiny.hf, prompt, NEW_TOKENS)
+        assert out.token_ids == ref_tokens
+        _assert_logprobs_match(out, ref_logprobs, LOGPROBS, TINY_LOGPROB_ATOL)
     _assert_engine_idle(stats, info)
 
     manifests = list((cache_root / "torch_compile").glob("*/manifest.json"))
