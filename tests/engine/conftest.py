@@ -32,6 +32,17 @@ def save_word_tokenizer(path: Path, vocab_size: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0").save_pretrained(str(path))
 
 
+def spread_weights(model: torch.nn.Module) -> None:
+    """Random weights spread wide enough that greedy choices are not near-ties (norm weights
+    around 1), from torch's current seed."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+
+
 @pytest.fixture(scope="module")
 def tiny_engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyCheckpoint]:
     """Each tiny architecture of the model tests (llama3 rope scaling, qwen3, qwen2, mistral),
@@ -42,12 +53,7 @@ def tiny_engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     for i, (name, config) in enumerate(_tiny_configs().items()):
         torch.manual_seed(100 + i)
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-        with torch.no_grad():
-            for pname, param in hf.named_parameters():
-                if pname.endswith("norm.weight"):
-                    param.copy_(1 + 0.2 * torch.randn_like(param))
-                else:
-                    param.copy_(0.15 * torch.randn_like(param))
+        spread_weights(hf)
         path = tmp_path_factory.mktemp(f"engine-{name}")
         hf.save_pretrained(str(path))
         save_word_tokenizer(path, config.vocab_size)

@@ -34,6 +34,7 @@ from sonar.kernels.attention_op import MissingStepMetadataError
 from sonar.kernels.linear import prepack_linears
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.registry import model_class
+from tests.engine.conftest import spread_weights
 from tests.models.conftest import _tiny_configs
 from tests.models.driver import GreedyDriver
 
@@ -55,12 +56,7 @@ def build_model() -> DecoderForCausalLM:
     config = _tiny_configs()[ARCH]
     torch.manual_seed(7)
     model = model_class(config)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.15 * torch.randn_like(param))
+    spread_weights(model)
     return model
 
 
