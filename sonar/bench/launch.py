@@ -107,6 +107,14 @@ def launch(server_args: Sequence[str], log_dir: Path, *, command: str | None = N
     raise ServerFailed(f"the server did not answer /health within {timeout:.0f} s:\n{server.err()[-3000:]}")
 
 
+def split_server_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A bench command line split at its first ``--``: (the bench's own arguments, the server's)."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def stop(server: LaunchedServer, timeout: float = 30.0) -> int:
     """SIGTERM the server, wait for it (SIGKILL after `timeout`); its exit code."""
     if server.proc.poll() is None:

@@ -20,6 +20,17 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: str | Path, title: str) -> Path:
+    """Title the figure, write it as a PNG (making its folder) and close it."""
+    if title:
+        fig.suptitle(title)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def plot_serve(results: Sequence[RequestResult], t0: float, path: str | Path, title: str = "") -> Path:
     """Latency distributions (TTFT, TPOT, ITL, E2EL) and output tokens/s over time, in one PNG."""
     plt = _pyplot()
@@ -50,13 +61,7 @@ def plot_serve(results: Sequence[RequestResult], t0: float, path: str | Path, ti
     ax.set_xlabel("seconds since the first request")
     ax.set_ylabel(f"output tokens/s ({bin_s:.3g} s bins)")
     ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path, title)
 
 
 def plot_sweep(points: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
@@ -72,10 +77,4 @@ def plot_sweep(points: Sequence[dict[str, Any]], path: str | Path, title: str = 
         ax.set_xlabel(label)
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, path, title)

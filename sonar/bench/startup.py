@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from sonar.bench.launch import ServerFailed, launch, parse_startup_phases, stop
+from sonar.bench.launch import ServerFailed, launch, parse_startup_phases, split_server_args, stop
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,11 +116,7 @@ def format_report(summary: dict[str, dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, server_args = argv[:at], argv[at + 1:]
+    argv, server_args = split_server_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     asked = [m.strip() for m in args.modes.split(",") if m.strip()]
     modes = [m for m in ("cold", "warm") if m in asked]  # a warm run reuses the cold run's cache

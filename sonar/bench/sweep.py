@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sonar.bench.launch import ServerFailed, launch, stop
+from sonar.bench.launch import ServerFailed, launch, split_server_args, stop
 from sonar.bench.serve import add_serve_arguments, run_serve
 
 
@@ -90,11 +90,7 @@ def format_table(grid: list[tuple[str, list[str]]], points: list[dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    server_args: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, server_args = argv[:at], argv[at + 1:]
+    argv, server_args = split_server_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         grid = parse_grid(args.param)
