@@ -3,7 +3,9 @@
 # all servers up at once and the runs alternated, so the machine's noise hits both alike. While
 # Sonar is measured, vLLM is paused (SIGSTOP to its process group): its idle engine polls and
 # would otherwise take CPU from Sonar. Sonar's idle servers sleep, and are not paused: their
-# liveness pings would count a pause as a hang.
+# liveness pings would count a pause as a hang. The client sends the same seed-0 prompts every run;
+# vLLM's CPU build reports no prefix-cache hits on them, so Sonar runs with its prefix cache off
+# too (every run is a cold-prompt comparison).
 #   usage: scripts/compare_vllm.sh VLLM_VENV MODEL_DIR OUT_DIR [ROUNDS]
 # VLLM_VENV comes from ../shared/peers/vllm_cpu.sh; MODEL_DIR is an HF folder both servers load
 # (e.g. the embedded SmolLM2 converted to safetensors). Results: OUT_DIR/<server>-c<conc>-<round>.json
@@ -22,11 +24,11 @@ VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=2 setsid "$venv/bin/vllm" serve "$
     >"$out/vllm-server.log" 2>&1 &
 vpid=$!
 setsid "$root/.venv/bin/python" -m sonar serve "$model" --port $sport --dtype bfloat16 --disable-uvicorn-access-log \
-    >"$out/sonar-server.log" 2>&1 &
+    --no-enable-prefix-caching >"$out/sonar-server.log" 2>&1 &
 spid=$!
 # the same, with the worker in the server's own process (serve's default puts it in a child process)
 setsid "$root/.venv/bin/python" -m sonar serve "$model" --port $iport --dtype bfloat16 --disable-uvicorn-access-log \
-    --placement worker=inprocess >"$out/sonar-inproc-server.log" 2>&1 &
+    --placement worker=inprocess --no-enable-prefix-caching >"$out/sonar-inproc-server.log" 2>&1 &
 ipid=$!
 trap 'for p in $vpid $spid $ipid; do kill -CONT -- -$p 2>/dev/null; kill -- -$p 2>/dev/null; done; wait 2>/dev/null || true' EXIT
 

@@ -1,9 +1,9 @@
 """Kernel dispatch: the Triton kernel for CUDA tensors when Triton is importable, the native CPU
 kernel (`sonar.kernels.native`) for CPU tensors when it is built, the torch reference otherwise.
 
-On the CPU the native kernels serve decode attention (the prefills of a step keep the reference's
-SDPA), RMSNorm without a residual, SiLU-and-mul and the halves-layout rotary embedding, for the
-model's float dtypes; anything else (float8 caches, strided inputs, mixed dtypes, code that
+On the CPU the native kernels serve the KV-cache write, decode attention (the prefills of a step
+keep the reference's SDPA), RMSNorm (with the residual add fused), SiLU-and-mul and the
+halves-layout rotary embedding, for the model's float dtypes; anything else (float8 caches, strided inputs, mixed dtypes, code that
 ``torch.compile`` traces) takes the reference. ``SONAR_NATIVE_KERNELS=0`` forces the references.
 
 ``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
@@ -100,6 +100,8 @@ def write_kv_cache(
     k_scale, v_scale = _scales(kv_cache, k_scale, v_scale)
     if use_triton(key, kv_cache):
         _triton_kernels().write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+    elif use_native(key, value, kv_cache) and key.stride(-1) == 1 and value.stride(-1) == 1:
+        torch.ops.sonar_cpu.write_kv_cache(key, value, kv_cache, slot_mapping)
     else:
         reference.write_kv_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
@@ -149,8 +151,11 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     ``residual`` in place, the reference returns a new tensor: use the returned one."""
     if use_triton(x, weight):
         return _triton_kernels().rms_norm(x, weight, eps, residual)
-    if residual is None and use_native(x, weight) and x.is_contiguous():
-        return torch.ops.sonar_cpu.rms_norm(x, weight, eps)
+    if use_native(x, weight) and x.is_contiguous():
+        if residual is None:
+            return torch.ops.sonar_cpu.rms_norm(x, weight, eps)
+        if use_native(residual, x) and residual.is_contiguous():
+            return torch.ops.sonar_cpu.fused_add_rms_norm(x, residual, weight, eps)
     return reference.rms_norm(x, weight, eps, residual)
 
 

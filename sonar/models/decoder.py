@@ -50,8 +50,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """The norm of ``x``; with ``residual``, ``x + residual`` first, returned beside the norm
+        (one pass: the residual stream's add fused into the next norm)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
@@ -112,10 +114,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, variant)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
-    ) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+    ) -> tuple[Tensor, Tensor]:
+        """``x``: the previous layer's output before its residual add (the embeddings, with
+        ``residual`` None, for the first layer). Returns this layer's output and the residual
+        stream it is to be added to: each add happens inside the next norm."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -181,9 +192,10 @@ class DecoderForCausalLM(nn.Module):
         layers' attention reads the step's metadata that `step_metadata` made current."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, None)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, None)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """``[n, hidden_size]`` selected hidden states to float32 logits ``[n, vocab_size]``."""

@@ -127,6 +127,22 @@ def test_decode_attention_rejects_bad_input() -> None:
         torch.ops.sonar_cpu.decode_attention(torch.empty_like(bad), bad, cache, tables, lens, rows, 1.0, -1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kv_cache_write_matches_the_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 9 + 2 * 3, 64, generator=gen).to(dtype)
+    key, value = qkv[:, 9:12], qkv[:, 12:]  # strided views, as the decoder's
+    slots = torch.tensor([5, 17, -1, 40, 2, -1])
+    ours = _poisoned_cache(4, 16, 3, 64, dtype)
+    theirs = ours.clone()
+    ops.write_kv_cache(key, value, ours, slots)
+    reference.write_kv_cache(key, value, theirs, slots)
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+    assert ours.view(2, -1, 3, 64)[:, 5].isfinite().all() and ours.view(2, -1, 3, 64)[:, 6].isnan().all()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.sonar_cpu.write_kv_cache(key, value, ours, torch.tensor([0, 1, 2, 3, 4, 64]))
+
+
 # --- element-wise kernels ------------------------------------------------------------------------
 
 
@@ -146,6 +162,18 @@ def test_rms_norm(dtype: torch.dtype, width: int) -> None:
     x = (torch.randn(17, width, generator=gen) * 3).to(dtype)
     weight = torch.randn(width, generator=gen).to(dtype)
     _close_and_mostly_equal(ops.rms_norm(x, weight, 1e-5), reference.rms_norm(x, weight, 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("width", [576, 100])
+def test_rms_norm_with_the_residual_add(dtype: torch.dtype, width: int) -> None:
+    gen = torch.Generator().manual_seed(width + 1)
+    x, residual = ((torch.randn(2, 5, width, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight = torch.randn(width, generator=gen).to(dtype)
+    normed, summed = ops.rms_norm(x, weight, 1e-6, residual)
+    want_normed, want_summed = reference.rms_norm(x, weight, 1e-6, residual)
+    assert torch.equal(summed, want_summed)  # the add rounds once, as the reference's
+    _close_and_mostly_equal(normed, want_normed, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

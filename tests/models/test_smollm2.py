@@ -117,8 +117,8 @@ def test_bfloat16_is_sane(smollm2_prompts: Any, smollm2_fp32: Any) -> None:
 
 def test_bfloat16_prepacked_linears_equal_plain(smollm2_fp32: Any, smollm2_prompts: Any) -> None:
     """The serving path packs bf16 linear weights (`prepack_linears`: Sonar's bf16 kernel here,
-    oneDNN where the CPU lacks AVX512-BF16); it must give the plain module's greedy tokens, and
-    logits as close to the float32 model's as the plain module's (the two round differently, so
+    oneDNN where the CPU lacks AVX512-BF16); it must give the plain module's greedy tokens (up to
+    near-ties), and logits as close to the float32 model's as the plain module's (the two round differently, so
     bf16 logits differ by a few ulps: measured mean |packed - plain| 0.11, mean error against
     float32 0.42 for both)."""
     from sonar.kernels.linear import prepack_linears
@@ -129,11 +129,21 @@ def test_bfloat16_prepacked_linears_equal_plain(smollm2_fp32: Any, smollm2_promp
     plain = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
     assert prepack_linears(loaded.model) == 4 * loaded.model.num_layers + 1  # and the (tied) head
     packed = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
-    assert packed.tokens == plain.tokens
+    # the same greedy tokens, but where bf16 rounding flips a near-tie: there the plain module's
+    # logits of the two tokens are within bf16 noise of each other
+    agree = []  # per prompt, how many steps the two produce the same token (and read the same context)
+    for i, (a, b) in enumerate(zip(packed.tokens, plain.tokens)):
+        j = next((j for j in range(len(a)) if a[j] != b[j]), len(a))
+        agree.append(j)
+        if j < len(a):
+            step = plain.logits[i][j].float()
+            assert step[b[j]] - step[a[j]] <= 0.5, (i, j)
+    assert sum(j == 8 for j in agree) >= len(prompts) - 2
 
     def error(run: Any) -> float:
-        return sum((a.float() - b).abs().mean().item() for a, b in zip(run.logits, ref.logits)) / len(ref.logits)
+        steps = [max(j, 1) for j in agree]  # the first step always reads the same context
+        return sum((a[:j].float() - b[:j]).abs().mean().item() for a, b, j in zip(run.logits, ref.logits, steps)) / len(steps)
 
     assert error(packed) <= 1.1 * error(plain)
-    for a, b in zip(packed.logits, plain.logits):
-        assert (a.float() - b.float()).abs().mean() < 0.25
+    for a, b, j in zip(packed.logits, plain.logits, agree):
+        assert (a[: j + 1].float() - b[: j + 1].float()).abs().mean() < 0.25

@@ -20,6 +20,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -259,8 +260,9 @@ struct PortableBlock {
 };
 
 #ifdef SONAR_AVX512
-// AVX-512: a block's K and V rows are converted to float32 once (L1-resident), then each score is
-// one horizontal sum and each output chunk accumulates over the block's tokens in a register.
+// AVX-512, any head_dim that is a multiple of 16: a block's K and V rows are converted to float32
+// once (L1-resident), then each score is one horizontal sum and each output chunk accumulates over
+// the block's tokens in a register.
 template <typename T>
 struct Avx512Block {
   std::vector<float> kf, vf;
@@ -299,9 +301,80 @@ struct Avx512Block {
     }
   }
 };
+
+// The 16 horizontal sums of 16 vectors p[0..15] (row i at p + 16 i) as one vector: lane i is
+// the sum of row i. A transpose-and-add tree: 15 adds and 30 shuffles for 16 sums, where one
+// horizontal sum alone costs 4 adds and 4 shuffles.
+inline __m512 sum_rows16(const float* p) {
+  __m512 u[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_load_ps(p + 32 * i), b = _mm512_load_ps(p + 32 * i + 16);
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// AVX-512 for a group of G query heads per KV head and head_dim 16 * C, both known at compile
+// time: the group's queries and accumulators stay in registers; K and V are read straight from
+// the cache (converted in registers); the scores of 16 tokens come out of one `sum_rows16`.
+template <typename T, int G, int C>
+struct FixedAvx512Block {
+  alignas(64) float partial[G][16 * 16];
+
+  explicit FixedAvx512Block(const DecodeGeometry&) {}
+
+  void scores(const DecodeGeometry& geo, const T* keys, int64_t t0, int64_t t1, const float* q, float* s) {
+    __m512 qv[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 16 * C + c * 16);
+    for (int64_t t16 = t0; t16 < t1; t16 += 16) {
+      const int64_t n = std::min<int64_t>(16, t1 - t16);
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n) {
+          const T* row = keys + (t16 + i) * geo.token_stride;
+          __m512 k[C];
+          for (int c = 0; c < C; ++c) k[c] = load16(row + c * 16);
+          for (int g = 0; g < G; ++g) {
+            __m512 sum = _mm512_mul_ps(qv[g][0], k[0]);
+            for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[g][c], k[c], sum);
+            _mm512_store_ps(&partial[g][i * 16], sum);
+          }
+        } else {
+          for (int g = 0; g < G; ++g) _mm512_store_ps(&partial[g][i * 16], _mm512_setzero_ps());
+        }
+      }
+      for (int g = 0; g < G; ++g) storen(s + g * geo.block_size + t16, sum_rows16(partial[g]), n);
+    }
+  }
+
+  void accumulate(const DecodeGeometry& geo, const T* values, int64_t t0, int64_t t1, const float* p, float* acc) {
+    __m512 a[G][C];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + g * 16 * C + c * 16);
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* row = values + t * geo.token_stride;
+      __m512 v[C];
+      for (int c = 0; c < C; ++c) v[c] = load16(row + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 pt = _mm512_set1_ps(p[g * geo.block_size + t]);
+        for (int c = 0; c < C; ++c) a[g][c] = _mm512_fmadd_ps(pt, v[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * 16 * C + c * 16, a[g][c]);
+  }
+};
 #endif
 
-template <typename T, template <typename> class Block>
+template <typename T, typename Kernel>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& rows, double scale, int64_t window) {
@@ -335,7 +408,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   at::parallel_for(0, num_seqs * units_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads_per_unit * per_head), acc(q.size()), s(group * block_size),
         m(heads_per_unit * group), l(m.size());
-    Block<T> kernel(geo);
+    Kernel kernel(geo);
     for (int64_t unit = begin; unit < end; ++unit) {
       const int64_t seq = unit / units_per_seq, h0 = (unit % units_per_seq) * heads_per_unit;
       const int64_t len = lens[seq];
@@ -379,6 +452,39 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   });
 }
 
+// The fixed kernel for (group, head_dim) in {1..8} x {64, 128}, the generic AVX-512 one for other
+// head dims that are a multiple of 16, the portable one otherwise.
+template <typename T, int C, int G = 1>
+void decode_attention_fixed(int64_t group, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
+                            double scale, int64_t window) {
+#ifdef SONAR_AVX512
+  if (group == G)
+    return decode_attention_impl<T, FixedAvx512Block<T, G, C>>(out, query, kv_cache, block_tables, seq_lens, rows,
+                                                              scale, window);
+  if constexpr (G < 8) {
+    return decode_attention_fixed<T, C, G + 1>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  }
+  decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+#endif
+}
+
+template <typename T>
+void decode_attention_dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                               const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
+                               double scale, int64_t window) {
+  const int64_t head_dim = query.size(2), group = query.size(1) / kv_cache.size(3);
+#ifdef SONAR_AVX512
+  if (head_dim == 64)
+    return decode_attention_fixed<T, 4>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  if (head_dim == 128)
+    return decode_attention_fixed<T, 8>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  if (head_dim % 16 == 0 && head_dim <= 256)
+    return decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+#endif
+  decode_attention_impl<T, PortableBlock<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+}
+
 void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
                       double scale, int64_t window) {
@@ -401,13 +507,7 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   check_last_contiguous(query, "query");
   check_last_contiguous(out, "out");
   SONAR_DISPATCH(query.scalar_type(), "decode_attention", [&] {
-#ifdef SONAR_AVX512
-    if (query.size(2) % 16 == 0 && query.size(2) <= 256) {
-      decode_attention_impl<scalar_t, Avx512Block>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
-      return;
-    }
-#endif
-    decode_attention_impl<scalar_t, PortableBlock>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    decode_attention_dispatch<scalar_t>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
   });
 }
 
@@ -415,12 +515,15 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
 //
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), statistics in float32, the normalized row rounded
 // to T before the weight multiplies (then rounded again), as the reference. Differs from it only
-// in the order the squares are summed.
+// in the order the squares are summed. With a residual: x = T(x + residual) first, also returned.
 
 template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual, at::Tensor* summed,
+                   const at::Tensor& weight, double eps) {
   const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
   const T* xs = data<const T>(x);
+  const T* rs = residual ? data<const T>(*residual) : nullptr;
+  T* ss = summed ? data<T>(*summed) : nullptr;
   const T* w = data<const T>(weight);
   T* os = data<T>(out);
   const float feps = static_cast<float>(eps);
@@ -432,9 +535,14 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
 #ifdef SONAR_AVX512
       __m512 squares = _mm512_setzero_ps();
       for (int64_t i = 0; i < n; i += 16) {
-        const __m512 v = loadn(src + i, n - i);
+        __m512 v = loadn(src + i, n - i);
+        if (rs) {
+          v = round_to<T>(_mm512_add_ps(v, loadn(rs + r * n + i, n - i)));
+          storen(ss + r * n + i, v, n - i);
+        }
         squares = _mm512_fmadd_ps(v, v, squares);
       }
+      if (rs) src = ss + r * n;
       const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(n) + feps));
       for (int64_t i = 0; i < n; i += 16) {
         const __m512 normed = round_to<T>(_mm512_mul_ps(loadn(src + i, n - i), inv));
@@ -442,6 +550,11 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
       }
 #else
       load_row(row.data(), src, n);
+      if (rs)
+        for (int64_t i = 0; i < n; ++i) {
+          ss[r * n + i] = from_float<T>(row[i] + to_float(rs[r * n + i]));
+          row[i] = to_float(ss[r * n + i]);
+        }
       const float mean = dot(row.data(), row.data(), n) / static_cast<float>(n);
       const float inv = 1.f / std::sqrt(mean + feps);
       for (int64_t i = 0; i < n; ++i) {
@@ -453,15 +566,70 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+void check_rms_norm(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(-1),
               "sonar_cpu::rms_norm: contiguous x [..., n] and weight [n]");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "sonar_cpu::rms_norm: x and weight share one dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rms_norm(x, weight);
   at::Tensor out = at::empty_like(x);
-  SONAR_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, weight, eps); });
+  SONAR_DISPATCH(x.scalar_type(), "rms_norm", [&] { rms_norm_impl<scalar_t>(out, x, nullptr, nullptr, weight, eps); });
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                      const at::Tensor& weight, double eps) {
+  check_rms_norm(x, weight);
+  check_cpu(residual, "residual");
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "sonar_cpu::fused_add_rms_norm: residual shaped and typed as x, contiguous");
+  at::Tensor out = at::empty_like(x), summed = at::empty_like(x);
+  SONAR_DISPATCH(x.scalar_type(), "fused_add_rms_norm",
+                 [&] { rms_norm_impl<scalar_t>(out, x, &residual, &summed, weight, eps); });
+  return {out, summed};
+}
+
+// --- KV-cache write ------------------------------------------------------------------------------
+//
+// key/value [tokens, kv_heads, head_dim] (rows may be strided) into their slots of a cache
+// [2, blocks, block_size, kv_heads, head_dim] of the same dtype; negative slots (padding) skipped.
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slots) {
+  for (const at::Tensor* t : {&key, &value, &slots}) check_cpu(*t, "every tensor");
+  check_cpu(kv_cache, "kv_cache");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "sonar_cpu::write_kv_cache: a contiguous kv_cache [2, blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == kv_cache.size(3) &&
+                  key.size(2) == kv_cache.size(4),
+              "sonar_cpu::write_kv_cache: key and value [tokens, kv_heads, head_dim] as the cache's");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+              "sonar_cpu::write_kv_cache: key, value and kv_cache share one dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == key.size(0) && slots.is_contiguous(),
+              "sonar_cpu::write_kv_cache: int64 slot_mapping [tokens]");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "sonar_cpu::write_kv_cache: contiguous head_dim");
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  const int64_t total_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t row_bytes = dim * static_cast<int64_t>(kv_cache.element_size());
+  const int64_t slot_bytes = heads * row_bytes;
+  char* keys = static_cast<char*>(kv_cache.data_ptr());
+  char* values = keys + total_slots * slot_bytes;
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  const int64_t es = kv_cache.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < total_slots, "sonar_cpu::write_kv_cache: slot ", slot[t], " outside the cache");
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(keys + slot[t] * slot_bytes + h * row_bytes, k + (t * key.stride(0) + h * key.stride(1)) * es, row_bytes);
+      std::memcpy(values + slot[t] * slot_bytes + h * row_bytes, v + (t * value.stride(0) + h * value.stride(1)) * es,
+                  row_bytes);
+    }
+  }
 }
 
 // --- SiLU and multiply ---------------------------------------------------------------------------
@@ -683,6 +851,8 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor rows, float scale, int window) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
@@ -692,6 +862,8 @@ TORCH_LIBRARY(sonar_cpu, m) {
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("write_kv_cache", &write_kv_cache);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
   m.impl("linear_bf16", &linear_bf16);
