@@ -52,7 +52,7 @@ log = get_logger("sonar.compile")
 
 FORCE_AOT_LOAD_ENV = "SONAR_FORCE_AOT_LOAD"
 #: The ``SONAR_*`` variables that change the code a compiled forward pass runs (part of the key).
-CODE_ENV_VARS = ("SONAR_USE_TRITON", "SONAR_DEVICE")
+CODE_ENV_VARS = ("SONAR_USE_TRITON", "SONAR_DEVICE", "SONAR_NATIVE_KERNELS")
 #: Token counts `CompiledForward.warm_up` runs by default: a single decode (Dynamo specializes a
 #: size of 1) and a batch (that graph serves every step of two tokens or more, prefills included).
 DEFAULT_WARMUP_TOKENS = (1, 16)

@@ -64,15 +64,13 @@ def _cpu_flags() -> str:
 
 
 def _command(compiler: str, output: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    torch_lib = Path(torch.__file__).parent / "lib"
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    root = Path(torch.__file__).parent
     return [
-        compiler, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++20", "-w",
-        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        *includes, str(SOURCE), "-o", str(output),
-        f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
+        compiler, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
+        "-shared", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE), "-o", str(output),
+        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}",
     ]
 
 

@@ -3,8 +3,9 @@ kernel (`sonar.kernels.native`) for CPU tensors when it is built, the torch refe
 
 On the CPU the native kernels serve the KV-cache write, decode attention (the prefills of a step
 keep the reference's SDPA), RMSNorm (with the residual add fused), SiLU-and-mul and the
-halves-layout rotary embedding, for the model's float dtypes; anything else (float8 caches, strided inputs, mixed dtypes, code that
-``torch.compile`` traces) takes the reference. ``SONAR_NATIVE_KERNELS=0`` forces the references.
+halves-layout rotary embedding, for the model's float dtypes; anything else (float8 caches,
+strided inputs, mixed dtypes, code that ``torch.compile`` traces) takes the reference.
+``SONAR_NATIVE_KERNELS=0`` forces the references.
 
 ``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
 never needs Triton and never imports Triton on a CPU-only run. ``SONAR_USE_TRITON=0`` forces the
