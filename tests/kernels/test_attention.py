@@ -13,6 +13,7 @@ from sonar.kernels.attention import (
     paged_attention,
     write_kv_cache,
 )
+from tests.kernels.blocks import scattered_block_tables
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 96
 
@@ -48,12 +49,7 @@ def run_steps(
     vs = [torch.randn(n, NUM_KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
     (cache,) = allocate_kv_caches(1, NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype)
     cache.fill_(float("nan"))
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    tables, taken = [], 0
-    for n in seq_lens:
-        need = -(-n // BLOCK_SIZE)
-        tables.append(perm[taken : taken + need])
-        taken += need
+    tables = scattered_block_tables(seq_lens, BLOCK_SIZE, NUM_BLOCKS, gen)
     outs: list[list[torch.Tensor]] = [[] for _ in seq_lens]
     done = [0] * len(seq_lens)
     for step in steps:

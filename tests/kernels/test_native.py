@@ -16,6 +16,7 @@ from sonar.kernels import native, ops, reference
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches, write_kv_cache
 from sonar.kernels.linear import PackedLinear, can_pack_native, pack_native
 from sonar.models import rotary
+from tests.kernels.blocks import scattered_block_tables
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -54,13 +55,7 @@ def _poisoned_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: i
 
 
 def _batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for length in seq_lens:
-        count = -(-length // block_size)
-        tables.append(order[used : used + count])
-        used += count
+    tables = scattered_block_tables(seq_lens, block_size, num_blocks, torch.Generator().manual_seed(seed))
     return AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
 
 

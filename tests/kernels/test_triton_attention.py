@@ -19,6 +19,7 @@ from sonar.kernels.triton import (
     paged_prefill_attention,
     write_kv_cache,
 )
+from tests.kernels.blocks import scattered_block_tables
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 48
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -48,13 +49,7 @@ def make_batch(
     slots NaN), written by the reference, and the step's queries."""
     gen = torch.Generator().manual_seed(seed)
     kv_dtype = kv_dtype or dtype
-    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
-    tables, taken = [], 0
-    for n in seq_lens:
-        need = -(-n // BLOCK_SIZE)
-        tables.append(perm[taken : taken + need])
-        taken += need
-    assert taken <= NUM_BLOCKS
+    tables = scattered_block_tables(seq_lens, BLOCK_SIZE, NUM_BLOCKS, gen)
     full = AttentionMetadata.build(seq_lens, seq_lens, tables, BLOCK_SIZE)  # every context slot
     total = sum(seq_lens)
     key = (torch.randn(total, num_kv_heads, head_dim, generator=gen) * 2).to(dtype)
