@@ -63,18 +63,18 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _command(compiler: str, output: Path, flags: tuple[str, ...] = ()) -> list[str]:
     root = Path(torch.__file__).parent
     return [
         compiler, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
         "-shared", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
         str(SOURCE), "-o", str(output),
-        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}",
+        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}", *flags,
     ]
 
 
-def build_key(compiler: str) -> str:
+def build_key(compiler: str, flags: tuple[str, ...] = ()) -> str:
     """What the built library depends on: the source, torch, the compiler and this CPU."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -82,18 +82,20 @@ def build_key(compiler: str) -> str:
         version = compiler
     h = hashlib.sha256()
     for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
-                 " ".join(_command(compiler, Path("out"))).encode()):
+                 " ".join(_command(compiler, Path("out"), flags)).encode()):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]
 
 
-def build(root: Path | None = None) -> Path:
-    """The path of the built library, compiling it first unless the cache holds it."""
+def build(root: Path | None = None, flags: tuple[str, ...] = ()) -> Path:
+    """The path of the built library, compiling it first unless the cache holds it. `flags` go
+    to the compiler after the usual ones (the tests build the portable variant with
+    ``-mno-avx512f``)."""
     compiler = _compiler()
     if compiler is None:
         raise NativeBuildError("no C++ compiler (g++ or $CXX) found")
-    directory = (root or cache_root()) / "native" / build_key(compiler)
+    directory = (root or cache_root()) / "native" / build_key(compiler, flags)
     library = directory / LIBRARY_NAME
     if library.exists():
         return library
@@ -102,7 +104,7 @@ def build(root: Path | None = None) -> Path:
     os.close(fd)
     started = time.perf_counter()
     try:
-        result = subprocess.run(_command(compiler, Path(tmp)), capture_output=True, text=True, timeout=600)
+        result = subprocess.run(_command(compiler, Path(tmp), flags), capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             raise NativeBuildError(f"{SOURCE.name} did not compile:\n{result.stderr[-4000:]}")
         os.replace(tmp, library)

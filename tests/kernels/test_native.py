@@ -73,7 +73,8 @@ def _fill_context(cache: torch.Tensor, meta: AttentionMetadata, seq_lens: list[i
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 2, 80)],  # 80: not a multiple of 16, the portable path
+    # 64, 128: the fixed-group kernels; 32, 80: the generic AVX-512 one; 40: the portable one
+    [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 2, 80), (6, 3, 40)],
 )
 @pytest.mark.parametrize("window", [None, 7])
 def test_decode_attention_matches_the_reference(
@@ -230,3 +231,58 @@ def test_linear_bf16_rejects_bad_input() -> None:
         torch.ops.sonar_cpu.linear_bf16(torch.randn(2, 64), weight, None, 32)
     with pytest.raises(RuntimeError, match="packed weights"):
         torch.ops.sonar_cpu.linear_bf16(torch.randn(2, 64).to(torch.bfloat16), weight, None, 40)
+
+
+# --- the portable build --------------------------------------------------------------------------
+
+PORTABLE_CHECK = """
+import sys
+import torch
+torch.ops.load_library(sys.argv[1])
+from sonar.kernels import attention, reference
+from sonar.models import rotary
+
+assert not torch.ops.sonar_cpu.has_linear_bf16()
+gen = torch.Generator().manual_seed(0)
+for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
+    x = torch.randn(7, 100, generator=gen).to(dtype)
+    w = torch.randn(100, generator=gen).to(dtype)
+    torch.testing.assert_close(torch.ops.sonar_cpu.rms_norm(x, w, 1e-5).float(),
+                               reference.rms_norm(x, w, 1e-5).float(), atol=tol, rtol=tol)
+    got = torch.ops.sonar_cpu.fused_add_rms_norm(x, x.flip(0).contiguous(), w, 1e-5)
+    want = reference.rms_norm(x, w, 1e-5, x.flip(0).contiguous())
+    torch.testing.assert_close(got[0].float(), want[0].float(), atol=tol, rtol=tol)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(torch.ops.sonar_cpu.silu_and_mul(x).float(),
+                               reference.silu_and_mul(x).float(), atol=tol, rtol=tol)
+    qk = torch.randn(5, 6, 64, generator=gen).to(dtype)
+    cos, sin = torch.randn(5, 64, generator=gen).to(dtype), torch.randn(5, 64, generator=gen).to(dtype)
+    assert torch.equal(torch.ops.sonar_cpu.rotary(qk, cos, sin), rotary.apply_rotary(qk, cos, sin))
+    for head_dim in (64, 40):
+        lens = [1, 20, 45]
+        meta = attention.AttentionMetadata.build([1, 1, 1], lens, [[0], [3, 1], [2, 5, 4]], 16)
+        cache = torch.randn(2, 6, 16, 2, head_dim, generator=gen).to(dtype)
+        q = torch.randn(3, 6, head_dim, generator=gen).to(dtype)
+        out = torch.empty_like(q)
+        torch.ops.sonar_cpu.decode_attention(out, q, cache, meta.block_tables, meta.seq_lens,
+                                             torch.empty(0, dtype=torch.int64), 0.2, -1)
+        torch.testing.assert_close(out.float(), attention.paged_attention(q, cache, meta, 0.2).float(),
+                                   atol=tol, rtol=tol)
+print("ok")
+"""
+
+
+def test_portable_build_matches_the_references(tmp_path: Path) -> None:
+    """The kernels as a CPU without AVX-512 gets them (``-mno-avx512f``: the plain C++ loops), in a
+    fresh process (one process can load one ``sonar_cpu`` library)."""
+    import os
+    import subprocess
+    import sys
+
+    library = native.build(tmp_path, flags=("-mno-avx512f",))
+    compiler = native._compiler()
+    assert compiler is not None and library.parent.name == native.build_key(compiler, ("-mno-avx512f",))
+    assert library.parent.name != native.build_key(compiler)  # not the default build's key
+    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(library)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "SONAR_NATIVE_KERNELS": "0"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
