@@ -124,13 +124,17 @@ class DecodeSplit:
 
     ``rows``: int64 query row of each decode sequence, empty when every sequence is a decode and
     row ``i`` is sequence ``i``; ``block_tables`` / ``seq_lens``: the decode sequences' rows of the
-    metadata's (the same tensors when all are decodes); ``prefills``: the other sequences' indices.
+    metadata's (the same tensors when all are decodes); ``decodes`` / ``prefills``: the sequences'
+    indices; ``query_starts`` / ``query_lens``: every sequence's, on the host.
     """
 
     rows: Tensor
     block_tables: Tensor
     seq_lens: Tensor
+    decodes: list[int]
     prefills: list[int]
+    query_starts: list[int]
+    query_lens: list[int]
 
     @property
     def num_decodes(self) -> int:
@@ -144,10 +148,12 @@ class DecodeSplit:
         prefills = [i for i, q in enumerate(q_lens) if q != 1]
         device = meta.seq_lens.device
         if not prefills and meta.num_tokens == len(decodes):
-            return cls(torch.empty(0, dtype=torch.int64, device=device), meta.block_tables, meta.seq_lens, [])
+            empty = torch.empty(0, dtype=torch.int64, device=device)
+            return cls(empty, meta.block_tables, meta.seq_lens, decodes, prefills, starts, q_lens)
         index = torch.tensor(decodes, dtype=torch.int64, device=device)
         rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
-        return cls(rows, meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index), prefills)
+        return cls(rows, meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index),
+                   decodes, prefills, starts, q_lens)
 
 
 @dataclass(eq=False)
@@ -188,21 +194,15 @@ class _ReferencePlan:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int) -> _ReferencePlan:
-        starts = meta.query_start_loc.tolist()
-        q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        split = meta.decode_split()
+        starts, q_lens, decodes = split.query_starts, split.query_lens, split.decodes
         s_lens = meta.seq_lens.tolist()
-        decodes = [i for i, q in enumerate(q_lens) if q == 1]
-        prefills = [i for i, q in enumerate(q_lens) if q != 1]
         device = meta.slot_mapping.device
+        decode_all = not split.prefills and len(decodes) == meta.num_tokens
         rows = slots = valid = positions = None
         if decodes:
-            all_decode = len(decodes) == len(q_lens)
-            index = None if all_decode else torch.tensor(decodes, device=device)
-            rows = None if all_decode else torch.tensor([starts[i] for i in decodes], device=device)
-            lens = meta.seq_lens.to(torch.int64)
-            table = meta.block_tables
-            if index is not None:
-                lens, table = lens[index], table[index]
+            rows = None if decode_all else split.rows
+            lens, table = split.seq_lens.to(torch.int64), split.block_tables
             max_len = max(s_lens[i] for i in decodes)
             n_blocks = -(-max_len // block_size)
             pos = torch.arange(max_len, device=device)
@@ -219,11 +219,11 @@ class _ReferencePlan:
             block_tables=meta.block_tables,
             block_size=block_size,
             decode_rows=rows,
-            decode_all=len(decodes) == len(q_lens) and len(decodes) == meta.num_tokens,
+            decode_all=decode_all,
             decode_slots=slots,
             decode_valid=valid,
             decode_positions=positions,
-            prefills=prefills,
+            prefills=split.prefills,
         )
 
     def prefill_mask(self, seq: int, group: int, sliding_window: int | None) -> Tensor:

@@ -528,7 +528,9 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* resid
   T* os = data<T>(out);
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+#ifndef SONAR_AVX512
     std::vector<float> row(n);
+#endif
     for (int64_t r = begin; r < end; ++r) {
       const T* src = xs + r * n;
       T* dst = os + r * n;
