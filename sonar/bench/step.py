@@ -9,6 +9,8 @@ once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whic
 ``--profile`` adds a torch profiler table of a few decode steps. ``--compare-eager`` times
 prefill and decode steps alternating between the prepacked linears and plain ``nn.Linear``
 layers on the same weights (what ``--enforce-eager`` serves) and prints both and their ratio.
+``--compare-fused`` times decode steps alternating between the native layer loop
+(`sonar.models.fused`, the default on CPU) and the per-op path.
 ``--compare-compiled`` loads a second copy of the weights, compiles its forward pass with
 `sonar.engine.compile.compile_forward` (cache under ``--compile-cache-root``, default
 ``$SONAR_CACHE_ROOT``), warms it up on decode sizes 1 and ``--batch`` and on a
@@ -17,7 +19,7 @@ hits and misses, then times prefill and decode steps alternating between the def
 eager) model and the compiled one over the same KV cache.
 
 usage: python -m sonar.bench.step [--batch 16] [--prompt-len 128] [--decode-steps 32]
-       [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile] [--compare-eager]
+       [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile] [--compare-eager] [--compare-fused]
        [--compare-compiled [--compile-cache-root DIR]]
 """
 
@@ -154,6 +156,24 @@ def compare_eager(runner: ModelRunner, driver: StepDriver, batch: int, steps: in
           f"decode {med['prepacked']['decode'] / med['eager']['decode']:.2f}x")
 
 
+def compare_fused(runner: ModelRunner, driver: StepDriver, batch: int, steps: int) -> None:
+    """Decode steps alternating between the native layer loop (`sonar.models.fused`) and the
+    per-op path on the same weights and KV cache."""
+    fused = runner.model.fused_decode
+    serves = fused.serves
+    times: dict[str, list[float]] = {"fused": [], "per-op": []}
+    for _ in range(steps):
+        for name in times:
+            fused.serves = serves if name == "fused" else (lambda *args: False)
+            times[name].append(driver.step(batch))
+    fused.serves = serves
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, value in med.items():
+        print(f"{name:6}: decode {1000 * value:.1f} ms (min {1000 * min(times[name]):.1f}) per step "
+              f"(medians, interleaved)")
+    print(f"fused / per-op: decode {med['fused'] / med['per-op']:.2f}x")
+
+
 class CompiledCopy:
     """A second copy of the runner's weights whose forward pass is compiled, to swap in for
     ``runner.model`` (same KV caches, same steps)."""
@@ -221,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="print a torch profiler table of decode steps")
     ap.add_argument("--compare-eager", action="store_true",
                     help="also time plain (not prepacked) linear layers, interleaved")
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="also time decode steps through the per-op path, interleaved with the native layer loop")
     ap.add_argument("--compare-compiled", action="store_true",
                     help="also time a torch.compile'd copy of the model, interleaved")
     ap.add_argument("--compile-cache-root", type=Path, default=None,
@@ -231,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     # each request decodes --decode-steps once, and twice more per comparison (once per variant)
-    rounds = 1 + 2 * (args.compare_eager + args.compare_compiled)
+    rounds = 1 + 2 * (args.compare_eager + args.compare_compiled + args.compare_fused)
     per_request = -(-(args.prompt_len + rounds * args.decode_steps + args.warmup_steps + 5 + 32) // 16)
     blocks = max(64, args.batch * per_request + 16, -(-args.prefill_chunk // 16) + 1)
     config = EngineConfig.from_args(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
@@ -263,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
           f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)")
     if args.compare_eager:
         compare_eager(runner, driver, args.batch, args.decode_steps)
+    if args.compare_fused:
+        compare_fused(runner, driver, args.batch, args.decode_steps)
     if compiled is not None:
         compare_compiled(runner, driver, compiled, args.batch, args.decode_steps, args.prefill_chunk)
     if args.profile:

@@ -36,6 +36,15 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 PACKED_MAX_ROWS = 256
 
 
+_generation = 0
+
+
+def pack_generation() -> int:
+    """A count of the packings made in this process: code that keeps references to packed weights
+    (`sonar.models.fused`) rebuilds them when it changes."""
+    return _generation
+
+
 def can_pack(weight: Tensor) -> bool:
     """Whether oneDNN can prepack this weight here (a CPU half-precision matrix)."""
     return (
@@ -107,6 +116,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", self._pack(), persistent=False)
 
     def _pack(self) -> Tensor:
+        global _generation
+        _generation += 1
         if self.native_layout:
             return pack_native(self.weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)

@@ -27,6 +27,7 @@ from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import attention, step_metadata
 from sonar.models.errors import ModelLoadError
+from sonar.models.fused import FusedDecode
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -162,6 +163,8 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused_decode = FusedDecode(self)
+        """Decode-only CPU steps in one native call (`sonar.models.fused`)."""
         self.rotary = RotaryEmbedding(
             rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
@@ -184,6 +187,8 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[Tensor],
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
+        if self.fused_decode.serves(input_ids, kv_caches, attn_metadata):
+            return self.fused_decode.run(input_ids, positions, kv_caches, attn_metadata)
         with step_metadata(attn_metadata):
             return self.forward_tensors(input_ids, positions, kv_caches)
 

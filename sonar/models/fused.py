@@ -1,0 +1,128 @@
+"""A decode step's decoder layers in one native call (``torch.ops.sonar_cpu.decode_layers``).
+
+On the CPU a small model's decode step is short enough that Python's share of it shows: each layer
+makes about ten operator calls (norms, linears, rotary, the KV write, attention), each with its
+module call, dispatch checks and argument parsing — ~4 ms of a 28 ms step at batch 16 for
+SmolLM2-135M on 2 cores. `FusedDecode` hands the whole layer loop of a step whose rows are all
+decodes to one C++ function that calls the same native kernels in the same order, so the result is
+bit for bit the per-op path's (`tests/models/test_fused.py` checks it).
+
+It serves only what those kernels serve: CPU tensors in one of `ops.NATIVE_DTYPES`, a KV cache of
+the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear either packed for
+Sonar's bf16 kernel or a plain ``nn.Linear``. Anything else — prefills, mixed steps, CUDA, code that
+``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`` — takes the per-op path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from sonar.kernels import linear as packed_linear
+from sonar.kernels import native, ops
+from sonar.kernels.attention import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The decoder's tensors as ``decode_layers`` takes them: lists over the layers."""
+
+    input_norms: list[Tensor]
+    qkv: list[Tensor]
+    qkv_bias: list[Tensor]
+    o: list[Tensor]
+    o_bias: list[Tensor]
+    post_norms: list[Tensor]
+    gate_up: list[Tensor]
+    mlp_bias: list[Tensor]
+    down: list[Tensor]
+    final_norm: Tensor
+    windows: list[int]
+    packed: bool
+
+
+def _weight(layer: nn.Module) -> tuple[Tensor, bool] | None:
+    """A linear layer's weight as the native call reads it and whether it is packed; None when
+    the layer is something else (oneDNN's packing, a wrapper)."""
+    if isinstance(layer, packed_linear.PackedLinear):
+        return (layer.packed, True) if layer.native_layout else None
+    if type(layer) is nn.Linear:
+        return layer.weight, False
+    return None
+
+
+def layer_weights(model: nn.Module) -> LayerWeights | None:
+    """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
+    not all of the kinds the native call serves."""
+    if model.variant.qk_norm or not native.available():
+        return None
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype not in ops.NATIVE_DTYPES or model.model.embed_tokens.weight.device.type != "cpu":
+        return None
+    lists: dict[str, list[Tensor]] = {k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias",
+                                                      "post_norms", "gate_up", "mlp_bias", "down")}
+    kinds = set()
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        for name, module in linears.items():
+            found = _weight(module)
+            if found is None:
+                return None
+            lists[name].append(found[0])
+            kinds.add(found[1])
+        for name, biases in (("qkv_bias", (attn.qkv_proj,)), ("o_bias", (attn.o_proj,)),
+                             ("mlp_bias", (mlp.gate_up_proj, mlp.down_proj))):
+            lists[name].extend(m.bias for m in biases if m.bias is not None)
+        lists["input_norms"].append(layer.input_layernorm.weight)
+        lists["post_norms"].append(layer.post_attention_layernorm.weight)
+    tensors = [t for values in lists.values() for t in values]
+    if len(kinds) != 1 or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    return LayerWeights(
+        **lists,
+        final_norm=model.model.norm.weight,
+        windows=[layer.self_attn.sliding_window or -1 for layer in model.model.layers],
+        packed=kinds.pop(),
+    )
+
+
+class FusedDecode:
+    """`run` serves a model's decode-only steps through the native layer loop; built lazily,
+    rebuilt when packed weights change (`sonar.kernels.linear.pack_generation`)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._generation = -1
+        self._weights: LayerWeights | None = None
+
+    def weights(self) -> LayerWeights | None:
+        generation = packed_linear.pack_generation()
+        if generation != self._generation:
+            self._weights = layer_weights(self.model)
+            self._generation = generation
+        return self._weights
+
+    def serves(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
+        """Whether this step can take the native layer loop: every row a decode, on the CPU, the
+        caches in the model's dtype, the kernels enabled, not under ``torch.compile``."""
+        if meta.max_query_len != 1 or meta.num_tokens != meta.num_seqs or input_ids.device.type != "cpu":
+            return False
+        if not native.enabled() or torch.compiler.is_compiling():
+            return False
+        weights = self.weights()
+        return weights is not None and all(c.dtype == weights.final_norm.dtype for c in kv_caches)
+
+    def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
+        """The final hidden states ``[num_seqs, hidden_size]`` of a step `serves` accepted."""
+        model, w = self.model, self._weights
+        x = model.model.embed_tokens(input_ids)
+        cos, sin = model.rotary.cos_sin(positions, x.dtype)
+        attn = model.model.layers[0].self_attn
+        return torch.ops.sonar_cpu.decode_layers(
+            x, cos, sin, w.input_norms, w.qkv, w.qkv_bias, w.o, w.o_bias, w.post_norms, w.gate_up, w.mlp_bias,
+            w.down, w.final_norm, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens, w.windows,
+            attn.num_heads, model.model.norm.eps, attn.scale, w.packed,
+        )
