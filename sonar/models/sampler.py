@@ -4,7 +4,7 @@ The worker gathers every running request's `SamplingParams` into a `SamplingBatc
 step (per-request values become `[num_seqs]` tensors, per-token features become flat indices
 into the `[num_seqs * vocab]` logits) and calls `Sampler()(logits, batch)`. The per-request
 Python work is in `SamplingBatch.build`; the sampler itself only loops over seeded rows, one
-generator call each, to draw their noise.
+generator call each, to draw their uniform number.
 
 Order of operations on each row:
 
@@ -14,14 +14,16 @@ Order of operations on each row:
    (EOS and `stop_token_ids` set to -inf);
 3. greedy rows: argmax of these logits;
 4. other rows: divide by temperature, then `min_p`, `top_k`, `top_p` (vLLM's order), then draw
-   by an exponential race: the argmax of each probability divided by its own Exp(1) noise
-   picks token i with probability p_i (the Gumbel-max trick in probability space).
+   by inverting the row's cumulative distribution with one uniform number: the first token whose
+   running probability sum exceeds ``u * total`` is token i with probability p_i. (One random
+   number per row, not one per logit as an exponential race needs: 0.7 instead of 3.8 ms for 16
+   rows of SmolLM2's 49152 logits on 2 cores.)
 
 Logprobs are those of the *raw* model output (log-softmax before penalties, bias, temperature
 and truncation), like vLLM's default: they describe the model, not the sampling settings.
 
 Seeded requests do not keep a generator from step to step: each step a generator is seeded
-from a hash of (seed, output position) and draws that row's noise alone. So a seeded request
+from a hash of (seed, output position) and draws that row's number alone. So a seeded request
 gives the same tokens alone or in any batch at any position, and again after a preemption
 (recompute) or a worker restart. The position is the number of output tokens the request
 already has. (CPU and GPU generators differ, so the same seed may give other tokens on another
@@ -258,8 +260,12 @@ class Sampler:
         else:
             x.div_(batch.temperature.unsqueeze(1))
             x = apply_truncation(x, batch)
-            probs = torch.softmax(x, dim=-1)
-            sampled = probs.div_(self._noise(x, batch)).argmax(dim=-1)
+            cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
+            total = cdf[:, -1:]
+            # u * total can round up to total (u just below 1): the largest float below total is
+            # still under the last nonzero token's running sum, never past it
+            target = torch.minimum(self._uniforms(x, batch) * total, torch.nextafter(total, torch.zeros_like(total)))
+            sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
             if greedy_ids is not None:
                 assert batch.greedy is not None
                 sampled = torch.where(batch.greedy, greedy_ids, sampled)
@@ -276,17 +282,15 @@ class Sampler:
         (the same token the full path picks for them)."""
         return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
 
-    def _noise(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Exp(1) noise per logit: the sampler's generator for unseeded rows, a generator seeded
-        for the step for each seeded row (a loop over those rows only).
-
-        -log(u) of a uniform u in [0, 1) is never 0, so dividing by it is safe; it is cheaper
-        on CPU than `exponential_`.
-        """
+    def _uniforms(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """One uniform number in [0, 1) per row ``[num_seqs, 1]``: the sampler's generator for
+        unseeded rows, a generator seeded for the step for each seeded row (a loop over those
+        rows only)."""
+        rows = x.shape[0]
         if batch.any_unseeded_random:
-            u = torch.rand(x.shape, generator=self.generator, device=x.device)
+            u = torch.rand((rows, 1), generator=self.generator, device=x.device)
         else:
-            u = torch.full_like(x, 0.5)
+            u = torch.full((rows, 1), 0.5, device=x.device)
         if batch.seeded_rows:
             generator = self._seeded.get(x.device)
             if generator is None:
@@ -294,7 +298,7 @@ class Sampler:
             for row, seed in batch.seeded_rows:
                 generator.manual_seed(seed)
                 u[row].uniform_(generator=generator)
-        return u.log_().neg_()
+        return u
 
 
 def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
