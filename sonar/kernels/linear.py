@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sonar.kernels import native
+from sonar.kernels import hugepages, native
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 #: Above this many rows (a prefill) the matmul, not the weight copy, dominates, and the weight
@@ -139,10 +139,15 @@ def prepack_linears(module: nn.Module, batch_hint: int = 16) -> int:
     `batch_hint` is the row count oneDNN tunes its layout for; any row count works. Returns the
     number of layers replaced.
     """
-    replaced = 0
+    replaced: list[PackedLinear] = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and can_pack(child.weight):
-                setattr(parent, name, PackedLinear(child, batch_hint))
-                replaced += 1
-    return replaced
+                packed = PackedLinear(child, batch_hint)
+                setattr(parent, name, packed)
+                replaced.append(packed)
+    # a decode step streams every packed weight once: all of them side by side on huge pages
+    native_layout = [layer for layer in replaced if layer.native_layout]
+    for layer, moved in zip(native_layout, hugepages.gather([layer.packed for layer in native_layout])):
+        layer.packed = moved
+    return len(replaced)

@@ -1,0 +1,80 @@
+"""Large CPU tensors on transparent huge pages (2 MiB), for the memory a decode step streams.
+
+A CPU decode step reads every packed weight and the batch's whole KV context once. On 4 KiB pages
+that is a page walk every 4 KiB and the hardware prefetchers stop at each page boundary; on 2 MiB
+pages neither happens. Measured on SmolLM2-135M, 2 cores (`BENCHMARKS.md`): decode steps ~3 %
+faster at batch 16 and ~4 % at batch 1, prefill unchanged.
+
+Linux hands out huge pages for anonymous memory only where the mapping asks for them
+(``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions) and only
+for memory not touched yet. `empty` therefore allocates a little more than asked, advises the
+2 MiB-aligned span inside it with ``madvise(MADV_HUGEPAGE)`` before anything writes to it, and
+returns a view of that span; `gather` puts many smaller tensors side by side in one such span. Where that is not possible (not Linux, THP off, tensors under
+2 MiB, the call failing) it is plain ``torch.empty``: huge pages are a speed-up, never a
+requirement.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import math
+import sys
+
+import torch
+from torch import Tensor
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@functools.cache
+def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    fn = libc.madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """An uninitialized contiguous CPU tensor, on huge pages where the system gives them."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    madvise = _madvise()
+    if madvise is None or nbytes < HUGE_PAGE:
+        return torch.empty(shape, dtype=dtype)
+    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    if madvise(raw.data_ptr() + offset, span, MADV_HUGEPAGE) != 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw[offset : offset + nbytes].view(dtype).view(shape)
+
+
+def gather(tensors: list[Tensor]) -> list[Tensor]:
+    """Contiguous copies of CPU tensors of one dtype, side by side in one allocation on huge
+    pages where the system gives them (each copy 64-byte aligned). Many tensors under 2 MiB
+    each — a small model's per-layer weights — share huge pages this way."""
+    if not tensors:
+        return []
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError("hugepages.gather: tensors of one dtype only")
+    align = max(1, 64 // tensors[0].element_size())
+    starts, total = [], 0
+    for t in tensors:
+        starts.append(total)
+        total += -(-t.numel() // align) * align
+    arena = empty((total,), dtype)
+    out = []
+    for t, start in zip(tensors, starts):
+        view = arena[start : start + t.numel()].view(t.shape)
+        view.copy_(t)
+        out.append(view)
+    return out

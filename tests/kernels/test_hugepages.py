@@ -1,0 +1,74 @@
+"""Huge-page-backed CPU tensors (`sonar.kernels.hugepages`): the same tensors as ``torch.empty``
+gives, 2 MiB-aligned and, where the kernel's THP mode allows it, actually on huge pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from sonar.kernels import hugepages
+from sonar.kernels.attention import allocate_kv_caches
+from sonar.kernels.linear import pack_native, prepack_linears
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "unavailable"
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (Linux ``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_large_tensor_is_aligned_and_on_huge_pages() -> None:
+    t = hugepages.empty((5, 1 << 20), torch.bfloat16)  # 10 MiB
+    assert t.shape == (5, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert t.data_ptr() % hugepages.HUGE_PAGE == 0
+    t.fill_(3.0)  # first touch: the kernel backs the advised span with huge pages now
+    assert float(t.float().sum()) == 3.0 * 5 * (1 << 20)
+    if _thp_mode() in ("madvise", "always"):
+        assert _huge_kib_at(t.data_ptr()) >= 2048
+
+
+def test_small_tensor_and_gather() -> None:
+    small = hugepages.empty((3, 4), torch.float32)
+    assert small.shape == (3, 4) and small.is_contiguous()
+    sources = [torch.randn(300, 7).t(), torch.randn(5), torch.randn(1024, 1024)]  # one strided
+    out = hugepages.gather(sources)
+    assert out[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    for a, b in zip(out, sources, strict=True):
+        assert a.is_contiguous() and a.data_ptr() % 64 == 0 and torch.equal(a, b)
+    assert out[1].data_ptr() > out[0].data_ptr() and out[2].data_ptr() > out[1].data_ptr()  # one span
+    assert out[2].data_ptr() - out[0].data_ptr() < 2 * 300 * 7 * 4
+    with pytest.raises(ValueError):
+        hugepages.gather([torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)])
+
+
+def test_kv_caches_and_packed_weights_use_them() -> None:
+    caches = allocate_kv_caches(3, 32, 16, 4, 128, torch.bfloat16)  # 1 MiB each, 3 MiB together
+    assert caches[0].data_ptr() % hugepages.HUGE_PAGE == 0
+    for i, cache in enumerate(caches):
+        assert cache.is_contiguous() and cache.shape == (2, 32, 16, 4, 128) and not cache.any()  # zeroed
+        assert cache.data_ptr() == caches[0].data_ptr() + i * cache.nbytes
+    layers = nn.Sequential(nn.Linear(576, 960, bias=False), nn.Linear(960, 576)).bfloat16()
+    assert prepack_linears(layers) == 2
+    if layers[0].native_layout:  # Sonar's bf16 kernel: both packed weights in one span
+        assert layers[0].packed.data_ptr() % hugepages.HUGE_PAGE == 0
+        assert layers[1].packed.data_ptr() == layers[0].packed.data_ptr() + layers[0].packed.nbytes
+        for layer in layers:
+            assert torch.equal(layer.packed, pack_native(layer.weight.detach()))
