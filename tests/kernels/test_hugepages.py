@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from sonar.kernels import hugepages
-from sonar.kernels.attention import allocate_kv_caches
 from sonar.kernels.linear import pack_native, prepack_linears
 
 
@@ -59,12 +58,7 @@ def test_small_tensor_and_gather() -> None:
         hugepages.gather([torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)])
 
 
-def test_kv_caches_and_packed_weights_use_them() -> None:
-    caches = allocate_kv_caches(3, 32, 16, 4, 128, torch.bfloat16)  # 1 MiB each, 3 MiB together
-    assert caches[0].data_ptr() % hugepages.HUGE_PAGE == 0
-    for i, cache in enumerate(caches):
-        assert cache.is_contiguous() and cache.shape == (2, 32, 16, 4, 128) and not cache.any()  # zeroed
-        assert cache.data_ptr() == caches[0].data_ptr() + i * cache.nbytes
+def test_packed_weights_share_huge_pages() -> None:
     layers = nn.Sequential(nn.Linear(576, 960, bias=False), nn.Linear(960, 576)).bfloat16()
     assert prepack_linears(layers) == 2
     if layers[0].native_layout:  # Sonar's bf16 kernel: both packed weights in one span
