@@ -1,9 +1,10 @@
 """Large CPU tensors on transparent huge pages (2 MiB), for the memory a decode step streams.
 
-A CPU decode step reads every packed weight and the batch's whole KV context once. On 4 KiB pages
-that is a page walk every 4 KiB and the hardware prefetchers stop at each page boundary; on 2 MiB
-pages neither happens. Measured on SmolLM2-135M, 2 cores (`BENCHMARKS.md`): decode steps ~3 %
-faster at batch 16 and ~4 % at batch 1, prefill unchanged.
+A CPU decode step reads every packed weight once. On 4 KiB pages that is a page walk every 4 KiB
+and the hardware prefetchers stop at each page boundary; on 2 MiB pages neither happens. Measured
+on SmolLM2-135M, 2 cores (`BENCHMARKS.md`): decode steps 0.92x the time at batch 16 and 0.96x at
+batch 1 with the packed weights here. (The KV caches are not: zeroing several GiB on huge pages
+made the kernel compact memory page by page, seconds of start-up.)
 
 Linux hands out huge pages for anonymous memory only where the mapping asks for them
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions) and only
