@@ -10,9 +10,9 @@ Linux hands out huge pages for anonymous memory only where the mapping asks for 
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions) and only
 for memory not touched yet. `empty` therefore allocates a little more than asked, advises the
 2 MiB-aligned span inside it with ``madvise(MADV_HUGEPAGE)`` before anything writes to it, and
-returns a view of that span; `gather` puts many smaller tensors side by side in one such span. Where that is not possible (not Linux, THP off, tensors under
-2 MiB, the call failing) it is plain ``torch.empty``: huge pages are a speed-up, never a
-requirement.
+returns a view of that span; `gather` puts many smaller tensors side by side in one such span.
+Where that is not possible (not Linux, THP off, tensors under 2 MiB, the call failing) it is
+plain ``torch.empty``: huge pages are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
