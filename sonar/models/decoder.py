@@ -187,7 +187,7 @@ class DecoderForCausalLM(nn.Module):
         kv_caches: list[Tensor],
         attn_metadata: AttentionMetadata,
     ) -> Tensor:
-        if self.fused_decode.serves(input_ids, kv_caches, attn_metadata):
+        if self.fused_decode.serves(kv_caches, attn_metadata):
             return self.fused_decode.run(input_ids, positions, kv_caches, attn_metadata)
         with step_metadata(attn_metadata):
             return self.forward_tensors(input_ids, positions, kv_caches)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar.kernels import linear as packed_linear
-from sonar.kernels import native, ops
+from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata
 
 
@@ -56,10 +56,7 @@ def _weight(layer: nn.Module) -> tuple[Tensor, bool] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
-    if model.variant.qk_norm or not native.available():
-        return None
-    dtype = model.model.embed_tokens.weight.dtype
-    if dtype not in ops.NATIVE_DTYPES or model.model.embed_tokens.weight.device.type != "cpu":
+    if model.variant.qk_norm:
         return None
     lists: dict[str, list[Tensor]] = {k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias",
                                                       "post_norms", "gate_up", "mlp_bias", "down")}
@@ -79,7 +76,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         lists["input_norms"].append(layer.input_layernorm.weight)
         lists["post_norms"].append(layer.post_attention_layernorm.weight)
     tensors = [t for values in lists.values() for t in values]
-    if len(kinds) != 1 or any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+    if len(kinds) != 1 or not ops.use_native(model.model.embed_tokens.weight, *tensors):
         return None
     return LayerWeights(
         **lists,
@@ -105,15 +102,13 @@ class FusedDecode:
             self._generation = generation
         return self._weights
 
-    def serves(self, input_ids: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
+    def serves(self, kv_caches: list[Tensor], meta: AttentionMetadata) -> bool:
         """Whether this step can take the native layer loop: every row a decode, on the CPU, the
         caches in the model's dtype, the kernels enabled, not under ``torch.compile``."""
-        if meta.max_query_len != 1 or meta.num_tokens != meta.num_seqs or input_ids.device.type != "cpu":
-            return False
-        if not native.enabled() or torch.compiler.is_compiling():
+        if meta.max_query_len != 1 or meta.num_tokens != meta.num_seqs or not ops.use_native(*kv_caches):
             return False
         weights = self.weights()
-        return weights is not None and all(c.dtype == weights.final_norm.dtype for c in kv_caches)
+        return weights is not None and weights.final_norm.dtype == kv_caches[0].dtype
 
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
         """The final hidden states ``[num_seqs, hidden_size]`` of a step `serves` accepted."""

@@ -96,15 +96,15 @@ def test_what_the_loop_does_not_serve(tiny_checkpoints: dict[str, Any], monkeypa
     fused = model.fused_decode
     caches = GreedyDriver(model, torch.float32, num_blocks=8, block_size=4).kv_caches
     decode = AttentionMetadata.build([1, 1], [5, 3], [[0, 1], [2]], 4)
-    assert fused.serves(torch.tensor([1, 2]), caches, decode)
+    assert fused.serves(caches, decode)
     prefill = AttentionMetadata.build([3], [3], [[0]], 4)
     mixed = AttentionMetadata.build([1, 2], [5, 2], [[0, 1], [2]], 4)
-    assert not fused.serves(torch.tensor([1, 2, 3]), caches, prefill)
-    assert not fused.serves(torch.tensor([1, 2, 3]), caches, mixed)
+    assert not fused.serves(caches, prefill)
+    assert not fused.serves(caches, mixed)
     fp8 = [c.to(torch.float8_e4m3fn) for c in caches]
-    assert not fused.serves(torch.tensor([1, 2]), fp8, decode)
+    assert not fused.serves(fp8, decode)
     monkeypatch.setenv(native.ENV, "0")
-    assert not fused.serves(torch.tensor([1, 2]), caches, decode)
+    assert not fused.serves(caches, decode)
 
 
 def test_repacked_weights_are_picked_up(monkeypatch: pytest.MonkeyPatch) -> None:
