@@ -8,52 +8,38 @@ made the kernel compact memory page by page, seconds of start-up.)
 
 Linux hands out huge pages for anonymous memory only where the mapping asks for them
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on most distributions) and only
-for memory not touched yet. `empty` therefore allocates a little more than asked, advises the
-2 MiB-aligned span inside it with ``madvise(MADV_HUGEPAGE)`` before anything writes to it, and
-returns a view of that span; `gather` puts many smaller tensors side by side in one such span.
-Where that is not possible (not Linux, THP off, tensors under 2 MiB, the call failing) it is
-plain ``torch.empty``: huge pages are a speed-up, never a requirement.
+for memory not touched yet. `empty` therefore maps fresh private anonymous memory of its own (not
+the allocator's, which may hand back pages it already touched), a little more than asked,
+advises the 2 MiB-aligned span inside it with ``madvise(MADV_HUGEPAGE)`` before anything writes
+to it, and returns a view of that span; `gather` puts many smaller tensors side by side in one
+such span. The kernel backs the advised span with huge pages as it can (best effort: memory too
+fragmented gets 4 KiB pages). Where advising is not possible (not Linux, tensors under 2 MiB, the
+call failing) it is plain ``torch.empty``: huge pages are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
-import sys
+import mmap
 
 import torch
 from torch import Tensor
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """An uninitialized contiguous CPU tensor, on huge pages where the system gives them."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    madvise = _madvise()
-    if madvise is None or nbytes < HUGE_PAGE:
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
     span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
-    offset = -raw.data_ptr() % HUGE_PAGE
-    if madvise(raw.data_ptr() + offset, span, MADV_HUGEPAGE) != 0:
+    try:
+        region = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        raw = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` (the mapping) alive
+        offset = -raw.data_ptr() % HUGE_PAGE
+        region.madvise(mmap.MADV_HUGEPAGE, offset, span)
+    except (OSError, ValueError):
         return torch.empty(shape, dtype=dtype)
     return raw[offset : offset + nbytes].view(dtype).view(shape)
 

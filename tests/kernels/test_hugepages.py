@@ -1,5 +1,7 @@
 """Huge-page-backed CPU tensors (`sonar.kernels.hugepages`): the same tensors as ``torch.empty``
-gives, 2 MiB-aligned and, where the kernel's THP mode allows it, actually on huge pages."""
+gives, 2 MiB-aligned, in a private mapping advised for huge pages before its first touch. (Whether
+the kernel then backs it with huge pages is its best effort, not asserted: a fragmented machine
+gets 4 KiB pages.)"""
 
 from __future__ import annotations
 
@@ -13,35 +15,27 @@ from sonar.kernels import hugepages
 from sonar.kernels.linear import pack_native, prepack_linears
 
 
-def _thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "unavailable"
-    return text[text.index("[") + 1 : text.index("]")]
-
-
-def _huge_kib_at(address: int) -> int:
-    """AnonHugePages of the mapping that holds `address` (Linux ``/proc/self/smaps``)."""
+def _vm_flags_at(address: int) -> set[str]:
+    """The VmFlags of the mapping that holds `address` (Linux ``/proc/self/smaps``)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0]
         if "-" in first and ":" not in first:
             lo, hi = (int(x, 16) for x in first.split("-"))
             inside = lo <= address < hi
-        elif inside and first == "AnonHugePages:":
-            return int(line.split()[1])
-    return 0
+        elif inside and first == "VmFlags:":
+            return set(line.split()[1:])
+    return set()
 
 
-def test_large_tensor_is_aligned_and_on_huge_pages() -> None:
+def test_large_tensor_is_aligned_and_advised_for_huge_pages() -> None:
     t = hugepages.empty((5, 1 << 20), torch.bfloat16)  # 10 MiB
     assert t.shape == (5, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % hugepages.HUGE_PAGE == 0
-    t.fill_(3.0)  # first touch: the kernel backs the advised span with huge pages now
+    flags = _vm_flags_at(t.data_ptr())
+    assert "hg" in flags and "sh" not in flags  # MADV_HUGEPAGE on a private mapping: THP may back it
+    t.fill_(3.0)  # first touch: the kernel backs the advised span with huge pages as it can
     assert float(t.float().sum()) == 3.0 * 5 * (1 << 20)
-    if _thp_mode() in ("madvise", "always"):
-        assert _huge_kib_at(t.data_ptr()) >= 2048
 
 
 def test_small_tensor_and_gather() -> None:
