@@ -96,7 +96,7 @@ and the default, graphs over the ``torch.compile``d model (fewer, fused kernels 
 
 
 def dummy_runner(directory: Path, enforce_eager: bool = False, **engine_args) -> ModelRunner:
-    args = dict(load_format="dummy", dtype="bfloat16", kv_cache_memory_bytes=256 * 2**20, max_model_len=4096,
+    args = dict(load_format="dummy", dtype="bfloat16", kv_cache_memory_bytes=2**30, max_model_len=4096,
                 cudagraph_capture_sizes=[1, 2, 4], enforce_eager=enforce_eager)
     args.update(engine_args)
     return ModelRunner(EngineConfig.from_args(str(directory), **args))

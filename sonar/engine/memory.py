@@ -83,6 +83,18 @@ def check_free_memory(total: int, free: int, utilization: float) -> int:
 
 
 @dataclass(frozen=True)
+class CudaBaseline:
+    """The device memory in use when an instance starts (bytes): by everything (``used``, other
+    processes and this one's CUDA context included) and by this process's torch allocator
+    (``allocated``, ``reserved``: an earlier engine in the same process leaves its cached blocks
+    there). The profile counts only what grew from here."""
+
+    used: int
+    allocated: int
+    reserved: int
+
+
+@dataclass(frozen=True)
 class MemoryProfile:
     """What one instance uses besides its KV cache, measured at startup (bytes)."""
 
@@ -102,7 +114,7 @@ class MemoryProfile:
         return self.weights + self.peak_activations + max(self.non_torch, 0) + self.graphs
 
     def describe(self) -> dict[str, str]:
-        return {name: format_memory_size(getattr(self, name)) for name in
+        return {name: format_memory_size(max(getattr(self, name), 0)) for name in
                 ("requested", "weights", "peak_activations", "non_torch", "graphs")}
 
 

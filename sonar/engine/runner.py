@@ -102,7 +102,9 @@ class ModelRunner:
             free, total = memory_info(device)
             if cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
                 memory.check_free_memory(total, free, cfg.gpu_memory_utilization)
-            used_at_start = total - free
+            # what this process already holds (an earlier engine's cached blocks, say) is not this one's
+            start = memory.CudaBaseline(used=total - free, allocated=torch.cuda.memory_allocated(device),
+                                        reserved=torch.cuda.memory_reserved(device))
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
         self.loaded = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format,
@@ -129,7 +131,7 @@ class ModelRunner:
                         "SONAR_USE_TRITON=0)")
             sizes = []
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
-            profile = self._profile(total, used_at_start, sizes)
+            profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
         self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype)
         self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
@@ -192,14 +194,14 @@ class ModelRunner:
         return self._decode_buffers
 
     @torch.inference_mode()
-    def _profile(self, total: int, used_at_start: int, sizes: list[int]) -> memory.MemoryProfile:
+    def _profile(self, total: int, start: memory.CudaBaseline, sizes: list[int]) -> memory.MemoryProfile:
         """Measure what serving needs besides the KV cache: a forward pass (and the logits of up
         to ``max_num_seqs`` rows) at ``max_num_batched_tokens`` tokens for the peak activations,
         and, unless graphs are off, a capture of the largest and the smallest decode graph over a
         throwaway KV cache, from which the memory of all graphs is estimated."""
         cfg, model, device = self.config, self.model, self.device
         torch.cuda.synchronize(device)
-        weights = torch.cuda.memory_allocated(device)
+        weights = torch.cuda.memory_allocated(device) - start.allocated
         tokens = cfg.max_num_batched_tokens
         seq_len = max(1, min(tokens, self.loaded.max_model_len if cfg.max_model_len in (None, -1)
                              else cfg.max_model_len))
@@ -236,7 +238,7 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free, _ = memory_info(device)
-        non_torch = (total - free) - used_at_start - torch.cuda.memory_reserved(device)
+        non_torch = (total - free - start.used) - (torch.cuda.memory_reserved(device) - start.reserved)
         profile = memory.MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
                                        peak_activations=peak, non_torch=non_torch, graphs=graphs)
         log.info("memory profiled", tokens=tokens, **profile.describe())

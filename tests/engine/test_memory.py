@@ -36,6 +36,7 @@ def test_kv_cache_gets_the_rest_of_the_budget() -> None:
 def test_a_negative_non_torch_delta_counts_as_zero() -> None:
     profile = MemoryProfile(total=10 * GiB, utilization=1.0, weights=GiB, peak_activations=0, non_torch=-GiB, graphs=0)
     assert memory.kv_cache_bytes(profile) == 9 * GiB
+    assert profile.describe()["non_torch"] == "0 B"  # logged at startup: a negative delta must not raise
 
 
 def test_logged_kv_bytes_reproduce_the_block_count() -> None:
