@@ -99,6 +99,22 @@ class ActorRef(Generic[Msg]):
         finally:
             node.forget_ask(reply_to.id)
 
+    async def ask_soon(self, msg: Msg) -> PendingReply:
+        """Deliver `msg` now and return its reply to await later (`PendingReply.result`): asks
+        delivered one after another reach the actor in that order, while the asker goes on (the
+        scheduler sends step N+1 before step N's result is back)."""
+        self._check(msg)
+        if not isinstance(msg, Ask):
+            raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
+        node = get_node()
+        reply_to, fut = node.new_ask(type(msg).reply_type, self.label, self.name)
+        try:
+            await node.deliver(self.name, self.address, msgspec.structs.replace(msg, reply_to=reply_to))
+        except BaseException:
+            node.forget_ask(reply_to.id)
+            raise
+        return PendingReply(fut, reply_to.id, self.label, type(msg).__qualname__)
+
     def __sonar_ref__(self) -> tuple[str, str | None, str]:
         address = self.address
         if address is None:
@@ -127,3 +143,28 @@ def _union_path(protocol: Any) -> str:
             if value == protocol:
                 return f"{t.__module__}:{attr}"
     raise TypeError(f"protocol {protocol!r} must be a module-level name to cross processes")
+
+
+class PendingReply:
+    """The reply to an ask already delivered (`ActorRef.ask_soon`)."""
+
+    __slots__ = ("_future", "_id", "_label", "_name")
+
+    def __init__(self, future: Any, ask_id: int, label: str, name: str) -> None:
+        self._future = future
+        self._id = ask_id
+        self._label = label
+        self._name = name
+
+    async def result(self, timeout: float | None = None) -> Any:
+        """Wait for the reply, as `ActorRef.ask` does: `AskTimeout` when none comes in `timeout`
+        seconds from now, `ActorError` when the actor failed while handling the ask."""
+        try:
+            if timeout is None:
+                return await self._future
+            with anyio.fail_after(timeout):
+                return await self._future
+        except TimeoutError:
+            raise AskTimeout(f"actor {self._label!r} did not answer {self._name} in {timeout} s") from None
+        finally:
+            get_node().forget_ask(self._id)

@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = ["KVLoadSpec", "KVStoreSpec", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats"]
+__all__ = [
+    "PLACEHOLDER_TOKEN", "KVLoadSpec", "KVStoreSpec", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats",
+]
+
+
+PLACEHOLDER_TOKEN = -1
+"""In `ScheduledRequest.token_ids`: the token a step still in flight samples at this position
+(async scheduling); the runner, which sampled it, puts it in."""
 
 
 class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
@@ -20,6 +27,8 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     attending over positions ``0 .. start_pos + len - 1``. When ``sample`` is true the step
     reaches the last known token of the request and the runner samples the next token from
     the logits of the last position; otherwise this is a chunk of a longer prefill.
+    A ``token_ids`` entry `PLACEHOLDER_TOKEN` is a token sampled by an earlier step whose result
+    the scheduler did not have yet when it scheduled this one.
     """
 
     req_id: str

@@ -101,6 +101,7 @@ class Request:
         "sampling_params",
         "status",
         "num_computed_tokens",
+        "num_placeholders",
         "num_cached_tokens",
         "num_offloaded_tokens",
         "num_preemptions",
@@ -148,7 +149,12 @@ class Request:
         self.sampling_params = sampling_params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        """Tokens whose KV is in the cache (or scheduled to be written by the step in flight)."""
+        """Tokens whose KV is in the cache (or scheduled to be written by the steps in flight)."""
+        self.num_placeholders = 0
+        """Tokens the steps in flight will sample for this request, not known yet. With async
+        scheduling a step is scheduled before the previous one's tokens are back: the request's
+        sequence then runs this many tokens past ``all_token_ids``, and a decode of it feeds
+        `PLACEHOLDER_TOKEN`, which the runner replaces with the token it sampled itself."""
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
         self.num_offloaded_tokens = 0

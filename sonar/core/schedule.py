@@ -16,6 +16,15 @@ requests on a stop token, ``max_tokens`` or ``max_model_len``.
 A step is assumed to have run before the next ``schedule`` call's step runs (the worker
 executes steps in order), so blocks freed in one call can be reused by the next.
 
+Async scheduling: the shell may call ``schedule`` for step N+1 before ``update_from_output``
+of step N. Each token a scheduled step will sample counts as a placeholder of its request
+(``Request.num_placeholders``) until its result comes back: the request's next decode feeds
+`PLACEHOLDER_TOKEN` at that position (the runner puts in the token it sampled), and a request
+whose tokens in flight are sure to end it (``max_tokens``, ``max_model_len``) is not scheduled
+again. One that ends on a stop token computes one token more, which is dropped; one preempted
+while in flight still gets the token it was computing. In the synchronous loop every
+placeholder is resolved before the next ``schedule``, and nothing changes.
+
 KV offloading (``lower_tier_lookup`` given, and a block manager with
 ``offload_blocks_per_chunk``): a waiting request whose prefix continues, past its prefix-cache
 hits, in the offload tiers is admitted with blocks for that part and parked as
@@ -34,7 +43,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sonar.core.blocks import BlockManager
-from sonar.core.outputs import KVLoadSpec, RequestUpdate, ScheduledRequest, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import (
+    PLACEHOLDER_TOKEN,
+    KVLoadSpec,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from sonar.core.policy import POLICIES, make_waiting_queue, policy_key
 from sonar.core.request import (
     DuplicateRequestError,
@@ -94,6 +110,7 @@ class SchedulerConfig:
 
 _RUNNING = RequestStatus.RUNNING
 _LOADING = RequestStatus.WAITING_FOR_KV
+_PREEMPTED = RequestStatus.PREEMPTED
 
 LowerTierLookup = Callable[[Request], int]
 """How many leading blocks of a request's prefix the offload tiers hold (whole chunks)."""
@@ -215,8 +232,9 @@ class Scheduler:
             i = 0
             while i < len(running) and budget > 0:
                 request = running[i]
-                remaining = len(request.all_token_ids) - request.num_computed_tokens
-                if remaining <= 0 or (remaining == 1) != decodes or request.request_id in scheduled:
+                remaining = len(request.all_token_ids) + request.num_placeholders - request.num_computed_tokens
+                if (remaining <= 0 or (remaining == 1) != decodes or request.request_id in scheduled
+                        or (request.num_placeholders and self._ends_in_flight(request))):
                     i += 1
                     continue
                 num_new = remaining
@@ -245,18 +263,25 @@ class Scheduler:
             request = self.requests[request_id]
             start = request.num_computed_tokens
             end = start + num_new
+            known = len(request.all_token_ids)
+            token_ids = request.all_token_ids[start:end]
+            if end > known:  # tokens the step in flight samples
+                token_ids += [PLACEHOLDER_TOKEN] * (end - max(start, known))
+            sample = end == known + request.num_placeholders
             step.append(
                 ScheduledRequest(
                     request_id,
-                    request.all_token_ids[start:end],
+                    token_ids,
                     start,
                     bm.block_ids(request_id).copy(),
-                    end == len(request.all_token_ids),
+                    sample,
                     request_id in admitted or request_id in self._fresh,
                     request.num_prompt_tokens,
                 )
             )
             request.num_computed_tokens = end
+            if sample:
+                request.num_placeholders += 1
             total += num_new
         if self._fresh:
             self._fresh.difference_update(scheduled)
@@ -264,6 +289,14 @@ class Scheduler:
         loads, self._kv_loads = self._kv_loads, []
         return SchedulerOutput(
             next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads
+        )
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The tokens the steps in flight sample for ``request`` are sure to finish it."""
+        ahead = request.num_tokens + request.num_placeholders
+        return ahead >= self.config.max_model_len or (
+            request.max_tokens is not None
+            and request.num_output_tokens + request.num_placeholders >= request.max_tokens
         )
 
     def _admit(
@@ -278,6 +311,8 @@ class Scheduler:
         lookup = self.lower_tier_lookup
         while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
             request = waiting.peek()
+            if request.num_placeholders:
+                break  # preempted while a step in flight samples for it: resumed once that is back
             if request.skip_reading_prefix_cache:
                 hits, num_hit_tokens = [], 0
             else:
@@ -403,8 +438,10 @@ class Scheduler:
         A request finishes on a token in its ``stop_token_ids`` (once ``min_tokens`` are
         out), on reaching ``max_tokens``, or on reaching ``max_model_len``; later tokens
         of the same step are dropped. ``stopped`` names requests that ended for a reason
-        found outside (a stop string), with that reason. Ids no longer running (aborted
-        meanwhile) are ignored. Returns one update per request that got tokens or ended.
+        found outside (a stop string), with that reason. Ids no longer running (aborted or
+        finished meanwhile) are ignored, except a request preempted while this step was in
+        flight, which keeps the token it computed. Returns one update per request that got
+        tokens or ended.
         """
         max_model_len = self.config.max_model_len
         bm = self.block_manager
@@ -412,7 +449,13 @@ class Scheduler:
         any_finished = False
         for request_id, token_ids in sampled.items():
             request = self.requests.get(request_id)
-            if request is None or request.status != _RUNNING or not token_ids:
+            if request is None or not token_ids:
+                continue
+            in_flight = request.num_placeholders > 0
+            if in_flight:
+                request.num_placeholders -= 1
+            status = request.status
+            if status != _RUNNING and not (status == _PREEMPTED and in_flight):
                 continue
             output = request.output_token_ids
             all_ids = request.all_token_ids
@@ -429,11 +472,14 @@ class Scheduler:
                 ):
                     request.status = RequestStatus.FINISHED_LENGTH
                     break
-            if stopped is not None and request_id in stopped and request.status == _RUNNING:
+            if stopped is not None and request_id in stopped and request.status == status:
                 request.status = RequestStatus.FINISHED_STOPPED
                 request.stop_reason = stopped[request_id]
-            if request.status == _RUNNING:
+            if request.status == status:
                 bm.update_hashes(request)
+            elif status == _PREEMPTED:  # ended by the token it computed before it was preempted
+                self.waiting.remove(request)
+                self._retire(request)
             else:
                 bm.free(request_id, request=request)
                 self._retire(request)
@@ -471,6 +517,8 @@ class Scheduler:
             request = self.running.pop()
             self._preempt(request)
             ids.append(request.request_id)
+        for request in self.requests.values():  # the steps in flight died too
+            request.num_placeholders = 0
         # Loads in flight died with the worker: recompute those requests too.
         self._load_of.clear()
         for request_id, request in list(self.loading.items()):
@@ -551,5 +599,5 @@ class Scheduler:
             if request.num_computed_tokens:
                 raise AssertionError(f"{request!r} waits with computed tokens")
         for request in self.requests.values():
-            if request.num_computed_tokens > request.num_tokens:
+            if request.num_computed_tokens > request.num_tokens + request.num_placeholders:
                 raise AssertionError(f"{request!r} computed more tokens than it has")

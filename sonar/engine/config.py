@@ -39,6 +39,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     scheduling_policy: str = "fcfs"
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = True
+    async_scheduling: bool | None = None
+    """Schedule and send step N+1 while step N runs (`sonar.engine.scheduler`). None: on for a
+    CUDA device, off on the CPU, where the scheduler's work then competes with the step's
+    threads for the cores (measured slower on 2 cores, BENCHMARKS.md). Off with KV offloading."""
     max_logprobs: int = 20
     enforce_eager: bool = False
     optimization_level: int = 2

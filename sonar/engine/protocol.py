@@ -33,6 +33,8 @@ class WorkerInfo(msgspec.Struct):
     the offload manager builds its chunk layout from it."""
     num_kv_heads: int = 0
     head_dim: int = 0
+    device: str = "cpu"
+    """The device type the model runs on ("cpu", "cuda")."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

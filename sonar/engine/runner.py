@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
 from sonar.engine import memory
 from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
@@ -170,6 +171,7 @@ class ModelRunner:
             eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_total, tokenizer_path=tokenizer,
             pid=os.getpid(), startup_seconds=phases,
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+            device=device.type,
         )
         log.info("kv cache allocated", device=str(device), dtype=str(self.kv_dtype).removeprefix("torch."),
                  blocks=self.num_blocks, block_size=cfg.block_size, tokens=self.num_blocks * cfg.block_size,
@@ -272,7 +274,10 @@ class ModelRunner:
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
-            ids += sched.token_ids
+            if sched.token_ids[-1] == PLACEHOLDER_TOKEN:  # async scheduling: sampled here, not known there
+                ids += self._fill_placeholders(sched)
+            else:
+                ids += sched.token_ids
             positions += range(sched.start_pos, sched.start_pos + n)
             q_lens.append(n)
             s_lens.append(sched.start_pos + n)
@@ -315,6 +320,23 @@ class ModelRunner:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
         result.seconds = time.perf_counter() - started
         return result
+
+    def _fill_placeholders(self, sched: ScheduledRequest) -> list[int]:
+        """The step's tokens with each `PLACEHOLDER_TOKEN` replaced by the token this runner
+        sampled at that position in an earlier step (whose result the scheduler did not have
+        when it scheduled this one)."""
+        state = self.requests[sched.req_id]
+        prompt, output = state.prompt, state.output
+        tokens = list(sched.token_ids)
+        for i, token in enumerate(tokens):
+            if token == PLACEHOLDER_TOKEN:
+                pos = sched.start_pos + i - len(prompt)
+                if not 0 <= pos < len(output):
+                    raise UnknownRequestError(
+                        f"request {sched.req_id}: a placeholder at position {sched.start_pos + i}, past the "
+                        f"{len(prompt) + len(output)} tokens this worker holds")
+                tokens[i] = output[pos]
+        return tokens
 
     @torch.inference_mode()
     def decode_padded(self, ids: list[int], positions: list[int], tables: list[list[int]], size: int) -> torch.Tensor:

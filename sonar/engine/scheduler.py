@@ -6,6 +6,13 @@ the core, and pass what happened to the detokenizer. When a step fails (the work
 or was restarted), every running request is preempted and recomputed once the worker answers
 again: clients see a pause, not an error.
 
+Async scheduling (``async_scheduling``; by default on for a CUDA device, off on the CPU): step
+N+1 is scheduled and sent while step N runs, before its tokens are back (the core counts them as
+placeholders, the worker puts them in), so the worker starts the next step as soon as it
+finishes one instead of waiting for the round trip through this actor; then step N's result is
+fed back. At most one step is in flight besides the one running. A failed step takes the one
+sent after it down too. Off with KV offloading.
+
 With the KV offload manager (`offload`): the core's lookups of the lower tiers read a mirror of
 what they hold (`KVBlockIndex`), kept by a long poll of the manager's tier events (`WatchTiers`;
 a restart of either side resynchronizes it from a snapshot); chunks the tiers drop are offered
@@ -24,8 +31,10 @@ import anyio
 import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
+from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.outputs import SchedulerOutput
 from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
@@ -69,6 +78,8 @@ class SchedulerActor(Actor):
         self.kicked = False
         """A message changed what the next `schedule()` can do (set by `handle`)."""
         self.steps = 0
+        self.failure: Exception | None = None
+        """Why the last failed step failed (logged by `_recover`)."""
         self.faults = FaultPlan.parse(self.config.fault_injection, seed=self.config.seed)
         offload_config = self.config.offload_config()
         self.offload_bpc = 0 if offload_config is None or offload is None else offload_config.blocks_per_chunk
@@ -77,11 +88,15 @@ class SchedulerActor(Actor):
         """Mirror of the block hashes each lower tier holds (what the core's lookups read)."""
         self.tier_epoch: str | None = None
         self.tier_seq = 0
+        self.pipelined = False
+        """Async scheduling: send the next step before the current one's result is back."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
         self.info = info
         cfg = self.config
+        wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
+        self.pipelined = wanted and self.offload_bpc == 0
         blocks = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
                               hash_algo=cfg.prefix_caching_hash_algo, kv_events=self.kv_events,
                               offload_blocks_per_chunk=self.offload_bpc)
@@ -155,8 +170,11 @@ class SchedulerActor(Actor):
         return Accepted(True)
 
     async def run(self) -> None:
+        in_flight: PendingReply | None = None
+        """Async scheduling: the step sent before the last one, its result not fed back yet."""
         while True:
-            if not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers():
+            idle = not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers()
+            if idle and in_flight is None:
                 self.wake = anyio.Event()
                 if self.pending:  # requests admitted and already finished (aborted) still need no step
                     self.pending = []
@@ -167,6 +185,12 @@ class SchedulerActor(Actor):
             output = self.core.schedule()
             await self._publish_kv_events()
             if output.is_empty and not output.finished_req_ids and not output.has_kv_transfers:
+                if in_flight is not None:  # what is left waits for the tokens in flight
+                    ok = await self._complete(in_flight)
+                    in_flight = None
+                    if not ok:
+                        await self._recover()
+                    continue
                 # Nothing could be scheduled this step (the core guarantees progress once blocks
                 # free up); yield so that aborts and new requests get handled meanwhile.
                 if self.core.loading and not self.kicked:
@@ -177,28 +201,58 @@ class SchedulerActor(Actor):
                 else:
                     await anyio.sleep(0.001)
                 continue
-            new = []
-            for sched in output.requests:
-                if sched.is_new:
-                    req = self.core.get_request(sched.req_id)
-                    new.append(NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids,
-                                              list(req.output_token_ids)))
-            fault = self.faults.next_step() if self.faults is not None else None
-            try:
-                result = await self.worker.ask(ExecuteStep(output, new, fault, notify=self.ref, offload=self.offload),
-                                               timeout=self.config.step_timeout)
-            except (ActorError, AskTimeout, ActorNotFound) as exc:
-                await self._recover(exc)
-                continue
-            self.steps += 1
-            updates = self.core.update_from_output(result.sampled)
-            tracked, self.pending = self.pending, []
-            # a prefill chunk that samples nothing still carries its prompt logprobs
-            if updates or tracked or result.prompt_logprobs:
-                await self.detokenizer.send(StepOutputs(
-                    new=tracked, updates=updates, scheduler=self.ref, logprobs=result.logprobs,
-                    prompt_logprobs=result.prompt_logprobs,
-                ))
+            step = await self._send(output)
+            if in_flight is not None:
+                if not await self._complete(in_flight):
+                    if step is not None:
+                        await self._complete(step, apply=False)  # sent after a failed one: void
+                    in_flight = None
+                    await self._recover()
+                    continue
+            if step is None:  # the worker could not be reached
+                in_flight = None
+                await self._recover()
+            elif self.pipelined:
+                in_flight = step
+            elif not await self._complete(step):
+                await self._recover()
+
+    async def _send(self, output: SchedulerOutput) -> PendingReply | None:
+        """Send a step to the worker; None when it cannot be delivered."""
+        new = []
+        for sched in output.requests:
+            if sched.is_new:
+                req = self.core.get_request(sched.req_id)
+                new.append(NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids,
+                                          list(req.output_token_ids)))
+        fault = self.faults.next_step() if self.faults is not None else None
+        try:
+            return await self.worker.ask_soon(ExecuteStep(output, new, fault, notify=self.ref, offload=self.offload))
+        except (ActorError, ActorNotFound) as exc:
+            self.failure = exc
+            return None
+
+    async def _complete(self, step: PendingReply, apply: bool = True) -> bool:
+        """Wait for a step's result and feed it back (unless `apply` is false); False when the
+        step failed (`self.failure` says how)."""
+        try:
+            result = await step.result(timeout=self.config.step_timeout)
+        except (ActorError, AskTimeout, ActorNotFound) as exc:
+            if apply:  # a voided step's failure only follows the one that counts
+                self.failure = exc
+            return False
+        if not apply:
+            return True
+        self.steps += 1
+        updates = self.core.update_from_output(result.sampled)
+        tracked, self.pending = self.pending, []
+        # a prefill chunk that samples nothing still carries its prompt logprobs
+        if updates or tracked or result.prompt_logprobs:
+            await self.detokenizer.send(StepOutputs(
+                new=tracked, updates=updates, scheduler=self.ref, logprobs=result.logprobs,
+                prompt_logprobs=result.prompt_logprobs,
+            ))
+        return True
 
     # -- KV offloading -------------------------------------------------------------------------
     def _in_tiers(self, block_hash: bytes) -> bool:
@@ -261,10 +315,11 @@ class SchedulerActor(Actor):
         except ActorNotFound:  # the manager is restarting: these events are lost
             log.warning("offload manager unavailable; KV events dropped")
 
-    async def _recover(self, exc: Exception) -> None:
-        """The step failed: recompute everything in flight once the worker answers again."""
+    async def _recover(self) -> None:
+        """A step failed (`self.failure`): recompute everything in flight once the worker answers
+        again."""
         ids = self.core.reset_after_worker_failure()
-        log.error("step failed; requests will be recomputed", error=str(exc), requests=len(ids))
+        log.error("step failed; requests will be recomputed", error=str(self.failure), requests=len(ids))
         delay = 0.05
         while True:
             try:

@@ -24,8 +24,6 @@ from sonar.cli import FLAGS, Status, parse_serve_args
      "sonar serve: --calculate-kv-scales is not supported yet (Sonar accepts only --no-calculate-kv-scales)"),
     (["--load-format", "pt"],
      "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)"),
-    (["--async-scheduling"],
-     "sonar serve: --async-scheduling is not supported yet (Sonar accepts only --no-async-scheduling)"),
 ])
 def test_unsupported_values_fail_clearly(usage_error, argv: list[str], expected: str) -> None:
     assert usage_error(*argv) == expected
@@ -39,7 +37,7 @@ def test_unsupported_still_checks_the_value_first(usage_error) -> None:
 
 @pytest.mark.parametrize("argv", [
     ["--tensor-parallel-size", "1"], ["--pipeline-parallel-size", "1"], ["--data-parallel-size", "1"],
-    ["--kv-cache-dtype", "auto"], ["--no-enable-lora"], ["--no-async-scheduling"],
+    ["--kv-cache-dtype", "auto"], ["--no-enable-lora"],
     ["--distributed-executor-backend", "uni"], ["--tokenizer-mode", "hf"], ["-O0"],
     ["--load-format", "gguf"], ["--load-format", "dummy"],
 ])

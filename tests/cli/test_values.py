@@ -55,6 +55,9 @@ def test_no_forms() -> None:
     assert parse_serve_args(["--no-enable-prefix-caching"]).engine.enable_prefix_caching is False
     assert parse_serve_args(["--enable-prefix-caching"]).engine.enable_prefix_caching is True
     assert parse_serve_args(["--no-enable-chunked-prefill"]).engine.enable_chunked_prefill is False
+    assert parse_serve_args([]).engine.async_scheduling is None  # by device: on for CUDA, off on the CPU
+    assert parse_serve_args(["--async-scheduling"]).engine.async_scheduling is True
+    assert parse_serve_args(["--no-async-scheduling"]).engine.async_scheduling is False
     assert parse_serve_args(["--no-scheduler-reserve-full-isl"]).engine.scheduler_reserve_full_isl is False
     assert parse_serve_args(["--enforce-eager"]).enforce_eager is True
     assert parse_serve_args(["--enforce-eager", "--no-enforce-eager"]).enforce_eager is False

@@ -5,13 +5,18 @@ tokens ``0..p``, computed the way attention would: from the fingerprint already 
 at ``p - 1`` and token ``p``. Before each step's reads, the runner checks every position a
 request attends to against the fingerprints its own tokens imply, so a wrongly shared,
 evicted, overwritten or never-computed block fails the test at once.
+
+Like the real runner, it keeps each request's tokens as it knows them (``seq``: the prompt, then
+every token it sampled) and puts those in for `PLACEHOLDER_TOKEN`. ``step`` is the synchronous
+loop; ``step_async`` schedules and runs step N+1 before it feeds back step N's tokens, as the
+scheduler actor does with async scheduling.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
-from sonar.core.outputs import RequestUpdate, SchedulerOutput
+from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestUpdate, SchedulerOutput
 from sonar.core.request import Request
 from sonar.core.schedule import Scheduler
 
@@ -30,6 +35,11 @@ class FakeRunner:
         self.block_size = scheduler.block_manager.block_size
         self.kv: dict[tuple[int, int], Fingerprint] = {}
         self.tokens: dict[str, list[int]] = {}
+        """The scheduler's tokens of each request, as its updates said."""
+        self.seq: dict[str, list[int]] = {}
+        """The runner's: the prompt, then each token it sampled (one past a stop, in async mode)."""
+        self.in_flight: dict[str, list[int]] | None = None
+        """step_async: the tokens of the step run but not yet fed back."""
         self.salts: dict[str, str | None] = {}
         self.expected: dict[str, list[Fingerprint]] = {}
 
@@ -37,12 +47,13 @@ class FakeRunner:
         """Add ``request`` to the scheduler and remember its tokens independently."""
         self.scheduler.add_request(request)
         self.tokens[request.request_id] = list(request.prompt_token_ids)
+        self.seq[request.request_id] = list(request.prompt_token_ids)
         self.salts[request.request_id] = request.cache_salt
         self.expected[request.request_id] = []
 
     def _expected(self, request_id: str, upto: int) -> list[Fingerprint]:
         chain = self.expected[request_id]
-        tokens = self.tokens[request_id]
+        tokens = self.seq[request_id]
         salt = self.salts[request_id]
         while len(chain) < upto:
             prev = chain[-1] if chain else None
@@ -59,20 +70,28 @@ class FakeRunner:
         assert len(out.requests) <= config.max_num_seqs
         assert len({r.req_id for r in out.requests}) == len(out.requests)
         for r in out.requests:
-            tokens = self.tokens[r.req_id]
+            if r.is_new:  # the runner (re)builds its state from the scheduler's tokens
+                self.seq[r.req_id] = list(self.tokens[r.req_id])
+                self.expected[r.req_id] = []
+            tokens = self.seq[r.req_id]
             end = r.start_pos + len(r.token_ids)
             assert r.token_ids, r
-            assert r.token_ids == tokens[r.start_pos : end], r
+            assert end <= len(tokens), f"{r.req_id}: a placeholder the runner never sampled"
+            known = [t if t != PLACEHOLDER_TOKEN else tokens[r.start_pos + i] for i, t in enumerate(r.token_ids)]
+            assert known == tokens[r.start_pos : end], r
+            assert all(t == PLACEHOLDER_TOKEN for t in r.token_ids[len(self.tokens[r.req_id]) - r.start_pos:]), r
             assert r.sample == (end == len(tokens)), r
             assert len(r.block_ids) * self.block_size >= end, r
             assert r.num_prompt_tokens <= len(tokens)
 
-    def execute(self, out: SchedulerOutput) -> None:
-        """Write the step's KV in batch order, then check every read of the step."""
+    def execute(self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7) -> dict[str, list[int]]:
+        """Write the step's KV in batch order, check every read of the step, sample."""
         for r in out.requests:
             salt = self.salts[r.req_id]
-            for i, token in enumerate(r.token_ids):
+            seq = self.seq[r.req_id]
+            for i in range(len(r.token_ids)):
                 pos = r.start_pos + i
+                token = seq[pos]
                 prev = self.kv[self._slot(r.block_ids, pos - 1)] if pos else None
                 self.kv[self._slot(r.block_ids, pos)] = fingerprint(prev, token, salt)
         for r in out.requests:
@@ -81,6 +100,13 @@ class FakeRunner:
             for pos in range(end):
                 got = self.kv.get(self._slot(r.block_ids, pos))
                 assert got == chain[pos], f"{r.req_id}: stale KV at position {pos}"
+        sampled = {}
+        for r in out.requests:
+            if r.sample:
+                token = sample(r.req_id)
+                self.seq[r.req_id].append(token)
+                sampled[r.req_id] = [token]
+        return sampled
 
     def step(
         self,
@@ -88,33 +114,61 @@ class FakeRunner:
         stopped: Mapping[str, int | str | None] | None = None,
     ) -> tuple[SchedulerOutput, list[RequestUpdate]]:
         """One full step: schedule, check, execute, feed the sampled tokens back."""
+        out = self._run(sample)
+        return out, self._feed_back(self.in_flight or {}, stopped)
+
+    def step_async(
+        self,
+        sample: Callable[[str], int] = lambda request_id: 7,
+        stopped: Mapping[str, int | str | None] | None = None,
+    ) -> tuple[SchedulerOutput, list[RequestUpdate]]:
+        """Schedule and run step N+1, then feed back step N's tokens (async scheduling)."""
+        previous = self.in_flight
+        out = self._run(sample)
+        current, self.in_flight = self.in_flight, None
+        updates = self._feed_back(previous, stopped) if previous is not None else []
+        self.in_flight = current
+        return out, updates
+
+    def _run(self, sample: Callable[[str], int]) -> SchedulerOutput:
         scheduler = self.scheduler
         out = scheduler.schedule()
         scheduler.check_invariants()
         self.check_output(out)
-        self.execute(out)
-        sampled = {r.req_id: [sample(r.req_id)] for r in out.requests if r.sample}
+        self.in_flight = self.execute(out, sample)
+        return out
+
+    def _feed_back(
+        self, sampled: dict[str, list[int]], stopped: Mapping[str, int | str | None] | None
+    ) -> list[RequestUpdate]:
+        scheduler = self.scheduler
+        self.in_flight = None
         updates = scheduler.update_from_output(sampled, stopped)
         scheduler.check_invariants()
         for update in updates:
             self.tokens[update.req_id].extend(update.new_token_ids)
+            assert self.tokens[update.req_id] == self.seq[update.req_id][: len(self.tokens[update.req_id])]
             if update.finish_reason is not None:
                 self.forget(update.req_id)
-        return out, updates
+        return updates
 
     def forget(self, request_id: str) -> None:
         self.tokens.pop(request_id, None)
+        self.seq.pop(request_id, None)
         self.salts.pop(request_id, None)
         self.expected.pop(request_id, None)
 
     def crash(self) -> None:
-        """The worker died: its KV cache is gone."""
+        """The worker died: its KV cache is gone, and the step in flight with it."""
         self.kv.clear()
+        self.in_flight = None
 
     def drain(self, max_steps: int = 10_000) -> int:
         """Step until every request has finished; return the number of steps."""
         for steps in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
+                if self.in_flight is not None:
+                    self._feed_back(self.in_flight, None)
                 return steps
-            self.step()
+            self.step_async() if self.in_flight is not None else self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")

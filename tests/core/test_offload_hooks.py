@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -60,7 +61,7 @@ class OffloadRunner(FakeRunner):
         self.stored = 0
         self.loaded_blocks = 0
 
-    def execute(self, out: SchedulerOutput) -> None:
+    def execute(self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7) -> dict[str, list[int]]:
         bm = self.scheduler.block_manager
         bs, bpc = self.block_size, self.tier.bpc
         for spec in out.kv_stores:  # before the step writes: the blocks may be reused by it
@@ -70,9 +71,10 @@ class OffloadRunner(FakeRunner):
             assert None not in values, "offered a block that was never computed"
             bm.forget_offloaded(self.tier.put(spec.block_hashes[-1], values))
             self.stored += 1
-        super().execute(out)
+        sampled = super().execute(out, sample)
         delay = 0 if self.rng is None else self.rng.choice([0, 0, 1, 3])
         self.pending += [(delay, spec) for spec in out.kv_loads]
+        return sampled
 
     def finish_loads(self, *, everything: bool = False) -> None:
         still = []

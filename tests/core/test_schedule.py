@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from sonar.core.blocks import BlockManager
-from sonar.core.outputs import SchedulerOutput
+from sonar.core.outputs import PLACEHOLDER_TOKEN, SchedulerOutput
 from sonar.core.request import (
     DuplicateRequestError,
     PromptTooLongError,
@@ -553,3 +553,57 @@ def test_scheduler_output_round_trips_through_msgpack() -> None:
     assert msgspec.msgpack.decode(data, type=SchedulerOutput) == out
     stats = scheduler.stats()
     assert stats.num_running == 1 and 0 < stats.kv_usage < 1
+
+
+# Async scheduling: step N+1 scheduled before step N's tokens are back.
+
+
+def test_async_decode_feeds_a_placeholder_the_runner_fills() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", 5, max_tokens=3))
+    first, updates = runner.step_async(sample=lambda _: 11)
+    assert chunks(first) == {"a": (0, 5)} and first.requests[0].sample and updates == []
+    # the next step is scheduled before token 11 is back: it feeds a placeholder at position 5
+    second, updates = runner.step_async(sample=lambda _: 12)
+    (decode,) = second.requests
+    assert decode.token_ids == [PLACEHOLDER_TOKEN] and decode.start_pos == 5 and decode.sample
+    assert runner.seq["a"][5:] == [11, 12]  # the runner computed position 5 from the token it sampled
+    assert [u.new_token_ids for u in updates] == [[11]]  # back after the second step was scheduled
+    third, updates = runner.step_async(sample=lambda _: 13)
+    assert chunks(third) == {"a": (6, 1)} and third.requests[0].token_ids == [PLACEHOLDER_TOKEN]
+    assert [u.new_token_ids for u in updates] == [[12]]
+    # max_tokens=3: the token in flight (13) ends the request, so nothing more is scheduled
+    fourth, updates = runner.step_async()
+    assert fourth.is_empty
+    assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([13], "length")]
+    assert not scheduler.has_unfinished_requests()
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_async_stop_token_in_flight_drops_the_extra_token() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", 6, max_tokens=10, stop_token_ids=[3]))
+    runner.step_async(sample=lambda _: 3)  # the prefill samples the stop token
+    extra, updates = runner.step_async(sample=lambda _: 9)  # scheduled before the stop is known
+    assert chunks(extra) == {"a": (6, 1)}
+    assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([3], "stop")]
+    last, updates = runner.step_async()
+    assert last.finished_req_ids == ["a"] and updates == []  # the token computed past the stop is dropped
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_async_preempted_in_flight_keeps_its_token() -> None:
+    # 4 blocks of 4 tokens: "a" (7 tokens) and "b" (8) fill them; b's next decode needs a fifth
+    scheduler, runner = make_runner(num_blocks=4, max_model_len=16)
+    runner.add(req("a", 7, max_tokens=5))
+    runner.add(req("b", 8, max_tokens=5))
+    runner.step_async(sample=lambda rid: {"a": 21, "b": 31}[rid])
+    second, updates = runner.step_async(sample=lambda rid: 22)
+    assert second.preempted_req_ids == ["b"] and chunks(second) == {"a": (7, 1)}
+    assert {u.req_id: u.new_token_ids for u in updates} == {"a": [21], "b": [31]}
+    b = scheduler.get_request("b")
+    assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == [31] and b.num_placeholders == 0
+    runner.drain()
+    assert_all_free(scheduler)

@@ -34,7 +34,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 STOP_TOKEN = 3
 
 
-def run_workload(seed: int, steps: int, options: dict[str, Any]) -> FakeRunner:
+def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool = False) -> FakeRunner:
     rng = random.Random(seed)
     options = dict(options)
     block_size = rng.choice([2, 4, 8])
@@ -90,7 +90,8 @@ def run_workload(seed: int, steps: int, options: dict[str, Any]) -> FakeRunner:
         stopped = None
         if scheduler.running and rng.random() < 0.03:
             stopped = {rng.choice(scheduler.running).request_id: "stop-string"}
-        runner.step(sample=lambda _: rng.randrange(0, 60), stopped=stopped)
+        step = runner.step_async if pipelined else runner.step
+        step(sample=lambda _: rng.randrange(0, 60), stopped=stopped)
 
     runner.drain()
     scheduler.check_invariants()
@@ -99,13 +100,15 @@ def run_workload(seed: int, steps: int, options: dict[str, Any]) -> FakeRunner:
     return runner
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_random_workload(name: str, seed: int) -> None:
+def test_random_workload(name: str, seed: int, pipelined: bool) -> None:
+    """``async``: each step is scheduled and run before the previous one's tokens come back."""
     if CONFIGS[name].get("hash_algo", "").startswith("xxhash"):
         pytest.importorskip("xxhash")
         pytest.importorskip("cbor2")
-    runner = run_workload(seed * 7919 + list(CONFIGS).index(name), 500, CONFIGS[name])
+    runner = run_workload(seed * 7919 + list(CONFIGS).index(name), 500, CONFIGS[name], pipelined)
     stats = runner.scheduler.stats()
     assert stats.kv_usage == 0.0
     if CONFIGS[name].get("prefix_caching", True):
