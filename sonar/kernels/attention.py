@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sonar.kernels import hugepages
+
 
 @dataclass(eq=False)
 class AttentionMetadata:
@@ -261,10 +263,13 @@ def allocate_kv_caches(
 ) -> list[Tensor]:
     """One zeroed cache tensor per layer (zeroed: stale memory may hold NaN bit patterns).
 
-    Not on huge pages (`sonar.kernels.hugepages`), unlike the packed weights: zeroing a cache of
-    several GiB on them made the kernel compact memory for every 2 MiB page at start-up (+2.5 s
-    to ready for the default CPU cache), for a few percent on decode steps."""
+    On the CPU in fresh mappings the kernel zero-fills page by page as requests first reach them
+    (`sonar.kernels.hugepages.zeros`): nothing to write at start-up. Not on huge pages, unlike
+    the packed weights: faulting them in made the kernel compact memory (+2.5 s to ready for
+    the default CPU cache when it was zeroed at start-up), for a few percent on decode steps."""
     shape = kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":
+        return [hugepages.zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 

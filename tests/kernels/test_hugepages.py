@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sonar.kernels import hugepages
+from sonar.kernels.attention import allocate_kv_caches
 from sonar.kernels.linear import pack_native, prepack_linears
 
 
@@ -60,3 +61,33 @@ def test_packed_weights_share_huge_pages() -> None:
         assert layers[1].packed.data_ptr() == layers[0].packed.data_ptr() + layers[0].packed.nbytes
         for layer in layers:
             assert torch.equal(layer.packed, pack_native(layer.weight.detach()))
+
+
+def _rss_kib_at(address: int) -> int:
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            lo, hi = (int(x, 16) for x in first.split("-"))
+            inside = lo <= address < hi
+        elif inside and first == "Rss:":
+            return int(line.split()[1])
+    return -1
+
+
+def test_zeros_are_zero_and_cost_nothing_until_touched() -> None:
+    t = hugepages.zeros((64, 1 << 20), torch.bfloat16)  # 128 MiB
+    assert t.shape == (64, 1 << 20) and t.dtype == torch.bfloat16 and t.is_contiguous()
+    assert _rss_kib_at(t.data_ptr()) < 1024  # no page backed yet: nothing was written at allocation
+    t[3].fill_(2.0)
+    assert 2048 <= _rss_kib_at(t.data_ptr()) < 8192  # the touched row is backed now, and only about it
+    assert float(t.float().sum()) == 2.0 * (1 << 20) and not t[4:].any()
+    small = hugepages.zeros((3, 5), torch.float32)
+    assert torch.equal(small, torch.zeros(3, 5))
+
+
+def test_cpu_kv_caches_start_zero_without_being_written() -> None:
+    caches = allocate_kv_caches(2, 512, 16, 8, 64, torch.bfloat16)  # 2 x 16 MiB
+    for cache in caches:
+        assert cache.shape == (2, 512, 16, 8, 64) and _rss_kib_at(cache.data_ptr()) < 1024
+        assert not cache.any()
