@@ -16,17 +16,25 @@ from sonar.kernels.attention import allocate_kv_caches
 from sonar.kernels.linear import pack_native, prepack_linears
 
 
-def _vm_flags_at(address: int) -> set[str]:
-    """The VmFlags of the mapping that holds `address` (Linux ``/proc/self/smaps``)."""
+def _smaps_field(address: int, field: str) -> list[str]:
+    """A field of the mapping that holds `address` in Linux ``/proc/self/smaps`` (its words)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0]
         if "-" in first and ":" not in first:
             lo, hi = (int(x, 16) for x in first.split("-"))
             inside = lo <= address < hi
-        elif inside and first == "VmFlags:":
-            return set(line.split()[1:])
-    return set()
+        elif inside and first == field + ":":
+            return line.split()[1:]
+    raise AssertionError(f"no {field} for address {address:#x}")
+
+
+def _vm_flags_at(address: int) -> set[str]:
+    return set(_smaps_field(address, "VmFlags"))
+
+
+def _rss_kib_at(address: int) -> int:
+    return int(_smaps_field(address, "Rss")[0])
 
 
 def test_large_tensor_is_aligned_and_advised_for_huge_pages() -> None:
@@ -61,18 +69,6 @@ def test_packed_weights_share_huge_pages() -> None:
         assert layers[1].packed.data_ptr() == layers[0].packed.data_ptr() + layers[0].packed.nbytes
         for layer in layers:
             assert torch.equal(layer.packed, pack_native(layer.weight.detach()))
-
-
-def _rss_kib_at(address: int) -> int:
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0]
-        if "-" in first and ":" not in first:
-            lo, hi = (int(x, 16) for x in first.split("-"))
-            inside = lo <= address < hi
-        elif inside and first == "Rss:":
-            return int(line.split()[1])
-    return -1
 
 
 def test_zeros_are_zero_and_cost_nothing_until_touched() -> None:
