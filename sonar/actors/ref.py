@@ -81,23 +81,13 @@ class ActorRef(Generic[Msg]):
         Raises `AskTimeout` when no reply comes in `timeout` seconds and `ActorError` when the
         actor failed while handling it.
         """
-        self._check(msg)
-        if not isinstance(msg, Ask):
-            raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
-        node = get_node()
-        reply_to, fut = node.new_ask(type(msg).reply_type, self.label, self.name)
-        msg = msgspec.structs.replace(msg, reply_to=reply_to)
+        if timeout is None:
+            return await (await self.ask_soon(msg)).result()
         try:
-            if timeout is None:
-                await node.deliver(self.name, self.address, msg)
-                return await fut
-            with anyio.fail_after(timeout):
-                await node.deliver(self.name, self.address, msg)
-                return await fut
+            with anyio.fail_after(timeout):  # the delivery (a full mailbox) counts too
+                return await (await self.ask_soon(msg)).result()
         except TimeoutError:
             raise AskTimeout(f"actor {self.label!r} did not answer {type(msg).__qualname__} in {timeout} s") from None
-        finally:
-            node.forget_ask(reply_to.id)
 
     async def ask_soon(self, msg: Msg) -> PendingReply:
         """Deliver `msg` now and return its reply to await later (`PendingReply.result`): asks
