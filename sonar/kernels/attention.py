@@ -57,6 +57,7 @@ class AttentionMetadata:
     num_splits: int | None = None
     _plans: dict[int, _ReferencePlan] = field(default_factory=dict, init=False, repr=False)
     _split: DecodeSplit | None = field(default=None, init=False, repr=False)
+    _token_splits: dict[int, TokenSplit] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -112,6 +113,14 @@ class AttentionMetadata:
             self._split = DecodeSplit.build(self)
         return self._split
 
+    def token_split(self, max_len: int) -> TokenSplit:
+        """Every query token of the sequences up to ``max_len`` long as a one-token query over its
+        own prefix (see `TokenSplit`), computed once per step."""
+        split = self._token_splits.get(max_len)
+        if split is None:
+            split = self._token_splits[max_len] = TokenSplit.build(self, max_len)
+        return split
+
     def reference_plan(self, block_size: int) -> _ReferencePlan:
         """Index tensors and masks of the torch reference, computed once per step (not per layer)."""
         plan = self._plans.get(block_size)
@@ -156,6 +165,52 @@ class DecodeSplit:
         rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
         return cls(rows, meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index),
                    decodes, prefills, starts, q_lens)
+
+
+@dataclass(eq=False)
+class TokenSplit:
+    """A step's query tokens as decodes, for a kernel that serves one-token queries.
+
+    Token ``j`` of a sequence with ``q_len`` new tokens and ``seq_len`` positions after the step
+    sits at position ``seq_len - q_len + j`` and attends causally to positions up to its own:
+    exactly a decode of a sequence ``seq_len - q_len + j + 1`` long with the same block table. So
+    a prefill chunk is as many decodes, each reading its keys and values straight from the paged
+    cache (from L1/L2 after the chunk's first token). Sequences longer than the split's
+    ``max_len`` with more than one query token are left out, in ``prefills``, for a kernel that
+    reuses keys across queries. ``rows``: the int64 query row of each entry, empty when entry
+    ``i`` is row ``i`` (no sequence left out); ``block_tables`` / ``seq_lens``: per entry.
+    """
+
+    rows: Tensor
+    block_tables: Tensor
+    seq_lens: Tensor
+    prefills: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, max_len: int) -> TokenSplit:
+        split = meta.decode_split()
+        if not split.prefills:
+            return cls(split.rows, split.block_tables, split.seq_lens, [])
+        device = meta.seq_lens.device
+        q_lens = torch.tensor(split.query_lens, dtype=torch.int64, device=device)
+        seq_lens = meta.seq_lens.to(torch.int64)
+        host_lens = seq_lens.tolist()
+        prefills = [i for i in split.prefills if host_lens[i] > max_len]
+        seq_of = torch.repeat_interleave(torch.arange(meta.num_seqs, device=device), q_lens)
+        token = torch.arange(meta.num_tokens, device=device)
+        ends = meta.query_start_loc[1:].to(torch.int64)
+        lens = (seq_lens[seq_of] - (ends[seq_of] - token) + 1).to(torch.int32)
+        if not prefills:
+            return cls(torch.empty(0, dtype=torch.int64, device=device), meta.block_tables.index_select(0, seq_of),
+                       lens, [])
+        kept = torch.ones(meta.num_seqs, dtype=torch.bool, device=device)
+        kept[prefills] = False
+        mask = kept[seq_of]
+        return cls(token[mask], meta.block_tables.index_select(0, seq_of[mask]), lens[mask], prefills)
 
 
 @dataclass(eq=False)
@@ -341,14 +396,20 @@ def paged_attention(
 
 
 def prefill_attention(
-    query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None, out: Tensor
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    out: Tensor,
+    seqs: list[int] | None = None,
 ) -> None:
     """Fill ``out``'s rows of the sequences with more than one query token (what
-    `paged_attention` computes for them) and leave the decode rows alone: for a kernel that
-    serves the decodes itself. Model-dtype caches only."""
+    `paged_attention` computes for them; only those of ``seqs`` when given) and leave the other
+    rows alone: for a kernel that serves the rest itself. Model-dtype caches only."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    _attend_prefills(query, flat, meta.reference_plan(block_size), scale, sliding_window, out)
+    _attend_prefills(query, flat, meta.reference_plan(block_size), scale, sliding_window, out, seqs=seqs)
 
 
 def _attend_prefills(
@@ -361,8 +422,9 @@ def _attend_prefills(
     dequantized: Callable[[Tensor, Tensor | None], Tensor] = lambda x, _: x,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    seqs: list[int] | None = None,
 ) -> None:
-    """Each sequence of ``plan.prefills`` attended alone (SDPA over its gathered context) into
+    """Each sequence of ``plan.prefills`` (or of ``seqs``) attended alone (SDPA over its gathered context) into
     its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads, head_dim]``.
 
     A KV head's query group is folded into the query length (``[1, num_kv_heads, group *
@@ -372,7 +434,7 @@ def _attend_prefills(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = flat.shape[2]
     group = num_heads // num_kv_heads
-    for seq in plan.prefills:
+    for seq in plan.prefills if seqs is None else seqs:
         start, q_len = plan.query_starts[seq], plan.query_lens[seq]
         slots = plan.prefill_slots(seq)
         k = dequantized(flat[0].index_select(0, slots), k_scale).transpose(0, 1)[None]

@@ -77,9 +77,14 @@ def _fill_context(cache: torch.Tensor, meta: AttentionMetadata, seq_lens: list[i
     [(9, 3, 64), (4, 4, 128), (8, 2, 32), (6, 2, 80), (6, 3, 40)],
 )
 @pytest.mark.parametrize("window", [None, 7])
+# prefills up to this long go through the decode kernel a token at a time, longer ones through SDPA:
+# all of them, those of 12 tokens but not 40, none
+@pytest.mark.parametrize("max_len", [ops.PREFILL_AS_DECODES_MAX_LEN, 20, 0])
 def test_decode_attention_matches_the_reference(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None, max_len: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(ops, "PREFILL_AS_DECODES_MAX_LEN", max_len)
     block_size, num_blocks = 16, 96
     # one prefill chunk over a cached prefix, a fresh prompt and decodes of several lengths
     query_lens = [1, 5, 1, 1, 12, 1, 1]
@@ -95,6 +100,21 @@ def test_decode_attention_matches_the_reference(
     assert not got.isnan().any()
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_token_split_makes_each_prefill_token_a_decode_of_its_prefix() -> None:
+    # sequences: a decode at position 39, a 5-token chunk after 35 cached, a fresh 3-token prompt
+    meta = _batch([1, 5, 3], [40, 40, 3], 16, 32, seed=0)
+    split = meta.token_split(4096)
+    assert split.rows.numel() == 0 and split.prefills == []
+    assert split.seq_lens.tolist() == [40, 36, 37, 38, 39, 40, 1, 2, 3]
+    tables = meta.block_tables.tolist()
+    assert split.block_tables.tolist() == [tables[0]] + [tables[1]] * 5 + [tables[2]] * 3
+    # the 40-long chunk left to the prefill kernel: the other rows keep their query rows
+    short = meta.token_split(39)
+    assert short.prefills == [1]
+    assert short.rows.tolist() == [0, 6, 7, 8] and short.seq_lens.tolist() == [40, 1, 2, 3]
+    assert short.block_tables.tolist() == [tables[0]] + [tables[2]] * 3
 
 
 @pytest.mark.parametrize("num_seqs", [1, 2, 9])  # below and above two sequences per thread
