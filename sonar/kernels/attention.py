@@ -424,8 +424,9 @@ def _attend_prefills(
     v_scale: Tensor | None = None,
     seqs: list[int] | None = None,
 ) -> None:
-    """Each sequence of ``plan.prefills`` (or of ``seqs``) attended alone (SDPA over its gathered context) into
-    its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads, head_dim]``.
+    """Each sequence of ``plan.prefills`` (or of ``seqs``) attended alone (SDPA over its gathered
+    context) into its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads,
+    head_dim]``.
 
     A KV head's query group is folded into the query length (``[1, num_kv_heads, group *
     q_len, head_dim]``, the causal mask repeated per head), so keys and values need no broadcast
