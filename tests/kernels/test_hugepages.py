@@ -18,21 +18,17 @@ from sonar.kernels.attention import allocate_kv_caches
 from sonar.kernels.linear import pack_native, prepack_linears
 
 
-def _smaps_field(address: int, field: str) -> list[str]:
-    """A field of the mapping that holds `address` in Linux ``/proc/self/smaps`` (its words)."""
+def _vm_flags_at(address: int) -> set[str]:
+    """The VmFlags of the mapping that holds `address` (Linux ``/proc/self/smaps``)."""
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         first = line.split()[0]
         if "-" in first and ":" not in first:
             lo, hi = (int(x, 16) for x in first.split("-"))
             inside = lo <= address < hi
-        elif inside and first == field + ":":
-            return line.split()[1:]
-    raise AssertionError(f"no {field} for address {address:#x}")
-
-
-def _vm_flags_at(address: int) -> set[str]:
-    return set(_smaps_field(address, "VmFlags"))
+        elif inside and first == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no VmFlags for address {address:#x}")
 
 
 def _resident_kib(address: int, nbytes: int) -> int:

@@ -535,9 +535,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         const int64_t block = tables[seq * geo.max_blocks + b];
         const int64_t t0 = std::max<int64_t>(start - b * block_size, 0);
         const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
-        const bool more = (b + 1) * block_size < len;
-        const T* k_next = more ? keys + tables[seq * geo.max_blocks + b + 1] * geo.block_stride : nullptr;
-        const T* v_next = more ? values + tables[seq * geo.max_blocks + b + 1] * geo.block_stride : nullptr;
+        // where the sequence's next block starts in the K (and V) half of the cache, -1 after its last
+        const int64_t next = (b + 1) * block_size < len ? tables[seq * geo.max_blocks + b + 1] * geo.block_stride : -1;
         for (int64_t h = 0; h < heads_per_unit; ++h) {
           const int64_t base = block * geo.block_stride + (h0 + h) * head_dim;
           kernel.scores(geo, keys + base, t0, t1, &q[h * per_head], s.data());
@@ -547,11 +546,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           // computed, a share of its rows after each head, only the unit's heads of each row. (All
           // of it at once, into L1, before the block, as before: 6.0 ms a step at batch 16 over
           // 30 layers of caches in memory; spread like this: 4.0 ms.)
-          if (more) {
+          if (next >= 0) {
             for (int64_t t = h * block_size / heads_per_unit; t < (h + 1) * block_size / heads_per_unit; ++t) {
-              const int64_t offset = t * geo.token_stride + h0 * head_dim;
-              const char* k_row = reinterpret_cast<const char*>(k_next + offset);
-              const char* v_row = reinterpret_cast<const char*>(v_next + offset);
+              const int64_t offset = next + t * geo.token_stride + h0 * head_dim;
+              const char* k_row = reinterpret_cast<const char*>(keys + offset);
+              const char* v_row = reinterpret_cast<const char*>(values + offset);
               for (int64_t byte = 0; byte < unit_bytes + 63; byte += 64) {
                 const int64_t at = std::min(byte, unit_bytes - 1);
                 __builtin_prefetch(k_row + at, 0, 2);
