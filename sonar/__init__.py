@@ -19,6 +19,8 @@ _EXPORTS = {
     "StreamDelta": "sonar.engine.client",
     "EngineDeadError": "sonar.errors",
     "InvalidRequestError": "sonar.errors",
+    "RequestQuarantinedError": "sonar.errors",
+    "ServerOverloadedError": "sonar.errors",
     "SonarError": "sonar.errors",
     "SamplingParams": "sonar.sampling_params",
     "SamplingParamsError": "sonar.sampling_params",

@@ -16,3 +16,17 @@ class InvalidRequestError(SonarError, ValueError):
 
 class EngineDeadError(SonarError, RuntimeError):
     """The engine stopped (it gave up after repeated failures, or was shut down) mid-request."""
+
+
+class ServerOverloadedError(SonarError, RuntimeError):
+    """The engine holds as many waiting requests as it may (``--max-waiting-seqs``); try again
+    after `retry_after` seconds. HTTP answers 429 with a ``Retry-After`` header."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestQuarantinedError(SonarError, RuntimeError):
+    """The request was in flight each time the worker crashed, twice, and was failed on its own so
+    the other requests could go on. HTTP answers 500 naming the request."""
