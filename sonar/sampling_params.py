@@ -31,6 +31,13 @@ GREEDY_EPS = 1e-5
 MAX_LOGIT_BIAS = 100.0
 
 
+def over_limit(what: str, limit: int, got: int, name: str) -> str:
+    """The message of a request over one of the engine's limits: the limit, its engine argument
+    and its `serve` flag, and what the request asked for."""
+    flag = "--" + name.replace("_", "-")
+    return f"at most {limit} {what} per request ({name}, {flag}), got {got}"
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; `param` is the field's name."""
 
@@ -145,13 +152,20 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         *,
         max_logprobs: int = 20,
         vocab_size: int | None = None,
+        max_stop_strings: int | None = None,
+        max_stop_string_chars: int | None = None,
+        max_stop_token_ids: int | None = None,
+        max_logit_bias: int | None = None,
     ) -> None:
         """Check the limits that depend on the engine; raise `SamplingParamsError` if one fails.
 
         Run this in the frontend before a request is admitted: the sampler trusts the params it
-        is given (an out-of-vocabulary `logit_bias` id there would fail the whole batch).
+        is given (an out-of-vocabulary `logit_bias` id there would fail the whole batch). The
+        `max_*` counts are the engine's request limits (None: no cap); their errors name the
+        limit and its `serve` flag.
         """
         self._check()
+        self._check_counts(max_stop_strings, max_stop_string_chars, max_stop_token_ids, max_logit_bias)
         if self.logprobs is not None and self.logprobs > max_logprobs:
             raise SamplingParamsError(
                 "logprobs", f"must be <= {max_logprobs}, got {self.logprobs}"
@@ -174,6 +188,25 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                         "stop_token_ids",
                         f"token ids must be < vocab size {vocab_size}, got {bad}",
                     )
+
+    def _check_counts(self, max_stop_strings: int | None, max_stop_string_chars: int | None,
+                      max_stop_token_ids: int | None, max_logit_bias: int | None) -> None:
+        stops = self.stop_strings
+        if max_stop_strings is not None and len(stops) > max_stop_strings:
+            raise SamplingParamsError("stop", over_limit("stop strings", max_stop_strings, len(stops),
+                                                         "max_stop_strings"))
+        longest = max(stops, key=len, default="")
+        if max_stop_string_chars is not None and len(longest) > max_stop_string_chars:
+            raise SamplingParamsError("stop", over_limit("characters per stop string", max_stop_string_chars,
+                                                         len(longest), "max_stop_string_chars"))
+        ids = self.stop_token_ids or ()
+        if max_stop_token_ids is not None and len(ids) > max_stop_token_ids:
+            raise SamplingParamsError("stop_token_ids", over_limit("stop token ids", max_stop_token_ids, len(ids),
+                                                                   "max_stop_token_ids"))
+        bias = self.logit_bias or {}
+        if max_logit_bias is not None and len(bias) > max_logit_bias:
+            raise SamplingParamsError("logit_bias", over_limit("logit_bias entries", max_logit_bias, len(bias),
+                                                               "max_logit_bias"))
 
     @property
     def greedy(self) -> bool:

@@ -34,9 +34,14 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     disable_fastapi_docs: bool = False
     enable_log_deltas: bool = True
     shutdown_timeout: float = 0.0
+    max_request_body_bytes: int = 8 * 2**20
+    header_read_timeout: float = 10.0
+    body_read_timeout: float = 60.0
+    max_connections: int = 2048
 
     # Access control and CORS.
     api_key: tuple[str, ...] | None = None
+    metrics_public: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)

@@ -84,7 +84,9 @@ def root_spec(config: ServeConfig, drain: Any) -> Any:
                          shutdown=5.0, kwargs={"uvicorn_args": _uvicorn_args(config), "drain": drain,
                                                "request_id_headers": config.enable_request_id_headers,
                                                "max_header_count": config.h11_max_header_count,
-                                               "quiet_paths": tuple(config.disable_access_log_for_endpoints)})
+                                               "quiet_paths": tuple(config.disable_access_log_for_endpoints),
+                                               "header_timeout": config.header_read_timeout,
+                                               "max_connections": config.max_connections})
     return SupervisorSpec("sonar", [frontend, engine_spec(server_engine_config(config))],
                           strategy="one_for_one", max_restarts=0, period=60)
 
@@ -104,6 +106,12 @@ async def serve(config: ServeConfig) -> int:
     started_at = time.monotonic()
     for line in describe(config):
         _say(line)
+    warning = exposure_warning(config)
+    if warning is not None:
+        from sonar.log import get_logger
+
+        get_logger("sonar.serve").warning("serve.unauthenticated", host=config.host or "0.0.0.0", port=config.port,
+                                          detail=warning)
     drain = Drain()
     finished = anyio.Event()
     waiting = anyio.CancelScope()
@@ -201,7 +209,8 @@ def _settings(config: ServeConfig) -> Any:
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
         enable_log_requests=config.enable_log_requests, enable_log_outputs=config.enable_log_outputs,
         max_log_len=config.max_log_len, enable_openapi=not config.disable_fastapi_docs,
-        enable_log_deltas=config.enable_log_deltas)
+        enable_log_deltas=config.enable_log_deltas, metrics_public=config.metrics_public,
+        max_request_body_bytes=config.max_request_body_bytes, body_read_timeout=config.body_read_timeout)
 
 
 #: generation_config.json keys that become sampling defaults, and their SamplingParams names.
@@ -328,6 +337,25 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
         "startup: " + " ".join(f"{phase}={secs:.2f}" for phase, secs in
                                [*info.startup_seconds.items(), ("ready", seconds)]),
     ]
+
+
+def exposure_warning(config: ServeConfig) -> str | None:
+    """What to tell the operator when the server listens beyond this machine with no API key
+    (None when it does not: a loopback address, a Unix socket, or --api-key set)."""
+    import ipaddress
+
+    if config.uds or config.api_key:
+        return None
+    host = config.host or "0.0.0.0"
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:
+        pass  # a host name: it may resolve to any interface
+    where = "all interfaces" if host in ("0.0.0.0", "::") else host
+    return (f"listening on {where} without --api-key: anyone who can reach port {config.port} can generate, "
+            "tokenize and read /metrics and /actors; set --api-key, or --host 127.0.0.1 behind a proxy "
+            "(see docs/security.md)")
 
 
 def _address(config: ServeConfig) -> str:

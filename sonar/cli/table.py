@@ -767,6 +767,35 @@ GROUPS: tuple[Group, ...] = (
            dotted=True),
     ),
     _group(
+        "Limits", "Sonar's own flags: what one connection and one request may use. Going over a limit is "
+        "refused with an error that names its flag; the defaults stay out of the way of normal use.",
+        _f("--metrics-public", B, False,
+           "Serve /metrics without the API key (for a Prometheus scraper that sends none). Every other "
+           "route but /health and /ping needs the key when --api-key is set.", to=S),
+        _f("--max-request-body-bytes", Kind.BYTES, 8 * 2**20,
+           "Largest request body, in bytes (takes 8M, 8MiB): a bigger one gets 413 before it is read, from "
+           "its Content-Length or, streamed, as soon as it passes the limit.", to=S, check=positive),
+        _f("--header-read-timeout", F, 10.0,
+           "Seconds a connection may take to send a request's headers; then it gets 408 and is closed "
+           "(a client trickling partial headers holds no connection for longer).", to=S, check=positive),
+        _f("--body-read-timeout", F, 60.0,
+           "Seconds from a request's headers to the end of its body; a slower body gets 408 and the "
+           "connection is closed.", to=S, check=positive),
+        _f("--max-connections", I, 2048,
+           "Most HTTP connections open at once; a request on a connection beyond them gets 503 and the "
+           "connection is closed.", to=S, check=positive),
+        _f("--max-prompt-chars", H, 1_000_000,
+           "Most characters in one text prompt (for a chat, in the rendered conversation), checked before "
+           "tokenization; a longer one gets 400.", to=E, check=positive),
+        _f("--max-stop-strings", I, 64, "Most stop strings in one request.", to=E, check=positive),
+        _f("--max-stop-string-chars", I, 1024, "Most characters in one stop string.", to=E, check=positive),
+        _f("--max-stop-token-ids", I, 1024, "Most stop_token_ids in one request.", to=E, check=positive),
+        _f("--max-logit-bias", I, 1024, "Most logit_bias entries in one request.", to=E, check=positive),
+        _f("--max-chat-messages", I, 1024, "Most messages in one chat request.", to=E, check=positive),
+        _f("--max-completions-per-request", I, 256,
+           "Most completions one request asks for: n times its number of prompts.", to=E, check=positive),
+    ),
+    _group(
         "ActorConfig", "Sonar's own flags: where the engine's actors run and how long they may take.",
         _f("--placement", Kind.PLACEMENT, None,
            "Where each engine actor runs, as comma-separated actor=where pairs: actor is worker, "

@@ -51,7 +51,7 @@ from sonar.engine.scheduler import SchedulerActor
 from sonar.engine.worker import WorkerActor
 from sonar.offload.manager import OffloadManagerActor
 from sonar.errors import EngineDeadError, InvalidRequestError
-from sonar.sampling_params import SamplingParams, SamplingParamsError
+from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 
 Prompt = str | Sequence[int]
 
@@ -213,6 +213,7 @@ class LLM:
     async def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
                             **kwargs: Any) -> list[RequestOutput]:
         """Generate for all prompts at once (continuous batching); results in prompt order."""
+        self.check_completions(len(prompts), params or SamplingParams())
         results: list[RequestOutput | None] = [None] * len(prompts)
 
         async def one(i: int, p: Prompt) -> None:
@@ -227,6 +228,10 @@ class LLM:
                                   continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be set")
+        limit = self.config.max_chat_messages
+        if len(messages) > limit:
+            raise InvalidRequestError(over_limit("messages", limit, len(messages), "max_chat_messages"),
+                                      param="messages")
 
         def render() -> list[int]:
             try:
@@ -235,9 +240,32 @@ class LLM:
                     continue_final_message=continue_final_message, chat_template=chat_template)
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+            self.check_prompt_chars(text, "messages")
             return self.tokenizer(text, add_special_tokens=False).input_ids
 
         return await anyio.to_thread.run_sync(render)
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text` (in a worker thread), after the prompt-length limit."""
+        self.check_prompt_chars(text, "prompt")
+        return await anyio.to_thread.run_sync(
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
+
+    def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse a text longer than `max_prompt_chars` (before it costs a tokenization)."""
+        limit = self.config.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidRequestError(over_limit("prompt characters", limit, len(text), "max_prompt_chars"),
+                                      param=param)
+
+    def check_completions(self, num_prompts: int, params: SamplingParams) -> None:
+        """Refuse a call that asks for more completions (prompts x n) than
+        `max_completions_per_request`, before any of its prompts starts."""
+        limit, asked = self.config.max_completions_per_request, num_prompts * params.n
+        if asked > limit:
+            raise InvalidRequestError(over_limit("completions (prompts x n)", limit, asked,
+                                                 "max_completions_per_request"),
+                                      param="n" if num_prompts == 1 else "prompt")
 
     async def abort_all(self) -> list[str]:
         """End every request in flight with finish_reason "abort" (what has been generated so far
@@ -290,13 +318,18 @@ class LLM:
             raise EngineDeadError(self.dead)
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        config = self.config
         try:
-            params.validate(max_logprobs=self.config.max_logprobs, vocab_size=self.info.vocab_size)
+            params.validate(max_logprobs=config.max_logprobs, vocab_size=self.info.vocab_size,
+                            max_stop_strings=config.max_stop_strings,
+                            max_stop_string_chars=config.max_stop_string_chars,
+                            max_stop_token_ids=config.max_stop_token_ids, max_logit_bias=config.max_logit_bias)
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
+        self.check_completions(1, params)
         if isinstance(prompt, str):
             text = prompt
-            ids = await anyio.to_thread.run_sync(lambda: self.tokenizer(prompt).input_ids)
+            ids = await self.tokenize(prompt)
         else:
             text = None
             ids = [int(t) for t in prompt]

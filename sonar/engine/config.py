@@ -15,6 +15,10 @@ from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
 
+#: The request-size limits, each a `serve` flag of the same name (dashes for underscores).
+LIMITS = ("max_prompt_chars", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
+          "max_chat_messages", "max_completions_per_request")
+
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None
@@ -78,6 +82,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--kv-transfer-config`: the OffloadingConnector with a CPU or a CPU-then-disk spec."""
     kv_events_config: dict[str, Any] | None = None
     """`--kv-events-config`: publish KV cache events over ZMQ."""
+    # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
+    # parameter and the limit, checked where the request enters the engine (`LLM`).
+    max_prompt_chars: int = 1_000_000
+    """Characters of one text prompt (a chat: of its rendered template), checked before tokenizing."""
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 1024
+    max_logit_bias: int = 1024
+    """Entries of one request's `logit_bias`."""
+    max_chat_messages: int = 1024
+    max_completions_per_request: int = 256
+    """Completions one call may ask for: n x prompts (`generate_many`, a batched HTTP request)."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -131,6 +147,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             from sonar.engine.faults import FaultPlan
 
             FaultPlan.parse(self.fault_injection)
+        for name in LIMITS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         for actor, where in self.placement.items():

@@ -6,13 +6,18 @@ Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /he
 GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (only with
 --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
-`sonar/http/metrics.py`). With API keys set, every /v1/* route needs `Authorization: Bearer <key>`
-(the others stay open, as in vLLM).
+`sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
+--metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
+addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
+loopback client; others see `remote` in their place. Bodies are bounded in size and read time
+(`BodyLimits`).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+import re
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -27,9 +32,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import sonar
+from sonar.actors.tree import ActorInfo
 from sonar.engine.client import LLM
 from sonar.http.chat import create_chat_completion
 from sonar.http.common import ServerSettings, error_response, exception_response, json_response
@@ -48,32 +54,126 @@ from sonar.http.protocol import (
 )
 
 
-class ApiKeyMiddleware:
-    """401 for /v1/* requests without one of `keys` as a bearer token (compared in constant time)."""
+#: Routes that answer without the API key: the liveness probes (and /metrics with --metrics-public).
+OPEN_PATHS = frozenset({"/health", "/ping"})
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+
+class ApiKeyMiddleware:
+    """401 for requests without one of `keys` as a bearer token (compared in constant time), on
+    every route but `open_paths`. A request that shows a key is marked (`scope["state"]`), so
+    /actors may show it the transport addresses. CORS preflights (OPTIONS) pass: they carry no
+    credentials and answer no data."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self.keys = [k.encode() for k in keys]
+        self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and self._protected(scope):
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
             auth = Headers(scope=scope).get("authorization", "")
             scheme, _, token = auth.partition(" ")
             given = token.strip().encode() if scheme.lower() == "bearer" else b""
             ok = False
             for key in self.keys:  # no early exit: every key is compared
                 ok |= hmac.compare_digest(given, key)
-            if not ok:
+            if not ok and _route(scope) not in self.open_paths:
                 await error_response("invalid or missing API key", 401)(scope, receive, send)
                 return
+            if ok:
+                scope.setdefault("state", {})["authenticated"] = True
         await self.app(scope, receive, send)
 
-    @staticmethod
-    def _protected(scope: Scope) -> bool:
-        path, root = scope["path"], scope.get("root_path", "")
-        if root and path.startswith(root):
-            path = path[len(root):]
-        return path.startswith("/v1/") or path == "/v1"
+
+def _route(scope: Scope) -> str:
+    """The request's path without the --root-path prefix."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path
+
+
+class BodyLimits:
+    """Request bodies bounded in size and in read time.
+
+    A body over `max_bytes` is refused with 413 before it is read: at once when Content-Length
+    says so, else as soon as the bytes streamed in pass the limit (the reader gets a 413
+    `RequestError`). A body that is not complete `timeout` seconds after the request's headers
+    gets 408 (a slow client holds no request for longer). A response to a request whose body was
+    not read to its end closes the connection, so what is left of the body is never read.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            response = error_response(self._too_large(f"its Content-Length is {int(length)}"), 413)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        pending = (length.isdigit() and int(length) > 0) or "transfer-encoding" in headers
+        deadline = anyio.current_time() + self.timeout
+        read = 0
+
+        async def limited_receive() -> Message:
+            nonlocal pending, read
+            if not pending:  # the body is in (or there is none): only the disconnect is left to wait for
+                return await receive()
+            with anyio.move_on_after(deadline - anyio.current_time()):
+                message = await receive()
+                if message["type"] == "http.request":
+                    read += len(message.get("body", b""))
+                    if read > self.max_bytes:
+                        raise RequestError(self._too_large(f"{read} bytes arrived"), status=413)
+                    pending = bool(message.get("more_body", False))
+                return message
+            raise RequestError(f"the request body did not arrive within {self.timeout:g} s (--body-read-timeout)",
+                               status=408)
+
+        async def closing_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and pending:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, limited_receive, closing_send)
+
+    def _too_large(self, detail: str) -> str:
+        return f"the request body is larger than {self.max_bytes} bytes (--max-request-body-bytes): {detail}"
+
+
+#: Transport addresses in actor placements and exit reasons: tcp://host:port, ipc://path, ...
+_ADDRESS = re.compile(r"\b(?:tcp|ipc|inproc|udp|epgm|pgm)://[^\s'\"),;]+")
+
+
+def hide_addresses(node: ActorInfo) -> ActorInfo:
+    """The tree with every transport address replaced: a remote placement reads `remote`, an
+    address inside an exit reason `<address>`. Names, pids, states and counts stay."""
+    placement = node.placement if node.placement in ("inprocess", "process") else "remote"
+    last_exit = None if node.last_exit is None else _ADDRESS.sub("<address>", node.last_exit)
+    return msgspec.structs.replace(node, placement=placement, last_exit=last_exit,
+                                   children=[hide_addresses(c) for c in node.children])
+
+
+def may_see_addresses(scope: Scope, api_keys: tuple[str, ...]) -> bool:
+    """With API keys: the request showed one. Without: the client is on this machine (a loopback
+    address, or the Unix socket, whose file permissions decide who connects)."""
+    if api_keys:
+        return bool(scope.get("state", {}).get("authenticated"))
+    client = scope.get("client")
+    if not client:
+        return True
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float | None = None) -> Starlette:
@@ -119,9 +219,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
                     messages, add_generation_prompt=req.add_generation_prompt,
                     continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
             else:
-                prompt = req.prompt
-                ids = await anyio.to_thread.run_sync(
-                    lambda: llm.tokenizer(prompt, add_special_tokens=req.add_special_tokens).input_ids)
+                ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
             strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
             return json_response(TokenizeResponse(len(ids), llm.info.max_model_len, list(ids), strs))
         except Exception as exc:
@@ -148,7 +246,10 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def actors(request: Request) -> Response:
-        return Response(msgspec.json.encode(llm.tree()), media_type="application/json")
+        tree = llm.tree()
+        if not may_see_addresses(request.scope, settings.api_keys):
+            tree = hide_addresses(tree)
+        return Response(msgspec.json.encode(tree), media_type="application/json")
 
     async def load(request: Request) -> Response:
         return json_response({"server_load": metrics.server_load})
@@ -179,8 +280,11 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
                              allow_methods=list(settings.allowed_methods),
                              allow_headers=list(settings.allowed_headers),
                              allow_credentials=settings.allow_credentials)]
+    middleware.append(Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes,
+                                 timeout=settings.body_read_timeout))
     if settings.api_keys:
-        middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys))
+        open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
+        middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
     middleware.append(Middleware(LoadMiddleware, metrics=metrics))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_allowed},
                     lifespan=lifespan)

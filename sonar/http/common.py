@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
@@ -13,7 +14,7 @@ from starlette.responses import Response
 
 from sonar.engine.client import StreamDelta
 from sonar.engine.protocol import PositionLogprobs
-from sonar.errors import EngineDeadError, InvalidRequestError
+from sonar.errors import EngineDeadError, InvalidRequestError, RequestQuarantinedError, ServerOverloadedError
 from sonar.http.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
@@ -29,8 +30,9 @@ from sonar.log import get_logger
 
 log = get_logger("sonar.http")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 431: "BadRequestError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "BadRequestError",
+               413: "BadRequestError", 429: "RateLimitError", 431: "BadRequestError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,12 @@ class ServerSettings:
     health_timeout: float = 5.0
     #: Serve GET /openapi.json (off with --disable-fastapi-docs).
     enable_openapi: bool = True
+    #: --metrics-public: GET /metrics answers without the API key.
+    metrics_public: bool = False
+    #: --max-request-body-bytes: a bigger body is refused with 413 before it is read.
+    max_request_body_bytes: int = 8 * 2**20
+    #: --body-read-timeout: seconds from a request's headers to the end of its body (else 408).
+    body_read_timeout: float = 60.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -105,15 +113,29 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
         return 400, error_body(str(exc), 400, exc.param)
     if isinstance(exc, EngineDeadError):
         return 503, error_body(f"the engine is not available: {exc}", 503)
+    if isinstance(exc, ServerOverloadedError):
+        return 429, error_body(f"the server is overloaded, retry after {retry_after(exc)} s: {exc}", 429)
+    if isinstance(exc, RequestQuarantinedError):
+        log.warning("request.quarantined", request_id=request_id, detail=str(exc))
+        return 500, error_body(f"request {request_id} was failed on its own after it crashed the model "
+                               f"worker repeatedly: {exc}", 500)
     if isinstance(exc, ClientDisconnect):  # gone before its body arrived: nobody reads the answer
         return 499, error_body("the client disconnected before the request body arrived", 499)
     log.error("request.failed", request_id=request_id, exc_info=exc)
     return 500, error_body(f"internal server error (request id {request_id}): {type(exc).__name__}", 500)
 
 
+def retry_after(exc: ServerOverloadedError) -> int:
+    """The `Retry-After` seconds of an overload: whole seconds, at least 1."""
+    return max(1, math.ceil(exc.retry_after))
+
+
 def exception_response(exc: BaseException, request_id: str | None = None) -> Response:
     status, body = error_from_exception(exc, request_id)
-    return json_response(body, status)
+    response = json_response(body, status)
+    if isinstance(exc, ServerOverloadedError):
+        response.headers["retry-after"] = str(retry_after(exc))
+    return response
 
 
 async def gather(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:

@@ -52,6 +52,10 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
         check_token_ids(prompts, llm.info.vocab_size)
         req.check_max_tokens(llm.info.max_model_len)
         params = req.sampling_params(settings.default_sampling)
+        llm.check_completions(len(prompts), params)
+        for prompt in prompts:  # every prompt before any starts (a stream would have begun)
+            if isinstance(prompt, str):
+                llm.check_prompt_chars(prompt)
         log_request(settings, rid, prompts, params)
         if req.stream:
             return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)

@@ -4,7 +4,8 @@ supervisor.
 It starts before the engine, so the port answers from the first second: every route says 503
 ("starting") until `serve` hands it the engine (`FrontendActor.attach`). On a polite stop (the
 root stopping, after a drain or because the engine gave up) it lets the responses in flight go
-out, up to its shutdown deadline, then stops uvicorn.
+out, up to its shutdown deadline, then stops uvicorn. Its connections are guarded
+(`sonar.http.connection`): a header read timeout and a cap on open connections.
 """
 
 from __future__ import annotations
@@ -40,12 +41,17 @@ class FrontendActor(Actor):
     protocol = GetFrontendStatus
 
     def __init__(self, uvicorn_args: dict[str, Any], drain: Drain, request_id_headers: bool = False,
-                 max_header_count: int | None = None, quiet_paths: Sequence[str] = (), linger: float = 3.0) -> None:
+                 max_header_count: int | None = None, quiet_paths: Sequence[str] = (), linger: float = 3.0,
+                 header_timeout: float = 10.0, max_connections: int = 2048) -> None:
         import uvicorn
+
+        from sonar.http.connection import guarded_protocol
 
         self.drain = drain
         self.door = FrontDoor(None, drain, request_id_headers=request_id_headers, max_header_count=max_header_count)
-        self.server = _make_server(uvicorn.Config(self.door, lifespan="off", **uvicorn_args))
+        self.server = _make_server(uvicorn.Config(self.door, lifespan="off",
+                                                  http=guarded_protocol(header_timeout, max_connections),
+                                                  **uvicorn_args))
         _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
         self.uds = uvicorn_args.get("uds")
         self.linger = linger

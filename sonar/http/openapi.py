@@ -3,10 +3,16 @@ response structs of `sonar/http/protocol.py`.
 
 The structs carry their fixed ranges (`msgspec.Meta`); the limits that depend on the engine are
 filled in here, so the schema states what this server accepts: `max_tokens` up to the model
-length, `logprobs` up to --max-logprobs, token ids inside the vocabulary. A request the schema
-allows can still be refused (a 400) for what a schema cannot say: a prompt longer than the
-model, `min_tokens` above `max_tokens`, more than `MAX_SEQUENCES` completions, `top_logprobs`
-without `logprobs`. Every error is the OpenAI error object (`ErrorResponse`).
+length, `logprobs` up to --max-logprobs, token ids inside the vocabulary, and the request limits
+(--max-prompt-chars, --max-stop-strings, --max-stop-string-chars, --max-stop-token-ids,
+--max-logit-bias, --max-chat-messages, --max-completions-per-request as maxLength, maxItems and
+maxProperties). A request the schema allows can still be refused (a 400) for what a schema cannot
+say: a prompt longer than the model, `min_tokens` above `max_tokens`, more completions than
+--max-completions-per-request (prompts x n), a rendered chat longer than --max-prompt-chars,
+`top_logprobs` without `logprobs`; or for what is not about its fields: a body over
+--max-request-body-bytes (413), a waiting queue that is full (429). With --api-key every route but
+/health and /ping (and /metrics with --metrics-public) answers 401 without the key. Every error
+is the OpenAI error object (`ErrorResponse`).
 
 Unknown request fields are accepted and ignored (as vLLM does), so the request objects do not
 forbid additional properties.
@@ -22,8 +28,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 import sonar
+from sonar.engine.config import LIMITS
 from sonar.http.protocol import (
-    MAX_SEQUENCES,
+    MAX_N,
     MAX_TOP_LOGPROBS,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -41,11 +48,14 @@ from sonar.http.protocol import (
 _REF = "#/components/schemas/{name}"
 
 #: The statuses an endpoint that takes a request body can answer with an error.
-_ERRORS = {400: "Invalid request: malformed JSON, a wrong type, a value out of range, a prompt too long",
-           401: "Missing or wrong API key (only with --api-key, only /v1/* routes)",
+_ERRORS = {400: "Invalid request: malformed JSON, a wrong type, a value out of range, a prompt too long, "
+                "a request limit exceeded (the message names its flag)",
+           401: "Missing or wrong API key (only with --api-key)",
            404: "Unknown model name",
+           413: "The body is larger than --max-request-body-bytes",
+           429: "The server holds as many waiting requests as it may; retry after the Retry-After header's seconds",
            500: "Internal fault (the message carries the request id)",
-           503: "The server is draining or the engine is not available"}
+           503: "The server is draining, the engine is not available, or --max-connections are open"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,23 @@ class Limits:
     vocab_size: int
     served_model_names: tuple[str, ...] = ()
     api_key: bool = False
+    metrics_public: bool = False
+    max_prompt_chars: int | None = None
+    max_stop_strings: int | None = None
+    max_stop_string_chars: int | None = None
+    max_stop_token_ids: int | None = None
+    max_logit_bias: int | None = None
+    max_chat_messages: int | None = None
+    max_completions_per_request: int | None = None
+
+    @classmethod
+    def of(cls, llm: Any, settings: Any) -> "Limits":
+        """The limits of the server around `llm` (an `LLM`) with its `ServerSettings`."""
+        config = llm.config
+        return cls(max_model_len=llm.info.max_model_len, max_logprobs=config.max_logprobs,
+                   vocab_size=llm.info.vocab_size, served_model_names=tuple(settings.served_model_names),
+                   api_key=bool(settings.api_keys), metrics_public=settings.metrics_public,
+                   **{name: getattr(config, name) for name in LIMITS})
 
 
 def build_openapi(limits: Limits) -> dict[str, Any]:
@@ -75,7 +102,7 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
                 for s in statuses}
 
     def post(summary: str, request: str, response: str, *, chunk: str | None = None,
-             protected: bool) -> dict[str, Any]:
+             generates: bool = False) -> dict[str, Any]:
         ok: dict[str, Any] = {"application/json": {"schema": ref(response)}}
         if chunk is not None:  # "stream": true answers server-sent events; the schema is one event's
             ok["text/event-stream"] = {"schema": {
@@ -91,13 +118,13 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {"200": {"description": "OK", "content": ok},
-                          **errors(400, *((401,) if protected and limits.api_key else ()), 404, 500, 503)},
+                          **errors(400, *guarded, 404, 413, *((429,) if generates else ()), 500, 503)},
         }
-        if protected and limits.api_key:
+        if limits.api_key:
             op["security"] = [{"bearer": []}]
         return op
 
-    def get(summary: str, content: dict[str, Any] | None, *, protected: bool = False,
+    def get(summary: str, content: dict[str, Any] | None, *, protected: bool = True,
             statuses: tuple[int, ...] = (500, 503)) -> dict[str, Any]:
         ok: dict[str, Any] = {"description": "OK"}
         if content is not None:
@@ -108,24 +135,25 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
             op["responses"].update(errors(401))
         return op
 
+    guarded = (401,) if limits.api_key else ()
     json_object = {"application/json": {"schema": {"type": "object"}}}
     paths: dict[str, Any] = {
         "/v1/completions": {"post": post("Text completions", "CompletionRequest", "CompletionResponse",
-                                         chunk="CompletionResponse", protected=True)},
+                                         chunk="CompletionResponse", generates=True)},
         "/v1/chat/completions": {"post": post("Chat completions", "ChatCompletionRequest", "ChatCompletionResponse",
-                                              chunk="ChatCompletionChunk", protected=True)},
-        "/tokenize": {"post": post("Prompt or messages to token ids", "TokenizeRequest", "TokenizeResponse",
-                                   protected=False)},
-        "/detokenize": {"post": post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse",
-                                     protected=False)},
-        "/v1/models": {"get": get("The served model names", {"application/json": {"schema": ref("ModelList")}},
-                                  protected=True)},
+                                              chunk="ChatCompletionChunk", generates=True)},
+        "/tokenize": {"post": post("Prompt or messages to token ids", "TokenizeRequest", "TokenizeResponse")},
+        "/detokenize": {"post": post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse")},
+        "/v1/models": {"get": get("The served model names", {"application/json": {"schema": ref("ModelList")}})},
         "/health": {"get": {"summary": "200 when the engine answers within its deadline, else 503",
                             "responses": {"200": {"description": "Serving"},
                                           "503": {"description": "Starting, draining or given up"}}}},
         "/version": {"get": get("The server's version", json_object)},
         "/load": {"get": get("Requests in flight", json_object)},
-        "/metrics": {"get": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}})},
+        "/actors": {"get": get("The supervision tree (transport addresses only with the key, or to a loopback "
+                               "client when no key is set)", json_object)},
+        "/metrics": {"get": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
+                                protected=not limits.metrics_public)},
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -143,25 +171,42 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
     last_id = limits.vocab_size - 1
     token_id = {"type": "integer", "minimum": 0, "maximum": last_id}
     token_ids = {"type": "array", "items": token_id, "minItems": 1, "maxItems": limits.max_model_len}
+    text = _bounded({"type": "string"}, "maxLength", limits.max_prompt_chars)
     completion = components["CompletionRequest"]["properties"]
     completion["prompt"] = {"anyOf": [
-        {"type": "string"},
-        {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_SEQUENCES},
+        text,
+        _bounded({"type": "array", "items": text, "minItems": 1}, "maxItems", limits.max_completions_per_request),
         token_ids,
-        {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_SEQUENCES},
+        _bounded({"type": "array", "items": token_ids, "minItems": 1}, "maxItems",
+                 limits.max_completions_per_request),
     ]}
     chat = components["ChatCompletionRequest"]["properties"]
-    chat["messages"] = {"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1}
+    chat["messages"] = _bounded({"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1},
+                                "maxItems", limits.max_chat_messages)
+    tokenize = components["TokenizeRequest"]["properties"]
+    tokenize["prompt"] = {"anyOf": [text, {"type": "null"}], "default": None}
+    tokenize["messages"] = {"anyOf": [_bounded({"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}},
+                                               "maxItems", limits.max_chat_messages), {"type": "null"}],
+                            "default": None}
     for props, names in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
         for name in names:
             _set_max(props[name], limits.max_model_len)
     _set_max(completion["logprobs"], limits.max_logprobs)
     _set_max(chat["top_logprobs"], min(MAX_TOP_LOGPROBS, limits.max_logprobs))
+    n = min(MAX_N, limits.max_completions_per_request or MAX_N)
+    stop = _bounded({"type": "string"}, "maxLength", limits.max_stop_string_chars)
     for props in (completion, chat):
+        _set_max(props["n"], n)
         _set_max(props["stop_token_ids"], last_id)
+        props["stop"] = {"anyOf": [stop, _bounded({"type": "array", "items": stop}, "maxItems", limits.max_stop_strings),
+                                   {"type": "null"}], "default": None}
+        for branch in props["stop_token_ids"]["anyOf"]:
+            if branch.get("type") == "array":
+                _bounded(branch, "maxItems", limits.max_stop_token_ids)
         for branch in props["logit_bias"]["anyOf"]:
             if branch.get("type") == "object":
                 branch["propertyNames"] = {"pattern": "^[0-9]+$"}
+                _bounded(branch, "maxProperties", limits.max_logit_bias)
     components["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id}
     components["TextPart"] = {"title": "TextPart", "type": "object", "required": ["type", "text"],
                               "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
@@ -170,6 +215,13 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
                       components["DetokenizeRequest"]["properties"]):
             props["model"] = {"anyOf": [{"type": "string", "enum": list(limits.served_model_names)},
                                         {"type": "null"}], "default": None}
+
+
+def _bounded(schema: dict[str, Any], keyword: str, limit: int | None) -> dict[str, Any]:
+    """`schema` with `keyword` (maxLength, maxItems, maxProperties) set to `limit` (None: unbounded)."""
+    if limit is not None:
+        schema[keyword] = limit
+    return schema
 
 
 def _set_max(schema: dict[str, Any], maximum: int) -> None:
@@ -188,10 +240,7 @@ def openapi_endpoint(llm: Any, settings: Any) -> Callable[[Request], Any]:
 
     async def openapi(request: Request) -> Response:
         if not body:
-            limits = Limits(max_model_len=llm.info.max_model_len, max_logprobs=llm.config.max_logprobs,
-                            vocab_size=llm.info.vocab_size, served_model_names=tuple(settings.served_model_names),
-                            api_key=bool(settings.api_keys))
-            body.append(msgspec.json.encode(build_openapi(limits)))
+            body.append(msgspec.json.encode(build_openapi(Limits.of(llm, settings))))
         return Response(body[0], media_type="application/json")
 
     return openapi

@@ -9,10 +9,10 @@ default, as with the OpenAI API.
 
 Every number carries its range in its type (`msgspec.Meta`), so decoding rejects it (and the
 OpenAPI schema, `sonar/http/openapi.py`, states it): integers fit in int64 (`2**70` is a 400, not
-an overflow deep in the engine), `n` is at most `MAX_N`, a request asks for at most
-`MAX_SEQUENCES` completions (prompts x n). Limits that depend on the engine (`max_tokens` up to
-the model length, `logprobs` up to --max-logprobs, token ids inside the vocabulary) are checked
-once the engine is known.
+an overflow deep in the engine), `n` is at most `MAX_N`. Limits that depend on the engine
+(`max_tokens` up to the model length, `logprobs` up to --max-logprobs, token ids inside the
+vocabulary, the request limits such as --max-completions-per-request and --max-stop-strings) are
+checked once the engine is known, where the request enters it (`sonar.engine.client.LLM`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ T = TypeVar("T")
 MAX_TOP_LOGPROBS = 20
 #: OpenAI's cap on `n` (completions per prompt).
 MAX_N = 128
-#: The most completions one request may ask for (prompts x n): a bigger batch is a 400, not an
-#: out-of-memory kill of the server.
-MAX_SEQUENCES = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
@@ -136,9 +133,6 @@ class CompletionRequest(_Sampling, kw_only=True):
         else:
             raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
                                "lists of token ids", "prompt")
-        if len(prompts) * (self.n or 1) > MAX_SEQUENCES:
-            raise RequestError(f"a request may ask for at most {MAX_SEQUENCES} completions (prompts x n), "
-                               f"got {len(prompts)} x {self.n or 1}", "prompt")
         return prompts
 
     def check_max_tokens(self, max_model_len: int) -> None:

@@ -18,7 +18,7 @@ import anyio
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from sonar.http.common import error_from_exception, json_response, log
+from sonar.http.common import error_from_exception, exception_response, log
 
 Emit = Callable[[Any], Awaitable[None]]
 
@@ -73,8 +73,7 @@ class EventStream:
             log.info("request.disconnected", request_id=self.request_id, detail="client gone; request aborted")
             return
         if error is not None and not started:
-            status, body = error_from_exception(error, self.request_id)
-            await json_response(body, status)(scope, receive, send)
+            await exception_response(error, self.request_id)(scope, receive, send)
             return
         try:
             if error is not None:

@@ -8,7 +8,8 @@ What the server decides, and this file holds it to:
   without them. (Clients such as the openai SDK send fields an older server does not know.)
 * A number out of its range is a 400 naming the parameter, whatever its size (`2**70` too);
   `max_tokens` above the model length is a 400 (it could never be honoured); `n` is at most 128
-  and a request at most 1024 completions (prompts x n): a bigger one would exhaust memory.
+  and a request at most --max-completions-per-request completions (prompts x n, 256 by
+  default): a bigger one would exhaust memory.
 * The body is JSON text in UTF-8: malformed JSON, invalid UTF-8, a lone surrogate, a JSON
   array / number / string / null instead of an object: 400.
 * Headers larger than --h11-max-incomplete-event-size never reach the app: h11 refuses them and

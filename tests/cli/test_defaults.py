@@ -72,6 +72,11 @@ def test_default_matches_reference(defaults: ServeConfig, name: str, documented,
 
 def test_every_documented_flag_is_known() -> None:
     own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection"}
+    limits = {"--metrics-public", "--max-request-body-bytes", "--header-read-timeout", "--body-read-timeout",
+              "--max-connections", "--max-prompt-chars", "--max-stop-strings", "--max-stop-string-chars",
+              "--max-stop-token-ids", "--max-logit-bias", "--max-chat-messages", "--max-completions-per-request"}
+    assert {f.name for f in FLAGS.values() if f.group == "Limits"} == limits
+    own |= limits
     assert len(FLAGS) - len(own) == 278
     assert own <= set(FLAGS)
     names = [f.name for g in GROUPS for f in g.flags]
