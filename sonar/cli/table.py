@@ -269,8 +269,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--enable-return-routed-experts", B, False,
            "Return which experts each token was routed to in MoE models.", noop=NO_MOE),
         _f("--max-logprobs", I, 20,
-           "Most logprobs a request may ask for per token (20, as in the OpenAI API); -1 lifts the cap, "
-           "which can run out of memory.", to=E, check=logprobs_cap),
+           "Most logprobs a request may ask for per token (20, as in the OpenAI API); -1 lifts the cap "
+           "(up to the vocabulary size), which can run out of memory.", to=E, check=logprobs_cap),
         _f("--logprobs-mode", S_, "raw_logprobs",
            "What logprobs contain: log-probabilities or logits, either raw (as the model produced them) or "
            "processed (after penalties, temperature, top-k/top-p). Sonar returns raw log-probabilities.",
