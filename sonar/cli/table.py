@@ -740,7 +740,8 @@ GROUPS: tuple[Group, ...] = (
            "directory); see docs/kv_offload.md.", dotted=True, to=E),
         _f("--kv-events-config", J, None,
            "Settings for publishing KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ, "
-           "with a replay endpoint.", dotted=True, to=E),
+           "with a replay endpoint. They carry prompt token ids: the default endpoint is loopback "
+           "(tcp://127.0.0.1:5557); see docs/kv_offload.md for CURVE keys.", dotted=True, to=E),
         _f("--ec-transfer-config", J, None, "Settings for moving encoder caches between instances.", dotted=True),
         _f("--compilation-config -cc", J, {},
            "torch.compile and CUDA graph settings, as JSON or one key at a time (-cc.mode=3).", dotted=True,
