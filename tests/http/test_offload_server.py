@@ -29,7 +29,7 @@ import pytest
 from sonar.core.events import BlockRemoved, BlockStored
 from sonar.kv_events import KVEventConsumer
 from tests.http.conftest import ROOT, ServerProcess, free_port, serving
-from tests.offload.test_disk_safety import tiny_tmpfs
+from tests.offload.helpers import tiny_tmpfs
 
 BLOCK = 16
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "40", "--seed", "0",

@@ -16,11 +16,9 @@ import os
 import stat
 import subprocess
 import sys
-import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import msgspec
 import pytest
@@ -29,7 +27,7 @@ import torch
 from sonar.offload import disk as disk_module
 from sonar.offload.disk import SUFFIX, TMP_PREFIX, UnsafeDirectoryError, secure_directory
 from sonar.offload.tiers import DiskTier, TieredStore
-from tests.offload.helpers import config, layout, sequence
+from tests.offload.helpers import config, layout, sequence, tiny_tmpfs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -187,26 +185,6 @@ def _full_disk_scenario(root: str, fill: Callable[[], None], make_room: Callable
 def _disk_stats(store: TieredStore) -> dict[str, Any]:
     s = store.disk.stats
     return {"write_errors": s.write_errors, "degraded": s.degraded, "stores": s.stores, "chunks": s.chunks}
-
-
-@contextmanager
-def tiny_tmpfs(size: str = "256k") -> Iterator[Path | None]:
-    """A tmpfs of ``size`` mounted on a fresh directory, or None when this process may not mount."""
-    mount = Path(tempfile.mkdtemp(prefix="sonar-tinyfs-"))
-    try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
-                                 capture_output=True, text=True).returncode == 0
-    except FileNotFoundError:  # no mount(8)
-        mounted = False
-    if not mounted:
-        mount.rmdir()
-        yield None
-        return
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-        mount.rmdir()
 
 
 def _run_with_file_size_limit(root: Path) -> dict[str, Any]:
