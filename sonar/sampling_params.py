@@ -162,18 +162,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         Run this in the frontend before a request is admitted: the sampler trusts the params it
         is given (an out-of-vocabulary `logit_bias` id there would fail the whole batch). The
         `max_*` counts are the engine's request limits (None: no cap); their errors name the
-        limit and its `serve` flag.
+        limit and its `serve` flag. `max_logprobs=-1` (`--max-logprobs -1`) sets no cap but the
+        vocabulary's size.
         """
         self._check()
         self._check_counts(max_stop_strings, max_stop_string_chars, max_stop_token_ids, max_logit_bias)
-        if self.logprobs is not None and self.logprobs > max_logprobs:
-            raise SamplingParamsError(
-                "logprobs", f"must be <= {max_logprobs}, got {self.logprobs}"
-            )
-        if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
-            raise SamplingParamsError(
-                "prompt_logprobs", f"must be <= {max_logprobs}, got {self.prompt_logprobs}"
-            )
+        cap, what = (max_logprobs, "") if max_logprobs >= 0 else (vocab_size, " (the vocabulary size)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and cap is not None and value > cap:
+                raise SamplingParamsError(name, f"must be <= {cap}{what}, got {value}")
         if vocab_size is not None:
             if self.logit_bias:
                 bad = [t for t in self.logit_bias if t >= vocab_size]

@@ -269,8 +269,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--enable-return-routed-experts", B, False,
            "Return which experts each token was routed to in MoE models.", noop=NO_MOE),
         _f("--max-logprobs", I, 20,
-           "Most logprobs a request may ask for per token (20, as in the OpenAI API); -1 lifts the cap, "
-           "which can run out of memory.", to=E, check=logprobs_cap),
+           "Most logprobs a request may ask for per token (20, as in the OpenAI API); -1 lifts the cap "
+           "(up to the vocabulary size), which can run out of memory.", to=E, check=logprobs_cap),
         _f("--logprobs-mode", S_, "raw_logprobs",
            "What logprobs contain: log-probabilities or logits, either raw (as the model produced them) or "
            "processed (after penalties, temperature, top-k/top-p). Sonar returns raw log-probabilities.",
@@ -740,7 +740,8 @@ GROUPS: tuple[Group, ...] = (
            "directory); see docs/kv_offload.md.", dotted=True, to=E),
         _f("--kv-events-config", J, None,
            "Settings for publishing KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) over ZMQ, "
-           "with a replay endpoint.", dotted=True, to=E),
+           "with a replay endpoint. They carry prompt token ids: the default endpoint is loopback "
+           "(tcp://127.0.0.1:5557); see docs/kv_offload.md for CURVE keys.", dotted=True, to=E),
         _f("--ec-transfer-config", J, None, "Settings for moving encoder caches between instances.", dotted=True),
         _f("--compilation-config -cc", J, {},
            "torch.compile and CUDA graph settings, as JSON or one key at a time (-cc.mode=3).", dotted=True,

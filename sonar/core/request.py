@@ -10,12 +10,32 @@ from typing import Any
 from sonar.core.prefix import BlockHash
 
 __all__ = [
+    "MAX_CACHE_SALT_LENGTH",
     "DuplicateRequestError",
     "PromptTooLongError",
     "Request",
     "RequestRejectedError",
     "RequestStatus",
+    "cache_salt_problem",
 ]
+
+MAX_CACHE_SALT_LENGTH = 256
+"""Characters a ``cache_salt`` may have: enough for a tenant id or a 256-bit random token; the salt
+travels in every first block's KV event and offloaded chunk header."""
+
+
+def cache_salt_problem(cache_salt: object) -> str | None:
+    """Why ``cache_salt`` is not acceptable, or None: it must be None or a non-empty string of at
+    most ``MAX_CACHE_SALT_LENGTH`` characters."""
+    if cache_salt is None:
+        return None
+    if not isinstance(cache_salt, str):
+        return f"cache_salt must be a string, got {type(cache_salt).__name__}"
+    if not cache_salt:
+        return "cache_salt must be a non-empty string when given"
+    if len(cache_salt) > MAX_CACHE_SALT_LENGTH:
+        return f"cache_salt may have at most {MAX_CACHE_SALT_LENGTH} characters, got {len(cache_salt)}"
+    return None
 
 
 class RequestStatus(enum.IntEnum):
@@ -130,6 +150,9 @@ class Request:
             raise RequestRejectedError(request_id, f"min_tokens must be >= 0, got {min_tokens}")
         if not prompt_token_ids:
             raise RequestRejectedError(request_id, "the prompt is empty")
+        problem = cache_salt_problem(cache_salt)
+        if problem is not None:
+            raise RequestRejectedError(request_id, problem)
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -143,6 +166,8 @@ class Request:
         """Smaller runs earlier under the priority policy."""
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
+        """Mixed into the hash of the first block (so into every block's): requests share cached
+        blocks, in every tier, only with requests of the same salt."""
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""

@@ -32,6 +32,7 @@ from sonar.actors import (
     supervise,
 )
 from sonar.actors.actor import launch
+from sonar.core.request import cache_salt_problem
 from sonar.engine.config import EngineConfig
 from sonar.engine.detokenizer import DetokenizerActor
 from sonar.engine.protocol import (
@@ -344,6 +345,9 @@ class LLM:
     async def _run(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int,
                    cache_salt: str | None) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
+        problem = cache_salt_problem(cache_salt)
+        if problem is not None:
+            raise InvalidRequestError(problem, param="cache_salt")
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         # The prompt is scored once: only the first completion asks for its logprobs.
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]

@@ -62,7 +62,8 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
         if req.stream:
             return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
         finished, result = await cancel_on_disconnect(
-            request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority, request_id=rid), rid)
+            request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority,
+                                          cache_salt=req.cache_salt, request_id=rid), rid)
         if not finished:
             return Response(status_code=499)  # nobody reads it
         choices = [
@@ -93,7 +94,8 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompl
     texts: dict[int, str] = {}
     finished: dict[int, str | None] = {}
     started = False
-    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, request_id=rid))
+    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt,
+                                  request_id=rid))
     async for d in batched(deltas, settings.stream_interval):
         log_delta(settings, rid, d)
         cached_tokens = max(cached_tokens, d.num_cached_tokens)

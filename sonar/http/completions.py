@@ -60,7 +60,8 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
         if req.stream:
             return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
         finished, outputs = await cancel_on_disconnect(request, lambda: gather([
-            (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority, request_id=f"{rid}-{i}"))
+            (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority,
+                                           cache_salt=req.cache_salt, request_id=f"{rid}-{i}"))
             for i, p in enumerate(prompts)
         ]), rid)
         if not finished:
@@ -126,7 +127,8 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
         offsets = [len(prompt_text)] * params.n
         counted = False
         cached = 0
-        deltas = rec.track(llm.stream(prompt, params, priority=req.priority, request_id=f"{rid}-{p}"), p)
+        deltas = rec.track(llm.stream(prompt, params, priority=req.priority, cache_salt=req.cache_salt,
+                                      request_id=f"{rid}-{p}"), p)
         async for d in batched(deltas, settings.stream_interval):
             log_delta(settings, rid, d)
             if not counted and d.num_prompt_tokens:

@@ -28,8 +28,10 @@ prefix:
   `sonar:kv_offload_stores_total`, `sonar:kv_offload_store_bytes_total`,
   `sonar:kv_offload_loads_total`, `sonar:kv_offload_load_bytes_total`,
   `sonar:kv_offload_hit_blocks_total`, `sonar:kv_offload_evictions_total`,
-  `sonar:kv_offload_corrupt_chunks_total`, `sonar:kv_offload_foreign_chunks_total`, and the
-  histogram `sonar:kv_offload_load_latency_seconds` (by the slowest tier a load read from).
+  `sonar:kv_offload_corrupt_chunks_total`, `sonar:kv_offload_foreign_chunks_total`,
+  `sonar:kv_offload_write_errors_total`, `sonar:kv_offload_degraded` (1 while a tier takes no
+  writes after one failed), and the histogram `sonar:kv_offload_load_latency_seconds` (by the
+  slowest tier a load read from); with KV events, `sonar:kv_events_dropped_total`.
 
 A "request" in the histograms and in `request_success_total` is one engine request: one
 completion choice (an HTTP request with `n=2` and two prompts is four). Prompt tokens count each
@@ -142,6 +144,8 @@ _TIER_GAUGES = (
     ("capacity_bytes", "sonar:kv_offload_capacity_bytes", "Bytes the offload tier may hold."),
     ("used_bytes", "sonar:kv_offload_used_bytes", "Bytes the offload tier holds."),
     ("chunks", "sonar:kv_offload_chunks", "Chunks the offload tier holds."),
+    ("degraded", "sonar:kv_offload_degraded",
+     "1 while the offload tier takes no writes after one failed (disk full, I/O error), else 0."),
 )
 _TIER_COUNTERS = (
     ("stores", "sonar:kv_offload_stores", "Chunks written into the offload tier."),
@@ -152,15 +156,20 @@ _TIER_COUNTERS = (
     ("evictions", "sonar:kv_offload_evictions", "Chunks the offload tier evicted."),
     ("corrupt", "sonar:kv_offload_corrupt_chunks", "Damaged chunks found (dropped, never served)."),
     ("foreign", "sonar:kv_offload_foreign_chunks", "Chunk files of another model or layout (ignored)."),
+    ("write_errors", "sonar:kv_offload_write_errors", "Chunk writes into the offload tier that failed."),
 )
 
 
 def _offload_metrics(stats: Any) -> Iterator[Any]:
     """The offload manager's `OffloadStats` as metric families, labelled by tier."""
+    yield CounterMetricFamily("sonar:kv_events_dropped", "KV event batches dropped, the publisher's queue full.",
+                              value=stats.events_dropped)
+    if not stats.tiers:  # the manager only publishes events
+        return
     for field, name, doc in _TIER_GAUGES:
         gauge = GaugeMetricFamily(name, doc, labels=["medium"])
         for tier in stats.tiers:
-            gauge.add_metric([tier.medium], getattr(tier, field))
+            gauge.add_metric([tier.medium], int(getattr(tier, field)))
         yield gauge
     for field, name, doc in _TIER_COUNTERS:
         counter = CounterMetricFamily(name, doc, labels=["medium"])
@@ -240,7 +249,7 @@ class ServerMetrics:
             log.warning("metrics.stats_failed", error=f"{type(exc).__name__}: {exc}")
             self.engine.stats = self.engine.tracked = None
         self.engine.offloading = llm.config.offload_config() is not None
-        self.engine.offload = await _offload_stats(llm, timeout) if self.engine.offloading else None
+        self.engine.offload = await _offload_stats(llm, timeout) if llm.config.offload_manager_needed else None
         try:
             self.engine.tree = llm.tree()
         except Exception:

@@ -191,8 +191,9 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
     for props, names in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
         for name in names:
             _set_max(props[name], limits.max_model_len)
-    _set_max(completion["logprobs"], limits.max_logprobs)
-    _set_max(chat["top_logprobs"], min(MAX_TOP_LOGPROBS, limits.max_logprobs))
+    max_logprobs = limits.max_logprobs if limits.max_logprobs >= 0 else limits.vocab_size  # -1: no cap
+    _set_max(completion["logprobs"], max_logprobs)
+    _set_max(chat["top_logprobs"], min(MAX_TOP_LOGPROBS, max_logprobs))
     n = min(MAX_N, limits.max_completions_per_request or MAX_N)
     stop = _bounded({"type": "string"}, "maxLength", limits.max_stop_string_chars)
     for props in (completion, chat):

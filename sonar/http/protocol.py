@@ -89,6 +89,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     priority: Int64 = 0
+    #: Mixed into the prefix-cache hash of the prompt's first block: only requests with the same
+    #: salt share cached blocks (checked by the engine: a non-empty string of bounded length).
+    cache_salt: str | None = None
 
     def sampling_fields(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The set sampling fields as `SamplingParams` keyword arguments, over `defaults` (the

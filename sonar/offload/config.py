@@ -48,7 +48,9 @@ class TierConfig(msgspec.Struct, frozen=True, kw_only=True):
     medium: Literal["cpu", "disk"]
     size_bytes: int
     path: str | None = None
-    """The directory of a disk tier (created on start); None for the CPU tier."""
+    """The directory of a disk tier (created 0700 on start); None for the CPU tier."""
+    fsync: bool = True
+    """Disk tier: flush each chunk file to the disk before renaming it into place."""
 
 
 class OffloadConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,12 +74,17 @@ class OffloadConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``--kv-events-config``: where and how KV cache events are published."""
+    """``--kv-events-config``: where and how KV cache events are published.
+
+    The events carry the token ids of every cached prompt, so the default endpoint listens on the
+    loopback interface only; another interface is the operator's choice (``tcp://*:5557``), logged
+    as a warning unless CURVE authentication is configured (``curve_secret_key_file``).
+    """
 
     enable_kv_cache_events: bool = False
     publisher: Literal["null", "zmq"] = "null"
-    endpoint: str = "tcp://*:5557"
-    """The address the PUB socket binds (``tcp://*:5557``: every interface)."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """The address the PUB socket binds (loopback; ``tcp://*:5557`` binds every interface)."""
     replay_endpoint: str | None = None
     """The ROUTER socket that resends buffered batches from a sequence number; None: no replay."""
     buffer_steps: int = 10_000
@@ -85,8 +92,18 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     hwm: int = 100_000
     """ZMQ send high-water mark of the PUB socket (messages)."""
     max_queue_size: int = 100_000
-    """Batches waiting to be sent before ``publish`` blocks the caller."""
+    """Batches waiting for the publisher thread; further batches are dropped (and counted), never
+    waited for: publishing must not stall the engine."""
     topic: str = ""
+    replay_rate_limit: float = 2.0
+    """Replay requests per second each requester (peer address) may make, on average."""
+    replay_burst: int = 10
+    """Replay requests a requester may make at once before ``replay_rate_limit`` applies."""
+    curve_secret_key_file: str | None = None
+    """A ZMQ certificate file with the publisher's CURVE key pair (``python -m sonar.kv_events
+    keygen``): both sockets then encrypt and only accept the keys in ``curve_authorized_keys_dir``."""
+    curve_authorized_keys_dir: str | None = None
+    """A directory of the subscribers' public certificates (``*.key``); required with CURVE."""
 
     @property
     def active(self) -> bool:
@@ -158,7 +175,7 @@ def offload_config_from_flags(
 _TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_buffer_device", "engine_id"}
 _EXTRA_KEYS = {
     "spec_name", "block_size", "blocks_per_chunk", "eviction_policy", "cpu_bytes_to_use",
-    "cpu_size_gib", "disk_path", "disk_size_gib", "io_threads", "spec_module_path",
+    "cpu_size_gib", "disk_path", "disk_size_gib", "disk_fsync", "io_threads", "spec_module_path",
 }
 
 
@@ -219,7 +236,7 @@ def _from_transfer_config(transfer: dict[str, Any], primary_block_size: int) -> 
         cpu_bytes = int(DEFAULT_CPU_TIER_GIB * GIB)
     tiers = [TierConfig(medium="cpu", size_bytes=cpu_bytes)]
 
-    disk_keys = {"disk_path", "disk_size_gib"} & set(extra)
+    disk_keys = {"disk_path", "disk_size_gib", "disk_fsync"} & set(extra)
     if spec == "TieringOffloadingSpec":
         path = extra.get("disk_path")
         if not isinstance(path, str) or not path:
@@ -227,7 +244,10 @@ def _from_transfer_config(transfer: dict[str, Any], primary_block_size: int) -> 
         if "disk_size_gib" not in extra:
             raise ValueError("TieringOffloadingSpec needs kv_connector_extra_config.disk_size_gib (the disk tier limit)")
         disk_bytes = _size_bytes(extra["disk_size_gib"], "kv_connector_extra_config.disk_size_gib")
-        tiers.append(TierConfig(medium="disk", size_bytes=disk_bytes, path=path))
+        fsync = extra.get("disk_fsync", True)
+        if not isinstance(fsync, bool):
+            raise ValueError(f"kv_connector_extra_config.disk_fsync must be true or false, got {fsync!r}")
+        tiers.append(TierConfig(medium="disk", size_bytes=disk_bytes, path=path, fsync=fsync))
     elif disk_keys:
         raise ValueError(
             f"kv_connector_extra_config.{sorted(disk_keys)[0]} needs spec_name 'TieringOffloadingSpec' "
@@ -256,6 +276,12 @@ def kv_events_config_from_flags(value: Any) -> KVEventsConfig | None:
         raise ValueError(f"--kv-events-config: buffer_steps must be positive, got {config.buffer_steps}")
     if config.hwm < 0 or config.max_queue_size <= 0:
         raise ValueError("--kv-events-config: hwm must be >= 0 and max_queue_size positive")
+    if not config.replay_rate_limit > 0 or config.replay_burst < 1:
+        raise ValueError("--kv-events-config: replay_rate_limit must be positive and replay_burst at least 1, "
+                         f"got {config.replay_rate_limit} and {config.replay_burst}")
+    if (config.curve_secret_key_file is None) != (config.curve_authorized_keys_dir is None):
+        raise ValueError("--kv-events-config: curve_secret_key_file and curve_authorized_keys_dir go together "
+                         "(the publisher's key pair, and the subscribers' public keys it accepts)")
     if config.active:
         for name in ("endpoint", "replay_endpoint"):
             address = getattr(config, name)

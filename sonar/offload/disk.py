@@ -9,8 +9,11 @@ File ``<dir>/<key hex>.kvchunk``::
     payload the chunk tensor's bytes (C order, ``KVLayout.chunk_shape``, ``KVLayout.dtype``)
     digest xxh3-128 of header + payload   16 bytes
 
-Files are written to a temporary name and renamed, so a crash never leaves a half-written chunk
-under a real name. On start the directory is indexed from the headers alone (fast); the digest
+Files are written to a temporary name (mode 0600), flushed to the disk (``fsync``, unless the
+config turns it off) and renamed, so a crash never leaves a half-written chunk under a real name.
+The directory is created 0700; an existing one must belong to this user and be writable by
+nobody else (a chunk file holds prompt token ids, and its KV is served as is), else the tier
+refuses to start. On start the directory is indexed from the headers alone (fast); the digest
 is checked on every read. A file whose header or digest is wrong is *corrupt*: deleted and
 counted. A file whose identity (model, dtype, layout, block size, hash algorithm, format
 version) differs is *foreign*: never indexed nor served, and left in place (another deployment
@@ -20,6 +23,7 @@ may own it). Neither is ever served.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import uuid
 from dataclasses import dataclass
@@ -31,7 +35,10 @@ import xxhash
 
 from sonar.offload.layout import KVLayout
 
-__all__ = ["ChunkHeader", "ChunkMeta", "CorruptChunk", "DiskFile", "ForeignChunk", "decode_chunk", "encode_chunk"]
+__all__ = [
+    "ChunkHeader", "ChunkMeta", "CorruptChunk", "DiskFile", "ForeignChunk", "UnsafeDirectoryError", "decode_chunk",
+    "encode_chunk", "secure_directory",
+]
 
 MAGIC = b"SONARKVC"
 SUFFIX = ".kvchunk"
@@ -154,20 +161,55 @@ class PendingFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_chunk_temp(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> PendingFile:
-    """Write a chunk under a temporary name (the slow part, outside any lock); `commit` renames it."""
+def write_chunk_temp(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *,
+                     fsync: bool = True) -> PendingFile:
+    """Write a chunk under a temporary name (the slow part, outside any lock); `commit` renames it.
+
+    The file is created 0600 (never through a symlink) and, with ``fsync``, on the disk before
+    the rename, so a power loss cannot leave a renamed file whose data never reached the disk.
+    An ``OSError`` (a full disk: ENOSPC, EDQUOT, EFBIG) leaves no file behind."""
     pieces = encode_chunk(layout, meta, chunk)
     tmp = root / f"{TMP_PREFIX}{meta.key.hex()}-{uuid.uuid4().hex[:8]}"
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+        with open(fd, "wb") as f:
             f.writelines(pieces)
+            f.flush()
             nbytes = f.tell()
+            if fsync:
+                os.fsync(f.fileno())
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
     return PendingFile(tmp, DiskFile(chunk_path(root, meta.key), nbytes, meta))
 
 
-def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor) -> DiskFile:
+def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *,
+                     fsync: bool = True) -> DiskFile:
     """Write a chunk atomically (temporary name, then rename); return its index entry."""
-    return write_chunk_temp(root, layout, meta, chunk).commit()
+    return write_chunk_temp(root, layout, meta, chunk, fsync=fsync).commit()
+
+
+class UnsafeDirectoryError(ValueError):
+    """The disk tier's directory belongs to another user, or others may write to it."""
+
+
+def secure_directory(root: Path) -> bool:
+    """Create ``root`` (mode 0700, parents as needed) unless it exists, then check it: a directory
+    this user owns that neither its group nor others may write to (else ``UnsafeDirectoryError``:
+    whoever can write there can plant KV that is served to every request with that prefix).
+    Returns whether group or others may still read or enter it (the caller warns)."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = root.stat()
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectoryError(f"the disk tier path {root} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise UnsafeDirectoryError(
+            f"the disk tier directory {root} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()}): "
+            "refusing it; give the server a directory of its own (it is created 0700 when missing)")
+    if mode & 0o022:
+        raise UnsafeDirectoryError(
+            f"the disk tier directory {root} is writable by its group or others (mode {mode:04o}): refusing it; "
+            f"chmod 700 {root}")
+    return bool(mode & 0o077)

@@ -297,7 +297,7 @@ class OffloadManagerActor(Actor):
         if isinstance(msg, (Flush, Clear)):
             return 0
         if isinstance(msg, GetOffloadStats):
-            return OffloadStats(tiers=[])
+            return OffloadStats(tiers=[], events_dropped=self._events_dropped())
         if isinstance(msg, TierContents):
             return {}
         if isinstance(msg, WatchTiers):
@@ -310,5 +310,8 @@ class OffloadManagerActor(Actor):
             tiers=s.tier_stats(), lookups=s.lookups, lookup_blocks=s.lookup_blocks, hit_blocks=s.hit_blocks,
             duplicate_stores=s.duplicate_stores,
             load_latency={m: msgspec.structs.replace(h, counts=list(h.counts)) for m, h in self.latency.items()},
-            pending_io=self.pending,
+            pending_io=self.pending, events_dropped=self._events_dropped(),
         )
+
+    def _events_dropped(self) -> int:
+        return 0 if self.publisher is None else self.publisher.dropped

@@ -42,6 +42,10 @@ class TierStats(msgspec.Struct):
     """Chunks found damaged (dropped, never served)."""
     foreign: int = 0
     """Chunk files of another model, dtype, layout or format (ignored)."""
+    write_errors: int = 0
+    """Chunk writes that failed (disk full, I/O error); the chunk stayed in the faster tier only."""
+    degraded: bool = False
+    """The tier takes no writes for now, after a write failed (it retries after a while)."""
 
 
 class LatencyHistogram(msgspec.Struct):
@@ -75,6 +79,8 @@ class OffloadStats(msgspec.Struct):
     load_latency: dict[str, LatencyHistogram] = {}
     """Per medium (the slowest tier a load read from), seconds from request to reply."""
     pending_io: int = 0
+    events_dropped: int = 0
+    """KV event batches the publisher dropped, its queue full (``--kv-events-config`` max_queue_size)."""
 
     def tier(self, medium: str) -> TierStats:
         return next(t for t in self.tiers if t.medium == medium)

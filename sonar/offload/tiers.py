@@ -8,7 +8,9 @@ Tiering (``TieredStore``): a stored chunk goes into the CPU tier and, with a dis
 written to disk (write-through, so a restart finds it). A chunk the CPU tier evicts is written
 to disk if the disk does not hold it yet (spill). A load reads the fastest tier holding the
 chunk; a disk hit is promoted into the CPU tier. Each tier evicts by its own policy (LRU or ARC)
-when it is full.
+when it is full. A failed disk write (the disk full, an I/O error) degrades the disk tier: for
+``DiskTier.RETRY_AFTER`` seconds it takes no writes (the CPU tier goes on alone; the chunks on
+disk are still served), then the next write tries again.
 
 Threads: every public method of ``TieredStore`` may be called from several threads at once. One
 lock guards the indexes and the CPU pool (memory copies of one chunk happen under it); disk reads
@@ -17,8 +19,10 @@ and writes happen outside it, so a slow disk never holds up a lookup.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,6 +40,7 @@ from sonar.offload.disk import (
     ForeignChunk,
     decode_chunk,
     read_header,
+    secure_directory,
     write_chunk_temp,
 )
 from sonar.offload.layout import KVLayout
@@ -121,10 +126,19 @@ class DiskTier:
 
     medium = "DISK"
 
-    def __init__(self, layout: KVLayout, root: str | Path, size_bytes: int, policy: str = "lru") -> None:
+    RETRY_AFTER = 30.0
+    """Seconds a degraded tier (a write failed) takes no writes before it tries again."""
+
+    def __init__(self, layout: KVLayout, root: str | Path, size_bytes: int, policy: str = "lru", *,
+                 fsync: bool = True) -> None:
         self.layout = layout
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if secure_directory(self.root):
+            log.warning("offload.disk.readable_by_others", path=str(self.root),
+                        detail="chunk files are created 0600, but their names show which prefixes are cached")
+        self.fsync = fsync
+        self.retry_at = 0.0
+        """While degraded: when (``time.monotonic``) a write may be tried again."""
         self.size_bytes = size_bytes
         self.index: dict[bytes, DiskFile] = {}
         self.used = 0
@@ -147,7 +161,7 @@ class DiskTier:
             if name.startswith(TMP_PREFIX):
                 Path(entry.path).unlink(missing_ok=True)
                 continue
-            if not name.endswith(SUFFIX) or not entry.is_file():
+            if not name.endswith(SUFFIX) or not entry.is_file(follow_symlinks=False):
                 continue
             path = Path(entry.path)
             try:
@@ -213,6 +227,27 @@ class DiskTier:
         self.stats.chunks = len(self.index)
         self.stats.used_bytes = self.used
 
+    @property
+    def writable(self) -> bool:
+        """Writes are on: the tier is not degraded, or its pause after a failed write is over."""
+        return not self.stats.degraded or time.monotonic() >= self.retry_at
+
+    def write_failed(self, key: bytes, exc: OSError) -> None:
+        """A write failed (disk full, I/O error): count it and take no writes for ``RETRY_AFTER``
+        seconds; the chunk stays in the faster tier only, and every request is still served."""
+        self.stats.write_errors += 1
+        if not self.stats.degraded:
+            log.warning("offload.disk.degraded", path=str(self.root), key=key.hex(),
+                        error=errno.errorcode.get(exc.errno or 0, "") or str(exc), detail=str(exc),
+                        retry_after_s=self.RETRY_AFTER)
+        self.stats.degraded = True
+        self.retry_at = time.monotonic() + self.RETRY_AFTER
+
+    def write_succeeded(self) -> None:
+        if self.stats.degraded:
+            self.stats.degraded = False
+            log.info("offload.disk.recovered", path=str(self.root), write_errors=self.stats.write_errors)
+
     def read(self, file: DiskFile) -> torch.Tensor:
         """Read and verify a chunk file (outside the lock); raises Corrupt/ForeignChunk, OSError."""
         _, tensor = decode_chunk(file.path, self.layout, file.meta.key)
@@ -234,7 +269,8 @@ class TieredStore:
         cpu_bytes = config.cpu_bytes
         self.cpu = CpuTier(layout, cpu_bytes, config.eviction_policy)
         disk = config.disk
-        self.disk = DiskTier(layout, disk.path, disk.size_bytes, config.eviction_policy) if disk else None
+        self.disk = (DiskTier(layout, disk.path, disk.size_bytes, config.eviction_policy, fsync=disk.fsync)
+                     if disk else None)
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -279,7 +315,7 @@ class TieredStore:
                     continue
                 new += 1
                 to_disk = self._put_cpu(meta, chunk)
-                if self.disk is not None and not on_disk:
+                if self.disk is not None and not on_disk and self.disk.writable:
                     to_disk.insert(0, (meta, chunk))
             for dmeta, dchunk in to_disk:
                 self._write_disk(dmeta, dchunk)
@@ -296,7 +332,7 @@ class TieredStore:
 
     def _put_cpu(self, meta: ChunkMeta, chunk: torch.Tensor) -> list[tuple[ChunkMeta, torch.Tensor]]:
         """Under the lock: put into the CPU tier, emit; return evicted chunks the disk lacks."""
-        disk = self.disk
+        disk = self.disk if self.disk is not None and self.disk.writable else None
         evicted = self.cpu.put(meta, chunk, keep_evicted=disk is not None)
         events: list[KVEvent] = [self._stored(meta, "CPU")]
         spill: list[tuple[ChunkMeta, torch.Tensor]] = []
@@ -313,18 +349,22 @@ class TieredStore:
         rename and a delete of the same key must not interleave)."""
         disk = self.disk
         assert disk is not None
+        if not disk.writable:  # an earlier write of this store failed meanwhile
+            return
         try:
-            pending = write_chunk_temp(disk.root, self.layout, meta, chunk)
+            pending = write_chunk_temp(disk.root, self.layout, meta, chunk, fsync=disk.fsync)
         except OSError as exc:
-            log.error("offload.disk.write_failed", key=meta.key.hex(), error=str(exc))
+            with self._lock:
+                disk.write_failed(meta.key, exc)
             return
         with self._lock:
             try:
                 file = pending.commit()
             except OSError as exc:
                 pending.discard()
-                log.error("offload.disk.write_failed", key=meta.key.hex(), error=str(exc))
+                disk.write_failed(meta.key, exc)
                 return
+            disk.write_succeeded()
             replaced = meta.key in disk
             evicted = disk.add(file)
             gone = [f for f in evicted if f is not file]

@@ -5,7 +5,8 @@ import pytest
 from sonar.core.block_pool import BlockPool
 from sonar.core.blocks import BlockManager
 from sonar.core.free_queue import FreeBlockQueue, KVBlock
-from sonar.core.request import Request
+from sonar.core.prefix import PrefixHasher
+from sonar.core.request import MAX_CACHE_SALT_LENGTH, Request, RequestRejectedError, cache_salt_problem
 
 BS = 4
 
@@ -258,6 +259,41 @@ def test_salt_prevents_sharing() -> None:
     for name in "abcd":
         bm.free(name)
     bm.check_invariants()
+
+
+def test_a_salted_request_caches_publishes_and_offloads_only_salted_hashes() -> None:
+    """The salt is an extra key of the first block; through the chain every block hash differs
+    from the unsalted one, and the KV events and offload chunks carry the salted hashes (and the
+    salt as the first block's extra key, so a consumer can recompute them)."""
+    bm = BlockManager(num_blocks=16, block_size=BS, kv_events=True, offload_blocks_per_chunk=2)
+    hasher = PrefixHasher(BS)
+    tokens = list(range(9))
+    salted = make(bm, "a", tokens, salt="tenant-1")
+    assert salted.block_hashes == hasher.chain(tokens, cache_salt="tenant-1")
+    assert not set(salted.block_hashes) & set(hasher.chain(tokens))  # no block matches unsalted
+    assert salted.block_hashes[0] == hasher.hash_block(hasher.root, tokens[:BS], ("tenant-1",))
+    assert salted.block_hashes[1] == hasher.hash_block(salted.block_hashes[0], tokens[BS : 2 * BS])
+    admit(bm, salted)
+    [stored] = bm.take_kv_events()
+    assert stored.block_hashes == salted.block_hashes and stored.parent_block_hash is None
+    assert stored.extra_keys == [["tenant-1"], None]
+    bm.free("a", request=salted)
+    [chunk] = bm.take_kv_stores()
+    assert chunk.block_hashes == salted.block_hashes and chunk.extra_keys == [["tenant-1"], None]
+    plain = make(bm, "b", tokens)
+    assert admit(bm, plain) == 0  # the salted blocks are cached, and not for it
+    bm.free("b")
+    bm.check_invariants()
+
+
+@pytest.mark.parametrize(("salt", "problem"), [
+    ("", "non-empty"), ("x" * (MAX_CACHE_SALT_LENGTH + 1), f"at most {MAX_CACHE_SALT_LENGTH}"), (7, "a string"),
+])
+def test_an_invalid_salt_is_rejected(salt: object, problem: str) -> None:
+    assert problem in (cache_salt_problem(salt) or "")
+    with pytest.raises(RequestRejectedError, match=problem):
+        Request("r", [1, 2], cache_salt=salt)  # type: ignore[arg-type]
+    assert cache_salt_problem(None) is None and cache_salt_problem("x" * MAX_CACHE_SALT_LENGTH) is None
 
 
 def test_duplicate_content_registers_once(bm: BlockManager) -> None:

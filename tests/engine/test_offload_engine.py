@@ -253,3 +253,55 @@ async def test_manager_and_worker_in_their_own_processes(reference: dict[str, An
         outs, _ = await _evict_and_reuse(llm, reference["prompts"])
     assert [o.token_ids for o in outs] == reference["tokens"]
     assert outs[3].num_cached_tokens == REUSABLE_BLOCKS // 2 * 2 * BLOCK
+
+
+async def test_cache_salt_separates_every_tier_and_the_events(reference: dict[str, Any], tmp_path: Path) -> None:
+    """A prefix stored under one salt is found again, after its eviction from the primary cache,
+    in the CPU and disk tiers under that salt only; chunk files and published hashes are the salted
+    chain's, never the unsalted one's."""
+    from sonar.core.prefix import PrefixHasher
+
+    pub, replay = free_port(), free_port()
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
+              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    disk = tmp_path / "kv"
+    args = _engine_args(kv_transfer_config=_transfer(1, disk), kv_events_config=events)
+    prompts = reference["prompts"]
+    async with sonar.open(reference["path"], **args) as llm:
+        first = await llm.generate(prompts[0], GREEDY, cache_salt="tenant-a")
+        for p in prompts[1:3]:  # evict it from the primary cache (it stays in the tiers)
+            await _settle(llm)
+            await llm.generate(p, GREEDY)
+        await _settle(llm)
+        other = await llm.generate(prompts[0], GREEDY, cache_salt="tenant-b")
+        await _settle(llm)
+        for p in prompts[1:3]:
+            await llm.generate(p, GREEDY)
+            await _settle(llm)
+        same = await llm.generate(prompts[0], GREEDY, cache_salt="tenant-a")
+        await _settle(llm)
+
+        def consume() -> list[Any]:
+            with KVEventConsumer(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}") as consumer:
+                return [event for _, event in consumer.replay(0)]
+
+        published = await anyio.to_thread.run_sync(consume)
+    assert first.token_ids == other.token_ids == same.token_ids == reference["tokens"][0]
+    assert first.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # nothing of tenant-a's, in any tier
+    assert same.num_cached_tokens == REUSABLE_BLOCKS * BLOCK  # loaded back from the tiers
+
+    hasher = PrefixHasher(BLOCK)
+    salted_a = hasher.chain(prompts[0], cache_salt="tenant-a")
+    salted_b = hasher.chain(prompts[0], cache_salt="tenant-b")
+    plain = hasher.chain(prompts[0])
+    files = {p.name for p in disk.glob("*.kvchunk")}
+    assert {h.hex() + ".kvchunk" for h in salted_a[:REUSABLE_BLOCKS]} <= files
+    assert {h.hex() + ".kvchunk" for h in salted_b[:REUSABLE_BLOCKS]} <= files
+    assert not {h.hex() + ".kvchunk" for h in plain} & files
+    stored = {(e.medium, h) for e in published if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+    for medium in ("GPU", "CPU", "DISK"):
+        assert {(medium, h) for h in salted_a[:REUSABLE_BLOCKS]} <= stored, medium
+    assert not {h for _, h in stored} & set(plain)
+    salted_first = [e for e in published if type(e).__name__ == "BlockStored" and e.block_hashes[0] == salted_a[0]]
+    assert salted_first and all(e.parent_block_hash is None and e.extra_keys[0] == ["tenant-a"] for e in salted_first)

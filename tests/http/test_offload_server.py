@@ -6,7 +6,8 @@
   metrics saying so. KV events over real ZMQ: the reference consumer sees `BlockStored` for GPU
   and CPU, `BlockRemoved`, and a replay from a sequence number resends what followed it.
 * Disk tier (`TieringOffloadingSpec`): a restarted server reuses a prefix stored before it
-  stopped; a chunk file with flipped bytes is detected, dropped, logged and never served.
+  stopped; a chunk file with flipped bytes is detected, dropped, logged and never served; a full
+  disk degrades the tier (logged, in the metrics) while every request is still served.
 * Invalid `--kv-transfer-config` values stop the server at startup with exit code 2 and one line
   naming the rule.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import pytest
 from sonar.core.events import BlockRemoved, BlockStored
 from sonar.kv_events import KVEventConsumer
 from tests.http.conftest import ROOT, ServerProcess, free_port, serving
+from tests.offload.helpers import tiny_tmpfs
 
 BLOCK = 16
 COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "40", "--seed", "0",
@@ -150,6 +153,40 @@ def test_disk_tier_survives_a_restart_and_a_corrupt_chunk_is_never_served(tmp_pa
     assert metrics['sonar:kv_offload_corrupt_chunks_total{medium="DISK"}'] == 1  # the load stops at the first
     assert metrics['sonar:kv_offload_hit_blocks_total{medium="DISK"}'] == 0
     assert "offload.disk.corrupt" in log and "digest mismatch" in log
+
+
+def test_a_full_disk_degrades_the_tier_and_requests_keep_being_served(tmp_path: Path) -> None:
+    """The disk tier on a 2 MiB tmpfs (room for two chunk files of this model): the third write
+    fails with ENOSPC, the tier degrades (a warning, `sonar:kv_offload_degraded{medium="DISK"} 1`,
+    the failed write counted), and every request is still answered, with the CPU tier serving
+    prefixes. Where this process may not mount, the directory is made read-only under the running
+    server instead (EACCES; root ignores that, hence the tmpfs)."""
+    with tiny_tmpfs("2m") as mount:
+        disk = (mount or tmp_path) / "kv"
+        transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                               "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_size_gib": 0.25,
+                                                             "disk_path": str(disk), "disk_size_gib": 1}})
+        events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
+        with serving(_fresh(tmp_path / "server"), *COMMON, "--kv-transfer-config", transfer,
+                     "--kv-events-config", events) as server:
+            assert stat.S_IMODE(disk.stat().st_mode) == 0o700
+            if mount is None:
+                disk.chmod(0o500)
+            first = [_complete(server, _prompt(k)) for k in range(2)]
+            _wait_for(server, 'sonar:kv_offload_degraded{medium="DISK"}', 1)
+            again = _complete(server, _prompt(0))  # part of it was evicted from the 40 primary blocks
+            metrics = _metrics(server)
+            log = server.log()
+            if mount is None:
+                disk.chmod(0o700)
+            assert not list(disk.glob(".tmp-*"))  # a failed write leaves nothing behind
+    assert again["choices"][0]["text"] == first[0]["choices"][0]["text"]
+    assert metrics['sonar:kv_offload_hit_blocks_total{medium="CPU"}'] > 0  # the CPU tier goes on
+    assert metrics['sonar:kv_offload_write_errors_total{medium="DISK"}'] >= 1
+    assert metrics['sonar:kv_offload_degraded{medium="CPU"}'] == 0
+    assert metrics['sonar:kv_offload_stores_total{medium="CPU"}'] > metrics['sonar:kv_offload_stores_total{medium="DISK"}']
+    assert metrics["sonar:kv_events_dropped_total"] == 0
+    assert "offload.disk.degraded" in log and ("ENOSPC" in log or "EACCES" in log)
 
 
 @pytest.mark.parametrize("value, rule", [

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import torch
 
 from sonar.core.prefix import PrefixHasher
@@ -48,3 +54,23 @@ def sequence(lay: KVLayout, num_chunks: int, seed: int = 0) -> tuple[list[bytes]
     ]
     data = torch.randn((num_chunks, *lay.chunk_shape), generator=g, dtype=lay.torch_dtype)
     return hashes, metas, data
+
+
+@contextmanager
+def tiny_tmpfs(size: str = "256k") -> Iterator[Path | None]:
+    """A tmpfs of ``size`` mounted on a fresh directory, or None when this process may not mount."""
+    mount = Path(tempfile.mkdtemp(prefix="sonar-tinyfs-"))
+    try:
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
+                                 capture_output=True, text=True).returncode == 0
+    except FileNotFoundError:  # no mount(8)
+        mounted = False
+    if not mounted:
+        mount.rmdir()
+        yield None
+        return
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+        mount.rmdir()

@@ -60,6 +60,9 @@ def test_tiering_spec_has_cpu_then_disk(tmp_path):
     assert [(t.medium, t.size_bytes, t.path) for t in cfg.tiers] == [
         ("cpu", GIB // 2, None), ("disk", 2 * GIB, str(tmp_path))]
     assert cfg.eviction_policy == "arc" and cfg.disk.path == str(tmp_path)
+    assert cfg.disk.fsync  # on unless turned off
+    off = parse(extra(spec_name="TieringOffloadingSpec", disk_path=str(tmp_path), disk_size_gib=2, disk_fsync=False))
+    assert not off.disk.fsync
 
 
 @pytest.mark.parametrize(("kw", "bpc"), [({}, 1), ({"block_size": 16}, 1), ({"block_size": 64}, 4),
@@ -79,6 +82,9 @@ def test_chunk_size(kw, bpc):
     (extra(spec_name="TieringOffloadingSpec", disk_size_gib=1), "TieringOffloadingSpec needs kv_connector_extra_config.disk_path"),
     (extra(spec_name="TieringOffloadingSpec", disk_path="/tmp/x"), "needs kv_connector_extra_config.disk_size_gib"),
     (extra(disk_path="/tmp/x"), "disk_path needs spec_name 'TieringOffloadingSpec'"),
+    (extra(disk_fsync=False), "disk_fsync needs spec_name 'TieringOffloadingSpec'"),
+    (extra(spec_name="TieringOffloadingSpec", disk_path="/tmp/x", disk_size_gib=1, disk_fsync="yes"),
+     "disk_fsync must be true or false"),
     (extra(cpu_bytes_to_use=1, cpu_size_gib=1), "cpu_bytes_to_use and cpu_size_gib are mutually exclusive"),
     (extra(colour="blue"), r"unknown key\(s\) colour"),
     ({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}, "kv_connector must be 'OffloadingConnector'"),
@@ -103,14 +109,22 @@ def test_kv_events_config():
         "replay_endpoint": "tcp://*:5558", "topic": "kv", "buffer_steps": 10000}))
     assert cfg == KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://*:5557",
                                  replay_endpoint="tcp://*:5558", topic="kv", buffer_steps=10000)
-    # enabling alone means publishing over zmq at the default endpoint
-    assert kv_events_config_from_flags({"enable_kv_cache_events": True}).publisher == "zmq"
+    # enabling alone means publishing over zmq at the default endpoint: loopback only (the events
+    # carry prompt token ids), replay rate-limited, no CURVE
+    default = kv_events_config_from_flags({"enable_kv_cache_events": True})
+    assert default.publisher == "zmq" and default.endpoint == "tcp://127.0.0.1:5557"
+    assert (default.replay_rate_limit, default.replay_burst) == (2.0, 10)
+    assert default.curve_secret_key_file is None
 
 
 @pytest.mark.parametrize(("value", "rule"), [
     ({"enable_kv_cache_events": True, "buffer_steps": 0}, "buffer_steps must be positive"),
     ({"enable_kv_cache_events": True, "endpoint": "localhost:5557"}, "endpoint must be a ZMQ address"),
-    ({"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:5557"}, "replay_endpoint must differ"),
+    ({"enable_kv_cache_events": True, "replay_endpoint": "tcp://127.0.0.1:5557"}, "replay_endpoint must differ"),
+    ({"enable_kv_cache_events": True, "replay_rate_limit": 0}, "replay_rate_limit must be positive"),
+    ({"enable_kv_cache_events": True, "replay_burst": 0}, "replay_burst at least 1"),
+    ({"enable_kv_cache_events": True, "curve_secret_key_file": "/k/pub.key_secret"}, "go together"),
+    ({"enable_kv_cache_events": True, "curve_authorized_keys_dir": "/k/clients"}, "go together"),
     ({"enable_kv_cache_events": True, "publisher": "kafka"}, "--kv-events-config"),
     ({"enable_kv_cache_events": True, "bogus": 1}, "unknown field"),
 ])
