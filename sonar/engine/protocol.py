@@ -35,6 +35,8 @@ class WorkerInfo(msgspec.Struct):
     head_dim: int = 0
     device: str = "cpu"
     """The device type the model runs on ("cpu", "cuda")."""
+    instance: str = ""
+    """Random id of this run of the worker: a restarted worker answers with another."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

@@ -66,6 +66,10 @@ from sonar.offload.protocol import PublishEvents, TierUpdate, WatchTiers
 
 TIER_MEDIA = ("CPU", "DISK")
 
+SAME_WORKER_GRACE = 5.0
+"""Seconds a recovering scheduler waits for the worker that failed a step to be replaced (it
+crashes right after it answers the failure) before it takes that worker's answers as its own."""
+
 log = get_logger("sonar.scheduler")
 
 
@@ -334,7 +338,8 @@ class SchedulerActor(Actor):
         """The step `failed` failed (`self.failure`; None: no step reached the worker): quarantine
         what the core convicts, recompute everything else in flight once the worker answers
         again."""
-        crashed = [] if failed is None or _not_the_steps_fault(self.failure) else [r.req_id for r in failed.requests]
+        never_ran = _never_ran(self.failure)
+        crashed = [] if failed is None or never_ran else [r.req_id for r in failed.requests]
         recovery = self.core.reset_after_worker_failure(crashed)
         ids = recovery.recomputed
         log.error("step failed; requests will be recomputed", error=str(self.failure), requests=len(ids),
@@ -346,19 +351,29 @@ class SchedulerActor(Actor):
             tracked, self.pending = self.pending, []
             await self.detokenizer.send(StepOutputs(new=tracked, updates=recovery.quarantined, scheduler=self.ref))
         delay = 0.05
+        # A worker that failed in a step is on its way out and may still answer for a moment: a
+        # step sent to it then would fail too, and count against the requests of that step.
+        failed_worker = None if never_ran else self.info.instance
+        grace = time.monotonic() + SAME_WORKER_GRACE
         while True:
             try:
                 info = await self.worker.ask(DescribeWorker(), timeout=5)
-                break
+                if info.instance != failed_worker or time.monotonic() > grace:
+                    break
             except (ActorError, AskTimeout, ActorNotFound):
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                pass
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 1.0)
         if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
             raise RuntimeError("the restarted worker has a different KV cache layout")
+        self.info = info
         log.info("worker back; resuming", requests=len(ids))
 
 
-def _not_the_steps_fault(failure: Exception | None) -> bool:
-    """A step the worker refused because it names requests the worker does not hold (a step meant
-    for its predecessor): its requests did not make it fail."""
-    return isinstance(failure, ActorError) and failure.error.type.endswith(".UnknownRequestError")
+def _never_ran(failure: Exception | None) -> bool:
+    """The step failed without running: no worker took it (its mailbox was gone), or the worker
+    refused it as meant for its predecessor (it names requests the worker does not hold). Its
+    requests did not make it fail, and the worker did not crash."""
+    if isinstance(failure, ActorNotFound):
+        return True
+    return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))
