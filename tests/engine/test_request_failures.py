@@ -6,15 +6,20 @@
   is quarantined after two crashes (`RequestQuarantinedError`) while the requests beside it finish
   with the text they have alone, and the engine does not give up;
 * beyond `max_waiting_seqs` waiting sequences new requests are refused (`ServerOverloadedError`
-  with a `retry_after`), the accepted ones complete and the engine serves again afterwards.
+  with a `retry_after`), the accepted ones complete and the engine serves again afterwards; so is
+  a request the scheduler does not take in time.
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import anyio
 import pytest
 
 import sonar
+from sonar.engine import client as client_module
 from sonar import SamplingParams
 from sonar.errors import InvalidRequestError, RequestQuarantinedError, ServerOverloadedError, SonarError
 from sonar.sampling_params import SamplingParamsError
@@ -162,3 +167,24 @@ async def test_requests_beyond_max_waiting_seqs_are_refused_as_overloaded(one_th
             while (tracked := await llm.tracked_requests()) != {"frontend": 0, "scheduler": 0, "detokenizer": 0}:
                 await anyio.sleep(0.05)
         assert tracked["scheduler"] == 0
+
+
+async def test_a_scheduler_that_does_not_answer_in_time_is_overloaded_not_an_error(one_thread, monkeypatch) -> None:
+    """The scheduler (in its own process, stopped with SIGSTOP) takes no request within the add
+    timeout: `ServerOverloadedError`, not a bare timeout; once it runs again it serves."""
+    monkeypatch.setattr(client_module, "ADD_TIMEOUT", 1.0)
+    async with sonar.open(**ENGINE, placement="scheduler=process") as llm:
+        pid = next(c for c in llm.tree().children if c.name == "scheduler").pid
+        assert pid is not None and pid != os.getpid()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(20), pytest.raises(ServerOverloadedError, match="did not take the request") as caught:
+                await llm.generate(PROMPTS[0], GREEDY)
+            assert caught.value.retry_after > 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with anyio.fail_after(60):
+            assert len((await llm.generate(PROMPTS[0], GREEDY)).token_ids) == GREEDY.max_tokens
+            # the refused request, taken late, was aborted by the frontend that gave up on it
+            while await llm.tracked_requests() != {"frontend": 0, "scheduler": 0, "detokenizer": 0}:
+                await anyio.sleep(0.05)
