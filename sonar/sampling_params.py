@@ -13,6 +13,9 @@ Checks happen in two places:
 * `validate(max_logprobs=..., vocab_size=...)` checks the limits that depend on the engine,
   which only the frontend/scheduler know. (Prompt length + `max_tokens` against the context
   length needs the prompt, so the frontend checks that.)
+* `check_token_left(vocab_size=..., eos_token_ids=...)` refuses params that leave the sampler no
+  token to draw (`min_tokens` with stop ids covering the vocabulary); the client runs it beside
+  `validate`, where the model's EOS ids are known.
 
 Both raise `SamplingParamsError`, a `ValueError` whose `param` names the offending field, so the
 HTTP layer can turn it into a 400 that says which parameter was wrong.

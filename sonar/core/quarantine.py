@@ -7,9 +7,12 @@ a crash down to one request and fails that request alone:
 
 1. When a step fails (the worker crashed or hung), every request of that step becomes a
    *suspect*.
-2. Suspects run *isolated*: at most one suspect is admitted at a time, beside any number of
-   requests that are not suspects. A suspect is cleared once a step in which it sampled (its
-   recomputation reached past the point where it crashed) comes back.
+2. Suspects run *isolated*: at most one suspect is admitted at a time, beside requests that are
+   not suspects and have sampled before (a new request waits meanwhile: its prompt, never
+   computed through, could fail the step itself and the suspect would take the blame). Suspects
+   that had sampled before the crash go first: a poison prompt crashes the step that first
+   computes it, so those are the likelier innocents. A suspect is cleared once a step in which
+   it sampled (its recomputation reached past the point where it crashed) comes back.
 3. A crashing step with exactly one suspect in it convicts that suspect, which is *quarantined*
    (failed with ``RequestQuarantinedError``, its blocks freed), when the engine has seen that a step
    without it can pass (a *witness*: a step came back while it waited) or when no other request is
@@ -19,9 +22,11 @@ a crash down to one request and fails that request alone:
    (``ready`` is false) until a step without it comes back, and suspects that are ready run first.
 
 So a crash that follows one request ends that request after two crashes (three when its isolated
-run happened to come first), and the others complete. A crash that follows no request (every
-step fails) never finds a witness while several requests are in flight: they keep failing until
-the supervisor's restart intensity is spent and the engine gives up, as before.
+run happened to come before any witness, as when every request of the crashed step was new), and
+the others complete. A crash that follows no request (every step fails) never finds a witness
+while several requests are in flight: they keep failing until the supervisor's restart intensity
+is spent and the engine gives up, as before. Several poison requests left on their own look the
+same and end the same way.
 
 Pure bookkeeping on request ids: the scheduler core (`sonar.core.schedule`) calls it.
 """

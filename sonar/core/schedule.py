@@ -340,43 +340,62 @@ class Scheduler:
         config = self.config
         waiting = self.waiting
         quarantine = self.quarantine
-        suspect_in, any_suspect = self._isolation()
+        isolating = bool(quarantine)
+        suspect_in, unproven_in, any_suspect, proven_first = self._isolation()
         skipped: list[Request] = []
         try:
             while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
                 request = waiting.peek()
                 if request.num_placeholders:
                     break  # preempted while a step in flight samples for it: resumed once that is back
-                suspect = bool(quarantine) and request.request_id in quarantine
-                if suspect and (suspect_in or not (any_suspect or quarantine.ready(request.request_id))):
-                    skipped.append(waiting.pop())  # behind the suspect in flight, or awaiting a witness
+                suspect = isolating and request.request_id in quarantine
+                unproven = isolating and not suspect and not request.output_token_ids
+                if suspect:
+                    blocked = (suspect_in or unproven_in or (proven_first and not request.output_token_ids)
+                               or not (any_suspect or quarantine.ready(request.request_id)))
+                else:
+                    blocked = unproven and suspect_in
+                if blocked:
+                    skipped.append(waiting.pop())
                     continue
                 left = self._admit_first(request, budget, threshold, scheduled, admitted)
                 if left is None:
                     break
                 budget = left
                 suspect_in = suspect_in or suspect
+                unproven_in = unproven_in or unproven
         finally:
             for request in reversed(skipped):  # back to the front, in their order
                 waiting.add_preempted(request)
         return budget
 
-    def _isolation(self) -> tuple[bool, bool]:
-        """For ``_admit``: (a suspect runs or loads, any suspect may run even without a witness).
+    def _isolation(self) -> tuple[bool, bool, bool, bool]:
+        """For ``_admit`` while there are suspects: (a suspect runs or loads, an unproven request
+        runs or loads, any suspect may run even without a witness, proven suspects go first).
 
-        The second holds when every request is a suspect and none of those waiting is ready:
-        no step without them can come to tell them apart, so they run (one at a time) as they
-        are.
+        A suspect shares its steps only with requests that have sampled before, whose inputs have
+        passed: a request that has not (*unproven*: new, its prompt never computed through) could
+        make the step fail itself, and the suspect would take the blame. The third holds when
+        every request is a suspect and none of those waiting is ready: no step without them can
+        come to tell them apart, so they run (one at a time) as they are. The fourth holds while a
+        ready suspect that had sampled before waits: those run before unproven suspects, the
+        likelier culprits of a crash (a poison prompt crashes the step that first computes it),
+        so that their passing steps witness for the unproven ones, convicted at their first run
+        alone.
         """
         quarantine = self.quarantine
         if not quarantine:
-            return False, False
+            return False, False, False, False
         requests = self.requests
         busy = (_RUNNING, _LOADING)
         suspect_in = any(requests[rid].status in busy for rid in quarantine.suspects)
-        any_suspect = len(quarantine) == len(requests) and not any(
-            suspect.ready for rid, suspect in quarantine.suspects.items() if requests[rid].status not in busy)
-        return suspect_in, any_suspect
+        unproven_in = any(not r.output_token_ids and r.request_id not in quarantine
+                          for r in (*self.running, *self.loading.values()) if r.status in busy)
+        waiting = [(requests[rid], suspect) for rid, suspect in quarantine.suspects.items()
+                   if requests[rid].status not in busy]
+        any_suspect = len(quarantine) == len(requests) and not any(suspect.ready for _, suspect in waiting)
+        proven_first = any(suspect.ready and request.output_token_ids for request, suspect in waiting)
+        return suspect_in, unproven_in, any_suspect, proven_first
 
     def _admit_first(
         self, request: Request, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]

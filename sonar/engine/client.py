@@ -366,7 +366,6 @@ class LLM:
                     except Exception:
                         pass
 
-
     async def _add(self, scheduler: Any, msg: AddRequest) -> None:
         """Hand one engine request to the scheduler, or raise why it was refused."""
         try:
