@@ -19,11 +19,14 @@ Order of operations on each row:
    number per row, not one per logit as an exponential race needs: 0.7 instead of 3.8 ms for 16
    rows of SmolLM2's 49152 logits on 2 cores.)
 
-A row where no token can be drawn (every logit -inf after the steps above, or NaN: a broken row
-of the model's output) is not sampled: its `SamplerOutput.failed` entry is true and its id is 0,
-a valid token that a step already scheduled behind this one can feed without harm, so one bad
-row never fails the batch or puts an id outside the vocabulary into the next step. The caller
-fails that request alone (`sonar.engine.runner`).
+Extreme but valid values never turn a row into nothing: the repetition penalty's result stops at
+the largest float, temperature divides the logits relative to the row's best one, and a logit at
++inf counts as the largest float (such tokens share the row's mass). A row where no token can be
+drawn (every logit -inf after the steps above, or NaN: a broken row of the model's output) is not
+sampled: its `SamplerOutput.failed` entry is true and its id is 0, a valid token that a step
+already scheduled behind this one can feed without harm, so one bad row never fails the batch or
+puts an id outside the vocabulary into the next step. The caller fails that request alone
+(`sonar.engine.runner`).
 
 Logprobs are those of the *raw* model output (log-softmax before penalties, bias, temperature
 and truncation), like vLLM's default: they describe the model, not the sampling settings.
@@ -48,6 +51,7 @@ import torch
 from sonar.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 #: How many of a row's most likely tokens are ranked to find its top-p cutoff (see
 #: `apply_truncation`); more only when the top-p mass is not among them.
@@ -208,12 +212,14 @@ class SamplingBatch:
             vocab_size=vocab,
             all_greedy=all_greedy,
             greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
-            temperature=floats(temperature),
+            temperature=floats(temperature).clamp_(max=_FLOAT_MAX),  # inf in float32 makes -inf / inf NaN
             top_k=longs(top_k) if active_k else None,
             top_k_max=max(active_k, default=0),
             top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
             min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
-            repetition_penalty=floats(rep) if any(v != 1.0 for v in rep) else None,
+            # in float32 a valid 1e-300 would be 0 and 1e300 inf (0 / 0, 0 * inf: NaN logits)
+            repetition_penalty=(floats(rep).clamp_(min=torch.finfo(torch.float32).tiny, max=_FLOAT_MAX)
+                                if any(v != 1.0 for v in rep) else None),
             presence_penalty=floats(pres) if any(pres) else None,
             frequency_penalty=floats(freq) if any(freq) else None,
             prompt_index=flat(prompt_parts),
@@ -269,7 +275,12 @@ class Sampler:
             assert greedy_ids is not None and greedy_failed is not None
             sampled, failed = greedy_ids, greedy_failed
         else:
-            x.div_(batch.temperature.unsqueeze(1))
+            # Relative to the row's best logit before dividing (softmax and truncation do not
+            # change): a tiny temperature cannot overflow a row into all -inf or +inf. A logit at
+            # +inf counts as the largest float, so such tokens share the mass instead of turning
+            # the row into NaN.
+            x.clamp_(max=_FLOAT_MAX)
+            x.sub_(x.amax(dim=-1, keepdim=True)).div_(batch.temperature.unsqueeze(1))
             x = apply_truncation(x, batch)
             cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
             total = cdf[:, -1:]
@@ -341,7 +352,8 @@ def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             seen[batch.output_index] = True
         seen = seen.view_as(x)
         rp = batch.repetition_penalty.unsqueeze(1)
-        penalised = torch.where(x > 0, x / rp, x * rp)
+        # a penalty shifts, never masks: an extreme one (1e-300, 1e300) stops at the largest float
+        penalised = torch.where(x > 0, x / rp, x * rp).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
         x = torch.where(seen, penalised, x)
         flat = x.view(-1)
     if (

@@ -397,3 +397,33 @@ def test_nan_and_minus_inf_rows_fail_on_every_path(poison: float) -> None:
         assert out.failed.tolist() == [False, True, False, False], p
         ids = out.sampled_token_ids
         assert int(ids[1]) == 0 and 0 <= int(ids.min()) and int(ids.max()) < vocab
+
+
+def test_logits_pushed_to_infinity_by_valid_params_are_drawn_not_failed() -> None:
+    """A tiny repetition penalty (valid: > 0) divides the seen positive logits into +inf, a tiny
+    temperature can too: those tokens take the whole mass instead of failing the row."""
+    vocab = 30
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    logits[:, [3, 5, 8, 9]] = torch.tensor([2.0, 1.0, -1.0, 0.0])  # 0 / 0 would be NaN
+    prompts = [[3, 5, 8, 9]] * 3
+    params = [SP(temperature=1.0, repetition_penalty=5e-324), SP(temperature=0.7, top_p=0.9, repetition_penalty=5e-324,
+                                                                 seed=1), SP(temperature=0.0, repetition_penalty=5e-324)]
+    for trial in range(5):
+        out = sample(logits, params, prompts=prompts, generator=torch.Generator().manual_seed(trial))
+        assert not out.failed.any()
+        assert all(t in (3, 5) for t in out.sampled_token_ids.tolist())  # the two positive seen logits
+    huge = torch.full((1, vocab), -1.0)
+    huge[0, 7] = 3e38  # / temperature 1e-4: +inf
+    out = sample(huge, [SP(temperature=1e-4)])
+    assert not out.failed.any() and out.sampled_token_ids.tolist() == [7]
+    # every token seen and negative, a huge penalty: all at the lowest float, none masked; a tiny
+    # temperature then keeps the best of them instead of overflowing the whole row to -inf
+    low = -torch.rand(2, vocab, generator=torch.Generator().manual_seed(6)) - 1.0
+    low[:, 4] = 0.0  # 0 * inf would be NaN
+    seen = [list(range(vocab))] * 2
+    out = sample(low, [SP(temperature=1e-5, repetition_penalty=1e300), SP(temperature=0, repetition_penalty=1e300)],
+                 prompts=seen)
+    assert not out.failed.any() and 0 <= int(out.sampled_token_ids.max()) < vocab
+    # a temperature past float32's range, with min_tokens masking a token: uniform over the others
+    out = sample(logits[:1], [SP(temperature=1e300, min_tokens=1, stop_token_ids=[2])], eos=[11])
+    assert not out.failed.any() and out.sampled_token_ids.item() not in (2, 11)
