@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from sonar.core.blocks import BlockManager

@@ -13,7 +13,6 @@ and afterwards the server is healthy and serves, its engine never gave up.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Iterator
 
 import anyio

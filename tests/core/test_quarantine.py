@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from sonar.core.outputs import RequestUpdate, SchedulerOutput
+from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput
 from sonar.core.quarantine import Quarantine
 from sonar.core.request import RequestStatus
 from tests.core.test_schedule import assert_all_free, make_runner, req
@@ -197,8 +197,6 @@ def test_a_lone_request_that_crashes_twice_is_quarantined() -> None:
 
 
 def test_fail_requests_ends_one_request_with_its_error_wherever_it_is() -> None:
-    from sonar.core.outputs import RequestError
-
     scheduler, runner = make_runner(max_num_seqs=1)
     runner.add(req("run", 6, max_tokens=8))
     runner.add(req("wait", 6))
