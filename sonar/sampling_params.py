@@ -13,6 +13,9 @@ Checks happen in two places:
 * `validate(max_logprobs=..., vocab_size=...)` checks the limits that depend on the engine,
   which only the frontend/scheduler know. (Prompt length + `max_tokens` against the context
   length needs the prompt, so the frontend checks that.)
+* `check_token_left(vocab_size=..., eos_token_ids=...)` refuses params that leave the sampler no
+  token to draw (`min_tokens` with stop ids covering the vocabulary); the client runs it beside
+  `validate`, where the model's EOS ids are known.
 
 Both raise `SamplingParamsError`, a `ValueError` whose `param` names the offending field, so the
 HTTP layer can turn it into a 400 that says which parameter was wrong.
@@ -21,6 +24,7 @@ HTTP layer can turn it into a 400 that says which parameter was wrong.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import msgspec
 
@@ -205,6 +209,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if max_logit_bias is not None and len(bias) > max_logit_bias:
             raise SamplingParamsError("logit_bias", over_limit("logit_bias entries", max_logit_bias, len(bias),
                                                                "max_logit_bias"))
+
+    def check_token_left(self, *, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        """Raise `SamplingParamsError` when these params leave no token to sample at some step.
+
+        The sampler sets to -inf, while fewer than `min_tokens` tokens are out, every id of
+        `stop_token_ids` and (unless `ignore_eos`) the model's EOS ids: when those cover the whole
+        vocabulary, the first step has nothing to draw from. (`logit_bias` only shifts logits, by at
+        most 100, and masks nothing.) The client runs this with `validate`, where the EOS ids are
+        known.
+        """
+        if self.min_tokens < 1 or not self.stop_token_ids:
+            return
+        eos = [] if self.ignore_eos else list(eos_token_ids)
+        if len(self.stop_token_ids) + len(eos) < vocab_size:
+            return
+        blocked = {t for t in (*self.stop_token_ids, *eos) if 0 <= t < vocab_size}
+        if len(blocked) >= vocab_size:
+            raise SamplingParamsError(
+                "stop_token_ids",
+                f"with min_tokens={self.min_tokens} these ids{'' if self.ignore_eos else ' and the EOS ids'} "
+                f"are blocked until {self.min_tokens} token(s) are out, and they cover the whole vocabulary of "
+                f"{vocab_size} tokens: no token is left to generate",
+            )
 
     @property
     def greedy(self) -> bool:

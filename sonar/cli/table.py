@@ -661,6 +661,10 @@ GROUPS: tuple[Group, ...] = (
            "decoding); unset: the batched-token budget."),
         _f("--max-num-seqs", I, None, "Most requests running together in one step.", to=E, check=positive,
            default_note="256"),
+        _f("--max-waiting-seqs", I, 4096,
+           "Sonar's own: most sequences waiting to be scheduled (a request with n completions counts n); "
+           "a request beyond it is refused with 429 and a Retry-After header instead of queueing without "
+           "end.", to=E, check=positive),
         _f("--long-prefill-token-threshold", I, 0,
            "Prompts longer than this many tokens count as long for chunked prefill; 0: no threshold.",
            to=E, check=non_negative),
@@ -812,9 +816,11 @@ GROUPS: tuple[Group, ...] = (
            to=E, check=positive),
         _f("--fault-injection", S_, None,
            "For tests and drills: make the worker fail on purpose. Comma-separated ACTION@step=N (once, on "
-           "the N-th model step) or ACTION@p=P (each step with probability P); ACTION is raise (an "
-           "exception in the forward pass), hang (a step that never returns) or exit (the worker process "
-           "dies). Off by default.", to=E, metavar="ACTION@step=N|ACTION@p=P[,...]"),
+           "the N-th model step), ACTION@p=P (each step with probability P) or ACTION@token=ID (each step "
+           "whose input holds token ID: a request with ID in its prompt fails every step that computes it, "
+           "like a poison request, until it is quarantined); ACTION is raise (an exception in the forward "
+           "pass), hang (a step that never returns) or exit (the worker process dies). Off by default.",
+           to=E, metavar="ACTION@step=N|ACTION@p=P|ACTION@token=ID[,...]"),
     ),
 )
 

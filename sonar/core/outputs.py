@@ -9,7 +9,7 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
-    "PLACEHOLDER_TOKEN", "KVLoadSpec", "KVStoreSpec", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats",
+    "PLACEHOLDER_TOKEN", "KVLoadSpec", "KVStoreSpec", "RequestError", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats",
 ]
 
 
@@ -107,18 +107,29 @@ class SchedulerOutput(msgspec.Struct, gc=False):
         return bool(self.kv_stores or self.kv_loads)
 
 
+class RequestError(msgspec.Struct, frozen=True, gc=False):
+    """Why one request failed on its own while the others went on."""
+
+    type: str
+    """``sampling``: no token could be sampled for it (its row of logits was all -inf or NaN);
+    ``quarantined``: it was in flight in worker crashes (`sonar.core.quarantine`)."""
+    message: str
+
+
 class RequestUpdate(msgspec.Struct, gc=False):
     """What a step did to one request: the tokens it accepted and, if it ended, why."""
 
     req_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
-    """``stop``, ``length`` or ``abort`` once finished, else None."""
+    """``stop``, ``length``, ``abort`` or ``error`` once finished, else None."""
     stop_reason: int | str | None = None
     """The stop token id or stop string that finished the request."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at first admission."""
+    error: RequestError | None = None
+    """Set when ``finish_reason`` is ``error``."""
 
 
 class SchedulerStats(msgspec.Struct, gc=False):

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from sonar.core.outputs import RequestError
 from sonar.core.prefix import BlockHash
 
 __all__ = [
@@ -49,6 +50,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5
     WAITING_FOR_KV = 6
     """Admitted, holding blocks, waiting for its prefix to be loaded from the offload tiers."""
+    FINISHED_ERROR = 7
+    """Failed alone (``Request.error`` says why): no token could be sampled for it, or it was
+    quarantined after worker crashes (`sonar.core.quarantine`)."""
 
     @property
     def is_finished(self) -> bool:
@@ -60,12 +64,14 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
+                       RequestStatus.FINISHED_ERROR})
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -127,6 +133,7 @@ class Request:
         "num_preemptions",
         "block_hashes",
         "stop_reason",
+        "error",
         "seq",
     )
 
@@ -189,6 +196,8 @@ class Request:
         """Hash chain of the full blocks of ``all_token_ids`` (empty if prefix caching is off)."""
         self.stop_reason: int | str | None = None
         """The stop token id or stop string that finished the request, if any."""
+        self.error: RequestError | None = None
+        """Why a ``FINISHED_ERROR`` request failed."""
         self.seq = -1
         """Order of arrival at the scheduler; breaks every tie."""
 

@@ -33,6 +33,12 @@ step's ``kv_loads`` tell the runner what to load; ``finish_kv_load`` (called whe
 reports back) caches the loaded blocks and moves the request to the running list, where it
 computes the rest. Blocks that could not be loaded are simply recomputed. Freed requests offer
 their computed chunks (``kv_stores``) for offloading.
+
+Worker crashes (``reset_after_worker_failure``): the requests of the failed step become suspects
+(`sonar.core.quarantine`); ``_admit`` lets at most one suspect run at a time, beside requests that
+are not suspects, and a suspect that fails a step alone is quarantined: it finishes with
+``FINISHED_ERROR`` and the others go on. ``fail_requests`` ends requests the same way for other
+per-request failures (a row the sampler could draw no token from).
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ from sonar.core.blocks import BlockManager
 from sonar.core.outputs import (
     PLACEHOLDER_TOKEN,
     KVLoadSpec,
+    RequestError,
     RequestUpdate,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
 from sonar.core.policy import POLICIES, make_waiting_queue, policy_key
+from sonar.core.quarantine import Quarantine
 from sonar.core.request import (
     DuplicateRequestError,
     PromptTooLongError,
@@ -59,7 +67,7 @@ from sonar.core.request import (
     RequestStatus,
 )
 
-__all__ = ["Scheduler", "SchedulerConfig"]
+__all__ = ["Recovery", "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +114,16 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len}) so every prompt fits a step"
             )
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What ``reset_after_worker_failure`` did."""
+
+    recomputed: list[str]
+    """Running requests sent back to the waiting queue, to be computed again."""
+    quarantined: list[RequestUpdate]
+    """Requests failed alone (``finish_reason`` ``error``), one update each."""
 
 
 _RUNNING = RequestStatus.RUNNING
@@ -156,6 +174,8 @@ class Scheduler:
         self._fresh: set[str] = set()
         """Requests moved to the running list by a finished load: their next step is their first."""
         self.offload_hits = 0
+        self.quarantine = Quarantine()
+        """Requests that were in a failed step and have not sampled since (see the module doc)."""
 
     # Requests in and out.
 
@@ -211,9 +231,24 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return found
 
+    def fail_requests(self, errors: Mapping[str, RequestError]) -> list[RequestUpdate]:
+        """End requests with ``FINISHED_ERROR`` and the given error, wherever they are (their
+        blocks are freed, the runner drops them with the next step); one update each. Unknown
+        or already finished ids are ignored."""
+        updates = []
+        for request_id, error in errors.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+            request.error = error
+            updates.append(self._update(request, []))
+        return updates
+
     def _retire(self, request: Request) -> None:
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self.quarantine.discard(request.request_id)
 
     # One step.
 
@@ -303,52 +338,111 @@ class Scheduler:
         self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]
     ) -> int:
         config = self.config
-        bm = self.block_manager
         waiting = self.waiting
+        quarantine = self.quarantine
+        isolating = bool(quarantine)
+        suspect_in, unproven_in, any_suspect, proven_first = self._isolation()
+        skipped: list[Request] = []
+        try:
+            while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
+                request = waiting.peek()
+                if request.num_placeholders:
+                    break  # preempted while a step in flight samples for it: resumed once that is back
+                suspect = isolating and request.request_id in quarantine
+                unproven = isolating and not suspect and not request.output_token_ids
+                if suspect:
+                    blocked = (suspect_in or unproven_in or (proven_first and not request.output_token_ids)
+                               or not (any_suspect or quarantine.ready(request.request_id)))
+                else:
+                    blocked = unproven and suspect_in
+                if blocked:
+                    skipped.append(waiting.pop())
+                    continue
+                left = self._admit_first(request, budget, threshold, scheduled, admitted)
+                if left is None:
+                    break
+                budget = left
+                suspect_in = suspect_in or suspect
+                unproven_in = unproven_in or unproven
+        finally:
+            for request in reversed(skipped):  # back to the front, in their order
+                waiting.add_preempted(request)
+        return budget
+
+    def _isolation(self) -> tuple[bool, bool, bool, bool]:
+        """For ``_admit`` while there are suspects: (a suspect runs or loads, an unproven request
+        runs or loads, any suspect may run even without a witness, proven suspects go first).
+
+        A suspect shares its steps only with requests that have sampled before, whose inputs have
+        passed: a request that has not (*unproven*: new, its prompt never computed through) could
+        make the step fail itself, and the suspect would take the blame. The third holds when
+        every request is a suspect and none of those waiting is ready: no step without them can
+        come to tell them apart, so they run (one at a time) as they are. The fourth holds while a
+        ready suspect that had sampled before waits: those run before unproven suspects, the
+        likelier culprits of a crash (a poison prompt crashes the step that first computes it),
+        so that their passing steps witness for the unproven ones, convicted at their first run
+        alone.
+        """
+        quarantine = self.quarantine
+        if not quarantine:
+            return False, False, False, False
+        requests = self.requests
+        busy = (_RUNNING, _LOADING)
+        suspect_in = any(requests[rid].status in busy for rid in quarantine.suspects)
+        unproven_in = any(not r.output_token_ids and r.request_id not in quarantine
+                          for r in (*self.running, *self.loading.values()) if r.status in busy)
+        waiting = [(requests[rid], suspect) for rid, suspect in quarantine.suspects.items()
+                   if requests[rid].status not in busy]
+        any_suspect = len(quarantine) == len(requests) and not any(suspect.ready for _, suspect in waiting)
+        proven_first = any(suspect.ready and request.output_token_ids for request, suspect in waiting)
+        return suspect_in, unproven_in, any_suspect, proven_first
+
+    def _admit_first(
+        self, request: Request, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]
+    ) -> int | None:
+        """Admit ``request``, the first of the waiting queue, if it fits: the budget left, or
+        None when it does not fit now (admission stops there)."""
+        config = self.config
+        bm = self.block_manager
         reserve_full = config.scheduler_reserve_full_isl
+        lookup = self.lower_tier_lookup
+        if request.skip_reading_prefix_cache:
+            hits, num_hit_tokens = [], 0
+        else:
+            hits, num_hit_tokens = bm.get_computed_blocks(request)
+            if lookup is not None:
+                admitted_to_load = self._admit_for_load(request, hits, lookup, reserve_full)
+                if admitted_to_load is None:
+                    return None  # no room for its blocks now
+                if admitted_to_load:
+                    return budget
+        num_new = request.num_tokens - num_hit_tokens
+        if config.enable_chunked_prefill:
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+        elif num_new > budget:
+            return None
         # The watermark is waived while nothing runs, so a request that needs nearly the
         # whole cache is still admitted once it is alone.
-        lookup = self.lower_tier_lookup
-        while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
-            request = waiting.peek()
-            if request.num_placeholders:
-                break  # preempted while a step in flight samples for it: resumed once that is back
-            if request.skip_reading_prefix_cache:
-                hits, num_hit_tokens = [], 0
-            else:
-                hits, num_hit_tokens = bm.get_computed_blocks(request)
-                if lookup is not None:
-                    admitted_to_load = self._admit_for_load(request, hits, lookup, reserve_full)
-                    if admitted_to_load is None:
-                        break  # no room for its blocks now
-                    if admitted_to_load:
-                        continue
-            num_new = request.num_tokens - num_hit_tokens
-            if config.enable_chunked_prefill:
-                if threshold and num_new > threshold:
-                    num_new = threshold
-                if num_new > budget:
-                    num_new = budget
-            elif num_new > budget:
-                break
-            if not bm.allocate_slots(
-                request,
-                num_new,
-                new_computed_blocks=hits,
-                reserve_tokens=request.num_tokens if reserve_full else 0,
-                keep_free_blocks=self._watermark_blocks if self.running else 0,
-            ):
-                break
-            waiting.pop()
-            request.status = _RUNNING
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            bisect.insort(self.running, request, key=self._key)
-            scheduled[request.request_id] = num_new
-            admitted.add(request.request_id)
-            budget -= num_new
-        return budget
+        if not bm.allocate_slots(
+            request,
+            num_new,
+            new_computed_blocks=hits,
+            reserve_tokens=request.num_tokens if reserve_full else 0,
+            keep_free_blocks=self._watermark_blocks if self.running else 0,
+        ):
+            return None
+        self.waiting.pop()
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        bisect.insort(self.running, request, key=self._key)
+        scheduled[request.request_id] = num_new
+        admitted.add(request.request_id)
+        return budget - num_new
 
     def _admit_for_load(
         self, request: Request, hits: list, lookup: LowerTierLookup, reserve_full: bool
@@ -493,6 +587,10 @@ class Scheduler:
                     updates.append(self._update(request, []))
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if self.quarantine and sampled:
+            busy = (_RUNNING, _LOADING)
+            self.quarantine.passed(sampled, [rid for rid in self.quarantine.suspects
+                                             if self.requests[rid].status not in busy])
         return updates
 
     @staticmethod
@@ -504,14 +602,26 @@ class Scheduler:
             request.stop_reason,
             request.num_prompt_tokens,
             max(request.num_cached_tokens, 0),
+            request.error,
         )
 
-    def reset_after_worker_failure(self) -> list[str]:
-        """Preempt every running request and forget the prefix cache; return their ids.
+    def reset_after_worker_failure(self, crashed: Iterable[str] = ()) -> Recovery:
+        """Quarantine, then preempt every running request and forget the prefix cache.
 
-        After a worker crash the KV of the steps in flight is lost; the requests are
-        recomputed from their tokens, in their original order.
+        ``crashed``: the requests of the step that failed (none when the step never reached the
+        worker, or failed for a reason of the worker's own). Those it convicts are failed alone
+        (see `sonar.core.quarantine`); the others of the step become suspects. After a worker
+        crash the KV of the steps in flight is lost; the running requests are recomputed from
+        their tokens, in their original order.
         """
+        step = [rid for rid in dict.fromkeys(crashed) if rid in self.requests]
+        convicted = self.quarantine.crashed(step, self.requests.keys())
+        quarantined = self.fail_requests({
+            rid: RequestError("quarantined", f"request {rid!r} was in flight in {crashes} worker crashes, the last "
+                                             "while it was the only suspect in its step; it was failed alone so "
+                                             "the other requests could go on")
+            for rid, crashes in convicted.items()
+        })
         ids = []
         while self.running:
             request = self.running.pop()
@@ -534,7 +644,7 @@ class Scheduler:
         dropped = self.block_manager.take_kv_stores()
         self.block_manager.forget_offloaded([spec.block_hashes[-1] for spec in dropped])
         self.block_manager.reset_prefix_cache()
-        return ids
+        return Recovery(ids, quarantined)
 
     # Introspection.
 
@@ -601,3 +711,9 @@ class Scheduler:
         for request in self.requests.values():
             if request.num_computed_tokens > request.num_tokens + request.num_placeholders:
                 raise AssertionError(f"{request!r} computed more tokens than it has")
+        suspects = list(self.quarantine.suspects)
+        if not set(suspects) <= set(self.requests):
+            raise AssertionError("a finished request is still a suspect")
+        in_flight = [rid for rid in suspects if self.requests[rid].status in (_RUNNING, _LOADING)]
+        if len(in_flight) > 1:
+            raise AssertionError(f"suspects {in_flight} run together")

@@ -22,7 +22,10 @@ import msgspec
 
 from sonar.actors import (
     Actor,
+    ActorError,
     ActorInfo,
+    ActorNotFound,
+    AskTimeout,
     ChildProcess,
     ChildSpec,
     Remote,
@@ -32,6 +35,7 @@ from sonar.actors import (
     supervise,
 )
 from sonar.actors.actor import launch
+from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
 from sonar.engine.config import EngineConfig
 from sonar.engine.detokenizer import DetokenizerActor
@@ -51,13 +55,25 @@ from sonar.engine.protocol import (
 from sonar.engine.scheduler import SchedulerActor
 from sonar.engine.worker import WorkerActor
 from sonar.offload.manager import OffloadManagerActor
-from sonar.errors import EngineDeadError, InvalidRequestError
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    ServerOverloadedError,
+    SonarError,
+)
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 
 Prompt = str | Sequence[int]
 
 WORKER_START_TIMEOUT = 900.0
 """Seconds a worker in its own process may take to become ready (load, compile, capture)."""
+
+ADD_TIMEOUT = 30.0
+"""Seconds the scheduler may take to accept or refuse a request before it counts as saturated."""
+
+RETRY_AFTER = 1.0
+"""Seconds an overloaded engine asks a client to wait before it tries again."""
 
 
 @dataclass
@@ -325,6 +341,7 @@ class LLM:
                             max_stop_strings=config.max_stop_strings,
                             max_stop_string_chars=config.max_stop_string_chars,
                             max_stop_token_ids=config.max_stop_token_ids, max_logit_bias=config.max_logit_bias)
+            params.check_token_left(vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         self.check_completions(1, params)
@@ -360,18 +377,17 @@ class LLM:
         pending = set(ids)
         try:
             for cid, child in zip(ids, children):
-                accepted = await scheduler.ask(AddRequest(
+                await self._add(scheduler, AddRequest(
                     request_id=cid, prompt_token_ids=prompt_ids, params=child, sink=self._client,
-                    priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic()), timeout=30)
-                if not accepted.ok:
-                    code = accepted.error_type
-                    raise InvalidRequestError(accepted.error or "rejected", param="prompt" if code == "too_long" else None,
-                                              code=code)
+                    priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic()))
             while pending:
                 item = await receive.receive()
                 if isinstance(item, _Failed):
                     raise EngineDeadError(item.reason)
                 delta: OutputDelta = item
+                if delta.error is not None:
+                    pending.discard(delta.req_id)  # the engine holds nothing more of it
+                    raise _request_error(delta.error)
                 if delta.finish_reason is not None:
                     pending.discard(delta.req_id)
                 yield StreamDelta(rid, index[delta.req_id], delta.text, delta.token_ids, delta.finish_reason,
@@ -386,6 +402,32 @@ class LLM:
                         await scheduler.send(Abort(sorted(pending)))
                     except Exception:
                         pass
+
+    async def _add(self, scheduler: Any, msg: AddRequest) -> None:
+        """Hand one engine request to the scheduler, or raise why it was refused."""
+        try:
+            accepted = await scheduler.ask(msg, timeout=ADD_TIMEOUT)
+        except AskTimeout:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead) from None
+            raise ServerOverloadedError(f"the scheduler did not take the request within {ADD_TIMEOUT:g} s; "
+                                        "try again later", retry_after=RETRY_AFTER) from None
+        except (ActorError, ActorNotFound) as exc:
+            raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
+        if accepted.ok:
+            return
+        code = accepted.error_type
+        if code == "overloaded":
+            raise ServerOverloadedError(accepted.error or "overloaded", retry_after=RETRY_AFTER)
+        raise InvalidRequestError(accepted.error or "rejected", param="prompt" if code == "too_long" else None,
+                                  code=code)
+
+
+def _request_error(error: RequestError) -> SonarError:
+    """The exception a request that failed alone raises at its caller."""
+    if error.type == "quarantined":
+        return RequestQuarantinedError(error.message)
+    return SonarError(error.message)
 
 
 def engine_spec(config: EngineConfig) -> SupervisorSpec:

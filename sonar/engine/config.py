@@ -35,6 +35,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     max_num_seqs: int = 256
+    max_waiting_seqs: int = 4096
+    """Most sequences (a request with ``n`` completions counts ``n``) waiting to be scheduled; new
+    ones beyond are refused (`ServerOverloadedError`, HTTP 429) rather than queued without end."""
     max_num_batched_tokens: int = 512
     """On CPU a 2048-token step makes every running request wait ~2 s for a wave of prefills; 512
     interleaves them with decodes at the same prefill throughput (BENCHMARKS.md)."""
@@ -141,6 +144,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         check_kv_cache_dtype(self.kv_cache_dtype)
         capture_sizes(self)
         parse_device_ids(self.device_ids)
+        if self.max_waiting_seqs <= 0:
+            raise ValueError(f"max_waiting_seqs must be positive, got {self.max_waiting_seqs}")
         if self.hang_margin <= 0:
             raise ValueError(f"hang_margin must be positive, got {self.hang_margin}")
         if self.fault_injection:

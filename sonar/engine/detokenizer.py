@@ -106,6 +106,7 @@ class DetokenizerActor(Actor):
             delta = OutputDelta(
                 req_id=u.req_id, text=update.text, token_ids=list(u.new_token_ids), finish_reason=finish,
                 stop_reason=reason, num_prompt_tokens=u.num_prompt_tokens, num_cached_tokens=u.num_cached_tokens,
+                error=u.error,
             )
             lps = msg.logprobs.get(u.req_id)
             if lps:

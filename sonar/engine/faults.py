@@ -1,10 +1,13 @@
 """`--fault-injection`: make the worker fail on purpose, for tests and drills.
 
 A plan is a comma-separated list of `ACTION@step=N` (once, on the N-th model step the scheduler
-sends, counted from 1 over the engine's life, so a restarted worker does not fail again) or
-`ACTION@p=P` (on each step, with probability P). Actions: `raise` (an exception in the forward
-pass), `hang` (the step never returns) and `exit` (the worker's process exits at once, as an
-out-of-memory kill would; in-process, the worker crashes instead).
+sends, counted from 1 over the engine's life, so a restarted worker does not fail again),
+`ACTION@p=P` (on each step, with probability P) or `ACTION@token=ID` (on each step whose input
+holds token ID: a request whose prompt holds it fails every step that computes that part of it,
+each time it is recomputed, as a poison request would; see `sonar.core.quarantine`). Actions:
+`raise` (an exception in the forward pass), `hang` (the step never returns) and `exit` (the
+worker's process exits at once, as an out-of-memory kill would; in-process, the worker crashes
+instead).
 
 The scheduler owns the plan (it outlives worker restarts) and marks the steps that must fail;
 the worker carries the fault out.
@@ -13,6 +16,7 @@ the worker carries the fault out.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 ACTIONS = ("raise", "hang", "exit")
@@ -27,6 +31,7 @@ class Fault:
     action: str
     step: int | None = None
     probability: float | None = None
+    token: int | None = None
 
 
 class FaultPlan:
@@ -44,8 +49,8 @@ class FaultPlan:
             item = item.strip()
             action, sep, when = item.partition("@")
             if action not in ACTIONS or not sep:
-                raise FaultSpecError(f"fault {item!r}: expected ACTION@step=N or ACTION@p=P with ACTION one of "
-                                     f"{', '.join(ACTIONS)}")
+                raise FaultSpecError(f"fault {item!r}: expected ACTION@step=N, ACTION@p=P or ACTION@token=ID with "
+                                     f"ACTION one of {', '.join(ACTIONS)}")
             key, _, value = when.partition("=")
             try:
                 if key == "step":
@@ -58,20 +63,33 @@ class FaultPlan:
                     if not 0.0 <= p <= 1.0:
                         raise ValueError
                     faults.append(Fault(action, probability=p))
+                elif key == "token":
+                    token = int(value)
+                    if token < 0:
+                        raise ValueError
+                    faults.append(Fault(action, token=token))
                 else:
-                    raise FaultSpecError(f"fault {item!r}: the condition is step=N or p=P")
+                    raise FaultSpecError(f"fault {item!r}: the condition is step=N, p=P or token=ID")
             except ValueError as exc:
                 if isinstance(exc, FaultSpecError):
                     raise
-                raise FaultSpecError(f"fault {item!r}: step must be an integer >= 1, p a number in [0, 1]") from None
+                raise FaultSpecError(f"fault {item!r}: step must be an integer >= 1, p a number in [0, 1], "
+                                     "token an integer >= 0") from None
         return cls(faults, seed)
 
-    def next_step(self) -> str | None:
-        """Count one more step; the action to carry out on it, if any."""
+    def next_step(self, inputs: Iterable[Sequence[int]] = ()) -> str | None:
+        """Count one more step, whose requests feed the token ids `inputs`; the action to carry
+        out on it, if any."""
         self.steps += 1
+        tokens: set[int] | None = None
         for fault in self.faults:
             if fault.step is not None and fault.step == self.steps:
                 return fault.action
             if fault.probability is not None and self._rng.random() < fault.probability:
                 return fault.action
+            if fault.token is not None:
+                if tokens is None:
+                    tokens = {t for ids in inputs for t in ids}
+                if fault.token in tokens:
+                    return fault.action
         return None

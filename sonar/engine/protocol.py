@@ -7,7 +7,7 @@ from typing import Any, Union
 import msgspec
 
 from sonar.actors import Ask
-from sonar.core.outputs import RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.sampling_params import SamplingParams
 
 
@@ -35,6 +35,8 @@ class WorkerInfo(msgspec.Struct):
     head_dim: int = 0
     device: str = "cpu"
     """The device type the model runs on ("cpu", "cuda")."""
+    instance: str = ""
+    """Random id of this run of the worker: a restarted worker answers with another."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -64,6 +66,9 @@ class StepResult(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     seconds: float = 0.0
+    failed: dict[str, str] = {}
+    """Requests for which no token could be sampled (not in `sampled`), with why: the
+    scheduler fails them alone."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):
@@ -85,7 +90,7 @@ WorkerMsg = Union[DescribeWorker, ExecuteStep]
 class Accepted(msgspec.Struct):
     ok: bool
     error: str | None = None
-    error_type: str | None = None  # "too_long" | "invalid" | "duplicate" | "unavailable"
+    error_type: str | None = None  # "too_long" | "invalid" | "duplicate" | "unavailable" | "overloaded"
 
 
 class AddRequest(Ask, tag="scheduler.add"):
@@ -183,6 +188,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     num_cached_tokens: int = 0
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: RequestError | None = None
+    """Why the request failed alone (``finish_reason`` ``error``); the frontend raises it."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

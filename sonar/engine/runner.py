@@ -312,9 +312,16 @@ class ModelRunner:
                     vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids, device=logits.device,
                 )
                 sampled = self.sampler(logits, batch)
-            tokens = sampled.sampled_token_ids.tolist()
+            # one copy to the host for both: ids and whether each row failed
+            tokens, failed = torch.stack((sampled.sampled_token_ids, sampled.failed.long())).tolist()
             for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
+                # a failed row's id is 0, a valid token: a step already sent behind this one can
+                # feed it before the scheduler drops the request
                 state.output.append(token)
+                if failed[i]:
+                    result.failed[rid] = ("no token could be sampled: every logit was -inf or NaN after the "
+                                          "request's penalties, logit_bias and min_tokens")
+                    continue
                 result.sampled[rid] = [token]
                 if state.params.logprobs is not None and sampled.logprobs is not None:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]

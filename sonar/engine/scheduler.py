@@ -4,7 +4,12 @@ Requests come in through the mailbox (`AddRequest`, `Abort`, `StopStringHit`); t
 runs beside it in `run()`: schedule, ask the worker to execute, feed the sampled tokens back into
 the core, and pass what happened to the detokenizer. When a step fails (the worker crashed, hung
 or was restarted), every running request is preempted and recomputed once the worker answers
-again: clients see a pause, not an error.
+again: clients see a pause, not an error. The requests of the failed step become suspects, which
+the core runs one at a time; one that fails a step again on its own is quarantined: it ends with
+``RequestQuarantinedError`` and the others go on (`sonar.core.quarantine`). A request the sampler
+could draw no token for is failed alone too.
+
+New requests are refused (``overloaded``) while `max_waiting_seqs` sequences wait.
 
 Async scheduling (``async_scheduling``; by default on for a CUDA device, off on the CPU): step
 N+1 is scheduled and sent while step N runs, before its tokens are back (the core counts them as
@@ -34,7 +39,7 @@ from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
-from sonar.core.outputs import SchedulerOutput
+from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
@@ -60,6 +65,10 @@ from sonar.log import get_logger
 from sonar.offload.protocol import PublishEvents, TierUpdate, WatchTiers
 
 TIER_MEDIA = ("CPU", "DISK")
+
+SAME_WORKER_GRACE = 5.0
+"""Seconds a recovering scheduler waits for the worker that failed a step to be replaced (it
+crashes right after it answers the failure) before it takes that worker's answers as its own."""
 
 log = get_logger("sonar.scheduler")
 
@@ -146,6 +155,10 @@ class SchedulerActor(Actor):
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     def _add(self, msg: AddRequest) -> Accepted:
+        limit = self.config.max_waiting_seqs
+        if self.core.num_waiting >= limit:
+            return Accepted(False, f"the engine already holds {self.core.num_waiting} waiting sequences, its limit "
+                                   f"(--max-waiting-seqs {limit}); try again later", "overloaded")
         params = msg.params
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -172,6 +185,7 @@ class SchedulerActor(Actor):
     async def run(self) -> None:
         in_flight: PendingReply | None = None
         """Async scheduling: the step sent before the last one, its result not fed back yet."""
+        in_flight_output: SchedulerOutput | None = None
         while True:
             idle = not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers()
             if idle and in_flight is None:
@@ -189,7 +203,7 @@ class SchedulerActor(Actor):
                     ok = await self._complete(in_flight)
                     in_flight = None
                     if not ok:
-                        await self._recover()
+                        await self._recover(in_flight_output)
                     continue
                 # Nothing could be scheduled this step (the core guarantees progress once blocks
                 # free up); yield so that aborts and new requests get handled meanwhile.
@@ -207,15 +221,15 @@ class SchedulerActor(Actor):
                     if step is not None:
                         await self._complete(step, apply=False)  # sent after a failed one: void
                     in_flight = None
-                    await self._recover()
+                    await self._recover(in_flight_output)
                     continue
-            if step is None:  # the worker could not be reached
+            if step is None:  # the worker could not be reached: the step never ran
                 in_flight = None
-                await self._recover()
+                await self._recover(None)
             elif self.pipelined:
-                in_flight = step
+                in_flight, in_flight_output = step, output
             elif not await self._complete(step):
-                await self._recover()
+                await self._recover(output)
 
     async def _send(self, output: SchedulerOutput) -> PendingReply | None:
         """Send a step to the worker; None when it cannot be delivered."""
@@ -225,7 +239,7 @@ class SchedulerActor(Actor):
                 req = self.core.get_request(sched.req_id)
                 new.append(NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids,
                                           list(req.output_token_ids)))
-        fault = self.faults.next_step() if self.faults is not None else None
+        fault = self.faults.next_step(s.token_ids for s in output.requests) if self.faults is not None else None
         try:
             return await self.worker.ask_soon(ExecuteStep(output, new, fault, notify=self.ref, offload=self.offload))
         except (ActorError, ActorNotFound) as exc:
@@ -245,6 +259,11 @@ class SchedulerActor(Actor):
             return True
         self.steps += 1
         updates = self.core.update_from_output(result.sampled)
+        if result.failed:
+            for rid, reason in result.failed.items():
+                log.error("request.sampling_failed", request=rid, reason=reason)
+            updates += self.core.fail_requests({rid: RequestError("sampling", f"request {rid!r}: {reason}")
+                                                for rid, reason in result.failed.items()})
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
@@ -315,19 +334,46 @@ class SchedulerActor(Actor):
         except ActorNotFound:  # the manager is restarting: these events are lost
             log.warning("offload manager unavailable; KV events dropped")
 
-    async def _recover(self) -> None:
-        """A step failed (`self.failure`): recompute everything in flight once the worker answers
+    async def _recover(self, failed: SchedulerOutput | None) -> None:
+        """The step `failed` failed (`self.failure`; None: no step reached the worker): quarantine
+        what the core convicts, recompute everything else in flight once the worker answers
         again."""
-        ids = self.core.reset_after_worker_failure()
-        log.error("step failed; requests will be recomputed", error=str(self.failure), requests=len(ids))
+        never_ran = _never_ran(self.failure)
+        crashed = [] if failed is None or never_ran else [r.req_id for r in failed.requests]
+        recovery = self.core.reset_after_worker_failure(crashed)
+        ids = recovery.recomputed
+        log.error("step failed; requests will be recomputed", error=str(self.failure), requests=len(ids),
+                  suspects=len(self.core.quarantine))
+        if recovery.quarantined:
+            for update in recovery.quarantined:
+                log.error("request.quarantined", request=update.req_id)
+            # requests that never had a step back are not tracked by the detokenizer yet
+            tracked, self.pending = self.pending, []
+            await self.detokenizer.send(StepOutputs(new=tracked, updates=recovery.quarantined, scheduler=self.ref))
         delay = 0.05
+        # A worker that failed in a step is on its way out and may still answer for a moment: a
+        # step sent to it then would fail too, and count against the requests of that step.
+        failed_worker = None if never_ran else self.info.instance
+        grace = time.monotonic() + SAME_WORKER_GRACE
         while True:
             try:
                 info = await self.worker.ask(DescribeWorker(), timeout=5)
-                break
+                if info.instance != failed_worker or time.monotonic() > grace:
+                    break
             except (ActorError, AskTimeout, ActorNotFound):
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+                pass
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 1.0)
         if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
             raise RuntimeError("the restarted worker has a different KV cache layout")
+        self.info = info
         log.info("worker back; resuming", requests=len(ids))
+
+
+def _never_ran(failure: Exception | None) -> bool:
+    """The step failed without running: no worker took it (its mailbox was gone), or the worker
+    refused it as meant for its predecessor (it names requests the worker does not hold). Its
+    requests did not make it fail, and the worker did not crash."""
+    if isinstance(failure, ActorNotFound):
+        return True
+    return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))

@@ -18,6 +18,7 @@ critical path. A failed store is dropped and a failed load reports 0 blocks (the
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import time
 from functools import partial
@@ -72,6 +73,7 @@ class WorkerActor(Actor):
 
     async def started(self) -> None:
         self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
+        self.info = msgspec.structs.replace(self.runner.info, instance=secrets.token_hex(8))
         self.lock = anyio.Lock()
 
     async def handle(self, msg: WorkerMsg) -> Any:
@@ -79,7 +81,7 @@ class WorkerActor(Actor):
             self.task_group.start_soon(self._step, msg)
             return NO_REPLY
         if isinstance(msg, DescribeWorker):
-            return self.runner.info
+            return self.info
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     async def stopping(self) -> None:

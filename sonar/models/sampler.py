@@ -19,6 +19,15 @@ Order of operations on each row:
    number per row, not one per logit as an exponential race needs: 0.7 instead of 3.8 ms for 16
    rows of SmolLM2's 49152 logits on 2 cores.)
 
+Extreme but valid values never turn a row into nothing: the repetition penalty's result stops at
+the largest float, temperature divides the logits relative to the row's best one, and a logit at
++inf counts as the largest float (such tokens share the row's mass). A row where no token can be
+drawn (every logit -inf after the steps above, or NaN: a broken row of the model's output) is not
+sampled: its `SamplerOutput.failed` entry is true and its id is 0, a valid token that a step
+already scheduled behind this one can feed without harm, so one bad row never fails the batch or
+puts an id outside the vocabulary into the next step. The caller fails that request alone
+(`sonar.engine.runner`).
+
 Logprobs are those of the *raw* model output (log-softmax before penalties, bias, temperature
 and truncation), like vLLM's default: they describe the model, not the sampling settings.
 
@@ -42,6 +51,7 @@ import torch
 from sonar.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
+_FLOAT_MAX = torch.finfo(torch.float32).max
 
 #: How many of a row's most likely tokens are ranked to find its top-p cutoff (see
 #: `apply_truncation`); more only when the top-p mass is not among them.
@@ -64,10 +74,12 @@ class LogprobsTensors:
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [num_seqs] int64
+    sampled_token_ids: torch.Tensor  # [num_seqs] int64, each in [0, vocab)
     #: None when no request of the batch asked for logprobs. Otherwise N is the largest
     #: `logprobs` in the batch; a request that asked for fewer uses the first 1 + its N columns.
     logprobs: LogprobsTensors | None
+    #: [num_seqs] bool: rows where no token could be drawn (their id is 0).
+    failed: torch.Tensor
 
 
 @dataclass
@@ -200,12 +212,14 @@ class SamplingBatch:
             vocab_size=vocab,
             all_greedy=all_greedy,
             greedy=torch.tensor(greedy, device=device) if any(greedy) else None,
-            temperature=floats(temperature),
+            temperature=floats(temperature).clamp_(max=_FLOAT_MAX),  # inf in float32 makes -inf / inf NaN
             top_k=longs(top_k) if active_k else None,
             top_k_max=max(active_k, default=0),
             top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
             min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
-            repetition_penalty=floats(rep) if any(v != 1.0 for v in rep) else None,
+            # in float32 a valid 1e-300 would be 0 and 1e300 inf (0 / 0, 0 * inf: NaN logits)
+            repetition_penalty=(floats(rep).clamp_(min=torch.finfo(torch.float32).tiny, max=_FLOAT_MAX)
+                                if any(v != 1.0 for v in rep) else None),
             presence_penalty=floats(pres) if any(pres) else None,
             frequency_penalty=floats(freq) if any(freq) else None,
             prompt_index=flat(prompt_parts),
@@ -253,12 +267,20 @@ class Sampler:
         x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         x = apply_penalties(x, batch)
 
-        greedy_ids = x.argmax(dim=-1) if batch.greedy is not None else None
+        greedy_ids = greedy_failed = None
+        if batch.greedy is not None:
+            best, greedy_ids = x.max(dim=-1)
+            greedy_failed = ~(best > _NEG_INF)  # all -inf, or NaN (which max propagates)
         if batch.all_greedy:
-            assert greedy_ids is not None
-            sampled = greedy_ids
+            assert greedy_ids is not None and greedy_failed is not None
+            sampled, failed = greedy_ids, greedy_failed
         else:
-            x.div_(batch.temperature.unsqueeze(1))
+            # Relative to the row's best logit before dividing (softmax and truncation do not
+            # change): a tiny temperature cannot overflow a row into all -inf or +inf. A logit at
+            # +inf counts as the largest float, so such tokens share the mass instead of turning
+            # the row into NaN.
+            x.clamp_(max=_FLOAT_MAX)
+            x.sub_(x.amax(dim=-1, keepdim=True)).div_(batch.temperature.unsqueeze(1))
             x = apply_truncation(x, batch)
             cdf = torch.softmax(x, dim=-1).cumsum_(dim=-1)
             total = cdf[:, -1:]
@@ -266,21 +288,27 @@ class Sampler:
             # still under the last nonzero token's running sum, never past it
             target = torch.minimum(self._uniforms(x, batch) * total, torch.nextafter(total, torch.zeros_like(total)))
             sampled = torch.searchsorted(cdf, target, right=True).squeeze(1)
+            # softmax of a row with nothing left (all -inf, NaN, +inf) sums to NaN, not ~1
+            failed = ~(total.squeeze(1) > 0)
             if greedy_ids is not None:
-                assert batch.greedy is not None
+                assert batch.greedy is not None and greedy_failed is not None
                 sampled = torch.where(batch.greedy, greedy_ids, sampled)
+                failed = torch.where(batch.greedy, greedy_failed, failed)
+        sampled, failed = _only_in_vocabulary(sampled, failed, batch.vocab_size)
 
         logprobs = None
         if batch.max_num_logprobs is not None:
             raw = torch.log_softmax(logits.float(), dim=-1)
             logprobs = gather_logprobs(raw, sampled, batch.max_num_logprobs)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs, failed=failed)
 
     @staticmethod
     def greedy(logits: torch.Tensor) -> SamplerOutput:
         """The fast path for a batch of `is_plain_greedy` requests: the argmax of each row
-        (the same token the full path picks for them)."""
-        return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+        (the same token the full path picks for them); a row of NaN or -inf fails."""
+        best, ids = logits.max(dim=-1)
+        sampled, failed = _only_in_vocabulary(ids, ~(best > _NEG_INF), logits.shape[-1])
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=None, failed=failed)
 
     def _uniforms(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """One uniform number in [0, 1) per row ``[num_seqs, 1]``: the sampler's generator for
@@ -301,6 +329,14 @@ class Sampler:
         return u
 
 
+def _only_in_vocabulary(
+    sampled: torch.Tensor, failed: torch.Tensor, vocab: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Any id outside [0, vocab) fails its row too; failed rows get id 0."""
+    failed = failed | (sampled < 0) | (sampled >= vocab)
+    return sampled.masked_fill(failed, 0), failed
+
+
 def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Penalties, `logit_bias` and `min_tokens` on contiguous float32 logits `[B, V]`.
 
@@ -316,7 +352,8 @@ def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             seen[batch.output_index] = True
         seen = seen.view_as(x)
         rp = batch.repetition_penalty.unsqueeze(1)
-        penalised = torch.where(x > 0, x / rp, x * rp)
+        # a penalty shifts, never masks: an extreme one (1e-300, 1e300) stops at the largest float
+        penalised = torch.where(x > 0, x / rp, x * rp).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
         x = torch.where(seen, penalised, x)
         flat = x.view(-1)
     if (

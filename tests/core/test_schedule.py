@@ -534,7 +534,7 @@ def test_reset_after_worker_failure_recomputes_everything() -> None:
     runner.add(req("b", 10, max_tokens=5))
     runner.step()
     runner.step()
-    assert scheduler.reset_after_worker_failure() == ["b", "a"]
+    assert scheduler.reset_after_worker_failure().recomputed == ["b", "a"]
     runner.crash()
     assert [r.request_id for r in scheduler.waiting] == ["a", "b"]
     assert scheduler.block_manager.pool.cached == {}

@@ -35,6 +35,18 @@ def test_fault_plans_parse_and_fire_as_documented() -> None:
         EngineConfig.from_args(None, fault_injection="raise@soon")
 
 
+def test_a_token_fault_fires_on_every_step_whose_input_holds_the_token() -> None:
+    plan = FaultPlan.parse("raise@token=13")
+    assert plan is not None and plan.faults == [Fault("raise", token=13)]
+    assert plan.next_step([[1, 2], [3]]) is None
+    assert plan.next_step([[1, 2], [5, 13, 7]]) == "raise"
+    assert plan.next_step([[13]]) == "raise"  # again: each recompute of a poison prompt fails
+    assert plan.next_step() is None
+    for bad in ("raise@token=-1", "raise@token=x"):
+        with pytest.raises(FaultSpecError, match="token"):
+            FaultPlan.parse(bad)
+
+
 async def test_an_in_process_worker_that_hangs_is_restarted_and_the_output_is_unchanged(one_thread) -> None:
     async with sonar.open(**ENGINE) as llm:
         reference = [o.token_ids for o in await llm.generate_many(PROMPTS, PARAMS)]

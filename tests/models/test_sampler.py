@@ -338,3 +338,92 @@ def test_any_64_bit_seed_works_and_positions_differ(seed: int) -> None:
     logits = torch.zeros(1, 100)
     first = sample(logits, [SP(seed=seed)]).sampled_token_ids
     assert torch.equal(first, sample(logits, [SP(seed=seed)]).sampled_token_ids)
+
+
+def _masked_batch_params() -> list[SP]:
+    """One of each sampling path, each with min_tokens so its row can be blocked."""
+    return [
+        SP(temperature=0.0, min_tokens=1),  # greedy in a mixed batch
+        SP(temperature=1.0, min_tokens=1),  # plain random
+        SP(temperature=0.8, top_k=5, min_tokens=1),
+        SP(temperature=0.8, top_p=0.9, min_tokens=1),
+        SP(temperature=0.8, min_p=0.1, min_tokens=1),
+        SP(temperature=1.0, seed=7, min_tokens=1),
+        SP(temperature=0.9, top_k=3, top_p=0.5, min_p=0.05, seed=3, min_tokens=1),
+    ]
+
+
+@pytest.mark.parametrize("bad_row", range(7))
+def test_a_fully_masked_row_fails_alone_with_an_id_in_the_vocabulary(bad_row: int) -> None:
+    """min_tokens with stop ids covering the whole vocabulary blocks every token of one row: that
+    row fails (id 0, never the vocabulary size), every other row samples what it samples alone."""
+    vocab = 64
+    params = _masked_batch_params()
+    logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(bad_row))
+    everything = list(range(vocab))
+    params[bad_row] = SP(**{**{f: getattr(params[bad_row], f) for f in ("temperature", "top_k", "top_p", "min_p",
+                                                                        "seed", "min_tokens")},
+                            "stop_token_ids": everything})
+    out = sample(logits, params, generator=torch.Generator().manual_seed(5))
+    assert out.failed.tolist() == [i == bad_row for i in range(len(params))]
+    ids = out.sampled_token_ids
+    assert ids.dtype == torch.int64 and 0 <= int(ids.min()) and int(ids.max()) < vocab
+    assert int(ids[bad_row]) == 0
+    for row, p in enumerate(params):
+        if row == bad_row:
+            continue
+        if p.seed is not None or p.greedy:  # a deterministic row: the same token as alone
+            alone = sample(logits[row:row + 1], [p])
+            assert int(ids[row]) == int(alone.sampled_token_ids[0]) and not bool(alone.failed[0])
+
+
+@pytest.mark.parametrize("poison", [float("nan"), NEG_INF])
+def test_nan_and_minus_inf_rows_fail_on_every_path(poison: float) -> None:
+    """Rows of the model's output that are all -inf, or hold a NaN, fail on the fast greedy path and
+    on the full path (greedy, random, truncated, seeded); the other rows are untouched."""
+    vocab = 40
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3))
+    if poison != poison:  # NaN: one entry is enough to break the row
+        logits[1, 7] = poison
+    else:
+        logits[1] = poison
+    fast = Sampler.greedy(logits)
+    assert fast.failed.tolist() == [False, True, False, False]
+    assert int(fast.sampled_token_ids[1]) == 0
+    assert fast.sampled_token_ids[[0, 2, 3]].tolist() == logits[[0, 2, 3]].argmax(-1).tolist()
+    for p in _masked_batch_params():
+        p = SP(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed)
+        out = sample(logits, [p] * 4, generator=torch.Generator().manual_seed(1))
+        assert out.failed.tolist() == [False, True, False, False], p
+        ids = out.sampled_token_ids
+        assert int(ids[1]) == 0 and 0 <= int(ids.min()) and int(ids.max()) < vocab
+
+
+def test_logits_pushed_to_infinity_by_valid_params_are_drawn_not_failed() -> None:
+    """A tiny repetition penalty (valid: > 0) divides the seen positive logits into +inf, a tiny
+    temperature can too: those tokens take the whole mass instead of failing the row."""
+    vocab = 30
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
+    logits[:, [3, 5, 8, 9]] = torch.tensor([2.0, 1.0, -1.0, 0.0])  # 0 / 0 would be NaN
+    prompts = [[3, 5, 8, 9]] * 3
+    params = [SP(temperature=1.0, repetition_penalty=5e-324), SP(temperature=0.7, top_p=0.9, repetition_penalty=5e-324,
+                                                                 seed=1), SP(temperature=0.0, repetition_penalty=5e-324)]
+    for trial in range(5):
+        out = sample(logits, params, prompts=prompts, generator=torch.Generator().manual_seed(trial))
+        assert not out.failed.any()
+        assert all(t in (3, 5) for t in out.sampled_token_ids.tolist())  # the two positive seen logits
+    huge = torch.full((1, vocab), -1.0)
+    huge[0, 7] = 3e38  # / temperature 1e-4: +inf
+    out = sample(huge, [SP(temperature=1e-4)])
+    assert not out.failed.any() and out.sampled_token_ids.tolist() == [7]
+    # every token seen and negative, a huge penalty: all at the lowest float, none masked; a tiny
+    # temperature then keeps the best of them instead of overflowing the whole row to -inf
+    low = -torch.rand(2, vocab, generator=torch.Generator().manual_seed(6)) - 1.0
+    low[:, 4] = 0.0  # 0 * inf would be NaN
+    seen = [list(range(vocab))] * 2
+    out = sample(low, [SP(temperature=1e-5, repetition_penalty=1e300), SP(temperature=0, repetition_penalty=1e300)],
+                 prompts=seen)
+    assert not out.failed.any() and 0 <= int(out.sampled_token_ids.max()) < vocab
+    # a temperature past float32's range, with min_tokens masking a token: uniform over the others
+    out = sample(logits[:1], [SP(temperature=1e300, min_tokens=1, stop_token_ids=[2])], eos=[11])
+    assert not out.failed.any() and out.sampled_token_ids.item() not in (2, 11)
