@@ -117,8 +117,7 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
         return 429, error_body(f"the server is overloaded, retry after {retry_after(exc)} s: {exc}", 429)
     if isinstance(exc, RequestQuarantinedError):
         log.warning("request.quarantined", request_id=request_id, detail=str(exc))
-        return 500, error_body(f"request {request_id} was failed on its own after it crashed the model "
-                               f"worker repeatedly: {exc}", 500)
+        return 500, error_body(f"request {request_id} was quarantined after it crashed the model worker: {exc}", 500)
     if isinstance(exc, ClientDisconnect):  # gone before its body arrived: nobody reads the answer
         return 499, error_body("the client disconnected before the request body arrived", 499)
     log.error("request.failed", request_id=request_id, exc_info=exc)
