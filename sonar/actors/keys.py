@@ -1,0 +1,188 @@
+"""CURVE credentials of the actor transport: who may connect to a node, and how a node proves it.
+
+Every ZMQ link between actor nodes is a CURVE connection (encrypted, and authenticated by key
+before a single message is decoded). A deployment has:
+
+- one **server** keypair: every node of the deployment binds its ROUTER with it, and connecting
+  nodes check that the far side holds it (so a node never talks to a stranger);
+- a **client** keypair per machine (or one shared): a node connects with it;
+- an **allow-list** of client public keys: a node accepts a connection only from those (and from
+  its own client key, which its child processes share).
+
+They come from a directory written by `python -m sonar actor keygen DIR` (`server.key`,
+`server.key_secret`, `client.key`, `client.key_secret` and `authorized/*.key`, in the
+certificate format of `zmq.auth`), named by `SONAR_ACTOR_KEYS`, `configure(...)`, `sonar actor
+--keys DIR` or `sonar serve --actor-keys DIR`; or from the environment as z85 text:
+`SONAR_ACTOR_SERVER_SECRET` (or only `SONAR_ACTOR_SERVER_KEY`, for a node that binds nothing
+others reach), `SONAR_ACTOR_CLIENT_SECRET` and `SONAR_ACTOR_AUTHORIZED` (comma-separated).
+With none configured, a process makes an *ephemeral* deployment of its own: its child processes
+get it through their environment (never their command line), so parent-child links are
+authenticated too, and nothing outside the process tree can connect.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+
+ENV_DIR = "SONAR_ACTOR_KEYS"
+ENV_SERVER_KEY = "SONAR_ACTOR_SERVER_KEY"
+ENV_SERVER_SECRET = "SONAR_ACTOR_SERVER_SECRET"
+ENV_CLIENT_SECRET = "SONAR_ACTOR_CLIENT_SECRET"
+ENV_AUTHORIZED = "SONAR_ACTOR_AUTHORIZED"
+INLINE = (ENV_SERVER_KEY, ENV_SERVER_SECRET, ENV_CLIENT_SECRET, ENV_AUTHORIZED)
+
+
+class KeysError(ValueError):
+    """Credentials that are missing, malformed or unreadable."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    server_public: bytes
+    server_secret: bytes | None
+    client_public: bytes
+    client_secret: bytes
+    authorized: frozenset[bytes] = field(default_factory=frozenset)
+    ephemeral: bool = False
+    source: str = ""
+
+    def accepts(self, client_public: bytes) -> bool:
+        return client_public == self.client_public or client_public in self.authorized
+
+    @classmethod
+    def generate(cls) -> "Credentials":
+        """A private deployment of this process tree (no key leaves it but to its children)."""
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret, ephemeral=True,
+                   source="ephemeral")
+
+    @classmethod
+    def from_dir(cls, path: "str | os.PathLike[str]") -> "Credentials":
+        root = Path(path)
+        if not root.is_dir():
+            raise KeysError(f"actor keys: {root} is not a directory (make one: python -m sonar actor keygen {root})")
+        _check_private(root)
+        server_public, server_secret = _load(root / "server.key_secret", root / "server.key")
+        client_public, client_secret = _load(root / "client.key_secret", None)
+        if client_secret is None:
+            raise KeysError(f"actor keys: {root / 'client.key_secret'} is missing")
+        authorized = set()
+        if (root / "authorized").is_dir():
+            authorized = set(zmq.auth.load_certificates(str(root / "authorized")))
+        return cls(server_public, server_secret, client_public, client_secret, frozenset(authorized),
+                   source=str(root))
+
+    @classmethod
+    def from_env(cls, environ: "dict[str, str] | os._Environ[str]") -> "Credentials | None":
+        """The credentials the environment names, or None when it names none."""
+        if environ.get(ENV_DIR):
+            return cls.from_dir(environ[ENV_DIR])
+        if not any(environ.get(name) for name in INLINE):
+            return None
+        try:
+            server_secret = _z85(environ.get(ENV_SERVER_SECRET))
+            server_public = zmq.curve_public(server_secret) if server_secret else _z85(environ.get(ENV_SERVER_KEY))
+            client_secret = _z85(environ.get(ENV_CLIENT_SECRET))
+            authorized = frozenset(_z85(k.strip()) for k in environ.get(ENV_AUTHORIZED, "").split(",") if k.strip())
+        except (ValueError, zmq.ZMQError) as exc:
+            raise KeysError(f"actor keys: a {', '.join(INLINE)} value is not a z85 CURVE key: {exc}") from None
+        if server_public is None or client_secret is None:
+            raise KeysError(f"actor keys: set {ENV_SERVER_SECRET} (or {ENV_SERVER_KEY}) and {ENV_CLIENT_SECRET}")
+        return cls(server_public, server_secret, zmq.curve_public(client_secret), client_secret, authorized,  # type: ignore[arg-type]
+                   source="environment")
+
+    def to_env(self) -> dict[str, str]:
+        """These credentials as environment variables (how a child process gets them)."""
+        env = {ENV_SERVER_KEY: self.server_public.decode(), ENV_CLIENT_SECRET: self.client_secret.decode(),
+               ENV_AUTHORIZED: ",".join(sorted(k.decode() for k in self.authorized))}
+        if self.server_secret is not None:
+            env[ENV_SERVER_SECRET] = self.server_secret.decode()
+        return env
+
+
+_current: Credentials | None = None
+
+
+def configure(keys: "Credentials | str | os.PathLike[str] | None") -> Credentials | None:
+    """Set this process's credentials (a keys directory or `Credentials`; None: back to the
+    environment, else ephemeral). Sockets opened afterwards use them."""
+    global _current
+    _current = keys if isinstance(keys, Credentials) or keys is None else Credentials.from_dir(keys)
+    return _current
+
+
+def current() -> Credentials:
+    """This process's credentials: configured, else named by the environment, else ephemeral."""
+    global _current
+    if _current is None:
+        _current = Credentials.from_env(os.environ) or Credentials.generate()
+    return _current
+
+
+def take_from_env() -> Credentials | None:
+    """Read the credentials a parent passed in the environment and remove them from it, so
+    processes this one starts (compilers, tokenizer pools) do not inherit the secrets."""
+    creds = Credentials.from_env(os.environ)
+    for name in INLINE:
+        os.environ.pop(name, None)
+    if creds is not None:
+        configure(creds)
+    return creds
+
+
+def keygen(directory: "str | os.PathLike[str]", name: str | None = None) -> Path:
+    """Write a deployment's keys into `directory` (mode 0700): the server keypair unless it is
+    there already, a client keypair unless there already, and the client's public key in
+    `authorized/<name>.key`. Returns the directory."""
+    root = Path(directory)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    (root / "authorized").mkdir(mode=0o700, exist_ok=True)
+    if not (root / "server.key_secret").exists():
+        zmq.auth.create_certificates(str(root), "server")
+    if not (root / "client.key_secret").exists():
+        zmq.auth.create_certificates(str(root), "client")
+    label = name or socket.gethostname()
+    shutil.copyfile(root / "client.key", root / "authorized" / f"{label}.key")
+    for secret in root.glob("*.key_secret"):
+        os.chmod(secret, 0o600)
+    return root
+
+
+def _load(secret_file: Path, public_file: Path | None) -> tuple[bytes, bytes | None]:
+    try:
+        if secret_file.exists():
+            public, secret = zmq.auth.load_certificate(str(secret_file))
+            return public, secret
+        if public_file is not None and public_file.exists():
+            public, _ = zmq.auth.load_certificate(str(public_file))
+            return public, None
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"actor keys: cannot read {secret_file}: {exc}") from None
+    raise KeysError(f"actor keys: {secret_file} is missing")
+
+
+def _check_private(root: Path) -> None:
+    """Secret key files readable by other users are refused, as ssh refuses such a key."""
+    for secret in root.glob("*.key_secret"):
+        if secret.stat().st_mode & 0o077:
+            raise KeysError(f"actor keys: {secret} is readable by other users (chmod 600 it)")
+
+
+def _z85(text: str | None) -> bytes | None:
+    if not text:
+        return None
+    raw = text.strip().encode()
+    if len(raw) != 40:
+        raise ValueError(f"{len(raw)} characters, expected 40")
+    zmq.utils.z85.decode(raw)
+    return raw
