@@ -1,7 +1,7 @@
-"""CURVE credentials of the actor transport: who may connect to a node, and how a node proves it.
+"""Credentials of the actor transport: who may connect to a node, and how a node proves it.
 
-Every ZMQ link between actor nodes is a CURVE connection (encrypted, and authenticated by key
-before a single message is decoded). A deployment has:
+Every link between actor nodes is authenticated before a single message of it is decoded. A
+deployment has:
 
 - one **server** keypair: every node of the deployment binds its ROUTER with it, and connecting
   nodes check that the far side holds it (so a node never talks to a stranger);
@@ -9,19 +9,28 @@ before a single message is decoded). A deployment has:
 - an **allow-list** of client public keys: a node accepts a connection only from those (and from
   its own client key, which its child processes share).
 
+Links over tcp (and ipc paths a user chose) are CURVE: encrypted, authenticated by key. Links to
+a node's private ipc sockets (in a 0700 directory of this user's, see `Node.ipc_address`: a
+parent and its child processes) use ZMQ's PLAIN mechanism instead, with the client's public key
+as user name and a password derived from the server secret (`link_password`): still checked by
+the same ZAP handler against the same allow-list, without encrypting every byte — only this
+user (or root) can reach those sockets at all, and CURVE's encryption cost the worker link four
+fifths of its tensor throughput.
+
 They come from a directory written by `python -m sonar actor keygen DIR` (`server.key`,
 `server.key_secret`, `client.key`, `client.key_secret` and `authorized/*.key`, in the
 certificate format of `zmq.auth`), named by `SONAR_ACTOR_KEYS`, `configure(...)`, `sonar actor
 --keys DIR` or `sonar serve --actor-keys DIR`; or from the environment as z85 text:
-`SONAR_ACTOR_SERVER_SECRET` (or only `SONAR_ACTOR_SERVER_KEY`, for a node that binds nothing
-others reach), `SONAR_ACTOR_CLIENT_SECRET` and `SONAR_ACTOR_AUTHORIZED` (comma-separated).
-With none configured, a process makes an *ephemeral* deployment of its own: its child processes
-get it through their environment (never their command line), so parent-child links are
-authenticated too, and nothing outside the process tree can connect.
+`SONAR_ACTOR_SERVER_SECRET`, `SONAR_ACTOR_CLIENT_SECRET` and `SONAR_ACTOR_AUTHORIZED`
+(comma-separated public keys). With none configured, a process makes an *ephemeral* deployment
+of its own: its child processes get it through their environment (never their command line), so
+parent-child links are authenticated too, and nothing outside the process tree can connect.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -33,11 +42,10 @@ import zmq.auth
 import zmq.utils.z85
 
 ENV_DIR = "SONAR_ACTOR_KEYS"
-ENV_SERVER_KEY = "SONAR_ACTOR_SERVER_KEY"
 ENV_SERVER_SECRET = "SONAR_ACTOR_SERVER_SECRET"
 ENV_CLIENT_SECRET = "SONAR_ACTOR_CLIENT_SECRET"
 ENV_AUTHORIZED = "SONAR_ACTOR_AUTHORIZED"
-INLINE = (ENV_SERVER_KEY, ENV_SERVER_SECRET, ENV_CLIENT_SECRET, ENV_AUTHORIZED)
+INLINE = (ENV_SERVER_SECRET, ENV_CLIENT_SECRET, ENV_AUTHORIZED)
 
 
 class KeysError(ValueError):
@@ -47,7 +55,7 @@ class KeysError(ValueError):
 @dataclass(frozen=True)
 class Credentials:
     server_public: bytes
-    server_secret: bytes | None
+    server_secret: bytes
     client_public: bytes
     client_secret: bytes
     authorized: frozenset[bytes] = field(default_factory=frozenset)
@@ -56,6 +64,12 @@ class Credentials:
 
     def accepts(self, client_public: bytes) -> bool:
         return client_public == self.client_public or client_public in self.authorized
+
+    @property
+    def link_password(self) -> bytes:
+        """The PLAIN password of private ipc links: every holder of the server secret knows it."""
+        digest = hmac.new(self.server_secret, b"sonar actor ipc link", hashlib.sha256).digest()
+        return zmq.utils.z85.encode(digest)
 
     @classmethod
     def generate(cls) -> "Credentials":
@@ -71,10 +85,8 @@ class Credentials:
         if not root.is_dir():
             raise KeysError(f"actor keys: {root} is not a directory (make one: python -m sonar actor keygen {root})")
         _check_private(root)
-        server_public, server_secret = _load(root / "server.key_secret", root / "server.key")
-        client_public, client_secret = _load(root / "client.key_secret", None)
-        if client_secret is None:
-            raise KeysError(f"actor keys: {root / 'client.key_secret'} is missing")
+        server_public, server_secret = _load(root / "server.key_secret")
+        client_public, client_secret = _load(root / "client.key_secret")
         authorized = set()
         if (root / "authorized").is_dir():
             authorized = set(zmq.auth.load_certificates(str(root / "authorized")))
@@ -90,23 +102,19 @@ class Credentials:
             return None
         try:
             server_secret = _z85(environ.get(ENV_SERVER_SECRET))
-            server_public = zmq.curve_public(server_secret) if server_secret else _z85(environ.get(ENV_SERVER_KEY))
             client_secret = _z85(environ.get(ENV_CLIENT_SECRET))
-            authorized = frozenset(_z85(k.strip()) for k in environ.get(ENV_AUTHORIZED, "").split(",") if k.strip())
+            authorized = frozenset(_z85(k) for k in environ.get(ENV_AUTHORIZED, "").split(",") if k.strip())
         except (ValueError, zmq.ZMQError) as exc:
             raise KeysError(f"actor keys: a {', '.join(INLINE)} value is not a z85 CURVE key: {exc}") from None
-        if server_public is None or client_secret is None:
-            raise KeysError(f"actor keys: set {ENV_SERVER_SECRET} (or {ENV_SERVER_KEY}) and {ENV_CLIENT_SECRET}")
-        return cls(server_public, server_secret, zmq.curve_public(client_secret), client_secret, authorized,  # type: ignore[arg-type]
-                   source="environment")
+        if server_secret is None or client_secret is None:
+            raise KeysError(f"actor keys: set both {ENV_SERVER_SECRET} and {ENV_CLIENT_SECRET}")
+        return cls(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret,
+                   authorized, source="environment")
 
     def to_env(self) -> dict[str, str]:
         """These credentials as environment variables (how a child process gets them)."""
-        env = {ENV_SERVER_KEY: self.server_public.decode(), ENV_CLIENT_SECRET: self.client_secret.decode(),
-               ENV_AUTHORIZED: ",".join(sorted(k.decode() for k in self.authorized))}
-        if self.server_secret is not None:
-            env[ENV_SERVER_SECRET] = self.server_secret.decode()
-        return env
+        return {ENV_SERVER_SECRET: self.server_secret.decode(), ENV_CLIENT_SECRET: self.client_secret.decode(),
+                ENV_AUTHORIZED: ",".join(sorted(k.decode() for k in self.authorized))}
 
 
 _current: Credentials | None = None
@@ -158,17 +166,16 @@ def keygen(directory: "str | os.PathLike[str]", name: str | None = None) -> Path
     return root
 
 
-def _load(secret_file: Path, public_file: Path | None) -> tuple[bytes, bytes | None]:
+def _load(secret_file: Path) -> tuple[bytes, bytes]:
+    if not secret_file.exists():
+        raise KeysError(f"actor keys: {secret_file} is missing")
     try:
-        if secret_file.exists():
-            public, secret = zmq.auth.load_certificate(str(secret_file))
-            return public, secret
-        if public_file is not None and public_file.exists():
-            public, _ = zmq.auth.load_certificate(str(public_file))
-            return public, None
+        public, secret = zmq.auth.load_certificate(str(secret_file))
     except (OSError, ValueError) as exc:
         raise KeysError(f"actor keys: cannot read {secret_file}: {exc}") from None
-    raise KeysError(f"actor keys: {secret_file} is missing")
+    if secret is None:
+        raise KeysError(f"actor keys: {secret_file} holds no secret key")
+    return public, secret
 
 
 def _check_private(root: Path) -> None:

@@ -12,7 +12,7 @@ from an allowed client key, before any message of it is read. Frames are capped 
 unguessable ask id. `Stop` from a peer reaches an actor only when that peer's key spawned it.
 
 Backpressure is per mailbox: a message for a full mailbox waits in that mailbox's overflow queue
-and its sender is told to hold (`hold`) until the queue has drained (`go`); the node keeps
+and its sender is told to hold (`hold`) until the queue is down to half the mailbox's size (`go`); the node keeps
 reading its socket, so the other actors it hosts keep receiving. A sender holds sends to that one
 mailbox only, and probes again after `HOLD_PROBE` seconds without a `go` (the receiver may have
 been restarted meanwhile). Only when the overflow queues together pass four times the ZMQ
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import os
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import time
 import weakref
@@ -71,7 +73,23 @@ class FrameTooLarge(ValueError):
     """A message frame over the node's frame cap (`SONAR_ACTOR_MAX_FRAME_BYTES`)."""
 
 
+_max_frame_bytes: int | None = None
+
+
+def configure_transport(keys_dir: "str | os.PathLike[str] | None" = None, max_frame_bytes: int | None = None) -> None:
+    """Process-wide transport settings, before the first actor socket opens: the deployment's
+    keys directory (None: `SONAR_ACTOR_KEYS`, else ephemeral keys) and the frame cap (None:
+    `SONAR_ACTOR_MAX_FRAME_BYTES`, else 4 GiB). Child processes get both from their parent."""
+    global _max_frame_bytes
+    if max_frame_bytes is not None and max_frame_bytes <= 0:
+        raise ValueError(f"the actor frame cap must be positive, got {max_frame_bytes}")
+    keys.configure(keys_dir)
+    _max_frame_bytes = max_frame_bytes
+
+
 def max_frame_bytes() -> int:
+    if _max_frame_bytes is not None:
+        return _max_frame_bytes
     raw = os.environ.get(MAX_FRAME_ENV)
     if not raw:
         return DEFAULT_MAX_FRAME_BYTES
@@ -157,7 +175,7 @@ class Node:
         self._ctx: zmq.Context | None = None
         self._creds: keys.Credentials | None = None
         self._zap: Channel | None = None
-        self._refused_keys: set[bytes] = set()
+        self._refused: set[tuple[bytes, bytes]] = set()  # (peer address, key) logged already
         self._router: Channel | None = None
         self._dealers: dict[str, Channel] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -341,28 +359,39 @@ class Node:
         request = [f.bytes for f in frames]
         request_id = request[1] if len(request) > 1 else b""
         mechanism = request[5] if len(request) > 5 else b""
-        client = request[6] if mechanism == b"CURVE" and len(request) == 7 else b""
-        key = zmq.utils.z85.encode(client) if len(client) == 32 else b""
-        allowed = bool(key) and self._creds is not None and self._creds.accepts(key)
-        if not allowed and key not in self._refused_keys:
-            if len(self._refused_keys) < 1024:  # one line per stranger, not one per reconnect
-                self._refused_keys.add(key)
-            log.warning("actor.peer_refused", peer=request[3].decode(errors="replace") if len(request) > 3 else "?",
+        creds = self._creds
+        key, allowed = b"", False
+        if creds is not None and mechanism == b"CURVE" and len(request) == 7 and len(request[6]) == 32:
+            key = zmq.utils.z85.encode(request[6])
+            allowed = creds.accepts(key)
+        elif creds is not None and mechanism == b"PLAIN" and len(request) == 8:  # a private ipc link
+            key = request[6]
+            allowed = hmac.compare_digest(request[7], creds.link_password) and creds.accepts(key)
+        peer = request[3] if len(request) > 3 else b"?"
+        if not allowed and (peer, key) not in self._refused:
+            if len(self._refused) < 1024:  # one line per stranger, not one per reconnect
+                self._refused.add((peer, key))
+            log.warning("actor.peer_refused", peer=peer.decode(errors="replace"),
                         mechanism=mechanism.decode(errors="replace"), key=key.decode(),
-                        reason="client key not on the allow-list")
+                        reason="client key (or private link password) not accepted")
         reply = [b"1.0", request_id, b"200" if allowed else b"400", b"OK" if allowed else b"not allowed",
                  key if allowed else b"", b""]
         assert self._zap is not None
         self._zap.sock.send_multipart(reply, zmq.NOBLOCK)
 
-    def _secure(self, sock: zmq.Socket, server: bool) -> None:
+    def _secure(self, sock: zmq.Socket, address: str, server: bool) -> None:
+        """CURVE, or PLAIN checked by the same ZAP handler on a private ipc link (`keys`)."""
         creds = self.credentials
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         if server:
-            if creds.server_secret is None:
-                raise keys.KeysError(f"actor keys ({creds.source}): this node needs the server secret key to "
-                                     "accept connections (server.key_secret)")
             sock.setsockopt(zmq.ZAP_DOMAIN, b"sonar")
+        if _private_ipc(address):
+            if server:
+                sock.setsockopt(zmq.PLAIN_SERVER, 1)
+            else:
+                sock.setsockopt(zmq.PLAIN_USERNAME, creds.client_public)
+                sock.setsockopt(zmq.PLAIN_PASSWORD, creds.link_password)
+        elif server:
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, creds.server_secret)
         else:
@@ -388,7 +417,7 @@ class Node:
         sock.setsockopt(zmq.SNDHWM, self.hwm)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
         try:
-            self._secure(sock, server=True)
+            self._secure(sock, address, server=True)
             sock.bind(address)
         except BaseException:
             sock.close(linger=0)
@@ -419,7 +448,7 @@ class Node:
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.setsockopt(zmq.RCVHWM, self.hwm)
             try:
-                self._secure(sock, server=False)
+                self._secure(sock, address, server=False)
                 sock.connect(address)
             except BaseException:
                 sock.close(linger=0)
@@ -520,12 +549,17 @@ class Node:
         return None
 
     async def _drain(self, mb: Mailbox) -> None:
-        """Move a mailbox's overflow queue into it as the actor makes room, then let its senders go."""
+        """Move a mailbox's overflow queue into it as the actor makes room; its senders may go
+        on once it is down to half the mailbox's size (so the pipeline never runs dry)."""
+        low = mb.size // 2
         try:
             while mb.overflow:
                 msg, _, frames = mb.overflow[0]
                 try:
-                    await mb.send.send(msg)
+                    try:
+                        mb.send.send_nowait(msg)  # no trip round the loop while the mailbox has room
+                    except anyio.WouldBlock:
+                        await mb.send.send(msg)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                     stopped = ActorNotFound(f"actor {mb.name!r} has stopped")
                     while mb.overflow:
@@ -535,14 +569,19 @@ class Node:
                     break
                 mb.overflow.popleft()
                 self._overflowing -= 1
+                if mb.held and len(mb.overflow) <= low:
+                    self._release(mb)
         finally:
             mb.draining = False
-            for peer in mb.held:
-                self._signal(peer, GO, mb.name)
-            mb.held.clear()
-            if self._router_paused and self._overflowing <= 4 * self.hwm and self._router is not None:
-                self._router_paused = False
-                self._router.resume()
+            self._release(mb)
+
+    def _release(self, mb: Mailbox) -> None:
+        for peer in mb.held:
+            self._signal(peer, GO, mb.name)
+        mb.held.clear()
+        if self._router_paused and self._overflowing <= 4 * self.hwm and self._router is not None:
+            self._router_paused = False
+            self._router.resume()
 
     def _signal(self, peer: bytes, kind: bytes, name: str) -> None:
         """Send a flow-control frame to a connected peer; best effort (a lost `go` costs the
@@ -624,6 +663,20 @@ class Node:
             self._ctx.term()
             self._ctx = None
             self._creds = None
+
+
+def _private_ipc(address: str) -> bool:
+    """True for an ipc address in a node's private socket directory (`Node.ipc_address`): one of
+    this user's, that only this user can enter."""
+    if not address.startswith("ipc://"):
+        return False
+    directory = os.path.dirname(address.removeprefix("ipc://"))
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    return (os.path.basename(directory).startswith("sonar-") and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700)
 
 
 def _user_id(frame: Any) -> str | None:

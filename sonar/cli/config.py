@@ -35,6 +35,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_log_deltas: bool = True
     shutdown_timeout: float = 0.0
 
+    # The actor transport between processes and machines (`sonar.actors.keys`).
+    actor_keys: str | None = None
+    actor_max_frame_bytes: int = 4 * 2**30
+
     # Access control and CORS.
     api_key: tuple[str, ...] | None = None
     allowed_origins: tuple[str, ...] = ("*",)

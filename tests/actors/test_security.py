@@ -52,28 +52,41 @@ def message(name: str, msg, reply_to: ReplyTo | None = None) -> list[bytes]:
     return [b"M", name.encode(), *[bytes(f) for f in Codec().encode(msg)]]
 
 
-def raw_dealer(ctx: zmq.Context, address: str, creds: keys.Credentials | None, identity: bytes) -> zmq.Socket:
+class Peer(msgspec.Struct):
+    """What a hand-written client knows: the server key it expects, its own keypair."""
+
+    server_public: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def raw_dealer(ctx: zmq.Context, address: str, peer: Peer | None, identity: bytes) -> zmq.Socket:
     """A bare DEALER, with CURVE keys or none at all, as a hand-written attacker would open it."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTING_ID, identity)
-    if creds is not None:
-        sock.setsockopt(zmq.CURVE_SERVERKEY, creds.server_public)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, creds.client_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, creds.client_secret)
+    if peer is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, peer.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, peer.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, peer.client_secret)
     sock.connect(address)
     return sock
 
 
-def stranger(deployment_creds: keys.Credentials) -> keys.Credentials:
+def member() -> Peer:
+    """This process's keys (the deployment's)."""
+    creds = keys.current()
+    return Peer(creds.server_public, creds.client_public, creds.client_secret)
+
+
+def stranger() -> Peer:
     """Another client key that knows the deployment's server key."""
-    public, secret = zmq.curve_keypair()
-    return keys.Credentials(deployment_creds.server_public, None, public, secret)
+    return Peer(keys.current().server_public, *zmq.curve_keypair())
 
 
-def authorize(deployment, creds: keys.Credentials, name: str) -> None:
+def authorize(deployment, peer: Peer, name: str) -> None:
     (deployment / "authorized" / f"{name}.key").write_text(
-        f'metadata\ncurve\n    public-key = "{creds.client_public.decode()}"\n')
+        f'metadata\ncurve\n    public-key = "{peer.client_public.decode()}"\n')
 
 
 async def recv(sock: zmq.Socket, timeout: float) -> list[bytes] | None:
@@ -89,13 +102,11 @@ async def spawn(address: str, name: str, target: str = SAMPLE, **kwargs) -> Spaw
 
 async def test_a_peer_without_the_keys_gets_nothing_run(host, deployment, tmp_path):
     address, proc, log = host
-    creds = keys.current()
     marker, shell_marker = tmp_path / "spawned", tmp_path / "shell"
     ctx = zmq.Context()
+    impostor = Peer(zmq.curve_keypair()[0], member().client_public, member().client_secret)
     try:
-        for who, peer in [("plain", None), ("stranger", stranger(creds)),
-                          ("wrong-server", keys.Credentials(zmq.curve_keypair()[0], None, creds.client_public,
-                                                             creds.client_secret))]:
+        for who, peer in [("plain", None), ("stranger", stranger()), ("wrong-server", impostor)]:
             sock = raw_dealer(ctx, address, peer, who.encode())
             to = ReplyTo(who, 1, None)
             sock.send_multipart(message(HOST_NAME, Spawn(name="evil", target=TOUCH, kwargs={"path": str(marker)}), to))
@@ -144,7 +155,7 @@ async def test_a_failed_spawn_leaves_the_host_serving(host):
 
 async def test_only_the_owner_stops_or_kills_an_actor(host, deployment):
     address, proc, log = host
-    other = stranger(keys.current())
+    other = stranger()
     authorize(deployment, other, "other")  # the host reads its allow-list at start: restart it
     proc.terminate()
     proc.wait(timeout=10)
@@ -210,7 +221,7 @@ async def test_an_oversized_frame_is_refused_and_the_host_lives_on(host, monkeyp
     address, proc, _ = host
     ctx = zmq.Context()
     try:
-        sock = raw_dealer(ctx, address, keys.current(), b"big")
+        sock = raw_dealer(ctx, address, member(), b"big")
         frames = message(HOST_NAME, Spawn(name="big", target=SAMPLE, kwargs={"start_delay": 0.0}),
                          ReplyTo("big", 1, None))
         sock.send_multipart(frames + [b"x" * (2**20 + 1)])  # over the host's --max-frame-bytes
@@ -248,7 +259,12 @@ async def test_a_reply_from_another_peer_is_ignored(host):
         assert frames is not None and frames[1:3] == [b"M", b"echo"]
         reply_to = Codec().decode(frames[3:], Echo).reply_to
         assert reply_to.id > 2**32  # not a counter
-        mole = raw_dealer(ctx, home, creds, b"mole")
+        mole = ctx.socket(zmq.DEALER)  # a member of the tree, on our private ipc socket
+        mole.setsockopt(zmq.LINGER, 0)
+        mole.setsockopt(zmq.ROUTING_ID, b"mole")
+        mole.setsockopt(zmq.PLAIN_USERNAME, creds.client_public)
+        mole.setsockopt(zmq.PLAIN_PASSWORD, creds.link_password)
+        mole.connect(home)
         mole.send_multipart([b"R", reply_to.id.to_bytes(8, "little"), b"ok", msgspec.msgpack.encode("forged")])
         await anyio.sleep(0.5)
         asked.send_multipart([frames[0], b"R", reply_to.id.to_bytes(8, "little"), b"ok",
@@ -297,8 +313,37 @@ async def test_child_processes_get_their_keys_outside_argv(placement):
         assert creds.ephemeral  # no deployment configured: this process tree's own keys
         with open(f"/proc/{child.pid}/cmdline", "rb") as f:
             argv = f.read()
-        for secret in (creds.server_secret, creds.client_secret):
+        for secret in (creds.server_secret, creds.client_secret, creds.link_password):
             assert secret not in argv
         ipc_dir = os.path.dirname(child.ref.address.removeprefix("ipc://"))
         assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+        # A peer on the same socket without the tree's password (or with CURVE) is not let in.
+        ctx = zmq.Context()
+        try:
+            for mechanism in ("plain", "curve"):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                if mechanism == "plain":
+                    sock.setsockopt(zmq.PLAIN_USERNAME, creds.client_public)
+                    sock.setsockopt(zmq.PLAIN_PASSWORD, b"guess")
+                else:
+                    peer = member()
+                    sock.setsockopt(zmq.CURVE_SERVERKEY, peer.server_public)
+                    sock.setsockopt(zmq.CURVE_PUBLICKEY, peer.client_public)
+                    sock.setsockopt(zmq.CURVE_SECRETKEY, peer.client_secret)
+                sock.connect(child.ref.address)
+                sock.send_multipart(message(child.ref.name, Stop()))
+                sock.send_multipart(message(child.ref.name, Echo("intruder"), ReplyTo("x", 1, None)))
+                assert await recv(sock, 1.0) is None
+                sock.close()
+        finally:
+            ctx.term()
+        assert await child.ref.ask(Echo("still"), timeout=10) == "still"
         assert alive(child.pid)
+
+
+def test_serve_refuses_an_unusable_keys_directory(tmp_path, capsys):
+    from sonar.cli.serve import main
+
+    assert main(["--actor-keys", str(tmp_path / "missing")]) == 2
+    assert "sonar actor keygen" in capsys.readouterr().err

@@ -71,7 +71,8 @@ def test_default_matches_reference(defaults: ServeConfig, name: str, documented,
 
 
 def test_every_documented_flag_is_known() -> None:
-    own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection"}
+    own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection", "--actor-keys",
+           "--actor-max-frame-bytes"}
     assert len(FLAGS) - len(own) == 278
     assert own <= set(FLAGS)
     names = [f.name for g in GROUPS for f in g.flags]
