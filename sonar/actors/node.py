@@ -377,7 +377,7 @@ class Node:
         reply = [b"1.0", request_id, b"200" if allowed else b"400", b"OK" if allowed else b"not allowed",
                  key if allowed else b"", b""]
         assert self._zap is not None
-        self._zap.sock.send_multipart(reply, zmq.NOBLOCK)
+        self._zap.send_nowait(reply)
 
     def _secure(self, sock: zmq.Socket, address: str, server: bool) -> None:
         """CURVE, or PLAIN checked by the same ZAP handler on a private ipc link (`keys`)."""
@@ -586,12 +586,8 @@ class Node:
     def _signal(self, peer: bytes, kind: bytes, name: str) -> None:
         """Send a flow-control frame to a connected peer; best effort (a lost `go` costs the
         sender at most `HOLD_PROBE` seconds)."""
-        if self._router is None:
-            return
-        try:
-            self._router.sock.send_multipart([peer, kind, name.encode()], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        if self._router is not None:
+            self._router.send_nowait([peer, kind, name.encode()])
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -347,3 +347,27 @@ def test_serve_refuses_an_unusable_keys_directory(tmp_path, capsys):
 
     assert main(["--actor-keys", str(tmp_path / "missing")]) == 2
     assert "sonar actor keygen" in capsys.readouterr().err
+
+
+class ForgedRef:
+    """Encodes as an actor reference whose protocol names `tests.actors.tripwire`."""
+
+    def __sonar_ref__(self) -> tuple[str, str | None, str]:
+        return ("x", "ipc:///nowhere.sock", "tests.actors.tripwire:Protocol")
+
+
+async def test_a_ref_naming_a_protocol_off_the_list_imports_nothing(deployment, tmp_path, monkeypatch):
+    tripwire = tmp_path / "imported"
+    monkeypatch.setenv("SONAR_TEST_TRIPWIRE", str(tripwire))
+    address = free_tcp_address()
+    proc = start_host(address, deployment)
+    try:
+        spec = SupervisorSpec("root", [ChildSpec("a", Sample, placement=Remote(address), ping_interval=None)])
+        async with supervise(spec) as sup:
+            ref = sup.child("a").ref
+            with pytest.raises(ActorError, match="'tests.actors.tripwire:Protocol' is not on the allow-list"):
+                await ref.ask(Tensors([ForgedRef()]), timeout=10)
+            assert await ref.ask(Echo("ok"), timeout=10) == "ok"
+        assert not tripwire.exists()
+    finally:
+        stop_host(proc)
