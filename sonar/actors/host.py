@@ -30,7 +30,7 @@ import msgspec
 from sonar.actors import allow, keys
 from sonar.actors.actor import NO_REPLY, Actor, Incarnation, launch
 from sonar.actors.messages import Ask, ExitInfo, RemoteError
-from sonar.actors.node import MAX_FRAME_ENV, get_node
+from sonar.actors.node import MAX_FRAME_ENV, configure_transport, get_node
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -225,8 +225,13 @@ def keygen_main(argv: list[str]) -> int:
     ap.add_argument("dir")
     ap.add_argument("--name", help="file name of this client's key in DIR/authorized/ (default: the host name)")
     args = ap.parse_args(argv)
-    root = keys.keygen(args.dir, args.name)
-    print(f"sonar actor: keys in {root}; client key {(root / 'client.key').read_text().split('public-key = ')[1].split()[0]}")
+    try:
+        root = keys.keygen(args.dir, args.name)
+        creds = keys.Credentials.from_dir(root)
+    except (OSError, keys.KeysError) as exc:
+        print(f"sonar actor keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"sonar actor: keys in {root} (this machine's client key: {creds.client_public.decode()})")
     return 0
 
 
@@ -256,20 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for target in args.allow_actor:
             allow.allow_actor(target)
-        if args.max_frame_bytes is not None:
-            if args.max_frame_bytes <= 0:
-                ap.error("--max-frame-bytes must be positive")
-            os.environ[MAX_FRAME_ENV] = str(args.max_frame_bytes)
+        configure_transport(args.keys, args.max_frame_bytes)
         if args.parent is not None:
             if keys.take_from_env() is None:
                 ap.error("child mode needs the parent's keys in the environment")
-        elif args.keys:
-            keys.configure(args.keys)
-        elif keys.Credentials.from_env(os.environ) is None:
+        elif keys.Credentials.from_env(os.environ) is None and not args.keys:
             where = "" if is_loopback(args.listen) else f" ({args.listen} is reachable from other machines)"
-            print(f"sonar actor: refusing to listen without credentials{where}: any peer could run actors "
-                  "here. Make a deployment's keys with `python -m sonar actor keygen DIR`, copy DIR to the "
-                  f"supervisor's machine, and start with --keys DIR (or {keys.ENV_DIR}=DIR).", file=sys.stderr)
+            print(f"sonar actor: refusing to listen without credentials{where}: a host accepts only "
+                  "supervisors holding its deployment's keys. Make them with `python -m sonar actor keygen DIR`, "
+                  f"copy DIR to the supervisor's machine, and start with --keys DIR (or {keys.ENV_DIR}=DIR).",
+                  file=sys.stderr)
             return 2
     except (keys.KeysError, ValueError) as exc:
         print(f"sonar actor: {exc}", file=sys.stderr)

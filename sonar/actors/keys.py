@@ -152,17 +152,19 @@ def keygen(directory: "str | os.PathLike[str]", name: str | None = None) -> Path
     there already, a client keypair unless there already, and the client's public key in
     `authorized/<name>.key`. Returns the directory."""
     root = Path(directory)
-    root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(root, 0o700)
-    (root / "authorized").mkdir(mode=0o700, exist_ok=True)
-    if not (root / "server.key_secret").exists():
-        zmq.auth.create_certificates(str(root), "server")
-    if not (root / "client.key_secret").exists():
-        zmq.auth.create_certificates(str(root), "client")
-    label = name or socket.gethostname()
-    shutil.copyfile(root / "client.key", root / "authorized" / f"{label}.key")
-    for secret in root.glob("*.key_secret"):
-        os.chmod(secret, 0o600)
+    umask = os.umask(0o077)  # no moment when another user could read a secret file
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(root, 0o700)
+        (root / "authorized").mkdir(mode=0o700, exist_ok=True)
+        if not (root / "server.key_secret").exists():
+            zmq.auth.create_certificates(str(root), "server")
+        if not (root / "client.key_secret").exists():
+            zmq.auth.create_certificates(str(root), "client")
+        label = name or socket.gethostname()
+        shutil.copyfile(root / "client.key", root / "authorized" / f"{label}.key")
+    finally:
+        os.umask(umask)
     return root
 
 

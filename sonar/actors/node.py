@@ -6,14 +6,15 @@ the codec and sends it through a DEALER socket connected to the ROUTER socket of
 hosts the actor; the DEALER's routing id is this node's id, so replies come back over the same
 connection. A node binds its ROUTER only when another process needs to reach it.
 
-Every link is CURVE (`sonar.actors.keys`): the node's own ZAP handler accepts a connection only
-from an allowed client key, before any message of it is read. Frames are capped in size
-(`SONAR_ACTOR_MAX_FRAME_BYTES`). A reply is taken only from the peer that was asked, under an
-unguessable ask id. `Stop` from a peer reaches an actor only when that peer's key spawned it.
+Every link is authenticated (`sonar.actors.keys`: CURVE, or PLAIN on a private ipc link): the
+node's own ZAP handler accepts a connection only from an allowed client key, before any message
+of it is read. Frames are capped in size (`SONAR_ACTOR_MAX_FRAME_BYTES`). A reply is taken only
+from the peer that was asked, under an unguessable ask id. `Stop` from a peer reaches an actor
+only when that peer's key spawned it.
 
 Backpressure is per mailbox: a message for a full mailbox waits in that mailbox's overflow queue
-and its sender is told to hold (`hold`) until the queue is down to half the mailbox's size (`go`); the node keeps
-reading its socket, so the other actors it hosts keep receiving. A sender holds sends to that one
+and its sender is told to hold (`hold`) until the queue is down to half the mailbox's size
+(`go`); the node keeps reading its socket, so the other actors it hosts keep receiving. A sender holds sends to that one
 mailbox only, and probes again after `HOLD_PROBE` seconds without a `go` (the receiver may have
 been restarted meanwhile). Only when the overflow queues together pass four times the ZMQ
 high-water mark (a sender that ignores `hold`) does the node stop reading, as a last resort.
@@ -355,7 +356,8 @@ class Node:
         return self._creds
 
     def _on_zap(self, frames: list[Any]) -> None:
-        """Answer one ZAP request: a connecting peer is let in only with an allowed CURVE key."""
+        """Answer one ZAP request: a connecting peer is let in only with an allowed client key
+        (and, on a private ipc link, the link password)."""
         request = [f.bytes for f in frames]
         request_id = request[1] if len(request) > 1 else b""
         mechanism = request[5] if len(request) > 5 else b""
