@@ -17,7 +17,8 @@ and its sender is told to hold (`hold`) until the queue is down to half the mail
 (`go`); the node keeps reading its socket, so the other actors it hosts keep receiving. A sender holds sends to that one
 mailbox only, and probes again after `HOLD_PROBE` seconds without a `go` (the receiver may have
 been restarted meanwhile). Only when the overflow queues together pass four times the ZMQ
-high-water mark (a sender that ignores `hold`) does the node stop reading, as a last resort.
+high-water mark (a sender that ignores `hold`, or a flood of small messages already in flight
+when `hold` went out) does the node stop reading until they drain, as a last resort.
 """
 
 from __future__ import annotations
@@ -545,7 +546,7 @@ class Node:
         if self._overflowing > 4 * self.hwm:
             if not self._router_paused:
                 log.warning("actor.overflow_full", actor=mb.name, queued=self._overflowing,
-                            reason="senders do not hold: reading paused until the mailboxes drain")
+                            reason="overflow queues past 4 x SONAR_ACTOR_HWM messages: reading paused until they drain")
             self._router_paused = True
             return False
         return None
