@@ -18,7 +18,7 @@ from sonar.actors.codec import Codec
 from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn, Spawned
 from sonar.actors.messages import ReplyTo, Stop
 from sonar.actors.node import FrameTooLarge, get_node
-from tests.actors.helpers import alive, free_tcp_address, start_host, stop_host, wait_for
+from tests.actors.helpers import alive, free_tcp_address, start_host, stop_host
 from tests.actors.sample import Echo, Hang, Note, Notes, Sample, SampleMsg, Tensors
 
 pytestmark = pytest.mark.anyio
