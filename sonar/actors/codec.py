@@ -4,12 +4,12 @@ A message becomes a list of frames: frame 0 is the msgpack payload; every torch 
 array inside it is replaced by a small ext record (frame index, dtype, shape) and its bytes travel
 as a frame of their own, handed to ZMQ without a copy and rebuilt on the far side as a tensor over
 the received buffer. Actor references travel as ext records too, so an actor can be handed a
-reference to another one in any process.
+reference to another one in any process; the node rebuilds one only for a protocol on its
+allow-list (`sonar.actors.allow`), never importing a name a peer sent otherwise.
 """
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any, Callable
 
@@ -37,14 +37,6 @@ def _torch_dtype(name: str) -> Any:
 def import_path(obj: Any) -> str:
     """`module:qualname` of a class or function, so another process can import it."""
     return f"{obj.__module__}:{obj.__qualname__}"
-
-
-def resolve(path: str) -> Any:
-    module, _, qual = path.partition(":")
-    obj: Any = importlib.import_module(module)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class Codec:

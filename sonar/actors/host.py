@@ -3,25 +3,34 @@
 A host runs actors on behalf of a supervisor in another process. As a child (`--parent`), it
 binds the address its supervisor chose, says hello, runs the one actor it is asked to spawn and
 exits when that actor ends (0 after a normal exit, 1 after a crash) or when its parent dies. As a
-remote host (`--listen tcp://host:port`) it stays up and runs whatever supervisors spawn on it.
+remote host (`--listen tcp://host:port`) it stays up and runs what authenticated supervisors
+spawn on it; it refuses to start without deployment keys (`--keys DIR` or `SONAR_ACTOR_KEYS`,
+made by `python -m sonar actor keygen DIR`).
+
+The host actor outlives everything a peer asks of it: it spawns only actor classes on the
+allow-list (`sonar.actors.allow`), a spawn that fails is an error reply, and an actor is
+replaced, killed or stopped only at the word of the client key that spawned it. Its own mailbox
+takes no `Stop` from a peer. Each refusal is an error reply and an `actor.message_refused` line.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import ipaddress
 import os
 import signal
 import sys
 from typing import Any, Union
+from urllib.parse import urlsplit
 
 import anyio
 import msgspec
 
+from sonar.actors import allow, keys
 from sonar.actors.actor import NO_REPLY, Actor, Incarnation, launch
-from sonar.actors.codec import resolve
-from sonar.actors.messages import Ask, ExitInfo
-from sonar.actors.node import get_node
+from sonar.actors.messages import Ask, ExitInfo, RemoteError
+from sonar.actors.node import MAX_FRAME_ENV, configure_transport, get_node
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -41,6 +50,9 @@ class Spawn(Ask, tag="sonar.spawn"):
     kwargs: dict[str, Any] = {}
     mailbox_size: int = 1024
     display: str | None = None
+    owner: str | None = None
+    """Set by the receiving node to the client key of the peer that sent it (a peer's own value
+    is overwritten)."""
     reply_type = Spawned
 
 
@@ -66,23 +78,39 @@ class HostActor(Actor):
     def __init__(self, exit_with_actor: bool) -> None:
         self.exit_with_actor = exit_with_actor
         self.actors: dict[str, Incarnation] = {}
+        self.owners: dict[str, str | None] = {}  # actor name -> client key of the peer that spawned it
         self.finished = anyio.Event()
         self.exit_code = 0
 
+    async def started(self) -> None:
+        get_node().mailboxes[self.ref.name].guard = self.admit
+
+    def admit(self, msg: Any, peer: str | None) -> str | None:
+        """Why a peer's message must not reach the host actor, or None (see the module doc)."""
+        if isinstance(msg, Spawn):
+            msg.owner = peer
+            if not allow.actor_allowed(msg.target):
+                return f"actor class {msg.target!r} is not on this host's allow-list"
+            if self._running(msg.name) and self.owners.get(msg.name) != peer:
+                return f"actor {msg.name!r} was spawned by another supervisor"
+        elif isinstance(msg, Kill):
+            if self._running(msg.name) and self.owners.get(msg.name) != peer:
+                return f"actor {msg.name!r} was spawned by another supervisor"
+        return None
+
+    def _running(self, name: str) -> bool:
+        inc = self.actors.get(name)
+        return inc is not None and not inc.done.is_set()
+
     async def handle(self, msg: HostMsg) -> Any:
         if isinstance(msg, Spawn):
-            old = self.actors.get(msg.name)
-            if old is not None and not old.done.is_set():
-                old.kill("replaced")
-                with anyio.move_on_after(5):
-                    await old.done.wait()
-            cls = resolve(msg.target)
-            actor = cls(**msg.kwargs)
-            inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
-            self.actors[msg.name] = inc
-            self.task_group.start_soon(self._after_exit, msg.name, inc)
-            log.info("actor.spawned", actor=msg.name, pid=os.getpid())
-            return Spawned(os.getpid())
+            try:
+                return await self._spawn(msg)
+            except Exception as exc:  # the host lives on: the spawn's failure is the asker's answer
+                log.error("actor.spawn_failed", actor=msg.name, target=msg.target, error=repr(exc))
+                if msg.reply_to is not None:
+                    await get_node().reply(msg.reply_to, error=RemoteError.from_exception(exc))
+                return NO_REPLY
         if isinstance(msg, Monitor):
             inc = self.actors.get(msg.name)
             if inc is None:
@@ -97,6 +125,22 @@ class HostActor(Actor):
                     await inc.done.wait()
             return None
         raise TypeError(f"unexpected {msg!r}")
+
+    async def _spawn(self, msg: Spawn) -> Spawned:
+        cls = allow.load_actor(msg.target)
+        old = self.actors.get(msg.name)
+        if old is not None and not old.done.is_set():
+            old.kill("replaced")
+            with anyio.move_on_after(5):
+                await old.done.wait()
+        actor = cls(**msg.kwargs)
+        inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
+        inc.mailbox.owner = msg.owner
+        self.actors[msg.name] = inc
+        self.owners[msg.name] = msg.owner
+        self.task_group.start_soon(self._after_exit, msg.name, inc)
+        log.info("actor.spawned", actor=msg.name, target=msg.target, pid=os.getpid())
+        return Spawned(os.getpid())
 
     async def _answer_monitor(self, inc: Incarnation, reply_to: Any) -> None:
         await inc.done.wait()
@@ -145,7 +189,7 @@ async def _host_main(args: argparse.Namespace) -> int:
             await launch(tg, host, HOST_NAME, 256)
             if args.parent is not None:
                 tg.start_soon(_watch_parent, args.parent_pid)
-                await node.say_hello(args.parent, args.key)
+                await node.say_hello(args.parent, args.hello)
             else:
                 log.info("actor.host_listening", address=address, pid=os.getpid())
             await host.finished.wait()
@@ -159,18 +203,78 @@ async def _host_main(args: argparse.Namespace) -> int:
             os._exit(host.exit_code)
 
 
+def is_loopback(address: str) -> bool:
+    """True for an address only this machine can reach (an ipc path, a loopback tcp host)."""
+    if address.startswith("ipc://"):
+        return True
+    host = urlsplit(address.replace("tcp://", "http://", 1)).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def keygen_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        prog="sonar actor keygen",
+        description="Write a deployment's CURVE keys into DIR (mode 0700): the server keypair (unless DIR has "
+                    "one), a client keypair (unless DIR has one) and the client's public key in DIR/authorized/. "
+                    "Copy DIR to every machine of the deployment; see docs/security.md.")
+    ap.add_argument("dir")
+    ap.add_argument("--name", help="file name of this client's key in DIR/authorized/ (default: the host name)")
+    args = ap.parse_args(argv)
+    try:
+        root = keys.keygen(args.dir, args.name)
+        creds = keys.Credentials.from_dir(root)
+    except (OSError, keys.KeysError) as exc:
+        print(f"sonar actor keygen: {exc}", file=sys.stderr)
+        return 2
+    print(f"sonar actor: keys in {root} (this machine's client key: {creds.client_public.decode()})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="sonar actor", description="Run an actor host process.")
-    ap.add_argument("--listen", help="serve supervisors at this address (tcp://host:port)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keygen"]:
+        return keygen_main(argv[1:])
+    ap = argparse.ArgumentParser(
+        prog="sonar actor", description="Run an actor host process (`keygen DIR` writes a deployment's keys).")
+    ap.add_argument("--listen", help="serve supervisors at this address (tcp://host:port); needs --keys")
+    ap.add_argument("--keys", metavar="DIR",
+                    help=f"the deployment's keys, as `sonar actor keygen DIR` writes them (default: ${keys.ENV_DIR})")
+    ap.add_argument("--allow-actor", action="append", default=[], metavar="MODULE:CLASS",
+                    help="also spawn this actor class for supervisors (repeatable; the classes Sonar ships are "
+                         f"allowed already; ${allow.ENV} adds more, comma-separated)")
+    ap.add_argument("--max-frame-bytes", type=int, metavar="N",
+                    help=f"largest message frame sent or accepted (default: ${MAX_FRAME_ENV} or 4 GiB)")
     ap.add_argument("--parent", help="address of the parent node (child mode)")
     ap.add_argument("--parent-pid", type=int, default=0)
-    ap.add_argument("--key", default="")
+    ap.add_argument("--hello", default="", help="the id to say hello with (child mode)")
     ap.add_argument("--bind", help="address to bind in child mode")
     args = ap.parse_args(argv)
     if (args.listen is None) == (args.parent is None):
         ap.error("give exactly one of --listen or --parent")
     if args.parent is not None:
         _die_with_parent(args.parent_pid)
+    try:
+        for target in args.allow_actor:
+            allow.allow_actor(target)
+        configure_transport(args.keys, args.max_frame_bytes)
+        if args.parent is not None:
+            if keys.take_from_env() is None:
+                ap.error("child mode needs the parent's keys in the environment")
+        elif keys.Credentials.from_env(os.environ) is None and not args.keys:
+            where = "" if is_loopback(args.listen) else f" ({args.listen} is reachable from other machines)"
+            print(f"sonar actor: refusing to listen without credentials{where}: a host accepts only "
+                  "supervisors holding its deployment's keys. Make them with `python -m sonar actor keygen DIR`, "
+                  f"copy DIR to the supervisor's machine, and start with --keys DIR (or {keys.ENV_DIR}=DIR).",
+                  file=sys.stderr)
+            return 2
+    except (keys.KeysError, ValueError) as exc:
+        print(f"sonar actor: {exc}", file=sys.stderr)
+        return 2
     try:
         return anyio.run(_host_main, args, backend="asyncio")
     except KeyboardInterrupt:

@@ -97,7 +97,7 @@ class ActorRef(Generic[Msg]):
         if not isinstance(msg, Ask):
             raise TypeError(f"{type(msg).__qualname__} expects no reply: derive it from sonar.actors.Ask")
         node = get_node()
-        reply_to, fut = node.new_ask(type(msg).reply_type, self.label, self.name)
+        reply_to, fut = node.new_ask(type(msg).reply_type, self.label, self.name, self.address)
         try:
             await node.deliver(self.name, self.address, msgspec.structs.replace(msg, reply_to=reply_to))
         except BaseException:
@@ -109,7 +109,7 @@ class ActorRef(Generic[Msg]):
         address = self.address
         if address is None:
             address = get_node().ensure_bound()
-        return (self.name, address, import_path(self.protocol) if isinstance(self.protocol, type) else _union_path(self.protocol))
+        return (self.name, address, protocol_path(self.protocol))
 
     def __repr__(self) -> str:
         where = self.address or "local"
@@ -120,6 +120,21 @@ class ActorRef(Generic[Msg]):
 
     def __hash__(self) -> int:
         return hash((self.name, self.address))
+
+
+_paths: dict[Any, str] = {}
+
+
+def protocol_path(protocol: Any) -> str:
+    """The `module:name` a ref names its protocol by on the wire; a protocol this process sends
+    a ref of is one it can decode a ref of (`sonar.actors.allow`)."""
+    path = _paths.get(protocol)
+    if path is None:
+        from sonar.actors.allow import allow_protocol
+
+        path = _paths[protocol] = import_path(protocol) if isinstance(protocol, type) else _union_path(protocol)
+        allow_protocol(path)
+    return path
 
 
 def _union_path(protocol: Any) -> str:

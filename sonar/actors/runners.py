@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from sonar.actors import allow, keys
 from sonar.actors.actor import Incarnation, launch
-from sonar.actors.codec import import_path, resolve
 from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
 from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
-from sonar.actors.node import get_node
+from sonar.actors.node import MAX_FRAME_ENV, get_node
 from sonar.actors.ref import ActorRef
 from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SiblingRef, SupervisorSpec
 from sonar.actors.tree import ActorInfo
@@ -146,7 +146,14 @@ def _kwargs(runner: Runner) -> dict[str, Any]:
 
 
 def _actor_class(spec: ChildSpec) -> type:
-    return resolve(spec.actor) if isinstance(spec.actor, str) else spec.actor
+    """The child's actor class; this process's own spec names it, so it goes on the allow-list
+    (refs of its protocol can then come back from other processes)."""
+    path = allow.allow_actor(spec.actor)
+    return allow.load_actor(path) if isinstance(spec.actor, str) else spec.actor
+
+
+def _target(spec: ChildSpec) -> str:
+    return spec.actor if isinstance(spec.actor, str) else allow.import_path(spec.actor)
 
 
 class InProcessRunner(Runner):
@@ -206,10 +213,9 @@ class _HostedRunner(Runner):
 
     async def _spawn(self, incarnation: int, timeout: float) -> None:
         cls = _actor_class(self.spec)
-        target = self.spec.actor if isinstance(self.spec.actor, str) else import_path(cls)
         spawned = await self.host.ask(
-            Spawn(name=self.mailbox_name, target=target, kwargs=_kwargs(self), mailbox_size=self.spec.mailbox_size,
-                  display=self.name),
+            Spawn(name=self.mailbox_name, target=_target(self.spec), kwargs=_kwargs(self),
+                  mailbox_size=self.spec.mailbox_size, display=self.name),
             timeout=timeout,
         )
         self.pid = spawned.pid
@@ -241,12 +247,16 @@ class ChildProcessRunner(_HostedRunner):
         parent = node.ensure_bound()
         self.address = node.ipc_address(f"child-{self.mailbox_name}")
         self.host = ActorRef(HOST_NAME, HostMsg, self.address)
-        key = secrets.token_hex(8)
-        hello = node.expect_hello(key)
-        env = dict(os.environ)
+        hello_id = secrets.token_hex(8)
+        hello = node.expect_hello(hello_id)
+        env = {k: v for k, v in os.environ.items() if k not in (keys.ENV_DIR, *keys.INLINE)}
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # Secrets travel in the environment (readable by this user only), never on the command line.
+        env.update(node.credentials.to_env())
+        env[allow.ENV] = ",".join(p for p in (os.environ.get(allow.ENV, ""), _target(self.spec)) if p)
+        env[MAX_FRAME_ENV] = str(node.max_frame_bytes)
         cmd = [sys.executable, "-m", "sonar", "actor", "--parent", parent, "--parent-pid", str(os.getpid()),
-               "--key", key, "--bind", self.address]
+               "--hello", hello_id, "--bind", self.address]
         proc = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env,
                                         start_new_session=True)
         self.proc = proc
@@ -348,10 +358,15 @@ class RemoteRunner(_HostedRunner):
 
     async def _start(self, incarnation: int) -> None:
         self._force_reason = None
+        if get_node().credentials.ephemeral:
+            raise RuntimeError(
+                f"placement {self.address}: an actor host elsewhere needs the deployment's keys here too "
+                f"(python -m sonar actor keygen DIR; then {keys.ENV_DIR}=DIR, or sonar serve --actor-keys DIR)")
         try:
             await self._spawn(incarnation, self.spec.placement.start_timeout)
         except AskTimeout:
-            raise RuntimeError(f"no actor host answered at {self.address}") from None
+            raise RuntimeError(f"no actor host answered at {self.address} (is it running with this "
+                               "deployment's keys, and this machine's client key authorized there?)") from None
         self._exit_event = anyio.Event()
         self.sup.tg.start_soon(self._watch, incarnation, self._exit_event)
 

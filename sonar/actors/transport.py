@@ -62,6 +62,16 @@ class Channel:
         self._paused = False
         self._look_again()
 
+    def send_nowait(self, frames: list[Any]) -> bool:
+        """Send now or not at all (False: the queue is full, or the peer is gone)."""
+        try:
+            self.sock.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:
+            return False
+        finally:
+            self._look_again()
+
     async def send(self, frames: list[Any]) -> None:
         """Queue a multipart message; waits (never drops) while the socket is at its high-water mark."""
         while True:

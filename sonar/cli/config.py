@@ -39,6 +39,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     body_read_timeout: float = 60.0
     max_connections: int = 2048
 
+    # The actor transport between processes and machines (`sonar.actors.keys`).
+    actor_keys: str | None = None
+    actor_max_frame_bytes: int = 4 * 2**30
+
     # Access control and CORS.
     api_key: tuple[str, ...] | None = None
     metrics_public: bool = False

@@ -31,6 +31,14 @@ def main(argv: Sequence[str]) -> int:
         return error.exit_code
     import anyio
 
+    from sonar.actors import configure_transport
+    from sonar.actors.keys import KeysError
+
+    try:
+        configure_transport(config.actor_keys, config.actor_max_frame_bytes)
+    except KeysError as error:
+        print(f"sonar serve: {error}", file=sys.stderr)
+        return 2
     code = anyio.run(serve, config, backend="asyncio")
     if _is_process_entry():
         _exit_now(code)

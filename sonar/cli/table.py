@@ -806,6 +806,16 @@ GROUPS: tuple[Group, ...] = (
            "Where each engine actor runs, as comma-separated actor=where pairs: actor is worker, "
            "detokenizer or scheduler; where is inprocess, process or tcp://host:port. Unset: all in this "
            "process.", to=E, metavar="ACTOR=WHERE[,...]"),
+        _f("--actor-keys", S_, None,
+           "Directory of the actor transport's CURVE keys, as `python -m sonar actor keygen DIR` writes them: "
+           "needed to place actors on other machines (--placement worker=tcp://...), whose actor hosts "
+           "run with the same keys. Unset: $SONAR_ACTOR_KEYS, else keys made for this server and its child "
+           "processes only.", to=S, metavar="DIR"),
+        _f("--actor-max-frame-bytes", Kind.BYTES, 4294967296,
+           "Largest message frame between actor processes, sent or accepted (a bigger one is refused with an "
+           "error naming this flag). The largest legitimate frame is a KV offload load of a whole cached "
+           "prefix when the worker runs in its own process: raise it for long contexts of large models. "
+           "Default: 4 GiB.", to=S, check=positive, metavar="BYTES"),
         _f("--step-timeout", F, 600.0,
            "Seconds the scheduler waits for one model step before it counts the worker as failed.",
            to=E, check=positive),

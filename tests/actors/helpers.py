@@ -38,3 +38,34 @@ def other_pids() -> set[int]:
             except (FileNotFoundError, IndexError, ProcessLookupError):
                 pass
     return out
+
+
+def free_tcp_address() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def start_host(address: str, keys_dir, *extra: str, log_path=None):
+    """`python -m sonar actor --listen ADDRESS --keys DIR ...` as another machine would run it,
+    allowed to spawn the test actor `Sample`; its log goes to `log_path` when given."""
+    import subprocess
+    import sys
+
+    err = open(log_path, "w") if log_path is not None else None
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sonar", "actor", "--listen", address, "--keys", str(keys_dir),
+             "--allow-actor", "tests.actors.sample:Sample", *extra],
+            env=dict(os.environ, PYTHONPATH=os.getcwd()), stderr=err)
+    finally:
+        if err is not None:
+            err.close()
+
+
+def stop_host(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=10)

@@ -131,3 +131,13 @@ class Sample(Actor):
         if isinstance(msg, Whoami):
             return {"pid": os.getpid(), "name": self.name}
         raise TypeError(msg)
+
+
+class Touch(Actor):
+    """Creates the file `path` when built: proof on disk that a host ran it (it is on no allow-list)."""
+
+    protocol = SampleMsg
+
+    def __init__(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write("spawned\n")

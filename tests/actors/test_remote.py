@@ -1,32 +1,22 @@
 """An actor host listening on TCP (`python -m sonar actor --listen`), as another machine would run it."""
 
-import os
-import socket
-import subprocess
-import sys
-
 import anyio
 import pytest
 import torch
 
 from sonar.actors import ChildSpec, Remote, SupervisorSpec, parse_placement, supervise
-from tests.actors.helpers import wait_for
+from tests.actors.helpers import free_tcp_address, start_host, stop_host, wait_for
 from tests.actors.sample import Crash, Echo, Hang, Sample, Tensors, Whoami
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture
-def host():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "sonar", "actor", "--listen", address],
-                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+def host(deployment):
+    address = free_tcp_address()
+    proc = start_host(address, deployment)
     yield address, proc
-    proc.terminate()
-    proc.wait(timeout=10)
+    stop_host(proc)
 
 
 async def test_remote_actor_round_trip_restart_and_stop(host):
@@ -52,9 +42,18 @@ async def test_remote_actor_round_trip_restart_and_stop(host):
     assert proc.poll() is None  # the host outlives the supervisor that used it
 
 
-async def test_unreachable_remote_host_fails_the_start():
+async def test_unreachable_remote_host_fails_the_start(deployment):
     spec = SupervisorSpec("root", [ChildSpec("nobody", Sample, placement=Remote("tcp://127.0.0.1:1", start_timeout=0.5))])
     with anyio.fail_after(10):
         with pytest.raises(RuntimeError, match="no actor host answered at tcp://127.0.0.1:1"):
+            async with supervise(spec):
+                pass
+
+
+async def test_remote_placement_needs_the_deployment_keys():
+    """Without keys a supervisor has only its own process tree's: it says so rather than time out."""
+    spec = SupervisorSpec("root", [ChildSpec("far", Sample, placement=Remote("tcp://127.0.0.1:1", start_timeout=0.5))])
+    with anyio.fail_after(10):
+        with pytest.raises(RuntimeError, match="needs the deployment's keys"):
             async with supervise(spec):
                 pass

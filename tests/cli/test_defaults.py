@@ -71,7 +71,8 @@ def test_default_matches_reference(defaults: ServeConfig, name: str, documented,
 
 
 def test_every_documented_flag_is_known() -> None:
-    own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection", "--max-waiting-seqs"}
+    own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection", "--max-waiting-seqs",
+           "--actor-keys", "--actor-max-frame-bytes"}
     limits = {"--metrics-public", "--max-request-body-bytes", "--header-read-timeout", "--body-read-timeout",
               "--max-connections", "--max-prompt-chars", "--max-stop-strings", "--max-stop-string-chars",
               "--max-stop-token-ids", "--max-logit-bias", "--max-chat-messages", "--max-completions-per-request"}

@@ -169,3 +169,37 @@ async def test_two_engines_in_one_process(reference, one_thread):
         first, second = await asyncio.gather(one.generate_many(PROMPTS, PARAMS), two.generate_many(PROMPTS, PARAMS))
     assert [(o.token_ids, o.text) for o in first] == reference
     assert [(o.token_ids, o.text) for o in second] == reference
+
+
+async def test_actors_on_an_authenticated_remote_host(reference, one_thread, tmp_path):
+    """The worker and the detokenizer on an actor host reached over tcp with a deployment's keys
+    (`python -m sonar actor keygen`, `--keys`; `configure_transport` here, as `serve --actor-keys`
+    does): the same output, the detokenizer's outputs reaching this process's client actor over a
+    link back, and nothing runs there for a supervisor without the keys."""
+    import subprocess
+    import sys
+
+    from sonar.actors import configure_transport
+    from tests.actors.helpers import free_tcp_address, stop_host
+
+    keys_dir = tmp_path / "keys"
+    subprocess.run([sys.executable, "-m", "sonar", "actor", "keygen", str(keys_dir)], check=True, capture_output=True)
+    address = free_tcp_address()
+    host = subprocess.Popen([sys.executable, "-m", "sonar", "actor", "--listen", address, "--keys", str(keys_dir)],
+                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        with pytest.raises(RuntimeError, match="needs the deployment's keys"):
+            async with sonar.open(placement=f"worker={address}", **ENGINE):
+                pass
+        configure_transport(keys_dir)
+        try:
+            async with sonar.open(placement=f"worker={address},detokenizer={address}", **ENGINE) as llm:
+                nodes = {c.name: c for c in llm.tree().children}
+                assert (nodes["worker"].placement, nodes["worker"].pid) == (address, host.pid)
+                outs = await llm.generate_many(PROMPTS, PARAMS)
+            assert [(o.token_ids, o.text) for o in outs] == reference
+        finally:
+            configure_transport(None)
+        assert host.poll() is None
+    finally:
+        stop_host(host)
