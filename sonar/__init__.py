@@ -20,6 +20,7 @@ _EXPORTS = {
     "EngineDeadError": "sonar.errors",
     "InvalidRequestError": "sonar.errors",
     "RequestQuarantinedError": "sonar.errors",
+    "SamplingFailedError": "sonar.errors",
     "ServerOverloadedError": "sonar.errors",
     "SonarError": "sonar.errors",
     "SamplingParams": "sonar.sampling_params",

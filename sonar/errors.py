@@ -30,3 +30,8 @@ class ServerOverloadedError(SonarError, RuntimeError):
 class RequestQuarantinedError(SonarError, RuntimeError):
     """The request was in flight each time the worker crashed, twice, and was failed on its own so
     the other requests could go on. HTTP answers 500 naming the request."""
+
+
+class SamplingFailedError(SonarError, RuntimeError):
+    """No token could be drawn for the request (its row of logits was all masked, or NaN from the
+    model); it was failed on its own and the batch went on. HTTP answers 500 with the reason."""

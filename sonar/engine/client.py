@@ -59,6 +59,7 @@ from sonar.errors import (
     EngineDeadError,
     InvalidRequestError,
     RequestQuarantinedError,
+    SamplingFailedError,
     ServerOverloadedError,
     SonarError,
 )
@@ -427,7 +428,7 @@ def _request_error(error: RequestError) -> SonarError:
     """The exception a request that failed alone raises at its caller."""
     if error.type == "quarantined":
         return RequestQuarantinedError(error.message)
-    return SonarError(error.message)
+    return SamplingFailedError(error.message)
 
 
 def engine_spec(config: EngineConfig) -> SupervisorSpec:

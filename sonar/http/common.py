@@ -14,7 +14,13 @@ from starlette.responses import Response
 
 from sonar.engine.client import StreamDelta
 from sonar.engine.protocol import PositionLogprobs
-from sonar.errors import EngineDeadError, InvalidRequestError, RequestQuarantinedError, ServerOverloadedError
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+)
 from sonar.http.protocol import (
     ChatLogprobs,
     CompletionLogprobs,
@@ -118,6 +124,9 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
     if isinstance(exc, RequestQuarantinedError):
         log.warning("request.quarantined", request_id=request_id, detail=str(exc))
         return 500, error_body(f"request {request_id} was quarantined after it crashed the model worker: {exc}", 500)
+    if isinstance(exc, SamplingFailedError):
+        log.warning("request.sampling_failed", request_id=request_id, detail=str(exc))
+        return 500, error_body(f"request {request_id} failed alone: {exc}", 500)
     if isinstance(exc, ClientDisconnect):  # gone before its body arrived: nobody reads the answer
         return 499, error_body("the client disconnected before the request body arrived", 499)
     log.error("request.failed", request_id=request_id, exc_info=exc)

@@ -21,7 +21,13 @@ import pytest
 import sonar
 from sonar.engine import client as client_module
 from sonar import SamplingParams
-from sonar.errors import InvalidRequestError, RequestQuarantinedError, ServerOverloadedError, SonarError
+from sonar.errors import (
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+    SonarError,
+)
 from sonar.sampling_params import SamplingParamsError
 
 pytestmark = pytest.mark.anyio
@@ -93,7 +99,8 @@ async def test_a_row_with_no_token_fails_its_request_alone(one_thread) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(doomed)
                 tg.start_soon(greedy)
-        assert len(failures) == 1 and "no token could be sampled" in str(failures[0])
+        assert len(failures) == 1 and isinstance(failures[0], SamplingFailedError)
+        assert "no token could be sampled" in str(failures[0])
         assert "masked-row" in str(failures[0])
         assert texts == [alone]
         assert llm.dead is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from sonar.errors import InvalidRequestError, RequestQuarantinedError, ServerOverloadedError
+from sonar.errors import InvalidRequestError, RequestQuarantinedError, SamplingFailedError, ServerOverloadedError
 from sonar.http.common import error_from_exception, exception_response
 from sonar.http.protocol import RequestError
 
@@ -27,6 +27,11 @@ def test_quarantined_request_is_500_naming_it() -> None:
     status, body = error_from_exception(exc, "chatcmpl-7f3a")
     assert status == 500 and "chatcmpl-7f3a" in body.error.message and "crash" in body.error.message
     assert "retry-after" not in exception_response(exc, "chatcmpl-7f3a").headers
+
+
+def test_a_failed_sampling_row_is_500_with_its_reason() -> None:
+    status, body = error_from_exception(SamplingFailedError("request 'x': its logits were all NaN"), "cmpl-9")
+    assert status == 500 and "cmpl-9" in body.error.message and "NaN" in body.error.message
 
 
 def test_limits_and_body_errors_keep_their_status() -> None:
