@@ -203,16 +203,19 @@ def _address(server: ServerProcess) -> tuple[str, int]:
 
 
 def _read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP response from `sock` (status, headers, body), read until the server closes."""
+    """One HTTP response from `sock` (status, headers, body), read to its Content-Length."""
     data = b""
-    while True:
+    while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
-        if not chunk:
-            break
+        assert chunk, f"the server closed the connection before a whole response: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-response"
+        body += chunk
     return int(lines[0].split()[1]), headers, body
 
 
