@@ -37,11 +37,11 @@ actor benchmark)."""
 
 BUILTIN_PROTOCOLS = frozenset({
     "sonar.actors.host:HostMsg",
-    "sonar.engine.protocol:WorkerMsg",
-    "sonar.engine.protocol:SchedulerMsg",
-    "sonar.engine.protocol:DetokenizerMsg",
-    "sonar.engine.protocol:FrontendMsg",
-    "sonar.offload.protocol:OffloadMsg",
+    "sonar.protocol.engine:WorkerMsg",
+    "sonar.protocol.engine:SchedulerMsg",
+    "sonar.protocol.engine:DetokenizerMsg",
+    "sonar.protocol.engine:FrontendMsg",
+    "sonar.protocol.offload:OffloadMsg",
     "sonar.bench.actors:BenchMsg",
 })
 """Protocols of the refs Sonar's actors hand each other (the engine client's `FrontendMsg` sink

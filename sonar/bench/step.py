@@ -34,7 +34,7 @@ import torch
 
 from sonar.core.outputs import ScheduledRequest, SchedulerOutput
 from sonar.engine.config import EngineConfig
-from sonar.engine.protocol import ExecuteStep, NewRequestData
+from sonar.protocol.engine import ExecuteStep, NewRequestData
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear, prepack_linears
 from sonar.models.loader import load_model

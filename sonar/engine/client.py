@@ -39,7 +39,7 @@ from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
 from sonar.engine.config import EngineConfig
 from sonar.engine.detokenizer import DetokenizerActor
-from sonar.engine.protocol import (
+from sonar.protocol.engine import (
     Abort,
     AddRequest,
     CountRequests,

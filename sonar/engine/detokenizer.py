@@ -15,7 +15,7 @@ import anyio.to_thread
 
 from sonar.actors import Actor, ActorRef
 from sonar.core.detokenize import IncrementalDetokenizer
-from sonar.engine.protocol import (
+from sonar.protocol.engine import (
     CountRequests,
     DescribeWorker,
     DetokenizerMsg,

@@ -29,7 +29,7 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
 from sonar.engine.device import memory_info, select_device
-from sonar.engine.protocol import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
+from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears

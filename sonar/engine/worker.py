@@ -34,11 +34,11 @@ from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
 from sonar.engine.config import EngineConfig
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
-from sonar.engine.protocol import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
+from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.log import get_logger
-from sonar.offload.disk import ChunkMeta
-from sonar.offload.protocol import Load, Store
+from sonar.protocol.offload import ChunkMeta
+from sonar.protocol.offload import Load, Store
 from sonar.offload.transfer import gather_chunks, scatter_chunks
 
 log = get_logger("sonar.worker")

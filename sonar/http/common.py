@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from sonar.engine.client import StreamDelta
-from sonar.engine.protocol import PositionLogprobs
+from sonar.protocol.engine import PositionLogprobs
 from sonar.errors import (
     EngineDeadError,
     InvalidRequestError,

@@ -12,7 +12,8 @@ import torch
 
 from sonar.core.prefix import PrefixHasher
 from sonar.offload.config import OffloadConfig, TierConfig
-from sonar.offload.disk import ChunkMeta, encode_chunk
+from sonar.offload.disk import encode_chunk
+from sonar.protocol.offload import ChunkMeta
 from sonar.offload.layout import KVLayout
 
 BLOCK = 4
