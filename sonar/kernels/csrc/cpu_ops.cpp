@@ -808,7 +808,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 //
 // out = x * cos + rotate_half(x) * sin for x [tokens, heads, head_dim] and cos/sin [tokens,
 // head_dim] already in T, each product and the sum rounded to T: bit for bit the reference's
-// torch expression (sonar.models.rotary.apply_rotary).
+// torch expression (sonar.kernels.reference.apply_rotary).
 
 template <typename T>
 void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
