@@ -10,7 +10,7 @@ profiles a forward pass and the CUDA graphs, gives the rest to the KV cache
 (`sonar.engine.memory`), and captures one graph per decode batch size (`sonar.engine.cudagraph`):
 a pure-decode step replays the graph of the smallest size that holds it, any other step runs
 eagerly. On CPU the KV cache has a fixed default size, linear weights are prepacked for oneDNN,
-and every step runs eagerly and unpadded, as before.
+and every step runs eagerly and unpadded.
 """
 
 from __future__ import annotations
