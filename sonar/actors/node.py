@@ -46,7 +46,6 @@ import zmq.utils.z85
 from sonar.actors import keys
 from sonar.actors.allow import load_protocol
 from sonar.actors.codec import Codec
-from sonar.actors.transport import Channel
 from sonar.actors.messages import (
     SYSTEM_MESSAGES,
     ActorError,
@@ -56,6 +55,7 @@ from sonar.actors.messages import (
     Stop,
     protocol_types,
 )
+from sonar.actors.transport import Channel
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")

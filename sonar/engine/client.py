@@ -39,6 +39,17 @@ from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
 from sonar.engine.config import EngineConfig
 from sonar.engine.detokenizer import DetokenizerActor
+from sonar.engine.scheduler import SchedulerActor
+from sonar.engine.worker import WorkerActor
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+    SonarError,
+)
+from sonar.offload.manager import OffloadManagerActor
 from sonar.protocol.engine import (
     Abort,
     AddRequest,
@@ -51,17 +62,6 @@ from sonar.protocol.engine import (
     Outputs,
     PositionLogprobs,
     WorkerInfo,
-)
-from sonar.engine.scheduler import SchedulerActor
-from sonar.engine.worker import WorkerActor
-from sonar.offload.manager import OffloadManagerActor
-from sonar.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    RequestQuarantinedError,
-    SamplingFailedError,
-    ServerOverloadedError,
-    SonarError,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 

@@ -37,13 +37,14 @@ import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
 from sonar.actors.ref import PendingReply
-from sonar.core.kv_index import KVBlockIndex
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
+from sonar.log import get_logger
 from sonar.protocol.engine import (
     Abort,
     Accepted,
@@ -61,7 +62,6 @@ from sonar.protocol.engine import (
     TrackRequest,
     WorkerInfo,
 )
-from sonar.log import get_logger
 from sonar.protocol.offload import PublishEvents, TierUpdate, WatchTiers
 
 TIER_MEDIA = ("CPU", "DISK")

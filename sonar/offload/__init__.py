@@ -6,7 +6,13 @@ out of the primary cache (the worker's side), ``tiers`` / ``disk`` / ``policy`` 
 ``sonar.protocol.offload``. See ``docs/kv_offload.md``.
 """
 
-from sonar.offload.config import KVEventsConfig, OffloadConfig, TierConfig, kv_events_config_from_flags, offload_config_from_flags
+from sonar.offload.config import (
+    KVEventsConfig,
+    OffloadConfig,
+    TierConfig,
+    kv_events_config_from_flags,
+    offload_config_from_flags,
+)
 from sonar.offload.layout import KV_FORMAT_VERSION, KVLayout
 from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.offload import ChunkMeta

@@ -13,8 +13,8 @@ import torch
 from sonar.core.prefix import PrefixHasher
 from sonar.offload.config import OffloadConfig, TierConfig
 from sonar.offload.disk import encode_chunk
-from sonar.protocol.offload import ChunkMeta
 from sonar.offload.layout import KVLayout
+from sonar.protocol.offload import ChunkMeta
 
 BLOCK = 4
 

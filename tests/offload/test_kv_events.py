@@ -16,6 +16,7 @@ import zmq.auth
 
 from sonar.core.kv_index import KVBlockIndex
 from sonar.offload import events as kv_events
+from sonar.offload.config import KVEventsConfig
 from sonar.offload.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,7 +27,6 @@ from sonar.offload.events import (
     ReplayRefusedError,
     is_loopback,
 )
-from sonar.offload.config import KVEventsConfig
 
 
 def cfg(**kw):

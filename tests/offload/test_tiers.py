@@ -9,8 +9,8 @@ import torch
 
 from sonar.core.kv_index import KVBlockIndex
 from sonar.offload.disk import SUFFIX, decode_chunk, write_chunk_file
-from sonar.protocol.offload import ChunkMeta
 from sonar.offload.tiers import TieredStore
+from sonar.protocol.offload import ChunkMeta
 from tests.offload.helpers import config, layout, sequence
 
 

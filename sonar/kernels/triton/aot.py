@@ -104,7 +104,6 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
 
 def record_launches() -> list[Launch]:
     """Call every wrapper once per variant that the GPU path uses, recording the launches."""
-    from sonar.kernels import reference
     from sonar.kernels.attention import AttentionMetadata
     # the package re-exports functions under some module names: import the modules themselves
     names = ["block_copy", "decode_attention", "kv_cache_write", "prefill_attention", "rms_norm", "silu_and_mul"]
