@@ -13,6 +13,7 @@ from sonar.actors.node import Node, get_node
 
 Msg = TypeVar("Msg")
 
+
 class ActorRef(Generic[Msg]):
     """A handle on a named actor: `send` (fire and forget) and `ask` (request/reply).
 
