@@ -209,7 +209,7 @@ def prefill_rows(peak: float, quick: bool) -> list[Row]:
 
 def elementwise_rows(hbm: float, quick: bool) -> list[Row]:
     from sonar.kernels import reference
-    from sonar.kernels.triton import copy_blocks, rms_norm, rotary_embedding, silu_and_mul, write_kv_cache
+    from sonar.kernels.triton import copy_blocks, rms_norm, silu_and_mul, write_kv_cache
 
     rows = []
     n, bf16 = 16384, torch.bfloat16
@@ -243,19 +243,6 @@ def elementwise_rows(hbm: float, quick: bool) -> list[Row]:
     ms = bench(lambda: rms_norm(x, w, 1e-6, scratch), quick)
     rate = gbps(4 * x.nbytes + w.nbytes, ms)
     rows.append(Row("rms norm + residual", f"{n} x 4096", ms, rate, "GB/s", rate / hbm, ok))
-
-    # rotary, neox, Llama-3-8B heads
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, device="cuda", dtype=torch.float32) / 128))
-    cache = reference.build_cos_sin_cache(inv_freq, 8192)
-    fused = torch.randn(n, 48, 128, device="cuda", dtype=bf16)
-    q, k = fused[:, :32], fused[:, 32:40]
-    pos = torch.randint(0, 8192, (n,), device="cuda")
-    want_q, want_k = reference.rotary_embedding(pos, q.float(), k.float(), cache)
-    got_q, got_k = rotary_embedding(pos, q.clone(), k.clone(), cache)
-    ok = close(got_q, want_q) and close(got_k, want_k)
-    ms = bench(lambda: rotary_embedding(pos, q, k, cache), quick)
-    rate = gbps(2 * n * 40 * 128 * 2 + n * 128 * 4, ms)
-    rows.append(Row("rotary (neox)", f"{n} tok, 32+8 heads x 128", ms, rate, "GB/s", rate / hbm, ok))
 
     # SiLU-and-mul, Llama-3-8B MLP
     x = torch.randn(n, 2 * 14336, device="cuda", dtype=bf16)

@@ -13,7 +13,6 @@ from sonar.kernels.triton import (
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
-    rotary_embedding,
     silu_and_mul,
     write_kv_cache,
 )
@@ -141,7 +140,7 @@ def test_kv_cache_write(kv_dtype: torch.dtype, per_head: bool) -> None:
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-# --- norms, activations, rotary ---------------------------------------------------------------------------
+# --- norms, activations ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -164,25 +163,6 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = torch.randn(4096, 2 * 14336, device="cuda", dtype=dtype) * 3
     out = torch.full((4096, 14336), float("nan"), device="cuda", dtype=dtype)
     close(silu_and_mul(x, out=out), reference.silu_and_mul(x.float()), TOL[dtype])
-
-
-@pytest.mark.parametrize("is_neox", [True, False])
-def test_rotary_llama3(is_neox: bool) -> None:
-    from sonar.models.rotary import inv_freq_and_scale
-
-    params = {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-    }
-    inv_freq, attn_scale = inv_freq_and_scale(params, 128, 131072)
-    cache = reference.build_cos_sin_cache(inv_freq.cuda(), 131072, attn_scale)
-    fused = torch.randn(8192, 48, 128, device="cuda", dtype=torch.bfloat16)
-    q, k = fused[:, :32], fused[:, 32:40]
-    positions = torch.randint(0, 131072, (8192,), device="cuda")
-    want_q, want_k = reference.rotary_embedding(positions, q.float(), k.float(), cache, is_neox)
-    got_q, got_k = rotary_embedding(positions, q, k, cache, is_neox)
-    close(got_q, want_q, TOL[torch.bfloat16])
-    close(got_k, want_k, TOL[torch.bfloat16])
 
 
 # --- block copy ----------------------------------------------------------------------------------------------

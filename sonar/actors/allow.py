@@ -21,6 +21,7 @@ import os
 from typing import Any
 
 from sonar.actors.codec import import_path
+from sonar.actors.messages import protocol_types
 
 ENV = "SONAR_ACTOR_ALLOW"
 
@@ -36,11 +37,11 @@ actor benchmark)."""
 
 BUILTIN_PROTOCOLS = frozenset({
     "sonar.actors.host:HostMsg",
-    "sonar.engine.protocol:WorkerMsg",
-    "sonar.engine.protocol:SchedulerMsg",
-    "sonar.engine.protocol:DetokenizerMsg",
-    "sonar.engine.protocol:FrontendMsg",
-    "sonar.offload.protocol:OffloadMsg",
+    "sonar.protocol.engine:WorkerMsg",
+    "sonar.protocol.engine:SchedulerMsg",
+    "sonar.protocol.engine:DetokenizerMsg",
+    "sonar.protocol.engine:FrontendMsg",
+    "sonar.protocol.offload:OffloadMsg",
     "sonar.bench.actors:BenchMsg",
 })
 """Protocols of the refs Sonar's actors hand each other (the engine client's `FrontendMsg` sink
@@ -82,16 +83,14 @@ def allowed_actors() -> list[str]:
     return sorted(_actors)
 
 
-def load_actor(path: str) -> type:
-    """The actor class named `path`, imported only when it is on the list."""
-    from sonar.actors.actor import Actor
-
+def load_actor(path: str, base: type) -> type:
+    """The actor class named `path` (a subclass of `base`), imported only when it is on the list."""
     if not actor_allowed(path):
         raise NotAllowed(f"actor class {path!r} is not on this host's allow-list "
                          f"(python -m sonar actor --allow-actor {path}, or {ENV})")
     cls = _import(path)
-    if not (isinstance(cls, type) and issubclass(cls, Actor)):
-        raise NotAllowed(f"{path!r} is not an Actor class")
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise NotAllowed(f"{path!r} is not an {base.__name__} class")
     _allow_protocol_of(path, cls)
     return cls
 
@@ -102,8 +101,8 @@ def load_protocol(path: str) -> Any:
     if path not in _protocols:
         for actor in sorted(_actors - _expanded):  # the protocols of allowed classes not yet imported
             try:
-                load_actor(actor)
-            except (ImportError, AttributeError, NotAllowed):
+                _allow_protocol_of(actor, _import(actor))
+            except (ImportError, AttributeError):
                 _expanded.add(actor)
         if path not in _protocols:
             raise NotAllowed(f"actor protocol {path!r} is not on the allow-list")
@@ -111,8 +110,6 @@ def load_protocol(path: str) -> Any:
 
 
 def _allow_protocol_of(path: str, cls: Any) -> None:
-    from sonar.actors.ref import protocol_path
-
     _expanded.add(path)
     protocol = getattr(cls, "protocol", None)
     if protocol is not None:
@@ -120,6 +117,32 @@ def _allow_protocol_of(path: str, cls: Any) -> None:
             _protocols.add(protocol_path(protocol))
         except TypeError:  # not a module-level name: no ref of it can cross processes anyway
             pass
+
+
+_paths: dict[Any, str] = {}
+
+
+def protocol_path(protocol: Any) -> str:
+    """The `module:name` a ref names its protocol by on the wire; a protocol this process sends
+    a ref of is one it can decode a ref of."""
+    path = _paths.get(protocol)
+    if path is None:
+        path = _paths[protocol] = import_path(protocol) if isinstance(protocol, type) else _union_path(protocol)
+        allow_protocol(path)
+    return path
+
+
+def _union_path(protocol: Any) -> str:
+    """A Union protocol has no import path of its own: name it by a module attribute holding it."""
+    path = getattr(protocol, "__sonar_path__", None)
+    if path:
+        return path
+    for t in protocol_types(protocol):
+        module = __import__(t.__module__, fromlist=["_"])
+        for attr, value in vars(module).items():
+            if value == protocol:
+                return f"{t.__module__}:{attr}"
+    raise TypeError(f"protocol {protocol!r} must be a module-level name to cross processes")
 
 
 def _read_env() -> None:

@@ -127,7 +127,7 @@ class HostActor(Actor):
         raise TypeError(f"unexpected {msg!r}")
 
     async def _spawn(self, msg: Spawn) -> Spawned:
-        cls = allow.load_actor(msg.target)
+        cls = allow.load_actor(msg.target, Actor)
         old = self.actors.get(msg.name)
         if old is not None and not old.done.is_set():
             old.kill("replaced")

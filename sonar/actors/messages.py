@@ -8,6 +8,8 @@ whichever mailbox carries it. The reply's type is the class variable `reply_type
 from __future__ import annotations
 
 import traceback
+import typing
+from types import UnionType
 from typing import Any, ClassVar
 
 import msgspec
@@ -86,3 +88,23 @@ class ExitInfo(msgspec.Struct, frozen=True):
     normal: bool
     reason: str
     error: RemoteError | None = None
+
+
+_types_cache: dict[Any, tuple[type, ...]] = {}
+
+
+def protocol_types(protocol: Any) -> tuple[type, ...]:
+    """The message classes of a protocol (a Struct class or a Union of tagged Structs)."""
+    types = _types_cache.get(protocol)
+    if types is None:
+        args = typing.get_args(protocol) if typing.get_origin(protocol) in (typing.Union, UnionType) else ()
+        types = tuple(args) if args else (protocol,)
+        for t in types:
+            if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+                raise TypeError(f"protocol member {t!r} is not a msgspec.Struct")
+        if len(types) > 1:
+            untagged = [t.__name__ for t in types if t.__struct_config__.tag is None]
+            if untagged:
+                raise TypeError(f"protocol structs must be tagged (tag=True): {', '.join(untagged)}")
+        _types_cache[protocol] = types
+    return types

@@ -44,15 +44,18 @@ import zmq
 import zmq.utils.z85
 
 from sonar.actors import keys
+from sonar.actors.allow import load_protocol
 from sonar.actors.codec import Codec
-from sonar.actors.transport import Channel
 from sonar.actors.messages import (
+    SYSTEM_MESSAGES,
     ActorError,
     ActorNotFound,
     RemoteError,
     ReplyTo,
     Stop,
+    protocol_types,
 )
+from sonar.actors.transport import Channel
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -166,6 +169,10 @@ class _Pending:
 
 
 class Node:
+    make_ref: Callable[[str, Any, str | None], Any]
+    """How a ref that arrives on the wire becomes an `ActorRef` (set by `sonar.actors.ref`, which
+    sits above the node)."""
+
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.short_id = f"{self.pid}-{secrets.token_hex(3)}"
@@ -199,9 +206,6 @@ class Node:
         """The mailbox named `name`, created on first use (a restarted actor gets the same one)."""
         mb = self.mailboxes.get(name)
         if mb is None:
-            from sonar.actors.ref import protocol_types
-            from sonar.actors.messages import SYSTEM_MESSAGES
-
             types = protocol_types(protocol)
             send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=size)
             decode_type = _union(*types, *SYSTEM_MESSAGES)
@@ -622,12 +626,9 @@ class Node:
         await self._send_dealer(parent, [b"H", msgspec.msgpack.encode(hello)])
 
     def _make_ref(self, name: str, address: str | None, protocol: str) -> Any:
-        from sonar.actors.allow import load_protocol
-        from sonar.actors.ref import ActorRef
-
         if address == self.address:
             address = None
-        return ActorRef(name, load_protocol(protocol), address)
+        return Node.make_ref(name, load_protocol(protocol), address)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close every socket (the node can be used again afterwards).

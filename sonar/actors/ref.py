@@ -2,42 +2,16 @@
 
 from __future__ import annotations
 
-import typing
 from typing import Any, Generic, TypeVar
 
 import anyio
 import msgspec
 
-from sonar.actors.codec import import_path
-from sonar.actors.messages import SYSTEM_MESSAGES, Ask, AskTimeout
-from sonar.actors.node import get_node
+from sonar.actors.allow import protocol_path
+from sonar.actors.messages import SYSTEM_MESSAGES, Ask, AskTimeout, protocol_types
+from sonar.actors.node import Node, get_node
 
 Msg = TypeVar("Msg")
-
-_types_cache: dict[Any, tuple[type, ...]] = {}
-
-
-def protocol_types(protocol: Any) -> tuple[type, ...]:
-    """The message classes of a protocol (a Struct class or a Union of tagged Structs)."""
-    types = _types_cache.get(protocol)
-    if types is None:
-        args = typing.get_args(protocol) if typing.get_origin(protocol) in (typing.Union, _UnionType) else ()
-        types = tuple(args) if args else (protocol,)
-        for t in types:
-            if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
-                raise TypeError(f"protocol member {t!r} is not a msgspec.Struct")
-        if len(types) > 1:
-            untagged = [t.__name__ for t in types if t.__struct_config__.tag is None]
-            if untagged:
-                raise TypeError(f"protocol structs must be tagged (tag=True): {', '.join(untagged)}")
-        _types_cache[protocol] = types
-    return types
-
-
-try:
-    from types import UnionType as _UnionType
-except ImportError:  # pragma: no cover
-    _UnionType = typing.Union  # type: ignore[misc,assignment]
 
 
 class ActorRef(Generic[Msg]):
@@ -122,32 +96,7 @@ class ActorRef(Generic[Msg]):
         return hash((self.name, self.address))
 
 
-_paths: dict[Any, str] = {}
-
-
-def protocol_path(protocol: Any) -> str:
-    """The `module:name` a ref names its protocol by on the wire; a protocol this process sends
-    a ref of is one it can decode a ref of (`sonar.actors.allow`)."""
-    path = _paths.get(protocol)
-    if path is None:
-        from sonar.actors.allow import allow_protocol
-
-        path = _paths[protocol] = import_path(protocol) if isinstance(protocol, type) else _union_path(protocol)
-        allow_protocol(path)
-    return path
-
-
-def _union_path(protocol: Any) -> str:
-    """A Union protocol has no import path of its own: name it by a module attribute holding it."""
-    path = getattr(protocol, "__sonar_path__", None)
-    if path:
-        return path
-    for t in protocol_types(protocol):
-        module = __import__(t.__module__, fromlist=["_"])
-        for attr, value in vars(module).items():
-            if value == protocol:
-                return f"{t.__module__}:{attr}"
-    raise TypeError(f"protocol {protocol!r} must be a module-level name to cross processes")
+Node.make_ref = ActorRef
 
 
 class PendingReply:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from sonar.actors import allow, keys
-from sonar.actors.actor import Incarnation, launch
+from sonar.actors.actor import Actor, Incarnation, launch
 from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
 from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
 from sonar.actors.node import MAX_FRAME_ENV, get_node
@@ -149,7 +149,7 @@ def _actor_class(spec: ChildSpec) -> type:
     """The child's actor class; this process's own spec names it, so it goes on the allow-list
     (refs of its protocol can then come back from other processes)."""
     path = allow.allow_actor(spec.actor)
-    return allow.load_actor(path) if isinstance(spec.actor, str) else spec.actor
+    return allow.load_actor(path, Actor) if isinstance(spec.actor, str) else spec.actor
 
 
 def _target(spec: ChildSpec) -> str:
@@ -410,10 +410,8 @@ class SupervisorRunner(Runner):
         self.child: "Supervisor | None" = None
 
     async def _start(self, incarnation: int) -> None:
-        from sonar.actors.supervisor import Supervisor
-
         self.pid = os.getpid()
-        self.child = Supervisor(self.spec, parent=self.sup)
+        self.child = type(self.sup)(self.spec, parent=self.sup)
         done = anyio.Event()
         ready = anyio.Event()
         box: list[BaseException] = []

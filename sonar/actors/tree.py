@@ -10,7 +10,7 @@ class ActorInfo(msgspec.Struct):
     kind: str  # "actor" | "supervisor"
     placement: str  # "inprocess" | "process" | an address
     pid: int | None
-    state: str  # starting | running | stopping | stopped | crashed | restarting | failed
+    state: str  # starting | running | stopping | stopped | crashed
     restarts: int
     mailbox_depth: int | None
     started_at: float | None  # wall-clock time the current run became ready

@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 
-
 EMBEDDED_MATCH = "smollm2-135m"
 
 

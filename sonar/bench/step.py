@@ -34,10 +34,10 @@ import torch
 
 from sonar.core.outputs import ScheduledRequest, SchedulerOutput
 from sonar.engine.config import EngineConfig
-from sonar.engine.protocol import ExecuteStep, NewRequestData
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear, prepack_linears
 from sonar.models.loader import load_model
+from sonar.protocol.engine import ExecuteStep, NewRequestData
 from sonar.sampling_params import SamplingParams
 
 

@@ -391,7 +391,8 @@ def describe(config: ServeConfig) -> list[str]:
         scheme = "https" if config.ssl_certfile else "http"
         where = f"{config.host}:{config.port}" if config.host else f"0.0.0.0:{config.port} (all interfaces)"
         lines.append(f"listening on: {scheme}://{where}")
-    placement = ", ".join(f"{actor}={where}" for actor, where in engine.describe_placement().items())
+    placed = server_engine_config(config).describe_placement()  # where the actors run, not the flag
+    placement = ", ".join(f"{actor}={where}" for actor, where in placed.items())
     lines.append(f"placement: {placement}")
     if config.accepted_noops:
         lines.append(f"accepted, no effect in Sonar: {', '.join(config.accepted_noops)}")

@@ -1,6 +1,6 @@
 """KV cache events as data: what a tier stored, removed or cleared (no I/O here).
 
-These structs are the wire format of ``sonar.kv_events`` (msgpack, one array per event, its first
+These structs are the wire format of ``sonar.offload.events`` (msgpack, one array per event, its first
 element the event's name). The block manager produces the ``GPU`` ones, the offload manager the
 ``CPU`` and ``DISK`` ones; the publisher numbers and sends them in batches.
 

@@ -25,7 +25,7 @@ So a crash that follows one request ends that request after two crashes (three w
 run happened to come before any witness, as when every request of the crashed step was new), and
 the others complete. A crash that follows no request (every step fails) never finds a witness
 while several requests are in flight: they keep failing until the supervisor's restart intensity
-is spent and the engine gives up, as before. Several poison requests left on their own look the
+is spent and the engine gives up. Several poison requests left on their own look the
 same and end the same way.
 
 Pure bookkeeping on request ids: the scheduler core (`sonar.core.schedule`) calls it.

@@ -524,15 +524,14 @@ class Scheduler:
     def update_from_output(
         self,
         sampled: Mapping[str, Sequence[int]],
-        stopped: Mapping[str, int | str | None] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a step's results: append sampled tokens, finish what ended, free its blocks.
 
         ``sampled`` maps request id to the tokens sampled for it this step (usually one).
         A request finishes on a token in its ``stop_token_ids`` (once ``min_tokens`` are
         out), on reaching ``max_tokens``, or on reaching ``max_model_len``; later tokens
-        of the same step are dropped. ``stopped`` names requests that ended for a reason
-        found outside (a stop string), with that reason. Ids no longer running (aborted or
+        of the same step are dropped (a stop string, found downstream, ends a request through
+        `finish_requests`). Ids no longer running (aborted or
         finished meanwhile) are ignored, except a request preempted while this step was in
         flight, which keeps the token it computed. Returns one update per request that got
         tokens or ended.
@@ -566,9 +565,6 @@ class Scheduler:
                 ):
                     request.status = RequestStatus.FINISHED_LENGTH
                     break
-            if stopped is not None and request_id in stopped and request.status == status:
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = stopped[request_id]
             if request.status == status:
                 bm.update_hashes(request)
             elif status == _PREEMPTED:  # ended by the token it computed before it was preempted
@@ -579,12 +575,6 @@ class Scheduler:
                 self._retire(request)
                 any_finished = True
             updates.append(self._update(request, output[first:]))
-        if stopped:
-            for request_id, reason in stopped.items():
-                request = self.requests.get(request_id)
-                if request is not None:
-                    self.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, reason)
-                    updates.append(self._update(request, []))
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.quarantine and sampled:

@@ -39,7 +39,18 @@ from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
 from sonar.engine.config import EngineConfig
 from sonar.engine.detokenizer import DetokenizerActor
-from sonar.engine.protocol import (
+from sonar.engine.scheduler import SchedulerActor
+from sonar.engine.worker import WorkerActor
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+    SonarError,
+)
+from sonar.offload.manager import OffloadManagerActor
+from sonar.protocol.engine import (
     Abort,
     AddRequest,
     CountRequests,
@@ -51,17 +62,6 @@ from sonar.engine.protocol import (
     Outputs,
     PositionLogprobs,
     WorkerInfo,
-)
-from sonar.engine.scheduler import SchedulerActor
-from sonar.engine.worker import WorkerActor
-from sonar.offload.manager import OffloadManagerActor
-from sonar.errors import (
-    EngineDeadError,
-    InvalidRequestError,
-    RequestQuarantinedError,
-    SamplingFailedError,
-    ServerOverloadedError,
-    SonarError,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 

@@ -42,11 +42,11 @@ import torch
 from torch import Tensor, nn
 
 import sonar
+from sonar import paths
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import PackedLinear, packed_forward
 from sonar.log import get_logger
-from sonar import paths
 
 log = get_logger("sonar.compile")
 

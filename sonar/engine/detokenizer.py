@@ -15,7 +15,8 @@ import anyio.to_thread
 
 from sonar.actors import Actor, ActorRef
 from sonar.core.detokenize import IncrementalDetokenizer
-from sonar.engine.protocol import (
+from sonar.log import get_logger
+from sonar.protocol.engine import (
     CountRequests,
     DescribeWorker,
     DetokenizerMsg,
@@ -28,7 +29,6 @@ from sonar.engine.protocol import (
     StopStringHit,
     TokenLogprobs,
 )
-from sonar.log import get_logger
 from sonar.sampling_params import SamplingParams
 
 log = get_logger("sonar.detokenizer")

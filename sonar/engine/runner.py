@@ -10,7 +10,7 @@ profiles a forward pass and the CUDA graphs, gives the rest to the KV cache
 (`sonar.engine.memory`), and captures one graph per decode batch size (`sonar.engine.cudagraph`):
 a pure-decode step replays the graph of the smallest size that holds it, any other step runs
 eagerly. On CPU the KV cache has a fixed default size, linear weights are prepacked for oneDNN,
-and every step runs eagerly and unpadded, as before.
+and every step runs eagerly and unpadded.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
 from sonar.engine.device import memory_info, select_device
-from sonar.engine.protocol import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
+from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.sampling_params import SamplingParams
 from sonar.units import format_memory_size
 

@@ -39,11 +39,13 @@ from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
-from sonar.engine.protocol import (
+from sonar.log import get_logger
+from sonar.protocol.engine import (
     Abort,
     Accepted,
     AddRequest,
@@ -60,9 +62,7 @@ from sonar.engine.protocol import (
     TrackRequest,
     WorkerInfo,
 )
-from sonar.kv_events import KVBlockIndex
-from sonar.log import get_logger
-from sonar.offload.protocol import PublishEvents, TierUpdate, WatchTiers
+from sonar.protocol.offload import PublishEvents, TierUpdate, WatchTiers
 
 TIER_MEDIA = ("CPU", "DISK")
 

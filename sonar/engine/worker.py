@@ -32,14 +32,13 @@ from sonar.actors import Actor, ActorNotFound
 from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
-from sonar.engine.config import EngineConfig
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
-from sonar.engine.protocol import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
+from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.log import get_logger
-from sonar.offload.disk import ChunkMeta
-from sonar.offload.protocol import Load, Store
 from sonar.offload.transfer import gather_chunks, scatter_chunks
+from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
+from sonar.protocol.offload import ChunkMeta, Load, Store
 
 log = get_logger("sonar.worker")
 

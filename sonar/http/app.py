@@ -53,7 +53,6 @@ from sonar.http.protocol import (
     decode_request,
 )
 
-
 #: Routes that answer without the API key: the liveness probes (and /metrics with --metrics-public).
 OPEN_PATHS = frozenset({"/health", "/ping"})
 

@@ -13,7 +13,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from sonar.engine.client import StreamDelta
-from sonar.engine.protocol import PositionLogprobs
 from sonar.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -33,6 +32,7 @@ from sonar.http.protocol import (
     Usage,
 )
 from sonar.log import get_logger
+from sonar.protocol.engine import PositionLogprobs
 
 log = get_logger("sonar.http")
 

@@ -190,7 +190,7 @@ def _offload_metrics(stats: Any) -> Iterator[Any]:
 
 async def _offload_stats(llm: LLM, timeout: float) -> Any:
     """The offload manager's stats, or None (no manager, or it is restarting)."""
-    from sonar.offload.protocol import GetOffloadStats
+    from sonar.protocol.offload import GetOffloadStats
 
     try:
         ref = llm.supervisor.child("offload").ref

@@ -1,6 +1,7 @@
 """Paged attention: the torch reference (the CPU path) for the KV-cache write and for attention.
 
-Contract, shared with the Triton kernels that will implement the same functions:
+Contract, shared with the Triton (``sonar/kernels/triton/``) and native CPU kernels that implement
+the same functions:
 
 * **KV cache**, one tensor per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
   (index 0 keys, 1 values). A token at position ``p`` of a sequence lives in the block

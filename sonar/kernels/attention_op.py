@@ -105,17 +105,13 @@ def attention(
     key: Tensor,
     value: Tensor,
     kv_cache: Tensor,
-    meta: AttentionMetadata | None,
     scale: float,
     sliding_window: int | None = None,
 ) -> Tensor:
-    """One layer's KV-cache write and paged attention.
-
-    ``meta`` None means "the current step's" (`step_metadata`); the compiled forward pass always
-    passes None and goes through ``torch.ops.sonar.attention``, eager code calls the functions
-    directly.
+    """One layer's KV-cache write and paged attention, with the current step's metadata
+    (`step_metadata`). The compiled forward pass goes through ``torch.ops.sonar.attention``,
+    eager code calls the functions directly.
     """
     if torch.compiler.is_compiling():
         return attention_op(query, key, value, kv_cache, scale, sliding_window)
-    return _attend(query, key, value, kv_cache, meta if meta is not None else current_metadata(), scale,
-                   sliding_window)
+    return _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window)

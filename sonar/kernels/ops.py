@@ -27,7 +27,6 @@ from torch import Tensor
 
 from sonar.kernels import attention, native, reference
 from sonar.kernels.attention import AttentionMetadata
-from sonar.models import rotary
 
 
 @functools.cache
@@ -169,23 +168,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = No
     return reference.rms_norm(x, weight, eps, residual)
 
 
-def rotary_embedding(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
-) -> tuple[Tensor, Tensor]:
-    """Rotated ``(query, key)``. The Triton path rotates in place, the reference returns new
-    tensors: use the returned ones."""
-    if use_triton(query, key, cos_sin_cache):
-        return _triton_kernels().rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-    return reference.rotary_embedding(positions, query, key, cos_sin_cache, is_neox)
-
-
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """`sonar.models.rotary.apply_rotary` (halves layout, ``cos``/``sin`` ``[num_tokens, head_dim]``
+    """`reference.apply_rotary` (halves layout, ``cos``/``sin`` ``[num_tokens, head_dim]``
     in ``x.dtype``): one native pass on the CPU, the torch expression elsewhere (on CUDA Inductor
     fuses it under ``-O2``)."""
     if use_native(x, cos, sin) and x.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
         return torch.ops.sonar_cpu.rotary(x, cos, sin)
-    return rotary.apply_rotary(x, cos, sin)
+    return reference.apply_rotary(x, cos, sin)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

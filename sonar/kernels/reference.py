@@ -1,10 +1,10 @@
-"""Torch references for the Triton kernels in ``sonar/kernels/triton/`` (the CPU path).
+"""Torch references for the Triton and native kernels (the path when neither applies).
 
 Attention and the plain KV-cache write have their references in :mod:`sonar.kernels.attention`
 (the layouts are documented there); this module adds what the kernels do beyond them: an FP8
-(e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, rotary
-embeddings applied from a cos/sin cache (neox and gpt-j layouts), SiLU-and-mul and the block copy
-between cache tensors. Each function states the contract its kernel follows.
+(e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, the
+halves-layout rotary embedding (the native CPU kernel's contract; on CUDA Inductor fuses it),
+SiLU-and-mul and the block copy between cache tensors. Each function states the contract its kernel follows.
 """
 
 from __future__ import annotations
@@ -126,42 +126,12 @@ def silu_and_mul(x: Tensor) -> Tensor:
 # --- rotary embeddings --------------------------------------------------------------------------
 
 
-def build_cos_sin_cache(inv_freq: Tensor, max_positions: int, scale: float = 1.0) -> Tensor:
-    """float32 ``[max_positions, rot_dim]``: row ``p`` is ``cos(p * inv_freq) * scale`` then
-    ``sin(p * inv_freq) * scale`` (``rot_dim // 2`` each). Scaled frequencies (linear, Llama-3,
-    YaRN: ``sonar.models.rotary.inv_freq_and_scale``) come in through ``inv_freq`` and ``scale``."""
-    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
-    angles = positions[:, None] * inv_freq.to(torch.float32)[None, :]
-    return torch.cat((angles.cos() * scale, angles.sin() * scale), dim=-1)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
-    rot = cos.shape[-1] * 2
-    xr = x[..., :rot]
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    if is_neox:  # pairs (i, i + rot / 2)
-        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:  # gpt-j: pairs (2i, 2i + 1)
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat((out, x[..., rot:]), dim=-1)
-
-
-def rotary_embedding(
-    positions: Tensor, query: Tensor, key: Tensor, cos_sin_cache: Tensor, is_neox: bool = True
-) -> tuple[Tensor, Tensor]:
-    """Rotate ``query`` ``[num_tokens, num_heads, head_dim]`` and ``key`` ``[num_tokens,
-    num_kv_heads, head_dim]`` by the cache rows at ``positions`` (the first ``rot_dim`` dims; the
-    rest pass through). Returns new tensors (the Triton kernel rotates in place).
-
-    Computed in the input dtype with cos/sin rounded to it, which for the neox layout is bit for
-    bit ``sonar.models.rotary.apply_rotary`` with ``RotaryEmbedding.cos_sin`` (the kernel computes
-    in float32 and rounds once)."""
-    half = cos_sin_cache.shape[-1] // 2
-    rows = cos_sin_cache.index_select(0, positions.to(torch.int64))
-    cos, sin = rows[:, :half], rows[:, half:]
-    return _rotate(query, cos, sin, is_neox), _rotate(key, cos, sin, is_neox)
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (halves layout: pairs are ``i`` and ``i + d/2``)
+    by ``cos``/``sin`` ``[num_tokens, head_dim]`` (``sonar.models.rotary.RotaryEmbedding.cos_sin``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 # --- block copy ---------------------------------------------------------------------------------

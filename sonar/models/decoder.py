@@ -75,9 +75,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.qk_norm = variant.qk_norm
 
-    def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
-    ) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor) -> Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
@@ -88,7 +86,7 @@ class Attention(nn.Module):
         else:  # rotate queries and keys in one go: half the small ops of a decode step's rotary
             qk = ops.apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
+        o = attention(q, k, v, kv_cache, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -115,7 +113,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, variant)
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
+        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor
     ) -> tuple[Tensor, Tensor]:
         """``x``: the previous layer's output before its residual add (the embeddings, with
         ``residual`` None, for the first layer). Returns this layer's output and the residual
@@ -125,7 +123,7 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h = self.self_attn(h, cos, sin, kv_cache)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -199,7 +197,7 @@ class DecoderForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, None)
+            x, residual = layer(x, residual, cos, sin, kv_cache)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:

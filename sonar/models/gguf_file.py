@@ -27,8 +27,8 @@ import numpy as np
 import structlog
 import torch
 
-from sonar.paths import cache_root
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 

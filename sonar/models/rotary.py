@@ -1,4 +1,4 @@
-"""Rotary position embeddings: inverse frequencies per `rope_type`, and their application.
+"""Rotary position embeddings: inverse frequencies per `rope_type`, and the cos/sin they give.
 
 The frequency formulas follow the published methods (RoFormer; linear position interpolation;
 Llama 3.1's wavelength-banded scaling; YaRN), in float32 as transformers computes them, so the
@@ -110,10 +110,3 @@ class RotaryEmbedding:
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` ``[num_tokens, heads, head_dim]`` (halves layout: pairs are ``i`` and ``i + d/2``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -2,13 +2,20 @@
 
 ``config`` parses the flags, ``layout`` names what a chunk is, ``transfer`` moves chunks in and
 out of the primary cache (the worker's side), ``tiers`` / ``disk`` / ``policy`` hold the pools,
-``manager`` is the actor and ``protocol`` its messages. See ``docs/kv_offload.md``.
+``manager`` is the actor, ``events`` the KV events publisher; the messages are
+``sonar.protocol.offload``. See ``docs/kv_offload.md``.
 """
 
-from sonar.offload.config import KVEventsConfig, OffloadConfig, TierConfig, kv_events_config_from_flags, offload_config_from_flags
-from sonar.offload.disk import ChunkMeta
+from sonar.offload.config import (
+    KVEventsConfig,
+    OffloadConfig,
+    TierConfig,
+    kv_events_config_from_flags,
+    offload_config_from_flags,
+)
 from sonar.offload.layout import KV_FORMAT_VERSION, KVLayout
 from sonar.offload.transfer import gather_chunks, scatter_chunks
+from sonar.protocol.offload import ChunkMeta
 
 __all__ = [
     "KV_FORMAT_VERSION", "ChunkMeta", "KVEventsConfig", "KVLayout", "OffloadConfig", "TierConfig",

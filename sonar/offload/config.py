@@ -100,7 +100,7 @@ class KVEventsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     replay_burst: int = 10
     """Replay requests a requester may make at once before ``replay_rate_limit`` applies."""
     curve_secret_key_file: str | None = None
-    """A ZMQ certificate file with the publisher's CURVE key pair (``python -m sonar.kv_events
+    """A ZMQ certificate file with the publisher's CURVE key pair (``python -m sonar.offload.events
     keygen``): both sockets then encrypt and only accept the keys in ``curve_authorized_keys_dir``."""
     curve_authorized_keys_dir: str | None = None
     """A directory of the subscribers' public certificates (``*.key``); required with CURVE."""

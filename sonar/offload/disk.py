@@ -34,9 +34,10 @@ import torch
 import xxhash
 
 from sonar.offload.layout import KVLayout
+from sonar.protocol.offload import ChunkMeta
 
 __all__ = [
-    "ChunkHeader", "ChunkMeta", "CorruptChunk", "DiskFile", "ForeignChunk", "UnsafeDirectoryError", "decode_chunk",
+    "ChunkHeader", "CorruptChunk", "DiskFile", "ForeignChunk", "UnsafeDirectoryError", "decode_chunk",
     "encode_chunk", "secure_directory",
 ]
 
@@ -45,19 +46,6 @@ SUFFIX = ".kvchunk"
 TMP_PREFIX = ".tmp-"
 _LEN = struct.Struct("<I")
 DIGEST_BYTES = 16
-
-
-class ChunkMeta(msgspec.Struct, frozen=True):
-    """What a chunk holds besides its tensor (enough to announce it as a ``BlockStored``)."""
-
-    block_hashes: list[bytes]
-    parent_hash: bytes | None
-    token_ids: list[int]
-    extra_keys: list[list[object] | None] | None = None
-
-    @property
-    def key(self) -> bytes:
-        return self.block_hashes[-1]
 
 
 class ChunkHeader(msgspec.Struct, frozen=True):

@@ -34,8 +34,11 @@ from sonar.actors.node import get_node
 from sonar.core.events import KVEvent
 from sonar.log import get_logger
 from sonar.offload.config import KVEventsConfig, OffloadConfig
+from sonar.offload.events import KVEventPublisher
 from sonar.offload.layout import KVLayout
-from sonar.offload.protocol import (
+from sonar.offload.tiers import TieredStore
+from sonar.protocol.engine import DescribeWorker
+from sonar.protocol.offload import (
     Clear,
     Flush,
     GetOffloadStats,
@@ -52,7 +55,6 @@ from sonar.offload.protocol import (
     TierUpdate,
     WatchTiers,
 )
-from sonar.offload.tiers import TieredStore
 
 __all__ = ["OffloadManagerActor"]
 
@@ -103,8 +105,6 @@ class OffloadManagerActor(Actor):
     async def started(self) -> None:
         self._loop = asyncio.get_running_loop()
         if self.config is not None and self.layout is None:
-            from sonar.engine.protocol import DescribeWorker
-
             info = await self.worker.ask(DescribeWorker(), timeout=120)
             self.layout = KVLayout(
                 model=info.model, dtype=info.dtype, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
@@ -112,8 +112,6 @@ class OffloadManagerActor(Actor):
                 hash_algo=self.hash_algo,
             )
         if self.events_config is not None and self.events_config.active:
-            from sonar.kv_events import KVEventPublisher
-
             self.publisher = await anyio.to_thread.run_sync(KVEventPublisher, self.events_config)
         self.limiter = anyio.CapacityLimiter(2 if self.config is None else self.config.io_threads)
         if self.config is None:

@@ -34,7 +34,6 @@ from sonar.offload.config import OffloadConfig
 from sonar.offload.disk import (
     SUFFIX,
     TMP_PREFIX,
-    ChunkMeta,
     CorruptChunk,
     DiskFile,
     ForeignChunk,
@@ -45,7 +44,7 @@ from sonar.offload.disk import (
 )
 from sonar.offload.layout import KVLayout
 from sonar.offload.policy import make_policy
-from sonar.offload.protocol import TierStats
+from sonar.protocol.offload import ChunkMeta, TierStats
 
 __all__ = ["CpuTier", "DiskTier", "TieredStore"]
 

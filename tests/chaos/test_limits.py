@@ -362,7 +362,8 @@ async def test_the_library_raises_typed_errors_naming_the_parameter(one_thread: 
 
 
 def test_limits_must_be_positive() -> None:
-    from sonar.engine.config import LIMITS as NAMES, EngineConfig
+    from sonar.engine.config import LIMITS as NAMES
+    from sonar.engine.config import EngineConfig
 
     for name in NAMES:
         with pytest.raises(ValueError, match=name):

@@ -82,6 +82,15 @@ def test_gpu_flag_errors_are_one_line_and_exit_2(runs) -> None:
                           "cudagraph_capture_sizes (8) when both are given\n")
 
 
+def test_the_summary_names_the_placement_that_runs() -> None:
+    """`serve` runs the worker in a child process unless `--placement` says otherwise; the
+    summary says so, not the library's in-process default."""
+    default = describe(parse_serve_args([]))
+    assert "placement: worker=process, detokenizer=inprocess, scheduler=inprocess" in default
+    chosen = describe(parse_serve_args(["--placement", "worker=inprocess,scheduler=process"]))
+    assert "placement: worker=inprocess, detokenizer=inprocess, scheduler=process" in chosen
+
+
 def test_describe_and_help_in_process(capsys) -> None:
     lines = describe(parse_serve_args(["--uds", "/tmp/sonar.sock", "--max-model-len", "auto"]))
     assert "listening on: unix:/tmp/sonar.sock" in lines

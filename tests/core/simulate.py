@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestUpdate, SchedulerOutput
-from sonar.core.request import Request
+from sonar.core.request import Request, RequestStatus
 from sonar.core.schedule import Scheduler
 
 Fingerprint = int
@@ -143,13 +143,17 @@ class FakeRunner:
     ) -> list[RequestUpdate]:
         scheduler = self.scheduler
         self.in_flight = None
-        updates = scheduler.update_from_output(sampled, stopped)
+        updates = scheduler.update_from_output(sampled)
         scheduler.check_invariants()
         for update in updates:
             self.tokens[update.req_id].extend(update.new_token_ids)
             assert self.tokens[update.req_id] == self.seq[update.req_id][: len(self.tokens[update.req_id])]
             if update.finish_reason is not None:
                 self.forget(update.req_id)
+        for request_id, reason in (stopped or {}).items():  # a stop string the detokenizer found
+            if scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, reason):
+                self.forget(request_id)
+                scheduler.check_invariants()
         return updates
 
     def forget(self, request_id: str) -> None:

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 
 from sonar.core.blocks import BlockManager
+from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import KVLoadSpec, SchedulerOutput
 from sonar.core.request import Request, RequestStatus
 from sonar.core.schedule import Scheduler, SchedulerConfig
-from sonar.kv_events import KVBlockIndex
 from tests.core.simulate import FakeRunner
 
 BS = 4

@@ -5,7 +5,6 @@ import pytest
 
 from sonar.core.prefix import HASH_ALGOS, PrefixHasher
 
-
 ALGOS = list(HASH_ALGOS)
 
 

@@ -416,10 +416,11 @@ def test_stop_found_downstream() -> None:
     runner.add(req("a", 3, max_tokens=10))
     runner.add(req("b", 3, max_tokens=10))
     runner.step()
+    request_a = scheduler.requests["a"]
     _, updates = runner.step(stopped={"a": "\n\n"})
-    by_id = {u.req_id: u for u in updates}
-    assert (by_id["a"].finish_reason, by_id["a"].stop_reason) == ("stop", "\n\n")
-    assert by_id["b"].finish_reason is None
+    assert [u.finish_reason for u in updates] == [None, None]
+    assert (request_a.status, request_a.stop_reason) == (RequestStatus.FINISHED_STOPPED, "\n\n")
+    assert "a" not in scheduler.requests and [r.request_id for r in scheduler.running] == ["b"]
     assert scheduler.finish_requests(["b"], RequestStatus.FINISHED_STOPPED, "END") == ["b"]
     runner.forget("b")
     assert_all_free(scheduler)

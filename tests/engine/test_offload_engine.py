@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import sonar
-from sonar.kv_events import KVEventConsumer
-from sonar.offload.protocol import Flush, GetOffloadStats, OffloadStats, TierContents
+from sonar.offload.events import KVEventConsumer
+from sonar.protocol.offload import Flush, GetOffloadStats, OffloadStats, TierContents
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint
 from tests.http.conftest import free_port

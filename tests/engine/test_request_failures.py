@@ -19,8 +19,8 @@ import anyio
 import pytest
 
 import sonar
-from sonar.engine import client as client_module
 from sonar import SamplingParams
+from sonar.engine import client as client_module
 from sonar.errors import (
     InvalidRequestError,
     RequestQuarantinedError,

@@ -12,9 +12,9 @@ import pytest
 import uvicorn
 
 import sonar
-from sonar.http.frontend import _make_server
 from sonar.http.app import build_app
 from sonar.http.common import ServerSettings
+from sonar.http.frontend import _make_server
 from tests.http.conftest import free_port
 
 pytestmark = pytest.mark.anyio

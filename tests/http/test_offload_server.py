@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from sonar.core.events import BlockRemoved, BlockStored
-from sonar.kv_events import KVEventConsumer
+from sonar.offload.events import KVEventConsumer
 from tests.http.conftest import ROOT, ServerProcess, free_port, serving
 from tests.offload.helpers import tiny_tmpfs
 

@@ -40,13 +40,6 @@ def test_cpu_tensors_take_the_reference_path(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.equal(ours, theirs)
     assert torch.equal(ops.paged_attention(q, ours, meta, 0.3), paged_attention(q, theirs, meta, 0.3))
 
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
-    cache = reference.build_cos_sin_cache(inv_freq, 16)
-    pos = torch.tensor([0, 4, 9, 15])
-    got = ops.rotary_embedding(pos, q, k, cache)
-    want = reference.rotary_embedding(pos, q, k, cache)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-
     dst = torch.zeros(2, 2, 4, 2, 8)
     ops.copy_blocks(ours, dst, torch.tensor([3, 1]), torch.tensor([0, 1]))
     assert torch.equal(dst, ours[:, [3, 1]])

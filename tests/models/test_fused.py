@@ -15,6 +15,7 @@ from sonar.models.fused import FusedDecode, layer_weights
 from sonar.models.loader import load_model
 from tests.models.driver import GreedyDriver
 
+
 def _prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(11)
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 21, 40, 9, 17)]

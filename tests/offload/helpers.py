@@ -12,8 +12,9 @@ import torch
 
 from sonar.core.prefix import PrefixHasher
 from sonar.offload.config import OffloadConfig, TierConfig
-from sonar.offload.disk import ChunkMeta, encode_chunk
+from sonar.offload.disk import encode_chunk
 from sonar.offload.layout import KVLayout
+from sonar.protocol.offload import ChunkMeta
 
 BLOCK = 4
 

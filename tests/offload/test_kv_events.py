@@ -14,19 +14,19 @@ import pytest
 import zmq
 import zmq.auth
 
-from sonar import kv_events
-from sonar.kv_events import (
+from sonar.core.kv_index import KVBlockIndex
+from sonar.offload import events as kv_events
+from sonar.offload.config import KVEventsConfig
+from sonar.offload.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVBlockIndex,
     KVEventConsumer,
     KVEventPublisher,
     RateLimiter,
     ReplayRefusedError,
     is_loopback,
 )
-from sonar.offload.config import KVEventsConfig
 
 
 def cfg(**kw):
@@ -149,7 +149,7 @@ def test_the_reference_consumer_command_line():
             time.sleep(0.01)
         env = dict(os.environ, PYTHONPATH=os.getcwd())
         proc = subprocess.run(
-            [sys.executable, "-m", "sonar.kv_events", "consume", pub.endpoint, "--replay", pub.replay_endpoint,
+            [sys.executable, "-m", "sonar.offload.events", "consume", pub.endpoint, "--replay", pub.replay_endpoint,
              "--topic", "kv", "--duration", "0.3"],
             capture_output=True, text=True, timeout=60, env=env,
         )
@@ -324,7 +324,7 @@ def test_replay_is_rate_limited_per_requester(logs):
 
 def test_curve_lets_only_authorized_subscribers_in(tmp_path, logs):
     keys, authorized = tmp_path / "keys", tmp_path / "authorized"
-    proc = subprocess.run([sys.executable, "-m", "sonar.kv_events", "keygen", str(keys), "router"],
+    proc = subprocess.run([sys.executable, "-m", "sonar.offload.events", "keygen", str(keys), "router"],
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
     assert proc.returncode == 0, proc.stderr
     assert (keys / "router.key_secret").stat().st_mode & 0o077 == 0 and keys.stat().st_mode & 0o077 == 0

@@ -12,10 +12,10 @@ import torch
 from sonar.actors import ActorError, ChildSpec, SupervisorSpec, supervise
 from sonar.actors.messages import Ping
 from sonar.core.events import BlockStored
-from sonar.kv_events import KVEventConsumer
 from sonar.offload.config import KVEventsConfig
+from sonar.offload.events import KVEventConsumer
 from sonar.offload.manager import OffloadManagerActor
-from sonar.offload.protocol import (
+from sonar.protocol.offload import (
     Clear,
     Flush,
     GetOffloadStats,
@@ -203,9 +203,9 @@ async def test_gather_store_load_scatter_restores_the_primary_blocks(placement, 
     them, load them back and scatter them into other blocks of another cache: identical KV."""
     from sonar.core.prefix import PrefixHasher
     from sonar.kernels.attention import allocate_kv_caches
-    from sonar.offload.disk import ChunkMeta
     from sonar.offload.layout import KVLayout
     from sonar.offload.transfer import gather_chunks, scatter_chunks
+    from sonar.protocol.offload import ChunkMeta
 
     torch.manual_seed(bpc)
     src = allocate_kv_caches(2, 16, 4, 2, 8, torch.float32)
@@ -262,7 +262,7 @@ async def test_tier_watchers_get_events_then_a_snapshot_after_a_restart(placemen
     restart (new epoch) the old position is answered with a snapshot of what the new run holds,
     and `Load(count_hits=True)` counts the chunks it serves as hits."""
     from sonar.core.events import BlockRemoved
-    from sonar.offload.protocol import TierUpdate, WatchTiers
+    from sonar.protocol.offload import TierUpdate, WatchTiers
 
     lay = layout()
     hashes, metas, data = sequence(lay, 3)

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sonar.kv_events import KVBlockIndex
-from sonar.offload.disk import SUFFIX, ChunkMeta, decode_chunk, write_chunk_file
+from sonar.core.kv_index import KVBlockIndex
+from sonar.offload.disk import SUFFIX, decode_chunk, write_chunk_file
 from sonar.offload.tiers import TieredStore
+from sonar.protocol.offload import ChunkMeta
 from tests.offload.helpers import config, layout, sequence
 
 

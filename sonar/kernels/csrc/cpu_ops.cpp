@@ -544,7 +544,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           kernel.accumulate(geo, values + base, t0, t1, s.data(), &acc[h * per_head]);
           // The next block can be anywhere in the cache: ask for it (into L2) while this one is
           // computed, a share of its rows after each head, only the unit's heads of each row. (All
-          // of it at once, into L1, before the block, as before: 6.0 ms a step at batch 16 over
+          // of it at once, into L1, before the block: 6.0 ms a step at batch 16 over
           // 30 layers of caches in memory; spread like this: 4.0 ms.)
           if (next >= 0) {
             for (int64_t t = h * block_size / heads_per_unit; t < (h + 1) * block_size / heads_per_unit; ++t) {
@@ -808,7 +808,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 //
 // out = x * cos + rotate_half(x) * sin for x [tokens, heads, head_dim] and cos/sin [tokens,
 // head_dim] already in T, each product and the sum rounded to T: bit for bit the reference's
-// torch expression (sonar.models.rotary.apply_rotary).
+// torch expression (sonar.kernels.reference.apply_rotary).
 
 template <typename T>
 void rotary_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

@@ -10,7 +10,6 @@ from sonar.kernels.triton.kv_cache_write import write_kv_cache
 from sonar.kernels.triton.paged_attention import paged_attention
 from sonar.kernels.triton.prefill_attention import paged_prefill_attention
 from sonar.kernels.triton.rms_norm import rms_norm
-from sonar.kernels.triton.rotary import rotary_embedding
 from sonar.kernels.triton.silu_and_mul import silu_and_mul
 
 __all__ = [
@@ -19,7 +18,6 @@ __all__ = [
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
-    "rotary_embedding",
     "silu_and_mul",
     "write_kv_cache",
 ]

@@ -104,12 +104,11 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
 
 def record_launches() -> list[Launch]:
     """Call every wrapper once per variant that the GPU path uses, recording the launches."""
-    from sonar.kernels import reference
     from sonar.kernels.attention import AttentionMetadata
     # the package re-exports functions under some module names: import the modules themselves
-    names = ["block_copy", "decode_attention", "kv_cache_write", "prefill_attention", "rms_norm", "rotary", "silu_and_mul"]
+    names = ["block_copy", "decode_attention", "kv_cache_write", "prefill_attention", "rms_norm", "silu_and_mul"]
     modules = [importlib.import_module(f"sonar.kernels.triton.{name}") for name in names]
-    block_copy, decode_attention, kv_cache_write, prefill_attention, rms_norm, rotary, silu_and_mul = modules
+    block_copy, decode_attention, kv_cache_write, prefill_attention, rms_norm, silu_and_mul = modules
     heads, kv_heads, dim, block, bf16 = 32, 8, 128, 16, torch.bfloat16
     cache = torch.zeros(2, 8, block, kv_heads, dim, dtype=bf16)
     cache8 = torch.zeros(2, 8, block, kv_heads, dim, dtype=torch.float8_e4m3fn)
@@ -151,9 +150,6 @@ def record_launches() -> list[Launch]:
         rms_norm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-6)
         rms_norm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-6, torch.zeros_like(x))
         rms_norm.rms_norm(qn, torch.ones(dim, dtype=bf16), 1e-6)  # per-head q norm
-        cos_sin = reference.build_cos_sin_cache(torch.ones(dim // 2), 64)
-        for neox in (True, False):
-            rotary.rotary_embedding(torch.zeros(21, dtype=torch.int64), qn, kv, cos_sin, neox)
         silu_and_mul.silu_and_mul(torch.zeros(4, 2 * 14336, dtype=bf16))
         ids = torch.zeros(3, dtype=torch.int64)
         block_copy.copy_blocks(cache, cache, ids, ids)

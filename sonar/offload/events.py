@@ -14,18 +14,16 @@ Wire format (``docs/kv_offload.md`` has the full story):
   them) from that number on, ``[b"", seq, payload]``, then the end marker ``[b"", seq=-1, b""]``.
   A requester over its rate limit gets only the end marker, with ``b"rate limited"`` as payload.
 
-A consumer keeps, per medium, a reference count per block hash: each ``BlockStored`` listing a
-hash adds one, each ``BlockRemoved`` takes one, removals of unknown hashes are ignored, and
-``AllBlocksCleared`` empties the medium (all media when it names none). Overlapping chunks and
-re-announcements are then harmless. ``KVBlockIndex`` is that rule; ``KVEventConsumer`` feeds it
-from the sockets (replay first, then live, filling gaps from the replay endpoint).
+A consumer keeps, per medium, a reference count per block hash (``sonar.core.kv_index.KVBlockIndex``
+states the rule); ``KVEventConsumer`` feeds one from the sockets (replay first, then live, filling
+gaps from the replay endpoint).
 
 The events carry prompt token ids: the publisher binds loopback by default, warns when it binds
 another interface without CURVE, and with CURVE (``keygen`` writes key pairs) accepts only the
 subscribers whose public keys it was given.
 
-    python -m sonar.kv_events consume tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
-    python -m sonar.kv_events keygen /etc/sonar/kv-keys publisher
+    python -m sonar.offload.events consume tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558
+    python -m sonar.offload.events keygen /etc/sonar/kv-keys publisher
 """
 
 from __future__ import annotations
@@ -40,19 +38,20 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.auth
 
-from sonar.core.events import MEDIUMS, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from sonar.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
+from sonar.core.kv_index import KVBlockIndex
 from sonar.log import get_logger
 from sonar.offload.config import KVEventsConfig
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVBlockIndex", "KVEvent", "KVEventBatch",
+    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch",
     "KVEventConsumer", "KVEventPublisher", "END_OF_REPLAY", "REPLAY_REFUSED", "RateLimiter", "ReplayRefusedError",
     "is_loopback",
 ]
@@ -318,50 +317,6 @@ class KVEventPublisher:
         router.send_multipart([identity, b"", _seq_bytes(END_OF_REPLAY), b""])
 
 
-class KVBlockIndex:
-    """Which blocks each medium holds, from announcements (reference-counted per hash)."""
-
-    def __init__(self) -> None:
-        self.refs: dict[str, dict[bytes, int]] = {m: {} for m in MEDIUMS}
-        self.ignored_removals = 0
-        self.events = 0
-
-    def apply(self, event: KVEvent) -> None:
-        self.events += 1
-        if isinstance(event, BlockStored):
-            refs = self.refs.setdefault(event.medium, {})
-            for h in event.block_hashes:
-                refs[h] = refs.get(h, 0) + 1
-        elif isinstance(event, BlockRemoved):
-            refs = self.refs.setdefault(event.medium, {})
-            for h in event.block_hashes:
-                n = refs.get(h)
-                if n is None:
-                    self.ignored_removals += 1
-                elif n <= 1:
-                    del refs[h]
-                else:
-                    refs[h] = n - 1
-        elif isinstance(event, AllBlocksCleared):
-            for medium, refs in self.refs.items():
-                if event.medium is None or event.medium == medium:
-                    refs.clear()
-
-    def apply_all(self, events: Iterable[KVEvent]) -> None:
-        for event in events:
-            self.apply(event)
-
-    def blocks(self, medium: str) -> set[bytes]:
-        return set(self.refs.get(medium, {}))
-
-    def has(self, block_hash: bytes, medium: str | None = None) -> bool:
-        media = self.refs.values() if medium is None else [self.refs.get(medium, {})]
-        return any(block_hash in refs for refs in media)
-
-    def summary(self) -> dict[str, int]:
-        return {m: len(refs) for m, refs in self.refs.items()}
-
-
 class KVEventConsumer:
     """Subscribes to a publisher and keeps a ``KVBlockIndex`` (synchronous; one thread).
 
@@ -480,7 +435,7 @@ def _hexify(value: object) -> object:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sonar.kv_events", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sonar.offload.events", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     consume = sub.add_parser("consume", help="print events as JSON lines and keep a block index")
     consume.add_argument("endpoint", help="the publisher's PUB address, e.g. tcp://127.0.0.1:5557")

@@ -12,15 +12,27 @@ import msgspec
 
 from sonar.actors import Ask
 from sonar.core.events import KVEvent
-from sonar.offload.disk import ChunkMeta
 
 __all__ = [
-    "Clear", "Flush", "GetOffloadStats", "LatencyHistogram", "Load", "LoadResult", "Lookup", "LookupResult",
+    "ChunkMeta", "Clear", "Flush", "GetOffloadStats", "LatencyHistogram", "Load", "LoadResult", "Lookup", "LookupResult",
     "OffloadMsg", "OffloadStats", "PublishEvents", "Store", "TierContents", "TierStats", "TierUpdate", "WatchTiers",
 ]
 
 LOAD_LATENCY_BOUNDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 """Upper bounds (seconds) of the load latency histogram's buckets (a last, unbounded one follows)."""
+
+
+class ChunkMeta(msgspec.Struct, frozen=True):
+    """What a chunk holds besides its tensor (enough to announce it as a ``BlockStored``)."""
+
+    block_hashes: list[bytes]
+    parent_hash: bytes | None
+    token_ids: list[int]
+    extra_keys: list[list[object] | None] | None = None
+
+    @property
+    def key(self) -> bytes:
+        return self.block_hashes[-1]
 
 
 class TierStats(msgspec.Struct):
