@@ -31,7 +31,7 @@ BUILTIN_ACTORS = frozenset({
     "sonar.offload.manager:OffloadManagerActor",
     "sonar.bench.actors:BenchActor",
 })
-"""The actor classes Sonar places in other processes (`sonar.engine.client.engine_spec`, the
+"""The actor classes Sonar places in other processes (`sonar.engine.tree.engine_spec`, the
 actor benchmark)."""
 
 BUILTIN_PROTOCOLS = frozenset({

@@ -32,10 +32,11 @@ from sonar.actors import Actor, ActorNotFound
 from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
-from sonar.engine.config import EngineConfig
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
+from sonar.engine.config import EngineConfig
 from sonar.engine.protocol import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
 from sonar.engine.runner import ModelRunner, UnknownRequestError
+from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.offload.disk import ChunkMeta
 from sonar.offload.protocol import Load, Store
@@ -49,11 +50,11 @@ EXIT_INJECTED = 137
 """Exit code of a worker process told to die by --fault-injection (what a SIGKILL reports)."""
 
 
-class WorkerHung(RuntimeError):
+class WorkerHung(SonarError, RuntimeError):
     pass
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(SonarError, RuntimeError):
     pass
 
 
