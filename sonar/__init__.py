@@ -13,10 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "open": "sonar.engine.client",
-    "LLM": "sonar.engine.client",
-    "CompletionOutput": "sonar.engine.client",
-    "RequestOutput": "sonar.engine.client",
-    "StreamDelta": "sonar.engine.client",
+    "LLM": "sonar.engine.llm",
+    "CompletionOutput": "sonar.engine.llm",
+    "RequestOutput": "sonar.engine.llm",
+    "StreamDelta": "sonar.engine.llm",
     "EngineDeadError": "sonar.errors",
     "InvalidRequestError": "sonar.errors",
     "RequestQuarantinedError": "sonar.errors",

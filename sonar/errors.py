@@ -1,12 +1,29 @@
-"""Exceptions the library raises to its callers."""
+"""Exceptions the library raises to its callers, and how a refused request says why.
+
+Every exception Sonar defines derives from `SonarError`. Each class carries the HTTP status it
+answers with (`status`): `sonar.http.errors` maps an exception to OpenAI's error JSON from it, in
+one place. A request the scheduler refuses comes back as a `Rejection` (its `RejectKind` is data,
+not a string to match), which `Rejection.error()` turns into the one exception the caller sees.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import msgspec
 
 
 class SonarError(Exception):
-    """Base of Sonar's errors."""
+    """Base of Sonar's errors. `status` is the HTTP status a request failing with it answers."""
+
+    status: ClassVar[int] = 500
 
 
 class InvalidRequestError(SonarError, ValueError):
     """The request cannot be served as given (bad parameter, prompt too long, unknown token)."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -17,10 +34,14 @@ class InvalidRequestError(SonarError, ValueError):
 class EngineDeadError(SonarError, RuntimeError):
     """The engine stopped (it gave up after repeated failures, or was shut down) mid-request."""
 
+    status = 503
+
 
 class ServerOverloadedError(SonarError, RuntimeError):
     """The engine holds as many waiting requests as it may (``--max-waiting-seqs``); try again
     after `retry_after` seconds. HTTP answers 429 with a ``Retry-After`` header."""
+
+    status = 429
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
@@ -35,3 +56,31 @@ class RequestQuarantinedError(SonarError, RuntimeError):
 class SamplingFailedError(SonarError, RuntimeError):
     """No token could be drawn for the request (its row of logits was all masked, or NaN from the
     model); it was failed on its own and the batch went on. HTTP answers 500 with the reason."""
+
+
+class RejectKind(enum.Enum):
+    """Why the scheduler refused a request before queueing it."""
+
+    TOO_LONG = "too_long"
+    """The prompt has more tokens than ``--max-model-len``."""
+    INVALID = "invalid"
+    """A limit the request itself breaks (an empty prompt, a bad ``cache_salt``, ...)."""
+    DUPLICATE = "duplicate"
+    """A request with this id is already queued or running."""
+    OVERLOADED = "overloaded"
+    """The engine holds ``--max-waiting-seqs`` waiting requests already."""
+
+
+class Rejection(msgspec.Struct, frozen=True):
+    """A refused request, as the scheduler answers it: the kind and the message for the client."""
+
+    kind: RejectKind
+    message: str
+
+    def error(self, retry_after: float = 1.0) -> SonarError:
+        """The exception the caller sees: overloaded is `ServerOverloadedError` (HTTP 429), every
+        other kind `InvalidRequestError` (HTTP 400) with the kind as its `code`."""
+        if self.kind is RejectKind.OVERLOADED:
+            return ServerOverloadedError(self.message, retry_after=retry_after)
+        return InvalidRequestError(self.message, param="prompt" if self.kind is RejectKind.TOO_LONG else None,
+                                   code=self.kind.value)

@@ -28,6 +28,8 @@ from collections.abc import Iterable
 
 import msgspec
 
+from sonar.errors import SonarError
+
 #: Temperatures below this are treated as greedy (argmax) sampling.
 GREEDY_EPS = 1e-5
 
@@ -42,8 +44,10 @@ def over_limit(what: str, limit: int, got: int, name: str) -> str:
     return f"at most {limit} {what} per request ({name}, {flag}), got {got}"
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(SonarError, ValueError):
     """A sampling parameter is out of range; `param` is the field's name."""
+
+    status = 400
 
     def __init__(self, param: str, message: str) -> None:
         self.param = param

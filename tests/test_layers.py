@@ -5,17 +5,18 @@ Every ``import`` statement of ``sonar/`` counts, at any depth (a lazy import hid
 does not remove it), except those under ``if TYPE_CHECKING:`` for the cycle check (they never
 run). The floors, lowest first; packages on one floor import nothing of each other:
 
-0. ``errors``, ``units``, ``log``, ``paths``, ``procfs``, ``sampling_params``: leaves; and the
-   package ``sonar`` itself, whose ``__init__`` imports nothing (its ``__version__``; the public
-   names load on first use).
-1. ``core`` (pure cores) and ``actors`` (the runtime): nothing above them.
-2. ``protocol`` (the engine's and the offload manager's messages, below every actor that sends
+0. ``errors`` (the one exception hierarchy every floor raises from) and the package ``sonar``
+   itself, whose ``__init__`` imports nothing (its ``__version__``; the public names load on
+   first use).
+1. ``units``, ``log``, ``paths``, ``procfs``, ``sampling_params``: leaves.
+2. ``core`` (pure cores) and ``actors`` (the runtime): nothing above them.
+3. ``protocol`` (the engine's and the offload manager's messages, below every actor that sends
    them) and ``kernels``.
-3. ``models``.
-4. ``offload`` (the KV offload manager and its events publisher).
-5. ``engine`` (the actor shells, the runner, the library client).
-6. ``http`` (the OpenAI frontend).
-7. ``cli``, ``bench``; 8. ``__main__``.
+4. ``models``.
+5. ``offload`` (the KV offload manager and its events publisher).
+6. ``engine`` (the actor shells, the runner, the library client).
+7. ``http`` (the OpenAI frontend).
+8. ``cli``, ``bench``; 9. ``__main__``.
 """
 
 from __future__ import annotations
@@ -29,15 +30,16 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sonar"
 
 FLOORS: dict[str, int] = {
-    "": 0, "errors": 0, "units": 0, "log": 0, "paths": 0, "procfs": 0, "sampling_params": 0,
-    "core": 1, "actors": 1,
-    "protocol": 2, "kernels": 2,
-    "models": 3,
-    "offload": 4,
-    "engine": 5,
-    "http": 6,
-    "cli": 7, "bench": 7,
-    "__main__": 8,
+    "": 0, "errors": 0,
+    "units": 1, "log": 1, "paths": 1, "procfs": 1, "sampling_params": 1,
+    "core": 2, "actors": 2,
+    "protocol": 3, "kernels": 3,
+    "models": 4,
+    "offload": 5,
+    "engine": 6,
+    "http": 7,
+    "cli": 8, "bench": 8,
+    "__main__": 9,
 }
 
 

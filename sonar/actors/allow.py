@@ -22,6 +22,7 @@ from typing import Any
 
 from sonar.actors.codec import import_path
 from sonar.actors.messages import protocol_types
+from sonar.errors import SonarError
 
 ENV = "SONAR_ACTOR_ALLOW"
 
@@ -32,7 +33,7 @@ BUILTIN_ACTORS = frozenset({
     "sonar.offload.manager:OffloadManagerActor",
     "sonar.bench.actors:BenchActor",
 })
-"""The actor classes Sonar places in other processes (`sonar.engine.client.engine_spec`, the
+"""The actor classes Sonar places in other processes (`sonar.engine.tree.engine_spec`, the
 actor benchmark)."""
 
 BUILTIN_PROTOCOLS = frozenset({
@@ -48,7 +49,7 @@ BUILTIN_PROTOCOLS = frozenset({
 among them)."""
 
 
-class NotAllowed(ValueError):
+class NotAllowed(SonarError, ValueError):
     """A peer named an actor class or protocol that is not on the allow-list."""
 
 

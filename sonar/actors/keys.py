@@ -41,6 +41,8 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
+from sonar.errors import SonarError
+
 ENV_DIR = "SONAR_ACTOR_KEYS"
 ENV_SERVER_SECRET = "SONAR_ACTOR_SERVER_SECRET"
 ENV_CLIENT_SECRET = "SONAR_ACTOR_CLIENT_SECRET"
@@ -48,7 +50,7 @@ ENV_AUTHORIZED = "SONAR_ACTOR_AUTHORIZED"
 INLINE = (ENV_SERVER_SECRET, ENV_CLIENT_SECRET, ENV_AUTHORIZED)
 
 
-class KeysError(ValueError):
+class KeysError(SonarError, ValueError):
     """Credentials that are missing, malformed or unreadable."""
 
 

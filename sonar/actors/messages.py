@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from sonar.errors import SonarError
+
 
 class ReplyTo(msgspec.Struct, frozen=True, array_like=True):
     """Where a reply goes: the asking node, its pending-ask id, and (when bound) its address."""
@@ -65,7 +67,7 @@ class RemoteError(msgspec.Struct, frozen=True):
         )
 
 
-class ActorError(RuntimeError):
+class ActorError(SonarError, RuntimeError):
     """Raised at the asker when the actor failed to handle the message (possibly in another process)."""
 
     def __init__(self, error: RemoteError, actor: str = "?") -> None:
@@ -74,11 +76,11 @@ class ActorError(RuntimeError):
         super().__init__(f"actor {actor!r} failed: {error.type}: {error.message}")
 
 
-class AskTimeout(TimeoutError):
+class AskTimeout(SonarError, TimeoutError):
     """No reply arrived within the ask's timeout."""
 
 
-class ActorNotFound(LookupError):
+class ActorNotFound(SonarError, LookupError):
     """No actor of that name lives at that address (never started, or stopped for good)."""
 
 

@@ -56,6 +56,7 @@ from sonar.actors.messages import (
     protocol_types,
 )
 from sonar.actors.transport import Channel
+from sonar.errors import SonarError
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -74,7 +75,7 @@ if the mailbox is still full)."""
 HOLD, GO = b"hold", b"go"
 
 
-class FrameTooLarge(ValueError):
+class FrameTooLarge(SonarError, ValueError):
     """A message frame over the node's frame cap (`SONAR_ACTOR_MAX_FRAME_BYTES`)."""
 
 

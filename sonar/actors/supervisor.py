@@ -19,12 +19,13 @@ from sonar.actors.node import get_node
 from sonar.actors.runners import Runner, make_runner
 from sonar.actors.spec import SupervisorSpec
 from sonar.actors.tree import ActorInfo
+from sonar.errors import SonarError
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
 
 
-class SupervisorGaveUp(RuntimeError):
+class SupervisorGaveUp(SonarError, RuntimeError):
     """A supervisor saw more restarts than its intensity allows; it stopped all its children."""
 
     def __init__(self, name: str, reason: str) -> None:

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import httpx
 
+from sonar.errors import SonarError
+
 #: The line the server prints once it is ready: ``sonar serve: startup: weights=1.2 convert=0.3 ...``.
 STARTUP_LINE = "sonar serve: startup:"
 _PAIR = re.compile(r"([A-Za-z_][\w.\-]*)\s*=\s*([-+]?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?)\s*(ms|s)?\b")
@@ -75,7 +77,7 @@ class LaunchedServer:
         return self.stderr.read_text(errors="replace")
 
 
-class ServerFailed(RuntimeError):
+class ServerFailed(SonarError, RuntimeError):
     """The server exited, or did not answer /health in time."""
 
 

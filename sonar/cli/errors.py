@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from sonar.errors import SonarError
+
 PROG = "sonar serve"
 
 
-class UsageError(Exception):
+class UsageError(SonarError):
     """The command line (or config file) is wrong. `str(error)` is the one line to print."""
 
     exit_code = 2
@@ -22,7 +24,7 @@ class UsageError(Exception):
         return cls(f"{PROG}: {option} is not supported yet{suffix}")
 
 
-class HelpRequested(Exception):
+class HelpRequested(SonarError):
     """`-h` / `--help[=NAME]` was given; `text` is what to print, then exit 0."""
 
     exit_code = 0

@@ -78,18 +78,18 @@ def server_engine_config(config: ServeConfig) -> Any:
     return msgspec.structs.replace(engine, placement={**engine.placement, "worker": "process"})
 
 
-def root_spec(config: ServeConfig, drain: Any) -> Any:
+def root_spec(config: ServeConfig) -> Any:
     """The server's supervision tree: the frontend (uvicorn), then the engine.
 
     Restart intensity 0: the engine's own supervisor restarts what crashed inside it; when it
     gives up, or the frontend dies, the root gives up too and the process exits 1 (so an
     orchestrator restarts the server rather than believing it ended well)."""
     from sonar.actors import ChildSpec, InProcess, SupervisorSpec
-    from sonar.engine.client import engine_spec
+    from sonar.engine.tree import engine_spec
     from sonar.http.frontend import FrontendActor
 
     frontend = ChildSpec("frontend", FrontendActor, placement=InProcess(), ping_interval=2.0, ping_timeout=15.0,
-                         shutdown=5.0, kwargs={"uvicorn_args": _uvicorn_args(config), "drain": drain,
+                         shutdown=5.0, kwargs={"uvicorn_args": _uvicorn_args(config),
                                                "request_id_headers": config.enable_request_id_headers,
                                                "max_header_count": config.h11_max_header_count,
                                                "quiet_paths": tuple(config.disable_access_log_for_endpoints),
@@ -108,7 +108,7 @@ async def serve(config: ServeConfig) -> int:
     from sonar.actors.supervisor import SupervisorGaveUp
     from sonar.engine.client import connect
     from sonar.http.app import build_app
-    from sonar.http.common import Drain
+    from sonar.http.frontend import ServeApp, SetPhase
     from sonar.http.metrics import stats_logging
 
     started_at = time.monotonic()
@@ -120,7 +120,7 @@ async def serve(config: ServeConfig) -> int:
 
         get_logger("sonar.serve").warning("serve.unauthenticated", host=config.host or "0.0.0.0", port=config.port,
                                           detail=warning)
-    drain = Drain()
+    phase = "starting"  # this side's view: the frontend owns the phase (`SetPhase` moves it)
     finished = anyio.Event()
     waiting = anyio.CancelScope()
     code = 0
@@ -128,39 +128,46 @@ async def serve(config: ServeConfig) -> int:
         async with anyio.create_task_group() as tg:
 
             async def watch_signals() -> None:
+                nonlocal phase
                 async for sig in signals:
-                    _say(f"{signal.Signals(sig).name}: " + ("shutting down" if drain.phase == "serving" else "stopping now"))
-                    if drain.phase == "serving":
-                        drain.phase = "draining"
+                    _say(f"{signal.Signals(sig).name}: " + ("shutting down" if phase == "serving" else "stopping now"))
+                    if phase == "serving":
+                        phase = "draining"
                         tg.start_soon(shut_down)
-                    elif drain.phase == "draining" and not waiting.cancel_called:
+                    elif phase == "draining" and not waiting.cancel_called:
                         waiting.cancel()  # second signal: abort what is still running now
                     else:  # still starting, or a third signal: stop at once
                         tg.cancel_scope.cancel()
                         return
 
             async def shut_down() -> None:
-                if drain.in_flight:
-                    _say(f"draining: {drain.in_flight} request(s) in flight, "
+                frontend = holder["frontend"]
+                status = await _tell(frontend, SetPhase("draining"))
+                in_flight = 0 if status is None else status.in_flight
+                if in_flight:
+                    _say(f"draining: {in_flight} request(s) in flight, "
                          f"up to {config.shutdown_timeout:g} s to finish")
                 with waiting:
                     with anyio.move_on_after(config.shutdown_timeout):
-                        await drain.wait_idle()
-                await _abort_rest(drain, holder["llm"])
+                        await _wait_idle(frontend)
+                await _abort_rest(frontend, holder["llm"])
                 finished.set()
 
             holder: dict[str, Any] = {}
             tg.start_soon(watch_signals)
             try:
-                async with supervise(root_spec(config, drain)) as root:
+                async with supervise(root_spec(config)) as root:
+                    frontend = holder["frontend"] = root.child("frontend").ref
                     engine = root.child("engine").child
                     async with connect(engine, server_engine_config(config)) as llm:
                         llm.root = root
                         holder["llm"] = llm
 
                         def on_event(event: Any) -> None:
+                            nonlocal phase
                             if event.kind == "give_up":
-                                drain.phase, drain.reason = "dead", "it gave up after repeated crashes"
+                                phase = "dead"
+                                tg.start_soon(_tell, frontend, SetPhase("dead", "it gave up after repeated crashes"))
                                 _say(f"error: the engine gave up ({event.detail}); failing requests with 503 "
                                      "and exiting")
 
@@ -168,7 +175,9 @@ async def serve(config: ServeConfig) -> int:
                         for line in startup_summary(config, llm, time.monotonic() - started_at):
                             _say(line)
                         app = build_app(llm, _settings(config))
-                        root.child("frontend").inc.actor.attach(app)
+                        status = await _tell(frontend, ServeApp(app))
+                        if phase == "starting" and status is not None and status.phase == "serving":
+                            phase = "serving"
                         interval = None if config.disable_log_stats else 10.0
                         async with stats_logging(llm, app.state.metrics, interval):
                             await finished.wait()
@@ -183,25 +192,52 @@ async def serve(config: ServeConfig) -> int:
     return code
 
 
-async def _abort_rest(drain: Any, llm: Any, patience: float = 3.0) -> None:
+async def _tell(frontend: Any, msg: Any) -> Any:
+    """The frontend's `FrontendStatus` after `msg` (through its `ActorRef`), or None when it is
+    gone: the root then stops the server, and nothing is left to serve or drain."""
+    from sonar.actors import ActorError, ActorNotFound, AskTimeout
+
+    try:
+        return await frontend.ask(msg, timeout=5.0)
+    except (ActorError, ActorNotFound, AskTimeout):
+        return None
+
+
+async def _in_flight(frontend: Any) -> int:
+    """The HTTP requests the frontend is answering."""
+    from sonar.http.frontend import GetFrontendStatus
+
+    status = await _tell(frontend, GetFrontendStatus())
+    return 0 if status is None else status.in_flight
+
+
+async def _wait_idle(frontend: Any, poll: float = 0.05) -> None:
+    """Until the frontend answers no HTTP request."""
+    import anyio
+
+    while await _in_flight(frontend):
+        await anyio.sleep(poll)
+
+
+async def _abort_rest(frontend: Any, llm: Any, patience: float = 3.0) -> None:
     """End the requests still in flight with finish_reason "abort", and wait (up to `patience`
     seconds) for their responses to go out. Repeated, for requests still tokenizing the first time."""
     import anyio
 
-    from sonar.http.common import abort_all
+    from sonar.http.lifecycle import abort_all
 
     aborted: set[str] = set()
     with anyio.move_on_after(patience):
-        while drain.in_flight:
+        while await _in_flight(frontend):
             aborted.update(await abort_all(llm))
             with anyio.move_on_after(0.1):
-                await drain.wait_idle(0.01)
+                await _wait_idle(frontend, 0.01)
     if aborted:
         _say(f"aborted {len(aborted)} request(s) still running")
 
 
 def _settings(config: ServeConfig) -> Any:
-    from sonar.http.common import ServerSettings
+    from sonar.http.settings import ServerSettings
 
     return ServerSettings(
         served_model_names=config.served_model_name, api_keys=config.api_key or (),

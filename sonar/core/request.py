@@ -9,6 +9,7 @@ from typing import Any
 
 from sonar.core.outputs import RequestError
 from sonar.core.prefix import BlockHash
+from sonar.errors import Rejection, RejectKind, SonarError
 
 __all__ = [
     "MAX_CACHE_SALT_LENGTH",
@@ -75,16 +76,25 @@ _FINISH_REASONS = {
 }
 
 
-class RequestRejectedError(ValueError):
-    """The scheduler refused a request before queueing it."""
+class RequestRejectedError(SonarError, ValueError):
+    """The scheduler refused a request before queueing it; `kind` says why, as data."""
+
+    status = 400
+    kind = RejectKind.INVALID
 
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id!r}: {message}")
         self.request_id = request_id
 
+    def rejection(self) -> Rejection:
+        """The refusal as the scheduler answers it (`AddRequest`'s reply)."""
+        return Rejection(self.kind, str(self))
+
 
 class PromptTooLongError(RequestRejectedError):
     """The prompt has more tokens than the model's context length (``--max-model-len``)."""
+
+    kind = RejectKind.TOO_LONG
 
     def __init__(self, request_id: str, prompt_len: int, max_model_len: int) -> None:
         super().__init__(
@@ -98,6 +108,8 @@ class PromptTooLongError(RequestRejectedError):
 
 class DuplicateRequestError(RequestRejectedError):
     """A request with this id is already queued or running."""
+
+    kind = RejectKind.DUPLICATE
 
     def __init__(self, request_id: str) -> None:
         super().__init__(request_id, "a request with this id is already in the scheduler")

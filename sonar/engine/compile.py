@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 import sonar
 from sonar import paths
+from sonar.errors import SonarError
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import PackedLinear, packed_forward
@@ -61,7 +62,7 @@ MANIFEST = "manifest.json"
 _SOURCES = ("models", "kernels", "engine/compile.py")
 
 
-class CompileCacheMissError(RuntimeError):
+class CompileCacheMissError(SonarError, RuntimeError):
     """``SONAR_FORCE_AOT_LOAD=1`` and the compile cache does not hold what a step needs."""
 
 

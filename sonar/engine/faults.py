@@ -19,10 +19,12 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from sonar.errors import SonarError
+
 ACTIONS = ("raise", "hang", "exit")
 
 
-class FaultSpecError(ValueError):
+class FaultSpecError(SonarError, ValueError):
     pass
 
 

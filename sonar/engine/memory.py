@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar.errors import SonarError
 from sonar.units import format_memory_size
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
@@ -34,7 +35,7 @@ KV_CACHE_DTYPES = {
 """``--kv-cache-dtype`` values Sonar implements (besides ``auto``, the model's dtype)."""
 
 
-class DeviceMemoryError(ValueError):
+class DeviceMemoryError(SonarError, ValueError):
     """The memory settings cannot be met on this device; the message names the flag to change."""
 
 

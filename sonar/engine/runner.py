@@ -29,6 +29,7 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
 from sonar.engine.device import memory_info, select_device
+from sonar.errors import SonarError
 from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears
@@ -50,7 +51,7 @@ def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
     return config.optimization_level >= (2 if device.type == "cuda" else 3)
 
 
-class UnknownRequestError(RuntimeError):
+class UnknownRequestError(SonarError, RuntimeError):
     """A step names a request this runner was never given (a step meant for a predecessor)."""
 
 

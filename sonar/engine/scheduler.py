@@ -41,15 +41,18 @@ from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, S
 from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
-from sonar.core.request import DuplicateRequestError, PromptTooLongError, RequestStatus
+from sonar.core.request import RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
+from sonar.errors import Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
     Abort,
     Accepted,
     AddRequest,
+    CacheState,
     CountRequests,
+    DescribeCache,
     DescribeWorker,
     ExecuteStep,
     Forget,
@@ -147,6 +150,9 @@ class SchedulerActor(Actor):
             return self.core.stats()
         if isinstance(msg, CountRequests):
             return len(self.core.requests) + len(self.pending)
+        if isinstance(msg, DescribeCache):
+            hashes = [b.block_hash for b in self.core.block_manager.pool.blocks if b.block_hash is not None]
+            return CacheState(hashes, self.tier_epoch)
         if isinstance(msg, KVLoaded):
             if self.core.finish_kv_load(msg.req_id, msg.num_blocks, msg.load_id):
                 self.kicked = True
@@ -157,8 +163,8 @@ class SchedulerActor(Actor):
     def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs
         if self.core.num_waiting >= limit:
-            return Accepted(False, f"the engine already holds {self.core.num_waiting} waiting sequences, its limit "
-                                   f"(--max-waiting-seqs {limit}); try again later", "overloaded")
+            return Accepted(Rejection(RejectKind.OVERLOADED, f"the engine already holds {self.core.num_waiting} "
+                                      f"waiting sequences, its limit (--max-waiting-seqs {limit}); try again later"))
         params = msg.params
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
@@ -171,16 +177,12 @@ class SchedulerActor(Actor):
                 skip_reading_prefix_cache=params.prompt_logprobs is not None,
             )
             self.core.add_request(request)
-        except PromptTooLongError as exc:
-            return Accepted(False, str(exc), "too_long")
-        except DuplicateRequestError as exc:
-            return Accepted(False, str(exc), "duplicate")
         except RequestRejectedError as exc:
-            return Accepted(False, str(exc), "invalid")
+            return Accepted(exc.rejection())
         self.pending.append(TrackRequest(msg.request_id, params, msg.prompt_token_ids, msg.sink))
         self.kicked = True
         self.wake.set()
-        return Accepted(True)
+        return Accepted()
 
     async def run(self) -> None:
         in_flight: PendingReply | None = None

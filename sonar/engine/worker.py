@@ -35,6 +35,7 @@ from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner, UnknownRequestError
+from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
@@ -48,11 +49,11 @@ EXIT_INJECTED = 137
 """Exit code of a worker process told to die by --fault-injection (what a SIGKILL reports)."""
 
 
-class WorkerHung(RuntimeError):
+class WorkerHung(SonarError, RuntimeError):
     pass
 
 
-class InjectedFault(RuntimeError):
+class InjectedFault(SonarError, RuntimeError):
     pass
 
 

@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import anyio
-import anyio.to_thread
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -36,10 +35,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import sonar
 from sonar.actors.tree import ActorInfo
-from sonar.engine.client import LLM
+from sonar.engine.llm import LLM
 from sonar.http.chat import create_chat_completion
-from sonar.http.common import ServerSettings, error_response, exception_response, json_response
 from sonar.http.completions import create_completion
+from sonar.http.errors import EXCEPTION_HANDLERS, error_response
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
 from sonar.http.protocol import (
@@ -52,6 +51,8 @@ from sonar.http.protocol import (
     TokenizeResponse,
     decode_request,
 )
+from sonar.http.responses import json_response
+from sonar.http.settings import ServerSettings
 
 #: Routes that answer without the API key: the liveness probes (and /metrics with --metrics-public).
 OPEN_PATHS = frozenset({"/health", "/ping"})
@@ -207,35 +208,24 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         return json_response({"version": sonar.__version__})
 
     async def tokenize(request: Request) -> Response:
-        try:
-            req = decode_request(await request.body(), TokenizeRequest)
-            check_model(req.model)
-            if (req.prompt is None) == (req.messages is None):
-                raise RequestError("give either prompt or messages", "prompt")
-            if req.messages is not None:
-                messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
-                ids = await llm.apply_chat_template(
-                    messages, add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
-            else:
-                ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
-            strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
-            return json_response(TokenizeResponse(len(ids), llm.info.max_model_len, list(ids), strs))
-        except Exception as exc:
-            return exception_response(exc)
+        req = decode_request(await request.body(), TokenizeRequest)
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise RequestError("give either prompt or messages", "prompt")
+        if req.messages is not None:
+            messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
+            ids = await llm.apply_chat_template(
+                messages, add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+        else:
+            ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+        strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return json_response(TokenizeResponse(len(ids), llm.info.max_model_len, list(ids), strs))
 
     async def detokenize(request: Request) -> Response:
-        try:
-            req = decode_request(await request.body(), DetokenizeRequest)
-            check_model(req.model)
-            vocab = llm.info.vocab_size
-            bad = [t for t in req.tokens if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", "tokens")
-            text = await anyio.to_thread.run_sync(lambda: llm.tokenizer.decode(req.tokens))
-            return json_response(DetokenizeResponse(text))
-        except Exception as exc:
-            return exception_response(exc)
+        req = decode_request(await request.body(), DetokenizeRequest)
+        check_model(req.model)
+        return json_response(DetokenizeResponse(await llm.detokenize(req.tokens)))
 
     async def tokenizer_info(request: Request) -> Response:
         return json_response(describe_tokenizer(llm.tokenizer, settings.chat_template))
@@ -285,8 +275,8 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
     middleware.append(Middleware(LoadMiddleware, metrics=metrics))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={404: _not_found, 405: _not_allowed},
-                    lifespan=lifespan)
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers={**EXCEPTION_HANDLERS, 404: _not_found, 405: _not_allowed}, lifespan=lifespan)
     app.state.llm = llm
     app.state.settings = settings
     app.state.metrics = metrics

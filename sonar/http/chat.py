@@ -13,21 +13,9 @@ from typing import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sonar.engine.client import LLM
-from sonar.http.common import (
-    ServerSettings,
-    batched,
-    cancel_on_disconnect,
-    chat_logprobs,
-    exception_response,
-    json_response,
-    log_delta,
-    log_output,
-    log_request,
-    make_usage,
-    new_id,
-)
+from sonar.engine.llm import LLM
 from sonar.http.metrics import RequestRecorder, recorder
+from sonar.http.outputs import batched, chat_logprobs, make_usage
 from sonar.http.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -39,47 +27,49 @@ from sonar.http.protocol import (
     Usage,
     decode_request,
 )
+from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.responses import json_response, new_id
+from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
+from sonar.http.tasks import cancel_on_disconnect
 from sonar.sampling_params import SamplingParams
 
 
 async def create_chat_completion(request: Request, llm: LLM, settings: ServerSettings,
                                  check_model: Callable[[str | None], None]) -> Response:
     rid = new_id("chatcmpl")
+    request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
-    try:
-        req = decode_request(await request.body(), ChatCompletionRequest)
-        check_model(req.model)
-        req.check_max_tokens(llm.info.max_model_len)
-        params = req.sampling_params(settings.default_sampling)
-        messages = req.template_messages()
-        prompt_ids = await llm.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
-        if settings.enable_log_requests:
-            log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
-        role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
-        if req.stream:
-            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
-        finished, result = await cancel_on_disconnect(
-            request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority,
-                                          cache_salt=req.cache_salt, request_id=rid), rid)
-        if not finished:
-            return Response(status_code=499)  # nobody reads it
-        choices = [
-            ChatChoice(out.index, ResponseMessage(role, out.text),
-                       chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
-                       out.finish_reason, out.stop_reason)
-            for out in result.outputs
-        ]
-        completion_tokens = sum(len(out.token_ids) for out in result.outputs)
-        log_output(settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices],
-                   completion_tokens)
-        usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
-        return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
-                                                    system_fingerprint=settings.system_fingerprint))
-    except Exception as exc:
-        return exception_response(exc, rid)
+    req = decode_request(await request.body(), ChatCompletionRequest)
+    check_model(req.model)
+    req.check_max_tokens(llm.info.max_model_len)
+    params = req.sampling_params(settings.default_sampling)
+    messages = req.template_messages()
+    prompt_ids = await llm.apply_chat_template(
+        messages, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+    if settings.enable_log_requests:
+        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
+    role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
+    if req.stream:
+        return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
+    finished, result = await cancel_on_disconnect(
+        request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority,
+                                      cache_salt=req.cache_salt, request_id=rid), rid)
+    if not finished:
+        return Response(status_code=499)  # nobody reads it
+    choices = [
+        ChatChoice(out.index, ResponseMessage(role, out.text),
+                   chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
+                   out.finish_reason, out.stop_reason)
+        for out in result.outputs
+    ]
+    completion_tokens = sum(len(out.token_ids) for out in result.outputs)
+    log_output(settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices],
+               completion_tokens)
+    usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
+    return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
+                                                system_fingerprint=settings.system_fingerprint))
 
 
 async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompletionRequest,

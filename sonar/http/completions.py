@@ -12,66 +12,55 @@ from typing import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sonar.engine.client import LLM, RequestOutput
-from sonar.http.common import (
-    ServerSettings,
-    batched,
-    cancel_on_disconnect,
-    completion_logprobs,
-    exception_response,
-    gather,
-    json_response,
-    log_delta,
-    log_output,
-    log_request,
-    make_usage,
-    merge_completion_logprobs,
-    new_id,
-)
+from sonar.engine.llm import LLM, RequestOutput
 from sonar.http.metrics import RequestRecorder, recorder
+from sonar.http.outputs import batched, completion_logprobs, make_usage, merge_completion_logprobs
 from sonar.http.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    check_token_ids,
     decode_request,
 )
+from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.responses import json_response, new_id
+from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
+from sonar.http.tasks import cancel_on_disconnect, gather
 from sonar.sampling_params import SamplingParams
 
 
 async def create_completion(request: Request, llm: LLM, settings: ServerSettings,
                             check_model: Callable[[str | None], None]) -> Response:
     rid = new_id("cmpl")
+    request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
-    try:
-        req = decode_request(await request.body(), CompletionRequest)
-        check_model(req.model)
-        prompts = req.prompts()
-        check_token_ids(prompts, llm.info.vocab_size)
-        req.check_max_tokens(llm.info.max_model_len)
-        params = req.sampling_params(settings.default_sampling)
-        llm.check_completions(len(prompts), params)
-        for prompt in prompts:  # every prompt before any starts (a stream would have begun)
-            if isinstance(prompt, str):
-                llm.check_prompt_chars(prompt)
-        log_request(settings, rid, prompts, params)
-        if req.stream:
-            return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
-        finished, outputs = await cancel_on_disconnect(request, lambda: gather([
-            (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority,
-                                           cache_salt=req.cache_salt, request_id=f"{rid}-{i}"))
-            for i, p in enumerate(prompts)
-        ]), rid)
-        if not finished:
-            return Response(status_code=499)  # nobody reads it
-        response = _response(llm, settings, req, rid, outputs, params.n)
-        log_output(settings, rid, [c.text for c in response.choices], [c.finish_reason for c in response.choices],
-                   response.usage.completion_tokens if response.usage else 0)
-        return json_response(response)
-    except Exception as exc:
-        return exception_response(exc, rid)
+    req = decode_request(await request.body(), CompletionRequest)
+    check_model(req.model)
+    prompts = req.prompts()
+    for prompt in prompts:  # every prompt before any starts (a stream would have begun)
+        if not isinstance(prompt, str):
+            llm.check_token_ids(prompt)
+    req.check_max_tokens(llm.info.max_model_len)
+    params = req.sampling_params(settings.default_sampling)
+    llm.check_completions(len(prompts), params)
+    for prompt in prompts:  # every prompt before any starts (a stream would have begun)
+        if isinstance(prompt, str):
+            llm.check_prompt_chars(prompt)
+    log_request(settings, rid, prompts, params)
+    if req.stream:
+        return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
+    finished, outputs = await cancel_on_disconnect(request, lambda: gather([
+        (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority,
+                                       cache_salt=req.cache_salt, request_id=f"{rid}-{i}"))
+        for i, p in enumerate(prompts)
+    ]), rid)
+    if not finished:
+        return Response(status_code=499)  # nobody reads it
+    response = _response(llm, settings, req, rid, outputs, params.n)
+    log_output(settings, rid, [c.text for c in response.choices], [c.finish_reason for c in response.choices],
+               response.usage.completion_tokens if response.usage else 0)
+    return json_response(response)
 
 
 def _prompt_text(llm: LLM, prompt: str | list[int]) -> str:

@@ -26,7 +26,7 @@ import h11
 import msgspec
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from sonar.http.common import error_body, error_response
+from sonar.http.errors import error_body, error_response
 from sonar.log import get_logger
 
 log = get_logger("sonar.http")

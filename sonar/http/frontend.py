@@ -2,23 +2,25 @@
 supervisor.
 
 It starts before the engine, so the port answers from the first second: every route says 503
-("starting") until `serve` hands it the engine (`FrontendActor.attach`). On a polite stop (the
-root stopping, after a drain or because the engine gave up) it lets the responses in flight go
-out, up to its shutdown deadline, then stops uvicorn. Its connections are guarded
-(`sonar.http.connection`): a header read timeout and a cap on open connections.
+("starting") until `serve` hands it the app on the engine (`ServeApp`); `serve` drains it or
+marks it dead with `SetPhase` and reads its requests in flight with `GetFrontendStatus`. On a
+polite stop (the root stopping, after a drain or because the engine gave up) it lets the
+responses in flight go out, up to its shutdown deadline, then stops uvicorn. Its connections are
+guarded (`sonar.http.connection`): a header read timeout and a cap on open connections.
 """
 
 from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Literal, Sequence, Union
 
 import anyio
 import msgspec
 
 from sonar.actors import Actor, Ask
-from sonar.http.common import Drain, FrontDoor
+from sonar.errors import SonarError
+from sonar.http.lifecycle import Drain, FrontDoor
 from sonar.log import get_logger
 
 log = get_logger("sonar.frontend")
@@ -26,28 +28,53 @@ log = get_logger("sonar.frontend")
 
 class FrontendStatus(msgspec.Struct):
     phase: str
+    """"starting", "serving", "draining" or "dead" (`sonar.http.lifecycle.Drain`)."""
     in_flight: int
+    """HTTP requests being answered."""
 
 
 class GetFrontendStatus(Ask, tag="frontend.status"):
     reply_type = FrontendStatus
 
 
-class FrontendStartError(RuntimeError):
+class ServeApp(Ask, tag="frontend.serve"):
+    """Start serving `app` (the engine is ready). The app is a live object, so this message only
+    travels in-process: the frontend always runs in the server's process (`serve`'s `root_spec`)."""
+
+    app: Any
+    reply_type = FrontendStatus
+
+
+class SetPhase(Ask, tag="frontend.phase"):
+    """Stop taking new requests: "draining" (a signal: those in flight finish) or "dead" (the
+    engine gave up; `reason` goes into the 503s)."""
+
+    phase: Literal["draining", "dead"]
+    reason: str = ""
+    reply_type = FrontendStatus
+
+
+HttpFrontendMsg = Union[GetFrontendStatus, ServeApp, SetPhase]
+
+
+class FrontendStartError(SonarError, RuntimeError):
     pass
 
 
 class FrontendActor(Actor):
-    protocol = GetFrontendStatus
+    """Owns the server's phase and its count of requests in flight (`Drain`); `serve` moves the
+    phase and reads the count through messages only."""
 
-    def __init__(self, uvicorn_args: dict[str, Any], drain: Drain, request_id_headers: bool = False,
+    protocol = HttpFrontendMsg
+
+    def __init__(self, uvicorn_args: dict[str, Any], request_id_headers: bool = False,
                  max_header_count: int | None = None, quiet_paths: Sequence[str] = (), linger: float = 3.0,
                  header_timeout: float = 10.0, max_connections: int = 2048) -> None:
         import uvicorn
 
         from sonar.http.connection import guarded_protocol
 
-        self.drain = drain
+        self.drain = drain = Drain()
         self.door = FrontDoor(None, drain, request_id_headers=request_id_headers, max_header_count=max_header_count)
         self.server = _make_server(uvicorn.Config(self.door, lifespan="off",
                                                   http=guarded_protocol(header_timeout, max_connections),
@@ -78,14 +105,15 @@ class FrontendActor(Actor):
         if self.server.started and not self.server.should_exit:
             raise RuntimeError("the HTTP server stopped by itself")
 
-    def attach(self, app: Any) -> None:
-        """Start serving `app` (the engine is ready)."""
-        self.door.app = app
-        if self.drain.phase == "starting":
-            self.drain.phase = "serving"
-
-    async def handle(self, msg: GetFrontendStatus) -> FrontendStatus:
-        return FrontendStatus(self.drain.phase, self.drain.in_flight)
+    async def handle(self, msg: HttpFrontendMsg) -> FrontendStatus:
+        drain = self.drain
+        if isinstance(msg, ServeApp):
+            self.door.app = msg.app
+            if drain.phase == "starting":
+                drain.phase = "serving"
+        elif isinstance(msg, SetPhase):
+            drain.phase, drain.reason = msg.phase, msg.reason or drain.reason
+        return FrontendStatus(drain.phase, drain.in_flight)
 
     async def stopping(self) -> None:
         if self.drain.phase in ("starting", "serving"):

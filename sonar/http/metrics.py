@@ -52,7 +52,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.actors.tree import ActorInfo
-from sonar.engine.client import LLM, RequestOutput, StreamDelta
+from sonar.engine.llm import LLM, RequestOutput, StreamDelta
 from sonar.log import get_logger
 from sonar.procfs import resident_bytes
 

@@ -12,7 +12,7 @@ OpenAPI schema, `sonar/http/openapi.py`, states it): integers fit in int64 (`2**
 an overflow deep in the engine), `n` is at most `MAX_N`. Limits that depend on the engine
 (`max_tokens` up to the model length, `logprobs` up to --max-logprobs, token ids inside the
 vocabulary, the request limits such as --max-completions-per-request and --max-stop-strings) are
-checked once the engine is known, where the request enters it (`sonar.engine.client.LLM`).
+checked once the engine is known, where the request enters it (`sonar.engine.llm.LLM`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Annotated, Any, Mapping, TypeVar
 
 import msgspec
 
+from sonar.errors import SonarError
 from sonar.sampling_params import SamplingParams, SamplingParamsError
 
 T = TypeVar("T")
@@ -48,7 +49,7 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0)]
 LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 
 
-class RequestError(ValueError):
+class RequestError(SonarError, ValueError):
     """A request the server cannot take as sent: `status` (400/404), `param` names the field."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
@@ -246,16 +247,6 @@ def default_max_tokens(given: int | None, defaults: Mapping[str, Any] | None,
     if given is None:
         return cap if cap is not None else fallback
     return given if cap is None else min(given, cap)
-
-
-def check_token_ids(prompts: list[str | list[int]], vocab_size: int) -> None:
-    """Every token id of every prompt inside the vocabulary, checked before any prompt of a batch
-    starts (a streamed batch would otherwise have begun its answer when a later prompt fails)."""
-    for prompt in prompts:
-        if isinstance(prompt, list):
-            bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
 
 
 def check_max_tokens(given: int | None, max_model_len: int, param: str = "max_tokens") -> None:

@@ -2,8 +2,9 @@
 
 `EventStream(produce, request_id)` runs `produce(emit)`; each `emit(obj)` sends `data: <json>`.
 The status line and headers go out with the first event, so an error raised before any event
-(a bad parameter, a prompt too long for the model) is answered as an ordinary JSON error with
-its proper status. An error after the first event is sent as a `data: {"error": ...}` event.
+(a bad parameter, a prompt too long for the model) is raised on to the app's exception handler
+(`sonar.http.errors`) and answered as an ordinary JSON error with its proper status. An error
+after the first event is sent as a `data: {"error": ...}` event with the same body.
 The stream always ends with `data: [DONE]`.
 
 While `produce` runs, a second task listens for `http.disconnect`; a client that disconnects
@@ -18,7 +19,10 @@ import anyio
 import msgspec
 from starlette.types import Receive, Scope, Send
 
-from sonar.http.common import error_from_exception, exception_response, log
+from sonar.http.errors import error_from_exception
+from sonar.log import get_logger
+
+log = get_logger("sonar.http")
 
 Emit = Callable[[Any], Awaitable[None]]
 
@@ -73,8 +77,7 @@ class EventStream:
             log.info("request.disconnected", request_id=self.request_id, detail="client gone; request aborted")
             return
         if error is not None and not started:
-            await exception_response(error, self.request_id)(scope, receive, send)
-            return
+            raise error
         try:
             if error is not None:
                 await emit(error_from_exception(error, self.request_id)[1])

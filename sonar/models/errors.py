@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from sonar.errors import SonarError
 
-class ModelLoadError(ValueError):
+
+class ModelLoadError(SonarError, ValueError):
     """A model could not be loaded; the message names the source and what is wrong with it."""
 
 

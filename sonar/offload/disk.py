@@ -33,6 +33,7 @@ import msgspec
 import torch
 import xxhash
 
+from sonar.errors import SonarError
 from sonar.offload.layout import KVLayout
 from sonar.protocol.offload import ChunkMeta
 
@@ -54,11 +55,11 @@ class ChunkHeader(msgspec.Struct, frozen=True):
     payload_bytes: int
 
 
-class CorruptChunk(ValueError):
+class CorruptChunk(SonarError, ValueError):
     """The file is damaged (bad magic, header, length or digest)."""
 
 
-class ForeignChunk(ValueError):
+class ForeignChunk(SonarError, ValueError):
     """The file is intact but holds KV of another model, dtype, layout or format."""
 
 
@@ -178,7 +179,7 @@ def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch
     return write_chunk_temp(root, layout, meta, chunk, fsync=fsync).commit()
 
 
-class UnsafeDirectoryError(ValueError):
+class UnsafeDirectoryError(SonarError, ValueError):
     """The disk tier's directory belongs to another user, or others may write to it."""
 
 

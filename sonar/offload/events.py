@@ -47,6 +47,7 @@ import zmq.auth
 
 from sonar.core.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventBatch
 from sonar.core.kv_index import KVBlockIndex
+from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.offload.config import KVEventsConfig
 
@@ -77,7 +78,7 @@ def _seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
-class ReplayRefusedError(RuntimeError):
+class ReplayRefusedError(SonarError, RuntimeError):
     """The replay endpoint refused a request (the requester exceeded its rate limit)."""
 
 

@@ -8,6 +8,7 @@ import msgspec
 
 from sonar.actors import Ask
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.errors import Rejection
 from sonar.sampling_params import SamplingParams
 
 
@@ -88,9 +89,9 @@ WorkerMsg = Union[DescribeWorker, ExecuteStep]
 
 # -- scheduler -----------------------------------------------------------------------------------
 class Accepted(msgspec.Struct):
-    ok: bool
-    error: str | None = None
-    error_type: str | None = None  # "too_long" | "invalid" | "duplicate" | "unavailable" | "overloaded"
+    """The scheduler's answer to `AddRequest`: queued (`rejected` None), or refused and why."""
+
+    rejected: Rejection | None = None
 
 
 class AddRequest(Ask, tag="scheduler.add"):
@@ -124,6 +125,20 @@ class CountRequests(Ask, tag="count_requests"):
     reply_type = int
 
 
+class CacheState(msgspec.Struct):
+    """What the scheduler's KV cache holds (tests, diagnostics)."""
+
+    block_hashes: list[bytes]
+    """Hashes of the blocks of the primary (device) cache that are in the prefix cache."""
+    tier_epoch: str | None
+    """The run of the offload manager whose tiers the scheduler's lookup mirror follows (None:
+    none yet, or no offloading)."""
+
+
+class DescribeCache(Ask, tag="scheduler.cache"):
+    reply_type = CacheState
+
+
 class KVLoaded(msgspec.Struct, tag="scheduler.kv_loaded"):
     """From the worker: the load ``load_id`` of ``req_id`` put ``num_blocks`` blocks (from the load's
     ``start_block``) into the primary cache; 0 when it failed (the blocks are then recomputed)."""
@@ -133,7 +148,7 @@ class KVLoaded(msgspec.Struct, tag="scheduler.kv_loaded"):
     load_id: int
 
 
-SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats, CountRequests, KVLoaded]
+SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats, CountRequests, DescribeCache, KVLoaded]
 
 
 # -- detokenizer ---------------------------------------------------------------------------------

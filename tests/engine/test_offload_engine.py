@@ -27,7 +27,8 @@ import torch
 
 import sonar
 from sonar.offload.events import KVEventConsumer
-from sonar.protocol.offload import Flush, GetOffloadStats, OffloadStats, TierContents
+from sonar.protocol.engine import CacheState, DescribeCache
+from sonar.protocol.offload import Flush, GetOffloadStats, OffloadStats, TierContents, WatchTiers
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint
 from tests.http.conftest import free_port
@@ -63,6 +64,10 @@ def _transfer(bpc: int = 1, disk: Path | None = None) -> dict[str, Any]:
 
 async def _offload(llm: Any, msg: Any) -> Any:
     return await llm.supervisor.child("offload").ref.ask(msg, timeout=30)
+
+
+async def _scheduler_cache(llm: Any) -> CacheState:
+    return await llm.supervisor.child("scheduler").ref.ask(DescribeCache(), timeout=30)
 
 
 async def _settle(llm: Any) -> None:
@@ -161,8 +166,7 @@ async def test_event_replay_matches_every_tier(reference: dict[str, Any], tmp_pa
         outs, _ = await _evict_and_reuse(llm, reference["prompts"])
         await _settle(llm)
         contents: dict[str, list[bytes]] = await _offload(llm, TierContents())
-        scheduler = llm.supervisor.child("scheduler").inc.actor
-        gpu = {b.block_hash for b in scheduler.core.block_manager.pool.blocks if b.block_hash is not None}
+        gpu = set((await _scheduler_cache(llm)).block_hashes)
 
         def consume() -> Any:
             with KVEventConsumer(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv") as consumer:
@@ -199,7 +203,8 @@ async def test_offload_manager_crash_is_survived(reference: dict[str, Any], tmp_
         again = await llm.generate(prompts[0], GREEDY)
         stats: OffloadStats = await _offload(llm, GetOffloadStats())
         # the scheduler's mirror follows the new run of the manager
-        assert llm.supervisor.child("scheduler").inc.actor.tier_epoch == manager.inc.actor.epoch
+        epoch = (await _offload(llm, WatchTiers(None, 0, 0.0))).epoch
+        assert (await _scheduler_cache(llm)).tier_epoch == epoch
     assert [o.token_ids for o in outs] == expected[1:3]
     assert again.token_ids == expected[3]
     assert again.num_cached_tokens == REUSABLE_BLOCKS * BLOCK

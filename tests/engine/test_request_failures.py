@@ -20,7 +20,7 @@ import pytest
 
 import sonar
 from sonar import SamplingParams
-from sonar.engine import client as client_module
+from sonar.engine import llm as llm_module
 from sonar.errors import (
     InvalidRequestError,
     RequestQuarantinedError,
@@ -180,7 +180,7 @@ async def test_requests_beyond_max_waiting_seqs_are_refused_as_overloaded(one_th
 async def test_a_scheduler_that_does_not_answer_in_time_is_overloaded_not_an_error(one_thread, monkeypatch) -> None:
     """The scheduler (in its own process, stopped with SIGSTOP) takes no request within the add
     timeout: `ServerOverloadedError`, not a bare timeout; once it runs again it serves."""
-    monkeypatch.setattr(client_module, "ADD_TIMEOUT", 1.0)
+    monkeypatch.setattr(llm_module, "ADD_TIMEOUT", 1.0)
     async with sonar.open(**ENGINE, placement="scheduler=process") as llm:
         pid = next(c for c in llm.tree().children if c.name == "scheduler").pid
         assert pid is not None and pid != os.getpid()

@@ -13,8 +13,8 @@ import uvicorn
 
 import sonar
 from sonar.http.app import build_app
-from sonar.http.common import ServerSettings
 from sonar.http.frontend import _make_server
+from sonar.http.settings import ServerSettings
 from tests.http.conftest import free_port
 
 pytestmark = pytest.mark.anyio

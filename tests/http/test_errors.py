@@ -1,4 +1,4 @@
-"""The one exception-to-HTTP mapping (`sonar.http.common.error_from_exception`): overload is 429
+"""The one exception-to-HTTP mapping (`sonar.http.errors.error_from_exception`): overload is 429
 with a Retry-After header, a quarantined request a 500 that names it, a request limit a 400
 naming its parameter; never a bare 500 for what is not a fault."""
 
@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import json
 
-from sonar.errors import InvalidRequestError, RequestQuarantinedError, SamplingFailedError, ServerOverloadedError
-from sonar.http.common import error_from_exception, exception_response
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+)
+from sonar.http.errors import error_from_exception, exception_response
 from sonar.http.protocol import RequestError
+from sonar.sampling_params import SamplingParamsError
 
 
 def test_overload_is_429_with_retry_after() -> None:
@@ -40,3 +47,11 @@ def test_limits_and_body_errors_keep_their_status() -> None:
     for code in (408, 413):
         status, body = error_from_exception(RequestError("body", status=code))
         assert status == code and body.error.type == "BadRequestError"
+
+
+def test_every_sonar_error_answers_with_the_status_it_carries() -> None:
+    status, body = error_from_exception(SamplingParamsError("top_p", "must be in (0, 1], got 2"))
+    assert (status, body.error.param, body.error.type) == (400, "top_p", "BadRequestError")
+    assert error_from_exception(EngineDeadError("it gave up"))[0] == EngineDeadError.status == 503
+    status, body = error_from_exception(KeyError("bug"), "cmpl-3")  # a bug: 500 naming the request
+    assert status == 500 and "cmpl-3" in body.error.message and "KeyError" in body.error.message

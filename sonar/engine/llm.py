@@ -1,0 +1,385 @@
+"""`LLM`, the handle on a running engine (what `sonar.open` yields), and the outputs it returns.
+
+The handle is where a request enters the engine: it validates the request once (sampling
+parameters, the engine's per-request limits, token ids inside the vocabulary), tokenizes off the
+event loop, asks the scheduler to take it (`AddRequest`; a refusal comes back as a typed
+`Rejection` and is raised as its exception) and reads the request's outputs from the stream the
+client actor fills (`sonar.engine.client_actor`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
+from sonar.core.outputs import RequestError
+from sonar.core.request import cache_salt_problem
+from sonar.engine.client_actor import Failed
+from sonar.engine.config import EngineConfig
+from sonar.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestQuarantinedError,
+    SamplingFailedError,
+    ServerOverloadedError,
+    SonarError,
+)
+from sonar.protocol.engine import (
+    Abort,
+    AddRequest,
+    CountRequests,
+    DescribeWorker,
+    GetStats,
+    OutputDelta,
+    PositionLogprobs,
+    WorkerInfo,
+)
+from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
+
+Prompt = str | Sequence[int]
+
+ADD_TIMEOUT = 30.0
+"""Seconds the scheduler may take to accept or refuse a request before it counts as saturated."""
+
+RETRY_AFTER = 1.0
+"""Seconds an overloaded engine asks a client to wait before it tries again."""
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. `text`, `token_ids`, ... are those of the first (often only) completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class StreamDelta:
+    """New output of one completion (`index`) of a streamed request."""
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Handle on a running engine; see `sonar.open`."""
+
+    def __init__(self, config: EngineConfig, supervisor: Supervisor, client: Any, streams: dict[str, Any],
+                 info: WorkerInfo, tokenizer: Any) -> None:
+        self.config = config
+        self.supervisor = supervisor
+        self.info = info
+        self.tokenizer = tokenizer
+        self._client = client
+        self._streams = streams
+        self._ids = itertools.count()
+        self._prefix = secrets.token_hex(4)
+        self._closed = False
+        self.dead: str | None = None
+        """Why the engine can serve no more (it gave up), or None."""
+        self.root: Supervisor | None = None
+        """The supervisor above the engine's, when there is one (`sonar serve`'s root)."""
+
+    # -- public API -------------------------------------------------------------------------
+    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                       cache_salt: str | None = None, request_id: str | None = None,
+                       on_delta: Callable[[StreamDelta], None] | None = None) -> RequestOutput:
+        """Generate a completion of `prompt` (text or token ids) and return it when finished.
+
+        `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
+        params = params or SamplingParams()
+        prompt_ids, text = await self._prepare(prompt, params)
+        rid = request_id or self._new_id()
+        outputs = [CompletionOutput(i) for i in range(params.n)]
+        result = RequestOutput(rid, text, prompt_ids, outputs)
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt):
+            if on_delta is not None:
+                on_delta(delta)
+            out = outputs[delta.index]
+            out.text += delta.text
+            out.token_ids += delta.token_ids
+            if delta.logprobs:
+                out.logprobs = (out.logprobs or []) + delta.logprobs
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = (result.prompt_logprobs or []) + delta.prompt_logprobs
+            if delta.finish_reason is not None:
+                out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+            result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+        if params.logprobs is not None:
+            for out in outputs:
+                out.logprobs = out.logprobs or []
+        return result
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
+                     cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
+        params = params or SamplingParams()
+        prompt_ids, _ = await self._prepare(prompt, params)
+        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt):
+            yield delta
+
+    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
+                   add_generation_prompt: bool = True, continue_final_message: bool = False,
+                   chat_template: str | None = None, **kwargs: Any) -> RequestOutput:
+        """Apply the model's chat template to `messages`, then `generate`."""
+        prompt_ids = await self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                    continue_final_message=continue_final_message,
+                                                    chat_template=chat_template)
+        return await self.generate(prompt_ids, params, **kwargs)
+
+    async def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
+                            **kwargs: Any) -> list[RequestOutput]:
+        """Generate for all prompts at once (continuous batching); results in prompt order."""
+        self.check_completions(len(prompts), params or SamplingParams())
+        results: list[RequestOutput | None] = [None] * len(prompts)
+
+        async def one(i: int, p: Prompt) -> None:
+            results[i] = await self.generate(p, params, **kwargs)
+
+        async with anyio.create_task_group() as tg:
+            for i, p in enumerate(prompts):
+                tg.start_soon(one, i, p)
+        return results  # type: ignore[return-value]
+
+    async def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                                  continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be set")
+        limit = self.config.max_chat_messages
+        if len(messages) > limit:
+            raise InvalidRequestError(over_limit("messages", limit, len(messages), "max_chat_messages"),
+                                      param="messages")
+
+        def render() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message, chat_template=chat_template)
+            except Exception as exc:
+                raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
+            self.check_prompt_chars(text, "messages")
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+
+        return await anyio.to_thread.run_sync(render)
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text` (in a worker thread), after the prompt-length limit."""
+        self.check_prompt_chars(text, "prompt")
+        return await anyio.to_thread.run_sync(
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
+
+    def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
+        """Refuse a text longer than `max_prompt_chars` (before it costs a tokenization)."""
+        limit = self.config.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidRequestError(over_limit("prompt characters", limit, len(text), "max_prompt_chars"),
+                                      param=param)
+
+    def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
+        """Refuse a token id outside the model's vocabulary (the one place this is checked)."""
+        vocab = self.info.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+
+    async def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids` (in a worker thread), after the vocabulary check."""
+        self.check_token_ids(token_ids, "tokens")
+        return await anyio.to_thread.run_sync(lambda: self.tokenizer.decode(list(token_ids)))
+
+    def check_completions(self, num_prompts: int, params: SamplingParams) -> None:
+        """Refuse a call that asks for more completions (prompts x n) than
+        `max_completions_per_request`, before any of its prompts starts."""
+        limit, asked = self.config.max_completions_per_request, num_prompts * params.n
+        if asked > limit:
+            raise InvalidRequestError(over_limit("completions (prompts x n)", limit, asked,
+                                                 "max_completions_per_request"),
+                                      param="n" if num_prompts == 1 else "prompt")
+
+    async def abort_all(self) -> list[str]:
+        """End every request in flight with finish_reason "abort" (what has been generated so far
+        is kept: `generate` returns it, `stream` yields a last delta) and free their blocks.
+        Returns the engine request ids."""
+        ids = sorted(self._streams)
+        for rid in ids:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                try:
+                    stream.send_nowait(OutputDelta(rid, "", [], finish_reason="abort"))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+        if ids:
+            await self.supervisor.child("scheduler").ref.send(Abort(ids))
+        return ids
+
+    async def stats(self):
+        return await self.supervisor.child("scheduler").ref.ask(GetStats(), timeout=10)
+
+    def tree(self) -> ActorInfo:
+        """The live supervision tree: the whole server's when the engine runs under a root
+        supervisor (`sonar serve`), else the engine's."""
+        return (self.root or self.supervisor).tree()
+
+    async def tracked_requests(self, timeout: float = 5.0) -> dict[str, int]:
+        """How many requests each part holds state for: this frontend, the scheduler, the
+        detokenizer (all zero when nothing runs: anything else is a leak)."""
+        with anyio.fail_after(timeout):
+            return {
+                "frontend": len(self._streams),
+                "scheduler": await self.supervisor.child("scheduler").ref.ask(CountRequests()),
+                "detokenizer": await self.supervisor.child("detokenizer").ref.ask(CountRequests()),
+            }
+
+    async def ping(self, timeout: float = 5.0) -> None:
+        """One round trip through the scheduler's and the worker's mailboxes, or an exception."""
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        with anyio.fail_after(timeout):
+            await self.supervisor.child("scheduler").ref.ask(GetStats())
+            await self.supervisor.child("worker").ref.ask(DescribeWorker())
+
+    # -- internals --------------------------------------------------------------------------
+    def _new_id(self) -> str:
+        return f"req-{self._prefix}-{next(self._ids)}"
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        config = self.config
+        try:
+            params.validate(max_logprobs=config.max_logprobs, vocab_size=self.info.vocab_size,
+                            max_stop_strings=config.max_stop_strings,
+                            max_stop_string_chars=config.max_stop_string_chars,
+                            max_stop_token_ids=config.max_stop_token_ids, max_logit_bias=config.max_logit_bias)
+            params.check_token_left(vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
+        except SamplingParamsError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        self.check_completions(1, params)
+        if isinstance(prompt, str):
+            text = prompt
+            ids = await self.tokenize(prompt)
+        else:
+            text = None
+            ids = [int(t) for t in prompt]
+            self.check_token_ids(ids)
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        return list(ids), text
+
+    async def _run(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int,
+                   cache_salt: str | None) -> AsyncIterator[StreamDelta]:
+        """Submit the request (n completions as n engine requests) and yield their deltas."""
+        problem = cache_salt_problem(cache_salt)
+        if problem is not None:
+            raise InvalidRequestError(problem, param="cache_salt")
+        children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
+        # The prompt is scored once: only the first completion asks for its logprobs.
+        children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
+        ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        index = {cid: i for i, cid in enumerate(ids)}
+        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)
+        for cid in ids:
+            self._streams[cid] = send
+        scheduler = self.supervisor.child("scheduler").ref
+        pending = set(ids)
+        try:
+            for cid, child in zip(ids, children):
+                await self._add(scheduler, AddRequest(
+                    request_id=cid, prompt_token_ids=prompt_ids, params=child, sink=self._client,
+                    priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic()))
+            while pending:
+                item = await receive.receive()
+                if isinstance(item, Failed):
+                    raise EngineDeadError(item.reason)
+                delta: OutputDelta = item
+                if delta.error is not None:
+                    pending.discard(delta.req_id)  # the engine holds nothing more of it
+                    raise _request_error(delta.error)
+                if delta.finish_reason is not None:
+                    pending.discard(delta.req_id)
+                yield StreamDelta(rid, index[delta.req_id], delta.text, delta.token_ids, delta.finish_reason,
+                                  delta.stop_reason, delta.logprobs, delta.prompt_logprobs,
+                                  delta.num_prompt_tokens, delta.num_cached_tokens)
+        finally:
+            for cid in ids:
+                self._streams.pop(cid, None)
+            if pending:  # cancelled, failed, or the caller stopped iterating: free the engine's work
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await scheduler.send(Abort(sorted(pending)))
+                    except Exception:
+                        pass
+
+    async def _add(self, scheduler: Any, msg: AddRequest) -> None:
+        """Hand one engine request to the scheduler, or raise why it was refused."""
+        try:
+            accepted = await scheduler.ask(msg, timeout=ADD_TIMEOUT)
+        except AskTimeout:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead) from None
+            raise ServerOverloadedError(f"the scheduler did not take the request within {ADD_TIMEOUT:g} s; "
+                                        "try again later", retry_after=RETRY_AFTER) from None
+        except (ActorError, ActorNotFound) as exc:
+            raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
+        if accepted.rejected is not None:
+            raise accepted.rejected.error(retry_after=RETRY_AFTER)
+
+
+def _request_error(error: RequestError) -> SonarError:
+    """The exception a request that failed alone raises at its caller."""
+    if error.type == "quarantined":
+        return RequestQuarantinedError(error.message)
+    return SamplingFailedError(error.message)
