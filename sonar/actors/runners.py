@@ -134,11 +134,14 @@ class Runner:
 
 
 def _kwargs(runner: Runner) -> dict[str, Any]:
-    """The child's constructor arguments, with each `SiblingRef` replaced by that sibling's ref."""
+    """The child's constructor arguments, with each `SiblingRef` replaced by that sibling's ref
+    (the one a later sibling will have, see `SiblingRef`)."""
     out = {}
     for key, value in runner.spec.kwargs.items():
         if isinstance(value, SiblingRef):
-            value = runner.sup.child(value.name).ref
+            sibling = runner.sup.child(value.name)
+            planned = getattr(sibling, "planned_ref", None)
+            value = sibling.ref if sibling.ref is not None or planned is None else planned()
             if value is None:
                 raise RuntimeError(f"{runner.name}: sibling {key!r} has no reference yet (start it first)")
         out[key] = value
@@ -164,6 +167,9 @@ class InProcessRunner(Runner):
         self.cls = _actor_class(spec)
         self.ref = ActorRef(self.mailbox_name, self.cls.protocol)
         self.inc: Incarnation | None = None
+
+    def planned_ref(self) -> ActorRef:
+        return self.ref
 
     def mailbox_depth(self) -> int | None:
         """The live depth: the mailbox is in this process, no ping needed."""
@@ -211,6 +217,13 @@ class _HostedRunner(Runner):
     host: ActorRef
     address: str
 
+    def planned_address(self) -> str:
+        return self.address
+
+    def planned_ref(self) -> ActorRef:
+        """The reference this child has once it runs, from its spec alone."""
+        return ActorRef(self.mailbox_name, _actor_class(self.spec).protocol, self.planned_address())
+
     async def _spawn(self, incarnation: int, timeout: float) -> None:
         cls = _actor_class(self.spec)
         spawned = await self.host.ask(
@@ -242,10 +255,13 @@ class ChildProcessRunner(_HostedRunner):
     def placement(self) -> str:
         return "process"
 
+    def planned_address(self) -> str:
+        return get_node().ipc_address(f"child-{self.mailbox_name}")
+
     async def _start(self, incarnation: int) -> None:
         node = get_node()
         parent = node.ensure_bound()
-        self.address = node.ipc_address(f"child-{self.mailbox_name}")
+        self.address = self.planned_address()
         self.host = ActorRef(HOST_NAME, HostMsg, self.address)
         hello_id = secrets.token_hex(8)
         hello = node.expect_hello(hello_id)

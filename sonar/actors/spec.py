@@ -53,8 +53,10 @@ def placement_name(p: Placement) -> str:
 
 @dataclass(frozen=True)
 class SiblingRef:
-    """A kwarg placeholder: replaced, when the child starts, by the current reference to the
-    sibling named `name` (a child started earlier under the same supervisor)."""
+    """A kwarg placeholder: replaced, when the child starts, by the reference to the sibling named
+    `name` under the same supervisor. A sibling started later is named by the reference it will
+    have (its mailbox name and address do not change across runs); until it runs, a message to it
+    fails with `ActorNotFound` in-process or waits in its queue across processes."""
 
     name: str
 

@@ -25,9 +25,11 @@ from sonar.protocol.engine import (
     OutputDelta,
     Outputs,
     PositionLogprobs,
+    SchedulerMsg,
     StepOutputs,
     StopStringHit,
     TokenLogprobs,
+    WorkerMsg,
 )
 from sonar.sampling_params import SamplingParams
 
@@ -59,8 +61,11 @@ class _Tracked:
 class DetokenizerActor(Actor):
     protocol = DetokenizerMsg
 
-    def __init__(self, worker: ActorRef, tokenizer: str | None = None) -> None:
+    def __init__(self, worker: ActorRef[WorkerMsg], tokenizer: str | None = None,
+                 scheduler: ActorRef[SchedulerMsg] | None = None) -> None:
         self.worker = worker
+        self.scheduler = scheduler
+        """Where stop-string hits go (`StopStringHit`)."""
         self.tokenizer_path = tokenizer
         self.requests: dict[str, _Tracked] = {}
 
@@ -125,8 +130,8 @@ class DetokenizerActor(Actor):
                 by_sink[tracked.sink].append(OutputDelta(
                     req_id=rid, text="", token_ids=[],
                     prompt_logprobs=[self._position(lp) if lp is not None else None for lp in plps]))
-        if hits and msg.scheduler is not None:
-            await msg.scheduler.send(StopStringHit(hits))
+        if hits and self.scheduler is not None:
+            await self.scheduler.send(StopStringHit(hits))
         for sink, deltas in by_sink.items():
             await sink.send(Outputs(deltas))
 

@@ -54,6 +54,7 @@ from sonar.protocol.engine import (
     CountRequests,
     DescribeCache,
     DescribeWorker,
+    DetokenizerMsg,
     ExecuteStep,
     Forget,
     GetStats,
@@ -64,8 +65,9 @@ from sonar.protocol.engine import (
     StopStringHit,
     TrackRequest,
     WorkerInfo,
+    WorkerMsg,
 )
-from sonar.protocol.offload import PublishEvents, TierUpdate, WatchTiers
+from sonar.protocol.offload import OffloadMsg, PublishEvents, TierUpdate, WatchTiers
 
 TIER_MEDIA = ("CPU", "DISK")
 
@@ -79,8 +81,8 @@ log = get_logger("sonar.scheduler")
 class SchedulerActor(Actor):
     protocol = SchedulerMsg
 
-    def __init__(self, config: dict[str, Any], worker: ActorRef, detokenizer: ActorRef,
-                 offload: ActorRef | None = None) -> None:
+    def __init__(self, config: dict[str, Any], worker: ActorRef[WorkerMsg], detokenizer: ActorRef[DetokenizerMsg],
+                 offload: ActorRef[OffloadMsg] | None = None) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.worker = worker
         self.detokenizer = detokenizer
@@ -243,7 +245,7 @@ class SchedulerActor(Actor):
                                           list(req.output_token_ids)))
         fault = self.faults.next_step(s.token_ids for s in output.requests) if self.faults is not None else None
         try:
-            return await self.worker.ask_soon(ExecuteStep(output, new, fault, notify=self.ref, offload=self.offload))
+            return await self.worker.ask_soon(ExecuteStep(output, new, fault))
         except (ActorError, ActorNotFound) as exc:
             self.failure = exc
             return None
@@ -270,7 +272,7 @@ class SchedulerActor(Actor):
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
             await self.detokenizer.send(StepOutputs(
-                new=tracked, updates=updates, scheduler=self.ref, logprobs=result.logprobs,
+                new=tracked, updates=updates, logprobs=result.logprobs,
                 prompt_logprobs=result.prompt_logprobs,
             ))
         return True
@@ -351,7 +353,7 @@ class SchedulerActor(Actor):
                 log.error("request.quarantined", request=update.req_id)
             # requests that never had a step back are not tracked by the detokenizer yet
             tracked, self.pending = self.pending, []
-            await self.detokenizer.send(StepOutputs(new=tracked, updates=recovery.quarantined, scheduler=self.ref))
+            await self.detokenizer.send(StepOutputs(new=tracked, updates=recovery.quarantined))
         delay = 0.05
         # A worker that failed in a step is on its way out and may still answer for a moment: a
         # step sent to it then would fail too, and count against the requests of that step.

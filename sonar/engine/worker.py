@@ -28,7 +28,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from sonar.actors import Actor, ActorNotFound
+from sonar.actors import Actor, ActorNotFound, ActorRef
 from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
@@ -38,8 +38,8 @@ from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
-from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, StepResult, WorkerMsg
-from sonar.protocol.offload import ChunkMeta, Load, Store
+from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, SchedulerMsg, StepResult, WorkerMsg
+from sonar.protocol.offload import ChunkMeta, Load, OffloadMsg, Store
 
 log = get_logger("sonar.worker")
 
@@ -60,9 +60,14 @@ class InjectedFault(SonarError, RuntimeError):
 class WorkerActor(Actor):
     protocol = WorkerMsg
 
-    def __init__(self, config: dict[str, Any], own_process: bool = False) -> None:
+    def __init__(self, config: dict[str, Any], own_process: bool = False,
+                 scheduler: ActorRef[SchedulerMsg] | None = None, offload: ActorRef[OffloadMsg] | None = None) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.own_process = own_process
+        self.scheduler = scheduler
+        """Where finished KV loads are reported (`KVLoaded`)."""
+        self.offload = offload
+        """The KV offload manager (None: no offloading): where `kv_stores` go, `kv_loads` come from."""
         self.slowest = 0.0
         self.worst_per_token = 0.0
         self.step_started: float | None = None
@@ -152,7 +157,7 @@ class WorkerActor(Actor):
     async def _kv_transfers(self, msg: ExecuteStep) -> None:
         """Copy out and send the step's stores, then start its loads (before the forward pass)."""
         out = msg.output
-        offload = msg.offload
+        offload = self.offload
         if out.kv_stores and offload is not None:
             try:
                 data = await anyio.to_thread.run_sync(self._gather, out.kv_stores)
@@ -163,14 +168,15 @@ class WorkerActor(Actor):
             except Exception as exc:  # the chunks are just not offloaded
                 log.error("worker.kv_store_failed", chunks=len(out.kv_stores), error=f"{type(exc).__name__}: {exc}")
         for spec in out.kv_loads:
-            self.task_group.start_soon(self._kv_load, spec, offload, msg.notify)
+            self.task_group.start_soon(self._kv_load, spec)
 
     def _gather(self, stores: list[KVStoreSpec]) -> Any:
         block_ids = [b for spec in stores for b in spec.block_ids]
         return gather_chunks(self.runner.kv_caches, block_ids, len(stores[0].block_ids))
 
-    async def _kv_load(self, spec: KVLoadSpec, offload: Any, notify: Any) -> None:
+    async def _kv_load(self, spec: KVLoadSpec) -> None:
         """Load one request's prefix blocks and tell the scheduler how many arrived."""
+        offload, notify = self.offload, self.scheduler
         loaded = 0
         try:
             if offload is not None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-from sonar.actors import Ask
+from sonar.actors import ActorRef, Ask
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.errors import Rejection
 from sonar.sampling_params import SamplingParams
@@ -77,10 +77,6 @@ class ExecuteStep(Ask, tag="worker.step"):
     new_requests: list[NewRequestData] = []
     fault: str | None = None
     """--fault-injection: "raise", "hang" or "exit" makes this step fail that way (tests, drills)."""
-    notify: Any = None
-    """The scheduler's ActorRef: where the worker reports finished KV loads (`KVLoaded`)."""
-    offload: Any = None
-    """The offload manager's ActorRef (None: no offloading): where `kv_stores` go and `kv_loads` come from."""
     reply_type = StepResult
 
 
@@ -98,7 +94,8 @@ class AddRequest(Ask, tag="scheduler.add"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    sink: Any  # ActorRef of the frontend that receives the outputs
+    sink: ActorRef[FrontendMsg]
+    """The frontend (client actor) that receives this request's `Outputs`."""
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float | None = None
@@ -156,7 +153,7 @@ class TrackRequest(msgspec.Struct, array_like=True):
     req_id: str
     params: SamplingParams
     prompt_token_ids: list[int]
-    sink: Any
+    sink: ActorRef[FrontendMsg]
 
 
 class StepOutputs(msgspec.Struct, tag="detok.step"):
@@ -164,7 +161,6 @@ class StepOutputs(msgspec.Struct, tag="detok.step"):
 
     new: list[TrackRequest]
     updates: list[RequestUpdate]
-    scheduler: Any = None  # where stop-string hits go (the sender)
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
 
