@@ -275,7 +275,7 @@ class CompiledForward:
         self.compile_seconds += seconds
         delta = {k: v - before[k] for k, v in _counter_snapshot().items()}
         missed = delta["fxgraph_miss"] + delta["fxgraph_bypass"]
-        log.info("compiled forward: new graph", tokens=num_tokens, seconds=round(seconds, 2),
+        log.info("compile.new_graph", tokens=num_tokens, seconds=round(seconds, 2),
                  cache="miss" if missed else "hit", fxgraph_hits=delta["fxgraph_hit"],
                  fxgraph_misses=delta["fxgraph_miss"], fxgraph_bypasses=delta["fxgraph_bypass"], key=self.key)
         if self.strict and missed:
@@ -319,7 +319,7 @@ class CompiledForward:
                     "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
         state = "hit" if delta["fxgraph_miss"] + delta["fxgraph_bypass"] == 0 else "miss"
-        log.info("compile warm-up done", cache=state, seconds=round(seconds, 2), token_counts=counts,
+        log.info("compile.warmed_up", cache=state, seconds=round(seconds, 2), token_counts=counts,
                  fxgraph_hits=delta["fxgraph_hit"], fxgraph_misses=delta["fxgraph_miss"],
                  aot_hits=delta["aot_hit"], aot_misses=delta["aot_miss"], directory=str(self.directory))
         return manifest
@@ -366,7 +366,7 @@ def compile_forward(
         )
     _use_cache_dir(directory)
     (directory / "key.json").write_text(json.dumps(parts, indent=1, sort_keys=True))
-    log.info("compile cache", key=key, directory=str(directory), warmed=manifest.is_file(),
+    log.info("compile.cache", key=key, directory=str(directory), warmed=manifest.is_file(),
              force_aot_load=strict)
     # the rotary tables are cached per device on first use: fill that cache now, in eager, or
     # the first graph would trace the insertion and guard on the cache being empty (a recompile)

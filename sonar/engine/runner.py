@@ -85,7 +85,7 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel, kv_bytes: int | Non
         num_blocks = memory.num_blocks_for(kv_bytes, per_block)
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
-        log.warning("max_model_len reduced to fit the KV cache", max_model_len=fitted.value,
+        log.warning("kv_cache.max_model_len_reduced", detail="reduced to fit the KV cache", max_model_len=fitted.value,
                     model_max=fitted.reduced_from)
     return num_blocks, fitted.value
 
@@ -129,8 +129,8 @@ class ModelRunner:
         profile = None
         sizes = capture_sizes(cfg) if cuda else []
         if sizes and not ops.use_triton(torch.empty(0, device=device)):
-            log.warning("no CUDA graphs: the torch references read metadata on the host (Triton missing or "
-                        "SONAR_USE_TRITON=0)")
+            log.warning("cudagraph.disabled", detail="the torch references read metadata on the host (Triton "
+                        "missing or SONAR_USE_TRITON=0)")
             sizes = []
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
@@ -144,7 +144,7 @@ class ModelRunner:
         if sizes:
             self.graphs = CudaGraphs(self._forward, self._buffers(sizes[-1]), sizes, self.model.num_kv_heads)
             self.graphs.capture()
-            log.info("cuda graphs captured", sizes=len(sizes), max_size=sizes[-1],
+            log.info("cudagraph.captured", sizes=len(sizes), max_size=sizes[-1],
                      seconds=round(self.graphs.capture_seconds, 2),
                      memory=format_memory_size(self.graphs.memory_bytes),
                      estimated=format_memory_size(profile.graphs) if profile else None)
@@ -174,7 +174,7 @@ class ModelRunner:
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
             device=device.type,
         )
-        log.info("kv cache allocated", device=str(device), dtype=str(self.kv_dtype).removeprefix("torch."),
+        log.info("kv_cache.allocated", device=str(device), dtype=str(self.kv_dtype).removeprefix("torch."),
                  blocks=self.num_blocks, block_size=cfg.block_size, tokens=self.num_blocks * cfg.block_size,
                  max_model_len=self.max_model_len, reproduce_with=f"--kv-cache-memory-bytes {kv_total}",
                  size=format_memory_size(kv_total), **(profile.describe() if profile else {}))
@@ -244,7 +244,7 @@ class ModelRunner:
         non_torch = (total - free - start.used) - (torch.cuda.memory_reserved(device) - start.reserved)
         profile = memory.MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
                                        peak_activations=peak, non_torch=non_torch, graphs=graphs)
-        log.info("memory profiled", tokens=tokens, **profile.describe())
+        log.info("memory.profiled", tokens=tokens, **profile.describe())
         return profile
 
     @torch.inference_mode()

@@ -131,7 +131,7 @@ class SchedulerActor(Actor):
             try:  # the mirror before the first request (else the watch below brings it soon)
                 self._apply_tier_update(await self.offload.ask(WatchTiers(None, 0, 0.0), timeout=30))
             except (ActorError, AskTimeout, ActorNotFound) as exc:
-                log.warning("offload manager unavailable; the tiers are looked up once it answers", error=str(exc))
+                log.warning("scheduler.offload_unavailable", detail="the tiers are looked up once it answers", error=str(exc))
             self.task_group.start_soon(self._watch_tiers)
 
     async def handle(self, msg: SchedulerMsg) -> Any:
@@ -336,7 +336,7 @@ class SchedulerActor(Actor):
         try:
             await self.offload.send(msg)
         except ActorNotFound:  # the manager is restarting: these events are lost
-            log.warning("offload manager unavailable; KV events dropped")
+            log.warning("scheduler.kv_events_dropped", detail="offload manager unavailable")
 
     async def _recover(self, failed: SchedulerOutput | None) -> None:
         """The step `failed` failed (`self.failure`; None: no step reached the worker): quarantine
@@ -346,7 +346,7 @@ class SchedulerActor(Actor):
         crashed = [] if failed is None or never_ran else [r.req_id for r in failed.requests]
         recovery = self.core.reset_after_worker_failure(crashed)
         ids = recovery.recomputed
-        log.error("step failed; requests will be recomputed", error=str(self.failure), requests=len(ids),
+        log.error("scheduler.step_failed", detail="requests will be recomputed", error=str(self.failure), requests=len(ids),
                   suspects=len(self.core.quarantine))
         if recovery.quarantined:
             for update in recovery.quarantined:
@@ -371,7 +371,7 @@ class SchedulerActor(Actor):
         if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
             raise RuntimeError("the restarted worker has a different KV cache layout")
         self.info = info
-        log.info("worker back; resuming", requests=len(ids))
+        log.info("scheduler.worker_back", requests=len(ids))
 
 
 def _never_ran(failure: Exception | None) -> bool:

@@ -112,7 +112,7 @@ def build(root: Path | None = None, flags: tuple[str, ...] = ()) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("native CPU kernels built", seconds=round(time.perf_counter() - started, 1), path=str(library))
+    log.info("native.built", seconds=round(time.perf_counter() - started, 1), path=str(library))
     return library
 
 
@@ -121,7 +121,7 @@ def _load() -> bool:
     try:
         torch.ops.load_library(str(build()))
     except (NativeBuildError, OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native CPU kernels unavailable; using the torch references", reason=str(e).splitlines()[0])
+        log.warning("native.unavailable", detail="using the torch references", reason=str(e).splitlines()[0])
         return False
     return True
 

@@ -111,7 +111,7 @@ def convert_gguf(path: Path, tokenizer_from: Path | None = None) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("converted GGUF checkpoint", source=str(path), cache=str(out), seconds=round(time.perf_counter() - started, 2))
+    log.info("model.gguf_converted", source=str(path), cache=str(out), seconds=round(time.perf_counter() - started, 2))
     return out
 
 
@@ -212,7 +212,7 @@ def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torc
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
-            log.warning("GGUF tensor skipped", tensor=tensor.name, source=str(path))
+            log.warning("model.gguf_tensor_skipped", tensor=tensor.name, source=str(path))
             continue
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
@@ -233,7 +233,7 @@ def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_to
                 shutil.copy2(tokenizer_from / name, dest / name)
         return
     if not has_tokenizer:
-        log.warning("GGUF file has no tokenizer metadata; the model loads without a tokenizer", source=str(path))
+        log.warning("model.gguf_no_tokenizer", detail="the model loads without a tokenizer", source=str(path))
         return
     from transformers import AutoTokenizer
 

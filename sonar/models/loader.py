@@ -139,7 +139,7 @@ def load_model(
     tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
     seconds = time.perf_counter() - started
     log.info(
-        "model loaded",
+        "model.loaded",
         source=source,
         architecture=cls.__name__,
         dtype=str(resolved).removeprefix("torch."),
@@ -172,17 +172,17 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.
     if requested != "auto":
         chosen = DTYPES[requested]
         if chosen == torch.float16 and device.type == "cpu":
-            log.warning("float16 on CPU is slow; bfloat16 is the fast half precision there")
+            log.warning("model.float16_on_cpu", detail="float16 is slow on the CPU; bfloat16 is the fast half precision there")
         return chosen
     chosen = torch.bfloat16 if checkpoint == torch.bfloat16 else torch.float16
     if chosen == torch.float16 and device.type == "cpu":
         log.info(
-            "dtype auto: bfloat16 on CPU (float16 would be slow there)",
+            "model.dtype_auto", dtype="bfloat16", detail="bfloat16 on the CPU (float16 would be slow there)",
             checkpoint_dtype=str(checkpoint).removeprefix("torch."),
         )
         return torch.bfloat16
     log.info(
-        "dtype auto",
+        "model.dtype_auto",
         dtype=str(chosen).removeprefix("torch."),
         checkpoint_dtype=str(checkpoint).removeprefix("torch."),
     )
