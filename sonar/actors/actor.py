@@ -152,6 +152,11 @@ class Incarnation:
         self._scope: anyio.CancelScope | None = None
         self._kill_reason: str | None = None
 
+    @property
+    def ref(self) -> ActorRef:
+        """The way in to this run's actor, for code outside the runtime."""
+        return self.actor.ref
+
     def kill(self, reason: str = "killed") -> None:
         """Cancel the actor where it is (it may be blocked in an await forever)."""
         self._kill_reason = reason

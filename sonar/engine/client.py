@@ -54,7 +54,7 @@ async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
         from transformers import AutoTokenizer
 
         tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
-        llm = LLM(config, sup, inc.actor.ref, streams, info, tokenizer)
+        llm = LLM(config, sup, inc.ref, streams, info, tokenizer)
 
         def fail_all(reason: str) -> None:
             for stream in list(streams.values()):
