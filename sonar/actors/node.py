@@ -387,6 +387,28 @@ class Node:
         assert self._zap is not None
         self._zap.send_nowait(reply)
 
+    def _socket(self, kind: int, address: str, server: bool) -> zmq.Socket:
+        """A ROUTER bound to (server) or a DEALER connected to `address`, authenticated both ways
+        (`_secure`), with this node's queue bounds; closed again if any of that fails."""
+        sock = self._context().socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.RCVHWM, self.hwm)
+        if server:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        else:
+            sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+        try:
+            self._secure(sock, address, server=server)
+            if server:
+                sock.bind(address)
+            else:
+                sock.connect(address)
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
     def _secure(self, sock: zmq.Socket, address: str, server: bool) -> None:
         """CURVE, or PLAIN checked by the same ZAP handler on a private ipc link (`keys`)."""
         creds = self.credentials
@@ -419,17 +441,7 @@ class Node:
                 os.unlink(self._ipc_path)
             except FileNotFoundError:
                 pass
-        sock = self._context().socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, self.hwm)
-        sock.setsockopt(zmq.RCVHWM, self.hwm)
-        try:
-            self._secure(sock, address, server=True)
-            sock.bind(address)
-        except BaseException:
-            sock.close(linger=0)
-            raise
+        sock = self._socket(zmq.ROUTER, address, server=True)
         if self._ipc_path:
             os.chmod(self._ipc_path, 0o600)
         if address.startswith("tcp://") and address.endswith(":0"):
@@ -450,17 +462,7 @@ class Node:
     def _dealer(self, address: str) -> Channel:
         dealer = self._dealers.get(address)
         if dealer is None:
-            sock = self._context().socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.hwm)
-            sock.setsockopt(zmq.RCVHWM, self.hwm)
-            try:
-                self._secure(sock, address, server=False)
-                sock.connect(address)
-            except BaseException:
-                sock.close(linger=0)
-                raise
+            sock = self._socket(zmq.DEALER, address, server=False)
             dealer = self._dealers[address] = Channel(sock, lambda frames: self._on_dealer(address, frames))
         return dealer
 
