@@ -102,3 +102,12 @@ def stop_server(server: ServerProcess) -> int:
             server.proc.kill()
             server.proc.wait()
     return server.proc.returncode
+
+
+def stop_server_cleanly(server: ServerProcess) -> None:
+    """Stop the server and assert it exited 0 on SIGTERM without logging a fault (a traceback or a
+    request that failed with a 500): what a module of hostile requests must leave behind."""
+    code = stop_server(server)
+    assert code == 0, f"the server exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
+    for marker in ("Traceback", "request.failed"):
+        assert marker not in server.log(), f"the server logged a fault:\n{server.log()[-6000:]}"
