@@ -27,8 +27,11 @@ def main(argv: list[str] | None = None) -> int:
             import importlib
 
             return importlib.import_module(f"sonar.bench.{sub}").main(rest[1:])
-        print("usage: python -m sonar bench {serve,throughput,startup,sweep,actors} [ARGS...] "
-              "(--help after one explains its flags)", file=sys.stderr)
+        print(
+            "usage: python -m sonar bench {serve,throughput,startup,sweep,actors} [ARGS...] "
+            "(--help after one explains its flags)",
+            file=sys.stderr,
+        )
         return 0 if sub in ("-h", "--help", "help") else 2
     if command in ("-h", "--help", "help"):
         print("usage: python -m sonar {serve,bench,actor} [ARGS...]")

@@ -82,5 +82,6 @@ class Rejection(msgspec.Struct, frozen=True):
         other kind `InvalidRequestError` (HTTP 400) with the kind as its `code`."""
         if self.kind is RejectKind.OVERLOADED:
             return ServerOverloadedError(self.message, retry_after=retry_after)
-        return InvalidRequestError(self.message, param="prompt" if self.kind is RejectKind.TOO_LONG else None,
-                                   code=self.kind.value)
+        return InvalidRequestError(
+            self.message, param="prompt" if self.kind is RejectKind.TOO_LONG else None, code=self.kind.value
+        )

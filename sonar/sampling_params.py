@@ -112,15 +112,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}",
             )
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise SamplingParamsError(
-                "temperature", f"must be a finite number >= 0, got {self.temperature}"
-            )
+            raise SamplingParamsError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingParamsError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise SamplingParamsError(
-                "top_k", f"must be -1 or 0 (off) or a positive number, got {self.top_k}"
-            )
+            raise SamplingParamsError("top_k", f"must be -1 or 0 (off) or a positive number, got {self.top_k}")
         if not (0.0 <= self.min_p <= 1.0):
             raise SamplingParamsError("min_p", f"must be in [0, 1], got {self.min_p}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
@@ -134,9 +130,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.logit_bias:
             for token_id, bias in self.logit_bias.items():
                 if token_id < 0:
-                    raise SamplingParamsError(
-                        "logit_bias", f"token ids must be >= 0, got {token_id}"
-                    )
+                    raise SamplingParamsError("logit_bias", f"token ids must be >= 0, got {token_id}")
                 if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
                     raise SamplingParamsError(
                         "logit_bias",
@@ -145,15 +139,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if self.stop is not None and any(not s for s in self.stop):
             raise SamplingParamsError("stop", "stop strings must not be empty")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
-            raise SamplingParamsError(
-                "stop_token_ids", f"token ids must be >= 0, got {self.stop_token_ids}"
-            )
+            raise SamplingParamsError("stop_token_ids", f"token ids must be >= 0, got {self.stop_token_ids}")
         if self.logprobs is not None and self.logprobs < 0:
             raise SamplingParamsError("logprobs", f"must be >= 0, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise SamplingParamsError(
-                "prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}"
-            )
+            raise SamplingParamsError("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
 
     def validate(
         self,
@@ -184,9 +174,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             if self.logit_bias:
                 bad = [t for t in self.logit_bias if t >= vocab_size]
                 if bad:
-                    raise SamplingParamsError(
-                        "logit_bias", f"token ids must be < vocab size {vocab_size}, got {bad}"
-                    )
+                    raise SamplingParamsError("logit_bias", f"token ids must be < vocab size {vocab_size}, got {bad}")
             if self.stop_token_ids:
                 bad = [t for t in self.stop_token_ids if t >= vocab_size]
                 if bad:
@@ -195,24 +183,34 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                         f"token ids must be < vocab size {vocab_size}, got {bad}",
                     )
 
-    def _check_counts(self, max_stop_strings: int | None, max_stop_string_chars: int | None,
-                      max_stop_token_ids: int | None, max_logit_bias: int | None) -> None:
+    def _check_counts(
+        self,
+        max_stop_strings: int | None,
+        max_stop_string_chars: int | None,
+        max_stop_token_ids: int | None,
+        max_logit_bias: int | None,
+    ) -> None:
         stops = self.stop_strings
         if max_stop_strings is not None and len(stops) > max_stop_strings:
-            raise SamplingParamsError("stop", over_limit("stop strings", max_stop_strings, len(stops),
-                                                         "max_stop_strings"))
+            raise SamplingParamsError(
+                "stop", over_limit("stop strings", max_stop_strings, len(stops), "max_stop_strings")
+            )
         longest = max(stops, key=len, default="")
         if max_stop_string_chars is not None and len(longest) > max_stop_string_chars:
-            raise SamplingParamsError("stop", over_limit("characters per stop string", max_stop_string_chars,
-                                                         len(longest), "max_stop_string_chars"))
+            raise SamplingParamsError(
+                "stop",
+                over_limit("characters per stop string", max_stop_string_chars, len(longest), "max_stop_string_chars"),
+            )
         ids = self.stop_token_ids or ()
         if max_stop_token_ids is not None and len(ids) > max_stop_token_ids:
-            raise SamplingParamsError("stop_token_ids", over_limit("stop token ids", max_stop_token_ids, len(ids),
-                                                                   "max_stop_token_ids"))
+            raise SamplingParamsError(
+                "stop_token_ids", over_limit("stop token ids", max_stop_token_ids, len(ids), "max_stop_token_ids")
+            )
         bias = self.logit_bias or {}
         if max_logit_bias is not None and len(bias) > max_logit_bias:
-            raise SamplingParamsError("logit_bias", over_limit("logit_bias entries", max_logit_bias, len(bias),
-                                                               "max_logit_bias"))
+            raise SamplingParamsError(
+                "logit_bias", over_limit("logit_bias entries", max_logit_bias, len(bias), "max_logit_bias")
+            )
 
     def check_token_left(self, *, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
         """Raise `SamplingParamsError` when these params leave no token to sample at some step.

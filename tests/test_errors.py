@@ -43,13 +43,17 @@ def test_every_exception_sonar_defines_is_a_sonar_error() -> None:
     assert all(isinstance(c.status, int) for c in classes)
 
 
-@pytest.mark.parametrize(("error", "kind", "param"), [
-    (PromptTooLongError("r1", 300, 256), RejectKind.TOO_LONG, "prompt"),
-    (DuplicateRequestError("r1"), RejectKind.DUPLICATE, None),
-    (RequestRejectedError("r1", "the prompt is empty"), RejectKind.INVALID, None),
-])
-def test_a_core_rejection_becomes_one_invalid_request_error(error: RequestRejectedError, kind: RejectKind,
-                                                           param: str | None) -> None:
+@pytest.mark.parametrize(
+    ("error", "kind", "param"),
+    [
+        (PromptTooLongError("r1", 300, 256), RejectKind.TOO_LONG, "prompt"),
+        (DuplicateRequestError("r1"), RejectKind.DUPLICATE, None),
+        (RequestRejectedError("r1", "the prompt is empty"), RejectKind.INVALID, None),
+    ],
+)
+def test_a_core_rejection_becomes_one_invalid_request_error(
+    error: RequestRejectedError, kind: RejectKind, param: str | None
+) -> None:
     rejection = error.rejection()
     assert rejection.kind is kind and "'r1'" in rejection.message
     # it crosses process boundaries as data

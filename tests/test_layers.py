@@ -30,15 +30,23 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sonar"
 
 FLOORS: dict[str, int] = {
-    "": 0, "errors": 0,
-    "units": 1, "log": 1, "paths": 1, "procfs": 1, "sampling_params": 1,
-    "core": 2, "actors": 2,
-    "protocol": 3, "kernels": 3,
+    "": 0,
+    "errors": 0,
+    "units": 1,
+    "log": 1,
+    "paths": 1,
+    "procfs": 1,
+    "sampling_params": 1,
+    "core": 2,
+    "actors": 2,
+    "protocol": 3,
+    "kernels": 3,
     "models": 4,
     "offload": 5,
     "engine": 6,
     "http": 7,
-    "cli": 8, "bench": 8,
+    "cli": 8,
+    "bench": 8,
     "__main__": 9,
 }
 
@@ -128,8 +136,9 @@ def test_no_import_reaches_a_higher_or_sibling_floor() -> None:
         if source not in FLOORS or target not in FLOORS:
             continue  # test_every_package_has_a_floor names it
         if source != target and target and FLOORS[target] >= FLOORS[source]:
-            wrong.append(f"{imp.where}: {imp.source} (floor {FLOORS[source]}) imports {imp.target} "
-                         f"(floor {FLOORS[target]})")
+            wrong.append(
+                f"{imp.where}: {imp.source} (floor {FLOORS[source]}) imports {imp.target} (floor {FLOORS[target]})"
+            )
     assert wrong == [], "imports against the floors:\n" + "\n".join(wrong)
 
 
@@ -185,8 +194,11 @@ def test_no_import_cycles() -> None:
     report = []
     for component in _cycles(edges):
         members = set(component)
-        lines = [f"  {imp.where}: {imp.source} -> {imp.target}" for imp in IMPORTS
-                 if imp.runtime and imp.source in members and imp.target in members]
+        lines = [
+            f"  {imp.where}: {imp.source} -> {imp.target}"
+            for imp in IMPORTS
+            if imp.runtime and imp.source in members and imp.target in members
+        ]
         report.append(" <-> ".join(component) + "\n" + "\n".join(lines))
     assert report == [], "import cycles:\n" + "\n".join(report)
 

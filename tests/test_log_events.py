@@ -17,9 +17,16 @@ def _events() -> list[tuple[str, str]]:
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in LEVELS
-                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "log"
-                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in LEVELS
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "log"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 found.append((f"{path.relative_to(PACKAGE.parent)}:{node.lineno}", node.args[0].value))
     return found
 

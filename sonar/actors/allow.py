@@ -26,25 +26,29 @@ from sonar.errors import SonarError
 
 ENV = "SONAR_ACTOR_ALLOW"
 
-BUILTIN_ACTORS = frozenset({
-    "sonar.engine.worker:WorkerActor",
-    "sonar.engine.scheduler:SchedulerActor",
-    "sonar.engine.detokenizer:DetokenizerActor",
-    "sonar.offload.manager:OffloadManagerActor",
-    "sonar.bench.actors:BenchActor",
-})
+BUILTIN_ACTORS = frozenset(
+    {
+        "sonar.engine.worker:WorkerActor",
+        "sonar.engine.scheduler:SchedulerActor",
+        "sonar.engine.detokenizer:DetokenizerActor",
+        "sonar.offload.manager:OffloadManagerActor",
+        "sonar.bench.actors:BenchActor",
+    }
+)
 """The actor classes Sonar places in other processes (`sonar.engine.tree.engine_spec`, the
 actor benchmark)."""
 
-BUILTIN_PROTOCOLS = frozenset({
-    "sonar.actors.host:HostMsg",
-    "sonar.protocol.engine:WorkerMsg",
-    "sonar.protocol.engine:SchedulerMsg",
-    "sonar.protocol.engine:DetokenizerMsg",
-    "sonar.protocol.engine:FrontendMsg",
-    "sonar.protocol.offload:OffloadMsg",
-    "sonar.bench.actors:BenchMsg",
-})
+BUILTIN_PROTOCOLS = frozenset(
+    {
+        "sonar.actors.host:HostMsg",
+        "sonar.protocol.engine:WorkerMsg",
+        "sonar.protocol.engine:SchedulerMsg",
+        "sonar.protocol.engine:DetokenizerMsg",
+        "sonar.protocol.engine:FrontendMsg",
+        "sonar.protocol.offload:OffloadMsg",
+        "sonar.bench.actors:BenchMsg",
+    }
+)
 """Protocols of the refs Sonar's actors hand each other (the engine client's `FrontendMsg` sink
 among them)."""
 
@@ -87,8 +91,10 @@ def allowed_actors() -> list[str]:
 def load_actor(path: str, base: type) -> type:
     """The actor class named `path` (a subclass of `base`), imported only when it is on the list."""
     if not actor_allowed(path):
-        raise NotAllowed(f"actor class {path!r} is not on this host's allow-list "
-                         f"(python -m sonar actor --allow-actor {path}, or {ENV})")
+        raise NotAllowed(
+            f"actor class {path!r} is not on this host's allow-list "
+            f"(python -m sonar actor --allow-actor {path}, or {ENV})"
+        )
     cls = _import(path)
     if not (isinstance(cls, type) and issubclass(cls, base)):
         raise NotAllowed(f"{path!r} is not an {base.__name__} class")

@@ -21,8 +21,19 @@ EXT_NDARRAY = 2
 EXT_REF = 3
 
 _DTYPE_NAMES = (
-    "float32", "float16", "bfloat16", "float64", "int8", "uint8", "int16", "int32", "int64", "bool",
-    "float8_e4m3fn", "float8_e5m2", "complex64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int8",
+    "uint8",
+    "int16",
+    "int32",
+    "int64",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "complex64",
 )
 
 

@@ -153,8 +153,12 @@ class HostActor(Actor):
         if inc.exit.normal:
             log.info("actor.exited", actor=name, reason=inc.exit.reason)
         else:
-            log.error("actor.crashed", actor=name, reason=inc.exit.reason,
-                      error=inc.exit.error.traceback if inc.exit.error else None)
+            log.error(
+                "actor.crashed",
+                actor=name,
+                reason=inc.exit.reason,
+                error=inc.exit.error.traceback if inc.exit.error else None,
+            )
         if self.exit_with_actor and self.actors.get(name) is inc:
             self.exit_code = 0 if inc.exit.normal else 1
             await anyio.sleep(0.05)  # let the monitor reply go out first
@@ -220,8 +224,9 @@ def keygen_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(
         prog="sonar actor keygen",
         description="Write a deployment's CURVE keys into DIR (mode 0700): the server keypair (unless DIR has "
-                    "one), a client keypair (unless DIR has one) and the client's public key in DIR/authorized/. "
-                    "Copy DIR to every machine of the deployment; see docs/security.md.")
+        "one), a client keypair (unless DIR has one) and the client's public key in DIR/authorized/. "
+        "Copy DIR to every machine of the deployment; see docs/security.md.",
+    )
     ap.add_argument("dir")
     ap.add_argument("--name", help="file name of this client's key in DIR/authorized/ (default: the host name)")
     args = ap.parse_args(argv)
@@ -240,15 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["keygen"]:
         return keygen_main(argv[1:])
     ap = argparse.ArgumentParser(
-        prog="sonar actor", description="Run an actor host process (`keygen DIR` writes a deployment's keys).")
+        prog="sonar actor", description="Run an actor host process (`keygen DIR` writes a deployment's keys)."
+    )
     ap.add_argument("--listen", help="serve supervisors at this address (tcp://host:port); needs --keys")
-    ap.add_argument("--keys", metavar="DIR",
-                    help=f"the deployment's keys, as `sonar actor keygen DIR` writes them (default: ${keys.ENV_DIR})")
-    ap.add_argument("--allow-actor", action="append", default=[], metavar="MODULE:CLASS",
-                    help="also spawn this actor class for supervisors (repeatable; the classes Sonar ships are "
-                         f"allowed already; ${allow.ENV} adds more, comma-separated)")
-    ap.add_argument("--max-frame-bytes", type=int, metavar="N",
-                    help=f"largest message frame sent or accepted (default: ${MAX_FRAME_ENV} or 4 GiB)")
+    ap.add_argument(
+        "--keys",
+        metavar="DIR",
+        help=f"the deployment's keys, as `sonar actor keygen DIR` writes them (default: ${keys.ENV_DIR})",
+    )
+    ap.add_argument(
+        "--allow-actor",
+        action="append",
+        default=[],
+        metavar="MODULE:CLASS",
+        help="also spawn this actor class for supervisors (repeatable; the classes Sonar ships are "
+        f"allowed already; ${allow.ENV} adds more, comma-separated)",
+    )
+    ap.add_argument(
+        "--max-frame-bytes",
+        type=int,
+        metavar="N",
+        help=f"largest message frame sent or accepted (default: ${MAX_FRAME_ENV} or 4 GiB)",
+    )
     ap.add_argument("--parent", help="address of the parent node (child mode)")
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--hello", default="", help="the id to say hello with (child mode)")
@@ -267,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error("child mode needs the parent's keys in the environment")
         elif keys.Credentials.from_env(os.environ) is None and not args.keys:
             where = "" if is_loopback(args.listen) else f" ({args.listen} is reachable from other machines)"
-            print(f"sonar actor: refusing to listen without credentials{where}: a host accepts only "
-                  "supervisors holding its deployment's keys. Make them with `python -m sonar actor keygen DIR`, "
-                  f"copy DIR to the supervisor's machine, and start with --keys DIR (or {keys.ENV_DIR}=DIR).",
-                  file=sys.stderr)
+            print(
+                f"sonar actor: refusing to listen without credentials{where}: a host accepts only "
+                "supervisors holding its deployment's keys. Make them with `python -m sonar actor keygen DIR`, "
+                f"copy DIR to the supervisor's machine, and start with --keys DIR (or {keys.ENV_DIR}=DIR).",
+                file=sys.stderr,
+            )
             return 2
     except (keys.KeysError, ValueError) as exc:
         print(f"sonar actor: {exc}", file=sys.stderr)

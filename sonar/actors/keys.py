@@ -78,8 +78,7 @@ class Credentials:
         """A private deployment of this process tree (no key leaves it but to its children)."""
         server_public, server_secret = zmq.curve_keypair()
         client_public, client_secret = zmq.curve_keypair()
-        return cls(server_public, server_secret, client_public, client_secret, ephemeral=True,
-                   source="ephemeral")
+        return cls(server_public, server_secret, client_public, client_secret, ephemeral=True, source="ephemeral")
 
     @classmethod
     def from_dir(cls, path: "str | os.PathLike[str]") -> "Credentials":
@@ -92,8 +91,7 @@ class Credentials:
         authorized = set()
         if (root / "authorized").is_dir():
             authorized = set(zmq.auth.load_certificates(str(root / "authorized")))
-        return cls(server_public, server_secret, client_public, client_secret, frozenset(authorized),
-                   source=str(root))
+        return cls(server_public, server_secret, client_public, client_secret, frozenset(authorized), source=str(root))
 
     @classmethod
     def from_env(cls, environ: "dict[str, str] | os._Environ[str]") -> "Credentials | None":
@@ -110,13 +108,22 @@ class Credentials:
             raise KeysError(f"actor keys: a {', '.join(INLINE)} value is not a z85 CURVE key: {exc}") from None
         if server_secret is None or client_secret is None:
             raise KeysError(f"actor keys: set both {ENV_SERVER_SECRET} and {ENV_CLIENT_SECRET}")
-        return cls(zmq.curve_public(server_secret), server_secret, zmq.curve_public(client_secret), client_secret,
-                   authorized, source="environment")
+        return cls(
+            zmq.curve_public(server_secret),
+            server_secret,
+            zmq.curve_public(client_secret),
+            client_secret,
+            authorized,
+            source="environment",
+        )
 
     def to_env(self) -> dict[str, str]:
         """These credentials as environment variables (how a child process gets them)."""
-        return {ENV_SERVER_SECRET: self.server_secret.decode(), ENV_CLIENT_SECRET: self.client_secret.decode(),
-                ENV_AUTHORIZED: ",".join(sorted(k.decode() for k in self.authorized))}
+        return {
+            ENV_SERVER_SECRET: self.server_secret.decode(),
+            ENV_CLIENT_SECRET: self.client_secret.decode(),
+            ENV_AUTHORIZED: ",".join(sorted(k.decode() for k in self.authorized)),
+        }
 
 
 _current: Credentials | None = None

@@ -210,8 +210,9 @@ class Node:
             types = protocol_types(protocol)
             send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=size)
             decode_type = _union(*types, *SYSTEM_MESSAGES)
-            mb = self.mailboxes[name] = Mailbox(name, protocol, display or name, decode_type, types + SYSTEM_MESSAGES,
-                                                send, receive, size)
+            mb = self.mailboxes[name] = Mailbox(
+                name, protocol, display or name, decode_type, types + SYSTEM_MESSAGES, send, receive, size
+            )
         return mb
 
     def remove_mailbox(self, name: str) -> None:
@@ -258,12 +259,15 @@ class Node:
         for frame in frames:
             size = frame.nbytes if hasattr(frame, "nbytes") else len(frame)
             if size > cap:
-                raise FrameTooLarge(f"a frame of {size} bytes is over the actor transport's cap of {cap} bytes "
-                                    f"({MAX_FRAME_ENV}, sonar serve --actor-max-frame-bytes)")
+                raise FrameTooLarge(
+                    f"a frame of {size} bytes is over the actor transport's cap of {cap} bytes "
+                    f"({MAX_FRAME_ENV}, sonar serve --actor-max-frame-bytes)"
+                )
         return frames
 
-    def new_ask(self, reply_type: Any, actor: str, target: str | None = None,
-                address: str | None = None) -> tuple[ReplyTo, asyncio.Future]:
+    def new_ask(
+        self, reply_type: Any, actor: str, target: str | None = None, address: str | None = None
+    ) -> tuple[ReplyTo, asyncio.Future]:
         ask_id = secrets.randbits(63)  # unguessable: a peer cannot answer an ask it was not sent
         while ask_id in self._pending:
             ask_id = secrets.randbits(63)
@@ -330,8 +334,13 @@ class Node:
             self._pending.pop(ask_id, None)
             return
         if peer is None or peer != pending.peer:
-            log.warning("actor.reply_refused", actor=pending.actor, expected=pending.peer, peer=peer,
-                        reason="the reply came from another peer than the one asked")
+            log.warning(
+                "actor.reply_refused",
+                actor=pending.actor,
+                expected=pending.peer,
+                peer=peer,
+                reason="the reply came from another peer than the one asked",
+            )
             return
         status = frames[1].bytes
         try:
@@ -379,11 +388,21 @@ class Node:
         if not allowed and (peer, key) not in self._refused:
             if len(self._refused) < 1024:  # one line per stranger, not one per reconnect
                 self._refused.add((peer, key))
-            log.warning("actor.peer_refused", peer=peer.decode(errors="replace"),
-                        mechanism=mechanism.decode(errors="replace"), key=key.decode(),
-                        reason="client key (or private link password) not accepted")
-        reply = [b"1.0", request_id, b"200" if allowed else b"400", b"OK" if allowed else b"not allowed",
-                 key if allowed else b"", b""]
+            log.warning(
+                "actor.peer_refused",
+                peer=peer.decode(errors="replace"),
+                mechanism=mechanism.decode(errors="replace"),
+                key=key.decode(),
+                reason="client key (or private link password) not accepted",
+            )
+        reply = [
+            b"1.0",
+            request_id,
+            b"200" if allowed else b"400",
+            b"OK" if allowed else b"not allowed",
+            key if allowed else b"",
+            b"",
+        ]
         assert self._zap is not None
         self._zap.send_nowait(reply)
 
@@ -519,8 +538,9 @@ class Node:
             user = _user_id(frames[0])
             reason = self._admit(mb, msg, user)
             if reason is not None:
-                log.warning("actor.message_refused", actor=name, message=type(msg).__qualname__, peer=user,
-                            reason=reason)
+                log.warning(
+                    "actor.message_refused", actor=name, message=type(msg).__qualname__, peer=user, reason=reason
+                )
                 self._spawn(self._refuse(frames, PermissionError(reason), name, quiet=True))
                 return None
         if not mb.overflow:
@@ -552,8 +572,12 @@ class Node:
             self._spawn(self._drain(mb))
         if self._overflowing > 4 * self.hwm:
             if not self._router_paused:
-                log.warning("actor.overflow_full", actor=mb.name, queued=self._overflowing,
-                            reason="overflow queues past 4 x SONAR_ACTOR_HWM messages: reading paused until they drain")
+                log.warning(
+                    "actor.overflow_full",
+                    actor=mb.name,
+                    queued=self._overflowing,
+                    reason="overflow queues past 4 x SONAR_ACTOR_HWM messages: reading paused until they drain",
+                )
             self._router_paused = True
             return False
         return None
@@ -678,8 +702,11 @@ def _private_ipc(address: str) -> bool:
         st = os.stat(directory)
     except OSError:
         return False
-    return (os.path.basename(directory).startswith("sonar-") and st.st_uid == os.getuid()
-            and stat.S_IMODE(st.st_mode) == 0o700)
+    return (
+        os.path.basename(directory).startswith("sonar-")
+        and st.st_uid == os.getuid()
+        and stat.S_IMODE(st.st_mode) == 0o700
+    )
 
 
 def _user_id(frame: Any) -> str | None:

@@ -40,9 +40,7 @@ class ActorRef(Generic[Msg]):
     def _check(self, msg: Any) -> None:
         if not isinstance(msg, self._allowed):
             names = ", ".join(t.__name__ for t in self._types)
-            raise TypeError(
-                f"actor {self.label!r} does not accept {type(msg).__qualname__}; its protocol is: {names}"
-            )
+            raise TypeError(f"actor {self.label!r} does not accept {type(msg).__qualname__}; its protocol is: {names}")
 
     async def send(self, msg: Msg) -> None:
         """Deliver `msg`; waits while the mailbox is full (backpressure), never drops it."""

@@ -74,8 +74,7 @@ class Runner:
             raise
         self.state = "running"
         self.started_at = time.time()
-        log.info("actor.ready", actor=self.name, placement=self.placement, pid=self.pid,
-                 incarnation=self.incarnation)
+        log.info("actor.ready", actor=self.name, placement=self.placement, pid=self.pid, incarnation=self.incarnation)
 
     async def stop(self) -> None:
         """Stop on purpose: politely, then by force after the shutdown deadline."""
@@ -117,8 +116,13 @@ class Runner:
     def info(self) -> ActorInfo:
         depth = self.mailbox_depth()
         return ActorInfo(
-            name=self.name, kind=self.kind, placement=self.placement, pid=self.pid,
-            state=self.state, restarts=self.restarts, mailbox_depth=depth,
+            name=self.name,
+            kind=self.kind,
+            placement=self.placement,
+            pid=self.pid,
+            state=self.state,
+            restarts=self.restarts,
+            mailbox_depth=depth,
             started_at=self.started_at,
             last_exit=(self.last_exit.reason if self.last_exit else None),
         )
@@ -179,8 +183,9 @@ class InProcessRunner(Runner):
 
     async def _start(self, incarnation: int) -> None:
         self.pid = os.getpid()
-        self.inc = await launch(self.sup.tg, self.cls(**_kwargs(self)), self.mailbox_name, self.spec.mailbox_size,
-                                self.name)
+        self.inc = await launch(
+            self.sup.tg, self.cls(**_kwargs(self)), self.mailbox_name, self.spec.mailbox_size, self.name
+        )
         self.sup.tg.start_soon(self._watch, incarnation, self.inc)
 
     async def _watch(self, incarnation: int, inc: Incarnation) -> None:
@@ -227,8 +232,13 @@ class _HostedRunner(Runner):
     async def _spawn(self, incarnation: int, timeout: float) -> None:
         cls = _actor_class(self.spec)
         spawned = await self.host.ask(
-            Spawn(name=self.mailbox_name, target=_target(self.spec), kwargs=_kwargs(self),
-                  mailbox_size=self.spec.mailbox_size, display=self.name),
+            Spawn(
+                name=self.mailbox_name,
+                target=_target(self.spec),
+                kwargs=_kwargs(self),
+                mailbox_size=self.spec.mailbox_size,
+                display=self.name,
+            ),
             timeout=timeout,
         )
         self.pid = spawned.pid
@@ -271,10 +281,23 @@ class ChildProcessRunner(_HostedRunner):
         env.update(node.credentials.to_env())
         env[allow.ENV] = ",".join(p for p in (os.environ.get(allow.ENV, ""), _target(self.spec)) if p)
         env[MAX_FRAME_ENV] = str(node.max_frame_bytes)
-        cmd = [sys.executable, "-m", "sonar", "actor", "--parent", parent, "--parent-pid", str(os.getpid()),
-               "--hello", hello_id, "--bind", self.address]
-        proc = await anyio.open_process(cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env,
-                                        start_new_session=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            "sonar",
+            "actor",
+            "--parent",
+            parent,
+            "--parent-pid",
+            str(os.getpid()),
+            "--hello",
+            hello_id,
+            "--bind",
+            self.address,
+        ]
+        proc = await anyio.open_process(
+            cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env, start_new_session=True
+        )
         self.proc = proc
         self.pid = proc.pid
         self._force_reason = None
@@ -282,9 +305,11 @@ class ChildProcessRunner(_HostedRunner):
         try:
             with anyio.fail_after(timeout):
                 async with anyio.create_task_group() as tg:
+
                     async def _died() -> None:
                         await proc.wait()
                         raise RuntimeError(f"actor process exited with code {proc.returncode} before it was ready")
+
                     tg.start_soon(_died)
                     await hello
                     await self._spawn(incarnation, timeout)
@@ -377,12 +402,15 @@ class RemoteRunner(_HostedRunner):
         if get_node().credentials.ephemeral:
             raise RuntimeError(
                 f"placement {self.address}: an actor host elsewhere needs the deployment's keys here too "
-                f"(python -m sonar actor keygen DIR; then {keys.ENV_DIR}=DIR, or sonar serve --actor-keys DIR)")
+                f"(python -m sonar actor keygen DIR; then {keys.ENV_DIR}=DIR, or sonar serve --actor-keys DIR)"
+            )
         try:
             await self._spawn(incarnation, self.spec.placement.start_timeout)
         except AskTimeout:
-            raise RuntimeError(f"no actor host answered at {self.address} (is it running with this "
-                               "deployment's keys, and this machine's client key authorized there?)") from None
+            raise RuntimeError(
+                f"no actor host answered at {self.address} (is it running with this "
+                "deployment's keys, and this machine's client key authorized there?)"
+            ) from None
         self._exit_event = anyio.Event()
         self.sup.tg.start_soon(self._watch, incarnation, self._exit_event)
 
@@ -436,8 +464,9 @@ class SupervisorRunner(Runner):
         if box and not self.child.ready:
             raise box[0]
 
-    async def _run(self, incarnation: int, child: "Supervisor", ready: anyio.Event, done: anyio.Event,
-                   box: list[BaseException]) -> None:
+    async def _run(
+        self, incarnation: int, child: "Supervisor", ready: anyio.Event, done: anyio.Event, box: list[BaseException]
+    ) -> None:
         try:
             await child.run(on_ready=ready.set)
             info = ExitInfo(True, "normal")

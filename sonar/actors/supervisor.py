@@ -111,9 +111,14 @@ class Supervisor:
     def tree(self) -> ActorInfo:
         """The live supervision tree below (and including) this supervisor."""
         return ActorInfo(
-            name=self.name, kind="supervisor", placement="inprocess", pid=get_node().pid,
+            name=self.name,
+            kind="supervisor",
+            placement="inprocess",
+            pid=get_node().pid,
             state="running" if self.ready and not self._shutdown.is_set() else "stopping",
-            restarts=0, mailbox_depth=None, started_at=None,
+            restarts=0,
+            mailbox_depth=None,
+            started_at=None,
             children=[r.info() for r in self.runners],
         )
 
@@ -178,8 +183,13 @@ class Supervisor:
             log.info("actor.exit", supervisor=self.name, actor=runner.name, reason=info.reason)
             self._event("exit", runner.name, info.reason)
         else:
-            log.error("actor.crash", supervisor=self.name, actor=runner.name, reason=info.reason,
-                      traceback=info.error.traceback if info.error else None)
+            log.error(
+                "actor.crash",
+                supervisor=self.name,
+                actor=runner.name,
+                reason=info.reason,
+                traceback=info.error.traceback if info.error else None,
+            )
             self._event("crash", runner.name, info.reason)
         restart = runner.spec.restart
         if restart == "temporary" or (restart == "transient" and info.normal):
@@ -191,8 +201,10 @@ class Supervisor:
         while self._restarts and self._restarts[0] < now - self.spec.period:
             self._restarts.popleft()
         if len(self._restarts) > self.spec.max_restarts:
-            reason = (f"{len(self._restarts)} restarts within {self.spec.period} s "
-                      f"(max {self.spec.max_restarts}); last: {runner.name} {info.reason}")
+            reason = (
+                f"{len(self._restarts)} restarts within {self.spec.period} s "
+                f"(max {self.spec.max_restarts}); last: {runner.name} {info.reason}"
+            )
             log.error("supervisor.give_up", supervisor=self.name, reason=reason)
             self._event("give_up", runner.name, reason)
             raise SupervisorGaveUp(self.name, reason)
@@ -202,12 +214,11 @@ class Supervisor:
         elif self.spec.strategy == "one_for_all":
             group = [r for r in self.runners if r is runner or r.running]
         else:  # rest_for_one
-            group = [runner] + [r for r in self.runners[index + 1:] if r.running]
+            group = [runner] + [r for r in self.runners[index + 1 :] if r.running]
         await self._stop_all([r for r in group if r is not runner])
         for r in group:
             r.restarts += 1
-            log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts,
-                     cause=runner.name)
+            log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts, cause=runner.name)
             self._event("restart", r.name, f"after {runner.name}: {info.reason}")
             try:
                 await self._start(r)
@@ -226,8 +237,12 @@ class Supervisor:
                 runner.last_pong = await runner.ref.ask(Ping(), timeout=timeout)
             except AskTimeout:
                 if runner.incarnation == incarnation and runner.state == "running":
-                    log.error("actor.hung", supervisor=self.name, actor=runner.name,
-                              reason=f"no answer to a ping within {timeout} s")
+                    log.error(
+                        "actor.hung",
+                        supervisor=self.name,
+                        actor=runner.name,
+                        reason=f"no answer to a ping within {timeout} s",
+                    )
                     self._event("hung", runner.name)
                     await runner.fail(f"hung: no answer to a ping within {timeout} s")
             except (ActorNotFound, ActorError):
@@ -284,11 +299,13 @@ def run_root(spec: SupervisorSpec, main: Callable[[Supervisor], "anyio.abc.Await
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with supervise(spec) as sup:
                 async with anyio.create_task_group() as tg:
+
                     async def _signals() -> None:
                         async for sig in signals:
                             log.info("supervisor.signal", signal=signal.Signals(sig).name)
                             tg.cancel_scope.cancel()
                             return
+
                     tg.start_soon(_signals)
                     if main is not None:
                         await main(sup)

@@ -57,8 +57,9 @@ class BenchActor(Actor):
 
 
 async def _measure(placement: str, asks: int, sends: int, tensor_mib: int, repeats: int) -> dict[str, Any]:
-    spec = SupervisorSpec("bench", [ChildSpec("b", BenchActor, placement=parse_placement(placement),
-                                              ping_interval=None)])
+    spec = SupervisorSpec(
+        "bench", [ChildSpec("b", BenchActor, placement=parse_placement(placement), ping_interval=None)]
+    )
     out: dict[str, Any] = {"placement": placement}
     async with supervise(spec) as sup:
         ref = sup.child("b").ref
@@ -150,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     floor = zmq_floor(args.asks)
     rows = []
     for placement in args.placements.split(","):
-        rows.append(anyio.run(_measure, placement, args.asks, args.sends, args.tensor_mib, args.repeats,
-                              backend="asyncio"))
+        rows.append(
+            anyio.run(_measure, placement, args.asks, args.sends, args.tensor_mib, args.repeats, backend="asyncio")
+        )
     if args.json:
         for row in rows:
             print(msgspec.json.encode(row).decode())
@@ -161,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         in_process = r["placement"] == "inprocess"  # the receiver gets the sender's own tensor
         gbs = f"{r['tensor_gb_per_s']:.2f}" if "tensor_gb_per_s" in r and not in_process else "-"
-        print(f"{r['placement']:<12} {r['ask_median_us']:>11.1f} {r['ask_p99_us']:>11.1f} {r['asks_per_s']:>9.0f} "
-              f"{r['sends_per_s']:>9.0f} {gbs:>12}")
+        print(
+            f"{r['placement']:<12} {r['ask_median_us']:>11.1f} {r['ask_p99_us']:>11.1f} {r['asks_per_s']:>9.0f} "
+            f"{r['sends_per_s']:>9.0f} {gbs:>12}"
+        )
     print(f"bare pyzmq round trip between two processes (blocking, no codec): {floor:.1f} µs median")
     return 0

@@ -60,18 +60,29 @@ def add_dataset_arguments(parser: Any) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for the prompts and the arrival times")
     g.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens")
     g.add_argument("--random-output-len", type=int, default=128, help="random: tokens to generate")
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="random: lengths drawn uniformly in [len*(1-r), len*(1+r)]")
-    g.add_argument("--random-prefix-len", type=int, default=0,
-                   help="random: tokens of one fixed prefix put before every prompt")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="random: lengths drawn uniformly in [len*(1-r), len*(1+r)]",
+    )
+    g.add_argument(
+        "--random-prefix-len", type=int, default=0, help="random: tokens of one fixed prefix put before every prompt"
+    )
     g.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="prefix-repetition: prefix tokens")
     g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="prefix-repetition: suffix tokens")
-    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
-                   help="prefix-repetition: distinct prefixes")
-    g.add_argument("--prefix-repetition-output-len", type=int, default=128,
-                   help="prefix-repetition: tokens to generate")
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="sharegpt: tokens to generate (default: the length of the recorded reply)")
+    g.add_argument(
+        "--prefix-repetition-num-prefixes", type=int, default=10, help="prefix-repetition: distinct prefixes"
+    )
+    g.add_argument(
+        "--prefix-repetition-output-len", type=int, default=128, help="prefix-repetition: tokens to generate"
+    )
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="sharegpt: tokens to generate (default: the length of the recorded reply)",
+    )
 
 
 def dataset_args(ns: Any) -> DatasetArgs:
@@ -100,8 +111,9 @@ def _allowed_ids(tokenizer: Any) -> np.ndarray:
     return np.array([i for i in range(vocab) if i not in special], dtype=np.int64)
 
 
-def _text_of(tokenizer: Any, ids: np.ndarray, rng: np.random.Generator | None = None,
-             allowed: np.ndarray | None = None) -> tuple[str, int]:
+def _text_of(
+    tokenizer: Any, ids: np.ndarray, rng: np.random.Generator | None = None, allowed: np.ndarray | None = None
+) -> tuple[str, int]:
     """Decode random ids to text; (the text, its length in tokens when encoded again).
 
     Decoding and re-encoding random ids merges or splits some tokens; with `rng` and `allowed`
@@ -163,8 +175,11 @@ def _sharegpt(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
     if not args.dataset_path:
         raise ValueError("--dataset-name sharegpt needs --dataset-path FILE.json")
     data = json.loads(Path(args.dataset_path).read_text())
-    pairs = [(d["conversations"][0]["value"], d["conversations"][1]["value"])
-             for d in data if isinstance(d, dict) and len(d.get("conversations") or []) >= 2]
+    pairs = [
+        (d["conversations"][0]["value"], d["conversations"][1]["value"])
+        for d in data
+        if isinstance(d, dict) and len(d.get("conversations") or []) >= 2
+    ]
     random.Random(args.seed).shuffle(pairs)
     out: list[SampleRequest] = []
     for prompt, reply in pairs:

@@ -38,14 +38,18 @@ class RequestResult:
     text: str = ""
 
 
-def request_body(backend: str, model: str, sample: SampleRequest, ignore_eos: bool,
-                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def request_body(
+    backend: str, model: str, sample: SampleRequest, ignore_eos: bool, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The JSON body for `sample`: the fields the reference benchmark client sends."""
     if backend == "openai":
         body: dict[str, Any] = {"model": model, "prompt": sample.prompt, "max_tokens": sample.expected_output_len}
     elif backend == "openai-chat":
-        body = {"model": model, "messages": [{"role": "user", "content": sample.prompt}],
-                "max_completion_tokens": sample.expected_output_len}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": sample.prompt}],
+            "max_completion_tokens": sample.expected_output_len,
+        }
     else:
         raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
     body.update({"temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
@@ -60,8 +64,15 @@ def headers() -> dict[str, str]:
     return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
 
-async def send_request(client: httpx.AsyncClient, url: str, backend: str, model: str, sample: SampleRequest,
-                       ignore_eos: bool, extra: dict[str, Any] | None = None) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    backend: str,
+    model: str,
+    sample: SampleRequest,
+    ignore_eos: bool,
+    extra: dict[str, Any] | None = None,
+) -> RequestResult:
     """Send one streamed request and time it; a failure is recorded in the result, never raised."""
     chat = backend == "openai-chat"
     result = RequestResult(prompt_len=sample.prompt_len)
@@ -79,7 +90,7 @@ async def send_request(client: httpx.AsyncClient, url: str, backend: str, model:
                 line = line.strip()
                 if not line.startswith("data:"):
                     continue
-                payload = line[len("data:"):].strip()
+                payload = line[len("data:") :].strip()
                 if payload == "[DONE]":
                     break
                 data = json.loads(payload)

@@ -43,7 +43,7 @@ def parse_startup_phases(text: str) -> dict[str, float]:
         if at < 0:
             continue
         phases = {}
-        for key, value, unit in _PAIR.findall(line[at + len(STARTUP_LINE):]):
+        for key, value, unit in _PAIR.findall(line[at + len(STARTUP_LINE) :]):
             phases[key] = float(value) / (1000.0 if unit == "ms" else 1.0)
     return phases
 
@@ -81,8 +81,15 @@ class ServerFailed(SonarError, RuntimeError):
     """The server exited, or did not answer /health in time."""
 
 
-def launch(server_args: Sequence[str], log_dir: Path, *, command: str | None = None,
-           env: dict[str, str] | None = None, timeout: float = 600.0, name: str = "server") -> LaunchedServer:
+def launch(
+    server_args: Sequence[str],
+    log_dir: Path,
+    *,
+    command: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    name: str = "server",
+) -> LaunchedServer:
     """Start the server and wait until ``GET /health`` answers 200; raises `ServerFailed`."""
     port = free_port()
     argv = server_command(port, server_args, command)
@@ -96,8 +103,10 @@ def launch(server_args: Sequence[str], log_dir: Path, *, command: str | None = N
     with httpx.Client(timeout=2.0) as client:
         while time.perf_counter() - started < timeout:
             if proc.poll() is not None:
-                raise ServerFailed(f"the server exited with {proc.returncode} before it was ready "
-                                   f"({' '.join(argv)}):\n{server.err()[-3000:]}")
+                raise ServerFailed(
+                    f"the server exited with {proc.returncode} before it was ready "
+                    f"({' '.join(argv)}):\n{server.err()[-3000:]}"
+                )
             try:
                 if client.get(f"{server.base_url}/health").status_code == 200:
                     server.ready_seconds = time.perf_counter() - started
@@ -114,7 +123,7 @@ def split_server_args(argv: list[str]) -> tuple[list[str], list[str]]:
     if "--" not in argv:
         return argv, []
     at = argv.index("--")
-    return argv[:at], argv[at + 1:]
+    return argv[:at], argv[at + 1 :]
 
 
 def stop(server: LaunchedServer, timeout: float = 30.0) -> int:

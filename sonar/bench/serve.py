@@ -51,46 +51,68 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, server: bool = True)
         g.add_argument("--base-url", default=None, help="the server's URL (default http://HOST:PORT)")
         g.add_argument("--host", default="127.0.0.1")
         g.add_argument("--port", type=int, default=DEFAULT_PORT)
-        g.add_argument("--server-pid", type=int, default=None,
-                       help="a local server's process id, to read its memory when /metrics does not export it")
-    parser.add_argument("--backend", choices=sorted(BACKENDS), default="openai",
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+        g.add_argument(
+            "--server-pid",
+            type=int,
+            default=None,
+            help="a local server's process id, to read its memory when /metrics does not export it",
+        )
+    parser.add_argument(
+        "--backend",
+        choices=sorted(BACKENDS),
+        default="openai",
+        help="openai: /v1/completions; openai-chat: /v1/chat/completions",
+    )
     parser.add_argument("--endpoint", default=None, help="the API path (default: the backend's)")
     parser.add_argument("--model", default=None, help="the model name to request (default: the server's first model)")
     parser.add_argument("--served-model-name", default=None, help="the name sent in requests, if not --model")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a local tokenizer directory or cached Hugging Face id (default: the model's, "
-                             "else the embedded SmolLM2's)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a local tokenizer directory or cached Hugging Face id (default: the model's, "
+        "else the embedded SmolLM2's)",
+    )
     add_dataset_arguments(parser)
     g = parser.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second (Poisson arrivals); inf sends all at once")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (Poisson arrivals); inf sends all at once",
+    )
+    g.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 is Poisson, lower is burstier"
+    )
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate all max_tokens")
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent and not counted before the run")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     g = parser.add_argument_group("report")
-    g.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs for goodput: ttft:MS tpot:MS e2el:MS")
-    g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el",
-                   help="which metrics get percentiles (ttft, tpot, itl, e2el)")
+    g.add_argument(
+        "--goodput", nargs="+", default=None, metavar="NAME:MS", help="SLOs for goodput: ttft:MS tpot:MS e2el:MS"
+    )
+    g.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="which metrics get percentiles (ttft, tpot, itl, e2el)",
+    )
     g.add_argument("--metric-percentiles", default="90,99", help="which percentiles, e.g. 50,90,99")
     g.add_argument("--metrics-interval", type=float, default=0.5, help="seconds between /metrics polls")
     g.add_argument("--save-result", action="store_true", help="write the result as JSON")
     g.add_argument("--result-dir", default=None, help="where --save-result writes (default .)")
     g.add_argument("--result-filename", default=None, help="the JSON file's name (default: generated)")
     g.add_argument("--label", default=None, help="a name for this run in the report and the file")
-    g.add_argument("--plot", default=None, metavar="FILE.png",
-                   help="write latency distributions and tokens/s over time as a PNG")
+    g.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="write latency distributions and tokens/s over time as a PNG"
+    )
     g.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_floor_arguments(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m sonar bench serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m sonar bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_serve_arguments(parser)
     return parser
 
@@ -114,8 +136,9 @@ async def _models(client: httpx.AsyncClient, base_url: str) -> list[dict[str, An
         raise RuntimeError(f"cannot list the models of {base_url}: {exc}") from exc
 
 
-async def run_serve(args: argparse.Namespace, base_url: str | None = None,
-                    log: Any = print) -> tuple[dict[str, Any], list[RequestResult], float]:
+async def run_serve(
+    args: argparse.Namespace, base_url: str | None = None, log: Any = print
+) -> tuple[dict[str, Any], list[RequestResult], float]:
     """Run the benchmark described by `args`; (the result dict, per-request results, start time)."""
     base_url = (base_url or args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = args.endpoint or BACKENDS[args.backend]
@@ -135,16 +158,19 @@ async def run_serve(args: argparse.Namespace, base_url: str | None = None,
         samples = await asyncio.to_thread(sample_requests, dataset_args(args), tokenizer)
         request_model = args.served_model_name or model
         url = base_url + endpoint
-        log(f"bench serve: {len(samples)} requests ({args.dataset_name}) to {url}, model {request_model}, "
-            f"tokenizer {files.note}")
+        log(
+            f"bench serve: {len(samples)} requests ({args.dataset_name}) to {url}, model {request_model}, "
+            f"tokenizer {files.note}"
+        )
 
         if args.num_warmups > 0:
             log(f"bench serve: {args.num_warmups} warm-up request(s)")
             # Drawn with another seed, so that warm-up prompts do not seed the prefix cache for the run.
             warm_args = dataclasses.replace(dataset_args(args), seed=args.seed + 1, num_prompts=args.num_warmups)
             warm_samples = await asyncio.to_thread(sample_requests, warm_args, tokenizer)
-            warm = await asyncio.gather(*(send_request(client, url, args.backend, request_model, s, args.ignore_eos)
-                                          for s in warm_samples))
+            warm = await asyncio.gather(
+                *(send_request(client, url, args.backend, request_model, s, args.ignore_eos) for s in warm_samples)
+            )
             if not any(r.success for r in warm):
                 raise RuntimeError(f"every warm-up request failed: {warm[0].error}")
 
@@ -201,8 +227,9 @@ def args_server_pid(args: argparse.Namespace) -> int | None:
     return getattr(args, "server_pid", None)
 
 
-async def _run_requests(client: httpx.AsyncClient, url: str, args: argparse.Namespace, model: str,
-                        samples: Sequence[SampleRequest]) -> tuple[list[RequestResult], float, float]:
+async def _run_requests(
+    client: httpx.AsyncClient, url: str, args: argparse.Namespace, model: str, samples: Sequence[SampleRequest]
+) -> tuple[list[RequestResult], float, float]:
     """Send every sample on its arrival schedule; (results in sample order, start, duration)."""
     from tqdm import tqdm
 
@@ -268,8 +295,12 @@ def format_report(result: dict[str, Any]) -> str:
     row("Peak output token throughput (tok/s):", result["peak_output_throughput"])
     row("Peak concurrent requests:", result["peak_concurrent_requests"])
     row("Total token throughput (tok/s):", result["total_token_throughput"])
-    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    titles = {
+        "ttft": "Time to First Token",
+        "tpot": "Time per Output Token (excl. 1st token)",
+        "itl": "Inter-token Latency",
+        "e2el": "End-to-end Latency",
+    }
     for name in result["percentile_metrics"]:
         label = LABELS[name]
         section(titles[name])

@@ -36,7 +36,7 @@ def parse_metrics(text: str) -> dict[str, float]:
                 continue
             for prefix in PREFIXES:
                 if name.startswith(prefix):
-                    name = name[len(prefix):]
+                    name = name[len(prefix) :]
                     break
             name = ALIASES.get(name, name)
             out[name] = out.get(name, 0.0) + float(sample.value)
@@ -100,8 +100,9 @@ def with_rss(metrics: dict[str, float] | None, server_pid: int | None) -> dict[s
     return {**(metrics or {}), RSS: float(rss)}
 
 
-def server_summary(before: dict[str, float] | None, after: dict[str, float] | None,
-                   poller: MetricsPoller) -> dict[str, Any]:
+def server_summary(
+    before: dict[str, float] | None, after: dict[str, float] | None, poller: MetricsPoller
+) -> dict[str, Any]:
     """The server-side figures of a run: peak KV usage, preemptions and prefix-cache hit rate over
     the run (differences of the counters), and process memory before, at peak and after."""
     b, a = before or {}, after or {}

@@ -33,13 +33,16 @@ from sonar.bench.launch import ServerFailed, launch, parse_startup_phases, split
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sonar bench startup", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m sonar bench startup", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--runs", type=int, default=3, help="runs per mode")
     p.add_argument("--modes", default="cold,warm", help="which of cold, warm to measure (comma-separated)")
-    p.add_argument("--server-command", default=None,
-                   help="the command that starts the server instead of `python -m sonar serve` "
-                        "({port} is replaced by the port)")
+    p.add_argument(
+        "--server-command",
+        default=None,
+        help="the command that starts the server instead of `python -m sonar serve` ({port} is replaced by the port)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a server may take to get ready")
     p.add_argument("--log-dir", default=None, help="keep the servers' stdout/stderr here")
     p.add_argument("--output-json", default=None, help="write the result as JSON to this file")
@@ -50,8 +53,13 @@ def first_token(base_url: str, spawned: float, timeout: float = 300.0) -> tuple[
     """Send a one-token streamed completion; (seconds since `spawned`, seconds since sending)."""
     with httpx.Client(timeout=timeout) as client:
         models = client.get(f"{base_url}/v1/models").json().get("data") or []
-        body = {"model": models[0]["id"] if models else "default", "prompt": "Hello", "max_tokens": 1,
-                "temperature": 0.0, "stream": True}
+        body = {
+            "model": models[0]["id"] if models else "default",
+            "prompt": "Hello",
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "stream": True,
+        }
         sent = time.perf_counter()
         with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
             if response.status_code != 200:
@@ -63,11 +71,18 @@ def first_token(base_url: str, spawned: float, timeout: float = 300.0) -> tuple[
     raise ServerFailed("the first request's stream carried no token")
 
 
-def one_run(mode: str, index: int, cache_root: Path, server_args: list[str], args: argparse.Namespace,
-            log_dir: Path) -> dict[str, Any]:
+def one_run(
+    mode: str, index: int, cache_root: Path, server_args: list[str], args: argparse.Namespace, log_dir: Path
+) -> dict[str, Any]:
     """Start the server once with `cache_root` as SONAR_CACHE_ROOT and time it."""
-    server = launch(server_args, log_dir, command=args.server_command, env={"SONAR_CACHE_ROOT": str(cache_root)},
-                    timeout=args.timeout, name=f"{mode}-{index}")
+    server = launch(
+        server_args,
+        log_dir,
+        command=args.server_command,
+        env={"SONAR_CACHE_ROOT": str(cache_root)},
+        timeout=args.timeout,
+        name=f"{mode}-{index}",
+    )
     try:
         to_token, ttft = first_token(server.base_url, server.started)
     finally:
@@ -78,8 +93,15 @@ def one_run(mode: str, index: int, cache_root: Path, server_args: list[str], arg
         # names do not cover is shown too.
         phases["other"] = max(0.0, phases["ready"] - sum(v for k, v in phases.items() if k != "ready"))
         phases["before_server_clock"] = max(0.0, server.ready_seconds - phases["ready"])
-    return {"mode": mode, "run": index, "ready_s": server.ready_seconds, "first_token_s": to_token,
-            "ttft_s": ttft, "phases": phases, "exit_code": code}
+    return {
+        "mode": mode,
+        "run": index,
+        "ready_s": server.ready_seconds,
+        "first_token_s": to_token,
+        "ttft_s": ttft,
+        "phases": phases,
+        "exit_code": code,
+    }
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -92,8 +114,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         for r in mine:
             for phase, v in r["phases"].items():
                 values.setdefault(f"phase:{phase}", []).append(v)
-        out[mode] = {k: {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)}
-                     for k, v in values.items()}
+        out[mode] = {
+            k: {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)} for k, v in values.items()
+        }
     return out
 
 
@@ -103,8 +126,12 @@ def format_report(summary: dict[str, dict[str, Any]]) -> str:
     lines.append(f"{'':<26}{'mean':>12}{'min':>12}{'max':>12}")
     for mode, stats in summary.items():
         lines.append(f" {mode} (n={stats['ready_s']['n']}) ".center(width, "-"))
-        names = {"ready_s": "ready (/health 200) (s)", "first_token_s": "first token (s)",
-                 "ttft_s": "  first request's TTFT (s)", "phase:ready": "  server's own total (s)"}
+        names = {
+            "ready_s": "ready (/health 200) (s)",
+            "first_token_s": "first token (s)",
+            "ttft_s": "  first request's TTFT (s)",
+            "phase:ready": "  server's own total (s)",
+        }
         for key, st in stats.items():
             phase = key.removeprefix("phase:")
             name = names.get(key, f"  {phase.replace('_', ' ')} (s)")
@@ -135,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes:
                 run = one_run(mode, i, cache, server_args, args, log_dir)
                 runs.append(run)
-                print(f"bench startup: {mode} run {i + 1}/{args.runs}: ready {run['ready_s']:.2f} s, "
-                      f"first token {run['first_token_s']:.2f} s", flush=True)
+                print(
+                    f"bench startup: {mode} run {i + 1}/{args.runs}: ready {run['ready_s']:.2f} s, "
+                    f"first token {run['first_token_s']:.2f} s",
+                    flush=True,
+                )
             shutil.rmtree(cache, ignore_errors=True)
     except ServerFailed as exc:
         print(f"bench startup: {exc}", file=sys.stderr)
@@ -148,8 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.output_json:
         path = Path(args.output_json)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                                    "server_args": server_args, "server_command": args.server_command,
-                                    "runs": runs, "summary": summary}, indent=2))
+        path.write_text(
+            json.dumps(
+                {
+                    "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "server_args": server_args,
+                    "server_command": args.server_command,
+                    "runs": runs,
+                    "summary": summary,
+                },
+                indent=2,
+            )
+        )
         print(f"bench startup: result written to {path}")
     return 0

@@ -59,8 +59,12 @@ def _describe(values_s: Iterable[float], percentiles: Sequence[float]) -> dict[s
     ms = np.asarray(list(values_s), dtype=np.float64) * 1e3
     if ms.size == 0:
         return {"mean": 0.0, "median": 0.0, "std": 0.0, "percentiles": {_pct_key(p): 0.0 for p in percentiles}}
-    return {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
-            "percentiles": {_pct_key(p): float(np.percentile(ms, p)) for p in percentiles}}
+    return {
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        "std": float(ms.std()),
+        "percentiles": {_pct_key(p): float(np.percentile(ms, p)) for p in percentiles},
+    }
 
 
 def _pct_key(p: float) -> str:
@@ -89,8 +93,13 @@ def concurrency_peak(results: Sequence[RequestResult]) -> int:
     return peak
 
 
-def summarize(results: Sequence[RequestResult], duration: float, percentiles: Sequence[float],
-              slos: dict[str, float] | None = None, t0: float | None = None) -> dict[str, Any]:
+def summarize(
+    results: Sequence[RequestResult],
+    duration: float,
+    percentiles: Sequence[float],
+    slos: dict[str, float] | None = None,
+    t0: float | None = None,
+) -> dict[str, Any]:
     """The benchmark's figures (request and token throughput, latency statistics in ms, goodput)."""
     ok = [r for r in results if r.success]
     duration = max(duration, 1e-9)
@@ -120,8 +129,12 @@ def summarize(results: Sequence[RequestResult], duration: float, percentiles: Se
         # Mean requests in flight (Little's law): the mean decode batch the server saw.
         "mean_concurrency": sum(r.latency for r in ok) / duration,
     }
-    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", tpots),
-                         ("itl", [x for r in ok for x in r.itl]), ("e2el", [r.latency for r in ok])):
+    for name, values in (
+        ("ttft", [r.ttft for r in ok]),
+        ("tpot", tpots),
+        ("itl", [x for r in ok for x in r.itl]),
+        ("e2el", [r.latency for r in ok]),
+    ):
         d = _describe(values, percentiles)
         out[f"mean_{name}_ms"] = d["mean"]
         out[f"median_{name}_ms"] = d["median"]

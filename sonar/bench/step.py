@@ -79,8 +79,11 @@ class StepDriver:
             n = len(tokens)
             self._grow(i, start + n)
             is_new = start == 0
-            reqs.append(ScheduledRequest(f"r{i}", tokens, start, list(self.blocks[i]),
-                                         start + n >= len(prompt), is_new, len(prompt)))
+            reqs.append(
+                ScheduledRequest(
+                    f"r{i}", tokens, start, list(self.blocks[i]), start + n >= len(prompt), is_new, len(prompt)
+                )
+            )
             if is_new:
                 new.append(NewRequestData(f"r{i}", self.params, prompt, []))
             budget -= n
@@ -121,8 +124,9 @@ class LinearSwitch:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, PackedLinear):
-                    plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                                            device="meta")
+                    plain = torch.nn.Linear(
+                        child.in_features, child.out_features, bias=child.bias is not None, device="meta"
+                    )
                     plain.weight, plain.bias = child.weight, child.bias
                     self.slots.append((parent, name, child, plain))
 
@@ -150,10 +154,14 @@ def compare_eager(runner: ModelRunner, driver: StepDriver, batch: int, steps: in
     switch.packed(True)
     med = {k: {p: statistics.median(v) for p, v in t.items()} for k, t in times.items()}
     for name in variants:
-        print(f"{name:9}: prefill {1000 * med[name]['prefill']:.0f} ms, decode {1000 * med[name]['decode']:.1f} ms "
-              f"per step (medians, interleaved)")
-    print(f"prepacked / eager: prefill {med['prepacked']['prefill'] / med['eager']['prefill']:.2f}x, "
-          f"decode {med['prepacked']['decode'] / med['eager']['decode']:.2f}x")
+        print(
+            f"{name:9}: prefill {1000 * med[name]['prefill']:.0f} ms, decode {1000 * med[name]['decode']:.1f} ms "
+            f"per step (medians, interleaved)"
+        )
+    print(
+        f"prepacked / eager: prefill {med['prepacked']['prefill'] / med['eager']['prefill']:.2f}x, "
+        f"decode {med['prepacked']['decode'] / med['eager']['decode']:.2f}x"
+    )
 
 
 def compare_fused(runner: ModelRunner, driver: StepDriver, batch: int, steps: int) -> None:
@@ -169,8 +177,10 @@ def compare_fused(runner: ModelRunner, driver: StepDriver, batch: int, steps: in
     fused.serves = serves
     med = {k: statistics.median(v) for k, v in times.items()}
     for name, value in med.items():
-        print(f"{name:6}: decode {1000 * value:.1f} ms (min {1000 * min(times[name]):.1f}) per step "
-              f"(medians, interleaved)")
+        print(
+            f"{name:6}: decode {1000 * value:.1f} ms (min {1000 * min(times[name]):.1f}) per step "
+            f"(medians, interleaved)"
+        )
     print(f"fused / per-op: decode {med['fused'] / med['per-op']:.2f}x")
 
 
@@ -182,11 +192,20 @@ class CompiledCopy:
         from sonar.engine.compile import compile_forward
 
         cfg = runner.config
-        self.model = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format, revision=cfg.revision,
-                                download_dir=cfg.download_dir).model
+        self.model = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
+            revision=cfg.revision,
+            download_dir=cfg.download_dir,
+        ).model
         prepack_linears(self.model)  # as the runner does; compile_forward keeps them as opaque oneDNN calls
-        key = {"model": runner.loaded.source, "revision": cfg.revision, "dtype": runner.info.dtype,
-               "block_size": cfg.block_size}
+        key = {
+            "model": runner.loaded.source,
+            "revision": cfg.revision,
+            "dtype": runner.info.dtype,
+            "block_size": cfg.block_size,
+        }
         t = time.perf_counter()
         self.forward = compile_forward(self.model, config_key_parts=key, cache_root=cache_root)
         self.manifest = self.forward.warm_up(runner.kv_caches, cfg.block_size, (1, batch, prefill_chunk))
@@ -194,12 +213,15 @@ class CompiledCopy:
         self.model.forward = self.forward
 
 
-def compare_compiled(runner: ModelRunner, driver: StepDriver, compiled: CompiledCopy, batch: int, steps: int,
-                     prefill_chunk: int) -> None:
+def compare_compiled(
+    runner: ModelRunner, driver: StepDriver, compiled: CompiledCopy, batch: int, steps: int, prefill_chunk: int
+) -> None:
     """Prefill chunks and decode steps alternating between the eager model and the compiled copy."""
     m = compiled.manifest
-    print(f"compile + warm-up {compiled.seconds:.1f} s (token counts {m['token_counts']}): FX graph cache "
-          f"{m['fxgraph_hit']} hit(s), {m['fxgraph_miss']} miss(es); {compiled.forward.directory}")
+    print(
+        f"compile + warm-up {compiled.seconds:.1f} s (token counts {m['token_counts']}): FX graph cache "
+        f"{m['fxgraph_hit']} hit(s), {m['fxgraph_miss']} miss(es); {compiled.forward.directory}"
+    )
     eager_model = runner.model
     variants = {"eager": eager_model, "compiled": compiled.model}
     times: dict[str, dict[str, list[float]]] = {k: {"prefill": [], "decode": []} for k in variants}
@@ -218,13 +240,17 @@ def compare_compiled(runner: ModelRunner, driver: StepDriver, compiled: Compiled
     med = {k: {p: statistics.median(v) for p, v in t.items()} for k, t in times.items()}
     low = {k: {p: min(v) for p, v in t.items()} for k, t in times.items()}
     for name in variants:
-        print(f"{name:9}: first prefill step ({prefill_chunk} tokens max) {1000 * med[name]['prefill']:.0f} ms "
-              f"(min {1000 * low[name]['prefill']:.0f}), decode {1000 * med[name]['decode']:.1f} ms "
-              f"(min {1000 * low[name]['decode']:.1f}) per step (medians, interleaved)")
-    print(f"compiled / eager: prefill {med['compiled']['prefill'] / med['eager']['prefill']:.2f}x "
-          f"(mins {low['compiled']['prefill'] / low['eager']['prefill']:.2f}x), "
-          f"decode {med['compiled']['decode'] / med['eager']['decode']:.2f}x "
-          f"(mins {low['compiled']['decode'] / low['eager']['decode']:.2f}x)")
+        print(
+            f"{name:9}: first prefill step ({prefill_chunk} tokens max) {1000 * med[name]['prefill']:.0f} ms "
+            f"(min {1000 * low[name]['prefill']:.0f}), decode {1000 * med[name]['decode']:.1f} ms "
+            f"(min {1000 * low[name]['decode']:.1f}) per step (medians, interleaved)"
+        )
+    print(
+        f"compiled / eager: prefill {med['compiled']['prefill'] / med['eager']['prefill']:.2f}x "
+        f"(mins {low['compiled']['prefill'] / low['eager']['prefill']:.2f}x), "
+        f"decode {med['compiled']['decode'] / med['eager']['decode']:.2f}x "
+        f"(mins {low['compiled']['decode'] / low['eager']['decode']:.2f}x)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,14 +265,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--profile", action="store_true", help="print a torch profiler table of decode steps")
-    ap.add_argument("--compare-eager", action="store_true",
-                    help="also time plain (not prepacked) linear layers, interleaved")
-    ap.add_argument("--compare-fused", action="store_true",
-                    help="also time decode steps through the per-op path, interleaved with the native layer loop")
-    ap.add_argument("--compare-compiled", action="store_true",
-                    help="also time a torch.compile'd copy of the model, interleaved")
-    ap.add_argument("--compile-cache-root", type=Path, default=None,
-                    help="compile cache root for --compare-compiled (default: $SONAR_CACHE_ROOT)")
+    ap.add_argument(
+        "--compare-eager", action="store_true", help="also time plain (not prepacked) linear layers, interleaved"
+    )
+    ap.add_argument(
+        "--compare-fused",
+        action="store_true",
+        help="also time decode steps through the per-op path, interleaved with the native layer loop",
+    )
+    ap.add_argument(
+        "--compare-compiled", action="store_true", help="also time a torch.compile'd copy of the model, interleaved"
+    )
+    ap.add_argument(
+        "--compile-cache-root",
+        type=Path,
+        default=None,
+        help="compile cache root for --compare-compiled (default: $SONAR_CACHE_ROOT)",
+    )
     ap.add_argument("--bandwidth", type=float, default=26.0, help="GB/s of weight reads (half the copy figure)")
     ap.add_argument("--flops", type=float, default=390.0, help="GFLOP/s of bf16 matmul")
     args = ap.parse_args(argv)
@@ -256,8 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 + 2 * (args.compare_eager + args.compare_compiled + args.compare_fused)
     per_request = -(-(args.prompt_len + rounds * args.decode_steps + args.warmup_steps + 5 + 32) // 16)
     blocks = max(64, args.batch * per_request + 16, -(-args.prefill_chunk // 16) + 1)
-    config = EngineConfig.from_args(args.model, dtype=args.dtype, enforce_eager=args.enforce_eager,
-                                    num_gpu_blocks_override=blocks)
+    config = EngineConfig.from_args(
+        args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, num_gpu_blocks_override=blocks
+    )
     t0 = time.perf_counter()
     runner = ModelRunner(config)
     print(f"runner ready in {time.perf_counter() - t0:.1f} s: {runner.info.startup_seconds}")
@@ -275,14 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     element = runner.loaded.dtype.itemsize
     floor = decode_floor_ms(params, element, args.batch, args.bandwidth, args.flops)
     med = statistics.median(decode)
-    print(f"threads {torch.get_num_threads()}, dtype {runner.info.dtype}, batch {args.batch}, "
-          f"prompt {args.prompt_len}, eager {args.enforce_eager}")
-    print(f"prefill: {len(prefill)} step(s), {1000 * sum(prefill):.0f} ms total "
-          f"({args.batch * args.prompt_len / sum(prefill):.0f} prompt tok/s), mean time to first token "
-          f"{1000 * statistics.mean(driver.first_token.values()):.0f} ms")
-    print(f"decode: median {1000 * med:.1f} ms, mean {1000 * statistics.mean(decode):.1f} ms, "
-          f"min {1000 * min(decode):.1f} ms per step -> {args.batch / med:.0f} tok/s; "
-          f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)")
+    print(
+        f"threads {torch.get_num_threads()}, dtype {runner.info.dtype}, batch {args.batch}, "
+        f"prompt {args.prompt_len}, eager {args.enforce_eager}"
+    )
+    print(
+        f"prefill: {len(prefill)} step(s), {1000 * sum(prefill):.0f} ms total "
+        f"({args.batch * args.prompt_len / sum(prefill):.0f} prompt tok/s), mean time to first token "
+        f"{1000 * statistics.mean(driver.first_token.values()):.0f} ms"
+    )
+    print(
+        f"decode: median {1000 * med:.1f} ms, mean {1000 * statistics.mean(decode):.1f} ms, "
+        f"min {1000 * min(decode):.1f} ms per step -> {args.batch / med:.0f} tok/s; "
+        f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)"
+    )
     if args.compare_eager:
         compare_eager(runner, driver, args.batch, args.decode_steps)
     if args.compare_fused:

@@ -27,14 +27,22 @@ from sonar.bench.serve import add_serve_arguments, run_serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sonar bench sweep", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m sonar bench sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = p.add_argument_group("sweep")
-    g.add_argument("--param", action="append", default=[], metavar="NAME=V1,V2,...",
-                   help="a server flag (without --) and its values; repeat for more axes")
-    g.add_argument("--server-command", default=None,
-                   help="the command that starts the server instead of `python -m sonar serve` "
-                        "({port} is replaced by the port)")
+    g.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2,...",
+        help="a server flag (without --) and its values; repeat for more axes",
+    )
+    g.add_argument(
+        "--server-command",
+        default=None,
+        help="the command that starts the server instead of `python -m sonar serve` ({port} is replaced by the port)",
+    )
     g.add_argument("--server-timeout", type=float, default=600.0, help="seconds a server may take to get ready")
     g.add_argument("--log-dir", default=None, help="keep the servers' stdout/stderr here")
     add_serve_arguments(p, server=False)
@@ -69,10 +77,18 @@ def point_args(point: dict[str, str]) -> list[str]:
 
 def format_table(grid: list[tuple[str, list[str]]], points: list[dict[str, Any]]) -> str:
     names = [n for n, _ in grid]
-    cols = [("ok", "completed", "d"), ("fail", "failed", "d"), ("req/s", "request_throughput", ".2f"),
-            ("out tok/s", "output_throughput", ".1f"), ("TTFT ms", "mean_ttft_ms", ".0f"),
-            ("TPOT ms", "mean_tpot_ms", ".1f"), ("ITL ms", "mean_itl_ms", ".1f"), ("E2EL ms", "mean_e2el_ms", ".0f"),
-            ("KV peak %", "kv", ".1f"), ("preempt", "preempt", "d")]
+    cols = [
+        ("ok", "completed", "d"),
+        ("fail", "failed", "d"),
+        ("req/s", "request_throughput", ".2f"),
+        ("out tok/s", "output_throughput", ".1f"),
+        ("TTFT ms", "mean_ttft_ms", ".0f"),
+        ("TPOT ms", "mean_tpot_ms", ".1f"),
+        ("ITL ms", "mean_itl_ms", ".1f"),
+        ("E2EL ms", "mean_e2el_ms", ".0f"),
+        ("KV peak %", "kv", ".1f"),
+        ("preempt", "preempt", "d"),
+    ]
     head = "  ".join(f"{n:>22}" for n in names) + "".join(f"{c:>11}" for c, _, _ in cols)
     lines = [" Sweep Result (means) ".center(len(head), "="), head]
     for p in points:
@@ -106,17 +122,24 @@ def main(argv: list[str] | None = None) -> int:
             params = {name: value for (name, _), value in zip(grid, combo)}
             label = ",".join(f"{k}={v}" for k, v in params.items())
             print(f"bench sweep: point {i + 1}/{len(combos)}: {label}", flush=True)
-            server = launch([*server_args, *point_args(params)], log_dir, command=args.server_command,
-                            timeout=args.server_timeout, name=f"point-{i}")
+            server = launch(
+                [*server_args, *point_args(params)],
+                log_dir,
+                command=args.server_command,
+                timeout=args.server_timeout,
+                name=f"point-{i}",
+            )
             try:
                 args.server_pid = server.proc.pid
                 result, _, _ = asyncio.run(run_serve(args, server.base_url))
             finally:
                 stop(server)
-            result = {k: v for k, v in result.items()
-                      if k not in ("input_lens", "output_lens", "ttfts", "itls", "e2els", "start_times", "errors")}
-            points.append({"params": params, "label": label, "server_ready_s": server.ready_seconds,
-                           "result": result})
+            result = {
+                k: v
+                for k, v in result.items()
+                if k not in ("input_lens", "output_lens", "ttfts", "itls", "e2els", "start_times", "errors")
+            }
+            points.append({"params": params, "label": label, "server_ready_s": server.ready_seconds, "result": result})
     except (ServerFailed, RuntimeError, ValueError) as exc:
         print(f"bench sweep: {exc}", file=sys.stderr)
         return 1
@@ -127,8 +150,17 @@ def main(argv: list[str] | None = None) -> int:
         name = args.result_filename or f"sweep-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}.json"
         path = Path(args.result_dir or ".") / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-                                    "grid": dict(grid), "server_args": server_args, "points": points}, indent=2))
+        path.write_text(
+            json.dumps(
+                {
+                    "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    "grid": dict(grid),
+                    "server_args": server_args,
+                    "points": points,
+                },
+                indent=2,
+            )
+        )
         print(f"bench sweep: result written to {path}")
     if args.plot:
         from sonar.bench.plot import plot_sweep

@@ -21,8 +21,11 @@ from sonar.bench.datasets import add_dataset_arguments, dataset_args, sample_req
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m sonar bench throughput", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m sonar bench throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="model path or cached id (default: the embedded SmolLM2)")
     g.add_argument("--tokenizer", default=None)
@@ -33,8 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size, e.g. 256M or 2G")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--placement", default=None, help="e.g. worker=process")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other engine argument of sonar.open() (JSON values), repeatable")
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other engine argument of sonar.open() (JSON values), repeatable",
+    )
     add_dataset_arguments(p)
     p.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     return p
@@ -43,8 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     """The `sonar.open()` keyword arguments the flags ask for."""
     out: dict[str, Any] = {"dtype": args.dtype, "seed": args.seed}
-    for key in ("tokenizer", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                "placement"):
+    for key in (
+        "tokenizer",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_memory_bytes",
+        "placement",
+    ):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.enforce_eager:
@@ -72,8 +86,7 @@ async def run_throughput(args: argparse.Namespace, log: Any = print) -> dict[str
         outputs: list[Any] = [None] * len(samples)
 
         async def one(i: int) -> None:
-            params = sonar.SamplingParams(max_tokens=samples[i].expected_output_len, temperature=0.0,
-                                          ignore_eos=True)
+            params = sonar.SamplingParams(max_tokens=samples[i].expected_output_len, temperature=0.0, ignore_eos=True)
             outputs[i] = await llm.generate(samples[i].prompt, params)
 
         t0 = time.perf_counter()

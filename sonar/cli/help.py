@@ -48,7 +48,8 @@ def render_help(term: str) -> str:
     groups = [g for g in GROUPS if key in _squash(g.name)]
     wanted = _normal(term)
     flags = [
-        f for f in FLAGS.values()
+        f
+        for f in FLAGS.values()
         if f.group not in {g.name for g in groups} and any(wanted in _normal(o) for o in f.option_strings)
     ]
     if not groups and not flags:
@@ -68,8 +69,15 @@ def _overview() -> str:
             continue
         count = len(group.flags)
         text = f"{group.description} ({count} flag{'s' if count != 1 else ''})"
-        lines.append(textwrap.fill(text, WIDTH, initial_indent="  " + group.name.ljust(width),
-                                   subsequent_indent=" " * (width + 2), break_on_hyphens=False))
+        lines.append(
+            textwrap.fill(
+                text,
+                WIDTH,
+                initial_indent="  " + group.name.ljust(width),
+                subsequent_indent=" " * (width + 2),
+                break_on_hyphens=False,
+            )
+        )
     return _join([USAGE, _wrap(INTRO, 0), _positional(), _group(options), "\n".join(lines), _wrap(SEARCH_TIP, 0)])
 
 
@@ -83,8 +91,9 @@ def _group(group: Group) -> str:
 
 
 def _flag(flag: Flag) -> str:
-    lines = [textwrap.fill(_signature(flag), WIDTH, initial_indent="  ", subsequent_indent="      ",
-                           break_on_hyphens=False)]
+    lines = [
+        textwrap.fill(_signature(flag), WIDTH, initial_indent="  ", subsequent_indent="      ", break_on_hyphens=False)
+    ]
     lines.append(_wrap(flag.help, 6))
     if flag.choices is not None and flag.metavar is None:
         lines.append(_wrap("Choices: " + ", ".join(str(c) for c in flag.choices) + ".", 6))

@@ -59,12 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
             action = argparse.BooleanOptionalAction if flag.negatable else "store_true"
             parser.add_argument(*flag.option_strings, action=action, **common)
         elif flag.kind in (Kind.LIST, Kind.INT_LIST):
-            parser.add_argument(*flag.option_strings, nargs="+", type=_type(flag, element=True),
-                                action="extend" if flag.extend else "store",
-                                metavar=flag.display_metavar(), **common)
+            parser.add_argument(
+                *flag.option_strings,
+                nargs="+",
+                type=_type(flag, element=True),
+                action="extend" if flag.extend else "store",
+                metavar=flag.display_metavar(),
+                **common,
+            )
         else:
-            parser.add_argument(*flag.option_strings, type=_type(flag), metavar=flag.display_metavar(),
-                                **common)
+            parser.add_argument(*flag.option_strings, type=_type(flag), metavar=flag.display_metavar(), **common)
     return parser
 
 
@@ -227,9 +231,7 @@ def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
     if mode == "custom" and not fingerprint:
         raise UsageError.bad("argument --fingerprint-mode: 'custom' needs --fingerprint-value")
     endpoints = serve_args.pop("disable_access_log_for_endpoints")
-    serve_args["disable_access_log_for_endpoints"] = tuple(
-        p.strip() for p in (endpoints or "").split(",") if p.strip()
-    )
+    serve_args["disable_access_log_for_endpoints"] = tuple(p.strip() for p in (endpoints or "").split(",") if p.strip())
     names = serve_args.pop("served_model_name")
     if not names:
         from sonar.models.embedded import EMBEDDED_NAME

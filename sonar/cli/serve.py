@@ -88,15 +88,29 @@ def root_spec(config: ServeConfig) -> Any:
     from sonar.engine.tree import engine_spec
     from sonar.http.frontend import FrontendActor
 
-    frontend = ChildSpec("frontend", FrontendActor, placement=InProcess(), ping_interval=2.0, ping_timeout=15.0,
-                         shutdown=5.0, kwargs={"uvicorn_args": _uvicorn_args(config),
-                                               "request_id_headers": config.enable_request_id_headers,
-                                               "max_header_count": config.h11_max_header_count,
-                                               "quiet_paths": tuple(config.disable_access_log_for_endpoints),
-                                               "header_timeout": config.header_read_timeout,
-                                               "max_connections": config.max_connections})
-    return SupervisorSpec("sonar", [frontend, engine_spec(server_engine_config(config))],
-                          strategy="one_for_one", max_restarts=0, period=60)
+    frontend = ChildSpec(
+        "frontend",
+        FrontendActor,
+        placement=InProcess(),
+        ping_interval=2.0,
+        ping_timeout=15.0,
+        shutdown=5.0,
+        kwargs={
+            "uvicorn_args": _uvicorn_args(config),
+            "request_id_headers": config.enable_request_id_headers,
+            "max_header_count": config.h11_max_header_count,
+            "quiet_paths": tuple(config.disable_access_log_for_endpoints),
+            "header_timeout": config.header_read_timeout,
+            "max_connections": config.max_connections,
+        },
+    )
+    return SupervisorSpec(
+        "sonar",
+        [frontend, engine_spec(server_engine_config(config))],
+        strategy="one_for_one",
+        max_restarts=0,
+        period=60,
+    )
 
 
 async def serve(config: ServeConfig) -> int:
@@ -118,8 +132,9 @@ async def serve(config: ServeConfig) -> int:
     if warning is not None:
         from sonar.log import get_logger
 
-        get_logger("sonar.serve").warning("serve.unauthenticated", host=config.host or "0.0.0.0", port=config.port,
-                                          detail=warning)
+        get_logger("sonar.serve").warning(
+            "serve.unauthenticated", host=config.host or "0.0.0.0", port=config.port, detail=warning
+        )
     phase = "starting"  # this side's view: the frontend owns the phase (`SetPhase` moves it)
     finished = anyio.Event()
     waiting = anyio.CancelScope()
@@ -145,8 +160,7 @@ async def serve(config: ServeConfig) -> int:
                 status = await _tell(frontend, SetPhase("draining"))
                 in_flight = 0 if status is None else status.in_flight
                 if in_flight:
-                    _say(f"draining: {in_flight} request(s) in flight, "
-                         f"up to {config.shutdown_timeout:g} s to finish")
+                    _say(f"draining: {in_flight} request(s) in flight, up to {config.shutdown_timeout:g} s to finish")
                 with waiting:
                     with anyio.move_on_after(config.shutdown_timeout):
                         await _wait_idle(frontend)
@@ -168,8 +182,9 @@ async def serve(config: ServeConfig) -> int:
                             if event.kind == "give_up":
                                 phase = "dead"
                                 tg.start_soon(_tell, frontend, SetPhase("dead", "it gave up after repeated crashes"))
-                                _say(f"error: the engine gave up ({event.detail}); failing requests with 503 "
-                                     "and exiting")
+                                _say(
+                                    f"error: the engine gave up ({event.detail}); failing requests with 503 and exiting"
+                                )
 
                         engine.listeners.append(on_event)
                         for line in startup_summary(config, llm, time.monotonic() - started_at):
@@ -240,27 +255,43 @@ def _settings(config: ServeConfig) -> Any:
     from sonar.http.settings import ServerSettings
 
     return ServerSettings(
-        served_model_names=config.served_model_name, api_keys=config.api_key or (),
-        chat_template=_chat_template(config.chat_template), response_role=config.response_role,
-        allowed_origins=config.allowed_origins, allowed_methods=config.allowed_methods,
-        allowed_headers=config.allowed_headers, allow_credentials=config.allow_credentials,
+        served_model_names=config.served_model_name,
+        api_keys=config.api_key or (),
+        chat_template=_chat_template(config.chat_template),
+        response_role=config.response_role,
+        allowed_origins=config.allowed_origins,
+        allowed_methods=config.allowed_methods,
+        allowed_headers=config.allowed_headers,
+        allow_credentials=config.allow_credentials,
         enable_force_include_usage=config.enable_force_include_usage,
         enable_prompt_tokens_details=config.enable_prompt_tokens_details,
         enable_request_id_headers=config.enable_request_id_headers,
-        system_fingerprint=system_fingerprint(config), stream_interval=config.stream_interval,
+        system_fingerprint=system_fingerprint(config),
+        stream_interval=config.stream_interval,
         return_tokens_as_token_ids=config.return_tokens_as_token_ids,
         default_sampling=generation_defaults(config),
         enable_tokenizer_info_endpoint=config.enable_tokenizer_info_endpoint,
-        enable_log_requests=config.enable_log_requests, enable_log_outputs=config.enable_log_outputs,
-        max_log_len=config.max_log_len, enable_openapi=not config.disable_fastapi_docs,
-        enable_log_deltas=config.enable_log_deltas, metrics_public=config.metrics_public,
-        max_request_body_bytes=config.max_request_body_bytes, body_read_timeout=config.body_read_timeout)
+        enable_log_requests=config.enable_log_requests,
+        enable_log_outputs=config.enable_log_outputs,
+        max_log_len=config.max_log_len,
+        enable_openapi=not config.disable_fastapi_docs,
+        enable_log_deltas=config.enable_log_deltas,
+        metrics_public=config.metrics_public,
+        max_request_body_bytes=config.max_request_body_bytes,
+        body_read_timeout=config.body_read_timeout,
+    )
 
 
 #: generation_config.json keys that become sampling defaults, and their SamplingParams names.
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
-                   "max_tokens": "max_tokens"}
+GENERATION_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+}
 
 
 def generation_defaults(config: ServeConfig) -> dict[str, Any]:
@@ -290,8 +321,10 @@ def generation_defaults(config: ServeConfig) -> dict[str, Any]:
     merged = {**found, **config.override_generation_config}
     defaults = {GENERATION_KEYS[k]: v for k, v in merged.items() if k in GENERATION_KEYS and v is not None}
     if defaults:
-        _say("sampling defaults from the generation config: "
-             + ", ".join(f"{k}={v}" for k, v in sorted(defaults.items())))
+        _say(
+            "sampling defaults from the generation config: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(defaults.items()))
+        )
     return defaults
 
 
@@ -343,12 +376,16 @@ def _chat_template(value: str | None) -> str | None:
 
 def _uvicorn_args(config: ServeConfig) -> dict[str, Any]:
     args: dict[str, Any] = dict(
-        log_level=config.uvicorn_log_level, access_log=not config.disable_uvicorn_access_log,
+        log_level=config.uvicorn_log_level,
+        access_log=not config.disable_uvicorn_access_log,
         # serve() drains and aborts before it tells uvicorn to exit; this only bounds the rest.
         timeout_graceful_shutdown=2.0,
         h11_max_incomplete_event_size=config.h11_max_incomplete_event_size,
-        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile, ssl_ca_certs=config.ssl_ca_certs,
-        ssl_cert_reqs=config.ssl_cert_reqs, root_path=config.root_path or "",
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
+        ssl_ca_certs=config.ssl_ca_certs,
+        ssl_cert_reqs=config.ssl_cert_reqs,
+        root_path=config.root_path or "",
     )
     if config.uds:
         args["uds"] = config.uds
@@ -365,10 +402,14 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
     offload, events = config.engine.offload_config(), config.engine.kv_events()
     kv_lines = []
     if offload is not None:
-        tiers = ", ".join(f"{t.medium.upper()} {t.size_bytes / 2**30:g} GiB" + (f" at {t.path}" if t.path else "")
-                          for t in offload.tiers)
-        kv_lines.append(f"KV offloading: {offload.spec_name}: {tiers}; chunks of {offload.blocks_per_chunk} "
-                        f"block(s) ({offload.blocks_per_chunk * info.block_size} tokens), {offload.eviction_policy}")
+        tiers = ", ".join(
+            f"{t.medium.upper()} {t.size_bytes / 2**30:g} GiB" + (f" at {t.path}" if t.path else "")
+            for t in offload.tiers
+        )
+        kv_lines.append(
+            f"KV offloading: {offload.spec_name}: {tiers}; chunks of {offload.blocks_per_chunk} "
+            f"block(s) ({offload.blocks_per_chunk * info.block_size} tokens), {offload.eviction_policy}"
+        )
     if events is not None:
         replay = f", replay at {events.replay_endpoint}" if events.replay_endpoint else ""
         kv_lines.append(f"KV events: published at {events.endpoint}{replay} (topic {events.topic!r})")
@@ -378,8 +419,8 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
         f"KV cache: {info.num_blocks} blocks of {info.block_size} tokens ({tokens} tokens); "
         f"reproduce with --kv-cache-memory-bytes {info.kv_cache_memory_bytes}",
         f"serving {', '.join(config.served_model_name)} at {_address(config)}",
-        "startup: " + " ".join(f"{phase}={secs:.2f}" for phase, secs in
-                               [*info.startup_seconds.items(), ("ready", seconds)]),
+        "startup: "
+        + " ".join(f"{phase}={secs:.2f}" for phase, secs in [*info.startup_seconds.items(), ("ready", seconds)]),
     ]
 
 
@@ -397,9 +438,11 @@ def exposure_warning(config: ServeConfig) -> str | None:
     except ValueError:
         pass  # a host name: it may resolve to any interface
     where = "all interfaces" if host in ("0.0.0.0", "::") else host
-    return (f"listening on {where} without --api-key: anyone who can reach port {config.port} can generate, "
-            "tokenize and read /metrics and /actors; set --api-key, or --host 127.0.0.1 behind a proxy "
-            "(see docs/security.md)")
+    return (
+        f"listening on {where} without --api-key: anyone who can reach port {config.port} can generate, "
+        "tokenize and read /metrics and /actors; set --api-key, or --host 127.0.0.1 behind a proxy "
+        "(see docs/security.md)"
+    )
 
 
 def _address(config: ServeConfig) -> str:

@@ -56,6 +56,8 @@ def _group(name: str, description: str, *specs: dict[str, Any]) -> Group:
     return Group(name, description, tuple(Flag(group=name, **spec) for spec in specs))
 
 
+# The rows are laid out by hand, one flag per call, so the table stays a thousand readable lines.
+# fmt: off
 GROUPS: tuple[Group, ...] = (
     _group(
         "options", "Top-level options of `sonar serve`.",
@@ -833,6 +835,7 @@ GROUPS: tuple[Group, ...] = (
            to=E, metavar="ACTION@step=N|ACTION@p=P|ACTION@token=ID[,...]"),
     ),
 )
+# fmt: on
 
 FLAGS: dict[str, Flag] = {flag.name: flag for group in GROUPS for flag in group.flags}
 """Every flag by its long name (``--max-num-seqs``)."""

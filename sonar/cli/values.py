@@ -189,6 +189,7 @@ def parse_placement_map(raw: Any) -> dict[str, str]:
 
 # Range checks used by the table.
 
+
 def positive(value: float) -> None:
     if value <= 0:
         raise ValueError(f"must be positive, got {value}")

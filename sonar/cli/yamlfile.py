@@ -18,9 +18,7 @@ from sonar.cli.flags import Flag, Kind
 from sonar.cli.values import convert
 
 
-def load_config_file(
-    path: str, by_dest: dict[str, Flag]
-) -> tuple[dict[str, Any], list[DottedKey]]:
+def load_config_file(path: str, by_dest: dict[str, Flag]) -> tuple[dict[str, Any], list[DottedKey]]:
     """Read `path`; return {flag name: typed value} and the dotted JSON keys it sets."""
     import yaml  # lazily: only needed with --config
 

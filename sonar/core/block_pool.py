@@ -53,9 +53,7 @@ class BlockPool:
     def allocate(self, count: int) -> list[KVBlock]:
         """Take ``count`` blocks from the free queue (evicting cached content) with ref 1."""
         if count > self.free_queue.num_free:
-            raise ValueError(
-                f"cannot allocate {count} blocks: only {self.free_queue.num_free} free"
-            )
+            raise ValueError(f"cannot allocate {count} blocks: only {self.free_queue.num_free} free")
         out = []
         popleft = self.free_queue.popleft
         log = self.event_log
@@ -142,9 +140,7 @@ class BlockPool:
             if block.block_hash is not None and self.cached.get(block.block_hash) is not block:
                 raise AssertionError(f"{block!r} carries a hash the cache does not map to it")
             if expected_refs is not None and block.ref_cnt != expected_refs.get(block.block_id, 0):
-                raise AssertionError(
-                    f"{block!r}: {expected_refs.get(block.block_id, 0)} block tables hold it"
-                )
+                raise AssertionError(f"{block!r}: {expected_refs.get(block.block_id, 0)} block tables hold it")
         for block_hash, block in self.cached.items():
             if block.block_hash != block_hash:
                 raise AssertionError(f"cache entry {block_hash[:4].hex()} points at {block!r}")

@@ -57,9 +57,7 @@ class BlockManager:
             raise ValueError("KV offloading needs prefix caching: offloaded chunks are keyed by block hashes")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.hasher: PrefixHasher | None = (
-            PrefixHasher(block_size, hash_algo) if enable_prefix_caching else None
-        )
+        self.hasher: PrefixHasher | None = PrefixHasher(block_size, hash_algo) if enable_prefix_caching else None
         self._tables: dict[str, list[KVBlock]] = {}
         self._table_ids: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
@@ -198,8 +196,12 @@ class BlockManager:
         ``cache_loaded`` (no other request may read them before the KV is there)."""
         num_hits = len(new_computed_blocks)
         if not self.allocate_slots(
-            request, num_load_blocks * self.block_size, new_computed_blocks=new_computed_blocks,
-            reserve_tokens=reserve_tokens, keep_free_blocks=keep_free_blocks, cache_tokens=num_hits * self.block_size,
+            request,
+            num_load_blocks * self.block_size,
+            new_computed_blocks=new_computed_blocks,
+            reserve_tokens=reserve_tokens,
+            keep_free_blocks=keep_free_blocks,
+            cache_tokens=num_hits * self.block_size,
         ):
             return None
         return self._table_ids[request.request_id][num_hits : num_hits + num_load_blocks]
@@ -248,11 +250,18 @@ class BlockManager:
         bs = self.block_size
         hashes = request.block_hashes
         salt = request.cache_salt
-        self._events.append(BlockStored(
-            block_hashes=hashes[lo:hi], parent_block_hash=hashes[lo - 1] if lo else None,
-            token_ids=request.all_token_ids[lo * bs : hi * bs], block_size=bs, medium="GPU",
-            extra_keys=[[salt] if i == 0 else None for i in range(lo, hi)] if salt is not None and lo == 0 else None,
-        ))
+        self._events.append(
+            BlockStored(
+                block_hashes=hashes[lo:hi],
+                parent_block_hash=hashes[lo - 1] if lo else None,
+                token_ids=request.all_token_ids[lo * bs : hi * bs],
+                block_size=bs,
+                medium="GPU",
+                extra_keys=[[salt] if i == 0 else None for i in range(lo, hi)]
+                if salt is not None and lo == 0
+                else None,
+            )
+        )
 
     def take_kv_events(self) -> list[KVEvent]:
         """The KV events logged since the last call, in order (empty when events are off)."""
@@ -290,15 +299,17 @@ class BlockManager:
             if key in keys:
                 continue
             keys.add(key)
-            self._kv_stores.append(KVStoreSpec(
-                hashes[lo:hi], hashes[lo - 1] if lo else None, tokens[lo * bs : hi * bs],
-                [table[i].block_id for i in range(lo, hi)],
-                [[salt]] + [None] * (bpc - 1) if salt is not None and lo == 0 else None,
-            ))
+            self._kv_stores.append(
+                KVStoreSpec(
+                    hashes[lo:hi],
+                    hashes[lo - 1] if lo else None,
+                    tokens[lo * bs : hi * bs],
+                    [table[i].block_id for i in range(lo, hi)],
+                    [[salt]] + [None] * (bpc - 1) if salt is not None and lo == 0 else None,
+                )
+            )
 
-    def free(
-        self, request_id: str, *, num_computed_tokens: int | None = None, request: Request | None = None
-    ) -> None:
+    def free(self, request_id: str, *, num_computed_tokens: int | None = None, request: Request | None = None) -> None:
         """Release a request's blocks, tail first so its last blocks are evicted first.
 
         Pass ``num_computed_tokens`` when the request is dropped before the step that

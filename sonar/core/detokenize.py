@@ -56,9 +56,7 @@ def backend_of(tokenizer: Any) -> Any:
         return backend
     if hasattr(tokenizer, "decode") and hasattr(tokenizer, "id_to_token"):
         return tokenizer
-    raise TypeError(
-        f"need a Hugging Face fast tokenizer or a tokenizers.Tokenizer, got {type(tokenizer)!r}"
-    )
+    raise TypeError(f"need a Hugging Face fast tokenizer or a tokenizers.Tokenizer, got {type(tokenizer)!r}")
 
 
 class IncrementalDetokenizer:

@@ -9,7 +9,14 @@ from __future__ import annotations
 import msgspec
 
 __all__ = [
-    "PLACEHOLDER_TOKEN", "KVLoadSpec", "KVStoreSpec", "RequestError", "RequestUpdate", "ScheduledRequest", "SchedulerOutput", "SchedulerStats",
+    "PLACEHOLDER_TOKEN",
+    "KVLoadSpec",
+    "KVStoreSpec",
+    "RequestError",
+    "RequestUpdate",
+    "ScheduledRequest",
+    "SchedulerOutput",
+    "SchedulerStats",
 ]
 
 

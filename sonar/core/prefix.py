@@ -61,8 +61,7 @@ def _xxhash_fn() -> Callable[[bytes], bytes]:
         import xxhash
     except ImportError:
         raise ImportError(
-            "the xxhash prefix caching hash algorithms need the 'xxhash' package: "
-            "pip install xxhash"
+            "the xxhash prefix caching hash algorithms need the 'xxhash' package: pip install xxhash"
         ) from None
     return xxhash.xxh3_128_digest
 
@@ -74,9 +73,7 @@ def _sha256(data: bytes) -> bytes:
 def make_hash_fn(algo: str) -> Callable[[object], bytes]:
     """Return ``obj -> digest`` for one of ``HASH_ALGOS``; raise ``ValueError`` otherwise."""
     if algo not in HASH_ALGOS:
-        raise ValueError(
-            f"unknown prefix caching hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}"
-        )
+        raise ValueError(f"unknown prefix caching hash algorithm {algo!r}; choose one of {', '.join(HASH_ALGOS)}")
     serialize = _cbor_bytes_fn() if algo.endswith("_cbor") else _pickle_bytes
     digest = _xxhash_fn() if algo.startswith("xxhash") else _sha256
 
@@ -109,9 +106,7 @@ class PrefixHasher:
         """Hash one full block given its parent's hash, its tokens and its extra keys."""
         return self._hash((parent, tuple(token_ids), extra_keys))
 
-    def extend(
-        self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None = None
-    ) -> None:
+    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
 
         ``hashes`` must already hold the chain of the first ``len(hashes)`` blocks of

@@ -65,8 +65,14 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
-_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED,
-                       RequestStatus.FINISHED_ERROR})
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -99,8 +105,7 @@ class PromptTooLongError(RequestRejectedError):
     def __init__(self, request_id: str, prompt_len: int, max_model_len: int) -> None:
         super().__init__(
             request_id,
-            f"prompt has {prompt_len} tokens, more than the maximum model length of "
-            f"{max_model_len} tokens",
+            f"prompt has {prompt_len} tokens, more than the maximum model length of {max_model_len} tokens",
         )
         self.prompt_len = prompt_len
         self.max_model_len = max_model_len

@@ -94,13 +94,11 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(
-                "long_prefill_token_threshold must be 0 (no cap) or positive, got "
-                f"{self.long_prefill_token_threshold}"
+                f"long_prefill_token_threshold must be 0 (no cap) or positive, got {self.long_prefill_token_threshold}"
             )
         if self.scheduling_policy not in POLICIES:
             raise ValueError(
-                f"unknown scheduling policy {self.scheduling_policy!r}; choose one of "
-                f"{', '.join(POLICIES)}"
+                f"unknown scheduling policy {self.scheduling_policy!r}; choose one of {', '.join(POLICIES)}"
             )
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0.0, 1.0), got {self.watermark}")
@@ -182,9 +180,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue ``request``; raise ``PromptTooLongError`` / ``DuplicateRequestError`` first."""
         if request.num_tokens > self.config.max_model_len:
-            raise PromptTooLongError(
-                request.request_id, request.num_tokens, self.config.max_model_len
-            )
+            raise PromptTooLongError(request.request_id, request.num_tokens, self.config.max_model_len)
         if request.request_id in self.requests:
             raise DuplicateRequestError(request.request_id)
         request.seq = next(self._arrivals)
@@ -268,8 +264,12 @@ class Scheduler:
             while i < len(running) and budget > 0:
                 request = running[i]
                 remaining = len(request.all_token_ids) + request.num_placeholders - request.num_computed_tokens
-                if (remaining <= 0 or (remaining == 1) != decodes or request.request_id in scheduled
-                        or (request.num_placeholders and self._ends_in_flight(request))):
+                if (
+                    remaining <= 0
+                    or (remaining == 1) != decodes
+                    or request.request_id in scheduled
+                    or (request.num_placeholders and self._ends_in_flight(request))
+                ):
                     i += 1
                     continue
                 num_new = remaining
@@ -322,9 +322,7 @@ class Scheduler:
             self._fresh.difference_update(scheduled)
         finished, self._finished_ids = self._finished_ids, []
         loads, self._kv_loads = self._kv_loads, []
-        return SchedulerOutput(
-            next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads
-        )
+        return SchedulerOutput(next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads)
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The tokens the steps in flight sample for ``request`` are sure to finish it."""
@@ -334,9 +332,7 @@ class Scheduler:
             and request.num_output_tokens + request.num_placeholders >= request.max_tokens
         )
 
-    def _admit(
-        self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]
-    ) -> int:
+    def _admit(self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]) -> int:
         config = self.config
         waiting = self.waiting
         quarantine = self.quarantine
@@ -351,8 +347,12 @@ class Scheduler:
                 suspect = isolating and request.request_id in quarantine
                 unproven = isolating and not suspect and not request.output_token_ids
                 if suspect:
-                    blocked = (suspect_in or unproven_in or (proven_first and not request.output_token_ids)
-                               or not (any_suspect or quarantine.ready(request.request_id)))
+                    blocked = (
+                        suspect_in
+                        or unproven_in
+                        or (proven_first and not request.output_token_ids)
+                        or not (any_suspect or quarantine.ready(request.request_id))
+                    )
                 else:
                     blocked = unproven and suspect_in
                 if blocked:
@@ -389,10 +389,14 @@ class Scheduler:
         requests = self.requests
         busy = (_RUNNING, _LOADING)
         suspect_in = any(requests[rid].status in busy for rid in quarantine.suspects)
-        unproven_in = any(not r.output_token_ids and r.request_id not in quarantine
-                          for r in (*self.running, *self.loading.values()) if r.status in busy)
-        waiting = [(requests[rid], suspect) for rid, suspect in quarantine.suspects.items()
-                   if requests[rid].status not in busy]
+        unproven_in = any(
+            not r.output_token_ids and r.request_id not in quarantine
+            for r in (*self.running, *self.loading.values())
+            if r.status in busy
+        )
+        waiting = [
+            (requests[rid], suspect) for rid, suspect in quarantine.suspects.items() if requests[rid].status not in busy
+        ]
         any_suspect = len(quarantine) == len(requests) and not any(suspect.ready for _, suspect in waiting)
         proven_first = any(suspect.ready and request.output_token_ids for request, suspect in waiting)
         return suspect_in, unproven_in, any_suspect, proven_first
@@ -444,9 +448,7 @@ class Scheduler:
         admitted.add(request.request_id)
         return budget - num_new
 
-    def _admit_for_load(
-        self, request: Request, hits: list, lookup: LowerTierLookup, reserve_full: bool
-    ) -> bool | None:
+    def _admit_for_load(self, request: Request, hits: list, lookup: LowerTierLookup, reserve_full: bool) -> bool | None:
         """Park ``request`` as ``WAITING_FOR_KV`` if the tiers extend its prefix-cache hits.
 
         True: admitted to load; False: nothing to load (admit it the usual way); None: it would
@@ -459,7 +461,9 @@ class Scheduler:
         if num_load <= 0:
             return False
         block_ids = bm.allocate_for_load(
-            request, hits, num_load,
+            request,
+            hits,
+            num_load,
             reserve_tokens=request.num_tokens if reserve_full else 0,
             keep_free_blocks=self._watermark_blocks if self.running else 0,
         )
@@ -510,9 +514,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Send a running request (already off the running list) back to the waiting queue."""
         self._fresh.discard(request.request_id)
-        self.block_manager.free(
-            request.request_id, num_computed_tokens=request.num_computed_tokens, request=request
-        )
+        self.block_manager.free(request.request_id, num_computed_tokens=request.num_computed_tokens, request=request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -579,8 +581,9 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.quarantine and sampled:
             busy = (_RUNNING, _LOADING)
-            self.quarantine.passed(sampled, [rid for rid in self.quarantine.suspects
-                                             if self.requests[rid].status not in busy])
+            self.quarantine.passed(
+                sampled, [rid for rid in self.quarantine.suspects if self.requests[rid].status not in busy]
+            )
         return updates
 
     @staticmethod
@@ -606,12 +609,17 @@ class Scheduler:
         """
         step = [rid for rid in dict.fromkeys(crashed) if rid in self.requests]
         convicted = self.quarantine.crashed(step, self.requests.keys())
-        quarantined = self.fail_requests({
-            rid: RequestError("quarantined", f"request {rid!r} was in flight in {crashes} worker crashes, the last "
-                                             "while it was the only suspect in its step; it was failed alone so "
-                                             "the other requests could go on")
-            for rid, crashes in convicted.items()
-        })
+        quarantined = self.fail_requests(
+            {
+                rid: RequestError(
+                    "quarantined",
+                    f"request {rid!r} was in flight in {crashes} worker crashes, the last "
+                    "while it was the only suspect in its step; it was failed alone so "
+                    "the other requests could go on",
+                )
+                for rid, crashes in convicted.items()
+            }
+        )
         ids = []
         while self.running:
             request = self.running.pop()

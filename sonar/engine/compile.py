@@ -82,8 +82,12 @@ def device_identity(device: torch.device) -> str:
 
 def torch_identity() -> str:
     """The torch build: version, git revision, CUDA/HIP versions, and Triton's version if any."""
-    parts = [torch.__version__, str(torch.version.git_version), f"cuda={torch.version.cuda}",
-             f"hip={torch.version.hip}"]
+    parts = [
+        torch.__version__,
+        str(torch.version.git_version),
+        f"cuda={torch.version.cuda}",
+        f"hip={torch.version.hip}",
+    ]
     try:
         import triton
 
@@ -233,8 +237,9 @@ class CompiledForward:
     generate code instead of loading it from the cache raises `CompileCacheMissError`.
     """
 
-    def __init__(self, model: nn.Module, directory: Path, key: str, *, dynamic: bool, options: dict[str, Any],
-                 strict: bool) -> None:
+    def __init__(
+        self, model: nn.Module, directory: Path, key: str, *, dynamic: bool, options: dict[str, Any], strict: bool
+    ) -> None:
         self.model = model
         self.directory = directory
         self.key = key
@@ -246,8 +251,9 @@ class CompiledForward:
         """Time spent in calls that made a new graph (tracing, and compiling or loading it)."""
         self._body: Callable[..., Tensor] = torch.compile(model.forward_tensors, dynamic=None if dynamic else False)
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor],
-                 meta: AttentionMetadata) -> Tensor:
+    def __call__(
+        self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata
+    ) -> Tensor:
         import torch._inductor.config as inductor_config
         import torch.fx.experimental._config as shape_config
         from torch._dynamo.utils import counters
@@ -260,8 +266,12 @@ class CompiledForward:
         # Inductor reads `freezing` when it compiles, which happens inside a call (the first of a
         # shape class): ``torch.compile(options=...)`` did not reach it (measured, torch 2.13), a
         # patch around every call does, for ~20 us, without changing the process's defaults
-        with (self._lock, step_metadata(meta), inductor_config.patch(self._options),
-              shape_config.patch(use_duck_shape=False)):
+        with (
+            self._lock,
+            step_metadata(meta),
+            inductor_config.patch(self._options),
+            shape_config.patch(use_duck_shape=False),
+        ):
             graphs = counters["stats"]["unique_graphs"]
             before = _counter_snapshot()
             started = time.perf_counter()
@@ -275,9 +285,16 @@ class CompiledForward:
         self.compile_seconds += seconds
         delta = {k: v - before[k] for k, v in _counter_snapshot().items()}
         missed = delta["fxgraph_miss"] + delta["fxgraph_bypass"]
-        log.info("compile.new_graph", tokens=num_tokens, seconds=round(seconds, 2),
-                 cache="miss" if missed else "hit", fxgraph_hits=delta["fxgraph_hit"],
-                 fxgraph_misses=delta["fxgraph_miss"], fxgraph_bypasses=delta["fxgraph_bypass"], key=self.key)
+        log.info(
+            "compile.new_graph",
+            tokens=num_tokens,
+            seconds=round(seconds, 2),
+            cache="miss" if missed else "hit",
+            fxgraph_hits=delta["fxgraph_hit"],
+            fxgraph_misses=delta["fxgraph_miss"],
+            fxgraph_bypasses=delta["fxgraph_bypass"],
+            key=self.key,
+        )
         if self.strict and missed:
             raise CompileCacheMissError(
                 f"{FORCE_AOT_LOAD_ENV}=1 but a step of {num_tokens} tokens needed a graph the compile cache does "
@@ -285,8 +302,9 @@ class CompiledForward:
                 f"{FORCE_AOT_LOAD_ENV}"
             )
 
-    def warm_up(self, kv_caches: list[Tensor], block_size: int,
-                token_counts: Iterable[int] = DEFAULT_WARMUP_TOKENS) -> dict[str, Any]:
+    def warm_up(
+        self, kv_caches: list[Tensor], block_size: int, token_counts: Iterable[int] = DEFAULT_WARMUP_TOKENS
+    ) -> dict[str, Any]:
         """Compile (or load) the graphs the runner's steps will need, by running one step of each
         token count on KV block 0 onwards (what the runner's own warm-up does: nothing is cached
         there yet, and the scheduler overwrites it before any attention reads it). Each count
@@ -303,8 +321,9 @@ class CompiledForward:
                 if n > block_size:
                     blocks = -(-n // block_size)
                     if blocks > num_blocks:
-                        raise ValueError(f"a warm-up step of {n} tokens needs {blocks} KV blocks, the cache has "
-                                         f"{num_blocks}")
+                        raise ValueError(
+                            f"a warm-up step of {n} tokens needs {blocks} KV blocks, the cache has {num_blocks}"
+                        )
                     meta = AttentionMetadata.build([n], [n], [list(range(blocks))], block_size, device=device)
                     positions = torch.arange(n, device=device)
                 else:
@@ -315,13 +334,26 @@ class CompiledForward:
         seconds = time.perf_counter() - started
         after = _counter_snapshot()
         delta = {k: after[k] - first[k] for k in after}
-        manifest = {"key": self.key, "token_counts": counts, "seconds": round(seconds, 3), **delta,
-                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        manifest = {
+            "key": self.key,
+            "token_counts": counts,
+            "seconds": round(seconds, 3),
+            **delta,
+            "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
         (self.directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
         state = "hit" if delta["fxgraph_miss"] + delta["fxgraph_bypass"] == 0 else "miss"
-        log.info("compile.warmed_up", cache=state, seconds=round(seconds, 2), token_counts=counts,
-                 fxgraph_hits=delta["fxgraph_hit"], fxgraph_misses=delta["fxgraph_miss"],
-                 aot_hits=delta["aot_hit"], aot_misses=delta["aot_miss"], directory=str(self.directory))
+        log.info(
+            "compile.warmed_up",
+            cache=state,
+            seconds=round(seconds, 2),
+            token_counts=counts,
+            fxgraph_hits=delta["fxgraph_hit"],
+            fxgraph_misses=delta["fxgraph_miss"],
+            aot_hits=delta["aot_hit"],
+            aot_misses=delta["aot_miss"],
+            directory=str(self.directory),
+        )
         return manifest
 
 
@@ -352,8 +384,9 @@ def compile_forward(
     options: dict[str, Any] = {"freezing": freezing}
     device = next(model.parameters()).device
     root = Path(cache_root) if cache_root is not None else paths.cache_root()
-    parts = cache_key_parts(model, config_key_parts=config_key_parts, device=device,
-                            options={**options, "dynamic": dynamic})
+    parts = cache_key_parts(
+        model, config_key_parts=config_key_parts, device=device, options={**options, "dynamic": dynamic}
+    )
     key = cache_key(parts)
     directory = root / "torch_compile" / key
     strict = force_aot_load()
@@ -366,8 +399,7 @@ def compile_forward(
         )
     _use_cache_dir(directory)
     (directory / "key.json").write_text(json.dumps(parts, indent=1, sort_keys=True))
-    log.info("compile.cache", key=key, directory=str(directory), warmed=manifest.is_file(),
-             force_aot_load=strict)
+    log.info("compile.cache", key=key, directory=str(directory), warmed=manifest.is_file(), force_aot_load=strict)
     # the rotary tables are cached per device on first use: fill that cache now, in eager, or
     # the first graph would trace the insertion and guard on the cache being empty (a recompile)
     model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), next(model.parameters()).dtype)

@@ -16,8 +16,15 @@ from sonar.units import parse_max_model_len, parse_memory_size
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
 
 #: The request-size limits, each a `serve` flag of the same name (dashes for underscores).
-LIMITS = ("max_prompt_chars", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias",
-          "max_chat_messages", "max_completions_per_request")
+LIMITS = (
+    "max_prompt_chars",
+    "max_stop_strings",
+    "max_stop_string_chars",
+    "max_stop_token_ids",
+    "max_logit_bias",
+    "max_chat_messages",
+    "max_completions_per_request",
+)
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -164,19 +171,26 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         offload = self.offload_config()
         self.kv_events()
         if offload is not None and self.kv_cache_dtype != "auto":
-            raise ValueError(f"KV offloading with kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
-                             "(the offload tiers store the model's dtype); drop one of the two")
+            raise ValueError(
+                f"KV offloading with kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
+                "(the offload tiers store the model's dtype); drop one of the two"
+            )
         if offload is not None and not self.enable_prefix_caching:
-            raise ValueError("KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
-                             "drop --no-enable-prefix-caching")
+            raise ValueError(
+                "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
+                "drop --no-enable-prefix-caching"
+            )
 
     def offload_config(self) -> Any:
         """The `OffloadConfig` the offload flags ask for, or None (raises ValueError naming the rule)."""
         from sonar.offload.config import offload_config_from_flags
 
         return offload_config_from_flags(
-            primary_block_size=self.block_size, kv_offloading_size=self.kv_offloading_size,
-            kv_offloading_backend=self.kv_offloading_backend, kv_transfer_config=self.kv_transfer_config)
+            primary_block_size=self.block_size,
+            kv_offloading_size=self.kv_offloading_size,
+            kv_offloading_backend=self.kv_offloading_backend,
+            kv_transfer_config=self.kv_transfer_config,
+        )
 
     def kv_events(self) -> Any:
         """The `KVEventsConfig` of `--kv-events-config`, or None when events are off."""

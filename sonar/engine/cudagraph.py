@@ -51,8 +51,10 @@ def capture_sizes(config: Any) -> list[int]:
             raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {list(given)}")
         sizes = sorted(set(given))
         if max_size is not None and sizes and max_size != sizes[-1]:
-            raise ValueError(f"max_cudagraph_capture_size {max_size} must equal the largest of "
-                             f"cudagraph_capture_sizes ({sizes[-1]}) when both are given")
+            raise ValueError(
+                f"max_cudagraph_capture_size {max_size} must equal the largest of "
+                f"cudagraph_capture_sizes ({sizes[-1]}) when both are given"
+            )
     else:
         sizes = default_capture_sizes(max_size if max_size is not None else min(config.max_num_seqs * 2, 512))
     if config.enforce_eager or config.optimization_level == 0:
@@ -110,16 +112,22 @@ class DecodeBuffers:
         table[:size] = 0
         for i, blocks in enumerate(tables):
             if len(blocks) * bs <= positions[i] or positions[i] >= self.max_model_len:
-                raise ValueError(f"row {i}: {len(blocks)} blocks of {bs} (max model len {self.max_model_len}) "
-                                 f"cannot hold position {positions[i]}")
+                raise ValueError(
+                    f"row {i}: {len(blocks)} blocks of {bs} (max model len {self.max_model_len}) "
+                    f"cannot hold position {positions[i]}"
+                )
             blocks = blocks[:width]  # blocks past the max model length are never read
             table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         rows = torch.arange(n)
         self._host_slots[:n] = table[rows, pos // bs].to(torch.int64) * bs + pos % bs
         self._host_slots[n:size] = -1
-        for dst, src in ((self.input_ids, self._host_ids), (self.positions, self._host_positions),
-                         (self.slot_mapping, self._host_slots), (self.seq_lens, self._host_seq_lens),
-                         (self.block_tables, self._host_tables)):
+        for dst, src in (
+            (self.input_ids, self._host_ids),
+            (self.positions, self._host_positions),
+            (self.slot_mapping, self._host_slots),
+            (self.seq_lens, self._host_seq_lens),
+            (self.block_tables, self._host_tables),
+        ):
             dst[:size].copy_(src[:size], non_blocking=True)
 
     def metadata(self, size: int, num_splits: int | None = None) -> AttentionMetadata:

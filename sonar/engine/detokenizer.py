@@ -53,7 +53,7 @@ class _Tracked:
             self.prompt_pass = 0
         first = self.prompt_pass
         self.prompt_pass += len(plps)
-        fresh = plps[max(0, self.prompt_sent - first):]
+        fresh = plps[max(0, self.prompt_sent - first) :]
         self.prompt_sent = max(self.prompt_sent, self.prompt_pass)
         return fresh
 
@@ -61,8 +61,9 @@ class _Tracked:
 class DetokenizerActor(Actor):
     protocol = DetokenizerMsg
 
-    def __init__(self, worker: ActorRef[WorkerMsg], tokenizer: str | None = None,
-                 scheduler: ActorRef[SchedulerMsg] | None = None) -> None:
+    def __init__(
+        self, worker: ActorRef[WorkerMsg], tokenizer: str | None = None, scheduler: ActorRef[SchedulerMsg] | None = None
+    ) -> None:
         self.worker = worker
         self.scheduler = scheduler
         """Where stop-string hits go (`StopStringHit`)."""
@@ -95,7 +96,8 @@ class DetokenizerActor(Actor):
     async def _step(self, msg: StepOutputs) -> None:
         for t in msg.new:
             self.requests[t.req_id] = _Tracked(
-                IncrementalDetokenizer.from_params(self.tokenizer, t.params, t.prompt_token_ids), t.params, t.sink)
+                IncrementalDetokenizer.from_params(self.tokenizer, t.params, t.prompt_token_ids), t.params, t.sink
+            )
         by_sink: dict[ActorRef, list[OutputDelta]] = defaultdict(list)
         hits: dict[str, str] = {}
         for u in msg.updates:
@@ -109,8 +111,13 @@ class DetokenizerActor(Actor):
                 finish, reason = "stop", update.stop_str
                 hits[u.req_id] = update.stop_str
             delta = OutputDelta(
-                req_id=u.req_id, text=update.text, token_ids=list(u.new_token_ids), finish_reason=finish,
-                stop_reason=reason, num_prompt_tokens=u.num_prompt_tokens, num_cached_tokens=u.num_cached_tokens,
+                req_id=u.req_id,
+                text=update.text,
+                token_ids=list(u.new_token_ids),
+                finish_reason=finish,
+                stop_reason=reason,
+                num_prompt_tokens=u.num_prompt_tokens,
+                num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
             )
             lps = msg.logprobs.get(u.req_id)
@@ -125,11 +132,19 @@ class DetokenizerActor(Actor):
         # prompt logprobs of prefill chunks that sampled nothing yet
         for rid, plps in msg.prompt_logprobs.items():
             tracked = self.requests.get(rid)
-            if tracked is not None and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ())) \
-                    and (plps := tracked.fresh_prompt_logprobs(plps)):
-                by_sink[tracked.sink].append(OutputDelta(
-                    req_id=rid, text="", token_ids=[],
-                    prompt_logprobs=[self._position(lp) if lp is not None else None for lp in plps]))
+            if (
+                tracked is not None
+                and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ()))
+                and (plps := tracked.fresh_prompt_logprobs(plps))
+            ):
+                by_sink[tracked.sink].append(
+                    OutputDelta(
+                        req_id=rid,
+                        text="",
+                        token_ids=[],
+                        prompt_logprobs=[self._position(lp) if lp is not None else None for lp in plps],
+                    )
+                )
         if hits and self.scheduler is not None:
             await self.scheduler.send(StopStringHit(hits))
         for sink, deltas in by_sink.items():

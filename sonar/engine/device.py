@@ -27,8 +27,9 @@ def parse_device_ids(device_ids: str | None) -> int | None:
     return int(ids[0])
 
 
-def select_device(device_ids: str | None = None, env: dict[str, str] | None = None,
-                  cuda_available: bool | None = None) -> torch.device:
+def select_device(
+    device_ids: str | None = None, env: dict[str, str] | None = None, cuda_available: bool | None = None
+) -> torch.device:
     """The worker's device (see the module docstring). ``env`` and ``cuda_available`` default to
     the process's environment and ``torch.cuda.is_available()``."""
     env = os.environ if env is None else env

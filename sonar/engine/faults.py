@@ -51,8 +51,10 @@ class FaultPlan:
             item = item.strip()
             action, sep, when = item.partition("@")
             if action not in ACTIONS or not sep:
-                raise FaultSpecError(f"fault {item!r}: expected ACTION@step=N, ACTION@p=P or ACTION@token=ID with "
-                                     f"ACTION one of {', '.join(ACTIONS)}")
+                raise FaultSpecError(
+                    f"fault {item!r}: expected ACTION@step=N, ACTION@p=P or ACTION@token=ID with "
+                    f"ACTION one of {', '.join(ACTIONS)}"
+                )
             key, _, value = when.partition("=")
             try:
                 if key == "step":
@@ -75,8 +77,9 @@ class FaultPlan:
             except ValueError as exc:
                 if isinstance(exc, FaultSpecError):
                     raise
-                raise FaultSpecError(f"fault {item!r}: step must be an integer >= 1, p a number in [0, 1], "
-                                     "token an integer >= 0") from None
+                raise FaultSpecError(
+                    f"fault {item!r}: step must be an integer >= 1, p a number in [0, 1], token an integer >= 0"
+                ) from None
         return cls(faults, seed)
 
     def next_step(self, inputs: Iterable[Sequence[int]] = ()) -> str | None:

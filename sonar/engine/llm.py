@@ -115,8 +115,15 @@ class StreamDelta:
 class LLM:
     """Handle on a running engine; see `sonar.open`."""
 
-    def __init__(self, config: EngineConfig, supervisor: Supervisor, client: Any, streams: dict[str, Any],
-                 info: WorkerInfo, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        supervisor: Supervisor,
+        client: Any,
+        streams: dict[str, Any],
+        info: WorkerInfo,
+        tokenizer: Any,
+    ) -> None:
         self.config = config
         self.supervisor = supervisor
         self.info = info
@@ -132,9 +139,16 @@ class LLM:
         """The supervisor above the engine's, when there is one (`sonar serve`'s root)."""
 
     # -- public API -------------------------------------------------------------------------
-    async def generate(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                       cache_salt: str | None = None, request_id: str | None = None,
-                       on_delta: Callable[[StreamDelta], None] | None = None) -> RequestOutput:
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+        on_delta: Callable[[StreamDelta], None] | None = None,
+    ) -> RequestOutput:
         """Generate a completion of `prompt` (text or token ids) and return it when finished.
 
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
@@ -161,25 +175,43 @@ class LLM:
                 out.logprobs = out.logprobs or []
         return result
 
-    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0,
-                     cache_salt: str | None = None, request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+    async def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[StreamDelta]:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
         prompt_ids, _ = await self._prepare(prompt, params)
         async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt):
             yield delta
 
-    async def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None, *,
-                   add_generation_prompt: bool = True, continue_final_message: bool = False,
-                   chat_template: str | None = None, **kwargs: Any) -> RequestOutput:
+    async def chat(
+        self,
+        messages: list[dict[str, Any]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> RequestOutput:
         """Apply the model's chat template to `messages`, then `generate`."""
-        prompt_ids = await self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                    continue_final_message=continue_final_message,
-                                                    chat_template=chat_template)
+        prompt_ids = await self.apply_chat_template(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+        )
         return await self.generate(prompt_ids, params, **kwargs)
 
-    async def generate_many(self, prompts: Sequence[Prompt], params: SamplingParams | None = None,
-                            **kwargs: Any) -> list[RequestOutput]:
+    async def generate_many(
+        self, prompts: Sequence[Prompt], params: SamplingParams | None = None, **kwargs: Any
+    ) -> list[RequestOutput]:
         """Generate for all prompts at once (continuous batching); results in prompt order."""
         self.check_completions(len(prompts), params or SamplingParams())
         results: list[RequestOutput | None] = [None] * len(prompts)
@@ -192,20 +224,31 @@ class LLM:
                 tg.start_soon(one, i, p)
         return results  # type: ignore[return-value]
 
-    async def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
-                                  continue_final_message: bool = False, chat_template: str | None = None) -> list[int]:
+    async def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+    ) -> list[int]:
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be set")
         limit = self.config.max_chat_messages
         if len(messages) > limit:
-            raise InvalidRequestError(over_limit("messages", limit, len(messages), "max_chat_messages"),
-                                      param="messages")
+            raise InvalidRequestError(
+                over_limit("messages", limit, len(messages), "max_chat_messages"), param="messages"
+            )
 
         def render() -> list[int]:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message, chat_template=chat_template)
+                    messages,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                )
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
             self.check_prompt_chars(text, "messages")
@@ -217,14 +260,16 @@ class LLM:
         """The token ids of `text` (in a worker thread), after the prompt-length limit."""
         self.check_prompt_chars(text, "prompt")
         return await anyio.to_thread.run_sync(
-            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids))
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        )
 
     def check_prompt_chars(self, text: str, param: str = "prompt") -> None:
         """Refuse a text longer than `max_prompt_chars` (before it costs a tokenization)."""
         limit = self.config.max_prompt_chars
         if len(text) > limit:
-            raise InvalidRequestError(over_limit("prompt characters", limit, len(text), "max_prompt_chars"),
-                                      param=param)
+            raise InvalidRequestError(
+                over_limit("prompt characters", limit, len(text), "max_prompt_chars"), param=param
+            )
 
     def check_token_ids(self, token_ids: Sequence[int], param: str = "prompt") -> None:
         """Refuse a token id outside the model's vocabulary (the one place this is checked)."""
@@ -243,9 +288,10 @@ class LLM:
         `max_completions_per_request`, before any of its prompts starts."""
         limit, asked = self.config.max_completions_per_request, num_prompts * params.n
         if asked > limit:
-            raise InvalidRequestError(over_limit("completions (prompts x n)", limit, asked,
-                                                 "max_completions_per_request"),
-                                      param="n" if num_prompts == 1 else "prompt")
+            raise InvalidRequestError(
+                over_limit("completions (prompts x n)", limit, asked, "max_completions_per_request"),
+                param="n" if num_prompts == 1 else "prompt",
+            )
 
     async def abort_all(self) -> list[str]:
         """End every request in flight with finish_reason "abort" (what has been generated so far
@@ -300,10 +346,14 @@ class LLM:
             raise EngineDeadError("the engine is shut down")
         config = self.config
         try:
-            params.validate(max_logprobs=config.max_logprobs, vocab_size=self.info.vocab_size,
-                            max_stop_strings=config.max_stop_strings,
-                            max_stop_string_chars=config.max_stop_string_chars,
-                            max_stop_token_ids=config.max_stop_token_ids, max_logit_bias=config.max_logit_bias)
+            params.validate(
+                max_logprobs=config.max_logprobs,
+                vocab_size=self.info.vocab_size,
+                max_stop_strings=config.max_stop_strings,
+                max_stop_string_chars=config.max_stop_string_chars,
+                max_stop_token_ids=config.max_stop_token_ids,
+                max_logit_bias=config.max_logit_bias,
+            )
             params.check_token_left(vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
@@ -319,8 +369,9 @@ class LLM:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         return list(ids), text
 
-    async def _run(self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int,
-                   cache_salt: str | None) -> AsyncIterator[StreamDelta]:
+    async def _run(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None
+    ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
         if problem is not None:
@@ -337,9 +388,18 @@ class LLM:
         pending = set(ids)
         try:
             for cid, child in zip(ids, children):
-                await self._add(scheduler, AddRequest(
-                    request_id=cid, prompt_token_ids=prompt_ids, params=child, sink=self._client,
-                    priority=priority, cache_salt=cache_salt, arrival_time=time.monotonic()))
+                await self._add(
+                    scheduler,
+                    AddRequest(
+                        request_id=cid,
+                        prompt_token_ids=prompt_ids,
+                        params=child,
+                        sink=self._client,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        arrival_time=time.monotonic(),
+                    ),
+                )
             while pending:
                 item = await receive.receive()
                 if isinstance(item, Failed):
@@ -350,9 +410,18 @@ class LLM:
                     raise _request_error(delta.error)
                 if delta.finish_reason is not None:
                     pending.discard(delta.req_id)
-                yield StreamDelta(rid, index[delta.req_id], delta.text, delta.token_ids, delta.finish_reason,
-                                  delta.stop_reason, delta.logprobs, delta.prompt_logprobs,
-                                  delta.num_prompt_tokens, delta.num_cached_tokens)
+                yield StreamDelta(
+                    rid,
+                    index[delta.req_id],
+                    delta.text,
+                    delta.token_ids,
+                    delta.finish_reason,
+                    delta.stop_reason,
+                    delta.logprobs,
+                    delta.prompt_logprobs,
+                    delta.num_prompt_tokens,
+                    delta.num_cached_tokens,
+                )
         finally:
             for cid in ids:
                 self._streams.pop(cid, None)
@@ -370,8 +439,10 @@ class LLM:
         except AskTimeout:
             if self.dead is not None:
                 raise EngineDeadError(self.dead) from None
-            raise ServerOverloadedError(f"the scheduler did not take the request within {ADD_TIMEOUT:g} s; "
-                                        "try again later", retry_after=RETRY_AFTER) from None
+            raise ServerOverloadedError(
+                f"the scheduler did not take the request within {ADD_TIMEOUT:g} s; try again later",
+                retry_after=RETRY_AFTER,
+            ) from None
         except (ActorError, ActorNotFound) as exc:
             raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
         if accepted.rejected is not None:

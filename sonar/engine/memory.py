@@ -44,8 +44,7 @@ def check_kv_cache_dtype(name: str) -> None:
     if name == "auto" or name in KV_CACHE_DTYPES:
         return
     if name == "fp8_e5m2":
-        raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Sonar's fp8 KV cache is e4m3 "
-                         "(use fp8 or fp8_e4m3)")
+        raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Sonar's fp8 KV cache is e4m3 (use fp8 or fp8_e4m3)")
     raise ValueError(f"kv_cache_dtype {name!r} is not supported yet (auto, {', '.join(KV_CACHE_DTYPES)})")
 
 
@@ -115,8 +114,10 @@ class MemoryProfile:
         return self.weights + self.peak_activations + max(self.non_torch, 0) + self.graphs
 
     def describe(self) -> dict[str, str]:
-        return {name: format_memory_size(max(getattr(self, name), 0)) for name in
-                ("requested", "weights", "peak_activations", "non_torch", "graphs")}
+        return {
+            name: format_memory_size(max(getattr(self, name), 0))
+            for name in ("requested", "weights", "peak_activations", "non_torch", "graphs")
+        }
 
 
 def kv_cache_bytes(profile: MemoryProfile) -> int:

@@ -68,8 +68,9 @@ def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
     return memory.kv_bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
 
 
-def plan_kv_cache(config: EngineConfig, loaded: LoadedModel, kv_bytes: int | None = None,
-                  kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
+def plan_kv_cache(
+    config: EngineConfig, loaded: LoadedModel, kv_bytes: int | None = None, kv_dtype: torch.dtype | None = None
+) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes``, else ``kv_bytes`` (what
     profiling left on a GPU), else the CPU default (`sonar.engine.memory`)."""
@@ -85,8 +86,12 @@ def plan_kv_cache(config: EngineConfig, loaded: LoadedModel, kv_bytes: int | Non
         num_blocks = memory.num_blocks_for(kv_bytes, per_block)
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
-        log.warning("kv_cache.max_model_len_reduced", detail="reduced to fit the KV cache", max_model_len=fitted.value,
-                    model_max=fitted.reduced_from)
+        log.warning(
+            "kv_cache.max_model_len_reduced",
+            detail="reduced to fit the KV cache",
+            max_model_len=fitted.value,
+            model_max=fitted.reduced_from,
+        )
     return num_blocks, fitted.value
 
 
@@ -105,12 +110,21 @@ class ModelRunner:
             if cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
                 memory.check_free_memory(total, free, cfg.gpu_memory_utilization)
             # what this process already holds (an earlier engine's cached blocks, say) is not this one's
-            start = memory.CudaBaseline(used=total - free, allocated=torch.cuda.memory_allocated(device),
-                                        reserved=torch.cuda.memory_reserved(device))
+            start = memory.CudaBaseline(
+                used=total - free,
+                allocated=torch.cuda.memory_allocated(device),
+                reserved=torch.cuda.memory_reserved(device),
+            )
         torch.manual_seed(cfg.seed)
         t0 = time.perf_counter()
-        self.loaded = load_model(cfg.model, dtype=cfg.dtype, load_format=cfg.load_format,
-                                 revision=cfg.revision, download_dir=cfg.download_dir, device=device)
+        self.loaded = load_model(
+            cfg.model,
+            dtype=cfg.dtype,
+            load_format=cfg.load_format,
+            revision=cfg.revision,
+            download_dir=cfg.download_dir,
+            device=device,
+        )
         self.model = self.loaded.model
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
         t_pack = time.perf_counter()
@@ -129,25 +143,38 @@ class ModelRunner:
         profile = None
         sizes = capture_sizes(cfg) if cuda else []
         if sizes and not ops.use_triton(torch.empty(0, device=device)):
-            log.warning("cudagraph.disabled", detail="the torch references read metadata on the host (Triton "
-                        "missing or SONAR_USE_TRITON=0)")
+            log.warning(
+                "cudagraph.disabled",
+                detail="the torch references read metadata on the host (Triton missing or SONAR_USE_TRITON=0)",
+            )
             sizes = []
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
         self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype)
-        self.kv_caches = allocate_kv_caches(self.model.num_layers, self.num_blocks, cfg.block_size,
-                                            self.model.num_kv_heads, self.model.head_dim, self.kv_dtype, device)
+        self.kv_caches = allocate_kv_caches(
+            self.model.num_layers,
+            self.num_blocks,
+            cfg.block_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.kv_dtype,
+            device,
+        )
         if self.compiled is not None:  # the graphs of both step kinds, before capture uses them
             self.compiled.warm_up(self.kv_caches, cfg.block_size)
         t2 = time.perf_counter()
         if sizes:
             self.graphs = CudaGraphs(self._forward, self._buffers(sizes[-1]), sizes, self.model.num_kv_heads)
             self.graphs.capture()
-            log.info("cudagraph.captured", sizes=len(sizes), max_size=sizes[-1],
-                     seconds=round(self.graphs.capture_seconds, 2),
-                     memory=format_memory_size(self.graphs.memory_bytes),
-                     estimated=format_memory_size(profile.graphs) if profile else None)
+            log.info(
+                "cudagraph.captured",
+                sizes=len(sizes),
+                max_size=sizes[-1],
+                seconds=round(self.graphs.capture_seconds, 2),
+                memory=format_memory_size(self.graphs.memory_bytes),
+                estimated=format_memory_size(profile.graphs) if profile else None,
+            )
         t3 = time.perf_counter()
         self._warm_up()
         t4 = time.perf_counter()
@@ -158,26 +185,46 @@ class ModelRunner:
         self.sampler = Sampler()
         tokenizer = cfg.tokenizer or (str(self.loaded.tokenizer_path) if self.loaded.tokenizer_path else None)
         compile_seconds = self.compiled.compile_seconds if self.compiled is not None else 0.0
-        phases = {"weights": t1 - t0 - convert_seconds, "convert": convert_seconds,
-                  "kv_cache": t2 - t1 - compile_seconds}
+        phases = {
+            "weights": t1 - t0 - convert_seconds,
+            "convert": convert_seconds,
+            "kv_cache": t2 - t1 - compile_seconds,
+        }
         if self.compiled is not None:
             phases["compile"] = compile_seconds
         if sizes:
             phases["graphs"] = t3 - t2
         phases["warmup"] = t4 - t3
         self.info = WorkerInfo(
-            model=self.loaded.source, architecture=self.loaded.architecture,
-            dtype=str(self.loaded.dtype).removeprefix("torch."), num_blocks=self.num_blocks,
-            block_size=cfg.block_size, max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids, kv_cache_memory_bytes=kv_total, tokenizer_path=tokenizer,
-            pid=os.getpid(), startup_seconds=phases,
-            num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
+            model=self.loaded.source,
+            architecture=self.loaded.architecture,
+            dtype=str(self.loaded.dtype).removeprefix("torch."),
+            num_blocks=self.num_blocks,
+            block_size=cfg.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
+            kv_cache_memory_bytes=kv_total,
+            tokenizer_path=tokenizer,
+            pid=os.getpid(),
+            startup_seconds=phases,
+            num_layers=self.model.num_layers,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
             device=device.type,
         )
-        log.info("kv_cache.allocated", device=str(device), dtype=str(self.kv_dtype).removeprefix("torch."),
-                 blocks=self.num_blocks, block_size=cfg.block_size, tokens=self.num_blocks * cfg.block_size,
-                 max_model_len=self.max_model_len, reproduce_with=f"--kv-cache-memory-bytes {kv_total}",
-                 size=format_memory_size(kv_total), **(profile.describe() if profile else {}))
+        log.info(
+            "kv_cache.allocated",
+            device=str(device),
+            dtype=str(self.kv_dtype).removeprefix("torch."),
+            blocks=self.num_blocks,
+            block_size=cfg.block_size,
+            tokens=self.num_blocks * cfg.block_size,
+            max_model_len=self.max_model_len,
+            reproduce_with=f"--kv-cache-memory-bytes {kv_total}",
+            size=format_memory_size(kv_total),
+            **(profile.describe() if profile else {}),
+        )
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.forward(ids, positions, self.kv_caches, meta)
@@ -186,10 +233,17 @@ class ModelRunner:
         """The model's forward pass compiled, its artifacts cached under ``SONAR_CACHE_ROOT``
         for this model and the settings that shape the code (nothing compiles until a first call)."""
         cfg = self.config
-        return compile_forward(self.model, config_key_parts={
-            "model": self.loaded.source, "revision": cfg.revision, "load_format": cfg.load_format,
-            "dtype": str(self.loaded.dtype), "block_size": cfg.block_size, "kv_cache_dtype": cfg.kv_cache_dtype,
-        })
+        return compile_forward(
+            self.model,
+            config_key_parts={
+                "model": self.loaded.source,
+                "revision": cfg.revision,
+                "load_format": cfg.load_format,
+                "dtype": str(self.loaded.dtype),
+                "block_size": cfg.block_size,
+                "kv_cache_dtype": cfg.kv_cache_dtype,
+            },
+        )
 
     def _buffers(self, max_size: int) -> DecodeBuffers:
         if self._decode_buffers is None or self._decode_buffers.max_size < max_size:
@@ -206,14 +260,22 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         weights = torch.cuda.memory_allocated(device) - start.allocated
         tokens = cfg.max_num_batched_tokens
-        seq_len = max(1, min(tokens, self.loaded.max_model_len if cfg.max_model_len in (None, -1)
-                             else cfg.max_model_len))
+        seq_len = max(
+            1, min(tokens, self.loaded.max_model_len if cfg.max_model_len in (None, -1) else cfg.max_model_len)
+        )
         q_lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         bs = cfg.block_size
         blocks_per_seq = -(-seq_len // bs)
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(q_lens))]
-        scratch = allocate_kv_caches(model.num_layers, blocks_per_seq * len(q_lens), bs, model.num_kv_heads,
-                                     model.head_dim, self.kv_dtype, device)
+        scratch = allocate_kv_caches(
+            model.num_layers,
+            blocks_per_seq * len(q_lens),
+            bs,
+            model.num_kv_heads,
+            model.head_dim,
+            self.kv_dtype,
+            device,
+        )
         meta = AttentionMetadata.build(q_lens, q_lens, tables, bs, device=device)
         positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
@@ -229,8 +291,9 @@ class ModelRunner:
         if sizes:
             self.kv_caches = scratch  # the probe graphs read the throwaway cache (contexts of length 0)
             model_len = cfg.max_model_len if cfg.max_model_len not in (None, -1) else self.loaded.max_model_len
-            probe = CudaGraphs(self._forward, DecodeBuffers(sizes[-1], model_len, bs, device), sizes,
-                               model.num_kv_heads)
+            probe = CudaGraphs(
+                self._forward, DecodeBuffers(sizes[-1], model_len, bs, device), sizes, model.num_kv_heads
+            )
             probe.capture([sizes[-1]])
             largest = probe.memory_bytes
             probe.capture([sizes[0]])
@@ -242,8 +305,14 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, _ = memory_info(device)
         non_torch = (total - free - start.used) - (torch.cuda.memory_reserved(device) - start.reserved)
-        profile = memory.MemoryProfile(total=total, utilization=cfg.gpu_memory_utilization, weights=weights,
-                                       peak_activations=peak, non_torch=non_torch, graphs=graphs)
+        profile = memory.MemoryProfile(
+            total=total,
+            utilization=cfg.gpu_memory_utilization,
+            weights=weights,
+            peak_activations=peak,
+            non_torch=non_torch,
+            graphs=graphs,
+        )
         log.info("memory.profiled", tokens=tokens, **profile.describe())
         return profile
 
@@ -256,8 +325,9 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in msg.new_requests:
-            self.requests[new.req_id] = _RequestState(new.params, new.prompt_token_ids, list(new.output_token_ids),
-                                                      is_plain_greedy(new.params))
+            self.requests[new.req_id] = _RequestState(
+                new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params)
+            )
         unknown = [s.req_id for s in out.requests if s.req_id not in self.requests]
         if unknown:
             raise UnknownRequestError(f"step {out.step_id} names request(s) this worker does not hold: {unknown[:3]}")
@@ -296,21 +366,30 @@ class ModelRunner:
         if hidden is None:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
-            hidden = self.forward(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
-                                  self.kv_caches, meta)
+            hidden = self.forward(
+                torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.kv_caches, meta
+            )
         for rid, first, rows, start in prompt_rows:
-            result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first:first + rows], rid, start)
+            result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first : first + rows], rid, start)
         if sample_rows:
             # a pure decode step samples every row: no gather of the rows needed
-            rows = hidden if len(sample_rows) == hidden.shape[0] else hidden[torch.tensor(sample_rows, device=hidden.device)]
+            rows = (
+                hidden
+                if len(sample_rows) == hidden.shape[0]
+                else hidden[torch.tensor(sample_rows, device=hidden.device)]
+            )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)
             else:
                 batch = SamplingBatch.build(
-                    [s.params for s in states], [s.output for s in states], [s.prompt for s in states],
-                    vocab_size=self.vocab_size, eos_token_ids=self.eos_token_ids, device=logits.device,
+                    [s.params for s in states],
+                    [s.output for s in states],
+                    [s.prompt for s in states],
+                    vocab_size=self.vocab_size,
+                    eos_token_ids=self.eos_token_ids,
+                    device=logits.device,
                 )
                 sampled = self.sampler(logits, batch)
             # one copy to the host for both: ids and whether each row failed
@@ -320,8 +399,10 @@ class ModelRunner:
                 # feed it before the scheduler drops the request
                 state.output.append(token)
                 if failed[i]:
-                    result.failed[rid] = ("no token could be sampled: every logit was -inf or NaN after the "
-                                          "request's penalties, logit_bias and min_tokens")
+                    result.failed[rid] = (
+                        "no token could be sampled: every logit was -inf or NaN after the "
+                        "request's penalties, logit_bias and min_tokens"
+                    )
                     continue
                 result.sampled[rid] = [token]
                 if state.params.logprobs is not None and sampled.logprobs is not None:
@@ -342,7 +423,8 @@ class ModelRunner:
                 if not 0 <= pos < len(output):
                     raise UnknownRequestError(
                         f"request {sched.req_id}: a placeholder at position {sched.start_pos + i}, past the "
-                        f"{len(prompt) + len(output)} tokens this worker holds")
+                        f"{len(prompt) + len(output)} tokens this worker holds"
+                    )
                 tokens[i] = output[pos]
         return tokens
 

@@ -81,8 +81,13 @@ log = get_logger("sonar.scheduler")
 class SchedulerActor(Actor):
     protocol = SchedulerMsg
 
-    def __init__(self, config: dict[str, Any], worker: ActorRef[WorkerMsg], detokenizer: ActorRef[DetokenizerMsg],
-                 offload: ActorRef[OffloadMsg] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        worker: ActorRef[WorkerMsg],
+        detokenizer: ActorRef[DetokenizerMsg],
+        offload: ActorRef[OffloadMsg] | None = None,
+    ) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.worker = worker
         self.detokenizer = detokenizer
@@ -111,19 +116,28 @@ class SchedulerActor(Actor):
         cfg = self.config
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.pipelined = wanted and self.offload_bpc == 0
-        blocks = BlockManager(info.num_blocks, info.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-                              hash_algo=cfg.prefix_caching_hash_algo, kv_events=self.kv_events,
-                              offload_blocks_per_chunk=self.offload_bpc)
-        self.core = Scheduler(SchedulerConfig(
-            max_model_len=info.max_model_len,
-            max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-            max_num_seqs=cfg.max_num_seqs,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-            scheduling_policy=cfg.scheduling_policy,
-            watermark=cfg.watermark,
-            scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
-        ), blocks, lower_tier_lookup=self._lookup if self.offload_bpc else None)
+        blocks = BlockManager(
+            info.num_blocks,
+            info.block_size,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            hash_algo=cfg.prefix_caching_hash_algo,
+            kv_events=self.kv_events,
+            offload_blocks_per_chunk=self.offload_bpc,
+        )
+        self.core = Scheduler(
+            SchedulerConfig(
+                max_model_len=info.max_model_len,
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                max_num_seqs=cfg.max_num_seqs,
+                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+                scheduling_policy=cfg.scheduling_policy,
+                watermark=cfg.watermark,
+                scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
+            ),
+            blocks,
+            lower_tier_lookup=self._lookup if self.offload_bpc else None,
+        )
         if self.kv_events:
             # A new scheduler starts with an empty cache: whatever a predecessor announced is gone.
             await self._send_offload(PublishEvents([AllBlocksCleared("GPU")]))
@@ -131,7 +145,9 @@ class SchedulerActor(Actor):
             try:  # the mirror before the first request (else the watch below brings it soon)
                 self._apply_tier_update(await self.offload.ask(WatchTiers(None, 0, 0.0), timeout=30))
             except (ActorError, AskTimeout, ActorNotFound) as exc:
-                log.warning("scheduler.offload_unavailable", detail="the tiers are looked up once it answers", error=str(exc))
+                log.warning(
+                    "scheduler.offload_unavailable", detail="the tiers are looked up once it answers", error=str(exc)
+                )
             self.task_group.start_soon(self._watch_tiers)
 
     async def handle(self, msg: SchedulerMsg) -> Any:
@@ -165,17 +181,28 @@ class SchedulerActor(Actor):
     def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs
         if self.core.num_waiting >= limit:
-            return Accepted(Rejection(RejectKind.OVERLOADED, f"the engine already holds {self.core.num_waiting} "
-                                      f"waiting sequences, its limit (--max-waiting-seqs {limit}); try again later"))
+            return Accepted(
+                Rejection(
+                    RejectKind.OVERLOADED,
+                    f"the engine already holds {self.core.num_waiting} "
+                    f"waiting sequences, its limit (--max-waiting-seqs {limit}); try again later",
+                )
+            )
         params = msg.params
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids += self.info.eos_token_ids
         try:
             request = Request(
-                msg.request_id, msg.prompt_token_ids, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
-                stop_token_ids=stop_ids, priority=msg.priority, arrival_time=msg.arrival_time or time.monotonic(),
-                cache_salt=msg.cache_salt, sampling_params=params,
+                msg.request_id,
+                msg.prompt_token_ids,
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                stop_token_ids=stop_ids,
+                priority=msg.priority,
+                arrival_time=msg.arrival_time or time.monotonic(),
+                cache_salt=msg.cache_salt,
+                sampling_params=params,
                 skip_reading_prefix_cache=params.prompt_logprobs is not None,
             )
             self.core.add_request(request)
@@ -241,8 +268,9 @@ class SchedulerActor(Actor):
         for sched in output.requests:
             if sched.is_new:
                 req = self.core.get_request(sched.req_id)
-                new.append(NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids,
-                                          list(req.output_token_ids)))
+                new.append(
+                    NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids, list(req.output_token_ids))
+                )
         fault = self.faults.next_step(s.token_ids for s in output.requests) if self.faults is not None else None
         try:
             return await self.worker.ask_soon(ExecuteStep(output, new, fault))
@@ -266,15 +294,20 @@ class SchedulerActor(Actor):
         if result.failed:
             for rid, reason in result.failed.items():
                 log.error("request.sampling_failed", request=rid, reason=reason)
-            updates += self.core.fail_requests({rid: RequestError("sampling", f"request {rid!r}: {reason}")
-                                                for rid, reason in result.failed.items()})
+            updates += self.core.fail_requests(
+                {rid: RequestError("sampling", f"request {rid!r}: {reason}") for rid, reason in result.failed.items()}
+            )
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
-            await self.detokenizer.send(StepOutputs(
-                new=tracked, updates=updates, logprobs=result.logprobs,
-                prompt_logprobs=result.prompt_logprobs,
-            ))
+            await self.detokenizer.send(
+                StepOutputs(
+                    new=tracked,
+                    updates=updates,
+                    logprobs=result.logprobs,
+                    prompt_logprobs=result.prompt_logprobs,
+                )
+            )
         return True
 
     # -- KV offloading -------------------------------------------------------------------------
@@ -346,8 +379,13 @@ class SchedulerActor(Actor):
         crashed = [] if failed is None or never_ran else [r.req_id for r in failed.requests]
         recovery = self.core.reset_after_worker_failure(crashed)
         ids = recovery.recomputed
-        log.error("scheduler.step_failed", detail="requests will be recomputed", error=str(self.failure), requests=len(ids),
-                  suspects=len(self.core.quarantine))
+        log.error(
+            "scheduler.step_failed",
+            detail="requests will be recomputed",
+            error=str(self.failure),
+            requests=len(ids),
+            suspects=len(self.core.quarantine),
+        )
         if recovery.quarantined:
             for update in recovery.quarantined:
                 log.error("request.quarantined", request=update.req_id)

@@ -30,8 +30,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     if isinstance(worker_at, (ChildProcess, Remote)):
         # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
         # graphs captured: a cold compile alone takes minutes on a small CPU
-        worker_at = msgspec.structs.replace(worker_at, start_timeout=max(worker_at.start_timeout,
-                                                                         WORKER_START_TIMEOUT))
+        worker_at = msgspec.structs.replace(worker_at, start_timeout=max(worker_at.start_timeout, WORKER_START_TIMEOUT))
     # The KV offload manager (second tiers, KV events) runs only when a flag asks for it. Restarted
     # alone, it starts with an empty CPU tier and re-indexes its disk directory; the scheduler's
     # mirror of the tiers resynchronizes, and requests meanwhile just miss the tiers.
@@ -39,29 +38,73 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     # Who talks to whom: the worker reports KV loads to the scheduler and moves chunks with the
     # offload manager; the detokenizer reports stop strings to the scheduler (later siblings,
     # named by the references they will have).
-    worker_kwargs: dict[str, Any] = {"config": raw, "own_process": isinstance(worker_at, ChildProcess),
-                                     "scheduler": SiblingRef("scheduler")}
-    scheduler_kwargs: dict[str, Any] = {"config": raw, "worker": SiblingRef("worker"),
-                                        "detokenizer": SiblingRef("detokenizer")}
+    worker_kwargs: dict[str, Any] = {
+        "config": raw,
+        "own_process": isinstance(worker_at, ChildProcess),
+        "scheduler": SiblingRef("scheduler"),
+    }
+    scheduler_kwargs: dict[str, Any] = {
+        "config": raw,
+        "worker": SiblingRef("worker"),
+        "detokenizer": SiblingRef("detokenizer"),
+    }
     if config.offload_manager_needed:
         tiers = config.offload_config()
         events = config.kv_events()
-        offload.append(ChildSpec(
-            "offload", OffloadManagerActor,
-            kwargs={"config": None if tiers is None else msgspec.to_builtins(tiers),
+        offload.append(
+            ChildSpec(
+                "offload",
+                OffloadManagerActor,
+                kwargs={
+                    "config": None if tiers is None else msgspec.to_builtins(tiers),
                     "events": None if events is None else msgspec.to_builtins(events),
-                    "worker": SiblingRef("worker"), "hash_algo": config.prefix_caching_hash_algo},
-            placement=config.placement_of("offload"), ping_interval=2.0, ping_timeout=30.0, shutdown=15.0))
+                    "worker": SiblingRef("worker"),
+                    "hash_algo": config.prefix_caching_hash_algo,
+                },
+                placement=config.placement_of("offload"),
+                ping_interval=2.0,
+                ping_timeout=30.0,
+                shutdown=15.0,
+            )
+        )
         scheduler_kwargs["offload"] = worker_kwargs["offload"] = SiblingRef("offload")
-    return SupervisorSpec("engine", [
-        # The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
-        # deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
-        ChildSpec("worker", WorkerActor, kwargs=worker_kwargs,
-                  placement=worker_at, ping_interval=2.0, ping_timeout=15.0, shutdown=5.0),
-        *offload,
-        ChildSpec("detokenizer", DetokenizerActor, kwargs={"worker": SiblingRef("worker"), "tokenizer": config.tokenizer,
-                                                           "scheduler": SiblingRef("scheduler")},
-                  placement=config.placement_of("detokenizer"), ping_interval=2.0, ping_timeout=30.0),
-        ChildSpec("scheduler", SchedulerActor, kwargs=scheduler_kwargs,
-                  placement=config.placement_of("scheduler"), ping_interval=2.0, ping_timeout=30.0),
-    ], strategy="one_for_one", max_restarts=5, period=60)
+    return SupervisorSpec(
+        "engine",
+        [
+            # The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
+            # deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
+            ChildSpec(
+                "worker",
+                WorkerActor,
+                kwargs=worker_kwargs,
+                placement=worker_at,
+                ping_interval=2.0,
+                ping_timeout=15.0,
+                shutdown=5.0,
+            ),
+            *offload,
+            ChildSpec(
+                "detokenizer",
+                DetokenizerActor,
+                kwargs={
+                    "worker": SiblingRef("worker"),
+                    "tokenizer": config.tokenizer,
+                    "scheduler": SiblingRef("scheduler"),
+                },
+                placement=config.placement_of("detokenizer"),
+                ping_interval=2.0,
+                ping_timeout=30.0,
+            ),
+            ChildSpec(
+                "scheduler",
+                SchedulerActor,
+                kwargs=scheduler_kwargs,
+                placement=config.placement_of("scheduler"),
+                ping_interval=2.0,
+                ping_timeout=30.0,
+            ),
+        ],
+        strategy="one_for_one",
+        max_restarts=5,
+        period=60,
+    )

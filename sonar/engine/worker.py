@@ -60,8 +60,13 @@ class InjectedFault(SonarError, RuntimeError):
 class WorkerActor(Actor):
     protocol = WorkerMsg
 
-    def __init__(self, config: dict[str, Any], own_process: bool = False,
-                 scheduler: ActorRef[SchedulerMsg] | None = None, offload: ActorRef[OffloadMsg] | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        own_process: bool = False,
+        scheduler: ActorRef[SchedulerMsg] | None = None,
+        offload: ActorRef[OffloadMsg] | None = None,
+    ) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.own_process = own_process
         self.scheduler = scheduler
@@ -115,8 +120,9 @@ class WorkerActor(Actor):
             # a step that compiles takes as long as the compiler does
             limit = self.config.step_timeout if getattr(self.runner, "compiling", False) else self.deadline()
             if elapsed > limit:
-                log.error("worker.hung", elapsed=round(elapsed, 2), deadline=round(limit, 2),
-                          slowest=round(self.slowest, 3))
+                log.error(
+                    "worker.hung", elapsed=round(elapsed, 2), deadline=round(limit, 2), slowest=round(self.slowest, 3)
+                )
                 if self.own_process:
                     os._exit(EXIT_HUNG)
                 self._unhang.set()
@@ -180,13 +186,20 @@ class WorkerActor(Actor):
         loaded = 0
         try:
             if offload is not None:
-                result = await offload.ask(Load(spec.block_hashes, spec.start_block, count_hits=True),
-                                          timeout=self.config.step_timeout)
+                result = await offload.ask(
+                    Load(spec.block_hashes, spec.start_block, count_hits=True), timeout=self.config.step_timeout
+                )
                 n = min(max(0, result.num_blocks - spec.start_block), len(spec.block_ids))
                 if n and result.data is not None:
-                    await anyio.to_thread.run_sync(partial(
-                        scatter_chunks, self.runner.kv_caches, result.data, spec.block_ids[:n],
-                        skip_blocks=result.skip_blocks))
+                    await anyio.to_thread.run_sync(
+                        partial(
+                            scatter_chunks,
+                            self.runner.kv_caches,
+                            result.data,
+                            spec.block_ids[:n],
+                            skip_blocks=result.skip_blocks,
+                        )
+                    )
                     loaded = n
         except Exception as exc:  # the blocks are recomputed
             log.warning("worker.kv_load_failed", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")

@@ -89,7 +89,7 @@ def _route(scope: Scope) -> str:
     """The request's path without the --root-path prefix."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):
-        path = path[len(root):]
+        path = path[len(root) :]
     return path
 
 
@@ -135,8 +135,9 @@ class BodyLimits:
                         raise RequestError(self._too_large(f"{read} bytes arrived"), status=413)
                     pending = bool(message.get("more_body", False))
                 return message
-            raise RequestError(f"the request body did not arrive within {self.timeout:g} s (--body-read-timeout)",
-                               status=408)
+            raise RequestError(
+                f"the request body did not arrive within {self.timeout:g} s (--body-read-timeout)", status=408
+            )
 
         async def closing_send(message: Message) -> None:
             if message["type"] == "http.response.start" and pending:
@@ -158,8 +159,9 @@ def hide_addresses(node: ActorInfo) -> ActorInfo:
     address inside an exit reason `<address>`. Names, pids, states and counts stay."""
     placement = node.placement if node.placement in ("inprocess", "process") else "remote"
     last_exit = None if node.last_exit is None else _ADDRESS.sub("<address>", node.last_exit)
-    return msgspec.structs.replace(node, placement=placement, last_exit=last_exit,
-                                   children=[hide_addresses(c) for c in node.children])
+    return msgspec.structs.replace(
+        node, placement=placement, last_exit=last_exit, children=[hide_addresses(c) for c in node.children]
+    )
 
 
 def may_see_addresses(scope: Scope, api_keys: tuple[str, ...]) -> bool:
@@ -193,8 +195,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
 
     async def models(request: Request) -> Response:
         root = llm.config.model or llm.info.model
-        return json_response(ModelList([ModelCard(id=name, root=root, max_model_len=llm.info.max_model_len)
-                                        for name in names]))
+        return json_response(
+            ModelList([ModelCard(id=name, root=root, max_model_len=llm.info.max_model_len) for name in names])
+        )
 
     async def health(request: Request) -> Response:
         """200 when the scheduler and the worker answer within the deadline (the engine is serving), else 503."""
@@ -215,8 +218,11 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         if req.messages is not None:
             messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
             ids = await llm.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=settings.chat_template,
+            )
         else:
             ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -265,18 +271,28 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
     if settings.enable_openapi:
         routes.append(Route("/openapi.json", openapi_endpoint(llm, settings), methods=["GET"]))
-    middleware = [Middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                             allow_methods=list(settings.allowed_methods),
-                             allow_headers=list(settings.allowed_headers),
-                             allow_credentials=settings.allow_credentials)]
-    middleware.append(Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes,
-                                 timeout=settings.body_read_timeout))
+    middleware = [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=list(settings.allowed_methods),
+            allow_headers=list(settings.allowed_headers),
+            allow_credentials=settings.allow_credentials,
+        )
+    ]
+    middleware.append(
+        Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes, timeout=settings.body_read_timeout)
+    )
     if settings.api_keys:
         open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
     middleware.append(Middleware(LoadMiddleware, metrics=metrics))
-    app = Starlette(routes=routes, middleware=middleware,
-                    exception_handlers={**EXCEPTION_HANDLERS, 404: _not_found, 405: _not_allowed}, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={**EXCEPTION_HANDLERS, 404: _not_found, 405: _not_allowed},
+        lifespan=lifespan,
+    )
     app.state.llm = llm
     app.state.settings = settings
     app.state.metrics = metrics
@@ -287,8 +303,11 @@ def describe_tokenizer(tokenizer: Any, chat_template: str | None = None) -> dict
     """GET /tokenizer_info: the tokenizer's configuration (its init arguments, as in
     tokenizer_config.json, the added-tokens table left out), its class, special tokens, maximum
     length and the chat template the server uses (--chat-template, else the tokenizer's)."""
-    info = {k: _plain(v) for k, v in getattr(tokenizer, "init_kwargs", {}).items()
-            if k not in ("added_tokens_decoder", "vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    info = {
+        k: _plain(v)
+        for k, v in getattr(tokenizer, "init_kwargs", {}).items()
+        if k not in ("added_tokens_decoder", "vocab_file", "merges_file", "tokenizer_file", "name_or_path")
+    }
     info["tokenizer_class"] = type(tokenizer).__name__
     info["model_max_length"] = _plain(getattr(tokenizer, "model_max_length", None))
     info["chat_template"] = chat_template or getattr(tokenizer, "chat_template", None)

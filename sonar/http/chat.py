@@ -35,8 +35,9 @@ from sonar.http.tasks import cancel_on_disconnect
 from sonar.sampling_params import SamplingParams
 
 
-async def create_chat_completion(request: Request, llm: LLM, settings: ServerSettings,
-                                 check_model: Callable[[str | None], None]) -> Response:
+async def create_chat_completion(
+    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], None]
+) -> Response:
     rid = new_id("chatcmpl")
     request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
@@ -46,46 +47,77 @@ async def create_chat_completion(request: Request, llm: LLM, settings: ServerSet
     params = req.sampling_params(settings.default_sampling)
     messages = req.template_messages()
     prompt_ids = await llm.apply_chat_template(
-        messages, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, chat_template=settings.chat_template)
+        messages,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template=settings.chat_template,
+    )
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
     finished, result = await cancel_on_disconnect(
-        request, lambda: rec.generate(llm, prompt_ids, params, priority=req.priority,
-                                      cache_salt=req.cache_salt, request_id=rid), rid)
+        request,
+        lambda: rec.generate(llm, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid),
+        rid,
+    )
     if not finished:
         return Response(status_code=499)  # nobody reads it
     choices = [
-        ChatChoice(out.index, ResponseMessage(role, out.text),
-                   chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
-                   out.finish_reason, out.stop_reason)
+        ChatChoice(
+            out.index,
+            ResponseMessage(role, out.text),
+            chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
+            out.finish_reason,
+            out.stop_reason,
+        )
         for out in result.outputs
     ]
     completion_tokens = sum(len(out.token_ids) for out in result.outputs)
-    log_output(settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices],
-               completion_tokens)
+    log_output(
+        settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices], completion_tokens
+    )
     usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
-    return json_response(ChatCompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
-                                                system_fingerprint=settings.system_fingerprint))
+    return json_response(
+        ChatCompletionResponse(
+            id=rid,
+            model=settings.model_name,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=settings.system_fingerprint,
+        )
+    )
 
 
-async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompletionRequest,
-                  prompt_ids: list[int], params: SamplingParams, role: str, rid: str, rec: RequestRecorder) -> None:
+async def _stream(
+    emit: Emit,
+    llm: LLM,
+    settings: ServerSettings,
+    req: ChatCompletionRequest,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    role: str,
+    rid: str,
+    rec: RequestRecorder,
+) -> None:
     created = int(time.time())
 
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=rid, model=settings.model_name, choices=choices, created=created, usage=usage,
-                                   system_fingerprint=settings.system_fingerprint)
+        return ChatCompletionChunk(
+            id=rid,
+            model=settings.model_name,
+            choices=choices,
+            created=created,
+            usage=usage,
+            system_fingerprint=settings.system_fingerprint,
+        )
 
     completion_tokens = cached_tokens = 0
     texts: dict[int, str] = {}
     finished: dict[int, str | None] = {}
     started = False
-    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt,
-                                  request_id=rid))
+    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid))
     async for d in batched(deltas, settings.stream_interval):
         log_delta(settings, rid, d)
         cached_tokens = max(cached_tokens, d.num_cached_tokens)
@@ -100,8 +132,11 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: ChatCompl
         as_ids = settings.return_tokens_as_token_ids
         logprobs = chat_logprobs(d.logprobs, as_ids) if req.logprobs and d.logprobs else None
         if d.text or d.finish_reason is not None or logprobs is not None:
-            await emit(chunk([ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs,
-                                              d.finish_reason, d.stop_reason)]))
+            await emit(
+                chunk(
+                    [ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs, d.finish_reason, d.stop_reason)]
+                )
+            )
     order = sorted(texts)
     log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], completion_tokens)
     if req.include_usage or settings.enable_force_include_usage:

@@ -30,8 +30,9 @@ from sonar.http.tasks import cancel_on_disconnect, gather
 from sonar.sampling_params import SamplingParams
 
 
-async def create_completion(request: Request, llm: LLM, settings: ServerSettings,
-                            check_model: Callable[[str | None], None]) -> Response:
+async def create_completion(
+    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], None]
+) -> Response:
     rid = new_id("cmpl")
     request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
@@ -50,16 +51,30 @@ async def create_completion(request: Request, llm: LLM, settings: ServerSettings
     log_request(settings, rid, prompts, params)
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
-    finished, outputs = await cancel_on_disconnect(request, lambda: gather([
-        (lambda p=p, i=i: rec.generate(llm, p, params, i, priority=req.priority,
-                                       cache_salt=req.cache_salt, request_id=f"{rid}-{i}"))
-        for i, p in enumerate(prompts)
-    ]), rid)
+    finished, outputs = await cancel_on_disconnect(
+        request,
+        lambda: gather(
+            [
+                (
+                    lambda p=p, i=i: rec.generate(
+                        llm, p, params, i, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{i}"
+                    )
+                )
+                for i, p in enumerate(prompts)
+            ]
+        ),
+        rid,
+    )
     if not finished:
         return Response(status_code=499)  # nobody reads it
     response = _response(llm, settings, req, rid, outputs, params.n)
-    log_output(settings, rid, [c.text for c in response.choices], [c.finish_reason for c in response.choices],
-               response.usage.completion_tokens if response.usage else 0)
+    log_output(
+        settings,
+        rid,
+        [c.text for c in response.choices],
+        [c.finish_reason for c in response.choices],
+        response.usage.completion_tokens if response.usage else 0,
+    )
     return json_response(response)
 
 
@@ -71,35 +86,53 @@ def _first_token_text(llm: LLM, prompt_ids: list[int], as_ids: bool = False) -> 
     return [f"token_id:{prompt_ids[0]}"] if as_ids and prompt_ids else [llm.tokenizer.decode(prompt_ids[:1])]
 
 
-def _response(llm: LLM, settings: ServerSettings, req: CompletionRequest, rid: str,
-              outputs: list[RequestOutput], n: int) -> CompletionResponse:
+def _response(
+    llm: LLM, settings: ServerSettings, req: CompletionRequest, rid: str, outputs: list[RequestOutput], n: int
+) -> CompletionResponse:
     choices = []
     prompt_tokens = completion_tokens = cached_tokens = 0
     as_ids = settings.return_tokens_as_token_ids
     for p, result in enumerate(outputs):
         prompt_tokens += len(result.prompt_token_ids)
         cached_tokens += result.num_cached_tokens
-        prompt_text = (result.prompt if result.prompt is not None
-                       else llm.tokenizer.decode(result.prompt_token_ids)) if req.echo else ""
+        prompt_text = (
+            (result.prompt if result.prompt is not None else llm.tokenizer.decode(result.prompt_token_ids))
+            if req.echo
+            else ""
+        )
         for out in result.outputs:
             completion_tokens += len(out.token_ids)
             logprobs = None
             if req.logprobs is not None:
                 logprobs = completion_logprobs(out.logprobs or [], offset=len(prompt_text), as_ids=as_ids)
                 if req.echo:
-                    scored = completion_logprobs(result.prompt_logprobs or [],
-                                                 _first_token_text(llm, result.prompt_token_ids, as_ids),
-                                                 as_ids=as_ids)
+                    scored = completion_logprobs(
+                        result.prompt_logprobs or [],
+                        _first_token_text(llm, result.prompt_token_ids, as_ids),
+                        as_ids=as_ids,
+                    )
                     logprobs = merge_completion_logprobs(scored, logprobs)
-            choices.append(CompletionChoice(p * n + out.index, prompt_text + out.text, logprobs,
-                                            out.finish_reason, out.stop_reason))
+            choices.append(
+                CompletionChoice(
+                    p * n + out.index, prompt_text + out.text, logprobs, out.finish_reason, out.stop_reason
+                )
+            )
     usage = make_usage(settings, prompt_tokens, completion_tokens, cached_tokens)
-    return CompletionResponse(id=rid, model=settings.model_name, choices=choices, usage=usage,
-                              system_fingerprint=settings.system_fingerprint)
+    return CompletionResponse(
+        id=rid, model=settings.model_name, choices=choices, usage=usage, system_fingerprint=settings.system_fingerprint
+    )
 
 
-async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: CompletionRequest,
-                  prompts: list[str | list[int]], params: SamplingParams, rid: str, rec: RequestRecorder) -> None:
+async def _stream(
+    emit: Emit,
+    llm: LLM,
+    settings: ServerSettings,
+    req: CompletionRequest,
+    prompts: list[str | list[int]],
+    params: SamplingParams,
+    rid: str,
+    rec: RequestRecorder,
+) -> None:
     created = int(time.time())
     counts = {"prompt": 0, "completion": 0, "cached": 0}
     texts: dict[int, str] = {}
@@ -107,8 +140,13 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
     as_ids = settings.return_tokens_as_token_ids
 
     def chunk(choice: CompletionChoice) -> CompletionResponse:
-        return CompletionResponse(id=rid, model=settings.model_name, choices=[choice], created=created,
-                                  system_fingerprint=settings.system_fingerprint)
+        return CompletionResponse(
+            id=rid,
+            model=settings.model_name,
+            choices=[choice],
+            created=created,
+            system_fingerprint=settings.system_fingerprint,
+        )
 
     async def one(p: int, prompt: str | list[int]) -> None:
         echo_pending = set(range(params.n)) if req.echo else set()
@@ -116,8 +154,9 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
         offsets = [len(prompt_text)] * params.n
         counted = False
         cached = 0
-        deltas = rec.track(llm.stream(prompt, params, priority=req.priority, cache_salt=req.cache_salt,
-                                      request_id=f"{rid}-{p}"), p)
+        deltas = rec.track(
+            llm.stream(prompt, params, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{p}"), p
+        )
         async for d in batched(deltas, settings.stream_interval):
             log_delta(settings, rid, d)
             if not counted and d.num_prompt_tokens:
@@ -132,8 +171,9 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
             if req.logprobs is not None:
                 logprobs = completion_logprobs(d.logprobs or [], offset=offsets[d.index], as_ids=as_ids)
                 if req.echo and d.prompt_logprobs:
-                    first = _first_token_text(llm, prompt if isinstance(prompt, list)
-                                              else llm.tokenizer(prompt).input_ids, as_ids)
+                    first = _first_token_text(
+                        llm, prompt if isinstance(prompt, list) else llm.tokenizer(prompt).input_ids, as_ids
+                    )
                     scored = completion_logprobs(d.prompt_logprobs, first, as_ids=as_ids)
                     logprobs = merge_completion_logprobs(scored, logprobs)
             if d.index in echo_pending:
@@ -144,13 +184,22 @@ async def _stream(emit: Emit, llm: LLM, settings: ServerSettings, req: Completio
             if d.finish_reason is not None:
                 finished[p * params.n + d.index] = d.finish_reason
             if text or d.finish_reason is not None or (logprobs and logprobs.tokens):
-                await emit(chunk(CompletionChoice(p * params.n + d.index, text, logprobs, d.finish_reason,
-                                                  d.stop_reason)))
+                await emit(
+                    chunk(CompletionChoice(p * params.n + d.index, text, logprobs, d.finish_reason, d.stop_reason))
+                )
 
     await gather([(lambda p=p, prompt=prompt: one(p, prompt)) for p, prompt in enumerate(prompts)])
     order = sorted(texts)
     log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], counts["completion"])
     if req.include_usage or settings.enable_force_include_usage:
         usage = make_usage(settings, counts["prompt"], counts["completion"], counts["cached"])
-        await emit(CompletionResponse(id=rid, model=settings.model_name, choices=[], usage=usage, created=created,
-                                      system_fingerprint=settings.system_fingerprint))
+        await emit(
+            CompletionResponse(
+                id=rid,
+                model=settings.model_name,
+                choices=[],
+                usage=usage,
+                created=created,
+                system_fingerprint=settings.system_fingerprint,
+            )
+        )

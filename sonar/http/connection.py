@@ -39,12 +39,16 @@ LINGER_BYTES = 1 << 20
 
 def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Protocol]:
     """The uvicorn protocol class (`uvicorn.Config(http=...)`) that enforces both limits."""
-    timeout_body = msgspec.json.encode(error_body(
-        f"the request headers did not arrive within {header_timeout:g} s (--header-read-timeout)", 408))
-    timeout_response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                        b"content-length: %d\r\n\r\n%s" % (len(timeout_body), timeout_body))
-    over_capacity = error_response(f"the server has {max_connections} connections open, its limit "
-                                   "(--max-connections); retry later", 503)
+    timeout_body = msgspec.json.encode(
+        error_body(f"the request headers did not arrive within {header_timeout:g} s (--header-read-timeout)", 408)
+    )
+    timeout_response = (
+        b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(timeout_body), timeout_body)
+    )
+    over_capacity = error_response(
+        f"the server has {max_connections} connections open, its limit (--max-connections); retry later", 503
+    )
     over_capacity.headers["connection"] = "close"
 
     class GuardedH11Protocol(H11Protocol):
@@ -57,8 +61,12 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[H11Pro
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
             if len(self.connections) > max_connections:
-                log.warning("http.connection_refused", client=_client(self.client), limit=max_connections,
-                            detail="--max-connections reached; answering 503")
+                log.warning(
+                    "http.connection_refused",
+                    client=_client(self.client),
+                    limit=max_connections,
+                    detail="--max-connections reached; answering 503",
+                )
                 self.app = over_capacity
             self._await_headers()
 

@@ -27,9 +27,17 @@ from sonar.log import get_logger
 
 log = get_logger("sonar.http")
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "BadRequestError",
-               413: "BadRequestError", 429: "RateLimitError", 431: "BadRequestError", 500: "InternalServerError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    408: "BadRequestError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    431: "BadRequestError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> ErrorResponse:
@@ -51,8 +59,9 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
         return exc.status, error_body(f"the server is overloaded, retry after {retry_after(exc)} s: {exc}", exc.status)
     if isinstance(exc, RequestQuarantinedError):
         log.warning("request.quarantined", request_id=request_id, detail=str(exc))
-        return exc.status, error_body(f"request {request_id} was quarantined after it crashed the model worker: "
-                                      f"{exc}", exc.status)
+        return exc.status, error_body(
+            f"request {request_id} was quarantined after it crashed the model worker: {exc}", exc.status
+        )
     if isinstance(exc, SamplingFailedError):
         log.warning("request.sampling_failed", request_id=request_id, detail=str(exc))
         return exc.status, error_body(f"request {request_id} failed alone: {exc}", exc.status)
@@ -87,8 +96,11 @@ async def handle_exception(request: Request, exc: Exception) -> Response:
     return exception_response(exc, request_id_of(request))
 
 
-EXCEPTION_HANDLERS: dict[Any, Any] = {SonarError: handle_exception, ClientDisconnect: handle_exception,
-                                      Exception: handle_exception}
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    SonarError: handle_exception,
+    ClientDisconnect: handle_exception,
+    Exception: handle_exception,
+}
 """For `Starlette(exception_handlers=...)`. What the endpoints raise by design (`SonarError`, a
 client gone before its body arrived) is answered inside the routing, where the middleware (CORS,
 body limits, load counters) see an ordinary response. Anything else is a bug: starlette hands the

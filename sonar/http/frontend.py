@@ -67,18 +67,27 @@ class FrontendActor(Actor):
 
     protocol = HttpFrontendMsg
 
-    def __init__(self, uvicorn_args: dict[str, Any], request_id_headers: bool = False,
-                 max_header_count: int | None = None, quiet_paths: Sequence[str] = (), linger: float = 3.0,
-                 header_timeout: float = 10.0, max_connections: int = 2048) -> None:
+    def __init__(
+        self,
+        uvicorn_args: dict[str, Any],
+        request_id_headers: bool = False,
+        max_header_count: int | None = None,
+        quiet_paths: Sequence[str] = (),
+        linger: float = 3.0,
+        header_timeout: float = 10.0,
+        max_connections: int = 2048,
+    ) -> None:
         import uvicorn
 
         from sonar.http.connection import guarded_protocol
 
         self.drain = drain = Drain()
         self.door = FrontDoor(None, drain, request_id_headers=request_id_headers, max_header_count=max_header_count)
-        self.server = _make_server(uvicorn.Config(self.door, lifespan="off",
-                                                  http=guarded_protocol(header_timeout, max_connections),
-                                                  **uvicorn_args))
+        self.server = _make_server(
+            uvicorn.Config(
+                self.door, lifespan="off", http=guarded_protocol(header_timeout, max_connections), **uvicorn_args
+            )
+        )
         _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
         self.uds = uvicorn_args.get("uds")
         self.linger = linger

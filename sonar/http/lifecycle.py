@@ -52,8 +52,9 @@ class FrontDoor:
     headers when asked to. `app` is set once the
     engine is ready (None while starting)."""
 
-    def __init__(self, app: Any, drain: Drain, request_id_headers: bool = False,
-                 max_header_count: int | None = None) -> None:
+    def __init__(
+        self, app: Any, drain: Drain, request_id_headers: bool = False, max_header_count: int | None = None
+    ) -> None:
         self.app = app
         self.drain = drain
         self.request_id_headers = request_id_headers
@@ -67,8 +68,9 @@ class FrontDoor:
         if self.request_id_headers:
             send = self._with_request_id(scope, send)
         if self.max_header_count is not None and len(scope.get("headers", ())) > self.max_header_count:
-            response = error_response(f"the request has more than {self.max_header_count} headers "
-                                      "(--h11-max-header-count)", 431)
+            response = error_response(
+                f"the request has more than {self.max_header_count} headers (--h11-max-header-count)", 431
+            )
             response.headers["connection"] = "close"
             await response(scope, receive, send)
             return

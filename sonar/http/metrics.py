@@ -62,12 +62,74 @@ log = get_logger("sonar.stats")
 LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 # Buckets as vLLM uses them (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineCollector(Collector):
@@ -88,45 +150,63 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[Any]:
         s = self.stats
         if s is not None:
-            yield GaugeMetricFamily("sonar:num_requests_running", "Requests in the engine's running batch.",
-                                    value=s.num_running)
-            yield GaugeMetricFamily("sonar:num_requests_waiting", "Requests waiting to be scheduled.",
-                                    value=s.num_waiting)
-            yield GaugeMetricFamily("sonar:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-                                    value=s.kv_usage)
-            yield CounterMetricFamily("sonar:num_preemptions", "Preemptions since the engine started.",
-                                      value=s.num_preemptions)
-            yield CounterMetricFamily("sonar:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                      value=s.prefix_queries)
-            yield CounterMetricFamily("sonar:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                                      value=s.prefix_hits)
+            yield GaugeMetricFamily(
+                "sonar:num_requests_running", "Requests in the engine's running batch.", value=s.num_running
+            )
+            yield GaugeMetricFamily(
+                "sonar:num_requests_waiting", "Requests waiting to be scheduled.", value=s.num_waiting
+            )
+            yield GaugeMetricFamily(
+                "sonar:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", value=s.kv_usage
+            )
+            yield CounterMetricFamily(
+                "sonar:num_preemptions", "Preemptions since the engine started.", value=s.num_preemptions
+            )
+            yield CounterMetricFamily(
+                "sonar:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_queries
+            )
+            yield CounterMetricFamily(
+                "sonar:prefix_cache_hits", "Prompt tokens served from the prefix cache.", value=s.prefix_hits
+            )
             if self.offloading:
-                yield GaugeMetricFamily("sonar:num_requests_waiting_for_kv",
-                                        "Requests waiting for their prefix to be loaded from the offload tiers.",
-                                        value=s.num_loading)
-                yield CounterMetricFamily("sonar:external_prefix_cache_queries",
-                                          "Prompt tokens looked up in the prefix cache (and the offload tiers).",
-                                          value=s.prefix_queries)
-                yield CounterMetricFamily("sonar:external_prefix_cache_hits",
-                                          "Prompt tokens loaded back from the offload tiers instead of recomputed.",
-                                          value=s.offload_hits)
+                yield GaugeMetricFamily(
+                    "sonar:num_requests_waiting_for_kv",
+                    "Requests waiting for their prefix to be loaded from the offload tiers.",
+                    value=s.num_loading,
+                )
+                yield CounterMetricFamily(
+                    "sonar:external_prefix_cache_queries",
+                    "Prompt tokens looked up in the prefix cache (and the offload tiers).",
+                    value=s.prefix_queries,
+                )
+                yield CounterMetricFamily(
+                    "sonar:external_prefix_cache_hits",
+                    "Prompt tokens loaded back from the offload tiers instead of recomputed.",
+                    value=s.offload_hits,
+                )
         if self.offload is not None:
             yield from _offload_metrics(self.offload)
         if self.tracked is not None:
-            tracked = GaugeMetricFamily("sonar:requests_tracked",
-                                        "Requests each part of the server holds state for (0 when idle).",
-                                        labels=["actor"])
+            tracked = GaugeMetricFamily(
+                "sonar:requests_tracked",
+                "Requests each part of the server holds state for (0 when idle).",
+                labels=["actor"],
+            )
             for actor, count in self.tracked.items():
                 tracked.add_metric([actor], count)
             yield tracked
         if self.tree is not None:
-            restarts = CounterMetricFamily("sonar:actor_restarts", "Restarts of each actor of the engine tree.",
-                                           labels=["actor"])
-            depth = GaugeMetricFamily("sonar:actor_mailbox_depth", "Messages waiting in each actor's mailbox.",
-                                      labels=["actor"])
-            memory = GaugeMetricFamily("sonar:actor_resident_memory_bytes",
-                                       "Resident memory of each actor process other than the server's own.",
-                                       labels=["actor"])
+            restarts = CounterMetricFamily(
+                "sonar:actor_restarts", "Restarts of each actor of the engine tree.", labels=["actor"]
+            )
+            depth = GaugeMetricFamily(
+                "sonar:actor_mailbox_depth", "Messages waiting in each actor's mailbox.", labels=["actor"]
+            )
+            memory = GaugeMetricFamily(
+                "sonar:actor_resident_memory_bytes",
+                "Resident memory of each actor process other than the server's own.",
+                labels=["actor"],
+            )
             for node in _walk(self.tree):
                 restarts.add_metric([node.name], node.restarts)
                 if node.mailbox_depth is not None:
@@ -144,8 +224,11 @@ _TIER_GAUGES = (
     ("capacity_bytes", "sonar:kv_offload_capacity_bytes", "Bytes the offload tier may hold."),
     ("used_bytes", "sonar:kv_offload_used_bytes", "Bytes the offload tier holds."),
     ("chunks", "sonar:kv_offload_chunks", "Chunks the offload tier holds."),
-    ("degraded", "sonar:kv_offload_degraded",
-     "1 while the offload tier takes no writes after one failed (disk full, I/O error), else 0."),
+    (
+        "degraded",
+        "sonar:kv_offload_degraded",
+        "1 while the offload tier takes no writes after one failed (disk full, I/O error), else 0.",
+    ),
 )
 _TIER_COUNTERS = (
     ("stores", "sonar:kv_offload_stores", "Chunks written into the offload tier."),
@@ -162,8 +245,9 @@ _TIER_COUNTERS = (
 
 def _offload_metrics(stats: Any) -> Iterator[Any]:
     """The offload manager's `OffloadStats` as metric families, labelled by tier."""
-    yield CounterMetricFamily("sonar:kv_events_dropped", "KV event batches dropped, the publisher's queue full.",
-                              value=stats.events_dropped)
+    yield CounterMetricFamily(
+        "sonar:kv_events_dropped", "KV event batches dropped, the publisher's queue full.", value=stats.events_dropped
+    )
     if not stats.tiers:  # the manager only publishes events
         return
     for field, name, doc in _TIER_GAUGES:
@@ -176,9 +260,11 @@ def _offload_metrics(stats: Any) -> Iterator[Any]:
         for tier in stats.tiers:
             counter.add_metric([tier.medium], getattr(tier, field))
         yield counter
-    latency = HistogramMetricFamily("sonar:kv_offload_load_latency_seconds",
-                                    "Time to load a prefix from the offload tiers, by the slowest tier read.",
-                                    labels=["medium"])
+    latency = HistogramMetricFamily(
+        "sonar:kv_offload_load_latency_seconds",
+        "Time to load a prefix from the offload tiers, by the slowest tier read.",
+        labels=["medium"],
+    )
     for medium, hist in sorted(stats.load_latency.items()):
         buckets, total = [], 0
         for bound, count in zip([*hist.bounds, float("inf")], hist.counts):
@@ -215,17 +301,30 @@ class ServerMetrics:
         r = self.registry
         self.prompt_tokens = Counter("sonar:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("sonar:generation_tokens", "Generation tokens produced.", registry=r)
-        self.request_success = Counter("sonar:request_success", "Finished requests, by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram("sonar:time_to_first_token_seconds", "Time to first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("sonar:inter_token_latency_seconds", "Time between consecutive outputs of a request.",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("sonar:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("sonar:request_queue_time_seconds",
-                               "Time from arrival to the first output (approximates the queue time).",
-                               buckets=LATENCY_BUCKETS, registry=r)
+        self.request_success = Counter(
+            "sonar:request_success", "Finished requests, by finish reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "sonar:time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "sonar:inter_token_latency_seconds",
+            "Time between consecutive outputs of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sonar:e2e_request_latency_seconds",
+            "Time from arrival to the last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue = Histogram(
+            "sonar:request_queue_time_seconds",
+            "Time from arrival to the first output (approximates the queue time).",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.engine = _EngineCollector()
         r.register(self.engine)
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, of this process
@@ -317,8 +416,9 @@ class RequestRecorder:
                 with anyio.CancelScope(shield=True):
                     await aclose()
 
-    async def generate(self, llm: LLM, prompt: str | list[int], params: Any, prompt_index: int = 0,
-                       **kwargs: Any) -> RequestOutput:
+    async def generate(
+        self, llm: LLM, prompt: str | list[int], params: Any, prompt_index: int = 0, **kwargs: Any
+    ) -> RequestOutput:
         """`llm.generate(prompt, params, **kwargs)`, with each delta recorded as it arrives."""
         try:
             return await llm.generate(prompt, params, on_delta=lambda d: self.output(d, prompt_index), **kwargs)
@@ -348,7 +448,7 @@ class LoadMiddleware:
 def _path(scope: Scope) -> str:
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):
-        path = path[len(root):]
+        path = path[len(root) :]
     return path
 
 
@@ -385,8 +485,9 @@ async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 
         prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
         queries = stats.prefix_queries - (last_queries or 0)
         hits = stats.prefix_hits - (last_hits or 0)
-        fields = stats_line(stats, (prompt - last_prompt) / elapsed, (gen - last_gen) / elapsed,
-                            hits / queries if queries > 0 else None)
+        fields = stats_line(
+            stats, (prompt - last_prompt) / elapsed, (gen - last_gen) / elapsed, hits / queries if queries > 0 else None
+        )
         log.info("engine.stats", **fields)
         last_time, last_prompt, last_gen = now, prompt, gen
         last_queries, last_hits = stats.prefix_queries, stats.prefix_hits

@@ -48,14 +48,16 @@ from sonar.http.protocol import (
 _REF = "#/components/schemas/{name}"
 
 #: The statuses an endpoint that takes a request body can answer with an error.
-_ERRORS = {400: "Invalid request: malformed JSON, a wrong type, a value out of range, a prompt too long, "
-                "a request limit exceeded (the message names its flag)",
-           401: "Missing or wrong API key (only with --api-key)",
-           404: "Unknown model name",
-           413: "The body is larger than --max-request-body-bytes",
-           429: "The server holds as many waiting requests as it may; retry after the Retry-After header's seconds",
-           500: "Internal fault (the message carries the request id)",
-           503: "The server is draining, the engine is not available, or --max-connections are open"}
+_ERRORS = {
+    400: "Invalid request: malformed JSON, a wrong type, a value out of range, a prompt too long, "
+    "a request limit exceeded (the message names its flag)",
+    401: "Missing or wrong API key (only with --api-key)",
+    404: "Unknown model name",
+    413: "The body is larger than --max-request-body-bytes",
+    429: "The server holds as many waiting requests as it may; retry after the Retry-After header's seconds",
+    500: "Internal fault (the message carries the request id)",
+    503: "The server is draining, the engine is not available, or --max-connections are open",
+}
 
 
 @dataclass(frozen=True)
@@ -80,17 +82,32 @@ class Limits:
     def of(cls, llm: Any, settings: Any) -> "Limits":
         """The limits of the server around `llm` (an `LLM`) with its `ServerSettings`."""
         config = llm.config
-        return cls(max_model_len=llm.info.max_model_len, max_logprobs=config.max_logprobs,
-                   vocab_size=llm.info.vocab_size, served_model_names=tuple(settings.served_model_names),
-                   api_key=bool(settings.api_keys), metrics_public=settings.metrics_public,
-                   **{name: getattr(config, name) for name in LIMITS})
+        return cls(
+            max_model_len=llm.info.max_model_len,
+            max_logprobs=config.max_logprobs,
+            vocab_size=llm.info.vocab_size,
+            served_model_names=tuple(settings.served_model_names),
+            api_key=bool(settings.api_keys),
+            metrics_public=settings.metrics_public,
+            **{name: getattr(config, name) for name in LIMITS},
+        )
 
 
 def build_openapi(limits: Limits) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the server's API routes."""
-    structs = [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, CompletionResponse,
-               ChatCompletionResponse, ChatCompletionChunk, TokenizeResponse, DetokenizeResponse, ModelList,
-               ErrorResponse]
+    structs = [
+        CompletionRequest,
+        ChatCompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        CompletionResponse,
+        ChatCompletionResponse,
+        ChatCompletionChunk,
+        TokenizeResponse,
+        DetokenizeResponse,
+        ModelList,
+        ErrorResponse,
+    ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _apply_limits(components, limits)
 
@@ -98,34 +115,53 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         return {"$ref": _REF.format(name=name)}
 
     def errors(*statuses: int) -> dict[str, Any]:
-        return {str(s): {"description": _ERRORS[s], "content": {"application/json": {"schema": ref("ErrorResponse")}}}
-                for s in statuses}
+        return {
+            str(s): {"description": _ERRORS[s], "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+            for s in statuses
+        }
 
-    def post(summary: str, request: str, response: str, *, chunk: str | None = None,
-             generates: bool = False) -> dict[str, Any]:
+    def post(
+        summary: str, request: str, response: str, *, chunk: str | None = None, generates: bool = False
+    ) -> dict[str, Any]:
         ok: dict[str, Any] = {"application/json": {"schema": ref(response)}}
         if chunk is not None:  # "stream": true answers server-sent events; the schema is one event's
-            ok["text/event-stream"] = {"schema": {
-                "type": "object", "required": ["data"],
-                "description": f"`data` is a {chunk} as JSON, an ErrorResponse (an error after the stream "
-                               "began), or `[DONE]` (the last event)",
-                "properties": {"data": {"anyOf": [
-                    {"const": "[DONE]"},
-                    {"type": "string", "contentMediaType": "application/json",
-                     "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]},
-                               "event": {"type": "string"}, "id": {"type": "string"}}}}
+            ok["text/event-stream"] = {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "description": f"`data` is a {chunk} as JSON, an ErrorResponse (an error after the stream "
+                    "began), or `[DONE]` (the last event)",
+                    "properties": {
+                        "data": {
+                            "anyOf": [
+                                {"const": "[DONE]"},
+                                {
+                                    "type": "string",
+                                    "contentMediaType": "application/json",
+                                    "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]},
+                                },
+                            ]
+                        },
+                        "event": {"type": "string"},
+                        "id": {"type": "string"},
+                    },
+                }
+            }
         op: dict[str, Any] = {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
-            "responses": {"200": {"description": "OK", "content": ok},
-                          **errors(400, *guarded, 404, 413, *((429,) if generates else ()), 500, 503)},
+            "responses": {
+                "200": {"description": "OK", "content": ok},
+                **errors(400, *guarded, 404, 413, *((429,) if generates else ()), 500, 503),
+            },
         }
         if limits.api_key:
             op["security"] = [{"bearer": []}]
         return op
 
-    def get(summary: str, content: dict[str, Any] | None, *, protected: bool = True,
-            statuses: tuple[int, ...] = (500, 503)) -> dict[str, Any]:
+    def get(
+        summary: str, content: dict[str, Any] | None, *, protected: bool = True, statuses: tuple[int, ...] = (500, 503)
+    ) -> dict[str, Any]:
         ok: dict[str, Any] = {"description": "OK"}
         if content is not None:
             ok["content"] = content
@@ -138,22 +174,52 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
     guarded = (401,) if limits.api_key else ()
     json_object = {"application/json": {"schema": {"type": "object"}}}
     paths: dict[str, Any] = {
-        "/v1/completions": {"post": post("Text completions", "CompletionRequest", "CompletionResponse",
-                                         chunk="CompletionResponse", generates=True)},
-        "/v1/chat/completions": {"post": post("Chat completions", "ChatCompletionRequest", "ChatCompletionResponse",
-                                              chunk="ChatCompletionChunk", generates=True)},
+        "/v1/completions": {
+            "post": post(
+                "Text completions",
+                "CompletionRequest",
+                "CompletionResponse",
+                chunk="CompletionResponse",
+                generates=True,
+            )
+        },
+        "/v1/chat/completions": {
+            "post": post(
+                "Chat completions",
+                "ChatCompletionRequest",
+                "ChatCompletionResponse",
+                chunk="ChatCompletionChunk",
+                generates=True,
+            )
+        },
         "/tokenize": {"post": post("Prompt or messages to token ids", "TokenizeRequest", "TokenizeResponse")},
         "/detokenize": {"post": post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse")},
         "/v1/models": {"get": get("The served model names", {"application/json": {"schema": ref("ModelList")}})},
-        "/health": {"get": {"summary": "200 when the engine answers within its deadline, else 503",
-                            "responses": {"200": {"description": "Serving"},
-                                          "503": {"description": "Starting, draining or given up"}}}},
+        "/health": {
+            "get": {
+                "summary": "200 when the engine answers within its deadline, else 503",
+                "responses": {
+                    "200": {"description": "Serving"},
+                    "503": {"description": "Starting, draining or given up"},
+                },
+            }
+        },
         "/version": {"get": get("The server's version", json_object)},
         "/load": {"get": get("Requests in flight", json_object)},
-        "/actors": {"get": get("The supervision tree (transport addresses only with the key, or to a loopback "
-                               "client when no key is set)", json_object)},
-        "/metrics": {"get": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}},
-                                protected=not limits.metrics_public)},
+        "/actors": {
+            "get": get(
+                "The supervision tree (transport addresses only with the key, or to a loopback "
+                "client when no key is set)",
+                json_object,
+            )
+        },
+        "/metrics": {
+            "get": get(
+                "Prometheus metrics",
+                {"text/plain": {"schema": {"type": "string"}}},
+                protected=not limits.metrics_public,
+            )
+        },
     }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -173,21 +239,35 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
     token_ids = {"type": "array", "items": token_id, "minItems": 1, "maxItems": limits.max_model_len}
     text = _bounded({"type": "string"}, "maxLength", limits.max_prompt_chars)
     completion = components["CompletionRequest"]["properties"]
-    completion["prompt"] = {"anyOf": [
-        text,
-        _bounded({"type": "array", "items": text, "minItems": 1}, "maxItems", limits.max_completions_per_request),
-        token_ids,
-        _bounded({"type": "array", "items": token_ids, "minItems": 1}, "maxItems",
-                 limits.max_completions_per_request),
-    ]}
+    completion["prompt"] = {
+        "anyOf": [
+            text,
+            _bounded({"type": "array", "items": text, "minItems": 1}, "maxItems", limits.max_completions_per_request),
+            token_ids,
+            _bounded(
+                {"type": "array", "items": token_ids, "minItems": 1}, "maxItems", limits.max_completions_per_request
+            ),
+        ]
+    }
     chat = components["ChatCompletionRequest"]["properties"]
-    chat["messages"] = _bounded({"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1},
-                                "maxItems", limits.max_chat_messages)
+    chat["messages"] = _bounded(
+        {"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}, "minItems": 1},
+        "maxItems",
+        limits.max_chat_messages,
+    )
     tokenize = components["TokenizeRequest"]["properties"]
     tokenize["prompt"] = {"anyOf": [text, {"type": "null"}], "default": None}
-    tokenize["messages"] = {"anyOf": [_bounded({"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}},
-                                               "maxItems", limits.max_chat_messages), {"type": "null"}],
-                            "default": None}
+    tokenize["messages"] = {
+        "anyOf": [
+            _bounded(
+                {"type": "array", "items": {"$ref": _REF.format(name="ChatMessage")}},
+                "maxItems",
+                limits.max_chat_messages,
+            ),
+            {"type": "null"},
+        ],
+        "default": None,
+    }
     for props, names in ((completion, ("max_tokens",)), (chat, ("max_tokens", "max_completion_tokens"))):
         for name in names:
             _set_max(props[name], limits.max_model_len)
@@ -199,8 +279,14 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
     for props in (completion, chat):
         _set_max(props["n"], n)
         _set_max(props["stop_token_ids"], last_id)
-        props["stop"] = {"anyOf": [stop, _bounded({"type": "array", "items": stop}, "maxItems", limits.max_stop_strings),
-                                   {"type": "null"}], "default": None}
+        props["stop"] = {
+            "anyOf": [
+                stop,
+                _bounded({"type": "array", "items": stop}, "maxItems", limits.max_stop_strings),
+                {"type": "null"},
+            ],
+            "default": None,
+        }
         for branch in props["stop_token_ids"]["anyOf"]:
             if branch.get("type") == "array":
                 _bounded(branch, "maxItems", limits.max_stop_token_ids)
@@ -209,13 +295,23 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
                 branch["propertyNames"] = {"pattern": "^[0-9]+$"}
                 _bounded(branch, "maxProperties", limits.max_logit_bias)
     components["DetokenizeRequest"]["properties"]["tokens"] = {"type": "array", "items": token_id}
-    components["TextPart"] = {"title": "TextPart", "type": "object", "required": ["type", "text"],
-                              "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+    components["TextPart"] = {
+        "title": "TextPart",
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+    }
     if limits.served_model_names:
-        for props in (completion, chat, components["TokenizeRequest"]["properties"],
-                      components["DetokenizeRequest"]["properties"]):
-            props["model"] = {"anyOf": [{"type": "string", "enum": list(limits.served_model_names)},
-                                        {"type": "null"}], "default": None}
+        for props in (
+            completion,
+            chat,
+            components["TokenizeRequest"]["properties"],
+            components["DetokenizeRequest"]["properties"],
+        ):
+            props["model"] = {
+                "anyOf": [{"type": "string", "enum": list(limits.served_model_names)}, {"type": "null"}],
+                "default": None,
+            }
 
 
 def _bounded(schema: dict[str, Any], keyword: str, limit: int | None) -> dict[str, Any]:

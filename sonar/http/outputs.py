@@ -22,8 +22,12 @@ def token_name(token_id: int, token: str, as_ids: bool = False) -> str:
     return f"token_id:{token_id}" if as_ids else token
 
 
-def completion_logprobs(positions: Sequence[PositionLogprobs | None], first_tokens: Sequence[str] = (),
-                        offset: int = 0, as_ids: bool = False) -> CompletionLogprobs:
+def completion_logprobs(
+    positions: Sequence[PositionLogprobs | None],
+    first_tokens: Sequence[str] = (),
+    offset: int = 0,
+    as_ids: bool = False,
+) -> CompletionLogprobs:
     """The legacy completions logprobs block. A None position (a prompt's first token, which has
     no logprob) takes its text from `first_tokens`; `offset` is where the first token's text starts.
     With `as_ids` tokens are named `token_id:<id>` (offsets still count the text)."""
@@ -46,17 +50,26 @@ def completion_logprobs(positions: Sequence[PositionLogprobs | None], first_toke
 
 
 def merge_completion_logprobs(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
-    return CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs,
-                              a.top_logprobs + b.top_logprobs, a.text_offset + b.text_offset)
+    return CompletionLogprobs(
+        a.tokens + b.tokens,
+        a.token_logprobs + b.token_logprobs,
+        a.top_logprobs + b.top_logprobs,
+        a.text_offset + b.text_offset,
+    )
 
 
 def chat_logprobs(positions: Sequence[PositionLogprobs], as_ids: bool = False) -> ChatLogprobs:
-    return ChatLogprobs([
-        TokenLogprob(token_name(p.token_id, p.token, as_ids), p.logprob, list(p.token.encode()),
-                     [TopLogprob(token_name(t.token_id, t.token, as_ids), t.logprob, list(t.token.encode()))
-                      for t in p.top])
-        for p in positions
-    ])
+    return ChatLogprobs(
+        [
+            TokenLogprob(
+                token_name(p.token_id, p.token, as_ids),
+                p.logprob,
+                list(p.token.encode()),
+                [TopLogprob(token_name(t.token_id, t.token, as_ids), t.logprob, list(t.token.encode())) for t in p.top],
+            )
+            for p in positions
+        ]
+    )
 
 
 # -- usage, stream batching -----------------------------------------------------------------------
@@ -70,9 +83,18 @@ def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
     def cat(x: list[Any] | None, y: list[Any] | None) -> list[Any] | None:
         return x if y is None else y if x is None else x + y
 
-    return StreamDelta(a.request_id, a.index, a.text + b.text, a.token_ids + b.token_ids, b.finish_reason,
-                       b.stop_reason, cat(a.logprobs, b.logprobs), cat(a.prompt_logprobs, b.prompt_logprobs),
-                       max(a.num_prompt_tokens, b.num_prompt_tokens), max(a.num_cached_tokens, b.num_cached_tokens))
+    return StreamDelta(
+        a.request_id,
+        a.index,
+        a.text + b.text,
+        a.token_ids + b.token_ids,
+        b.finish_reason,
+        b.stop_reason,
+        cat(a.logprobs, b.logprobs),
+        cat(a.prompt_logprobs, b.prompt_logprobs),
+        max(a.num_prompt_tokens, b.num_prompt_tokens),
+        max(a.num_cached_tokens, b.num_cached_tokens),
+    )
 
 
 async def batched(deltas: AsyncIterator[StreamDelta], interval: int) -> AsyncIterator[StreamDelta]:

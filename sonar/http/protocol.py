@@ -97,10 +97,25 @@ class _Sampling(msgspec.Struct, kw_only=True):
     def sampling_fields(self, defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The set sampling fields as `SamplingParams` keyword arguments, over `defaults` (the
         server's generation config: temperature, top_p, ...; its max_tokens is handled apart)."""
-        names = ("n", "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty",
-                 "logit_bias", "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens",
-                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                 "spaces_between_special_tokens")
+        names = (
+            "n",
+            "temperature",
+            "top_p",
+            "stop",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "top_k",
+            "min_p",
+            "repetition_penalty",
+            "ignore_eos",
+            "min_tokens",
+            "stop_token_ids",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        )
         fields = {k: v for k, v in (defaults or {}).items() if k in names}
         fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
         return fields
@@ -135,8 +150,10 @@ class CompletionRequest(_Sampling, kw_only=True):
         elif all(isinstance(x, list) and x and all(_is_int(t) for t in x) for x in p):
             prompts = [list(x) for x in p]
         else:
-            raise RequestError("prompt must be a string, a list of strings, a list of token ids or a list of "
-                               "lists of token ids", "prompt")
+            raise RequestError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids",
+                "prompt",
+            )
         return prompts
 
     def check_max_tokens(self, max_model_len: int) -> None:
@@ -151,11 +168,17 @@ class CompletionRequest(_Sampling, kw_only=True):
         if self.logprobs is not None and self.logprobs < 0:
             raise RequestError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
         fields = self.sampling_fields(defaults)
-        max_tokens = default_max_tokens(None if self.max_tokens is msgspec.UNSET else self.max_tokens,
-                                        defaults, 16 if self.max_tokens is msgspec.UNSET else None)
+        max_tokens = default_max_tokens(
+            None if self.max_tokens is msgspec.UNSET else self.max_tokens,
+            defaults,
+            16 if self.max_tokens is msgspec.UNSET else None,
+        )
         return make_sampling_params(
-            max_tokens=max_tokens, logprobs=self.logprobs,
-            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None, **fields)
+            max_tokens=max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            **fields,
+        )
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -175,8 +198,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
             texts = []
             for part in content:
                 if part.type != "text":
-                    raise RequestError(f"content part type {part.type!r} is not supported (only 'text')",
-                                       f"messages[{index}].content")
+                    raise RequestError(
+                        f"content part type {part.type!r} is not supported (only 'text')", f"messages[{index}].content"
+                    )
                 if part.text is None:
                     raise RequestError("a 'text' content part needs its `text`", f"messages[{index}].content")
                 texts.append(part.text)
@@ -200,8 +224,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         if not self.messages:
             raise RequestError("messages must not be empty", "messages")
         if self.add_generation_prompt and self.continue_final_message:
-            raise RequestError("add_generation_prompt and continue_final_message cannot both be set "
-                               "(set add_generation_prompt to false)", "continue_final_message")
+            raise RequestError(
+                "add_generation_prompt and continue_final_message cannot both be set "
+                "(set add_generation_prompt to false)",
+                "continue_final_message",
+            )
         return [m.as_template_input(i) for i, m in enumerate(self.messages)]
 
     def check_max_tokens(self, max_model_len: int) -> None:
@@ -219,9 +246,12 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-        return make_sampling_params(max_tokens=default_max_tokens(max_tokens, defaults),
-                                    logprobs=(top or 0) if self.logprobs else None,
-                                    _max_tokens_param=param, **self.sampling_fields(defaults))
+        return make_sampling_params(
+            max_tokens=default_max_tokens(max_tokens, defaults),
+            logprobs=(top or 0) if self.logprobs else None,
+            _max_tokens_param=param,
+            **self.sampling_fields(defaults),
+        )
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
@@ -239,8 +269,9 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     tokens: list[TokenId]
 
 
-def default_max_tokens(given: int | None, defaults: Mapping[str, Any] | None,
-                       fallback: int | None = None) -> int | None:
+def default_max_tokens(
+    given: int | None, defaults: Mapping[str, Any] | None, fallback: int | None = None
+) -> int | None:
     """The request's max_tokens under the generation config's `max_tokens` (its max_new_tokens):
     that is the default when the request sets none, and caps what it sets."""
     cap = (defaults or {}).get("max_tokens")
@@ -254,8 +285,7 @@ def check_max_tokens(given: int | None, max_model_len: int, param: str = "max_to
     (as vLLM) rather than a request that runs until the context is full. (A server default above
     it is not the client's fault: generation simply stops at the context length.)"""
     if given is not None and given > max_model_len:
-        raise RequestError(f"{param} must be at most the model's context length ({max_model_len}), "
-                           f"got {given}", param)
+        raise RequestError(f"{param} must be at most the model's context length ({max_model_len}), got {given}", param)
 
 
 def make_sampling_params(_max_tokens_param: str = "max_tokens", **kwargs: Any) -> SamplingParams:

@@ -22,24 +22,42 @@ def log_request(settings: ServerSettings, request_id: str, prompts: Sequence[Any
     """With --enable-log-requests: one line with the request's id, prompt(s) and sampling params."""
     if settings.enable_log_requests:
         clipped = [_clip(p, settings.max_log_len) for p in prompts]
-        log.info("request.received", request_id=request_id, prompt=clipped[0] if len(clipped) == 1 else clipped,
-                 params=msgspec.json.encode(params).decode())
+        log.info(
+            "request.received",
+            request_id=request_id,
+            prompt=clipped[0] if len(clipped) == 1 else clipped,
+            params=msgspec.json.encode(params).decode(),
+        )
 
 
-def log_output(settings: ServerSettings, request_id: str, texts: Sequence[str], finish_reasons: Sequence[Any],
-               completion_tokens: int) -> None:
+def log_output(
+    settings: ServerSettings,
+    request_id: str,
+    texts: Sequence[str],
+    finish_reasons: Sequence[Any],
+    completion_tokens: int,
+) -> None:
     """With --enable-log-requests and --enable-log-outputs: one line with what was generated."""
     if settings.enable_log_requests and settings.enable_log_outputs:
         clipped = [_clip(t, settings.max_log_len) for t in texts]
-        log.info("request.output", request_id=request_id, output=clipped[0] if len(clipped) == 1 else clipped,
-                 finish_reason=finish_reasons[0] if len(finish_reasons) == 1 else list(finish_reasons),
-                 completion_tokens=completion_tokens)
+        log.info(
+            "request.output",
+            request_id=request_id,
+            output=clipped[0] if len(clipped) == 1 else clipped,
+            finish_reason=finish_reasons[0] if len(finish_reasons) == 1 else list(finish_reasons),
+            completion_tokens=completion_tokens,
+        )
 
 
 def log_delta(settings: ServerSettings, request_id: str, delta: StreamDelta) -> None:
     """With --enable-log-requests, --enable-log-outputs and --enable-log-deltas: one line per
     streamed piece (as it goes out, after --stream-interval batching)."""
     if settings.enable_log_requests and settings.enable_log_outputs and settings.enable_log_deltas:
-        log.info("request.delta", request_id=request_id, index=delta.index,
-                 delta=_clip(delta.text, settings.max_log_len), tokens=len(delta.token_ids),
-                 finish_reason=delta.finish_reason)
+        log.info(
+            "request.delta",
+            request_id=request_id,
+            index=delta.index,
+            delta=_clip(delta.text, settings.max_log_len),
+            tokens=len(delta.token_ids),
+            finish_reason=delta.finish_reason,
+        )

@@ -34,8 +34,9 @@ async def gather(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
     return results
 
 
-async def cancel_on_disconnect(request: Any, call: Callable[[], Awaitable[Any]],
-                               request_id: str | None = None) -> tuple[bool, Any]:
+async def cancel_on_disconnect(
+    request: Any, call: Callable[[], Awaitable[Any]], request_id: str | None = None
+) -> tuple[bool, Any]:
     """Await `call()` unless the client disconnects first; then cancel it (leaving the engine's
     `generate` aborts the request). Returns (finished, result); `call`'s exception is raised as is.
 

@@ -164,8 +164,15 @@ class DecodeSplit:
             return cls(empty, meta.block_tables, meta.seq_lens, decodes, prefills, starts, q_lens)
         index = torch.tensor(decodes, dtype=torch.int64, device=device)
         rows = torch.tensor([starts[i] for i in decodes], dtype=torch.int64, device=device)
-        return cls(rows, meta.block_tables.index_select(0, index), meta.seq_lens.index_select(0, index),
-                   decodes, prefills, starts, q_lens)
+        return cls(
+            rows,
+            meta.block_tables.index_select(0, index),
+            meta.seq_lens.index_select(0, index),
+            decodes,
+            prefills,
+            starts,
+            q_lens,
+        )
 
 
 @dataclass(eq=False)
@@ -206,8 +213,9 @@ class TokenSplit:
         ends = meta.query_start_loc[1:].to(torch.int64)
         lens = (seq_lens[seq_of] - (ends[seq_of] - token) + 1).to(torch.int32)
         if not prefills:
-            return cls(torch.empty(0, dtype=torch.int64, device=device), meta.block_tables.index_select(0, seq_of),
-                       lens, [])
+            return cls(
+                torch.empty(0, dtype=torch.int64, device=device), meta.block_tables.index_select(0, seq_of), lens, []
+            )
         kept = torch.ones(meta.num_seqs, dtype=torch.bool, device=device)
         kept[prefills] = False
         mask = kept[seq_of]
@@ -361,7 +369,9 @@ def paged_attention(
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("an fp8 KV cache needs k_scale and v_scale")
     # index_select has no float8 kernel on CPU: gather the bytes, then dequantize what was gathered
-    flat = kv_cache.view(torch.uint8 if fp8 else kv_cache.dtype).view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    flat = kv_cache.view(torch.uint8 if fp8 else kv_cache.dtype).view(
+        2, num_blocks * block_size, num_kv_heads, head_dim
+    )
     plan = meta.reference_plan(block_size)
     out = torch.empty_like(query) if not plan.decode_all else None
 
@@ -442,11 +452,15 @@ def _attend_prefills(
         k = dequantized(flat[0].index_select(0, slots), k_scale).transpose(0, 1)[None]
         v = dequantized(flat[1].index_select(0, slots), v_scale).transpose(0, 1)[None]
         q = query[start : start + q_len].to(k.dtype)
-        q = q.view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, num_kv_heads, group * q_len, head_dim)
+        q = (
+            q.view(q_len, num_kv_heads, group, head_dim)
+            .permute(1, 2, 0, 3)
+            .reshape(1, num_kv_heads, group * q_len, head_dim)
+        )
         mask = plan.prefill_mask(seq, group, sliding_window)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[start : start + q_len] = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-            q_len, num_heads, head_dim
+        out[start : start + q_len] = (
+            o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         )
 
 

@@ -130,7 +130,9 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         layout = "native" if self.native_layout else "onednn"
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, {layout}"
+        )
 
 
 def prepack_linears(module: nn.Module, batch_hint: int = 16) -> int:

@@ -67,11 +67,27 @@ def _cpu_flags() -> str:
 def _command(compiler: str, output: Path, flags: tuple[str, ...] = ()) -> list[str]:
     root = Path(torch.__file__).parent
     return [
-        compiler, "-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp", "-fPIC",
-        "-shared", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-        f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        str(SOURCE), "-o", str(output),
-        f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}", *flags,
+        compiler,
+        "-O3",
+        "-march=native",
+        "-fno-math-errno",
+        "-ffp-contract=off",
+        "-fopenmp",
+        "-fPIC",
+        "-shared",
+        "-std=c++20",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE),
+        "-o",
+        str(output),
+        f"-L{root / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{root / 'lib'}",
+        *flags,
     ]
 
 
@@ -82,8 +98,13 @@ def build_key(compiler: str, flags: tuple[str, ...] = ()) -> str:
     except (OSError, subprocess.SubprocessError):
         version = compiler
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), version.encode(), _cpu_flags().encode(),
-                 " ".join(_command(compiler, Path("out"), flags)).encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        version.encode(),
+        _cpu_flags().encode(),
+        " ".join(_command(compiler, Path("out"), flags)).encode(),
+    ):
         h.update(part)
         h.update(b"\0")
     return h.hexdigest()[:16]

@@ -142,7 +142,9 @@ def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: 
     out ``[2, num_blocks, ...]`` (the block shapes and dtypes must match; the devices may differ,
     e.g. a GPU cache and a CPU staging tensor)."""
     if src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype:
-        raise ValueError(f"block shapes/dtypes differ: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}")
+        raise ValueError(
+            f"block shapes/dtypes differ: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}"
+        )
     src_ids = src_block_ids.to(device=src.device, dtype=torch.int64)
     dst_ids = dst_block_ids.to(device=dst.device, dtype=torch.int64)
     if src.dtype == FP8_DTYPE:  # index_copy_ has no float8 kernel on CPU: copy the bytes

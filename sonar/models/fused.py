@@ -58,8 +58,9 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     not all of the kinds the native call serves."""
     if model.variant.qk_norm:
         return None
-    lists: dict[str, list[Tensor]] = {k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias",
-                                                      "post_norms", "gate_up", "mlp_bias", "down")}
+    lists: dict[str, list[Tensor]] = {
+        k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias", "post_norms", "gate_up", "mlp_bias", "down")
+    }
     kinds = set()
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -70,8 +71,11 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
                 return None
             lists[name].append(found[0])
             kinds.add(found[1])
-        for name, biases in (("qkv_bias", (attn.qkv_proj,)), ("o_bias", (attn.o_proj,)),
-                             ("mlp_bias", (mlp.gate_up_proj, mlp.down_proj))):
+        for name, biases in (
+            ("qkv_bias", (attn.qkv_proj,)),
+            ("o_bias", (attn.o_proj,)),
+            ("mlp_bias", (mlp.gate_up_proj, mlp.down_proj)),
+        ):
             lists[name].extend(m.bias for m in biases if m.bias is not None)
         lists["input_norms"].append(layer.input_layernorm.weight)
         lists["post_norms"].append(layer.post_attention_layernorm.weight)
@@ -117,7 +121,26 @@ class FusedDecode:
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
         attn = model.model.layers[0].self_attn
         return torch.ops.sonar_cpu.decode_layers(
-            x, cos, sin, w.input_norms, w.qkv, w.qkv_bias, w.o, w.o_bias, w.post_norms, w.gate_up, w.mlp_bias,
-            w.down, w.final_norm, kv_caches, meta.slot_mapping, meta.block_tables, meta.seq_lens, w.windows,
-            attn.num_heads, model.model.norm.eps, attn.scale, w.packed,
+            x,
+            cos,
+            sin,
+            w.input_norms,
+            w.qkv,
+            w.qkv_bias,
+            w.o,
+            w.o_bias,
+            w.post_norms,
+            w.gate_up,
+            w.mlp_bias,
+            w.down,
+            w.final_norm,
+            kv_caches,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+            w.windows,
+            attn.num_heads,
+            model.model.norm.eps,
+            attn.scale,
+            w.packed,
         )

@@ -217,7 +217,9 @@ def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torc
         try:
             array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as exc:
-            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}") from exc
+            raise ModelLoadError(
+                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}"
+            ) from exc
         if permuted and ".q_proj." in name:
             array = unpermute_rotary_rows(array, config.num_attention_heads)
         elif permuted and ".k_proj." in name:
@@ -242,4 +244,3 @@ def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_to
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from the metadata of {path}: {exc}") from exc
     tokenizer.save_pretrained(str(dest))
-

@@ -172,12 +172,16 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.
     if requested != "auto":
         chosen = DTYPES[requested]
         if chosen == torch.float16 and device.type == "cpu":
-            log.warning("model.float16_on_cpu", detail="float16 is slow on the CPU; bfloat16 is the fast half precision there")
+            log.warning(
+                "model.float16_on_cpu", detail="float16 is slow on the CPU; bfloat16 is the fast half precision there"
+            )
         return chosen
     chosen = torch.bfloat16 if checkpoint == torch.bfloat16 else torch.float16
     if chosen == torch.float16 and device.type == "cpu":
         log.info(
-            "model.dtype_auto", dtype="bfloat16", detail="bfloat16 on the CPU (float16 would be slow there)",
+            "model.dtype_auto",
+            dtype="bfloat16",
+            detail="bfloat16 on the CPU (float16 would be slow there)",
             checkpoint_dtype=str(checkpoint).removeprefix("torch."),
         )
         return torch.bfloat16

@@ -46,9 +46,7 @@ def inv_freq_and_scale(params: dict[str, Any], head_dim: int, max_position_embed
         return _llama3(inv_freq, params), 1.0
     if rope_type == "yarn":
         return _yarn(base, head_dim, params, max_position_embeddings)
-    raise ModelLoadError(
-        f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-    )
+    raise ModelLoadError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
 
 def _llama3(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:

@@ -218,8 +218,11 @@ class SamplingBatch:
             top_p=floats(top_p) if any(v < 1.0 for v in top_p) else None,
             min_p=floats(min_p) if any(v > 0.0 for v in min_p) else None,
             # in float32 a valid 1e-300 would be 0 and 1e300 inf (0 / 0, 0 * inf: NaN logits)
-            repetition_penalty=(floats(rep).clamp_(min=torch.finfo(torch.float32).tiny, max=_FLOAT_MAX)
-                                if any(v != 1.0 for v in rep) else None),
+            repetition_penalty=(
+                floats(rep).clamp_(min=torch.finfo(torch.float32).tiny, max=_FLOAT_MAX)
+                if any(v != 1.0 for v in rep)
+                else None
+            ),
             presence_penalty=floats(pres) if any(pres) else None,
             frequency_penalty=floats(freq) if any(freq) else None,
             prompt_index=flat(prompt_parts),
@@ -261,8 +264,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (batch.num_seqs, batch.vocab_size):
             raise ValueError(
-                f"logits of shape {tuple(logits.shape)} for a batch of "
-                f"{batch.num_seqs} x {batch.vocab_size}"
+                f"logits of shape {tuple(logits.shape)} for a batch of {batch.num_seqs} x {batch.vocab_size}"
             )
         x = logits.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
         x = apply_penalties(x, batch)
@@ -329,9 +331,7 @@ class Sampler:
         return u
 
 
-def _only_in_vocabulary(
-    sampled: torch.Tensor, failed: torch.Tensor, vocab: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _only_in_vocabulary(sampled: torch.Tensor, failed: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Any id outside [0, vocab) fails its row too; failed rows get id 0."""
     failed = failed | (sampled < 0) | (sampled >= vocab)
     return sampled.masked_fill(failed, 0), failed
@@ -356,9 +356,7 @@ def apply_penalties(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         penalised = torch.where(x > 0, x / rp, x * rp).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
         x = torch.where(seen, penalised, x)
         flat = x.view(-1)
-    if (
-        batch.presence_penalty is not None or batch.frequency_penalty is not None
-    ) and batch.output_index is not None:
+    if (batch.presence_penalty is not None or batch.frequency_penalty is not None) and batch.output_index is not None:
         counts = torch.zeros(size, dtype=torch.float32, device=x.device)
         ones = torch.ones(batch.output_index.shape, dtype=torch.float32, device=x.device)
         counts.index_add_(0, batch.output_index, ones)
@@ -403,9 +401,7 @@ def apply_truncation(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return x.masked_fill((x < cutoff) & active, _NEG_INF)
 
 
-def _cutoffs(
-    x: torch.Tensor, batch: SamplingBatch, candidates: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _cutoffs(x: torch.Tensor, batch: SamplingBatch, candidates: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Per-row cutoff logits `[B, 1]` and which rows truncate at all `[B, 1]`.
 
     None when `candidates` is less than the vocabulary and a top-p row needs more tokens.
@@ -443,9 +439,7 @@ def _cutoffs(
     return cutoff, active.unsqueeze(1)
 
 
-def gather_logprobs(
-    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int
-) -> LogprobsTensors:
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> LogprobsTensors:
     """Column 0: the logprob of `token_ids[i]` in row i; then the row's top `num_logprobs`."""
     token_ids = token_ids.to(torch.int64)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))
@@ -487,9 +481,7 @@ def compute_prompt_logprobs(
         return parts[0]
     if not parts:
         empty = torch.empty(0, 1 + num_logprobs, device=logits.device)
-        return LogprobsTensors(
-            token_ids=empty.long(), logprobs=empty, ranks=empty[:, 0].long()
-        )
+        return LogprobsTensors(token_ids=empty.long(), logprobs=empty, ranks=empty[:, 0].long())
     return LogprobsTensors(
         token_ids=torch.cat([p.token_ids for p in parts]),
         logprobs=torch.cat([p.logprobs for p in parts]),

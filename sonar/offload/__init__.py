@@ -18,6 +18,14 @@ from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.offload import ChunkMeta
 
 __all__ = [
-    "KV_FORMAT_VERSION", "ChunkMeta", "KVEventsConfig", "KVLayout", "OffloadConfig", "TierConfig",
-    "gather_chunks", "kv_events_config_from_flags", "offload_config_from_flags", "scatter_chunks",
+    "KV_FORMAT_VERSION",
+    "ChunkMeta",
+    "KVEventsConfig",
+    "KVLayout",
+    "OffloadConfig",
+    "TierConfig",
+    "gather_chunks",
+    "kv_events_config_from_flags",
+    "offload_config_from_flags",
+    "scatter_chunks",
 ]

@@ -162,9 +162,7 @@ def offload_config_from_flags(
                 "give the CPU tier size in one place only"
             )
         if kv_offloading_backend not in BACKENDS_SUPPORTED:
-            raise ValueError(
-                f"--kv-offloading-backend {kv_offloading_backend!r} is not supported yet; use 'native'"
-            )
+            raise ValueError(f"--kv-offloading-backend {kv_offloading_backend!r} is not supported yet; use 'native'")
         size = _size_bytes(kv_offloading_size, "--kv-offloading-size")
         return OffloadConfig(spec_name="CPUOffloadingSpec", tiers=[TierConfig(medium="cpu", size_bytes=size)])
     if transfer is None:
@@ -174,8 +172,17 @@ def offload_config_from_flags(
 
 _TRANSFER_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_buffer_device", "engine_id"}
 _EXTRA_KEYS = {
-    "spec_name", "block_size", "blocks_per_chunk", "eviction_policy", "cpu_bytes_to_use",
-    "cpu_size_gib", "disk_path", "disk_size_gib", "disk_fsync", "io_threads", "spec_module_path",
+    "spec_name",
+    "block_size",
+    "blocks_per_chunk",
+    "eviction_policy",
+    "cpu_bytes_to_use",
+    "cpu_size_gib",
+    "disk_path",
+    "disk_size_gib",
+    "disk_fsync",
+    "io_threads",
+    "spec_module_path",
 }
 
 
@@ -205,9 +212,7 @@ def _from_transfer_config(transfer: dict[str, Any], primary_block_size: int) -> 
         raise ValueError(f"kv_connector_extra_config.spec_name must be one of {', '.join(SPECS)}, got {spec!r}")
 
     if "block_size" in extra and "blocks_per_chunk" in extra:
-        raise ValueError(
-            "kv_connector_extra_config: block_size and blocks_per_chunk are mutually exclusive; give one"
-        )
+        raise ValueError("kv_connector_extra_config: block_size and blocks_per_chunk are mutually exclusive; give one")
     if "block_size" in extra:
         tokens = _positive_int(extra["block_size"], "block_size")
         if tokens % primary_block_size:
@@ -242,7 +247,9 @@ def _from_transfer_config(transfer: dict[str, Any], primary_block_size: int) -> 
         if not isinstance(path, str) or not path:
             raise ValueError("TieringOffloadingSpec needs kv_connector_extra_config.disk_path (a directory)")
         if "disk_size_gib" not in extra:
-            raise ValueError("TieringOffloadingSpec needs kv_connector_extra_config.disk_size_gib (the disk tier limit)")
+            raise ValueError(
+                "TieringOffloadingSpec needs kv_connector_extra_config.disk_size_gib (the disk tier limit)"
+            )
         disk_bytes = _size_bytes(extra["disk_size_gib"], "kv_connector_extra_config.disk_size_gib")
         fsync = extra.get("disk_fsync", True)
         if not isinstance(fsync, bool):
@@ -255,7 +262,10 @@ def _from_transfer_config(transfer: dict[str, Any], primary_block_size: int) -> 
         )
     io_threads = _positive_int(extra.get("io_threads", 2), "io_threads")
     return OffloadConfig(
-        spec_name=spec, tiers=tiers, blocks_per_chunk=blocks_per_chunk, eviction_policy=policy,
+        spec_name=spec,
+        tiers=tiers,
+        blocks_per_chunk=blocks_per_chunk,
+        eviction_policy=policy,
         io_threads=io_threads,
     )
 
@@ -277,11 +287,15 @@ def kv_events_config_from_flags(value: Any) -> KVEventsConfig | None:
     if config.hwm < 0 or config.max_queue_size <= 0:
         raise ValueError("--kv-events-config: hwm must be >= 0 and max_queue_size positive")
     if not config.replay_rate_limit > 0 or config.replay_burst < 1:
-        raise ValueError("--kv-events-config: replay_rate_limit must be positive and replay_burst at least 1, "
-                         f"got {config.replay_rate_limit} and {config.replay_burst}")
+        raise ValueError(
+            "--kv-events-config: replay_rate_limit must be positive and replay_burst at least 1, "
+            f"got {config.replay_rate_limit} and {config.replay_burst}"
+        )
     if (config.curve_secret_key_file is None) != (config.curve_authorized_keys_dir is None):
-        raise ValueError("--kv-events-config: curve_secret_key_file and curve_authorized_keys_dir go together "
-                         "(the publisher's key pair, and the subscribers' public keys it accepts)")
+        raise ValueError(
+            "--kv-events-config: curve_secret_key_file and curve_authorized_keys_dir go together "
+            "(the publisher's key pair, and the subscribers' public keys it accepts)"
+        )
     if config.active:
         for name in ("endpoint", "replay_endpoint"):
             address = getattr(config, name)

@@ -38,8 +38,14 @@ from sonar.offload.layout import KVLayout
 from sonar.protocol.offload import ChunkMeta
 
 __all__ = [
-    "ChunkHeader", "CorruptChunk", "DiskFile", "ForeignChunk", "UnsafeDirectoryError", "decode_chunk",
-    "encode_chunk", "secure_directory",
+    "ChunkHeader",
+    "CorruptChunk",
+    "DiskFile",
+    "ForeignChunk",
+    "UnsafeDirectoryError",
+    "decode_chunk",
+    "encode_chunk",
+    "secure_directory",
 ]
 
 MAGIC = b"SONARKVC"
@@ -150,8 +156,9 @@ class PendingFile:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_chunk_temp(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *,
-                     fsync: bool = True) -> PendingFile:
+def write_chunk_temp(
+    root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *, fsync: bool = True
+) -> PendingFile:
     """Write a chunk under a temporary name (the slow part, outside any lock); `commit` renames it.
 
     The file is created 0600 (never through a symlink) and, with ``fsync``, on the disk before
@@ -173,8 +180,9 @@ def write_chunk_temp(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch
     return PendingFile(tmp, DiskFile(chunk_path(root, meta.key), nbytes, meta))
 
 
-def write_chunk_file(root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *,
-                     fsync: bool = True) -> DiskFile:
+def write_chunk_file(
+    root: Path, layout: KVLayout, meta: ChunkMeta, chunk: torch.Tensor, *, fsync: bool = True
+) -> DiskFile:
     """Write a chunk atomically (temporary name, then rename); return its index entry."""
     return write_chunk_temp(root, layout, meta, chunk, fsync=fsync).commit()
 
@@ -196,9 +204,11 @@ def secure_directory(root: Path) -> bool:
     if st.st_uid != os.geteuid():
         raise UnsafeDirectoryError(
             f"the disk tier directory {root} belongs to uid {st.st_uid}, not to this process (uid {os.geteuid()}): "
-            "refusing it; give the server a directory of its own (it is created 0700 when missing)")
+            "refusing it; give the server a directory of its own (it is created 0700 when missing)"
+        )
     if mode & 0o022:
         raise UnsafeDirectoryError(
             f"the disk tier directory {root} is writable by its group or others (mode {mode:04o}): refusing it; "
-            f"chmod 700 {root}")
+            f"chmod 700 {root}"
+        )
     return bool(mode & 0o077)

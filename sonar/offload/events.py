@@ -52,8 +52,17 @@ from sonar.log import get_logger
 from sonar.offload.config import KVEventsConfig
 
 __all__ = [
-    "AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch",
-    "KVEventConsumer", "KVEventPublisher", "END_OF_REPLAY", "REPLAY_REFUSED", "RateLimiter", "ReplayRefusedError",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "KVEventConsumer",
+    "KVEventPublisher",
+    "END_OF_REPLAY",
+    "REPLAY_REFUSED",
+    "RateLimiter",
+    "ReplayRefusedError",
     "is_loopback",
 ]
 
@@ -89,8 +98,9 @@ class RateLimiter:
     full bucket), so a flood of new peers cannot grow it without bound.
     """
 
-    def __init__(self, rate: float, burst: int, *, max_requesters: int = 1024,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, rate: float, burst: int, *, max_requesters: int = 1024, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rate = rate
         self.burst = burst
         self.max_requesters = max_requesters
@@ -112,7 +122,7 @@ def is_loopback(endpoint: str) -> bool:
     """Whether a ZMQ address can only be reached from this machine (ipc, inproc, loopback tcp)."""
     if not endpoint.startswith("tcp://"):
         return True
-    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    host = endpoint[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
     try:
@@ -208,8 +218,9 @@ class KVEventPublisher:
                 if secret is None:
                     raise ValueError(f"{config.curve_secret_key_file} holds no secret key")
                 if not os.path.isdir(config.curve_authorized_keys_dir or ""):
-                    raise ValueError(f"curve_authorized_keys_dir {config.curve_authorized_keys_dir!r} "
-                                     "is not a directory")
+                    raise ValueError(
+                        f"curve_authorized_keys_dir {config.curve_authorized_keys_dir!r} is not a directory"
+                    )
                 auth = ThreadAuthenticator(ctx, log=logging.getLogger("sonar.kv_events.auth"))
                 auth.start()
                 auth.configure_curve(domain="*", location=config.curve_authorized_keys_dir)
@@ -243,9 +254,12 @@ class KVEventPublisher:
         if keys is None:
             for address in (self.endpoint, self.replay_endpoint):
                 if address is not None and not is_loopback(address):
-                    log.warning("kv_events.unauthenticated_endpoint", endpoint=address,
-                                detail="the prompt token ids of every cached block are published to anyone "
-                                       "who can connect; bind loopback or configure CURVE")
+                    log.warning(
+                        "kv_events.unauthenticated_endpoint",
+                        endpoint=address,
+                        detail="the prompt token ids of every cached block are published to anyone "
+                        "who can connect; bind loopback or configure CURVE",
+                    )
         return pub, router, auth
 
     def _run(self) -> None:
@@ -325,9 +339,16 @@ class KVEventConsumer:
     this consumer's secret certificate (whose public half the publisher authorizes).
     """
 
-    def __init__(self, endpoint: str, replay_endpoint: str | None = None, *, topic: str = "",
-                 index: KVBlockIndex | None = None, server_key_file: str | None = None,
-                 client_key_file: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        index: KVBlockIndex | None = None,
+        server_key_file: str | None = None,
+        client_key_file: str | None = None,
+    ) -> None:
         self.index = index or KVBlockIndex()
         self.last_seq = -1
         self.replay_endpoint = replay_endpoint
@@ -456,8 +477,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.chmod(secret, 0o600)
         print(json.dumps({"public": public, "secret": secret}))
         return 0
-    with KVEventConsumer(args.endpoint, args.replay_endpoint, topic=args.topic, server_key_file=args.server_key,
-                         client_key_file=args.client_key) as consumer:
+    with KVEventConsumer(
+        args.endpoint,
+        args.replay_endpoint,
+        topic=args.topic,
+        server_key_file=args.server_key,
+        client_key_file=args.client_key,
+    ) as consumer:
         if args.replay_endpoint:
             for seq, event in consumer.replay(args.from_seq):
                 print(event_to_json(event, seq), flush=True)
@@ -468,9 +494,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(event_to_json(event, seq), flush=True)
         except KeyboardInterrupt:
             pass
-        print(json.dumps({"summary": consumer.index.summary(), "last_seq": consumer.last_seq,
-                          "ignored_removals": consumer.index.ignored_removals, "lost": consumer.lost}),
-              file=sys.stderr, flush=True)
+        print(
+            json.dumps(
+                {
+                    "summary": consumer.index.summary(),
+                    "last_seq": consumer.last_seq,
+                    "ignored_removals": consumer.index.ignored_removals,
+                    "lost": consumer.lost,
+                }
+            ),
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 

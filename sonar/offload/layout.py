@@ -84,7 +84,12 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         """The layout of chunks cut from per-layer caches ``[2, num_blocks, block_size, heads, dim]``."""
         _, _, block_size, heads, dim = kv_caches[0].shape
         return cls(
-            model=model, dtype=str(kv_caches[0].dtype).removeprefix("torch."), num_layers=len(kv_caches),
-            num_kv_heads=heads, head_dim=dim, block_size=block_size, blocks_per_chunk=blocks_per_chunk,
+            model=model,
+            dtype=str(kv_caches[0].dtype).removeprefix("torch."),
+            num_layers=len(kv_caches),
+            num_kv_heads=heads,
+            head_dim=dim,
+            block_size=block_size,
+            blocks_per_chunk=blocks_per_chunk,
             hash_algo=hash_algo,
         )

@@ -77,8 +77,12 @@ class OffloadManagerActor(Actor):
     """Tier events kept for ``WatchTiers``; a watcher further behind gets a snapshot."""
 
     def __init__(
-        self, config: dict[str, Any] | None, layout: dict[str, Any] | None = None, events: dict[str, Any] | None = None,
-        worker: Any = None, hash_algo: str = "sha256",
+        self,
+        config: dict[str, Any] | None,
+        layout: dict[str, Any] | None = None,
+        events: dict[str, Any] | None = None,
+        worker: Any = None,
+        hash_algo: str = "sha256",
     ) -> None:
         self.config = None if config is None else msgspec.convert(config, OffloadConfig)
         self.layout = None if layout is None else msgspec.convert(layout, KVLayout)
@@ -107,8 +111,13 @@ class OffloadManagerActor(Actor):
         if self.config is not None and self.layout is None:
             info = await self.worker.ask(DescribeWorker(), timeout=120)
             self.layout = KVLayout(
-                model=info.model, dtype=info.dtype, num_layers=info.num_layers, num_kv_heads=info.num_kv_heads,
-                head_dim=info.head_dim, block_size=info.block_size, blocks_per_chunk=self.config.blocks_per_chunk,
+                model=info.model,
+                dtype=info.dtype,
+                num_layers=info.num_layers,
+                num_kv_heads=info.num_kv_heads,
+                head_dim=info.head_dim,
+                block_size=info.block_size,
+                blocks_per_chunk=self.config.blocks_per_chunk,
                 hash_algo=self.hash_algo,
             )
         if self.events_config is not None and self.events_config.active:
@@ -120,10 +129,14 @@ class OffloadManagerActor(Actor):
             return
         # Scanning a large disk directory takes a while: off the event loop.
         self.store = await anyio.to_thread.run_sync(TieredStore, self.layout, self.config, self._emit)
-        log.info("offload.ready", spec=self.config.spec_name, blocks_per_chunk=self.layout.blocks_per_chunk,
-                 cpu_chunks=self.store.cpu.num_slots,
-                 disk=None if self.store.disk is None else str(self.store.disk.root),
-                 events=None if self.publisher is None else self.publisher.endpoint)
+        log.info(
+            "offload.ready",
+            spec=self.config.spec_name,
+            blocks_per_chunk=self.layout.blocks_per_chunk,
+            cpu_chunks=self.store.cpu.num_slots,
+            disk=None if self.store.disk is None else str(self.store.disk.root),
+            events=None if self.publisher is None else self.publisher.endpoint,
+        )
 
     async def stopping(self) -> None:
         with anyio.move_on_after(10):
@@ -291,7 +304,9 @@ class OffloadManagerActor(Actor):
         if isinstance(msg, Lookup):
             return LookupResult(0, [])
         if isinstance(msg, Load):
-            return LoadResult(msg.start_block // max(1, self.layout.blocks_per_chunk if self.layout else 1), None, [], 0)
+            return LoadResult(
+                msg.start_block // max(1, self.layout.blocks_per_chunk if self.layout else 1), None, [], 0
+            )
         if isinstance(msg, (Flush, Clear)):
             return 0
         if isinstance(msg, GetOffloadStats):
@@ -305,10 +320,14 @@ class OffloadManagerActor(Actor):
     def stats(self) -> OffloadStats:
         s = self.store
         return OffloadStats(
-            tiers=s.tier_stats(), lookups=s.lookups, lookup_blocks=s.lookup_blocks, hit_blocks=s.hit_blocks,
+            tiers=s.tier_stats(),
+            lookups=s.lookups,
+            lookup_blocks=s.lookup_blocks,
+            hit_blocks=s.hit_blocks,
             duplicate_stores=s.duplicate_stores,
             load_latency={m: msgspec.structs.replace(h, counts=list(h.counts)) for m, h in self.latency.items()},
-            pending_io=self.pending, events_dropped=self._events_dropped(),
+            pending_io=self.pending,
+            events_dropped=self._events_dropped(),
         )
 
     def _events_dropped(self) -> int:

@@ -75,7 +75,9 @@ class CpuTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self.entries
 
-    def put(self, meta: ChunkMeta, chunk: torch.Tensor, *, keep_evicted: bool) -> list[tuple[ChunkMeta, torch.Tensor | None]]:
+    def put(
+        self, meta: ChunkMeta, chunk: torch.Tensor, *, keep_evicted: bool
+    ) -> list[tuple[ChunkMeta, torch.Tensor | None]]:
         """Copy ``chunk`` into a slot, evicting if full; returns the evicted chunks (with a copy
         of their data when ``keep_evicted``)."""
         evicted: list[tuple[ChunkMeta, torch.Tensor | None]] = []
@@ -128,13 +130,17 @@ class DiskTier:
     RETRY_AFTER = 30.0
     """Seconds a degraded tier (a write failed) takes no writes before it tries again."""
 
-    def __init__(self, layout: KVLayout, root: str | Path, size_bytes: int, policy: str = "lru", *,
-                 fsync: bool = True) -> None:
+    def __init__(
+        self, layout: KVLayout, root: str | Path, size_bytes: int, policy: str = "lru", *, fsync: bool = True
+    ) -> None:
         self.layout = layout
         self.root = Path(root)
         if secure_directory(self.root):
-            log.warning("offload.disk.readable_by_others", path=str(self.root),
-                        detail="chunk files are created 0600, but their names show which prefixes are cached")
+            log.warning(
+                "offload.disk.readable_by_others",
+                path=str(self.root),
+                detail="chunk files are created 0600, but their names show which prefixes are cached",
+            )
         self.fsync = fsync
         self.retry_at = 0.0
         """While degraded: when (``time.monotonic``) a write may be tried again."""
@@ -236,9 +242,14 @@ class DiskTier:
         seconds; the chunk stays in the faster tier only, and every request is still served."""
         self.stats.write_errors += 1
         if not self.stats.degraded:
-            log.warning("offload.disk.degraded", path=str(self.root), key=key.hex(),
-                        error=errno.errorcode.get(exc.errno or 0, "") or str(exc), detail=str(exc),
-                        retry_after_s=self.RETRY_AFTER)
+            log.warning(
+                "offload.disk.degraded",
+                path=str(self.root),
+                key=key.hex(),
+                error=errno.errorcode.get(exc.errno or 0, "") or str(exc),
+                detail=str(exc),
+                retry_after_s=self.RETRY_AFTER,
+            )
         self.stats.degraded = True
         self.retry_at = time.monotonic() + self.RETRY_AFTER
 
@@ -268,8 +279,9 @@ class TieredStore:
         cpu_bytes = config.cpu_bytes
         self.cpu = CpuTier(layout, cpu_bytes, config.eviction_policy)
         disk = config.disk
-        self.disk = (DiskTier(layout, disk.path, disk.size_bytes, config.eviction_policy, fsync=disk.fsync)
-                     if disk else None)
+        self.disk = (
+            DiskTier(layout, disk.path, disk.size_bytes, config.eviction_policy, fsync=disk.fsync) if disk else None
+        )
         self.lookups = 0
         self.lookup_blocks = 0
         self.hit_blocks = 0
@@ -281,15 +293,25 @@ class TieredStore:
                 path.unlink(missing_ok=True)
             events.append(AllBlocksCleared("DISK"))
             events += [self._stored(f.meta, "DISK") for f in indexed]
-            log.info("offload.disk.indexed", path=str(self.disk.root), chunks=len(indexed),
-                     bytes=self.disk.used, corrupt=self.disk.stats.corrupt, foreign=self.disk.stats.foreign)
+            log.info(
+                "offload.disk.indexed",
+                path=str(self.disk.root),
+                chunks=len(indexed),
+                bytes=self.disk.used,
+                corrupt=self.disk.stats.corrupt,
+                foreign=self.disk.stats.foreign,
+            )
         self._emit(events)
 
     # -- events ---------------------------------------------------------------------------------
     def _stored(self, meta: ChunkMeta, medium: str) -> BlockStored:
         return BlockStored(
-            block_hashes=list(meta.block_hashes), parent_block_hash=meta.parent_hash, token_ids=list(meta.token_ids),
-            block_size=self.layout.block_size, medium=medium, extra_keys=meta.extra_keys,
+            block_hashes=list(meta.block_hashes),
+            parent_block_hash=meta.parent_hash,
+            token_ids=list(meta.token_ids),
+            block_size=self.layout.block_size,
+            medium=medium,
+            extra_keys=meta.extra_keys,
         )
 
     @staticmethod
@@ -326,8 +348,10 @@ class TieredStore:
         if len(meta.token_ids) != self.layout.chunk_tokens:
             raise ValueError(f"a chunk has {self.layout.chunk_tokens} token ids, got {len(meta.token_ids)}")
         if tuple(chunk.shape) != self.layout.chunk_shape or chunk.dtype != self.layout.torch_dtype:
-            raise ValueError(f"a chunk tensor is {self.layout.chunk_shape} {self.layout.dtype}, got "
-                             f"{tuple(chunk.shape)} {chunk.dtype}")
+            raise ValueError(
+                f"a chunk tensor is {self.layout.chunk_shape} {self.layout.dtype}, got "
+                f"{tuple(chunk.shape)} {chunk.dtype}"
+            )
 
     def _put_cpu(self, meta: ChunkMeta, chunk: torch.Tensor) -> list[tuple[ChunkMeta, torch.Tensor]]:
         """Under the lock: put into the CPU tier, emit; return evicted chunks the disk lacks."""
@@ -514,4 +538,3 @@ class TieredStore:
         with self._lock:
             tiers = [self.cpu.stats] + ([self.disk.stats] if self.disk is not None else [])
             return [type(t)(**{f: getattr(t, f) for f in t.__struct_fields__}) for t in tiers]
-

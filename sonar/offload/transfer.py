@@ -77,7 +77,9 @@ def scatter_chunks(
     if not isinstance(chunks, torch.Tensor):
         chunks = torch.stack(list(chunks)) if len(chunks) else torch.empty(0)
     if chunks.dim() != 7 or chunks.shape[1] != len(kv_caches) or chunks.shape[2] != 2:
-        raise ValueError(f"chunks must be [num_chunks, {len(kv_caches)}, 2, bpc, bs, heads, dim], got {tuple(chunks.shape)}")
+        raise ValueError(
+            f"chunks must be [num_chunks, {len(kv_caches)}, 2, bpc, bs, heads, dim], got {tuple(chunks.shape)}"
+        )
     first = kv_caches[0]
     num_chunks, _, _, bpc, bs, heads, dim = chunks.shape
     if (bs, heads, dim) != tuple(first.shape[2:]) or chunks.dtype != first.dtype:

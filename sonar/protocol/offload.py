@@ -14,8 +14,23 @@ from sonar.actors import Ask
 from sonar.core.events import KVEvent
 
 __all__ = [
-    "ChunkMeta", "Clear", "Flush", "GetOffloadStats", "LatencyHistogram", "Load", "LoadResult", "Lookup", "LookupResult",
-    "OffloadMsg", "OffloadStats", "PublishEvents", "Store", "TierContents", "TierStats", "TierUpdate", "WatchTiers",
+    "ChunkMeta",
+    "Clear",
+    "Flush",
+    "GetOffloadStats",
+    "LatencyHistogram",
+    "Load",
+    "LoadResult",
+    "Lookup",
+    "LookupResult",
+    "OffloadMsg",
+    "OffloadStats",
+    "PublishEvents",
+    "Store",
+    "TierContents",
+    "TierStats",
+    "TierUpdate",
+    "WatchTiers",
 ]
 
 LOAD_LATENCY_BOUNDS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]

@@ -9,8 +9,6 @@ def placement(request):
     return parse_placement(request.param)
 
 
-
-
 @pytest.fixture
 def deployment(tmp_path):
     """A deployment's keys, as `python -m sonar actor keygen DIR` writes them, used by this process."""
@@ -20,8 +18,11 @@ def deployment(tmp_path):
     from sonar.actors import keys
 
     root = tmp_path / "keys"
-    subprocess.run([sys.executable, "-m", "sonar", "actor", "keygen", str(root), "--name", "tests"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "sonar", "actor", "keygen", str(root), "--name", "tests"],
+        check=True,
+        capture_output=True,
+    )
     keys.configure(root)
     yield root
     keys.configure(None)

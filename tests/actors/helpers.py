@@ -58,9 +58,22 @@ def start_host(address: str, keys_dir, *extra: str, log_path=None):
     err = open(log_path, "w") if log_path is not None else None
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", "sonar", "actor", "--listen", address, "--keys", str(keys_dir),
-             "--allow-actor", "tests.actors.sample:Sample", *extra],
-            env=dict(os.environ, PYTHONPATH=os.getcwd()), stderr=err)
+            [
+                sys.executable,
+                "-m",
+                "sonar",
+                "actor",
+                "--listen",
+                address,
+                "--keys",
+                str(keys_dir),
+                "--allow-actor",
+                "tests.actors.sample:Sample",
+                *extra,
+            ],
+            env=dict(os.environ, PYTHONPATH=os.getcwd()),
+            stderr=err,
+        )
     finally:
         if err is not None:
             err.close()

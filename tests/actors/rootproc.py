@@ -15,11 +15,20 @@ from tests.actors.sample import Crash, Sample
 
 def main() -> int:
     mode, placement = sys.argv[1], parse_placement(sys.argv[2])
-    spec = SupervisorSpec("root", [
-        ChildSpec("steady", Sample, placement=placement, ping_interval=None),
-        SupervisorSpec("inner", [ChildSpec("flaky", Sample, placement=placement, ping_interval=None)],
-                       max_restarts=1, period=30),
-    ], max_restarts=1, period=30)
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec("steady", Sample, placement=placement, ping_interval=None),
+            SupervisorSpec(
+                "inner",
+                [ChildSpec("flaky", Sample, placement=placement, ping_interval=None)],
+                max_restarts=1,
+                period=30,
+            ),
+        ],
+        max_restarts=1,
+        period=30,
+    )
 
     async def crashloop(sup) -> None:
         seen: set[int] = set()

@@ -77,8 +77,14 @@ class Other(msgspec.Struct, tag=True):
 class Sample(Actor):
     protocol = SampleMsg
 
-    def __init__(self, delay: float = 0.0, ignore_stop: bool = False, ignore_sigterm: bool = False,
-                 fail_start: bool = False, start_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        delay: float = 0.0,
+        ignore_stop: bool = False,
+        ignore_sigterm: bool = False,
+        fail_start: bool = False,
+        start_delay: float = 0.0,
+    ) -> None:
         self.values: list[int] = []
         self.delay = delay
         self.ignore_stop = ignore_stop

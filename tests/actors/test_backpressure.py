@@ -15,8 +15,14 @@ async def test_fast_sender_is_slowed_and_nothing_is_lost(placement, monkeypatch)
     # the padding fills the socket buffers between the processes.
     monkeypatch.setenv("SONAR_ACTOR_HWM", "2")
     delay, count, capacity = 0.02, 60, 4
-    spec = SupervisorSpec("root", [ChildSpec("slow", Sample, kwargs={"delay": delay}, placement=placement,
-                                             mailbox_size=capacity, ping_interval=None)])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec(
+                "slow", Sample, kwargs={"delay": delay}, placement=placement, mailbox_size=capacity, ping_interval=None
+            )
+        ],
+    )
     async with supervise(spec) as sup:
         ref = sup.child("slow").ref
         t0 = time.monotonic()

@@ -38,7 +38,9 @@ async def test_hung_child_is_detected_by_liveness_and_restarted(placement):
 
 
 async def test_child_process_with_a_blocked_event_loop_is_killed_and_restarted():
-    spec = SupervisorSpec("root", [ChildSpec("a", Sample, placement=ChildProcess(), ping_interval=0.2, ping_timeout=0.5)])
+    spec = SupervisorSpec(
+        "root", [ChildSpec("a", Sample, placement=ChildProcess(), ping_interval=0.2, ping_timeout=0.5)]
+    )
     async with supervise(spec) as sup:
         a = sup.child("a")
         old_pid = a.pid
@@ -50,8 +52,19 @@ async def test_child_process_with_a_blocked_event_loop_is_killed_and_restarted()
 
 async def test_child_that_ignores_stop_is_killed_within_deadline_plus_one_second(placement):
     deadline = 0.5
-    spec = SupervisorSpec("root", [ChildSpec("stubborn", Sample, kwargs={"ignore_stop": True}, placement=placement,
-                                             shutdown=deadline, ping_interval=None)])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec(
+                "stubborn",
+                Sample,
+                kwargs={"ignore_stop": True},
+                placement=placement,
+                shutdown=deadline,
+                ping_interval=None,
+            )
+        ],
+    )
     async with supervise(spec) as sup:
         pid = sup.child("stubborn").pid
         assert await sup.child("stubborn").ref.ask(Echo("hi"), timeout=5) == "hi"
@@ -65,8 +78,19 @@ async def test_child_that_ignores_stop_is_killed_within_deadline_plus_one_second
 
 async def test_child_process_that_ignores_sigterm_is_sigkilled():
     deadline = 0.3
-    spec = SupervisorSpec("root", [ChildSpec("deaf", Sample, kwargs={"ignore_stop": True, "ignore_sigterm": True},
-                                             placement=ChildProcess(), shutdown=deadline, ping_interval=None)])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec(
+                "deaf",
+                Sample,
+                kwargs={"ignore_stop": True, "ignore_sigterm": True},
+                placement=ChildProcess(),
+                shutdown=deadline,
+                ping_interval=None,
+            )
+        ],
+    )
     async with supervise(spec) as sup:
         pid = sup.child("deaf").pid
         assert await sup.child("deaf").ref.ask(Echo("hi"), timeout=5) == "hi"
@@ -91,9 +115,11 @@ async def test_sigkill_from_outside_is_detected_and_the_child_restarted():
 
 async def test_no_child_process_is_left_after_shutdown():
     before = other_pids()
-    spec = SupervisorSpec("root", [
-        ChildSpec(f"p{i}", Sample, placement=ChildProcess(), ping_interval=0.5) for i in range(3)
-    ] + [SupervisorSpec("inner", [ChildSpec("q", Sample, placement=ChildProcess())])])
+    spec = SupervisorSpec(
+        "root",
+        [ChildSpec(f"p{i}", Sample, placement=ChildProcess(), ping_interval=0.5) for i in range(3)]
+        + [SupervisorSpec("inner", [ChildSpec("q", Sample, placement=ChildProcess())])],
+    )
     async with supervise(spec) as sup:
         pids = {c.pid for c in sup.tree().children if c.kind == "actor"} | {sup.tree().find("q").pid}
         assert len(pids) == 4 and all(alive(p) for p in pids)

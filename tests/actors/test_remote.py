@@ -43,7 +43,9 @@ async def test_remote_actor_round_trip_restart_and_stop(host):
 
 
 async def test_unreachable_remote_host_fails_the_start(deployment):
-    spec = SupervisorSpec("root", [ChildSpec("nobody", Sample, placement=Remote("tcp://127.0.0.1:1", start_timeout=0.5))])
+    spec = SupervisorSpec(
+        "root", [ChildSpec("nobody", Sample, placement=Remote("tcp://127.0.0.1:1", start_timeout=0.5))]
+    )
     with anyio.fail_after(10):
         with pytest.raises(RuntimeError, match="no actor host answered at tcp://127.0.0.1:1"):
             async with supervise(spec):

@@ -86,7 +86,8 @@ def stranger() -> Peer:
 
 def authorize(deployment, peer: Peer, name: str) -> None:
     (deployment / "authorized" / f"{name}.key").write_text(
-        f'metadata\ncurve\n    public-key = "{peer.client_public.decode()}"\n')
+        f'metadata\ncurve\n    public-key = "{peer.client_public.decode()}"\n'
+    )
 
 
 async def recv(sock: zmq.Socket, timeout: float) -> list[bytes] | None:
@@ -110,8 +111,11 @@ async def test_a_peer_without_the_keys_gets_nothing_run(host, deployment, tmp_pa
             sock = raw_dealer(ctx, address, peer, who.encode())
             to = ReplyTo(who, 1, None)
             sock.send_multipart(message(HOST_NAME, Spawn(name="evil", target=TOUCH, kwargs={"path": str(marker)}), to))
-            sock.send_multipart(message(HOST_NAME, Spawn(name="sh", target="os:system",
-                                                         kwargs={"command": f"touch {shell_marker}"}), to))
+            sock.send_multipart(
+                message(
+                    HOST_NAME, Spawn(name="sh", target="os:system", kwargs={"command": f"touch {shell_marker}"}), to
+                )
+            )
             sock.send_multipart(message(HOST_NAME, Stop()))
             sock.send_multipart(message(HOST_NAME, Kill(name=HOST_NAME), to))
             assert await recv(sock, 1.0) is None, who  # not even an error reply: nothing was read
@@ -199,8 +203,13 @@ async def test_listen_beyond_loopback_without_keys_refuses_to_start(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SONAR_ACTOR_")}
     env["PYTHONPATH"] = os.getcwd()
     port = free_tcp_address().rsplit(":", 1)[1]
-    done = subprocess.run([sys.executable, "-m", "sonar", "actor", "--listen", f"tcp://0.0.0.0:{port}"],
-                          env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "sonar", "actor", "--listen", f"tcp://0.0.0.0:{port}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "refusing to listen without credentials (tcp://0.0.0.0:" in done.stderr
     assert "reachable from other machines" in done.stderr and "sonar actor keygen" in done.stderr
@@ -222,8 +231,9 @@ async def test_an_oversized_frame_is_refused_and_the_host_lives_on(host, monkeyp
     ctx = zmq.Context()
     try:
         sock = raw_dealer(ctx, address, member(), b"big")
-        frames = message(HOST_NAME, Spawn(name="big", target=SAMPLE, kwargs={"start_delay": 0.0}),
-                         ReplyTo("big", 1, None))
+        frames = message(
+            HOST_NAME, Spawn(name="big", target=SAMPLE, kwargs={"start_delay": 0.0}), ReplyTo("big", 1, None)
+        )
         sock.send_multipart(frames + [b"x" * (2**20 + 1)])  # over the host's --max-frame-bytes
         assert await recv(sock, 1.0) is None  # dropped with the connection, unread
         sock.close()
@@ -267,8 +277,9 @@ async def test_a_reply_from_another_peer_is_ignored(host):
         mole.connect(home)
         mole.send_multipart([b"R", reply_to.id.to_bytes(8, "little"), b"ok", msgspec.msgpack.encode("forged")])
         await anyio.sleep(0.5)
-        asked.send_multipart([frames[0], b"R", reply_to.id.to_bytes(8, "little"), b"ok",
-                              msgspec.msgpack.encode("genuine")])
+        asked.send_multipart(
+            [frames[0], b"R", reply_to.id.to_bytes(8, "little"), b"ok", msgspec.msgpack.encode("genuine")]
+        )
         assert await pending.result(timeout=10) == "genuine"
         mole.close()
     finally:
@@ -278,10 +289,13 @@ async def test_a_reply_from_another_peer_is_ignored(host):
 
 async def test_a_full_mailbox_holds_its_sender_not_the_node(host):
     address, _, _ = host
-    spec = SupervisorSpec("root", [
-        ChildSpec("slow", Sample, placement=Remote(address), mailbox_size=2, ping_interval=None, shutdown=0.5),
-        ChildSpec("fast", Sample, placement=Remote(address), ping_interval=None),
-    ])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec("slow", Sample, placement=Remote(address), mailbox_size=2, ping_interval=None, shutdown=0.5),
+            ChildSpec("fast", Sample, placement=Remote(address), ping_interval=None),
+        ],
+    )
     async with supervise(spec) as sup:
         slow, fast = sup.child("slow").ref, sup.child("fast").ref
         await slow.send(Hang())  # blocks the slow actor's mailbox loop for good

@@ -19,15 +19,19 @@ def three(placement, strategy, **sup_kwargs):
 
 def after_crash(sup):
     events = [(e.kind, e.child) for e in sup.events]
-    return events[events.index(("crash", "b")):]
+    return events[events.index(("crash", "b")) :]
 
 
 async def crash_b_and_settle(sup, expected_events: int):
     pids = {n: sup.child(n).pid for n in "abc"}
     await sup.child("b").ref.send(Crash())
-    await wait_for(lambda: ("crash", "b") in [(e.kind, e.child) for e in sup.events]
-                   and len(after_crash(sup)) >= expected_events
-                   and all(sup.child(n).state == "running" for n in "abc"))
+    await wait_for(
+        lambda: (
+            ("crash", "b") in [(e.kind, e.child) for e in sup.events]
+            and len(after_crash(sup)) >= expected_events
+            and all(sup.child(n).state == "running" for n in "abc")
+        )
+    )
     for n in "abc":  # everyone answers after the restarts
         assert await sup.child(n).ref.ask(Echo(n), timeout=5) == n
     return pids
@@ -45,9 +49,15 @@ async def test_one_for_all_stops_the_others_in_reverse_and_restarts_all_in_order
     async with supervise(three(placement, "one_for_all")) as sup:
         await crash_b_and_settle(sup, 9)
         assert after_crash(sup) == [
-            ("crash", "b"), ("stop", "c"), ("stop", "a"),
-            ("restart", "a"), ("start", "a"), ("restart", "b"), ("start", "b"),
-            ("restart", "c"), ("start", "c"),
+            ("crash", "b"),
+            ("stop", "c"),
+            ("stop", "a"),
+            ("restart", "a"),
+            ("start", "a"),
+            ("restart", "b"),
+            ("start", "b"),
+            ("restart", "c"),
+            ("start", "c"),
         ]
         assert [sup.child(n).restarts for n in "abc"] == [1, 1, 1]
         started = [sup.child(n).started_at for n in "abc"]
@@ -58,16 +68,24 @@ async def test_rest_for_one_restarts_the_crashed_child_and_those_after_it(placem
     async with supervise(three(placement, "rest_for_one")) as sup:
         pids = await crash_b_and_settle(sup, 6)
         assert after_crash(sup) == [
-            ("crash", "b"), ("stop", "c"), ("restart", "b"), ("start", "b"), ("restart", "c"), ("start", "c"),
+            ("crash", "b"),
+            ("stop", "c"),
+            ("restart", "b"),
+            ("start", "b"),
+            ("restart", "c"),
+            ("start", "c"),
         ]
         assert [sup.child(n).restarts for n in "abc"] == [0, 1, 1]
         assert sup.child("a").pid == pids["a"]
 
 
 async def test_transient_child_is_restarted_only_after_an_abnormal_exit(placement):
-    spec = SupervisorSpec("root", [
-        ChildSpec("t", Sample, placement=placement, restart="transient", ping_interval=None),
-    ])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec("t", Sample, placement=placement, restart="transient", ping_interval=None),
+        ],
+    )
     async with supervise(spec) as sup:
         t = sup.child("t")
         await t.ref.send(Crash())
@@ -80,10 +98,13 @@ async def test_transient_child_is_restarted_only_after_an_abnormal_exit(placemen
 
 
 async def test_temporary_child_is_never_restarted(placement):
-    spec = SupervisorSpec("root", [
-        ChildSpec("keep", Sample, placement=placement, ping_interval=None),
-        ChildSpec("tmp", Sample, placement=placement, restart="temporary", ping_interval=None),
-    ])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec("keep", Sample, placement=placement, ping_interval=None),
+            ChildSpec("tmp", Sample, placement=placement, restart="temporary", ping_interval=None),
+        ],
+    )
     async with supervise(spec) as sup:
         tmp = sup.child("tmp")
         await tmp.ref.send(Crash())
@@ -96,8 +117,7 @@ async def test_temporary_child_is_never_restarted(placement):
 async def test_slow_starts_do_not_hide_a_crash_loop():
     """Each restart takes 0.4 s, longer than the 0.3 s period: the intensity clock leaves start
     time out, so three quick crashes still make the supervisor give up."""
-    spec = SupervisorSpec("root", [ChildSpec("slow", Sample, kwargs={"start_delay": 0.4})],
-                          max_restarts=2, period=0.3)
+    spec = SupervisorSpec("root", [ChildSpec("slow", Sample, kwargs={"start_delay": 0.4})], max_restarts=2, period=0.3)
     with pytest.raises(SupervisorGaveUp, match="3 restarts within 0.3"):
         async with supervise(spec) as sup:
             slow = sup.child("slow")
@@ -127,12 +147,21 @@ async def test_intensity_exceeded_stops_children_and_fails_upward(placement):
 
 
 async def test_nested_supervisor_gives_up_and_its_parent_restarts_it(placement):
-    inner = SupervisorSpec("inner", [
-        ChildSpec("x", Sample, placement=placement, ping_interval=None),
-        ChildSpec("y", Sample, placement=placement, ping_interval=None),
-    ], max_restarts=0)
-    spec = SupervisorSpec("root", [ChildSpec("top", Sample, placement=placement, ping_interval=None), inner],
-                          strategy="one_for_one", max_restarts=3, period=30)
+    inner = SupervisorSpec(
+        "inner",
+        [
+            ChildSpec("x", Sample, placement=placement, ping_interval=None),
+            ChildSpec("y", Sample, placement=placement, ping_interval=None),
+        ],
+        max_restarts=0,
+    )
+    spec = SupervisorSpec(
+        "root",
+        [ChildSpec("top", Sample, placement=placement, ping_interval=None), inner],
+        strategy="one_for_one",
+        max_restarts=3,
+        period=30,
+    )
     async with supervise(spec) as sup:
         tree = sup.tree()
         assert [c.name for c in tree.children] == ["top", "inner"]
@@ -142,7 +171,9 @@ async def test_nested_supervisor_gives_up_and_its_parent_restarts_it(placement):
         await runner.child.child("x").ref.send(Crash())
         await wait_for(lambda: runner.restarts == 1 and runner.state == "running")
         assert [(e.kind, e.child) for e in sup.events][-3:] == [
-            ("crash", "inner"), ("restart", "inner"), ("start", "inner"),
+            ("crash", "inner"),
+            ("restart", "inner"),
+            ("start", "inner"),
         ]
         x = runner.child.child("x")
         assert await x.ref.ask(Echo("back"), timeout=5) == "back"
@@ -152,10 +183,13 @@ async def test_nested_supervisor_gives_up_and_its_parent_restarts_it(placement):
 
 
 async def test_failed_start_stops_the_children_already_started(placement):
-    spec = SupervisorSpec("root", [
-        ChildSpec("ok", Sample, placement=placement, ping_interval=None),
-        ChildSpec("bad", Sample, kwargs={"fail_start": True}, placement=placement, ping_interval=None),
-    ])
+    spec = SupervisorSpec(
+        "root",
+        [
+            ChildSpec("ok", Sample, placement=placement, ping_interval=None),
+            ChildSpec("bad", Sample, kwargs={"fail_start": True}, placement=placement, ping_interval=None),
+        ],
+    )
     with pytest.raises(Exception, match="refusing to start|before it was ready|exited with code"):
         async with supervise(spec):
             pass

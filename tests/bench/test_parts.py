@@ -33,9 +33,14 @@ def test_random_dataset_lengths_and_determinism(tokenizer) -> None:
 
 
 def test_prefix_repetition_shares_prefixes(tokenizer) -> None:
-    args = DatasetArgs(dataset_name="prefix-repetition", num_prompts=6, prefix_repetition_prefix_len=32,
-                       prefix_repetition_suffix_len=8, prefix_repetition_num_prefixes=2,
-                       prefix_repetition_output_len=5)
+    args = DatasetArgs(
+        dataset_name="prefix-repetition",
+        num_prompts=6,
+        prefix_repetition_prefix_len=32,
+        prefix_repetition_suffix_len=8,
+        prefix_repetition_num_prefixes=2,
+        prefix_repetition_output_len=5,
+    )
     samples = sample_requests(args, tokenizer)
     assert len(samples) == 6 and all(s.expected_output_len == 5 for s in samples)
     heads = {s.prompt[:40] for s in samples}
@@ -43,15 +48,22 @@ def test_prefix_repetition_shares_prefixes(tokenizer) -> None:
 
 
 def test_sharegpt_file(tokenizer, tmp_path: Path) -> None:
-    rows = [{"conversations": [{"from": "human", "value": "Tell me about the moon, please, in detail."},
-                               {"from": "gpt", "value": "The moon is Earth's only natural satellite, and so on."}]},
-            {"conversations": [{"from": "human", "value": "hi"}]}]  # one turn only: skipped
+    rows = [
+        {
+            "conversations": [
+                {"from": "human", "value": "Tell me about the moon, please, in detail."},
+                {"from": "gpt", "value": "The moon is Earth's only natural satellite, and so on."},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "hi"}]},
+    ]  # one turn only: skipped
     path = tmp_path / "g.json"
     path.write_text(json.dumps(rows))
     samples = sample_requests(DatasetArgs(dataset_name="sharegpt", dataset_path=str(path), num_prompts=3), tokenizer)
     assert len(samples) == 3 and samples[0].prompt.startswith("Tell me")
-    assert samples[0].expected_output_len == len(tokenizer.encode(rows[0]["conversations"][1]["value"],
-                                                                   add_special_tokens=False))
+    assert samples[0].expected_output_len == len(
+        tokenizer.encode(rows[0]["conversations"][1]["value"], add_special_tokens=False)
+    )
     with pytest.raises(ValueError, match="dataset-path"):
         sample_requests(DatasetArgs(dataset_name="sharegpt"), tokenizer)
 
@@ -85,12 +97,16 @@ def test_summary_and_goodput() -> None:
 
 
 def test_metrics_of_sonar_and_vllm() -> None:
-    sonar_text = ("# TYPE sonar:kv_cache_usage_perc gauge\nsonar:kv_cache_usage_perc 0.25\n"
-                  "# TYPE sonar:num_preemptions counter\nsonar:num_preemptions_total 3.0\n")
-    vllm_text = ('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{engine="0"} 0.5\n'
-                 '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0"} 100.0\n'
-                 '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0"} 40.0\n'
-                 "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 1048576.0\n")
+    sonar_text = (
+        "# TYPE sonar:kv_cache_usage_perc gauge\nsonar:kv_cache_usage_perc 0.25\n"
+        "# TYPE sonar:num_preemptions counter\nsonar:num_preemptions_total 3.0\n"
+    )
+    vllm_text = (
+        '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{engine="0"} 0.5\n'
+        '# TYPE vllm:prefix_cache_queries counter\nvllm:prefix_cache_queries_total{engine="0"} 100.0\n'
+        '# TYPE vllm:prefix_cache_hits counter\nvllm:prefix_cache_hits_total{engine="0"} 40.0\n'
+        "# TYPE process_resident_memory_bytes gauge\nprocess_resident_memory_bytes 1048576.0\n"
+    )
     assert parse_metrics(sonar_text) == {"kv_cache_usage_perc": 0.25, "num_preemptions_total": 3.0}
     after = parse_metrics(vllm_text)
     assert after["kv_cache_usage_perc"] == 0.5
@@ -105,8 +121,15 @@ def test_floor_and_parameter_count() -> None:
     # from the converted config.json when an earlier run converted the embedded GGUF under this
     # cache root, else from the GGUF's tensor shapes (a clean machine)
     assert model_params(files) == pytest.approx(134.5e6, rel=0.005)
-    config = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
-              "num_hidden_layers": 30, "vocab_size": 49152, "tie_word_embeddings": True}  # SmolLM2-135M's
+    config = {
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "vocab_size": 49152,
+        "tie_word_embeddings": True,
+    }  # SmolLM2-135M's
     assert param_count(config) == pytest.approx(134.5e6, rel=0.005)
     one = step_floor(134.5e6, "bfloat16", 1, 26.6)
     assert one.bound == "bandwidth" and one.floor_ms == pytest.approx(269e6 / 50e9 * 1e3, rel=0.01)

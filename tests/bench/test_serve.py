@@ -26,8 +26,21 @@ def bench(server: Any, tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["bench", "serve", "--base-url", server.base_url, "--disable-tqdm", "--save-result",
-                     "--result-dir", str(tmp_path), "--result-filename", "result.json", *flags])
+        code = main(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                server.base_url,
+                "--disable-tqdm",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "result.json",
+                *flags,
+            ]
+        )
     report = out.getvalue()
     assert code == 0, report
     return json.loads((tmp_path / "result.json").read_text()), report
@@ -36,17 +49,47 @@ def bench(server: Any, tmp_path: Path, *flags: str) -> tuple[dict[str, Any], str
 def test_random_completions_report(server: Any, tmp_path: Path) -> None:
     plot = tmp_path / "serve.png"
     result, report = bench(
-        server, tmp_path, "--backend", "openai", "--dataset-name", "random", "--num-prompts", "6",
-        "--random-input-len", "32", "--random-output-len", "8", "--max-concurrency", "3", "--ignore-eos",
-        "--num-warmups", "1", "--goodput", "ttft:600000", "e2el:600000", "--metric-percentiles", "90,99",
-        "--server-pid", str(server.proc.pid), "--floor-dtype", "float32", "--plot", str(plot))
+        server,
+        tmp_path,
+        "--backend",
+        "openai",
+        "--dataset-name",
+        "random",
+        "--num-prompts",
+        "6",
+        "--random-input-len",
+        "32",
+        "--random-output-len",
+        "8",
+        "--max-concurrency",
+        "3",
+        "--ignore-eos",
+        "--num-warmups",
+        "1",
+        "--goodput",
+        "ttft:600000",
+        "e2el:600000",
+        "--metric-percentiles",
+        "90,99",
+        "--server-pid",
+        str(server.proc.pid),
+        "--floor-dtype",
+        "float32",
+        "--plot",
+        str(plot),
+    )
 
     assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
     assert result["total_output_tokens"] == 6 * 8  # --ignore-eos: every request runs to max_tokens
     assert all(n == 8 for n in result["output_lens"])
     assert result["total_input_tokens"] > 0
-    for key in ("request_throughput", "output_throughput", "total_token_throughput", "peak_output_throughput",
-                "duration"):
+    for key in (
+        "request_throughput",
+        "output_throughput",
+        "total_token_throughput",
+        "peak_output_throughput",
+        "duration",
+    ):
         assert result[key] > 0, key
     # Generous SLOs: every request meets them, so goodput equals the request throughput.
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
@@ -70,18 +113,46 @@ def test_random_completions_report(server: Any, tmp_path: Path) -> None:
     assert floor["weight_bytes"] == pytest.approx(4 * floor["params"])
     assert floor["floor_ms"] > 0 and floor["tpot_over_floor"] > 1
 
-    for line in ("Serving Benchmark Result", "Successful requests:", "Request goodput (req/s):",
-                 "Mean TTFT (ms):", "P99 ITL (ms):", "Peak KV cache usage (%):", "floor per step"):
+    for line in (
+        "Serving Benchmark Result",
+        "Successful requests:",
+        "Request goodput (req/s):",
+        "Mean TTFT (ms):",
+        "P99 ITL (ms):",
+        "Peak KV cache usage (%):",
+        "floor per step",
+    ):
         assert line in report, line
     assert_png(plot)
 
 
 def test_prefix_repetition_chat_hits_the_prefix_cache(server: Any, tmp_path: Path) -> None:
     result, report = bench(
-        server, tmp_path, "--backend", "openai-chat", "--dataset-name", "prefix-repetition", "--num-prompts", "4",
-        "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "8",
-        "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "4", "--max-concurrency", "1",
-        "--seed", "7", "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99")
+        server,
+        tmp_path,
+        "--backend",
+        "openai-chat",
+        "--dataset-name",
+        "prefix-repetition",
+        "--num-prompts",
+        "4",
+        "--prefix-repetition-prefix-len",
+        "64",
+        "--prefix-repetition-suffix-len",
+        "8",
+        "--prefix-repetition-num-prefixes",
+        "2",
+        "--prefix-repetition-output-len",
+        "4",
+        "--max-concurrency",
+        "1",
+        "--seed",
+        "7",
+        "--percentile-metrics",
+        "ttft,e2el",
+        "--metric-percentiles",
+        "50,99",
+    )
     assert result["completed"] == 4 and result["failed"] == 0, result["errors"]
     assert result["backend"] == "openai-chat" and result["endpoint"] == "/v1/chat/completions"
     assert all(0 < n <= 4 for n in result["output_lens"])
@@ -93,13 +164,34 @@ def test_prefix_repetition_chat_hits_the_prefix_cache(server: Any, tmp_path: Pat
 
 
 def test_sharegpt_at_a_request_rate(server: Any, tmp_path: Path) -> None:
-    data = [{"conversations": [{"from": "human", "value": f"Question {i}: what is the colour of the sky at noon?"},
-                               {"from": "gpt", "value": "It is usually blue, because of Rayleigh scattering."}]}
-            for i in range(3)]
+    data = [
+        {
+            "conversations": [
+                {"from": "human", "value": f"Question {i}: what is the colour of the sky at noon?"},
+                {"from": "gpt", "value": "It is usually blue, because of Rayleigh scattering."},
+            ]
+        }
+        for i in range(3)
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
-    result, _ = bench(server, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "3",
-                      "--sharegpt-output-len", "4", "--ignore-eos", "--request-rate", "20", "--burstiness", "0.5")
+    result, _ = bench(
+        server,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(path),
+        "--num-prompts",
+        "3",
+        "--sharegpt-output-len",
+        "4",
+        "--ignore-eos",
+        "--request-rate",
+        "20",
+        "--burstiness",
+        "0.5",
+    )
     assert result["completed"] == 3 and result["total_output_tokens"] == 12
     assert result["request_rate"] == 20.0 and result["dataset_name"] == "sharegpt"
     starts = result["start_times"]

@@ -16,8 +16,9 @@ def test_startup_cold_and_warm(tmp_path: Path) -> None:
     out_json = tmp_path / "startup.json"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["bench", "startup", "--runs", "1", "--timeout", "300", "--output-json", str(out_json),
-                     "--", *SERVER_ARGS])
+        code = main(
+            ["bench", "startup", "--runs", "1", "--timeout", "300", "--output-json", str(out_json), "--", *SERVER_ARGS]
+        )
     report = out.getvalue()
     assert code == 0, report
     result = json.loads(out_json.read_text())
@@ -36,8 +37,15 @@ def test_startup_cold_and_warm(tmp_path: Path) -> None:
 
 
 def test_startup_line_is_parsed_leniently() -> None:
-    text = ("sonar serve: model: x\n"
-            "sonar serve: startup: weights=1.25 convert=0.5s kv_cache=40ms warmup=2 ready=4.0 note=fast\n")
-    assert parse_startup_phases(text) == {"weights": 1.25, "convert": 0.5, "kv_cache": 0.04, "warmup": 2.0,
-                                          "ready": 4.0}
+    text = (
+        "sonar serve: model: x\n"
+        "sonar serve: startup: weights=1.25 convert=0.5s kv_cache=40ms warmup=2 ready=4.0 note=fast\n"
+    )
+    assert parse_startup_phases(text) == {
+        "weights": 1.25,
+        "convert": 0.5,
+        "kv_cache": 0.04,
+        "warmup": 2.0,
+        "ready": 4.0,
+    }
     assert parse_startup_phases("no such line\n") == {}

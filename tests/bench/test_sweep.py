@@ -15,10 +15,33 @@ def test_sweep_two_points(tmp_path: Path) -> None:
     plot = tmp_path / "sweep.png"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(["bench", "sweep", "--param", "max-num-seqs=1,4", "--num-prompts", "4",
-                     "--random-input-len", "16", "--random-output-len", "4", "--ignore-eos", "--disable-tqdm",
-                     "--server-timeout", "300", "--save-result", "--result-dir", str(tmp_path),
-                     "--result-filename", "sweep.json", "--plot", str(plot), "--", *SERVER_ARGS])
+        code = main(
+            [
+                "bench",
+                "sweep",
+                "--param",
+                "max-num-seqs=1,4",
+                "--num-prompts",
+                "4",
+                "--random-input-len",
+                "16",
+                "--random-output-len",
+                "4",
+                "--ignore-eos",
+                "--disable-tqdm",
+                "--server-timeout",
+                "300",
+                "--save-result",
+                "--result-dir",
+                str(tmp_path),
+                "--result-filename",
+                "sweep.json",
+                "--plot",
+                str(plot),
+                "--",
+                *SERVER_ARGS,
+            ]
+        )
     report = out.getvalue()
     assert code == 0, report
     result = json.loads((tmp_path / "sweep.json").read_text())

@@ -15,10 +15,35 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_throughput_report(tmp_path: Path) -> None:
     out = tmp_path / "throughput.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "sonar", "bench", "throughput", "--dtype", "float32", "--max-model-len", "512",
-         "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "4", "--num-prompts", "5", "--random-input-len", "24",
-         "--random-output-len", "6", "--output-json", str(out)],
-        cwd=ROOT, env=env_of_subprocess(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "sonar",
+            "bench",
+            "throughput",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--kv-cache-memory-bytes",
+            "256M",
+            "--max-num-seqs",
+            "4",
+            "--num-prompts",
+            "5",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "6",
+            "--output-json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env_of_subprocess(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["num_requests"] == 5

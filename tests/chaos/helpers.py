@@ -12,11 +12,20 @@ from prometheus_client.parser import text_string_to_metric_families
 
 #: The engine flags every chaos server runs with: float32 (greedy outputs repeatable), a small
 #: KV cache, the model length the prompts need.
-ENGINE_ARGS = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "256", "--seed", "0",
-               "--served-model-name", "smol")
+ENGINE_ARGS = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--num-gpu-blocks-override",
+    "256",
+    "--seed",
+    "0",
+    "--served-model-name",
+    "smol",
+)
 
-PROMPTS = [f"Question {i}: name a colour, a fruit and a city, then explain why in one sentence."
-           for i in range(32)]
+PROMPTS = [f"Question {i}: name a colour, a fruit and a city, then explain why in one sentence." for i in range(32)]
 
 
 @dataclass
@@ -30,12 +39,19 @@ class StreamResult:
     events: list[Any] = field(default_factory=list)
 
 
-async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int,
-                            on_chunk: Callable[[], Awaitable[None]] | None = None) -> StreamResult:
+async def stream_completion(
+    client: httpx.AsyncClient, prompt: str, max_tokens: int, on_chunk: Callable[[], Awaitable[None]] | None = None
+) -> StreamResult:
     """One greedy streamed completion; the text put together from its chunks."""
-    body = {"model": "smol", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smol",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     result = StreamResult()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         result.status = response.status_code
@@ -45,7 +61,7 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
         async for line in response.aiter_lines():
             if not line.startswith("data: "):
                 continue
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             if data == "[DONE]":
                 break
             event = json.loads(data)
@@ -64,9 +80,13 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
     return result
 
 
-async def stream_fleet(base_url: str, prompts: list[str], max_tokens: int,
-                       on_chunk: Callable[[int], Awaitable[None]] | None = None,
-                       timeout: float = 180.0) -> list[StreamResult]:
+async def stream_fleet(
+    base_url: str,
+    prompts: list[str],
+    max_tokens: int,
+    on_chunk: Callable[[int], Awaitable[None]] | None = None,
+    timeout: float = 180.0,
+) -> list[StreamResult]:
     """All prompts streamed at once; `on_chunk(total chunks so far)` after each chunk."""
     results: list[StreamResult | None] = [None] * len(prompts)
     seen = 0
@@ -79,6 +99,7 @@ async def stream_fleet(base_url: str, prompts: list[str], max_tokens: int,
 
     limits = httpx.Limits(max_connections=len(prompts) + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
+
         async def one(i: int) -> None:
             results[i] = await stream_completion(client, prompts[i], max_tokens, tick)
 

@@ -71,38 +71,77 @@ class Case:
 
 
 def _cmp(name: str, value: Any, param: str | None = None, status: int = 400, **extra: Any) -> Case:
-    return Case(f"cmpl-{name}", COMPLETIONS, {**GOOD, name.split(":")[0]: value, **extra}, status,
-                param or name.split(":")[0])
+    return Case(
+        f"cmpl-{name}", COMPLETIONS, {**GOOD, name.split(":")[0]: value, **extra}, status, param or name.split(":")[0]
+    )
 
 
 def _chat(name: str, value: Any, param: str | None = None, status: int = 400, **extra: Any) -> Case:
-    return Case(f"chat-{name}", CHAT_PATH, {**CHAT, name.split(":")[0]: value, **extra}, status,
-                param or name.split(":")[0])
+    return Case(
+        f"chat-{name}", CHAT_PATH, {**CHAT, name.split(":")[0]: value, **extra}, status, param or name.split(":")[0]
+    )
 
 
 # Wrong types and out-of-range values of every sampling field, on both generation endpoints.
 SAMPLING_CASES: list[tuple[Any, ...]] = [
-    ("max_tokens:neg", -1), ("max_tokens:zero", 0), ("max_tokens:big", BIG), ("max_tokens:over-context", 10**6),
-    ("max_tokens:float", 1.5), ("max_tokens:str", "5"), ("max_tokens:bool", True),
-    ("n:zero", 0), ("n:million", 10**6), ("n:big", BIG), ("n:float", 2.5),
-    ("temperature:neg", -0.5), ("temperature:str", "hot"), ("temperature:list", [1]),
-    ("top_p:zero", 0), ("top_p:over", 1.5), ("top_p:neg", -1),
-    ("top_k:minus2", -2), ("top_k:big", BIG), ("top_k:float", 1.5),
-    ("min_p:neg", -0.1), ("min_p:over", 1.1),
-    ("presence_penalty:over", 2.5), ("presence_penalty:under", -3), ("frequency_penalty:over", 3),
-    ("frequency_penalty:under", -2.01), ("repetition_penalty:zero", 0), ("repetition_penalty:neg", -1),
-    ("seed:big", BIG), ("seed:u64", 2**64), ("seed:over-i64", 2**63), ("seed:under-i64", -(2**63) - 1),
+    ("max_tokens:neg", -1),
+    ("max_tokens:zero", 0),
+    ("max_tokens:big", BIG),
+    ("max_tokens:over-context", 10**6),
+    ("max_tokens:float", 1.5),
+    ("max_tokens:str", "5"),
+    ("max_tokens:bool", True),
+    ("n:zero", 0),
+    ("n:million", 10**6),
+    ("n:big", BIG),
+    ("n:float", 2.5),
+    ("temperature:neg", -0.5),
+    ("temperature:str", "hot"),
+    ("temperature:list", [1]),
+    ("top_p:zero", 0),
+    ("top_p:over", 1.5),
+    ("top_p:neg", -1),
+    ("top_k:minus2", -2),
+    ("top_k:big", BIG),
+    ("top_k:float", 1.5),
+    ("min_p:neg", -0.1),
+    ("min_p:over", 1.1),
+    ("presence_penalty:over", 2.5),
+    ("presence_penalty:under", -3),
+    ("frequency_penalty:over", 3),
+    ("frequency_penalty:under", -2.01),
+    ("repetition_penalty:zero", 0),
+    ("repetition_penalty:neg", -1),
+    ("seed:big", BIG),
+    ("seed:u64", 2**64),
+    ("seed:over-i64", 2**63),
+    ("seed:under-i64", -(2**63) - 1),
     ("seed:str", "42"),
-    ("min_tokens:neg", -1), ("min_tokens:big", BIG), ("min_tokens:over-max", 10),
-    ("priority:big", BIG), ("priority:str", "high"),
-    ("stop:empty", ""), ("stop:empty-in-list", ["a", ""]), ("stop:int", 5), ("stop:list-of-int", [1], "stop[0]"),
-    ("stop_token_ids:neg", [-1], "stop_token_ids[0]"), ("stop_token_ids:big", [BIG], "stop_token_ids[0]"),
+    ("min_tokens:neg", -1),
+    ("min_tokens:big", BIG),
+    ("min_tokens:over-max", 10),
+    ("priority:big", BIG),
+    ("priority:str", "high"),
+    ("stop:empty", ""),
+    ("stop:empty-in-list", ["a", ""]),
+    ("stop:int", 5),
+    ("stop:list-of-int", [1], "stop[0]"),
+    ("stop_token_ids:neg", [-1], "stop_token_ids[0]"),
+    ("stop_token_ids:big", [BIG], "stop_token_ids[0]"),
     ("stop_token_ids:oov", [10**6]),
     ("stop_token_ids:str", "1"),
-    ("logit_bias:neg-id", {"-1": 1}), ("logit_bias:big-id", {str(BIG): 1}), ("logit_bias:oov", {"1000000": 1}),
-    ("logit_bias:non-int-id", {"x": 1}), ("logit_bias:value", {"1": 101}), ("logit_bias:list", [1, 2]),
-    ("stream:str", "yes"), ("stream_options:int", 5), ("stream_options:include_usage", {"include_usage": "y"}),
-    ("ignore_eos:int", 1), ("user:int", 5), ("model:int", 5),
+    ("logit_bias:neg-id", {"-1": 1}),
+    ("logit_bias:big-id", {str(BIG): 1}),
+    ("logit_bias:oov", {"1000000": 1}),
+    ("logit_bias:non-int-id", {"x": 1}),
+    ("logit_bias:value", {"1": 101}),
+    ("logit_bias:list", [1, 2]),
+    ("stream:str", "yes"),
+    ("stream_options:int", 5),
+    ("stream_options:include_usage", {"include_usage": "y"}),
+    ("ignore_eos:int", 1),
+    ("user:int", 5),
+    ("model:int", 5),
 ]
 
 CASES: list[Case] = []
@@ -112,38 +151,62 @@ for _name, _value, *_param in SAMPLING_CASES:
     CASES += [_cmp(_name, _value, *_param), _chat(_name, _value, *_param)]
 CASES += [
     # Completions: prompts and the legacy fields.
-    _cmp("prompt:empty-string", ""), _cmp("prompt:empty-list", []), _cmp("prompt:empty-inner-list", [[]]),
-    _cmp("prompt:int", 5), _cmp("prompt:null", None), _cmp("prompt:object", {"text": "x"}),
-    _cmp("prompt:mixed", [1, "a"]), _cmp("prompt:float-ids", [1.5]), _cmp("prompt:bool-ids", [True]),
-    _cmp("prompt:neg-id", [-1]), _cmp("prompt:oov-id", [49152]), _cmp("prompt:huge-id", [BIG]),
+    _cmp("prompt:empty-string", ""),
+    _cmp("prompt:empty-list", []),
+    _cmp("prompt:empty-inner-list", [[]]),
+    _cmp("prompt:int", 5),
+    _cmp("prompt:null", None),
+    _cmp("prompt:object", {"text": "x"}),
+    _cmp("prompt:mixed", [1, "a"]),
+    _cmp("prompt:float-ids", [1.5]),
+    _cmp("prompt:bool-ids", [True]),
+    _cmp("prompt:neg-id", [-1]),
+    _cmp("prompt:oov-id", [49152]),
+    _cmp("prompt:huge-id", [BIG]),
     _cmp("prompt:oov-in-batch", [[1, 2], [10**9]]),
     _cmp("prompt:too-long-text", "hello " * (MAX_MODEL_LEN + 10)),
     _cmp("prompt:too-long-ids", list(range(1, MAX_MODEL_LEN + 2))),
     _cmp("prompt:too-many-prompts", ["a"] * 1025),
     _cmp("prompt:too-many-sequences", ["a"] * 20, n=128),
-    _cmp("logprobs:over-cap", MAX_LOGPROBS + 1), _cmp("logprobs:neg", -1), _cmp("logprobs:big", BIG),
-    _cmp("logprobs:bool", True), _cmp("echo:str", "yes"), _cmp("suffix:set", "x"), _cmp("best_of:other", 3),
+    _cmp("logprobs:over-cap", MAX_LOGPROBS + 1),
+    _cmp("logprobs:neg", -1),
+    _cmp("logprobs:big", BIG),
+    _cmp("logprobs:bool", True),
+    _cmp("echo:str", "yes"),
+    _cmp("suffix:set", "x"),
+    _cmp("best_of:other", 3),
     _cmp("best_of:big", BIG),
     Case("cmpl-missing-prompt", COMPLETIONS, {"model": MODEL, "max_tokens": 2}, 400, "prompt"),
     Case("cmpl-unknown-model", COMPLETIONS, {**GOOD, "model": "gpt-4"}, 404, "model"),
     Case("cmpl-stream-bad-param", COMPLETIONS, {**GOOD, "stream": True, "temperature": -1}, 400, "temperature"),
     Case("cmpl-stream-too-long", COMPLETIONS, {**GOOD, "stream": True, "prompt": list(range(1, 200))}, 400, "prompt"),
     Case("cmpl-stream-oov", COMPLETIONS, {**GOOD, "stream": True, "prompt": [10**6]}, 400, "prompt"),
-    Case("cmpl-stream-oov-in-batch", COMPLETIONS, {**GOOD, "stream": True, "prompt": [[1, 2], [3, 10**6]]}, 400,
-         "prompt"),
+    Case(
+        "cmpl-stream-oov-in-batch", COMPLETIONS, {**GOOD, "stream": True, "prompt": [[1, 2], [3, 10**6]]}, 400, "prompt"
+    ),
     # Chat: messages, roles, content parts, logprobs.
-    _chat("messages:empty", []), _chat("messages:string", "hi"), _chat("messages:list-of-int", [5], "messages[0]"),
+    _chat("messages:empty", []),
+    _chat("messages:string", "hi"),
+    _chat("messages:list-of-int", [5], "messages[0]"),
     _chat("messages:no-role", [{"content": "x"}], "messages[0]"),
     _chat("messages:int-role", [{"role": 5, "content": "x"}], "messages[0].role"),
     _chat("messages:int-content", [{"role": "user", "content": 5}], "messages[0].content"),
-    _chat("messages:image-part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-          "messages[0].content"),
+    _chat(
+        "messages:image-part",
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+        "messages[0].content",
+    ),
     _chat("messages:text-part-without-text", [{"role": "user", "content": [{"type": "text"}]}], "messages[0].content"),
     _chat("messages:part-not-object", [{"role": "user", "content": ["x"]}], "messages[0].content[0]"),
     _chat("messages:too-long", [{"role": "user", "content": "hello " * (MAX_MODEL_LEN + 10)}], "prompt"),
-    _chat("top_logprobs:over-20", 21), _chat("top_logprobs:neg", -1), _chat("top_logprobs:big", BIG),
-    _chat("top_logprobs:without-logprobs", 2), _chat("top_logprobs:over-cap", MAX_LOGPROBS + 1, "logprobs", logprobs=True),
-    _chat("logprobs:int", 5), _chat("max_completion_tokens:neg", -1), _chat("max_completion_tokens:big", BIG),
+    _chat("top_logprobs:over-20", 21),
+    _chat("top_logprobs:neg", -1),
+    _chat("top_logprobs:big", BIG),
+    _chat("top_logprobs:without-logprobs", 2),
+    _chat("top_logprobs:over-cap", MAX_LOGPROBS + 1, "logprobs", logprobs=True),
+    _chat("logprobs:int", 5),
+    _chat("max_completion_tokens:neg", -1),
+    _chat("max_completion_tokens:big", BIG),
     _chat("max_completion_tokens:over-context", MAX_MODEL_LEN + 1),
     _chat("add_generation_prompt:str", "yes"),
     _chat("continue_final_message:with-generation-prompt", True, None),
@@ -168,18 +231,36 @@ CASES += [
     # Big bodies: a prompt far over the model length, as token ids and as text.
     Case("cmpl-huge-ids-body", COMPLETIONS, {**GOOD, "prompt": list(range(1, 1000)) * 400}, 400, "prompt"),
     Case("cmpl-huge-text-body", COMPLETIONS, {**GOOD, "prompt": "lorem ipsum " * 90_000}, 400, "prompt"),
-    Case("chat-huge-text-body", CHAT_PATH, {**CHAT, "messages": [{"role": "user", "content": "lorem " * 150_000}]},
-         400, "prompt"),
+    Case(
+        "chat-huge-text-body",
+        CHAT_PATH,
+        {**CHAT, "messages": [{"role": "user", "content": "lorem " * 150_000}]},
+        400,
+        "prompt",
+    ),
     # Bodies that are not a JSON object in UTF-8, on every endpoint.
-    *[Case(f"{path}-{name}", path, raw, 400) for path in ALL_PATHS for name, raw in [
-        ("truncated", b'{"prompt": "a"'), ("empty", b""), ("array", b"[]"), ("number", b"5"), ("string", b'"x"'),
-        ("null", b"null"), ("nan", b'{"prompt": "a", "temperature": NaN}'), ("trailing", b'{"prompt": "a"} x'),
-        ("invalid-utf8", b'{"prompt": "caf\xe9", "messages": [], "tokens": []}'), ("bom-utf16", b"\xff\xfe{\x00}\x00"),
-        ("lone-surrogate", b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}], '
-                           b'"tokens": "\\ud800"}'),
-        ("inf-number", b'{"prompt": 1e999, "messages": 1e999, "tokens": [1e999]}'),
-        ("deep-nesting", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
-    ]],
+    *[
+        Case(f"{path}-{name}", path, raw, 400)
+        for path in ALL_PATHS
+        for name, raw in [
+            ("truncated", b'{"prompt": "a"'),
+            ("empty", b""),
+            ("array", b"[]"),
+            ("number", b"5"),
+            ("string", b'"x"'),
+            ("null", b"null"),
+            ("nan", b'{"prompt": "a", "temperature": NaN}'),
+            ("trailing", b'{"prompt": "a"} x'),
+            ("invalid-utf8", b'{"prompt": "caf\xe9", "messages": [], "tokens": []}'),
+            ("bom-utf16", b"\xff\xfe{\x00}\x00"),
+            (
+                "lone-surrogate",
+                b'{"prompt": "\\ud800", "messages": [{"role": "user", "content": "\\ud800"}], "tokens": "\\ud800"}',
+            ),
+            ("inf-number", b'{"prompt": 1e999, "messages": 1e999, "tokens": [1e999]}'),
+            ("deep-nesting", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        ]
+    ],
 ]
 _ids = [c.id for c in CASES]
 assert len(_ids) == len(set(_ids)), [i for i in _ids if _ids.count(i) > 1]
@@ -187,10 +268,25 @@ assert len(_ids) == len(set(_ids)), [i for i in _ids if _ids.count(i) > 1]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("bad-input"), "--dtype", "float32", "--max-model-len",
-                       str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", "64M", "--seed", "0", "--served-model-name",
-                       MODEL, "--max-logprobs", str(MAX_LOGPROBS), "--h11-max-incomplete-event-size",
-                       str(HEADER_LIMIT), "--h11-max-header-count", str(MAX_HEADERS))
+    srv = start_server(
+        tmp_path_factory.mktemp("bad-input"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--seed",
+        "0",
+        "--served-model-name",
+        MODEL,
+        "--max-logprobs",
+        str(MAX_LOGPROBS),
+        "--h11-max-incomplete-event-size",
+        str(HEADER_LIMIT),
+        "--h11-max-header-count",
+        str(MAX_HEADERS),
+    )
     yield srv
     stop_server_cleanly(srv)
 
@@ -271,8 +367,10 @@ def _raw(server: ServerProcess, request: bytes, timeout: float = 10.0) -> bytes:
 
 def test_oversized_header_is_refused_by_h11(server: ServerProcess, http: httpx.Client) -> None:
     body = json.dumps(GOOD).encode()
-    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               b"X-Big: " + b"a" * (2 * HEADER_LIMIT) + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"X-Big: " + b"a" * (2 * HEADER_LIMIT) + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
     started = time.monotonic()
     answer = _raw(server, request)
     assert time.monotonic() - started < 10
@@ -296,8 +394,10 @@ def test_bad_requests_alongside_normal_ones(server: ServerProcess, baseline: str
     connection that stalls mid-body: the normal ones get the same text as alone."""
     host, port = server.base_url.removeprefix("http://").split(":")
     stalled = socket.create_connection((host, int(port)), timeout=10)
-    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    stalled.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"prompt": '
+    )
 
     def normal(i: int) -> str:
         with httpx.Client(base_url=server.base_url, timeout=120) as c:
@@ -345,9 +445,21 @@ def test_still_serving_after_the_table(http: httpx.Client, baseline: str) -> Non
 
 # -- --api-key: constant-time comparison, keys never logged ---------------------------------------
 def test_api_key_is_checked_and_never_logged(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes",
-                       "64M", "--served-model-name", MODEL, "--api-key", API_KEY, "--enable-log-requests",
-                       "--enable-log-outputs")
+    srv = start_server(
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        API_KEY,
+        "--enable-log-requests",
+        "--enable-log-outputs",
+    )
     try:
         with httpx.Client(base_url=srv.base_url, timeout=TIMEOUT) as c:
             ok = {"Authorization": f"Bearer {API_KEY}"}
@@ -356,10 +468,16 @@ def test_api_key_is_checked_and_never_logged(tmp_path: Path) -> None:
             with c.stream("POST", CHAT_PATH, json={**CHAT, "stream": True}, headers=ok) as s:
                 assert s.status_code == 200 and "[DONE]" in s.read().decode()
             expect_error(c.post(COMPLETIONS, json={**GOOD, "temperature": -1}, headers=ok), 400, "temperature")
-            for headers in ({}, {"Authorization": f"Bearer {WRONG_KEY}"}, {"Authorization": API_KEY},
-                            {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"},
-                            {"Authorization": f"Bearer {API_KEY[:-1]}"}, {"Authorization": b"Bearer \xe9t\xe9"},
-                            {"X-Api-Key": API_KEY}):
+            for headers in (
+                {},
+                {"Authorization": f"Bearer {WRONG_KEY}"},
+                {"Authorization": API_KEY},
+                {"Authorization": f"Basic {API_KEY}"},
+                {"Authorization": f"Bearer {API_KEY}x"},
+                {"Authorization": f"Bearer {API_KEY[:-1]}"},
+                {"Authorization": b"Bearer \xe9t\xe9"},
+                {"X-Api-Key": API_KEY},
+            ):
                 error = expect_error(c.post(COMPLETIONS, json=GOOD, headers=headers), 401)
                 assert API_KEY not in error["message"] and WRONG_KEY not in error["message"]
                 expect_error(c.get("/v1/models", headers=headers), 401)
@@ -381,5 +499,5 @@ def test_api_key_comparison_is_constant_time() -> None:
     from sonar.http.app import ApiKeyMiddleware
 
     source = inspect.getsource(ApiKeyMiddleware.__call__)
-    loop = source[source.index("for key"):source.index("if not ok")]
+    loop = source[source.index("for key") : source.index("if not ok")]
     assert "hmac.compare_digest" in loop and "break" not in loop and "return" not in loop

@@ -42,9 +42,12 @@ def test_a_crash_loop_ends_in_503s_and_exit_code_1(tmp_path: Path) -> None:
 
         async def scenario() -> None:
             async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+
                 async def whole(i: int) -> None:
-                    r = await client.post("/v1/completions", json={
-                        "model": "smol", "prompt": PROMPTS[i], "max_tokens": 8, "temperature": 0})
+                    r = await client.post(
+                        "/v1/completions",
+                        json={"model": "smol", "prompt": PROMPTS[i], "max_tokens": 8, "temperature": 0},
+                    )
                     outcomes.append(("whole", r.status_code, r.json()))
 
                 async def streamed(i: int) -> None:

@@ -19,15 +19,23 @@ N = 300
 
 def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
     rng = random.Random(7)
-    plan = [(f"Storm request {i}: tell me about the number {i} and its neighbours.", rng.randint(4, 24),
-             rng.uniform(0.0, 4.0) if i % 2 else None) for i in range(N)]
+    plan = [
+        (
+            f"Storm request {i}: tell me about the number {i} and its neighbours.",
+            rng.randint(4, 24),
+            rng.uniform(0.0, 4.0) if i % 2 else None,
+        )
+        for i in range(N)
+    ]
     finished: list[tuple[int, int | None, str | None]] = []
     cut = 0
 
     with serving(tmp_path, *ENGINE_ARGS) as server:
+
         async def storm() -> None:
             limits = httpx.Limits(max_connections=N + 8)
             async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=limits) as client:
+
                 async def one(prompt: str, max_tokens: int, cut_after: float | None) -> None:
                     nonlocal cut
                     if cut_after is None:
@@ -55,8 +63,10 @@ def test_a_disconnect_storm_leaves_nothing_behind(tmp_path: Path) -> None:
                 "running": m[("sonar:num_requests_running", ())],
                 "waiting": m[("sonar:num_requests_waiting", ())],
                 "kv_usage": m[("sonar:kv_cache_usage_perc", ())],
-                **{actor: m[("sonar:requests_tracked", (("actor", actor),))]
-                   for actor in ("frontend", "scheduler", "detokenizer")},
+                **{
+                    actor: m[("sonar:requests_tracked", (("actor", actor),))]
+                    for actor in ("frontend", "scheduler", "detokenizer")
+                },
             }
             if not any(leftovers.values()) or time.monotonic() > deadline:
                 break

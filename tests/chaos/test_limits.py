@@ -35,11 +35,27 @@ from tests.http.conftest import ServerProcess, start_server, stop_server, stop_s
 MODEL = "smol"
 KEY = "sk-sonar-limits-4b1d9e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-ENGINE = ("--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory-bytes", "64M", "--seed", "0",
-          "--served-model-name", MODEL)
-LIMITS = {"--max-prompt-chars": 2000, "--max-stop-strings": 4, "--max-stop-string-chars": 32,
-          "--max-stop-token-ids": 8, "--max-logit-bias": 8, "--max-chat-messages": 6,
-          "--max-completions-per-request": 16}
+ENGINE = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--kv-cache-memory-bytes",
+    "64M",
+    "--seed",
+    "0",
+    "--served-model-name",
+    MODEL,
+)
+LIMITS = {
+    "--max-prompt-chars": 2000,
+    "--max-stop-strings": 4,
+    "--max-stop-string-chars": 32,
+    "--max-stop-token-ids": 8,
+    "--max-logit-bias": 8,
+    "--max-chat-messages": 6,
+    "--max-completions-per-request": 16,
+}
 MAX_CONNECTIONS = 12
 BODY_TIMEOUT = 2.0
 GOOD = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
@@ -52,8 +68,17 @@ LONGEST_PROMPT = " " * 1998 + "Hi"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     limits = [str(word) for item in LIMITS.items() for word in item]
-    srv = start_server(tmp_path_factory.mktemp("limits"), *ENGINE, "--api-key", KEY, *limits,
-                       "--max-connections", str(MAX_CONNECTIONS), "--body-read-timeout", str(BODY_TIMEOUT))
+    srv = start_server(
+        tmp_path_factory.mktemp("limits"),
+        *ENGINE,
+        "--api-key",
+        KEY,
+        *limits,
+        "--max-connections",
+        str(MAX_CONNECTIONS),
+        "--body-read-timeout",
+        str(BODY_TIMEOUT),
+    )
     yield srv
     stop_server_cleanly(srv)
 
@@ -78,10 +103,18 @@ def expect_error(r: httpx.Response, status: int, param: str | None = None, names
 
 
 # -- the API key --------------------------------------------------------------------------------
-GUARDED = [("GET", "/v1/models", None), ("POST", "/v1/completions", GOOD), ("POST", "/v1/chat/completions", CHAT),
-           ("POST", "/tokenize", {"prompt": "hello"}), ("POST", "/detokenize", {"tokens": [1, 2]}),
-           ("GET", "/actors", None), ("GET", "/metrics", None), ("GET", "/load", None), ("GET", "/version", None),
-           ("GET", "/openapi.json", None)]
+GUARDED = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/completions", GOOD),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/tokenize", {"prompt": "hello"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
+    ("GET", "/actors", None),
+    ("GET", "/metrics", None),
+    ("GET", "/load", None),
+    ("GET", "/version", None),
+    ("GET", "/openapi.json", None),
+]
 
 
 @pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[g[1] for g in GUARDED])
@@ -130,8 +163,17 @@ def test_actors_shows_addresses_only_with_the_key(server: ServerProcess, http: h
 def test_hidden_addresses() -> None:
     """What a client without the key sees of a tree with remote actors: no tcp/ipc address, in a
     placement or in an exit reason; the rest of the tree as it is."""
-    remote = ActorInfo("worker", "actor", "tcp://10.1.2.3:5555", 4242, "running", 1, 0, 1.0,
-                       last_exit="crash: host tcp://10.1.2.3:5555 unreachable")
+    remote = ActorInfo(
+        "worker",
+        "actor",
+        "tcp://10.1.2.3:5555",
+        4242,
+        "running",
+        1,
+        0,
+        1.0,
+        last_exit="crash: host tcp://10.1.2.3:5555 unreachable",
+    )
     ipc = ActorInfo("detokenizer", "actor", "ipc:///run/sonar/detok.sock", 77, "running", 0, 0, 1.0)
     local = ActorInfo("scheduler", "actor", "process", 78, "running", 0, 3, 1.0)
     tree = ActorInfo("engine", "supervisor", "inprocess", 1, "running", 0, None, 1.0, children=[remote, ipc, local])
@@ -141,8 +183,11 @@ def test_hidden_addresses() -> None:
         assert secret not in text, text
     assert [c.placement for c in hidden.children] == ["remote", "remote", "process"]
     assert hidden.children[0].last_exit == "crash: host <address> unreachable"
-    assert [(c.name, c.pid, c.restarts, c.mailbox_depth) for c in hidden.children] == \
-        [("worker", 4242, 1, 0), ("detokenizer", 77, 0, 0), ("scheduler", 78, 0, 3)]
+    assert [(c.name, c.pid, c.restarts, c.mailbox_depth) for c in hidden.children] == [
+        ("worker", 4242, 1, 0),
+        ("detokenizer", 77, 0, 0),
+        ("scheduler", 78, 0, 3),
+    ]
 
 
 # -- the request limits over HTTP ---------------------------------------------------------------
@@ -152,13 +197,20 @@ OVER = [
     ("/v1/completions", {**GOOD, "stop": "x" * 33}, "stop", "--max-stop-string-chars"),
     ("/v1/chat/completions", {**CHAT, "stop": ["ok", "y" * 33]}, "stop", "--max-stop-string-chars"),
     ("/v1/completions", {**GOOD, "stop_token_ids": list(range(1, 10))}, "stop_token_ids", "--max-stop-token-ids"),
-    ("/v1/chat/completions", {**CHAT, "stop_token_ids": list(range(1, 10))}, "stop_token_ids",
-     "--max-stop-token-ids"),
+    ("/v1/chat/completions", {**CHAT, "stop_token_ids": list(range(1, 10))}, "stop_token_ids", "--max-stop-token-ids"),
     ("/v1/completions", {**GOOD, "logit_bias": {str(i): 1 for i in range(1, 10)}}, "logit_bias", "--max-logit-bias"),
-    ("/v1/chat/completions", {**CHAT, "logit_bias": {str(i): 1 for i in range(1, 10)}}, "logit_bias",
-     "--max-logit-bias"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "Hi"}] * 7}, "messages",
-     "--max-chat-messages"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "logit_bias": {str(i): 1 for i in range(1, 10)}},
+        "logit_bias",
+        "--max-logit-bias",
+    ),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "Hi"}] * 7},
+        "messages",
+        "--max-chat-messages",
+    ),
     ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}] * 7}, "messages", "--max-chat-messages"),
     ("/v1/completions", {**GOOD, "n": 17}, "n", "--max-completions-per-request"),
     ("/v1/chat/completions", {**CHAT, "n": 17}, "n", "--max-completions-per-request"),
@@ -166,28 +218,40 @@ OVER = [
     ("/v1/completions", {**GOOD, "prompt": [[1, 2]] * 17}, "prompt", "--max-completions-per-request"),
     ("/v1/completions", {**GOOD, "prompt": "a" * 2001}, "prompt", "--max-prompt-chars"),
     ("/v1/completions", {**GOOD, "prompt": ["Hi", "b" * 2001]}, "prompt", "--max-prompt-chars"),
-    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "c" * 2001}]}, "messages",
-     "--max-prompt-chars"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "c" * 2001}]},
+        "messages",
+        "--max-prompt-chars",
+    ),
     ("/tokenize", {"prompt": "d" * 2001}, "prompt", "--max-prompt-chars"),
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "param", "flag"), OVER, ids=[f"{o[0]}-{o[3]}-{i}" for i, o in enumerate(OVER)])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "flag"), OVER, ids=[f"{o[0]}-{o[3]}-{i}" for i, o in enumerate(OVER)]
+)
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_each_request_limit_is_a_400_naming_its_flag(http: httpx.Client, path: str, body: dict[str, Any],
-                                                     param: str, flag: str, stream: bool) -> None:
+def test_each_request_limit_is_a_400_naming_its_flag(
+    http: httpx.Client, path: str, body: dict[str, Any], param: str, flag: str, stream: bool
+) -> None:
     if stream:  # (an unknown field to /tokenize: the same answer)
         body = {**body, "stream": True}
     expect_error(http.post(path, json=body), 400, param, flag)
 
 
 def test_requests_at_the_limits_are_served(http: httpx.Client) -> None:
-    at_limit = {"stop": ["x" * 32, "a", "b", "c"], "stop_token_ids": list(range(1, 9)),
-                "logit_bias": {str(i): 0.5 for i in range(1, 9)}}
+    at_limit = {
+        "stop": ["x" * 32, "a", "b", "c"],
+        "stop_token_ids": list(range(1, 9)),
+        "logit_bias": {str(i): 0.5 for i in range(1, 9)},
+    }
     r = http.post("/v1/completions", json={**GOOD, **at_limit, "prompt": ["Hi", LONGEST_PROMPT, "Yo", "Ok"], "n": 4})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 16
-    r = http.post("/v1/chat/completions", json={**CHAT, **at_limit, "messages": [{"role": "user", "content": "Hi"}] * 6})
+    r = http.post(
+        "/v1/chat/completions", json={**CHAT, **at_limit, "messages": [{"role": "user", "content": "Hi"}] * 6}
+    )
     assert r.status_code == 200, r.text
     r = http.post("/tokenize", json={"prompt": LONGEST_PROMPT})
     assert r.status_code == 200, r.text
@@ -229,8 +293,10 @@ def test_a_16_mb_body_is_refused_before_it_is_read(server: ServerProcess, http: 
     before = _resident_bytes(server.proc.pid)
     # Content-Length says 16 MB: the 413 comes back before a byte of the body is sent.
     with socket.create_connection(_address(server), timeout=10) as s:
-        s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), SIXTEEN_MB))
+        s.sendall(
+            b"POST /tokenize HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), SIXTEEN_MB)
+        )
         status, headers, body = _read_response(s)
     assert status == 413 and headers["connection"] == "close"
     assert "--max-request-body-bytes" in json.loads(body)["error"]["message"]
@@ -251,8 +317,10 @@ def test_a_16_mb_body_is_refused_before_it_is_read(server: ServerProcess, http: 
             pass  # the server closed the connection: the rest is never read
 
     with socket.create_connection(_address(server), timeout=30) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
-                  b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" % KEY.encode())
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n" % KEY.encode()
+        )
         writer = threading.Thread(target=pour, args=(s,))
         writer.start()
         status, headers, body = _read_response(s)
@@ -268,8 +336,10 @@ def test_a_16_mb_body_is_refused_before_it_is_read(server: ServerProcess, http: 
 def test_a_slow_body_gets_408(server: ServerProcess, http: httpx.Client) -> None:
     started = time.monotonic()
     with socket.create_connection(_address(server), timeout=BODY_TIMEOUT + 10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{\"prompt\": " % KEY.encode())
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: sonar\r\nAuthorization: Bearer %s\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{"prompt": ' % KEY.encode()
+        )
         status, headers, body = _read_response(s)
     waited = time.monotonic() - started
     assert status == 408 and headers["connection"] == "close", body
@@ -337,10 +407,16 @@ async def test_the_library_raises_typed_errors_naming_the_parameter(one_thread: 
         cases = [
             (lambda: llm.generate("Hi", SamplingParams(stop=["a", "b", "c", "d", "e"])), "stop", "max_stop_strings"),
             (lambda: llm.generate("Hi", SamplingParams(stop="x" * 33)), "stop", "max_stop_string_chars"),
-            (lambda: llm.generate("Hi", SamplingParams(stop_token_ids=list(range(1, 10)))), "stop_token_ids",
-             "max_stop_token_ids"),
-            (lambda: llm.generate("Hi", SamplingParams(logit_bias={i: 1.0 for i in range(1, 10)})), "logit_bias",
-             "max_logit_bias"),
+            (
+                lambda: llm.generate("Hi", SamplingParams(stop_token_ids=list(range(1, 10)))),
+                "stop_token_ids",
+                "max_stop_token_ids",
+            ),
+            (
+                lambda: llm.generate("Hi", SamplingParams(logit_bias={i: 1.0 for i in range(1, 10)})),
+                "logit_bias",
+                "max_logit_bias",
+            ),
             (lambda: llm.generate("a" * 2001), "prompt", "max_prompt_chars"),
             (lambda: llm.generate("Hi", SamplingParams(n=17)), "n", "max_completions_per_request"),
             (lambda: llm.generate_many(["Hi"] * 5, SamplingParams(n=4)), "prompt", "max_completions_per_request"),
@@ -353,8 +429,9 @@ async def test_the_library_raises_typed_errors_naming_the_parameter(one_thread: 
                 with pytest.raises(InvalidRequestError) as info:
                     await call()
             assert info.value.param == param and limit in str(info.value), (param, str(info.value))
-        out = await llm.generate("The capital of France is", SamplingParams(max_tokens=2, temperature=0,
-                                                                            stop=["x" * 32, "a", "b", "c"]))
+        out = await llm.generate(
+            "The capital of France is", SamplingParams(max_tokens=2, temperature=0, stop=["x" * 32, "a", "b", "c"])
+        )
         assert out.finish_reason in ("length", "stop")
 
 

@@ -36,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def alone(server: ServerProcess) -> list[str]:
     """Each greedy prompt's streamed text with nothing else running."""
+
     async def run() -> list[str]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
             return [(await stream_completion(client, p, MAX_TOKENS)).text for p in PROMPTS[:3]]
@@ -47,8 +48,11 @@ def alone(server: ServerProcess) -> list[str]:
 
 def healthy(server: ServerProcess) -> None:
     assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
-    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                   json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": "smol", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
@@ -57,6 +61,7 @@ async def beside(server: ServerProcess, hostile: dict, alone: list[str]) -> http
     answer: list[httpx.Response] = []
     texts: dict[int, str] = {}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
+
         async def send() -> None:
             answer.append(await client.post("/v1/completions", json=hostile))
 
@@ -74,10 +79,15 @@ async def beside(server: ServerProcess, hostile: dict, alone: list[str]) -> http
     return answer[0]
 
 
-def test_a_full_vocabulary_stop_is_a_400_and_the_others_are_untouched(server: ServerProcess,
-                                                                       alone: list[str]) -> None:
-    hostile = {"model": "smol", "prompt": "Tell me a story", "max_tokens": 8, "temperature": 1,
-               "min_tokens": 1, "stop_token_ids": list(range(VOCAB_SIZE))}
+def test_a_full_vocabulary_stop_is_a_400_and_the_others_are_untouched(server: ServerProcess, alone: list[str]) -> None:
+    hostile = {
+        "model": "smol",
+        "prompt": "Tell me a story",
+        "max_tokens": 8,
+        "temperature": 1,
+        "min_tokens": 1,
+        "stop_token_ids": list(range(VOCAB_SIZE)),
+    }
     r = anyio.run(beside, server, hostile, alone)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -86,8 +96,9 @@ def test_a_full_vocabulary_stop_is_a_400_and_the_others_are_untouched(server: Se
     assert actor(server.base_url, "worker")["restarts"] == 0
 
 
-def test_a_poison_prompt_is_quarantined_and_the_others_finish_unchanged(server: ServerProcess,
-                                                                        alone: list[str]) -> None:
+def test_a_poison_prompt_is_quarantined_and_the_others_finish_unchanged(
+    server: ServerProcess, alone: list[str]
+) -> None:
     before = actor(server.base_url, "worker")["restarts"]
     poisoned = [504, 3458, 314, POISON, 2030, 30]  # token ids, the poison among them
     hostile = {"model": "smol", "prompt": poisoned, "max_tokens": MAX_TOKENS, "temperature": 0}

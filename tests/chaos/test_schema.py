@@ -37,9 +37,22 @@ CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,re
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("schema"), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                       "--kv-cache-memory-bytes", "64M", "--seed", "0", "--served-model-name", MODEL,
-                       "--max-logprobs", str(MAX_LOGPROBS), "--disable-uvicorn-access-log")
+    srv = start_server(
+        tmp_path_factory.mktemp("schema"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--seed",
+        "0",
+        "--served-model-name",
+        MODEL,
+        "--max-logprobs",
+        str(MAX_LOGPROBS),
+        "--disable-uvicorn-access-log",
+    )
     yield srv
     code = stop_server(srv)
     assert code == 0, f"the server exited with {code} on SIGTERM:\n{srv.log()[-4000:]}"
@@ -58,7 +71,9 @@ def test_openapi_document(schema: dict[str, Any]) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         responses = schema["paths"][path]["post"]["responses"]
         assert {"200", "400", "404"} <= set(responses)
-        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        assert responses["400"]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"
+        }
     schemas = schema["components"]["schemas"]
     assert set(schemas["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
     completion = schemas["CompletionRequest"]["properties"]
@@ -71,8 +86,15 @@ def test_openapi_document(schema: dict[str, Any]) -> None:
 def narrowed(schema: dict[str, Any]) -> dict[str, Any]:
     """A copy whose requests stay cheap on a CPU: few tokens, few completions, short inputs."""
     doc = copy.deepcopy(schema)
-    caps = {"max_tokens": 4, "max_completion_tokens": 4, "min_tokens": 4, "n": 2, "best_of": 2, "logprobs": 2,
-            "top_logprobs": 2}
+    caps = {
+        "max_tokens": 4,
+        "max_completion_tokens": 4,
+        "min_tokens": 4,
+        "n": 2,
+        "best_of": 2,
+        "logprobs": 2,
+        "top_logprobs": 2,
+    }
 
     def walk(node: Any, name: str | None = None) -> None:
         if isinstance(node, list):
@@ -96,10 +118,16 @@ def narrowed(schema: dict[str, Any]) -> dict[str, Any]:
             elif key in ("anyOf", "oneOf", "items", "additionalProperties"):
                 walk(value, name)
 
-
     # Only what the client sends: the answers are checked against the published schemas as they are.
-    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest", "ChatMessage",
-                 "TextPart", "StreamOptions"):
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "TokenizeRequest",
+        "DetokenizeRequest",
+        "ChatMessage",
+        "TextPart",
+        "StreamOptions",
+    ):
         walk(doc["components"]["schemas"][name])
     # Generation with max_tokens left out (null) would run to the model length: make it explicit.
     for request in ("CompletionRequest", "ChatCompletionRequest"):
@@ -118,10 +146,32 @@ REJECTIONS = ["400", "401", "403", "404", "405", "406", "409", "413", "415", "42
 def run_schemathesis(server: ServerProcess, location: str, tmp: Path, *args: str, timeout: float) -> None:
     env = dict(os.environ, SCHEMATHESIS_TELEMETRY="false", NO_COLOR="1")
     # Read from the working directory.
-    (tmp / "schemathesis.toml").write_text(f"[checks.negative_data_rejection]\nexpected-statuses = {json.dumps(REJECTIONS)}\n")
-    cmd = [str(ST), "run", location, "--url", server.base_url, "--seed", "0", "--request-timeout", "30",
-           "--suppress-health-check", "all", "--no-shrink", "--warnings", "off", "--workers", "2",
-           "--report", "junit", "--report-dir", str(tmp), *args]
+    (tmp / "schemathesis.toml").write_text(
+        f"[checks.negative_data_rejection]\nexpected-statuses = {json.dumps(REJECTIONS)}\n"
+    )
+    cmd = [
+        str(ST),
+        "run",
+        location,
+        "--url",
+        server.base_url,
+        "--seed",
+        "0",
+        "--request-timeout",
+        "30",
+        "--suppress-health-check",
+        "all",
+        "--no-shrink",
+        "--warnings",
+        "off",
+        "--workers",
+        "2",
+        "--report",
+        "junit",
+        "--report-dir",
+        str(tmp),
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{output[-12000:]}\n--- server log ---\n{server.log()[-4000:]}"
@@ -129,15 +179,44 @@ def run_schemathesis(server: ServerProcess, location: str, tmp: Path, *args: str
 
 
 def test_negative_cases_are_rejected(server: ServerProcess, schema: dict[str, Any], tmp_path: Path) -> None:
-    run_schemathesis(server, f"{server.base_url}/openapi.json", tmp_path, "--mode", "negative", "--max-examples",
-                     "20", "--phases", "examples,coverage,fuzzing", "--checks", f"{CHECKS},negative_data_rejection",
-                     timeout=150)
+    run_schemathesis(
+        server,
+        f"{server.base_url}/openapi.json",
+        tmp_path,
+        "--mode",
+        "negative",
+        "--max-examples",
+        "20",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--checks",
+        f"{CHECKS},negative_data_rejection",
+        timeout=150,
+    )
 
 
 def test_positive_cases_conform(server: ServerProcess, schema: dict[str, Any], tmp_path: Path) -> None:
     path = tmp_path / "openapi-narrowed.json"
     path.write_text(json.dumps(narrowed(schema)))
-    run_schemathesis(server, str(path), tmp_path, "--mode", "positive", "--max-examples", "10",
-                     "--phases", "examples,coverage,fuzzing", "--checks", CHECKS, timeout=150)
-    assert httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
-                                                                 "temperature": 0}, timeout=30).status_code == 200
+    run_schemathesis(
+        server,
+        str(path),
+        tmp_path,
+        "--mode",
+        "positive",
+        "--max-examples",
+        "10",
+        "--phases",
+        "examples,coverage,fuzzing",
+        "--checks",
+        CHECKS,
+        timeout=150,
+    )
+    assert (
+        httpx.post(
+            f"{server.base_url}/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            timeout=30,
+        ).status_code
+        == 200
+    )

@@ -28,9 +28,23 @@ PARTIAL = b"POST /v1/completions HTTP/1.1\r\nHost: sonar\r\nContent-Type: applic
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path_factory.mktemp("slowloris"), "--dtype", "float32", "--max-model-len", "256",
-                       "--kv-cache-memory-bytes", "64M", "--seed", "0", "--api-key", KEY, "--metrics-public",
-                       "--header-read-timeout", str(HEADER_TIMEOUT), "--disable-uvicorn-access-log")
+    srv = start_server(
+        tmp_path_factory.mktemp("slowloris"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--seed",
+        "0",
+        "--api-key",
+        KEY,
+        "--metrics-public",
+        "--header-read-timeout",
+        str(HEADER_TIMEOUT),
+        "--disable-uvicorn-access-log",
+    )
     yield srv
     code = stop_server(srv)
     assert code == 0, f"the server exited with {code} on SIGTERM:\n{srv.log()[-4000:]}"
@@ -83,8 +97,12 @@ def test_partial_headers_are_closed_within_the_timeout(server: ServerProcess) ->
             socks.append(s)
         opened = time.monotonic()
         # A normal request meanwhile: served, and long before the slow connections time out.
-        r = httpx.post(f"{server.base_url}/v1/completions", headers=AUTH, timeout=30,
-                       json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
+        r = httpx.post(
+            f"{server.base_url}/v1/completions",
+            headers=AUTH,
+            timeout=30,
+            json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+        )
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["text"], r.text
         received = _drain_until_closed(socks, opened + HEADER_TIMEOUT + SLACK)
         closed = time.monotonic() - opened

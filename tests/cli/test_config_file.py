@@ -41,9 +41,16 @@ def test_values_from_the_file(config_file) -> None:
 
 def test_command_line_overrides_the_file(config_file) -> None:
     path = config_file("max-num-seqs: 64\nport: 9000\noverride-generation-config: {temperature: 0.3, top_k: 5}\n")
-    config = parse_serve_args([
-        "--port", "1234", "--config", path, "--override-generation-config.temperature", "0.9",
-    ])
+    config = parse_serve_args(
+        [
+            "--port",
+            "1234",
+            "--config",
+            path,
+            "--override-generation-config.temperature",
+            "0.9",
+        ]
+    )
     assert config.port == 1234
     assert config.engine.max_num_seqs == 64
     assert config.override_generation_config == {"temperature": 0.9, "top_k": 5}

@@ -71,11 +71,29 @@ def test_default_matches_reference(defaults: ServeConfig, name: str, documented,
 
 
 def test_every_documented_flag_is_known() -> None:
-    own = {"--placement", "--step-timeout", "--hang-margin", "--fault-injection", "--max-waiting-seqs",
-           "--actor-keys", "--actor-max-frame-bytes"}
-    limits = {"--metrics-public", "--max-request-body-bytes", "--header-read-timeout", "--body-read-timeout",
-              "--max-connections", "--max-prompt-chars", "--max-stop-strings", "--max-stop-string-chars",
-              "--max-stop-token-ids", "--max-logit-bias", "--max-chat-messages", "--max-completions-per-request"}
+    own = {
+        "--placement",
+        "--step-timeout",
+        "--hang-margin",
+        "--fault-injection",
+        "--max-waiting-seqs",
+        "--actor-keys",
+        "--actor-max-frame-bytes",
+    }
+    limits = {
+        "--metrics-public",
+        "--max-request-body-bytes",
+        "--header-read-timeout",
+        "--body-read-timeout",
+        "--max-connections",
+        "--max-prompt-chars",
+        "--max-stop-strings",
+        "--max-stop-string-chars",
+        "--max-stop-token-ids",
+        "--max-logit-bias",
+        "--max-chat-messages",
+        "--max-completions-per-request",
+    }
     assert {f.name for f in FLAGS.values() if f.group == "Limits"} == limits
     own |= limits
     assert len(FLAGS) - len(own) == 278

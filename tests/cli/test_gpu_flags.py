@@ -6,10 +6,23 @@ from sonar.cli import parse_serve_args
 
 
 def test_gpu_flags_reach_the_engine() -> None:
-    engine = parse_serve_args([
-        "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "fp8", "--cudagraph-capture-sizes", "4", "1", "2",
-        "--max-cudagraph-capture-size", "4", "--device-ids", "1", "--enforce-eager",
-    ]).engine
+    engine = parse_serve_args(
+        [
+            "--gpu-memory-utilization",
+            "0.5",
+            "--kv-cache-dtype",
+            "fp8",
+            "--cudagraph-capture-sizes",
+            "4",
+            "1",
+            "2",
+            "--max-cudagraph-capture-size",
+            "4",
+            "--device-ids",
+            "1",
+            "--enforce-eager",
+        ]
+    ).engine
     assert engine.gpu_memory_utilization == 0.5
     assert engine.kv_cache_dtype == "fp8"
     assert list(engine.cudagraph_capture_sizes) == [4, 1, 2]
@@ -23,14 +36,18 @@ def test_gpu_flags_reach_the_engine() -> None:
 
 def test_bad_gpu_flag_values_are_one_line(usage_error) -> None:
     assert usage_error("--cudagraph-capture-sizes", "0", "4") == (
-        "sonar serve: error: cudagraph_capture_sizes must be positive integers, got [0, 4]")
+        "sonar serve: error: cudagraph_capture_sizes must be positive integers, got [0, 4]"
+    )
     assert usage_error("--max-cudagraph-capture-size", "0").startswith(
-        "sonar serve: error: argument --max-cudagraph-capture-size: ")
+        "sonar serve: error: argument --max-cudagraph-capture-size: "
+    )
     assert usage_error("--device-ids", "0,1").startswith(
-        "sonar serve: error: device_ids '0,1': Sonar serves from one device")
+        "sonar serve: error: device_ids '0,1': Sonar serves from one device"
+    )
     assert usage_error("--kv-cache-dtype", "fp8", "--kv-offloading-size", "4") == (
         "sonar serve: error: KV offloading with kv_cache_dtype fp8 is not supported yet (the offload tiers "
-        "store the model's dtype); drop one of the two")
+        "store the model's dtype); drop one of the two"
+    )
 
 
 def test_optimization_level_reaches_the_engine(usage_error) -> None:

@@ -74,9 +74,7 @@ def test_help_shows_status_choices_and_default() -> None:
     assert "Sonar: accepted, has no effect:" in text
     text = render_help("dtype")
     assert "Choices: auto, bfloat16, float, float16, float32, half." in text
-    assert "Also one key at a time: --override-generation-config.KEY VALUE" in render_help(
-        "override-generation-config"
-    )
+    assert "Also one key at a time: --override-generation-config.KEY VALUE" in render_help("override-generation-config")
 
 
 def test_help_no_match_is_an_error() -> None:

@@ -14,30 +14,76 @@ def test_defaults() -> None:
     assert (config.header_read_timeout, config.body_read_timeout, config.max_connections) == (10.0, 60.0, 2048)
     assert config.metrics_public is False
     engine = config.engine
-    assert (engine.max_prompt_chars, engine.max_stop_strings, engine.max_stop_string_chars, engine.max_stop_token_ids,
-            engine.max_logit_bias, engine.max_chat_messages, engine.max_completions_per_request) == \
-        (1_000_000, 64, 1024, 1024, 1024, 1024, 256)
+    assert (
+        engine.max_prompt_chars,
+        engine.max_stop_strings,
+        engine.max_stop_string_chars,
+        engine.max_stop_token_ids,
+        engine.max_logit_bias,
+        engine.max_chat_messages,
+        engine.max_completions_per_request,
+    ) == (1_000_000, 64, 1024, 1024, 1024, 1024, 256)
     for name in LIMITS:  # the library's defaults are the server's
         assert getattr(EngineConfig(), name) == FLAGS["--" + name.replace("_", "-")].default
 
 
 def test_values_land_in_the_config() -> None:
-    config = parse_serve_args(["--max-request-body-bytes", "1MiB", "--header-read-timeout", "2.5",
-                               "--body-read-timeout", "7", "--max-connections", "64", "--metrics-public",
-                               "--max-prompt-chars", "32k", "--max-stop-strings", "4", "--max-stop-string-chars", "16",
-                               "--max-stop-token-ids", "8", "--max-logit-bias", "300", "--max-chat-messages", "50",
-                               "--max-completions-per-request", "128"])
-    assert (config.max_request_body_bytes, config.header_read_timeout, config.body_read_timeout,
-            config.max_connections, config.metrics_public) == (2**20, 2.5, 7.0, 64, True)
+    config = parse_serve_args(
+        [
+            "--max-request-body-bytes",
+            "1MiB",
+            "--header-read-timeout",
+            "2.5",
+            "--body-read-timeout",
+            "7",
+            "--max-connections",
+            "64",
+            "--metrics-public",
+            "--max-prompt-chars",
+            "32k",
+            "--max-stop-strings",
+            "4",
+            "--max-stop-string-chars",
+            "16",
+            "--max-stop-token-ids",
+            "8",
+            "--max-logit-bias",
+            "300",
+            "--max-chat-messages",
+            "50",
+            "--max-completions-per-request",
+            "128",
+        ]
+    )
+    assert (
+        config.max_request_body_bytes,
+        config.header_read_timeout,
+        config.body_read_timeout,
+        config.max_connections,
+        config.metrics_public,
+    ) == (2**20, 2.5, 7.0, 64, True)
     engine = config.engine
-    assert (engine.max_prompt_chars, engine.max_stop_strings, engine.max_stop_string_chars, engine.max_stop_token_ids,
-            engine.max_logit_bias, engine.max_chat_messages, engine.max_completions_per_request) == \
-        (32000, 4, 16, 8, 300, 50, 128)
+    assert (
+        engine.max_prompt_chars,
+        engine.max_stop_strings,
+        engine.max_stop_string_chars,
+        engine.max_stop_token_ids,
+        engine.max_logit_bias,
+        engine.max_chat_messages,
+        engine.max_completions_per_request,
+    ) == (32000, 4, 16, 8, 300, 50, 128)
 
 
 def test_bad_values_name_the_flag(usage_error) -> None:
-    for flag in ("--max-request-body-bytes", "--header-read-timeout", "--body-read-timeout", "--max-connections",
-                 "--max-prompt-chars", "--max-stop-strings", "--max-completions-per-request"):
+    for flag in (
+        "--max-request-body-bytes",
+        "--header-read-timeout",
+        "--body-read-timeout",
+        "--max-connections",
+        "--max-prompt-chars",
+        "--max-stop-strings",
+        "--max-completions-per-request",
+    ):
         message = usage_error(flag, "0")
         assert flag in message and "positive" in message, message
     assert "--max-logit-bias" in usage_error("--max-logit-bias", "many")
@@ -51,6 +97,11 @@ def test_exposure_warning() -> None:
     assert everywhere is not None and "all interfaces" in everywhere and "--api-key" in everywhere
     assert warning("--host", "10.0.0.5") is not None and "10.0.0.5" in warning("--host", "10.0.0.5")
     assert warning("--host", "db.internal") is not None
-    for quiet in (("--api-key", "k"), ("--host", "127.0.0.1"), ("--host", "::1"), ("--host", "localhost"),
-                  ("--uds", "/tmp/sonar.sock")):
+    for quiet in (
+        ("--api-key", "k"),
+        ("--host", "127.0.0.1"),
+        ("--host", "::1"),
+        ("--host", "localhost"),
+        ("--uds", "/tmp/sonar.sock"),
+    ):
         assert warning(*quiet) is None, quiet

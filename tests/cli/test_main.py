@@ -17,8 +17,16 @@ from sonar.cli.serve import describe, main
 ROOT = Path(__file__).resolve().parents[2]
 
 RUNS = {
-    "missing-model": ["org/model", "--max-model-len", "4k", "--port", "8000", "--placement", "worker=process",
-           "--trust-remote-code"],
+    "missing-model": [
+        "org/model",
+        "--max-model-len",
+        "4k",
+        "--port",
+        "8000",
+        "--placement",
+        "worker=process",
+        "--trust-remote-code",
+    ],
     "bad-value": ["--max-num-seqs", "abc"],
     "unsupported": ["--tensor-parallel-size", "2"],
     "kv-dtype": ["--kv-cache-dtype", "fp8_e5m2"],
@@ -30,8 +38,13 @@ RUNS = {
 def runs() -> dict[str, subprocess.CompletedProcess]:
     """Each run is a fresh interpreter (~2 s of imports), so start them all at once."""
     procs = {
-        name: subprocess.Popen([sys.executable, "-m", "sonar", "serve", *argv], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        name: subprocess.Popen(
+            [sys.executable, "-m", "sonar", "serve", *argv],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         for name, argv in RUNS.items()
     }
     done = {}
@@ -74,12 +87,16 @@ def test_unsupported_flag_is_one_line_and_exit_2(runs) -> None:
 def test_gpu_flag_errors_are_one_line_and_exit_2(runs) -> None:
     run = runs["kv-dtype"]
     assert run.returncode == 2
-    assert run.stderr == ("sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; Sonar accepts only "
-                          "auto or bfloat16 or float16 or fp8 or fp8_e4m3)\n")
+    assert run.stderr == (
+        "sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; Sonar accepts only "
+        "auto or bfloat16 or float16 or fp8 or fp8_e4m3)\n"
+    )
     run = runs["capture-sizes"]
     assert run.returncode == 2
-    assert run.stderr == ("sonar serve: error: max_cudagraph_capture_size 16 must equal the largest of "
-                          "cudagraph_capture_sizes (8) when both are given\n")
+    assert run.stderr == (
+        "sonar serve: error: max_cudagraph_capture_size 16 must equal the largest of "
+        "cudagraph_capture_sizes (8) when both are given\n"
+    )
 
 
 def test_the_summary_names_the_placement_that_runs() -> None:

@@ -7,24 +7,41 @@ import pytest
 from sonar.cli import FLAGS, Status, parse_serve_args
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--tensor-parallel-size", "2"],
-     "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)"),
-    (["-tp", "4"], "sonar serve: --tensor-parallel-size is not supported yet (got 4; Sonar accepts only 1)"),
-    (["--lora-modules", "a=/x"], "sonar serve: --lora-modules is not supported yet (got a=/x)"),
-    (["--enable-lora"], "sonar serve: --enable-lora is not supported yet (Sonar accepts only --no-enable-lora)"),
-    (["--grpc"], "sonar serve: --grpc is not supported yet"),
-    (["--speculative-config.method", "ngram"],
-     'sonar serve: --speculative-config is not supported yet (got {"method": "ngram"})'),
-    (["--kv-cache-dtype", "fp8_e5m2"], "sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; "
-                                       "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)"),
-    (["--kv-cache-dtype", "nvfp4"], "sonar serve: --kv-cache-dtype is not supported yet (got nvfp4; "
-                                    "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)"),
-    (["--calculate-kv-scales"],
-     "sonar serve: --calculate-kv-scales is not supported yet (Sonar accepts only --no-calculate-kv-scales)"),
-    (["--load-format", "pt"],
-     "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--tensor-parallel-size", "2"],
+            "sonar serve: --tensor-parallel-size is not supported yet (got 2; Sonar accepts only 1)",
+        ),
+        (["-tp", "4"], "sonar serve: --tensor-parallel-size is not supported yet (got 4; Sonar accepts only 1)"),
+        (["--lora-modules", "a=/x"], "sonar serve: --lora-modules is not supported yet (got a=/x)"),
+        (["--enable-lora"], "sonar serve: --enable-lora is not supported yet (Sonar accepts only --no-enable-lora)"),
+        (["--grpc"], "sonar serve: --grpc is not supported yet"),
+        (
+            ["--speculative-config.method", "ngram"],
+            'sonar serve: --speculative-config is not supported yet (got {"method": "ngram"})',
+        ),
+        (
+            ["--kv-cache-dtype", "fp8_e5m2"],
+            "sonar serve: --kv-cache-dtype is not supported yet (got fp8_e5m2; "
+            "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)",
+        ),
+        (
+            ["--kv-cache-dtype", "nvfp4"],
+            "sonar serve: --kv-cache-dtype is not supported yet (got nvfp4; "
+            "Sonar accepts only auto or bfloat16 or float16 or fp8 or fp8_e4m3)",
+        ),
+        (
+            ["--calculate-kv-scales"],
+            "sonar serve: --calculate-kv-scales is not supported yet (Sonar accepts only --no-calculate-kv-scales)",
+        ),
+        (
+            ["--load-format", "pt"],
+            "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)",
+        ),
+    ],
+)
 def test_unsupported_values_fail_clearly(usage_error, argv: list[str], expected: str) -> None:
     assert usage_error(*argv) == expected
 
@@ -35,20 +52,36 @@ def test_unsupported_still_checks_the_value_first(usage_error) -> None:
     )
 
 
-@pytest.mark.parametrize("argv", [
-    ["--tensor-parallel-size", "1"], ["--pipeline-parallel-size", "1"], ["--data-parallel-size", "1"],
-    ["--kv-cache-dtype", "auto"], ["--no-enable-lora"],
-    ["--distributed-executor-backend", "uni"], ["--tokenizer-mode", "hf"], ["-O0"],
-    ["--load-format", "gguf"], ["--load-format", "dummy"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tensor-parallel-size", "1"],
+        ["--pipeline-parallel-size", "1"],
+        ["--data-parallel-size", "1"],
+        ["--kv-cache-dtype", "auto"],
+        ["--no-enable-lora"],
+        ["--distributed-executor-backend", "uni"],
+        ["--tokenizer-mode", "hf"],
+        ["-O0"],
+        ["--load-format", "gguf"],
+        ["--load-format", "dummy"],
+    ],
+)
 def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
     assert parse_serve_args(argv).accepted_noops == ()
 
 
-@pytest.mark.parametrize("argv", [
-    ["--trust-remote-code"], ["--no-use-tqdm-on-load"], ["--enable-offline-docs"],
-    ["--master-port", "1234"], ["--language-model-only"], ["--moe-backend", "triton"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--trust-remote-code"],
+        ["--no-use-tqdm-on-load"],
+        ["--enable-offline-docs"],
+        ["--master-port", "1234"],
+        ["--language-model-only"],
+        ["--moe-backend", "triton"],
+    ],
+)
 def test_noops_are_accepted_and_reported(argv: list[str]) -> None:
     config = parse_serve_args(argv)
     assert config.accepted_noops == (argv[0].replace("--no-", "--"),)

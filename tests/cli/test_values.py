@@ -7,9 +7,17 @@ import pytest
 from sonar.cli import parse_serve_args
 
 
-@pytest.mark.parametrize(("text", "tokens"), [
-    ("4096", 4096), ("1k", 1000), ("1K", 1024), ("25.6k", 25600), ("32K", 32768), ("2M", 2 * 2**20),
-])
+@pytest.mark.parametrize(
+    ("text", "tokens"),
+    [
+        ("4096", 4096),
+        ("1k", 1000),
+        ("1K", 1024),
+        ("25.6k", 25600),
+        ("32K", 32768),
+        ("2M", 2 * 2**20),
+    ],
+)
 def test_human_readable_ints(text: str, tokens: int) -> None:
     config = parse_serve_args(["--max-model-len", text, "--max-num-batched-tokens", text])
     assert config.engine.max_model_len == tokens
@@ -34,18 +42,21 @@ def test_plain_ints_take_no_suffix(usage_error) -> None:
     )
 
 
-@pytest.mark.parametrize(("argv", "expected"), [
-    (["--max-num-seqs", "abc"], "argument --max-num-seqs: expected an integer, got 'abc'"),
-    (["--max-num-seqs", "0"], "argument --max-num-seqs: must be positive, got 0"),
-    (["--max-model-len", "1.5K"], "argument --max-model-len: invalid max model length"),
-    (["--max-model-len", "0"], "argument --max-model-len: invalid max model length '0'"),
-    (["--kv-cache-memory-bytes", "2 parsecs"], "argument --kv-cache-memory-bytes: invalid memory size"),
-    (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization/-gmu: must be a fraction"),
-    (["--port", "70000"], "argument --port: a port must be in 0..65535"),
-    (["--block-size", "24"], "argument --block-size: must be a positive power of two"),
-    (["--watermark", "1"], "argument --watermark: must be in [0, 1)"),
-    (["--max-num-seqs"], "argument --max-num-seqs: expected one argument"),
-])
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--max-num-seqs", "abc"], "argument --max-num-seqs: expected an integer, got 'abc'"),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be positive, got 0"),
+        (["--max-model-len", "1.5K"], "argument --max-model-len: invalid max model length"),
+        (["--max-model-len", "0"], "argument --max-model-len: invalid max model length '0'"),
+        (["--kv-cache-memory-bytes", "2 parsecs"], "argument --kv-cache-memory-bytes: invalid memory size"),
+        (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization/-gmu: must be a fraction"),
+        (["--port", "70000"], "argument --port: a port must be in 0..65535"),
+        (["--block-size", "24"], "argument --block-size: must be a positive power of two"),
+        (["--watermark", "1"], "argument --watermark: must be in [0, 1)"),
+        (["--max-num-seqs"], "argument --max-num-seqs: expected one argument"),
+    ],
+)
 def test_bad_values_name_the_flag(usage_error, argv: list[str], expected: str) -> None:
     assert usage_error(*argv).startswith(f"sonar serve: error: {expected}")
 
@@ -97,10 +108,22 @@ def test_model_positional_or_flag_and_served_names(usage_error) -> None:
 
 
 def test_lists_and_frontend_settings() -> None:
-    config = parse_serve_args([
-        "--allowed-origins", "https://a.example", "https://b.example", "--api-key", "k1", "k2",
-        "--disable-access-log-for-endpoints", "/health, /metrics", "--host", "127.0.0.1", "--uds", "/tmp/s",
-    ])
+    config = parse_serve_args(
+        [
+            "--allowed-origins",
+            "https://a.example",
+            "https://b.example",
+            "--api-key",
+            "k1",
+            "k2",
+            "--disable-access-log-for-endpoints",
+            "/health, /metrics",
+            "--host",
+            "127.0.0.1",
+            "--uds",
+            "/tmp/s",
+        ]
+    )
     assert config.allowed_origins == ("https://a.example", "https://b.example")
     assert config.api_key == ("k1", "k2")
     assert config.disable_access_log_for_endpoints == ("/health", "/metrics")
@@ -114,19 +137,27 @@ def test_json_flag_whole_value() -> None:
 
 
 def test_json_flag_dotted_keys() -> None:
-    config = parse_serve_args([
-        "--override-generation-config.temperature", "0.5",
-        "--override-generation-config.stop=[\"x\"]",
-        "--override-generation-config.nested.deeper", "text",
-    ])
+    config = parse_serve_args(
+        [
+            "--override-generation-config.temperature",
+            "0.5",
+            '--override-generation-config.stop=["x"]',
+            "--override-generation-config.nested.deeper",
+            "text",
+        ]
+    )
     assert config.override_generation_config == {"temperature": 0.5, "stop": ["x"], "nested": {"deeper": "text"}}
 
 
 def test_json_flag_dotted_keys_merge_over_whole_value() -> None:
-    config = parse_serve_args([
-        "--override-generation-config.top_p", "0.9",
-        "--override-generation-config", '{"temperature": 0.5, "top_p": 0.1}',
-    ])
+    config = parse_serve_args(
+        [
+            "--override-generation-config.top_p",
+            "0.9",
+            "--override-generation-config",
+            '{"temperature": 0.5, "top_p": 0.1}',
+        ]
+    )
     assert config.override_generation_config == {"temperature": 0.5, "top_p": 0.9}
 
 

@@ -28,9 +28,7 @@ def byte_fallback_tokenizer():
     pieces += list("abcdefghijklmnopqrstuvwxyzHW")
     vocab = [(p, 0.0 if p.startswith("<") else -float(len(pieces) - len(p))) for p in pieces]
     tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
-    tok.normalizer = normalizers.Sequence(
-        [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
-    )
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.decoder = decoders.Sequence(
         [
             decoders.Replace("▁", " "),

@@ -79,12 +79,14 @@ class FakeRunner:
             assert end <= len(tokens), f"{r.req_id}: a placeholder the runner never sampled"
             known = [t if t != PLACEHOLDER_TOKEN else tokens[r.start_pos + i] for i, t in enumerate(r.token_ids)]
             assert known == tokens[r.start_pos : end], r
-            assert all(t == PLACEHOLDER_TOKEN for t in r.token_ids[len(self.tokens[r.req_id]) - r.start_pos:]), r
+            assert all(t == PLACEHOLDER_TOKEN for t in r.token_ids[len(self.tokens[r.req_id]) - r.start_pos :]), r
             assert r.sample == (end == len(tokens)), r
             assert len(r.block_ids) * self.block_size >= end, r
             assert r.num_prompt_tokens <= len(tokens)
 
-    def execute(self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7) -> dict[str, list[int]]:
+    def execute(
+        self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7
+    ) -> dict[str, list[int]]:
         """Write the step's KV in batch order, check every read of the step, sample."""
         for r in out.requests:
             salt = self.salts[r.req_id]

@@ -18,9 +18,7 @@ def bm() -> Iterator[BlockManager]:
     manager.check_invariants()
 
 
-def make(
-    bm: BlockManager, request_id: str, tokens: Sequence[int], salt: str | None = None
-) -> Request:
+def make(bm: BlockManager, request_id: str, tokens: Sequence[int], salt: str | None = None) -> Request:
     request = Request(request_id, tokens, max_tokens=100, cache_salt=salt)
     bm.update_hashes(request)
     return request
@@ -29,9 +27,7 @@ def make(
 def admit(bm: BlockManager, request: Request, **kwargs: int) -> int | None:
     """Admit and fully compute ``request``; return its prefix-hit tokens, None if it did not fit."""
     hits, num_hit_tokens = bm.get_computed_blocks(request)
-    if not bm.allocate_slots(
-        request, request.num_tokens - num_hit_tokens, new_computed_blocks=hits, **kwargs
-    ):
+    if not bm.allocate_slots(request, request.num_tokens - num_hit_tokens, new_computed_blocks=hits, **kwargs):
         return None
     request.num_computed_tokens = request.num_tokens
     return num_hit_tokens
@@ -286,9 +282,14 @@ def test_a_salted_request_caches_publishes_and_offloads_only_salted_hashes() -> 
     bm.check_invariants()
 
 
-@pytest.mark.parametrize(("salt", "problem"), [
-    ("", "non-empty"), ("x" * (MAX_CACHE_SALT_LENGTH + 1), f"at most {MAX_CACHE_SALT_LENGTH}"), (7, "a string"),
-])
+@pytest.mark.parametrize(
+    ("salt", "problem"),
+    [
+        ("", "non-empty"),
+        ("x" * (MAX_CACHE_SALT_LENGTH + 1), f"at most {MAX_CACHE_SALT_LENGTH}"),
+        (7, "a string"),
+    ],
+)
 def test_an_invalid_salt_is_rejected(salt: object, problem: str) -> None:
     assert problem in (cache_salt_problem(salt) or "")
     with pytest.raises(RequestRejectedError, match=problem):

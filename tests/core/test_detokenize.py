@@ -140,21 +140,15 @@ def test_stop_found_inside_a_multi_token_update(embedded_tokenizer) -> None:
 def test_earliest_stop_wins_and_text_after_is_dropped(embedded_tokenizer) -> None:
     text = "one two three"
     ids = ids_for(embedded_tokenizer, text)
-    detok = IncrementalDetokenizer(
-        embedded_tokenizer, stop=["three", "two"], include_stop_str_in_output=True
-    )
+    detok = IncrementalDetokenizer(embedded_tokenizer, stop=["three", "two"], include_stop_str_in_output=True)
     assert "".join(stream(detok, ids, chunk=len(ids))) == "one two"
 
 
 def test_min_tokens_delays_stop_strings(embedded_tokenizer) -> None:
     text = "stop here, and stop there"
     ids = ids_for(embedded_tokenizer, text)
-    first_stop_token = next(
-        i for i in range(len(ids)) if "stop" in embedded_tokenizer.decode(ids[: i + 1])
-    )
-    detok = IncrementalDetokenizer(
-        embedded_tokenizer, stop=["stop"], min_tokens=first_stop_token + 1
-    )
+    first_stop_token = next(i for i in range(len(ids)) if "stop" in embedded_tokenizer.decode(ids[: i + 1]))
+    detok = IncrementalDetokenizer(embedded_tokenizer, stop=["stop"], min_tokens=first_stop_token + 1)
     out = "".join(stream(detok, ids))
     assert out == "stop here, and " and detok.stop_str == "stop"
 
@@ -222,10 +216,7 @@ def test_random_token_sequences(embedded_tokenizer) -> None:
     partial = [i for i in range(vocab) if "\ufffd" in backend.decode([i])]
     assert len(partial) > 100  # tokens that are pieces of multi-byte characters
     for trial in range(150):
-        ids = [
-            rng.choice(partial) if rng.random() < 0.5 else rng.randrange(vocab)
-            for _ in range(rng.randrange(1, 30))
-        ]
+        ids = [rng.choice(partial) if rng.random() < 0.5 else rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
         full = embedded_tokenizer.decode(ids, skip_special_tokens=True)
         text = "".join(stream(IncrementalDetokenizer(embedded_tokenizer), ids))
         assert full.startswith(text)

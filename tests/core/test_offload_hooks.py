@@ -61,7 +61,9 @@ class OffloadRunner(FakeRunner):
         self.stored = 0
         self.loaded_blocks = 0
 
-    def execute(self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7) -> dict[str, list[int]]:
+    def execute(
+        self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7
+    ) -> dict[str, list[int]]:
         bm = self.scheduler.block_manager
         bs, bpc = self.block_size, self.tier.bpc
         for spec in out.kv_stores:  # before the step writes: the blocks may be reused by it
@@ -329,16 +331,29 @@ def test_random_workload_with_a_tier(seed):
     worker crashes; every read is checked and the GPU events always mirror the prefix cache."""
     rng = random.Random(seed)
     bpc = rng.choice([1, 2, 4])
-    scheduler, runner = make(num_blocks=rng.randint(13, 20), bpc=bpc, tier_chunks=rng.randint(16, 60), rng=rng,
-                             max_model_len=48, max_num_batched_tokens=16, max_num_seqs=4)
+    scheduler, runner = make(
+        num_blocks=rng.randint(13, 20),
+        bpc=bpc,
+        tier_chunks=rng.randint(16, 60),
+        rng=rng,
+        max_model_len=48,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
     prefixes = [[rng.randrange(4, 60) for _ in range(rng.randint(8, 30))] for _ in range(4)]
     ids = iter(range(10**6))
     for _ in range(400):
         if rng.random() < 0.35:
-            prompt = (list(rng.choice(prefixes)) if rng.random() < 0.8 else [])
+            prompt = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
             prompt += [rng.randrange(4, 60) for _ in range(rng.randint(1, 12))]
-            runner.add(Request(f"r{next(ids)}", prompt[:47], max_tokens=rng.choice([1, 2, 5]),
-                               cache_salt=rng.choice([None, None, "t"])))
+            runner.add(
+                Request(
+                    f"r{next(ids)}",
+                    prompt[:47],
+                    max_tokens=rng.choice([1, 2, 5]),
+                    cache_salt=rng.choice([None, None, "t"]),
+                )
+            )
         if scheduler.requests and rng.random() < 0.04:
             victim = rng.choice(list(scheduler.requests))
             scheduler.abort([victim])

@@ -50,9 +50,7 @@ def test_algorithms_differ() -> None:
 
 def test_sha256_is_pickle_then_sha256() -> None:
     hasher = PrefixHasher(2, "sha256")
-    expected = hashlib.sha256(
-        pickle.dumps((hasher.root, (5, 6), None), protocol=5)
-    ).digest()
+    expected = hashlib.sha256(pickle.dumps((hasher.root, (5, 6), None), protocol=5)).digest()
     assert hasher.chain([5, 6]) == [expected]
     assert hasher.hash_block(hasher.root, [5, 6]) == expected
 

@@ -63,8 +63,13 @@ class Outcome:
     steps: list[SchedulerOutput] = field(default_factory=list)
 
 
-def run(scheduler, runner, crashes_on=lambda out: any(POISON in r.token_ids for r in out.requests),
-        max_crashes: int = 1000, max_steps: int = 5000) -> Outcome:
+def run(
+    scheduler,
+    runner,
+    crashes_on=lambda out: any(POISON in r.token_ids for r in out.requests),
+    max_crashes: int = 1000,
+    max_steps: int = 5000,
+) -> Outcome:
     """Step until every request has finished or `max_crashes` steps have failed; a failed step's
     requests are handed to `reset_after_worker_failure`, as the scheduler actor does."""
     outcome = Outcome()
@@ -94,8 +99,13 @@ def run(scheduler, runner, crashes_on=lambda out: any(POISON in r.token_ids for 
     raise AssertionError(f"still unfinished after {max_steps} steps")
 
 
-def run_async(scheduler, runner, crashes_on=lambda out: any(POISON in r.token_ids for r in out.requests),
-              max_crashes: int = 1000, max_steps: int = 5000) -> Outcome:
+def run_async(
+    scheduler,
+    runner,
+    crashes_on=lambda out: any(POISON in r.token_ids for r in out.requests),
+    max_crashes: int = 1000,
+    max_steps: int = 5000,
+) -> Outcome:
     """`run` with async scheduling, as the scheduler actor pipelines steps: step N+1 is scheduled
     and run before step N's tokens are fed back; when step N failed, step N+1 is void and the
     requests of step N go to `reset_after_worker_failure`."""
@@ -203,8 +213,10 @@ def test_fail_requests_ends_one_request_with_its_error_wherever_it_is() -> None:
     runner.step()
     error = RequestError("sampling", "no token left")
     updates = scheduler.fail_requests({"run": error, "wait": error, "gone": error})
-    assert [(u.req_id, u.finish_reason, u.error) for u in updates] == [("run", "error", error),
-                                                                       ("wait", "error", error)]
+    assert [(u.req_id, u.finish_reason, u.error) for u in updates] == [
+        ("run", "error", error),
+        ("wait", "error", error),
+    ]
     assert RequestStatus.FINISHED_ERROR.is_finished
     assert_all_free(scheduler)
 
@@ -232,8 +244,11 @@ def test_random_poison_requests_are_quarantined_and_only_they(seed: int, pipelin
     the crashes go on (the engine's restart intensity ends them), so the run is cut at 40."""
     rng = random.Random(seed)
     scheduler, runner = make_runner(
-        num_blocks=96, max_num_batched_tokens=rng.choice([16, 32, 64]), max_num_seqs=rng.choice([3, 8]),
-        scheduling_policy=rng.choice(["fcfs", "priority"]))
+        num_blocks=96,
+        max_num_batched_tokens=rng.choice([16, 32, 64]),
+        max_num_seqs=rng.choice([3, 8]),
+        scheduling_policy=rng.choice(["fcfs", "priority"]),
+    )
     poisoned = set()
     ids = [f"r{i}" for i in range(rng.randint(2, 7))]
     for i in range(len(ids)):
@@ -245,8 +260,9 @@ def test_random_poison_requests_are_quarantined_and_only_they(seed: int, pipelin
     outcome = (run_async if pipelined else run)(scheduler, runner, max_crashes=40)
     assert {rid for rid, u in outcome.finished.items() if u.finish_reason == "error"} <= poisoned
     innocent = set(ids) - poisoned
-    assert {rid for rid in innocent if rid in outcome.finished and outcome.finished[rid].finish_reason == "length"} \
-        == innocent
+    assert {
+        rid for rid in innocent if rid in outcome.finished and outcome.finished[rid].finish_reason == "length"
+    } == innocent
     left = set(scheduler.requests)
     assert left <= poisoned
     if left:  # a stall among poisons alone (one left alone is convicted)

@@ -20,9 +20,7 @@ from tests.core.simulate import FakeRunner
 BS = 4
 
 
-def make_runner(
-    num_blocks: int = 64, *, prefix_caching: bool = True, **config: Any
-) -> tuple[Scheduler, FakeRunner]:
+def make_runner(num_blocks: int = 64, *, prefix_caching: bool = True, **config: Any) -> tuple[Scheduler, FakeRunner]:
     config.setdefault("max_model_len", 64)
     config.setdefault("max_num_batched_tokens", 64)
     config.setdefault("max_num_seqs", 8)
@@ -124,9 +122,7 @@ def test_long_prefill_threshold_caps_chunks() -> None:
 
 
 def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits() -> None:
-    scheduler, runner = make_runner(
-        max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False
-    )
+    scheduler, runner = make_runner(max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     runner.add(req("a", 4, max_tokens=3))
     runner.step()
     runner.add(req("big", 16, max_tokens=1))
@@ -232,9 +228,7 @@ def test_prefix_caching_off() -> None:
 
 def preemption_setup(policy: str, priorities: Sequence[int]) -> tuple[Scheduler, FakeRunner]:
     """Three 8-token prompts fill a 6-block cache; the first decode needs a 7th block."""
-    scheduler, runner = make_runner(
-        num_blocks=6, max_model_len=24, max_num_batched_tokens=32, scheduling_policy=policy
-    )
+    scheduler, runner = make_runner(num_blocks=6, max_model_len=24, max_num_batched_tokens=32, scheduling_policy=policy)
     for name, priority in zip("abc", priorities):
         runner.add(req(name, 8, max_tokens=6, priority=priority, arrival_time=0.0))
     out, _ = runner.step()
@@ -427,9 +421,7 @@ def test_stop_found_downstream() -> None:
 
 
 def test_abort_at_every_stage() -> None:
-    scheduler, runner = make_runner(
-        num_blocks=6, max_model_len=24, max_num_batched_tokens=32, max_num_seqs=3
-    )
+    scheduler, runner = make_runner(num_blocks=6, max_model_len=24, max_num_batched_tokens=32, max_num_seqs=3)
     for name in ("run", "victim", "third", "queued"):
         runner.add(req(name, 8, max_tokens=6))
     runner.step()

@@ -40,13 +40,9 @@ def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool
     block_size = rng.choice([2, 4, 8])
     prefix_caching = options.pop("prefix_caching", True)
     hash_algo = options.pop("hash_algo", "sha256")
-    config = SchedulerConfig(
-        **{"max_model_len": 48, "max_num_batched_tokens": 16, "max_num_seqs": 4, **options}
-    )
+    config = SchedulerConfig(**{"max_model_len": 48, "max_num_batched_tokens": 16, "max_num_seqs": 4, **options})
     num_blocks = -(-config.max_model_len // block_size) + rng.randint(0, 8)
-    bm = BlockManager(
-        num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_algo=hash_algo
-    )
+    bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_algo=hash_algo)
     scheduler = Scheduler(config, bm)
     runner = FakeRunner(scheduler)
     prefixes = [[rng.randrange(4, 60) for _ in range(rng.randint(1, 30))] for _ in range(4)]

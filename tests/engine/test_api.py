@@ -40,8 +40,9 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 async def llm(one_thread):
-    async with sonar.open(dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_BLOCKS,
-                          seed=0) as engine:
+    async with sonar.open(
+        dtype="float32", max_model_len=MAX_MODEL_LEN, num_gpu_blocks_override=NUM_BLOCKS, seed=0
+    ) as engine:
         yield engine
 
 
@@ -100,14 +101,16 @@ async def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(llm):
     assert len(alone.token_ids) == 12
 
     # The same request among others: seeded and unseeded, sampled and greedy, other prompts.
-    batch = await run_all([
-        lambda: llm.generate(STORY, seeded),
-        lambda: llm.generate(LONG_PROMPT, SamplingParams(temperature=0.8, seed=7, max_tokens=12)),
-        lambda: llm.generate(STORY, SamplingParams(temperature=0.8, max_tokens=12)),
-        lambda: llm.generate("def fibonacci(n):", SamplingParams(temperature=1.0, max_tokens=9)),
-        lambda: llm.generate("List three colors:", greedy(12)),
-        lambda: llm.generate(STORY, seeded),
-    ])
+    batch = await run_all(
+        [
+            lambda: llm.generate(STORY, seeded),
+            lambda: llm.generate(LONG_PROMPT, SamplingParams(temperature=0.8, seed=7, max_tokens=12)),
+            lambda: llm.generate(STORY, SamplingParams(temperature=0.8, max_tokens=12)),
+            lambda: llm.generate("def fibonacci(n):", SamplingParams(temperature=1.0, max_tokens=9)),
+            lambda: llm.generate("List three colors:", greedy(12)),
+            lambda: llm.generate(STORY, seeded),
+        ]
+    )
     assert batch[0].token_ids == alone.token_ids
     assert batch[5].token_ids == alone.token_ids
     assert batch[0].text == alone.text
@@ -116,10 +119,12 @@ async def test_seeded_sampling_is_reproducible_alone_and_in_any_batch(llm):
     assert many[1].prompt_token_ids != many[0].prompt_token_ids  # order kept
 
     # Other seeds give other samples.
-    others = await run_all([
-        (lambda s=s: llm.generate(STORY, SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True)))
-        for s in (1235, 1236, 1237)
-    ])
+    others = await run_all(
+        [
+            (lambda s=s: llm.generate(STORY, SamplingParams(temperature=0.8, seed=s, max_tokens=12, ignore_eos=True)))
+            for s in (1235, 1236, 1237)
+        ]
+    )
     samples = {tuple(alone.token_ids)} | {tuple(o.token_ids) for o in others}
     assert len(samples) == 4, "four seeds should give four different samples"
 
@@ -133,13 +138,20 @@ async def test_stop_strings_stop_token_ids_and_ignore_eos(llm):
     assert offsets[-1] == len(full)
 
     # A 4-character stop string, two characters on each side of the boundary before token k.
-    k = next((k for k in range(1, len(out_ids) - 1)
-              if offsets[k] - offsets[k - 1] >= 2 and offsets[k + 1] - offsets[k] >= 2
-              and full.find(full[offsets[k] - 2: offsets[k] + 2]) == offsets[k] - 2), None)
+    k = next(
+        (
+            k
+            for k in range(1, len(out_ids) - 1)
+            if offsets[k] - offsets[k - 1] >= 2
+            and offsets[k + 1] - offsets[k] >= 2
+            and full.find(full[offsets[k] - 2 : offsets[k] + 2]) == offsets[k] - 2
+        ),
+        None,
+    )
     assert k is not None, f"no token boundary to put a stop string on in {full!r}"
     cut = offsets[k] - 2
-    stop = full[cut: cut + 4]
-    assert tok.decode(out_ids[k - 1:k]).endswith(stop[:2]) and tok.decode(out_ids[k:k + 1]).startswith(stop[2:])
+    stop = full[cut : cut + 4]
+    assert tok.decode(out_ids[k - 1 : k]).endswith(stop[:2]) and tok.decode(out_ids[k : k + 1]).startswith(stop[2:])
 
     hit = await llm.generate(LONG_PROMPT, greedy(24, stop=[stop, "never appears \x01"]))
     assert hit.text == full[:cut]
@@ -264,14 +276,20 @@ async def test_n_logprobs_and_prompt_logprobs(llm):
     assert [o.index for o in out.outputs] == [0, 1]
     for o in out.outputs:
         assert len(o.token_ids) == 10 and o.finish_reason == "length"
-        assert o.text and o.text == tok.decode(out.prompt_token_ids + o.token_ids)[len(STORY):]
+        assert o.text and o.text == tok.decode(out.prompt_token_ids + o.token_ids)[len(STORY) :]
         check_positions(o.logprobs, o.token_ids, 3)
     assert out.outputs[0].token_ids != out.outputs[1].token_ids
     # Completion i of a seeded request is the single request with seed + i.
-    singles = await run_all([
-        (lambda i=i: llm.generate(STORY, SamplingParams(temperature=0.8, seed=42 + i, max_tokens=10, ignore_eos=True)))
-        for i in range(2)
-    ])
+    singles = await run_all(
+        [
+            (
+                lambda i=i: llm.generate(
+                    STORY, SamplingParams(temperature=0.8, seed=42 + i, max_tokens=10, ignore_eos=True)
+                )
+            )
+            for i in range(2)
+        ]
+    )
     assert [s.token_ids for s in singles] == [o.token_ids for o in out.outputs]
     streamed = [d async for d in llm.stream(STORY, params)]
     assert sorted({d.index for d in streamed}) == [0, 1]
@@ -296,12 +314,11 @@ async def test_n_logprobs_and_prompt_logprobs(llm):
     plp = scored.prompt_logprobs
     assert len(plp) == len(echo_ids) and plp[0] is None
     check_positions(plp[1:], echo_ids[1:], 2)
-    tail = [p.logprob for p in plp[len(g.prompt_token_ids):]]
+    tail = [p.logprob for p in plp[len(g.prompt_token_ids) :]]
     assert tail == pytest.approx([p.logprob for p in g.logprobs], abs=2e-3)
     assert scored.num_cached_tokens == 0  # prompt logprobs need every position computed
     # With n=2 there is still one list of prompt logprobs.
-    two = await llm.generate(LONG_PROMPT, SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=2,
-                                                         prompt_logprobs=0))
+    two = await llm.generate(LONG_PROMPT, SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=2, prompt_logprobs=0))
     assert len(two.prompt_logprobs) == len(two.prompt_token_ids) and two.prompt_logprobs[0] is None
     assert [p.token_id for p in two.prompt_logprobs[1:]] == two.prompt_token_ids[1:]
     # Without prompt logprobs, a repeated prompt is served from the prefix cache.
@@ -325,11 +342,13 @@ async def test_invalid_requests_are_rejected_and_the_engine_keeps_serving(llm):
         async for _ in llm.stream(too_long, ok):
             pass
     # ... while requests around it are served.
-    results = await run_all([
-        lambda: llm.generate("The capital of France is", ok),
-        lambda: expect_invalid(llm.generate(too_long, ok)),
-        lambda: llm.generate("The capital of France is", ok),
-    ])
+    results = await run_all(
+        [
+            lambda: llm.generate("The capital of France is", ok),
+            lambda: expect_invalid(llm.generate(too_long, ok)),
+            lambda: llm.generate("The capital of France is", ok),
+        ]
+    )
     assert [results[0].token_ids, results[2].token_ids] == [ref.token_ids] * 2
     assert isinstance(results[1], InvalidRequestError)
 
@@ -352,10 +371,12 @@ async def test_invalid_requests_are_rejected_and_the_engine_keeps_serving(llm):
         await llm.generate("Hello", negative)
     assert info.value.param == "temperature"
     cap = llm.config.max_logprobs
-    for params, name in [(SamplingParams(logprobs=cap + 1), "logprobs"),
-                         (SamplingParams(prompt_logprobs=cap + 1), "prompt_logprobs"),
-                         (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
-                         (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias")]:
+    for params, name in [
+        (SamplingParams(logprobs=cap + 1), "logprobs"),
+        (SamplingParams(prompt_logprobs=cap + 1), "prompt_logprobs"),
+        (SamplingParams(stop_token_ids=[vocab]), "stop_token_ids"),
+        (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+    ]:
         with pytest.raises(InvalidRequestError) as info:
             await llm.generate("Hello", params)
         assert info.value.param == name
@@ -373,8 +394,9 @@ async def test_chat_applies_the_template(llm):
     out = await llm.chat(messages, greedy(32))
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert out.prompt_token_ids[0] == im_start
-    expected = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids
+    expected = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    ).input_ids
     assert out.prompt_token_ids == expected
     assert out.prompt_token_ids[-4:] == tok("<|im_start|>assistant\n", add_special_tokens=False).input_ids
     assert "Paris" in out.text and "<|im" not in out.text
@@ -396,8 +418,9 @@ def readme_example() -> str:
 
 async def test_readme_example_runs():
     # `python` of the README is this interpreter (the project's .venv).
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1"
+    )
     with anyio.fail_after(180):
         proc = await anyio.run_process(["bash", "-c", readme_example()], cwd=ROOT, env=env, check=False)
     stdout, stderr = proc.stdout.decode(), proc.stderr.decode()

@@ -61,8 +61,9 @@ def build_model() -> DecoderForCausalLM:
 
 
 def warm_up(compiled: CompiledForward, model: DecoderForCausalLM) -> dict[str, Any]:
-    caches = allocate_kv_caches(model.num_layers, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim,
-                                torch.float32)
+    caches = allocate_kv_caches(
+        model.num_layers, NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim, torch.float32
+    )
     return compiled.warm_up(caches, BLOCK_SIZE, WARMUP_TOKENS)
 
 
@@ -93,13 +94,17 @@ def test_first_compile_misses_and_writes_manifest(compiled: Any, cache_root: Pat
     assert json.loads((forward.directory / "key.json").read_text())["config"]["block_size"] == repr(BLOCK_SIZE)
 
 
-@pytest.mark.parametrize("prefill_chunk,join_steps,in_thread,num_blocks", [
-    (None, [0, 0, 0], False, NUM_BLOCKS),
-    (5, [2, 0, 1], False, NUM_BLOCKS),
-    (5, [2, 0, 1], True, 2 * NUM_BLOCKS),
-])
-def test_compiled_equals_eager(compiled: Any, prefill_chunk: int | None, join_steps: list[int],
-                               in_thread: bool, num_blocks: int) -> None:
+@pytest.mark.parametrize(
+    "prefill_chunk,join_steps,in_thread,num_blocks",
+    [
+        (None, [0, 0, 0], False, NUM_BLOCKS),
+        (5, [2, 0, 1], False, NUM_BLOCKS),
+        (5, [2, 0, 1], True, 2 * NUM_BLOCKS),
+    ],
+)
+def test_compiled_equals_eager(
+    compiled: Any, prefill_chunk: int | None, join_steps: list[int], in_thread: bool, num_blocks: int
+) -> None:
     """Greedy generation: prefills (whole or in chunks beside decodes, staggered joins, so token
     counts the warm-up never ran) and decodes give the same tokens and close logits, also when
     the compiled steps run in another thread (as in the worker) over a KV cache of another
@@ -110,12 +115,14 @@ def test_compiled_equals_eager(compiled: Any, prefill_chunk: int | None, join_st
     graphs = counters["stats"]["unique_graphs"]
     prompts = [[(7 * i + 3 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((11, 6, 17))]
     eager = GreedyDriver(build_model(), torch.float32, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE).generate(
-        prompts, NEW_TOKENS, prefill_chunk=prefill_chunk, join_steps=join_steps, prompt_logits=True)
+        prompts, NEW_TOKENS, prefill_chunk=prefill_chunk, join_steps=join_steps, prompt_logits=True
+    )
     model.forward = forward  # the driver calls model(...): route it through the compiled pass
     try:
         driver = GreedyDriver(model, torch.float32, num_blocks=num_blocks, block_size=BLOCK_SIZE)
-        run = functools.partial(driver.generate, prompts, NEW_TOKENS, prefill_chunk=prefill_chunk,
-                                join_steps=join_steps, prompt_logits=True)
+        run = functools.partial(
+            driver.generate, prompts, NEW_TOKENS, prefill_chunk=prefill_chunk, join_steps=join_steps, prompt_logits=True
+        )
         if in_thread:
             with ThreadPoolExecutor(1) as pool:
                 fast = pool.submit(run).result()
@@ -141,10 +148,12 @@ def test_prepacked_bfloat16_equals_eager(cache_root: Path) -> None:
     assert isinstance(model.model.layers[0].mlp.down_proj, CompilablePackedLinear)
     prompts = [[(5 * i + 11 * j) % 300 + 1 for j in range(n)] for i, n in enumerate((9, 14))]
     eager = GreedyDriver(eager_model, torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE).generate(
-        prompts, 3, prefill_chunk=5, join_steps=[1, 0], prompt_logits=True)
+        prompts, 3, prefill_chunk=5, join_steps=[1, 0], prompt_logits=True
+    )
     model.forward = forward
     fast = GreedyDriver(model, torch.bfloat16, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE).generate(
-        prompts, 3, prefill_chunk=5, join_steps=[1, 0], prompt_logits=True)
+        prompts, 3, prefill_chunk=5, join_steps=[1, 0], prompt_logits=True
+    )
     for a, b in zip(fast.prompt_logits, eager.prompt_logits):
         _bf16_close(a, b)
     compared = 0
@@ -179,8 +188,7 @@ def test_fresh_process_loads_from_cache(compiled: Any, cache_root: Path) -> None
     )
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(SONAR_CACHE_ROOT=str(cache_root), SONAR_FORCE_AOT_LOAD="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     manifest = json.loads(proc.stdout.strip().splitlines()[-1])
     assert manifest["key"] == compiled[1].key
@@ -201,8 +209,12 @@ def test_cache_key_follows_its_inputs() -> None:
     options = {"freezing": True, "dynamic": True}
     env = {name: None for name in CODE_ENV_VARS}
 
-    def key(model: torch.nn.Module = model, parts: dict[str, Any] = KEY_PARTS, opts: dict[str, Any] = options,
-            environ: dict[str, Any] = env) -> str:
+    def key(
+        model: torch.nn.Module = model,
+        parts: dict[str, Any] = KEY_PARTS,
+        opts: dict[str, Any] = options,
+        environ: dict[str, Any] = env,
+    ) -> str:
         environ = {k: v for k, v in environ.items() if v is not None}
         return cache_key(cache_key_parts(model, config_key_parts=parts, device=cpu, options=opts, environ=environ))
 

@@ -84,7 +84,8 @@ def anyio_backend() -> str:
 def _chat_or_plain(tokenizer: Any, texts: list[str]) -> list[str]:
     return [
         tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-        if i % 2 else t
+        if i % 2
+        else t
         for i, t in enumerate(texts)
     ]
 
@@ -118,8 +119,9 @@ def _assert_logprobs_match(out: sonar.RequestOutput, ref_logprobs: torch.Tensor,
         assert top_ids[0] == token
 
 
-async def _run_batch(model: str | None, prompts: list[list[int]], params: sonar.SamplingParams,
-                     **engine_args: Any) -> tuple[list[sonar.RequestOutput], Any, Any]:
+async def _run_batch(
+    model: str | None, prompts: list[list[int]], params: sonar.SamplingParams, **engine_args: Any
+) -> tuple[list[sonar.RequestOutput], Any, Any]:
     """Open an engine, generate for all prompts at once, and return outputs, final stats, info."""
     async with sonar.open(model, dtype="float32", **engine_args) as llm:
         outs = await llm.generate_many(prompts, params)
@@ -127,8 +129,9 @@ async def _run_batch(model: str | None, prompts: list[list[int]], params: sonar.
         return outs, stats, llm.info
 
 
-async def _run_alone(model: str | None, prompts: list[list[int]], params: sonar.SamplingParams,
-                     **engine_args: Any) -> list[list[int]]:
+async def _run_alone(
+    model: str | None, prompts: list[list[int]], params: sonar.SamplingParams, **engine_args: Any
+) -> list[list[int]]:
     """Each prompt on its own (one request in the engine at a time), without prefix caching."""
     async with sonar.open(model, dtype="float32", enable_prefix_caching=False, **engine_args) as llm:
         return [(await llm.generate(p, params)).token_ids for p in prompts]
@@ -138,11 +141,16 @@ def _transformers_greedy(hf: Any, prompt: list[int], n: int) -> tuple[list[int],
     """transformers' unpadded single-prompt greedy `n` tokens, and their logprobs [n, vocab]."""
     with torch.inference_mode():
         ref = hf.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False, max_new_tokens=n, eos_token_id=None, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
-    return ref.sequences[0, len(prompt):].tolist(), torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+    return ref.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
 
 
 def _assert_engine_idle(stats: Any, info: Any) -> None:
@@ -181,8 +189,9 @@ async def test_tiny_greedy_equals_transformers(name: str, tiny_engine_checkpoint
     batched, against transformers' unpadded single-prompt generate."""
     tiny = tiny_engine_checkpoints[name]
     prompts = _random_prompts(tiny.hf.config.vocab_size, [3, 17, 40, 9, 33, 64], seed=11)
-    outs, stats, info = await _run_batch(str(tiny.path), prompts, _greedy(TINY_NEW_TOKENS, TINY_LOGPROBS),
-                                         num_gpu_blocks_override=64)
+    outs, stats, info = await _run_batch(
+        str(tiny.path), prompts, _greedy(TINY_NEW_TOKENS, TINY_LOGPROBS), num_gpu_blocks_override=64
+    )
     assert info.architecture == type(tiny.hf).__name__
     for prompt, out in zip(prompts, outs):
         ref_tokens, ref_logprobs = _transformers_greedy(tiny.hf, prompt, TINY_NEW_TOKENS)
@@ -213,8 +222,14 @@ async def llama3_alone(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> tu
     return prompts, alone
 
 
-async def _check_invariance(model: str | None, prompts: list[list[int]], alone: list[list[int]], n: int,
-                            scenario: str, engine_args: dict[str, Any]) -> None:
+async def _check_invariance(
+    model: str | None,
+    prompts: list[list[int]],
+    alone: list[list[int]],
+    n: int,
+    scenario: str,
+    engine_args: dict[str, Any],
+) -> None:
     if "max_num_batched_tokens" in engine_args:
         assert max(map(len, prompts)) > 2 * engine_args["max_num_batched_tokens"]
     outs, stats, info = await _run_batch(model, prompts, _greedy(n), **engine_args)
@@ -233,17 +248,18 @@ async def test_smollm2_batch_invariance(scenario: str, smollm2_alone: Any) -> No
 
 
 @pytest.mark.parametrize("scenario", TINY_SCENARIOS)
-async def test_tiny_llama3_batch_invariance(scenario: str, llama3_alone: Any,
-                                            tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> None:
+async def test_tiny_llama3_batch_invariance(
+    scenario: str, llama3_alone: Any, tiny_engine_checkpoints: dict[str, TinyCheckpoint]
+) -> None:
     prompts, alone = llama3_alone
     path = str(tiny_engine_checkpoints["llama3"].path)
-    await _check_invariance(path, prompts, alone, INVARIANCE_TOKENS["llama3"], scenario,
-                            TINY_SCENARIOS[scenario])
+    await _check_invariance(path, prompts, alone, INVARIANCE_TOKENS["llama3"], scenario, TINY_SCENARIOS[scenario])
 
 
 @pytest.mark.parametrize("scenario", ["chunked", "preempt"])
-async def test_tiny_prompt_logprobs_equal_transformers(scenario: str, llama3_alone: Any,
-                                                       tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> None:
+async def test_tiny_prompt_logprobs_equal_transformers(
+    scenario: str, llama3_alone: Any, tiny_engine_checkpoints: dict[str, TinyCheckpoint]
+) -> None:
     """`prompt_logprobs` of 16 prompts (1 to 120 tokens) prefilled in chunks of a 32-token budget
     or preempted and recomputed, then of the longest one alone: one entry per prompt token (None
     for the first), each equal to transformers' log-softmax of the full-prompt forward pass."""

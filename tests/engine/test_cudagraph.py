@@ -99,8 +99,9 @@ def prefilled(runner: ModelRunner) -> ModelRunner:
         cache.zero_()
     meta = AttentionMetadata.build(PROMPT_LENS, PROMPT_LENS, TABLES, BLOCK)
     with torch.inference_mode():
-        runner.model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(n) for n in PROMPT_LENS]),
-                     runner.kv_caches, meta)
+        runner.model(
+            torch.tensor(sum(prompts, [])), torch.cat([torch.arange(n) for n in PROMPT_LENS]), runner.kv_caches, meta
+        )
     return runner
 
 

@@ -21,16 +21,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script would run it")
 def test_gpu_check_exits_2_without_a_cuda_device(tmp_path: Path) -> None:
-    run = subprocess.run([str(ROOT / "scripts" / "gpu_check")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, env={"PATH": "/usr/bin:/bin", "GPU_CHECK_OUT": str(tmp_path)})
+    run = subprocess.run(
+        [str(ROOT / "scripts" / "gpu_check")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "GPU_CHECK_OUT": str(tmp_path)},
+    )
     assert run.returncode == 2, run.stderr
     assert "no Python here has torch with a CUDA device and triton" in run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
 def test_benchmark_imports_and_refuses_without_cuda() -> None:
-    run = subprocess.run([sys.executable, "-m", "tests_gpu.bench_kernels", "--quick"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests_gpu.bench_kernels", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stderr
     assert run.stderr.strip().endswith("bench_kernels: no CUDA device")
 
@@ -46,12 +57,21 @@ def test_qwen3_06b_config_has_the_published_size(tmp_path: Path) -> None:
 
 
 def test_decode_timing_runs_on_cpu(tmp_path: Path) -> None:
-    config = dict(bench_decode.QWEN3_06B_CONFIG, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=384,
-                  max_position_embeddings=512)
+    config = dict(
+        bench_decode.QWEN3_06B_CONFIG,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=384,
+        max_position_embeddings=512,
+    )
     bench_decode.write_config(tmp_path, config)
-    runner = bench_decode.dummy_runner(tmp_path, enforce_eager=True, dtype="float32", max_model_len=512,
-                                       kv_cache_memory_bytes=2**20)
+    runner = bench_decode.dummy_runner(
+        tmp_path, enforce_eager=True, dtype="float32", max_model_len=512, kv_cache_memory_bytes=2**20
+    )
     assert runner.graphs is None  # CPU: no graphs
     seconds = bench_decode.decode_step_seconds(runner, steps=3, graphs=True)
     assert 0 < seconds < 5

@@ -22,8 +22,14 @@ from sonar.kernels.reference import FP8_DTYPE
 
 BLOCK = 16
 NEW_TOKENS = 20
-PROMPTS = ["The capital of France is", "Water boils at", "def fibonacci(n):", "List three colors:",
-           "The quick brown fox", "1, 2, 3, 4,"]
+PROMPTS = [
+    "The capital of France is",
+    "Water boils at",
+    "def fibonacci(n):",
+    "List three colors:",
+    "The quick brown fox",
+    "1, 2, 3, 4,",
+]
 IDENTICAL = (0, 1, 5)
 FP8_LOGIT_RTOL = 0.15
 """Of the largest |logit| of the prompt's steps (20-42 here). Measured here while the tokens
@@ -43,8 +49,9 @@ def greedy(loaded: Any, prompts: list[list[int]], kv_dtype: torch.dtype) -> tupl
     """Greedy tokens of a batch (one prefill step, then decode steps) and the logits of every step."""
     model = loaded.model
     blocks_per_seq = -(-(max(map(len, prompts)) + NEW_TOKENS) // BLOCK)
-    caches = allocate_kv_caches(model.num_layers, 1 + blocks_per_seq * len(prompts), BLOCK, model.num_kv_heads,
-                                model.head_dim, kv_dtype)
+    caches = allocate_kv_caches(
+        model.num_layers, 1 + blocks_per_seq * len(prompts), BLOCK, model.num_kv_heads, model.head_dim, kv_dtype
+    )
     tables = [list(range(1 + i * blocks_per_seq, 1 + (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
     lens = [len(p) for p in prompts]
     ids, positions, q_lens = sum(prompts, []), [i for n in lens for i in range(n)], lens
@@ -77,10 +84,15 @@ def test_fp8_kv_cache_gives_the_same_greedy_text(smollm2: Any) -> None:
         diff = (fp8_logits[: same + 1, i] - want).abs().max()
         assert diff < FP8_LOGIT_RTOL * want.abs().max(), (i, float(diff))
 
+
 def test_fp8_doubles_the_blocks_of_the_same_memory(tiny_engine_checkpoints) -> None:
     path = str(tiny_engine_checkpoints["llama3"].path)
-    runners = {dtype: ModelRunner(EngineConfig.from_args(path, dtype="bfloat16", kv_cache_memory_bytes="1MiB",
-                                                         kv_cache_dtype=dtype)) for dtype in ("auto", "fp8")}
+    runners = {
+        dtype: ModelRunner(
+            EngineConfig.from_args(path, dtype="bfloat16", kv_cache_memory_bytes="1MiB", kv_cache_dtype=dtype)
+        )
+        for dtype in ("auto", "fp8")
+    }
     auto, fp8 = runners["auto"], runners["fp8"]
     assert auto.kv_caches[0].dtype == torch.bfloat16 and fp8.kv_caches[0].dtype == FP8_DTYPE
     assert fp8.num_blocks == 2 * auto.num_blocks

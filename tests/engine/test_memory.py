@@ -23,12 +23,12 @@ def test_utilization_is_a_share_of_total_memory_not_of_free() -> None:
 
 
 def test_kv_cache_gets_the_rest_of_the_budget() -> None:
-    profile = MemoryProfile(total=80 * GiB, utilization=0.5, weights=10 * GiB, peak_activations=3 * GiB,
-                            non_torch=GiB, graphs=GiB // 2)
+    profile = MemoryProfile(
+        total=80 * GiB, utilization=0.5, weights=10 * GiB, peak_activations=3 * GiB, non_torch=GiB, graphs=GiB // 2
+    )
     assert profile.requested == 40 * GiB
     assert memory.kv_cache_bytes(profile) == 40 * GiB - 14 * GiB - GiB // 2
-    tight = MemoryProfile(total=16 * GiB, utilization=0.5, weights=7 * GiB, peak_activations=GiB, non_torch=0,
-                          graphs=0)
+    tight = MemoryProfile(total=16 * GiB, utilization=0.5, weights=7 * GiB, peak_activations=GiB, non_torch=0, graphs=0)
     with pytest.raises(DeviceMemoryError, match="no memory left for the KV cache: --gpu-memory-utilization 0.5"):
         memory.kv_cache_bytes(tight)
 
@@ -65,13 +65,16 @@ def test_unsupported_kv_cache_dtypes_are_refused() -> None:
         memory.check_kv_cache_dtype("nvfp4")
 
 
-@pytest.mark.parametrize(("requested", "model_max", "blocks", "expected", "reduced"), [
-    (None, 2048, 1000, 2048, None),  # fits: the model's own length
-    (-1, 2048, 1000, 2048, None),
-    (-1, 40960, 1000, 16000, 40960),  # auto: the longest that fits, logged as a reduction
-    (None, 40960, 1000, 16000, 40960),
-    (4096, 40960, 1000, 4096, None),
-])
+@pytest.mark.parametrize(
+    ("requested", "model_max", "blocks", "expected", "reduced"),
+    [
+        (None, 2048, 1000, 2048, None),  # fits: the model's own length
+        (-1, 2048, 1000, 2048, None),
+        (-1, 40960, 1000, 16000, 40960),  # auto: the longest that fits, logged as a reduction
+        (None, 40960, 1000, 16000, 40960),
+        (4096, 40960, 1000, 4096, None),
+    ],
+)
 def test_max_model_len_fits_the_cache(requested, model_max, blocks, expected, reduced) -> None:
     fitted = memory.fit_max_model_len(requested, model_max, blocks, 16)
     assert (fitted.value, fitted.reduced_from) == (expected, reduced)

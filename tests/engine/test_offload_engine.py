@@ -51,8 +51,14 @@ def _prompts(n: int, vocab: int = 384) -> list[list[int]]:
 
 
 def _engine_args(**extra: Any) -> dict[str, Any]:
-    return dict(dtype="float32", max_model_len=192, num_gpu_blocks_override=GPU_BLOCKS, block_size=BLOCK,
-                max_num_seqs=4, **extra)
+    return dict(
+        dtype="float32",
+        max_model_len=192,
+        num_gpu_blocks_override=GPU_BLOCKS,
+        block_size=BLOCK,
+        max_num_seqs=4,
+        **extra,
+    )
 
 
 def _transfer(bpc: int = 1, disk: Path | None = None) -> dict[str, Any]:
@@ -118,8 +124,9 @@ async def test_evicted_prefix_comes_back_from_the_cpu_tier(reference: dict[str, 
     assert offload.load_latency["CPU"].count == 1
 
 
-async def test_disk_tier_survives_a_restart_and_drops_a_corrupt_chunk(reference: dict[str, Any],
-                                                                      tmp_path: Path) -> None:
+async def test_disk_tier_survives_a_restart_and_drops_a_corrupt_chunk(
+    reference: dict[str, Any], tmp_path: Path
+) -> None:
     disk = tmp_path / "kv"
     args = _engine_args(kv_transfer_config=_transfer(1, disk))
     prompt, expected = reference["prompts"][0], reference["tokens"][0]
@@ -159,8 +166,13 @@ async def test_disk_tier_survives_a_restart_and_drops_a_corrupt_chunk(reference:
 
 async def test_event_replay_matches_every_tier(reference: dict[str, Any], tmp_path: Path) -> None:
     pub, replay = free_port(), free_port()
-    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"}
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "topic": "kv",
+    }
     args = _engine_args(kv_transfer_config=_transfer(2, tmp_path / "kv"), kv_events_config=events)
     async with sonar.open(reference["path"], **args) as llm:
         outs, _ = await _evict_and_reuse(llm, reference["prompts"])
@@ -252,8 +264,9 @@ async def test_events_without_offloading(reference: dict[str, Any]) -> None:
 async def test_manager_and_worker_in_their_own_processes(reference: dict[str, Any], tmp_path: Path) -> None:
     """The same scenario with the offload manager and the worker each in a child process: chunks
     travel between them as zero-copy frames."""
-    args = _engine_args(kv_transfer_config=_transfer(2, tmp_path / "kv"),
-                        placement={"offload": "process", "worker": "process"})
+    args = _engine_args(
+        kv_transfer_config=_transfer(2, tmp_path / "kv"), placement={"offload": "process", "worker": "process"}
+    )
     async with sonar.open(reference["path"], **args) as llm:
         outs, _ = await _evict_and_reuse(llm, reference["prompts"])
     assert [o.token_ids for o in outs] == reference["tokens"]
@@ -267,8 +280,11 @@ async def test_cache_salt_separates_every_tier_and_the_events(reference: dict[st
     from sonar.core.prefix import PrefixHasher
 
     pub, replay = free_port(), free_port()
-    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{pub}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
+    events = {
+        "enable_kv_cache_events": True,
+        "endpoint": f"tcp://127.0.0.1:{pub}",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+    }
     disk = tmp_path / "kv"
     args = _engine_args(kv_transfer_config=_transfer(1, disk), kv_events_config=events)
     prompts = reference["prompts"]

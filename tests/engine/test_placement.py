@@ -84,11 +84,14 @@ async def eventually(check: Any, timeout: float, what: str) -> None:
     pytest.fail(f"{what} after {timeout} s")
 
 
-@pytest.mark.parametrize("placement, elsewhere", [
-    ("worker=inprocess,detokenizer=inprocess,scheduler=inprocess", set()),
-    ("worker=process", {"worker"}),
-    ("worker=process,detokenizer=process", {"worker", "detokenizer"}),
-])
+@pytest.mark.parametrize(
+    "placement, elsewhere",
+    [
+        ("worker=inprocess,detokenizer=inprocess,scheduler=inprocess", set()),
+        ("worker=process", {"worker"}),
+        ("worker=process,detokenizer=process", {"worker", "detokenizer"}),
+    ],
+)
 async def test_same_output_and_nothing_left_behind(reference, placement, elsewhere):
     me = os.getpid()
     children_before = child_processes()
@@ -157,7 +160,8 @@ async def test_preempted_request_resumes_with_the_same_output(one_thread):
         assert len(out.prompt_logprobs) == len(second) and out.prompt_logprobs[0] is None
         assert [p.token_id for p in out.prompt_logprobs[1:]] == second[1:]
         assert [p.logprob for p in out.prompt_logprobs[1:]] == pytest.approx(
-            [p.logprob for p in ref.prompt_logprobs[1:]], abs=1e-3)
+            [p.logprob for p in ref.prompt_logprobs[1:]], abs=1e-3
+        )
         assert len(results["first"].token_ids) == 40
 
 
@@ -185,8 +189,10 @@ async def test_actors_on_an_authenticated_remote_host(reference, one_thread, tmp
     keys_dir = tmp_path / "keys"
     subprocess.run([sys.executable, "-m", "sonar", "actor", "keygen", str(keys_dir)], check=True, capture_output=True)
     address = free_tcp_address()
-    host = subprocess.Popen([sys.executable, "-m", "sonar", "actor", "--listen", address, "--keys", str(keys_dir)],
-                            env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    host = subprocess.Popen(
+        [sys.executable, "-m", "sonar", "actor", "--listen", address, "--keys", str(keys_dir)],
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     try:
         with pytest.raises(RuntimeError, match="needs the deployment's keys"):
             async with sonar.open(placement=f"worker={address}", **ENGINE):

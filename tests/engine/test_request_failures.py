@@ -46,12 +46,16 @@ def everything(llm: sonar.LLM) -> list[int]:
 async def test_a_request_that_leaves_no_token_is_refused_naming_the_parameter(one_thread) -> None:
     # the stop-id cap (--max-stop-token-ids) raised past the vocabulary: the no-token check refuses
     async with sonar.open(**ENGINE, max_stop_token_ids=1 << 16) as llm:
-        for params in (SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=everything(llm)),
-                       SamplingParams(temperature=0, min_tokens=3, max_tokens=4, stop_token_ids=everything(llm),
-                                      ignore_eos=True),
-                       # every id but the EOS ones: EOS is blocked too while min_tokens are not out
-                       SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[
-                           t for t in everything(llm) if t not in llm.info.eos_token_ids])):
+        for params in (
+            SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=everything(llm)),
+            SamplingParams(temperature=0, min_tokens=3, max_tokens=4, stop_token_ids=everything(llm), ignore_eos=True),
+            # every id but the EOS ones: EOS is blocked too while min_tokens are not out
+            SamplingParams(
+                temperature=1.0,
+                min_tokens=1,
+                stop_token_ids=[t for t in everything(llm) if t not in llm.info.eos_token_ids],
+            ),
+        ):
             with pytest.raises(InvalidRequestError, match="no token is left") as caught:
                 await llm.generate(PROMPTS[0], params)
             assert caught.value.param == "stop_token_ids"
@@ -59,8 +63,10 @@ async def test_a_request_that_leaves_no_token_is_refused_naming_the_parameter(on
         ok = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, stop_token_ids=everything(llm)))
         assert ok.finish_reason == "stop" and len(ok.token_ids) == 1
         free_eos = [t for t in everything(llm) if t not in llm.info.eos_token_ids]
-        ok = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, min_tokens=1,
-                                                           stop_token_ids=free_eos, ignore_eos=True))
+        ok = await llm.generate(
+            PROMPTS[0],
+            SamplingParams(temperature=0, max_tokens=2, min_tokens=1, stop_token_ids=free_eos, ignore_eos=True),
+        )
         assert len(ok.token_ids) >= 1
         assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
@@ -72,7 +78,8 @@ def test_the_no_token_left_check_is_its_own_function() -> None:
         params.check_token_left(vocab_size=4, eos_token_ids=[3])
     assert caught.value.param == "stop_token_ids"
     SamplingParams(min_tokens=1, stop_token_ids=[0, 1, 2], ignore_eos=True).check_token_left(
-        vocab_size=4, eos_token_ids=[3])
+        vocab_size=4, eos_token_ids=[3]
+    )
     SamplingParams(min_tokens=0, stop_token_ids=[0, 1, 2, 3]).check_token_left(vocab_size=4)
 
 
@@ -111,8 +118,7 @@ async def test_a_row_with_no_token_fails_its_request_alone(one_thread) -> None:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-async def test_a_poison_request_is_quarantined_and_the_others_finish_unchanged(one_thread,
-                                                                              async_scheduling) -> None:
+async def test_a_poison_request_is_quarantined_and_the_others_finish_unchanged(one_thread, async_scheduling) -> None:
     async with sonar.open(**ENGINE, async_scheduling=async_scheduling) as llm:
         reference = [o.text for o in await llm.generate_many(PROMPTS, GREEDY)]
         for prompt, out in zip(PROMPTS, await llm.generate_many(PROMPTS, GREEDY)):

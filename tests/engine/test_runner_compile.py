@@ -72,6 +72,10 @@ async def test_forced_load_on_an_empty_cache_fails_to_start(
 ) -> None:
     monkeypatch.setenv("SONAR_FORCE_AOT_LOAD", "1")
     with pytest.raises(Exception, match="SONAR_FORCE_AOT_LOAD=1 but the compile cache has no artifacts"):
-        async with sonar.open(str(tiny_engine_checkpoints["qwen3"].path), dtype="float32",
-                              num_gpu_blocks_override=16, optimization_level=3):
+        async with sonar.open(
+            str(tiny_engine_checkpoints["qwen3"].path),
+            dtype="float32",
+            num_gpu_blocks_override=16,
+            optimization_level=3,
+        ):
             pass

@@ -55,8 +55,13 @@ def start_server(tmp: Path, *args: str, timeout: float = 120.0) -> ServerProcess
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     started = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
-        proc = subprocess.Popen([sys.executable, "-m", "sonar", "serve", "--host", "127.0.0.1",
-                                 "--port", str(port), *args], cwd=ROOT, env=env, stdout=fout, stderr=ferr)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sonar", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=fout,
+            stderr=ferr,
+        )
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", out, err)
     deadline = started + timeout
     while time.monotonic() < deadline:
@@ -87,7 +92,7 @@ def sse_events(response: httpx.Response) -> list[Any]:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 

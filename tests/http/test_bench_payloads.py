@@ -34,8 +34,19 @@ HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer None"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with serving(tmp_path_factory.mktemp("bench"), "--dtype", "float32", "--max-model-len", "256",
-                 "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL) as srv:
+    with serving(
+        tmp_path_factory.mktemp("bench"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "96",
+        "--seed",
+        "0",
+        "--served-model-name",
+        MODEL,
+    ) as srv:
         yield srv
 
 
@@ -73,9 +84,17 @@ def post(server: Any, path: str, body: dict[str, Any]) -> tuple[str, int | None,
 
 @pytest.mark.parametrize("max_tokens", [1, 24])
 def test_openai_backend_completions(server: Any, max_tokens: int) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "repetition_penalty": 1.0,
-            "max_tokens": max_tokens, "logprobs": None, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "temperature": 0.0,
+        "repetition_penalty": 1.0,
+        "max_tokens": max_tokens,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     text, output_tokens, chunks = post(server, "/v1/completions", body)
     assert text
     assert output_tokens == max_tokens
@@ -90,16 +109,32 @@ def test_openai_backend_completions(server: Any, max_tokens: int) -> None:
 
 def test_openai_backend_older_body(server: Any) -> None:
     """Older clients also sent best_of 1 and ignore_eos false; the stream still reports usage."""
-    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "best_of": 1, "max_tokens": 8,
-            "logprobs": None, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": False}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "temperature": 0.0,
+        "best_of": 1,
+        "max_tokens": 8,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": False,
+    }
     text, output_tokens, chunks = post(server, "/v1/completions", body)
     assert output_tokens is not None and 1 <= output_tokens <= 8
     assert chunks[-1]["choices"] == []
 
 
 def test_openai_backend_greedy_is_repeatable(server: Any) -> None:
-    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0.0, "max_tokens": 12, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "temperature": 0.0,
+        "max_tokens": 12,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     first, _, _ = post(server, "/v1/completions", body)
     second, _, _ = post(server, "/v1/completions", body)
     assert first == second
@@ -108,9 +143,15 @@ def test_openai_backend_greedy_is_repeatable(server: Any) -> None:
 @pytest.mark.parametrize("content", ["parts", "string"])
 def test_openai_chat_backend(server: Any, content: str) -> None:
     message = [{"type": "text", "text": PROMPT}] if content == "parts" else PROMPT
-    body = {"model": MODEL, "messages": [{"role": "user", "content": message}], "temperature": 0.0,
-            "max_completion_tokens": 20, "stream": True, "stream_options": {"include_usage": True},
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": message}],
+        "temperature": 0.0,
+        "max_completion_tokens": 20,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     text, output_tokens, chunks = post(server, "/v1/chat/completions", body)
     assert text
     assert output_tokens == 20
@@ -123,9 +164,15 @@ def test_openai_chat_backend(server: Any, content: str) -> None:
 
 def test_chat_parts_and_string_content_are_the_same_prompt(server: Any) -> None:
     def prompt_tokens(message: Any) -> int:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": message}], "temperature": 0.0,
-                "max_completion_tokens": 1, "stream": True, "stream_options": {"include_usage": True},
-                "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": message}],
+            "temperature": 0.0,
+            "max_completion_tokens": 1,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         return post(server, "/v1/chat/completions", body)[2][-1]["usage"]["prompt_tokens"]
 
     assert prompt_tokens([{"type": "text", "text": PROMPT}]) == prompt_tokens(PROMPT)

@@ -31,9 +31,20 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = start_server(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "256",
-                          "--num-gpu-blocks-override", "96", "--seed", "0", "--enable-prompt-tokens-details",
-                          "--max-logprobs", "-1")
+    server = start_server(
+        tmp_path_factory.mktemp("server"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "96",
+        "--seed",
+        "0",
+        "--enable-prompt-tokens-details",
+        "--max-logprobs",
+        "-1",
+    )
     with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
     code = stop_server(server)
@@ -76,8 +87,13 @@ def test_chat_and_streams_honour_the_salt(http: httpx.Client) -> None:
         return cached(r.json())
 
     def streamed_chat(salt: str) -> int:
-        body = {"messages": messages, "max_tokens": 2, "cache_salt": salt, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "messages": messages,
+            "max_tokens": 2,
+            "cache_salt": salt,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
             events = sse_events(r)
@@ -85,8 +101,13 @@ def test_chat_and_streams_honour_the_salt(http: httpx.Client) -> None:
         return cached(events[-2])
 
     def streamed_completion(salt: str) -> int:
-        body = {"prompt": "Tenant isolation, streamed. " + LONG_PROMPT, "max_tokens": 2, "cache_salt": salt,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": "Tenant isolation, streamed. " + LONG_PROMPT,
+            "max_tokens": 2,
+            "cache_salt": salt,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             events = sse_events(r)
@@ -100,8 +121,10 @@ def test_chat_and_streams_honour_the_salt(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize("salt", ["", "x" * (MAX_CACHE_SALT_LENGTH + 1), 42, ["a"]])
 def test_an_invalid_salt_is_a_400_naming_it(http: httpx.Client, salt: Any) -> None:
-    for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 1}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello", "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}),
+    ):
         r = http.post(path, json={**body, "cache_salt": salt})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == "cache_salt", r.text

@@ -61,9 +61,13 @@ async def test_disconnect_aborts_streamed_and_whole_requests(one_thread):
                 await wait_idle(llm)
 
                 # Whole (not streamed): the client gives up while the engine works.
-                for path, body in (("/v1/completions", long),
-                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                             "max_tokens": 200, "ignore_eos": True})):
+                for path, body in (
+                    ("/v1/completions", long),
+                    (
+                        "/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200, "ignore_eos": True},
+                    ),
+                ):
                     async with anyio.create_task_group() as calls:
                         calls.start_soon(lambda path=path, body=body: client.post(path, json=body))
                         await wait_running(llm)

@@ -19,9 +19,28 @@ def test_health_is_503_while_the_engine_starts_then_200(tmp_path: Path) -> None:
     base = f"http://127.0.0.1:{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with (tmp_path / "out").open("wb") as out, (tmp_path / "err").open("wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "sonar", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64"],
-                                cwd=ROOT, env=env, stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sonar",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "256",
+                "--num-gpu-blocks-override",
+                "64",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=err,
+        )
     try:
         statuses: list[int] = []
         starting_error = None

@@ -27,15 +27,27 @@ from sonar.cli.serve import system_fingerprint
 from tests.actors.helpers import alive
 from tests.http.conftest import ROOT, ServerProcess, sse_events, start_server, stop_server
 
-COMMON = ("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--seed", "0",
-          "--served-model-name", "smol")
+COMMON = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--num-gpu-blocks-override",
+    "96",
+    "--seed",
+    "0",
+    "--served-model-name",
+    "smol",
+)
 ORIGIN = "https://ok.example"
 FINGERPRINT = "fp-lifecycle-test"
 STORY = "Once upon a time, in a small village by the sea,"
 # Long enough for several 16-token prefix-cache blocks, and used by no other test of this server.
-LONG_PROMPT = ("A lighthouse keeper kept a logbook of every ship that passed the rocky cape: the date, "
-               "the flag, the weather, the direction of the wind and the colour of the sails. After "
-               "forty years the logbooks filled a whole wall of the tower, and historians came")
+LONG_PROMPT = (
+    "A lighthouse keeper kept a logbook of every ship that passed the rocky cape: the date, "
+    "the flag, the weather, the direction of the wind and the colour of the sails. After "
+    "forty years the logbooks filled a whole wall of the tower, and historians came"
+)
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -63,8 +75,13 @@ def start_uds_server(tmp: Path, sock: Path, *args: str, timeout: float = 120.0) 
     log = tmp / "server.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     with log.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "sonar", "serve", "--uds", str(sock), *args],
-                                cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sonar", "serve", "--uds", str(sock), *args],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -102,7 +119,7 @@ class StreamInBackground:
                 self.status = r.status_code
                 for line in r.iter_lines():
                     if line.startswith("data: "):
-                        data = line[len("data: "):]
+                        data = line[len("data: ") :]
                         self.events.append(data if data == "[DONE]" else json.loads(data))
                         self.started.set()
         except BaseException as exc:  # noqa: BLE001 - reported by the test
@@ -117,8 +134,13 @@ class StreamInBackground:
         assert self.status == 200
 
     def finish_reasons(self) -> list[str]:
-        return [c["finish_reason"] for e in self.events if isinstance(e, dict) for c in e.get("choices", [])
-                if c.get("finish_reason")]
+        return [
+            c["finish_reason"]
+            for e in self.events
+            if isinstance(e, dict)
+            for c in e.get("choices", [])
+            if c.get("finish_reason")
+        ]
 
 
 # -- the UDS server with the extras ------------------------------------------------------------------
@@ -127,9 +149,23 @@ def uds_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("uds")
     sock = tmp / "sonar.sock"
     proc, log = start_uds_server(
-        tmp, sock, *COMMON, "--shutdown-timeout", "0", "--enable-prompt-tokens-details",
-        "--enable-request-id-headers", "--fingerprint-mode", "custom", "--fingerprint-value", FINGERPRINT,
-        "--stream-interval", "4", "--return-tokens-as-token-ids", "--allowed-origins", ORIGIN)
+        tmp,
+        sock,
+        *COMMON,
+        "--shutdown-timeout",
+        "0",
+        "--enable-prompt-tokens-details",
+        "--enable-request-id-headers",
+        "--fingerprint-mode",
+        "custom",
+        "--fingerprint-value",
+        FINGERPRINT,
+        "--stream-interval",
+        "4",
+        "--return-tokens-as-token-ids",
+        "--allowed-origins",
+        ORIGIN,
+    )
     yield proc, sock, log
     if proc.poll() is None:  # the abort test did not get to stop it
         proc.send_signal(signal.SIGTERM)
@@ -186,8 +222,11 @@ def test_repeated_long_prompt_reports_cached_prompt_tokens(uds: httpx.Client) ->
     uds.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
     chat = uds.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()["usage"]
     assert chat["prompt_tokens_details"]["cached_tokens"] >= 32
-    with uds.stream("POST", "/v1/completions", json={"prompt": LONG_PROMPT, "max_tokens": 2, "stream": True,
-                                                     "stream_options": {"include_usage": True}}) as r:
+    with uds.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": LONG_PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
@@ -212,8 +251,10 @@ def test_stream_interval_batches_tokens_and_logprob_tokens_are_ids(uds: httpx.Cl
     assert whole["logprobs"]["tokens"] == tokens
     assert "".join(c["text"] for c in chunks) == whole["text"]
     # Chat: content tokens and alternatives as ids too.
-    chat = uds.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
-                                                  "logprobs": True, "top_logprobs": 2}).json()
+    chat = uds.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+    ).json()
     content = chat["choices"][0]["logprobs"]["content"]
     assert content and all(re.fullmatch(r"token_id:\d+", p["token"]) for p in content)
     assert all(t["token"].startswith("token_id:") for p in content for t in p["top_logprobs"])
@@ -243,10 +284,14 @@ def test_zero_shutdown_timeout_aborts_in_flight_requests_at_once(uds_server: Any
     poster = threading.Thread(target=post_whole, daemon=True)
     poster.start()
     time.sleep(0.3)  # the whole request goes first: it is running by the time the streams have output
-    streams = [StreamInBackground(lambda: uds_client(sock), body),
-               StreamInBackground(lambda: uds_client(sock), {"messages": [{"role": "user", "content": STORY}],
-                                                            "max_tokens": 200, "ignore_eos": True},
-                                  "/v1/chat/completions")]
+    streams = [
+        StreamInBackground(lambda: uds_client(sock), body),
+        StreamInBackground(
+            lambda: uds_client(sock),
+            {"messages": [{"role": "user", "content": STORY}], "max_tokens": 200, "ignore_eos": True},
+            "/v1/chat/completions",
+        ),
+    ]
     for s in streams:
         assert s.started.wait(30)
     sent = time.monotonic()
@@ -271,8 +316,9 @@ def test_zero_shutdown_timeout_aborts_in_flight_requests_at_once(uds_server: Any
 # -- the TCP server that drains ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def draining_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = start_server(tmp_path_factory.mktemp("drain"), *COMMON, "--shutdown-timeout", "10",
-                       "--placement", "worker=process")
+    srv = start_server(
+        tmp_path_factory.mktemp("drain"), *COMMON, "--shutdown-timeout", "10", "--placement", "worker=process"
+    )
     yield srv
     stop_server(srv)
 

@@ -26,8 +26,19 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with serving(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", "256",
-                 "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL) as srv:
+    with serving(
+        tmp_path_factory.mktemp("server"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "96",
+        "--seed",
+        "0",
+        "--served-model-name",
+        MODEL,
+    ) as srv:
         yield srv
 
 
@@ -79,7 +90,9 @@ def test_metrics_count_what_the_responses_reported(http: httpx.Client) -> None:
         return value(after, name, **labels) - value(before, name, **labels)
 
     assert delta("sonar:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
-    assert delta("sonar:generation_tokens_total") == sum(u["completion_tokens"] for u in usages) == requests * MAX_TOKENS
+    assert (
+        delta("sonar:generation_tokens_total") == sum(u["completion_tokens"] for u in usages) == requests * MAX_TOKENS
+    )
     assert delta("sonar:request_success_total", finished_reason="length") == requests
     for hist in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert delta(f"sonar:{hist}_count") == requests, hist
@@ -148,9 +161,21 @@ def test_load_counts_requests_in_flight(http: httpx.Client, server: ServerProces
 
 
 def test_stats_line_fields() -> None:
-    stats = SchedulerStats(num_running=2, num_waiting=1, num_preemptions=0, kv_usage=0.125, num_free_blocks=84,
-                           prefix_queries=64, prefix_hits=16)
+    stats = SchedulerStats(
+        num_running=2,
+        num_waiting=1,
+        num_preemptions=0,
+        kv_usage=0.125,
+        num_free_blocks=84,
+        prefix_queries=64,
+        prefix_hits=16,
+    )
     assert stats_line(stats, 12.34, 5.0, 0.25) == {
-        "running": 2, "waiting": 1, "kv_cache_usage": "12.5%", "prompt_tokens_per_s": 12.3,
-        "generation_tokens_per_s": 5.0, "prefix_cache_hit_rate": "25.0%"}
+        "running": 2,
+        "waiting": 1,
+        "kv_cache_usage": "12.5%",
+        "prompt_tokens_per_s": 12.3,
+        "generation_tokens_per_s": 5.0,
+        "prefix_cache_hit_rate": "25.0%",
+    }
     assert stats_line(stats, 0.0, 0.0, None)["prefix_cache_hit_rate"] == "n/a"

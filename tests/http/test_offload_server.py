@@ -32,8 +32,19 @@ from tests.http.conftest import ROOT, ServerProcess, free_port, serving
 from tests.offload.helpers import tiny_tmpfs
 
 BLOCK = 16
-COMMON = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "40", "--seed", "0",
-          "--enable-prompt-tokens-details", "--max-num-seqs", "4")
+COMMON = (
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "512",
+    "--num-gpu-blocks-override",
+    "40",
+    "--seed",
+    "0",
+    "--enable-prompt-tokens-details",
+    "--max-num-seqs",
+    "4",
+)
 
 
 def _prompt(k: int) -> str:
@@ -42,8 +53,11 @@ def _prompt(k: int) -> str:
 
 
 def _complete(server: ServerProcess, prompt: str) -> dict[str, Any]:
-    r = httpx.post(f"{server.base_url}/v1/completions", timeout=120,
-                   json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=120,
+        json={"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True},
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -79,8 +93,15 @@ def _cached(body: dict[str, Any]) -> int:
 
 def test_cpu_tier_serves_an_evicted_prefix_and_publishes_events(tmp_path: Path) -> None:
     pub, replay = free_port(), free_port()
-    events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{pub}",
-                         "replay_endpoint": f"tcp://127.0.0.1:{replay}", "topic": "kv"})
+    events = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{pub}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            "topic": "kv",
+        }
+    )
     with serving(tmp_path, *COMMON, "--kv-offloading-size", "0.25", "--kv-events-config", events) as server:
         assert "KV offloading: CPUOffloadingSpec: CPU 0.25 GiB" in server.out()
         with KVEventConsumer(f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic="kv") as consumer:
@@ -121,8 +142,18 @@ def test_cpu_tier_serves_an_evicted_prefix_and_publishes_events(tmp_path: Path) 
 
 def test_disk_tier_survives_a_restart_and_a_corrupt_chunk_is_never_served(tmp_path: Path) -> None:
     disk = tmp_path / "kv"
-    transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
-        "spec_name": "TieringOffloadingSpec", "cpu_size_gib": 0.25, "disk_path": str(disk), "disk_size_gib": 1}})
+    transfer = json.dumps(
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {
+                "spec_name": "TieringOffloadingSpec",
+                "cpu_size_gib": 0.25,
+                "disk_path": str(disk),
+                "disk_size_gib": 1,
+            },
+        }
+    )
     args = (*COMMON, "--kv-transfer-config", transfer)
     prompt = _prompt(2)
     with serving(_fresh(tmp_path / "a"), *args) as server:
@@ -163,12 +194,22 @@ def test_a_full_disk_degrades_the_tier_and_requests_keep_being_served(tmp_path: 
     server instead (EACCES; root ignores that, hence the tmpfs)."""
     with tiny_tmpfs("2m") as mount:
         disk = (mount or tmp_path) / "kv"
-        transfer = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                               "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_size_gib": 0.25,
-                                                             "disk_path": str(disk), "disk_size_gib": 1}})
+        transfer = json.dumps(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "TieringOffloadingSpec",
+                    "cpu_size_gib": 0.25,
+                    "disk_path": str(disk),
+                    "disk_size_gib": 1,
+                },
+            }
+        )
         events = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}"})
-        with serving(_fresh(tmp_path / "server"), *COMMON, "--kv-transfer-config", transfer,
-                     "--kv-events-config", events) as server:
+        with serving(
+            _fresh(tmp_path / "server"), *COMMON, "--kv-transfer-config", transfer, "--kv-events-config", events
+        ) as server:
             assert stat.S_IMODE(disk.stat().st_mode) == 0o700
             if mount is None:
                 disk.chmod(0o500)
@@ -184,25 +225,43 @@ def test_a_full_disk_degrades_the_tier_and_requests_keep_being_served(tmp_path: 
     assert metrics['sonar:kv_offload_hit_blocks_total{medium="CPU"}'] > 0  # the CPU tier goes on
     assert metrics['sonar:kv_offload_write_errors_total{medium="DISK"}'] >= 1
     assert metrics['sonar:kv_offload_degraded{medium="CPU"}'] == 0
-    assert metrics['sonar:kv_offload_stores_total{medium="CPU"}'] > metrics['sonar:kv_offload_stores_total{medium="DISK"}']
+    assert (
+        metrics['sonar:kv_offload_stores_total{medium="CPU"}'] > metrics['sonar:kv_offload_stores_total{medium="DISK"}']
+    )
     assert metrics["sonar:kv_events_dropped_total"] == 0
     assert "offload.disk.degraded" in log and ("ENOSPC" in log or "EACCES" in log)
 
 
-@pytest.mark.parametrize("value, rule", [
-    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"block_size": 32, "blocks_per_chunk": 2}}',
-     "block_size and blocks_per_chunk are mutually exclusive"),
-    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"block_size": 24}}',
-     "must be a multiple of the KV cache block size (16)"),
-    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"blocks_per_chunk": 0}}',
-     "blocks_per_chunk must be a positive integer"),
-    ('{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}',
-     "TieringOffloadingSpec needs kv_connector_extra_config.disk_path"),
-    ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "kv_connector must be 'OffloadingConnector'"),
-])
+@pytest.mark.parametrize(
+    "value, rule",
+    [
+        (
+            '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"block_size": 32, "blocks_per_chunk": 2}}',
+            "block_size and blocks_per_chunk are mutually exclusive",
+        ),
+        (
+            '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"block_size": 24}}',
+            "must be a multiple of the KV cache block size (16)",
+        ),
+        (
+            '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"blocks_per_chunk": 0}}',
+            "blocks_per_chunk must be a positive integer",
+        ),
+        (
+            '{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec"}}',
+            "TieringOffloadingSpec needs kv_connector_extra_config.disk_path",
+        ),
+        ('{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "kv_connector must be 'OffloadingConnector'"),
+    ],
+)
 def test_invalid_transfer_config_fails_at_startup(value: str, rule: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "sonar", "serve", "--kv-transfer-config", value], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonar", "serve", "--kv-transfer-config", value],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sonar serve: error: ") and rule in lines[0], proc.stderr

@@ -28,9 +28,21 @@ LONG_PROMPT = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    srv = start_server(tmp_path_factory.mktemp("server"), "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                       "--num-gpu-blocks-override", "96", "--seed", "0", "--served-model-name", MODEL,
-                       "--api-key", API_KEY)
+    srv = start_server(
+        tmp_path_factory.mktemp("server"),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--num-gpu-blocks-override",
+        "96",
+        "--seed",
+        "0",
+        "--served-model-name",
+        MODEL,
+        "--api-key",
+        API_KEY,
+    )
     yield srv
     code = stop_server(srv)
     assert code == 0, f"the server exited with {code} on SIGTERM:\n{srv.log()[-4000:]}"
@@ -67,20 +79,26 @@ def expect_error(response: httpx.Response, status: int, param: str | None = None
 # -- completions ----------------------------------------------------------------------------------
 def test_completion_text_and_token_id_prompts_give_the_same_text_and_exact_usage(client, http):
     ids = tokenize(http, prompt=STORY)
-    text = client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    text = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert text.object == "text_completion" and text.model == MODEL and text.id.startswith("cmpl-")
     [choice] = text.choices
     assert choice.index == 0 and choice.finish_reason == "length" and choice.text
-    assert (text.usage.prompt_tokens, text.usage.completion_tokens, text.usage.total_tokens) == \
-        (len(ids), 8, len(ids) + 8)
-    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    assert (text.usage.prompt_tokens, text.usage.completion_tokens, text.usage.total_tokens) == (
+        len(ids),
+        8,
+        len(ids) + 8,
+    )
+    by_ids = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert by_ids.choices[0].text == choice.text
     assert by_ids.usage == text.usage
     # Several prompts at once: one choice each, in order; prompt tokens counted once per prompt.
-    many = client.completions.create(model=MODEL, prompt=[STORY, "Water boils at"], max_tokens=4, temperature=0,
-                                     extra_body={"ignore_eos": True})
+    many = client.completions.create(
+        model=MODEL, prompt=[STORY, "Water boils at"], max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert [c.index for c in many.choices] == [0, 1]
     assert many.choices[0].text == choice.text[: len(many.choices[0].text)]
     assert many.usage.prompt_tokens == len(ids) + len(tokenize(http, prompt="Water boils at"))
@@ -88,8 +106,7 @@ def test_completion_text_and_token_id_prompts_give_the_same_text_and_exact_usage
 
 
 def test_n_and_seed_reproducibility(client):
-    kw = dict(model=MODEL, prompt=STORY, max_tokens=6, temperature=0.9, seed=1234, n=2,
-              extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt=STORY, max_tokens=6, temperature=0.9, seed=1234, n=2, extra_body={"ignore_eos": True})
     first = client.completions.create(**kw)
     assert [c.index for c in first.choices] == [0, 1]
     assert first.choices[0].text != first.choices[1].text
@@ -103,8 +120,13 @@ def test_n_and_seed_reproducibility(client):
 
 
 def test_stop_string_ends_the_text_before_it(client):
-    full = client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=16, temperature=0,
-                                     extra_body={"ignore_eos": True}).choices[0].text
+    full = (
+        client.completions.create(
+            model=MODEL, prompt=LONG_PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
     words = full.split()
     stop = next(w for w in words[2:] if len(w) > 2)
     cut = full.index(stop)
@@ -114,8 +136,9 @@ def test_stop_string_ends_the_text_before_it(client):
 
 
 def test_logprobs_and_echo_on_a_token_id_prompt(client, http):
-    out = client.completions.create(model=MODEL, prompt=STORY, max_tokens=5, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=5, temperature=0, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == out.choices[0].text
@@ -126,8 +149,9 @@ def test_logprobs_and_echo_on_a_token_id_prompt(client, http):
         assert logprob == pytest.approx(max(top.values()))  # greedy: the chosen token is the top one
 
     ids = tokenize(http, prompt=STORY)
-    echo = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0, logprobs=1, echo=True,
-                                     extra_body={"ignore_eos": True})
+    echo = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=5, temperature=0, logprobs=1, echo=True, extra_body={"ignore_eos": True}
+    )
     choice = echo.choices[0]
     prompt_text = http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     assert choice.text == prompt_text + out.choices[0].text
@@ -136,16 +160,25 @@ def test_logprobs_and_echo_on_a_token_id_prompt(client, http):
     assert elp.token_logprobs[0] is None and elp.top_logprobs[0] is None
     assert all(x is not None and x <= 0 for x in elp.token_logprobs[1:])
     assert "".join(elp.tokens) == choice.text
-    assert elp.token_logprobs[len(ids):] == pytest.approx(lp.token_logprobs, abs=2e-3)
+    assert elp.token_logprobs[len(ids) :] == pytest.approx(lp.token_logprobs, abs=2e-3)
     assert echo.usage.prompt_tokens == len(ids) and echo.usage.completion_tokens == 5
 
 
 def test_streamed_completion_matches_the_whole_one(client):
-    whole = client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
-    chunks = list(client.completions.create(model=MODEL, prompt=STORY, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    whole = client.completions.create(
+        model=MODEL, prompt=STORY, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=STORY,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
     assert text_chunks[-1].choices[0].finish_reason == "length"
@@ -154,14 +187,17 @@ def test_streamed_completion_matches_the_whole_one(client):
 
 
 # -- chat -----------------------------------------------------------------------------------------
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
+]
 
 
 def test_chat_non_streamed_and_streamed_with_usage(client, http):
     prompt_ids = tokenize(http, messages=MESSAGES)
-    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
-                                           logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
     [choice] = whole.choices
     assert choice.message.role == "assistant" and choice.message.content
@@ -172,8 +208,14 @@ def test_chat_non_streamed_and_streamed_with_usage(client, http):
     assert len(choice.logprobs.content) == n
     assert all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
 
-    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_completion_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
@@ -186,8 +228,16 @@ def test_chat_non_streamed_and_streamed_with_usage(client, http):
 
 
 def test_chat_stream_ends_with_done_and_n_gets_a_role_chunk_per_choice(server, http):
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 3,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "max_tokens": 3,
+        "n": 2,
+        "temperature": 0.8,
+        "seed": 3,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
@@ -204,7 +254,7 @@ def test_client_disconnect_mid_stream_aborts_the_request(server, http):
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        rid = json.loads(first[len("data: "):])["id"]
+        rid = json.loads(first[len("data: ") :])["id"]
     deadline = time.monotonic() + 10
     while "request.disconnected" not in server.log() or rid not in server.log():
         assert time.monotonic() < deadline, "the server did not notice the disconnect"
@@ -220,18 +270,36 @@ def test_bad_parameters_are_400_naming_the_param(client, http):
         client.completions.create(model=MODEL, prompt=STORY, temperature=-1)
     assert info.value.status_code == 400
     assert info.value.body["param"] == "temperature"
-    expect_error(http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": "many"}),
-                 400, "max_tokens")
+    expect_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": "many"}), 400, "max_tokens"
+    )
     expect_error(http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "top_p": 1.5}), 400, "top_p")
     expect_error(http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "n": 0}), 400, "n")
     expect_error(http.post("/v1/completions", json={"model": MODEL}), 400, "prompt")
     expect_error(http.post("/v1/completions", json={"model": MODEL, "prompt": [1.5]}), 400, "prompt")
-    expect_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "top_logprobs": 50,
-                                                         "logprobs": True}), 400, "top_logprobs")
-    expect_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES,
-                                                         "max_completion_tokens": 0}), 400, "max_completion_tokens")
-    expect_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}]}), 400, "messages[0].content")
+    expect_error(
+        http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "top_logprobs": 50, "logprobs": True}
+        ),
+        400,
+        "top_logprobs",
+    )
+    expect_error(
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 0}),
+        400,
+        "max_completion_tokens",
+    )
+    expect_error(
+        http.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+            },
+        ),
+        400,
+        "messages[0].content",
+    )
     # Unknown fields are ignored.
     ok = http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": 1, "no_such_field": 1})
     assert ok.status_code == 200, ok.text
@@ -243,14 +311,19 @@ def test_prompt_too_long_is_400(client, http):
         client.completions.create(model=MODEL, prompt=long, max_tokens=4)
     assert info.value.body["param"] == "prompt"
     # Streamed too: the error comes before the stream starts, as a 400.
-    r = http.post("/v1/chat/completions", json={"model": MODEL, "stream": True,
-                                                "messages": [{"role": "user", "content": long}]})
+    r = http.post(
+        "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": long}]}
+    )
     expect_error(r, 400, "prompt")
 
 
 def test_malformed_json_is_400(http):
-    expect_error(http.post("/v1/completions", content=b'{"model": "smol", "prompt": ',
-                           headers={"content-type": "application/json"}), 400)
+    expect_error(
+        http.post(
+            "/v1/completions", content=b'{"model": "smol", "prompt": ', headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     expect_error(http.post("/v1/chat/completions", content=b"not json"), 400)
 
 
@@ -289,6 +362,6 @@ def test_tokenize_detokenize_round_trip(http):
     assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
     assert len(r["token_strs"]) == r["count"]
     assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": text}
-    expect_error(http.post("/detokenize", json={"tokens": [10 ** 9]}), 400, "tokens")
+    expect_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["count"] > r["count"]

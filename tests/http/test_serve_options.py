@@ -27,11 +27,20 @@ PROMPT = "Tell me a long story about a lighthouse keeper and the sea"
 def options_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Everything on: a 3-token default, /tokenizer_info, request and output logs clipped to 12
     characters, no access log lines for /health and /metrics; and no /openapi.json."""
-    srv = start_server(tmp_path_factory.mktemp("options"), *BASE,
-                       "--override-generation-config", '{"max_new_tokens": 3, "temperature": 0.0}',
-                       "--enable-tokenizer-info-endpoint", "--enable-log-requests", "--enable-log-outputs",
-                       "--max-log-len", "12", "--disable-access-log-for-endpoints", "/health,/metrics",
-                       "--disable-fastapi-docs")
+    srv = start_server(
+        tmp_path_factory.mktemp("options"),
+        *BASE,
+        "--override-generation-config",
+        '{"max_new_tokens": 3, "temperature": 0.0}',
+        "--enable-tokenizer-info-endpoint",
+        "--enable-log-requests",
+        "--enable-log-outputs",
+        "--max-log-len",
+        "12",
+        "--disable-access-log-for-endpoints",
+        "/health,/metrics",
+        "--disable-fastapi-docs",
+    )
     yield srv
     assert stop_server(srv) == 0, srv.log()[-4000:]
 
@@ -49,15 +58,19 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def complete(server: Any, **body: Any) -> dict[str, Any]:
-    r = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, **body},
-                   timeout=120)
+    r = httpx.post(
+        f"{server.base_url}/v1/completions", json={"prompt": PROMPT, "ignore_eos": True, **body}, timeout=120
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def chat(server: Any, **body: Any) -> dict[str, Any]:
-    r = httpx.post(f"{server.base_url}/v1/chat/completions",
-                   json={"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True, **body}, timeout=120)
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": PROMPT}], "ignore_eos": True, **body},
+        timeout=120,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -99,17 +112,23 @@ def test_generation_config_folder(plain_server: Any) -> None:
 
 def test_generation_defaults_resolution(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(
-        json.dumps({"max_new_tokens": 7, "top_k": 4, "top_p": 0.9, "do_sample": True, "bos_token_id": 1}))
+        json.dumps({"max_new_tokens": 7, "top_k": 4, "top_p": 0.9, "do_sample": True, "bos_token_id": 1})
+    )
     folder = str(tmp_path)
     assert generation_defaults(parse_serve_args(["--model", folder])) == {"max_tokens": 7, "top_k": 4, "top_p": 0.9}
     assert generation_defaults(parse_serve_args(["--generation-config", folder])) == {
-        "max_tokens": 7, "top_k": 4, "top_p": 0.9}
-    merged = generation_defaults(parse_serve_args(["--model", folder, "--override-generation-config",
-                                                   '{"temperature": 0.5, "top_k": 2}']))
+        "max_tokens": 7,
+        "top_k": 4,
+        "top_p": 0.9,
+    }
+    merged = generation_defaults(
+        parse_serve_args(["--model", folder, "--override-generation-config", '{"temperature": 0.5, "top_k": 2}'])
+    )
     assert merged == {"max_tokens": 7, "top_k": 2, "top_p": 0.9, "temperature": 0.5}
     for mode in ("sonar", "vllm"):
-        alone = parse_serve_args(["--model", folder, "--generation-config", mode,
-                                  "--override-generation-config", '{"min_p": 0.1}'])
+        alone = parse_serve_args(
+            ["--model", folder, "--generation-config", mode, "--override-generation-config", '{"min_p": 0.1}']
+        )
         assert generation_defaults(alone) == {"min_p": 0.1}
     assert generation_defaults(parse_serve_args([])) == {}
     # a hub id is looked up in the local Hugging Face cache (never downloaded)
@@ -134,7 +153,9 @@ def test_request_fields_win_over_defaults() -> None:
     p = req.sampling_params(defaults)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.9, 5, 6)
     assert decode_request(b'{"prompt": "x"}', CompletionRequest).sampling_params().max_tokens == 16
-    assert decode_request(b'{"prompt": "x", "max_tokens": null}', CompletionRequest).sampling_params().max_tokens is None
+    assert (
+        decode_request(b'{"prompt": "x", "max_tokens": null}', CompletionRequest).sampling_params().max_tokens is None
+    )
     chat_req = decode_request(b'{"messages": [], "top_k": 9}', ChatCompletionRequest)
     p = chat_req.sampling_params(defaults)
     assert (p.temperature, p.top_k, p.max_tokens) == (0.3, 9, 6)
@@ -176,11 +197,14 @@ def test_log_requests_and_outputs(options_server: Any) -> None:
 
 
 def test_log_streamed_chat(options_server: Any) -> None:
-    with httpx.stream("POST", f"{options_server.base_url}/v1/chat/completions", timeout=120,
-                      json={"messages": [{"role": "user", "content": PROMPT}], "stream": True,
-                            "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{options_server.base_url}/v1/chat/completions",
+        timeout=120,
+        json={"messages": [{"role": "user", "content": PROMPT}], "stream": True, "ignore_eos": True},
+    ) as r:
         lines = [line for line in r.iter_lines() if line.startswith("data: {")]
-    rid = json.loads(lines[0][len("data: "):])["id"]
+    rid = json.loads(lines[0][len("data: ") :])["id"]
     both = wait_for(options_server, f"request_id={rid}")
     mine = [line for line in both.splitlines() if f"request_id={rid}" in line]
     assert any("request.received" in line for line in mine), mine

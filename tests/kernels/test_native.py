@@ -54,7 +54,9 @@ def _poisoned_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: i
     return cache
 
 
-def _batch(query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int, seed: int) -> AttentionMetadata:
+def _batch(
+    query_lens: list[int], seq_lens: list[int], block_size: int, num_blocks: int, seed: int
+) -> AttentionMetadata:
     tables = scattered_block_tables(seq_lens, block_size, num_blocks, torch.Generator().manual_seed(seed))
     return AttentionMetadata.build(query_lens, seq_lens, tables, block_size)
 
@@ -81,7 +83,12 @@ def _fill_context(cache: torch.Tensor, meta: AttentionMetadata, seq_lens: list[i
 # all of them, those of 12 tokens but not 40, none
 @pytest.mark.parametrize("max_len", [ops.PREFILL_AS_DECODES_MAX_LEN, 20, 0])
 def test_decode_attention_matches_the_reference(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, window: int | None, max_len: int,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    window: int | None,
+    max_len: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(ops, "PREFILL_AS_DECODES_MAX_LEN", max_len)
@@ -132,10 +139,16 @@ def test_decode_only_batches_either_split(num_seqs: int) -> None:
 
 def test_decode_attention_rejects_bad_input() -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
-    tables, lens, rows = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    tables, lens, rows = (
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+        torch.empty(0, dtype=torch.int64),
+    )
     query = torch.randn(1, 4, 64)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        torch.ops.sonar_cpu.decode_attention(torch.empty_like(query), query.double(), cache, tables, lens, rows, 1.0, -1)
+        torch.ops.sonar_cpu.decode_attention(
+            torch.empty_like(query), query.double(), cache, tables, lens, rows, 1.0, -1
+        )
     with pytest.raises(RuntimeError, match="int32 block_tables"):
         torch.ops.sonar_cpu.decode_attention(torch.empty_like(query), query, cache, tables.long(), lens, rows, 1.0, -1)
     with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
@@ -302,6 +315,11 @@ def test_portable_build_matches_the_references(tmp_path: Path) -> None:
     compiler = native._compiler()
     assert compiler is not None and library.parent.name == native.build_key(compiler, ("-mno-avx512f",))
     assert library.parent.name != native.build_key(compiler)  # not the default build's key
-    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK, str(library)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "SONAR_NATIVE_KERNELS": "0"})
+    proc = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK, str(library)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SONAR_NATIVE_KERNELS": "0"},
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

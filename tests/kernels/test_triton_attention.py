@@ -82,16 +82,34 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
 def decode(batch: Batch, window: int | None = None, num_splits: int = 1) -> torch.Tensor:
     m = batch.meta
     return paged_decode_attention(
-        batch.query, batch.cache, m.block_tables, m.seq_lens, batch.query.shape[-1] ** -0.5, m.max_seq_len,
-        window, batch.k_scale, batch.v_scale, num_splits=num_splits, out=poisoned_like(batch.query),
+        batch.query,
+        batch.cache,
+        m.block_tables,
+        m.seq_lens,
+        batch.query.shape[-1] ** -0.5,
+        m.max_seq_len,
+        window,
+        batch.k_scale,
+        batch.v_scale,
+        num_splits=num_splits,
+        out=poisoned_like(batch.query),
     )
 
 
 def prefill(batch: Batch, window: int | None = None) -> torch.Tensor:
     m = batch.meta
     return paged_prefill_attention(
-        batch.query, batch.cache, m.query_start_loc, m.seq_lens, m.block_tables, batch.query.shape[-1] ** -0.5,
-        m.max_query_len, window, batch.k_scale, batch.v_scale, out=poisoned_like(batch.query),
+        batch.query,
+        batch.cache,
+        m.query_start_loc,
+        m.seq_lens,
+        m.block_tables,
+        batch.query.shape[-1] ** -0.5,
+        m.max_query_len,
+        window,
+        batch.k_scale,
+        batch.v_scale,
+        out=poisoned_like(batch.query),
     )
 
 
@@ -124,8 +142,15 @@ def test_decode_sliding_window(num_splits: int) -> None:
 @pytest.mark.parametrize("per_head", [False, True])
 def test_decode_fp8_cache(dtype: torch.dtype, per_head: bool) -> None:
     batch = make_batch(
-        [1, 1, 1], [30, 7, 52], num_heads=6, num_kv_heads=2, head_dim=16, dtype=dtype,
-        kv_dtype=torch.float8_e4m3fn, per_head_scale=per_head, seed=3,
+        [1, 1, 1],
+        [30, 7, 52],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=dtype,
+        kv_dtype=torch.float8_e4m3fn,
+        per_head_scale=per_head,
+        seed=3,
     )
     assert_close(decode(batch, num_splits=2), expected(batch), dtype)
 
@@ -155,8 +180,15 @@ def test_prefill_sliding_window() -> None:
 @pytest.mark.parametrize("per_head", [False, True])
 def test_prefill_fp8_cache(per_head: bool) -> None:
     batch = make_batch(
-        [9, 4, 1], [9, 20, 33], num_heads=6, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16,
-        kv_dtype=torch.float8_e4m3fn, per_head_scale=per_head, seed=7,
+        [9, 4, 1],
+        [9, 20, 33],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.bfloat16,
+        kv_dtype=torch.float8_e4m3fn,
+        per_head_scale=per_head,
+        seed=7,
     )
     assert_close(prefill(batch), expected(batch), torch.bfloat16)
 

@@ -126,7 +126,9 @@ def smollm2_prompts(smollm2_fp32: Any) -> tuple[list[str], list[list[int]]]:
     return texts, [tok(t).input_ids for t in texts]
 
 
-def hf_generate_batch(hf: Any, tokenizer: Any, texts: list[str], max_new_tokens: int) -> tuple[list[list[int]], torch.Tensor]:
+def hf_generate_batch(
+    hf: Any, tokenizer: Any, texts: list[str], max_new_tokens: int
+) -> tuple[list[list[int]], torch.Tensor]:
     """transformers' greedy generation for a left-padded batch, never stopping early.
 
     Returns the new tokens per prompt and the logits ``[steps, batch, vocab]`` they came from.

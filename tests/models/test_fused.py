@@ -39,8 +39,9 @@ class Counting:
             monkeypatch.setattr(fused, "serves", serves)
 
 
-def _both(model: Any, dtype: torch.dtype, prompts: list[list[int]], new: int, monkeypatch: pytest.MonkeyPatch,
-          **kw: Any) -> tuple[Any, Any, GreedyDriver, GreedyDriver, int]:
+def _both(
+    model: Any, dtype: torch.dtype, prompts: list[list[int]], new: int, monkeypatch: pytest.MonkeyPatch, **kw: Any
+) -> tuple[Any, Any, GreedyDriver, GreedyDriver, int]:
     on = Counting(model.fused_decode, monkeypatch)
     fused_driver = GreedyDriver(model, dtype, num_blocks=160, block_size=4)
     fused = fused_driver.generate(prompts, new, **kw)
@@ -61,15 +62,23 @@ def _assert_same(fused: Any, per_op: Any, a: GreedyDriver, b: GreedyDriver) -> N
 
 @pytest.mark.parametrize("name", ["llama3", "qwen2", "mistral"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_architectures_equal_the_per_op_path(name: str, dtype: str, tiny_checkpoints: dict[str, Any],
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tiny_architectures_equal_the_per_op_path(
+    name: str, dtype: str, tiny_checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Biases (Qwen2), a sliding window shorter than the prompts (Mistral), Llama 3 rope; plain
     ``nn.Linear`` weights through ``at::linear``; staggered joins so decode-only steps alternate
     with mixed ones."""
     loaded = load_model(str(tiny_checkpoints[name].path), dtype=dtype)
     assert layer_weights(loaded.model) is not None
-    fused, per_op, a, b, calls = _both(loaded.model, loaded.dtype, _prompts(loaded.config.vocab_size), 12,
-                                       monkeypatch, prefill_chunk=8, join_steps=[0, 2, 0, 5, 1])
+    fused, per_op, a, b, calls = _both(
+        loaded.model,
+        loaded.dtype,
+        _prompts(loaded.config.vocab_size),
+        12,
+        monkeypatch,
+        prefill_chunk=8,
+        join_steps=[0, 2, 0, 5, 1],
+    )
     assert calls >= 8  # the decode-only steps
     _assert_same(fused, per_op, a, b)
 

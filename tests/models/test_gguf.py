@@ -50,7 +50,9 @@ def gguf_name(hf_name: str) -> str:
     }[hf_name]
 
 
-def write_gguf(path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor], extra: dict[str, np.ndarray] | None = None) -> None:
+def write_gguf(
+    path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor], extra: dict[str, np.ndarray] | None = None
+) -> None:
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -99,7 +101,9 @@ def test_round_trip(tiny_checkpoints: dict[str, Any], tmp_path: Path, name: str,
     tiny = tiny_checkpoints[name]
     config = tiny.hf.config
     if name == "llama3":  # GGUF keeps Llama 3 scaling as a rope_freqs tensor, tested below
-        config = type(config)(**{**config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+        config = type(config)(
+            **{**config.to_dict(), "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+        )
     original = checkpoint_tensors(tiny.path)
     path = tmp_path / f"tiny-{name}.gguf"
     write_gguf(path, arch, config, original)
@@ -108,7 +112,14 @@ def test_round_trip(tiny_checkpoints: dict[str, Any], tmp_path: Path, name: str,
     assert loaded.source == f"GGUF {path}"
     assert loaded.tokenizer_path is None  # these files carry no tokenizer
     ours = loaded.model
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size", "tie_word_embeddings"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "tie_word_embeddings",
+    ):
         assert getattr(loaded.config, key) == getattr(config, key), key
     assert loaded.config.rope_parameters["rope_type"] == config.rope_parameters["rope_type"]
     assert ours.head_dim == (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -123,7 +134,9 @@ def test_round_trip(tiny_checkpoints: dict[str, Any], tmp_path: Path, name: str,
 def test_rope_freqs_is_refused(tiny_checkpoints: dict[str, Any], tmp_path: Path) -> None:
     tiny = tiny_checkpoints["llama3"]
     path = tmp_path / "llama3.gguf"
-    write_gguf(path, "llama", tiny.hf.config, checkpoint_tensors(tiny.path), {"rope_freqs.weight": np.ones(8, np.float32)})
+    write_gguf(
+        path, "llama", tiny.hf.config, checkpoint_tensors(tiny.path), {"rope_freqs.weight": np.ones(8, np.float32)}
+    )
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         load_model(str(path))
 

@@ -28,7 +28,9 @@ def test_missing_path() -> None:
 
 
 def test_model_id_absent_from_the_local_cache(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="'nobody/nothing' is not a local path and is not in the local Hugging Face cache"):
+    with pytest.raises(
+        ModelLoadError, match="'nobody/nothing' is not a local path and is not in the local Hugging Face cache"
+    ):
         load_model("nobody/nothing", download_dir=tmp_path)
 
 

@@ -46,9 +46,13 @@ def test_plain_greedy_fast_path() -> None:
     """Which params may skip the `SamplingBatch`, and that the fast path picks the full path's tokens."""
     plain = [SP(temperature=0.0), SP(temperature=0.0, ignore_eos=True, max_tokens=128, top_p=0.5)]
     not_plain = [
-        SP(temperature=0.7), SP(temperature=0.0, repetition_penalty=1.2), SP(temperature=0.0, presence_penalty=0.5),
-        SP(temperature=0.0, frequency_penalty=0.5), SP(temperature=0.0, logit_bias={3: 1.0}),
-        SP(temperature=0.0, min_tokens=2), SP(temperature=0.0, logprobs=0),
+        SP(temperature=0.7),
+        SP(temperature=0.0, repetition_penalty=1.2),
+        SP(temperature=0.0, presence_penalty=0.5),
+        SP(temperature=0.0, frequency_penalty=0.5),
+        SP(temperature=0.0, logit_bias={3: 1.0}),
+        SP(temperature=0.0, min_tokens=2),
+        SP(temperature=0.0, logprobs=0),
     ]
     assert all(is_plain_greedy(p) for p in plain)
     assert not any(is_plain_greedy(p) for p in not_plain)
@@ -211,17 +215,14 @@ def test_seeded_rows_are_batch_invariant() -> None:
     vocab = 64
     row = torch.randn(1, vocab, generator=gen)
     target = SP(seed=1234, temperature=0.9, top_p=0.95)
-    alone = [
-        sample(row, [target], [list(range(step))]).sampled_token_ids.item() for step in range(40)
-    ]
+    alone = [sample(row, [target], [list(range(step))]).sampled_token_ids.item() for step in range(40)]
     assert len(set(alone)) > 5  # the noise changes from one position to the next
     for position, batch_size in [(0, 5), (3, 5), (6, 7)]:
         for step in range(0, 40, 7):
             logits = torch.randn(batch_size, vocab, generator=gen)
             logits[position] = row[0]
             params = [
-                SP(seed=99 + i) if i % 3 == 0 else SP(temperature=0) if i % 3 == 1 else SP()
-                for i in range(batch_size)
+                SP(seed=99 + i) if i % 3 == 0 else SP(temperature=0) if i % 3 == 1 else SP() for i in range(batch_size)
             ]
             params[position] = target
             outputs = [list(range(i)) for i in range(batch_size)]
@@ -361,9 +362,14 @@ def test_a_fully_masked_row_fails_alone_with_an_id_in_the_vocabulary(bad_row: in
     params = _masked_batch_params()
     logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(bad_row))
     everything = list(range(vocab))
-    params[bad_row] = SP(**{**{f: getattr(params[bad_row], f) for f in ("temperature", "top_k", "top_p", "min_p",
-                                                                        "seed", "min_tokens")},
-                            "stop_token_ids": everything})
+    params[bad_row] = SP(
+        **{
+            **{
+                f: getattr(params[bad_row], f) for f in ("temperature", "top_k", "top_p", "min_p", "seed", "min_tokens")
+            },
+            "stop_token_ids": everything,
+        }
+    )
     out = sample(logits, params, generator=torch.Generator().manual_seed(5))
     assert out.failed.tolist() == [i == bad_row for i in range(len(params))]
     ids = out.sampled_token_ids
@@ -373,7 +379,7 @@ def test_a_fully_masked_row_fails_alone_with_an_id_in_the_vocabulary(bad_row: in
         if row == bad_row:
             continue
         if p.seed is not None or p.greedy:  # a deterministic row: the same token as alone
-            alone = sample(logits[row:row + 1], [p])
+            alone = sample(logits[row : row + 1], [p])
             assert int(ids[row]) == int(alone.sampled_token_ids[0]) and not bool(alone.failed[0])
 
 
@@ -406,8 +412,11 @@ def test_logits_pushed_to_infinity_by_valid_params_are_drawn_not_failed() -> Non
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(4))
     logits[:, [3, 5, 8, 9]] = torch.tensor([2.0, 1.0, -1.0, 0.0])  # 0 / 0 would be NaN
     prompts = [[3, 5, 8, 9]] * 3
-    params = [SP(temperature=1.0, repetition_penalty=5e-324), SP(temperature=0.7, top_p=0.9, repetition_penalty=5e-324,
-                                                                 seed=1), SP(temperature=0.0, repetition_penalty=5e-324)]
+    params = [
+        SP(temperature=1.0, repetition_penalty=5e-324),
+        SP(temperature=0.7, top_p=0.9, repetition_penalty=5e-324, seed=1),
+        SP(temperature=0.0, repetition_penalty=5e-324),
+    ]
     for trial in range(5):
         out = sample(logits, params, prompts=prompts, generator=torch.Generator().manual_seed(trial))
         assert not out.failed.any()
@@ -421,8 +430,9 @@ def test_logits_pushed_to_infinity_by_valid_params_are_drawn_not_failed() -> Non
     low = -torch.rand(2, vocab, generator=torch.Generator().manual_seed(6)) - 1.0
     low[:, 4] = 0.0  # 0 * inf would be NaN
     seen = [list(range(vocab))] * 2
-    out = sample(low, [SP(temperature=1e-5, repetition_penalty=1e300), SP(temperature=0, repetition_penalty=1e300)],
-                 prompts=seen)
+    out = sample(
+        low, [SP(temperature=1e-5, repetition_penalty=1e300), SP(temperature=0, repetition_penalty=1e300)], prompts=seen
+    )
     assert not out.failed.any() and 0 <= int(out.sampled_token_ids.max()) < vocab
     # a temperature past float32's range, with min_tokens masking a token: uniform over the others
     out = sample(logits[:1], [SP(temperature=1e300, min_tokens=1, stop_token_ids=[2])], eos=[11])

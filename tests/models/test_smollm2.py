@@ -142,7 +142,9 @@ def test_bfloat16_prepacked_linears_equal_plain(smollm2_fp32: Any, smollm2_promp
 
     def error(run: Any) -> float:
         steps = [max(j, 1) for j in agree]  # the first step always reads the same context
-        return sum((a[:j].float() - b[:j]).abs().mean().item() for a, b, j in zip(run.logits, ref.logits, steps)) / len(steps)
+        return sum((a[:j].float() - b[:j]).abs().mean().item() for a, b, j in zip(run.logits, ref.logits, steps)) / len(
+            steps
+        )
 
     assert error(packed) <= 1.1 * error(plain)
     for a, b, j in zip(packed.logits, plain.logits, agree):

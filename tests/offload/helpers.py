@@ -20,14 +20,22 @@ BLOCK = 4
 
 
 def layout(bpc: int = 1, **changes: object) -> KVLayout:
-    fields = dict(model="tiny-test", dtype="float32", num_layers=2, num_kv_heads=2, head_dim=4, block_size=BLOCK,
-                  blocks_per_chunk=bpc)
+    fields = dict(
+        model="tiny-test",
+        dtype="float32",
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=4,
+        block_size=BLOCK,
+        blocks_per_chunk=bpc,
+    )
     fields.update(changes)
     return KVLayout(**fields)  # type: ignore[arg-type]
 
 
-def config(lay: KVLayout, cpu_chunks: int, disk: str | None = None, disk_chunks: int = 0,
-           policy: str = "lru") -> OffloadConfig:
+def config(
+    lay: KVLayout, cpu_chunks: int, disk: str | None = None, disk_chunks: int = 0, policy: str = "lru"
+) -> OffloadConfig:
     """A config whose CPU tier holds exactly ``cpu_chunks`` chunks (and the disk about ``disk_chunks``)."""
     tiers = [TierConfig(medium="cpu", size_bytes=cpu_chunks * lay.chunk_bytes)]
     if disk is not None:
@@ -62,8 +70,14 @@ def tiny_tmpfs(size: str = "256k") -> Iterator[Path | None]:
     """A tmpfs of ``size`` mounted on a fresh directory, or None when this process may not mount."""
     mount = Path(tempfile.mkdtemp(prefix="sonar-tinyfs-"))
     try:
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
-                                 capture_output=True, text=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mount)],
+                capture_output=True,
+                text=True,
+            ).returncode
+            == 0
+        )
     except FileNotFoundError:  # no mount(8)
         mounted = False
     if not mounted:

@@ -120,7 +120,8 @@ def test_chunks_are_written_to_a_temporary_name_synced_then_renamed(tmp_path, mo
     assert sorted(final) == sorted(m.key.hex() + SUFFIX for m in metas)
     if fsync:  # each file synced whole, under its temporary name (which then existed), before the rename
         assert sorted((n.split("-")[1] + SUFFIX, size, existed) for n, size, existed in synced) == sorted(
-            (name, size, True) for name, size in final.items())
+            (name, size, True) for name, size in final.items()
+        )
         assert all(n.startswith(TMP_PREFIX) for n, _, _ in synced)
     else:
         assert synced == []
@@ -149,8 +150,9 @@ def full_disk_scenario(root: str, fill: Callable[[], None], make_room: Callable[
         tiers.log = real_log
 
 
-def _full_disk_scenario(root: str, fill: Callable[[], None], make_room: Callable[[], None],
-                        logged: list[str]) -> dict[str, Any]:
+def _full_disk_scenario(
+    root: str, fill: Callable[[], None], make_room: Callable[[], None], logged: list[str]
+) -> dict[str, Any]:
     lay = _big_layout()
     events: list[Any] = []
     store = TieredStore(lay, config(lay, cpu_chunks=16, disk=root, disk_chunks=64), events.extend)
@@ -164,7 +166,10 @@ def _full_disk_scenario(root: str, fill: Callable[[], None], make_room: Callable
     held = store.lookup(hashes[:5])
     first, chunks, mediums = store.load(hashes[:5])
     out["full"] = {
-        "stats": _disk_stats(store), "log": list(logged), "lookup": held[1], "load": mediums,
+        "stats": _disk_stats(store),
+        "log": list(logged),
+        "lookup": held[1],
+        "load": mediums,
         "same_data": all(torch.equal(c, d) for c, d in zip(chunks, data[:5])),
         "tmp_files": [p.name for p in Path(root).iterdir() if p.name.startswith(TMP_PREFIX)],
         "files": len(list(Path(root).glob("*" + SUFFIX))),
@@ -177,8 +182,12 @@ def _full_disk_scenario(root: str, fill: Callable[[], None], make_room: Callable
     paused = _disk_stats(store)
     time.sleep(0.4)
     store.store(metas[6:8], data[6:8])  # the pause is over: written again
-    out["recovered"] = {"paused": paused, "stats": _disk_stats(store), "log": list(logged),
-                        "on_disk": [m.key.hex() + SUFFIX in {p.name for p in Path(root).iterdir()} for m in metas]}
+    out["recovered"] = {
+        "paused": paused,
+        "stats": _disk_stats(store),
+        "log": list(logged),
+        "on_disk": [m.key.hex() + SUFFIX in {p.name for p in Path(root).iterdir()} for m in metas],
+    }
     return out
 
 
@@ -197,8 +206,14 @@ def fill(): resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, hard))
 def make_room(): resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 print(json.dumps(full_disk_scenario({str(root)!r}, fill, make_room)))
 """
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

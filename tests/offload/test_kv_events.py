@@ -30,15 +30,21 @@ from sonar.offload.events import (
 
 
 def cfg(**kw):
-    base = dict(enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*",
-                replay_endpoint="tcp://127.0.0.1:*", topic="kv")
+    base = dict(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        topic="kv",
+    )
     base.update(kw)
     return KVEventsConfig(**base)
 
 
 def stored(*hashes, medium="CPU"):
-    return BlockStored([h.encode() if isinstance(h, str) else h for h in hashes], None,
-                       list(range(4 * len(hashes))), 4, medium=medium)
+    return BlockStored(
+        [h.encode() if isinstance(h, str) else h for h in hashes], None, list(range(4 * len(hashes))), 4, medium=medium
+    )
 
 
 def removed(*hashes, medium="CPU"):
@@ -149,9 +155,23 @@ def test_the_reference_consumer_command_line():
             time.sleep(0.01)
         env = dict(os.environ, PYTHONPATH=os.getcwd())
         proc = subprocess.run(
-            [sys.executable, "-m", "sonar.offload.events", "consume", pub.endpoint, "--replay", pub.replay_endpoint,
-             "--topic", "kv", "--duration", "0.3"],
-            capture_output=True, text=True, timeout=60, env=env,
+            [
+                sys.executable,
+                "-m",
+                "sonar.offload.events",
+                "consume",
+                pub.endpoint,
+                "--replay",
+                pub.replay_endpoint,
+                "--topic",
+                "kv",
+                "--duration",
+                "0.3",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
         )
     assert proc.returncode == 0, proc.stderr
     lines = [msgspec.json.decode(line) for line in proc.stdout.splitlines()]
@@ -207,11 +227,21 @@ def test_the_default_endpoint_listens_on_loopback_only(logs):
     assert not logs.events("kv_events.unauthenticated_endpoint")
 
 
-@pytest.mark.parametrize(("endpoint", "loopback"), [
-    ("tcp://127.0.0.1:5557", True), ("tcp://127.8.9.1:1", True), ("tcp://localhost:5557", True),
-    ("tcp://[::1]:5557", True), ("ipc:///tmp/kv", True), ("tcp://*:5557", False), ("tcp://0.0.0.0:5557", False),
-    ("tcp://10.1.2.3:5557", False), ("tcp://eth0:5557", False), ("tcp://[::]:5557", False),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://127.8.9.1:1", True),
+        ("tcp://localhost:5557", True),
+        ("tcp://[::1]:5557", True),
+        ("ipc:///tmp/kv", True),
+        ("tcp://*:5557", False),
+        ("tcp://0.0.0.0:5557", False),
+        ("tcp://10.1.2.3:5557", False),
+        ("tcp://eth0:5557", False),
+        ("tcp://[::]:5557", False),
+    ],
+)
 def test_is_loopback(endpoint, loopback):
     assert is_loopback(endpoint) == loopback
 
@@ -270,8 +300,10 @@ def test_a_subscriber_that_never_reads_does_not_stall_the_publisher():
     the publisher thread keeps sending, nothing is dropped at publish, and the subscriber fills
     what it missed from the replay endpoint (every gap is one replay: no rate limit here)."""
     n = 5000
-    with KVEventPublisher(cfg(hwm=10, buffer_steps=n + 10, replay_burst=n)) as pub, \
-            KVEventConsumer(pub.endpoint, pub.replay_endpoint, topic="kv") as consumer:
+    with (
+        KVEventPublisher(cfg(hwm=10, buffer_steps=n + 10, replay_burst=n)) as pub,
+        KVEventConsumer(pub.endpoint, pub.replay_endpoint, topic="kv") as consumer,
+    ):
         wait_subscribed(pub, consumer)
         start = pub.next_seq
         tokens = list(range(64 * 16))
@@ -324,24 +356,44 @@ def test_replay_is_rate_limited_per_requester(logs):
 
 def test_curve_lets_only_authorized_subscribers_in(tmp_path, logs):
     keys, authorized = tmp_path / "keys", tmp_path / "authorized"
-    proc = subprocess.run([sys.executable, "-m", "sonar.offload.events", "keygen", str(keys), "router"],
-                          capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonar.offload.events", "keygen", str(keys), "router"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     assert proc.returncode == 0, proc.stderr
     assert (keys / "router.key_secret").stat().st_mode & 0o077 == 0 and keys.stat().st_mode & 0o077 == 0
     for name in ("publisher", "stranger"):
         zmq.auth.create_certificates(keys, name)
     authorized.mkdir()
     (authorized / "router.key").write_bytes((keys / "router.key").read_bytes())
-    config = cfg(endpoint="tcp://*:*", curve_secret_key_file=str(keys / "publisher.key_secret"),
-                 curve_authorized_keys_dir=str(authorized))
+    config = cfg(
+        endpoint="tcp://*:*",
+        curve_secret_key_file=str(keys / "publisher.key_secret"),
+        curve_authorized_keys_dir=str(authorized),
+    )
     server_key = str(keys / "publisher.key")
     with KVEventPublisher(config) as pub:
         endpoint = pub.endpoint.replace("0.0.0.0", "127.0.0.1")
-        with KVEventConsumer(endpoint, pub.replay_endpoint, topic="kv", server_key_file=server_key,
-                             client_key_file=str(keys / "router.key_secret")) as good, \
-                KVEventConsumer(endpoint, pub.replay_endpoint, topic="kv", server_key_file=server_key,
-                                client_key_file=str(keys / "stranger.key_secret")) as stranger, \
-                KVEventConsumer(endpoint, pub.replay_endpoint, topic="kv") as plain:
+        with (
+            KVEventConsumer(
+                endpoint,
+                pub.replay_endpoint,
+                topic="kv",
+                server_key_file=server_key,
+                client_key_file=str(keys / "router.key_secret"),
+            ) as good,
+            KVEventConsumer(
+                endpoint,
+                pub.replay_endpoint,
+                topic="kv",
+                server_key_file=server_key,
+                client_key_file=str(keys / "stranger.key_secret"),
+            ) as stranger,
+            KVEventConsumer(endpoint, pub.replay_endpoint, topic="kv") as plain,
+        ):
             wait_subscribed(pub, good)
             for _ in range(20):
                 pub.publish([stored("secret")])

@@ -33,11 +33,18 @@ pytestmark = pytest.mark.anyio
 
 
 def spec(placement, lay, cfg, events=None, **child):
-    kwargs = {"config": msgspec.to_builtins(cfg), "layout": msgspec.to_builtins(lay),
-              "events": None if events is None else msgspec.to_builtins(events)}
+    kwargs = {
+        "config": msgspec.to_builtins(cfg),
+        "layout": msgspec.to_builtins(lay),
+        "events": None if events is None else msgspec.to_builtins(events),
+    }
     child.setdefault("ping_interval", None)
-    return SupervisorSpec("root", [ChildSpec("offload", OffloadManagerActor, kwargs=kwargs, placement=placement,
-                                             **child)], max_restarts=3, period=30)
+    return SupervisorSpec(
+        "root",
+        [ChildSpec("offload", OffloadManagerActor, kwargs=kwargs, placement=placement, **child)],
+        max_restarts=3,
+        period=30,
+    )
 
 
 @pytest.mark.parametrize("bpc", [1, 2])
@@ -82,8 +89,13 @@ async def test_events_replayed_from_zero_match_the_managers_view(placement, tmp_
     """Stores, evictions, spills, promotions and a GPU event, then a replay from sequence 0 into the
     reference consumer: it holds exactly the blocks each tier holds."""
     lay = layout(2)
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/pub",
-                            replay_endpoint=f"ipc://{tmp_path}/replay", topic="kv")
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+        topic="kv",
+    )
     cfg = config(lay, cpu_chunks=3, disk=str(tmp_path / "disk"), disk_chunks=5)
     seqs = [sequence(lay, 3, seed=s) for s in range(3)]
     async with supervise(spec(placement, lay, cfg, events)) as sup:
@@ -216,8 +228,12 @@ async def test_gather_store_load_scatter_restores_the_primary_blocks(placement, 
     hashes = PrefixHasher(4).chain(tokens)
     src_blocks = [9, 3, 12, 5]
     data = gather_chunks(src, src_blocks, bpc)
-    metas = [ChunkMeta(hashes[c * bpc:(c + 1) * bpc], hashes[c * bpc - 1] if c else None,
-                       tokens[c * bpc * 4:(c + 1) * bpc * 4]) for c in range(4 // bpc)]
+    metas = [
+        ChunkMeta(
+            hashes[c * bpc : (c + 1) * bpc], hashes[c * bpc - 1] if c else None, tokens[c * bpc * 4 : (c + 1) * bpc * 4]
+        )
+        for c in range(4 // bpc)
+    ]
     async with supervise(spec(placement, lay, config(lay, cpu_chunks=8))) as sup:
         ref = sup.child("offload").ref
         await ref.send(Store(metas, data))
@@ -234,11 +250,16 @@ async def test_gather_store_load_scatter_restores_the_primary_blocks(placement, 
 
 async def test_events_only_mode_publishes_and_misses(placement, tmp_path):
     """Without tiers (only --kv-events-config) the manager publishes the GPU events it is sent."""
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{tmp_path}/pub",
-                            replay_endpoint=f"ipc://{tmp_path}/replay")
+    events = KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{tmp_path}/pub",
+        replay_endpoint=f"ipc://{tmp_path}/replay",
+    )
     kwargs = {"config": None, "layout": None, "events": msgspec.to_builtins(events)}
-    tree = SupervisorSpec("root", [ChildSpec("offload", OffloadManagerActor, kwargs=kwargs, placement=placement,
-                                             ping_interval=None)])
+    tree = SupervisorSpec(
+        "root", [ChildSpec("offload", OffloadManagerActor, kwargs=kwargs, placement=placement, ping_interval=None)]
+    )
     async with supervise(tree) as sup:
         ref = sup.child("offload").ref
         await ref.send(PublishEvents([BlockStored([b"a" * 32, b"b" * 32], None, list(range(8)), 4, medium="GPU")]))

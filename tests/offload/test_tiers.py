@@ -202,8 +202,16 @@ def test_a_corrupt_header_is_dropped_at_start(tmp_path):
     assert store.lookup(hashes)[0] == 0 and hashes[1] in store.contents()["DISK"]
 
 
-@pytest.mark.parametrize("change", [dict(model="other-model"), dict(dtype="bfloat16"), dict(hash_algo="xxhash"),
-                                    dict(format_version=0), dict(num_kv_heads=1, head_dim=8)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(model="other-model"),
+        dict(dtype="bfloat16"),
+        dict(hash_algo="xxhash"),
+        dict(format_version=0),
+        dict(num_kv_heads=1, head_dim=8),
+    ],
+)
 def test_a_foreign_chunk_is_never_served(tmp_path, change):
     lay = layout()
     foreign = layout(**change)

@@ -105,6 +105,7 @@ def _signature(launch: Launch) -> tuple[dict[str, str], dict[tuple[int, ...], An
 def record_launches() -> list[Launch]:
     """Call every wrapper once per variant that the GPU path uses, recording the launches."""
     from sonar.kernels.attention import AttentionMetadata
+
     # the package re-exports functions under some module names: import the modules themselves
     names = ["block_copy", "decode_attention", "kv_cache_write", "prefill_attention", "rms_norm", "silu_and_mul"]
     modules = [importlib.import_module(f"sonar.kernels.triton.{name}") for name in names]
@@ -126,8 +127,16 @@ def record_launches() -> list[Launch]:
                     q1, c, decode_meta.block_tables, decode_meta.seq_lens, 0.1, 70, None, ks, vs, num_splits=splits
                 )
             prefill_attention.paged_prefill_attention(
-                qn, c, prefill_meta.query_start_loc, prefill_meta.seq_lens, prefill_meta.block_tables, 0.1, 20,
-                None, ks, vs,
+                qn,
+                c,
+                prefill_meta.query_start_loc,
+                prefill_meta.seq_lens,
+                prefill_meta.block_tables,
+                0.1,
+                20,
+                None,
+                ks,
+                vs,
             )
         kv_cache_write.write_kv_cache(kv, kv, cache8, prefill_meta.slot_mapping, scale1, scale1)
         decode_attention.paged_decode_attention(
@@ -139,12 +148,22 @@ def record_launches() -> list[Launch]:
         # SmolLM2-135M: 9 query heads on 3 KV heads (a group of 3), head_dim 64
         small = torch.zeros(2, 8, block, 3, 64, dtype=bf16)
         decode_attention.paged_decode_attention(
-            torch.zeros(2, 9, 64, dtype=bf16), small, decode_meta.block_tables, decode_meta.seq_lens, 0.1, 70,
+            torch.zeros(2, 9, 64, dtype=bf16),
+            small,
+            decode_meta.block_tables,
+            decode_meta.seq_lens,
+            0.1,
+            70,
             num_splits=2,
         )
         prefill_attention.paged_prefill_attention(
-            torch.zeros(21, 9, 64, dtype=bf16), small, prefill_meta.query_start_loc, prefill_meta.seq_lens,
-            prefill_meta.block_tables, 0.1, 20,
+            torch.zeros(21, 9, 64, dtype=bf16),
+            small,
+            prefill_meta.query_start_loc,
+            prefill_meta.seq_lens,
+            prefill_meta.block_tables,
+            0.1,
+            20,
         )
         x = torch.zeros(4, 4096, dtype=bf16)
         rms_norm.rms_norm(x, torch.ones(4096, dtype=bf16), 1e-6)

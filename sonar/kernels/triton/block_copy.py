@@ -54,7 +54,9 @@ def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: 
     """Copy ``src[:, src_block_ids[i]]`` to ``dst[:, dst_block_ids[i]]`` for every ``i`` (int32 or
     int64 id tensors on the caches' device)."""
     if src.shape[0] != 2 or src.shape[2:] != dst.shape[2:] or src.dtype != dst.dtype:
-        raise ValueError(f"block shapes/dtypes differ: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}")
+        raise ValueError(
+            f"block shapes/dtypes differ: {tuple(src.shape)} {src.dtype} vs {tuple(dst.shape)} {dst.dtype}"
+        )
     if src_block_ids.shape != dst_block_ids.shape or src_block_ids.dim() != 1:
         raise ValueError("src_block_ids and dst_block_ids must be 1-D and of one length")
     _check_blocks_contiguous(src)

@@ -294,7 +294,9 @@ def paged_decode_attention(
     return out
 
 
-def bytes_moved(num_seqs: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_bytes: int, q_bytes: int) -> int:
+def bytes_moved(
+    num_seqs: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, kv_bytes: int, q_bytes: int
+) -> int:
     """Bytes a decode step must move at least: every context token's K and V once, plus the
     query and output rows (for the achieved-bandwidth figure of the benchmarks)."""
     return num_seqs * (2 * context * num_kv_heads * head_dim * kv_bytes + 2 * num_heads * head_dim * q_bytes)

@@ -95,7 +95,9 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = key.shape
     _, _, block_size, cache_heads, cache_dim = kv_cache.shape
     if (cache_heads, cache_dim) != (num_kv_heads, head_dim) or value.shape != key.shape:
-        raise ValueError(f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cache {tuple(kv_cache.shape)}")
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit cache {tuple(kv_cache.shape)}"
+        )
     check_last_dim_contiguous(key, value, kv_cache)
     quant = kv_cache.dtype == torch.float8_e4m3fn
     if quant and (k_scale is None or v_scale is None):

@@ -27,10 +27,28 @@ def paged_attention(
 ) -> Tensor:
     if meta.max_query_len <= 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(
-            query, kv_cache, meta.block_tables, meta.seq_lens, scale, meta.max_seq_len,
-            sliding_window, k_scale, v_scale, num_splits=num_splits, out=out,
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.max_seq_len,
+            sliding_window,
+            k_scale,
+            v_scale,
+            num_splits=num_splits,
+            out=out,
         )
     return paged_prefill_attention(
-        query, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-        meta.max_query_len, sliding_window, k_scale, v_scale, out=out,
+        query,
+        kv_cache,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale,
+        meta.max_query_len,
+        sliding_window,
+        k_scale,
+        v_scale,
+        out=out,
     )
