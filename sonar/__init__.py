@@ -25,6 +25,7 @@ _EXPORTS = {
     "SonarError": "sonar.errors",
     "SamplingParams": "sonar.sampling_params",
     "SamplingParamsError": "sonar.sampling_params",
+    "StructuredOutputsParams": "sonar.sampling_params",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

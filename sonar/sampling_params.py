@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -52,6 +53,47 @@ class SamplingParamsError(SonarError, ValueError):
     def __init__(self, param: str, message: str) -> None:
         self.param = param
         super().__init__(f"{param}: {message}")
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+"""The constraint forms of `StructuredOutputsParams`; a request sets exactly one."""
+
+
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A constraint on what a request may generate (vLLM's `StructuredOutputsParams`).
+
+    Exactly one form is set: `json` (a JSON schema, as an object or its JSON text),
+    `json_object` (any JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF for
+    xgrammar, or Lark for llguidance) or `structural_tag` (xgrammar's structural tag, as JSON
+    text). `backend` overrides the server's `--structured-outputs-config.backend` for this
+    request (the legacy `guided_decoding_backend`).
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    backend: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        set_forms = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        if len(set_forms) != 1:
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"set exactly one of {', '.join(STRUCTURED_KINDS)}; got {', '.join(set_forms) or 'none'}",
+            )
+        if self.choice is not None and not self.choice:
+            raise SamplingParamsError("structured_outputs", "choice must list at least one string")
+
+    @property
+    def kind(self) -> str:
+        """Which form is set ("json", "regex", ...)."""
+        return next(kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False))
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -91,6 +133,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Kept for vLLM compatibility. Fast (Rust) tokenizers decode special tokens without added
     #: spaces whatever this says, as vLLM does with them.
     spaces_between_special_tokens: bool = True
+    #: Constrain the output to a JSON schema, regex, choice or grammar (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -357,6 +357,8 @@ class LLM:
             params.check_token_left(vocab_size=self.info.vocab_size, eos_token_ids=self.info.eos_token_ids)
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("structured outputs are not supported yet", param="structured_outputs")
         self.check_completions(1, params)
         if isinstance(prompt, str):
             text = prompt
