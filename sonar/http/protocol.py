@@ -125,7 +125,51 @@ class _Sampling(msgspec.Struct, kw_only=True):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Sampling, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str
+    #: Absent: any JSON object (as OpenAI).
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """`response_format`: "text", "json_object" or "json_schema" (with `json_schema`)."""
+
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs` request field (one form set; see `StructuredOutputsParams`)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+
+
+class _Structured(_Sampling, kw_only=True):
+    """The sampling fields plus the structured-output fields completions and chat completions
+    share: OpenAI's `response_format`, vLLM's current `structured_outputs` and its legacy
+    `guided_*` fields."""
+
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Structured, kw_only=True):
     # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
     # the list is checked by `prompts()`.
     prompt: str | list[Any]
@@ -186,10 +230,31 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A function call as OpenAI writes it: `arguments` is JSON text (not an object)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One tool call of an assistant message (request) or of a response message."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    #: An assistant message's tool calls (its content may then be null).
+    tool_calls: list[ToolCall] | None = None
+    #: A `tool` message answers the call with this id.
+    tool_call_id: str | None = None
+    #: An assistant message's thinking, as a reasoning parser returned it.
+    reasoning_content: str | None = None
 
     def as_template_input(self, index: int) -> dict[str, Any]:
         """The message as the chat template expects it: content flattened to one string."""
@@ -211,8 +276,40 @@ class ChatMessage(msgspec.Struct, kw_only=True):
         return out
 
 
-class ChatCompletionRequest(_Sampling, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    #: A JSON schema of the arguments object.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    """A tool the model may call (`tools` of a chat request); only functions exist."""
+
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice` naming the one function the model must call."""
+
+    function: NamedFunction
+    type: str = "function"
+
+
+class ChatCompletionRequest(_Structured, kw_only=True):
     messages: list[ChatMessage]
+    tools: list[ChatTool] | None = None
+    #: "none", "auto", "required", or a `NamedToolChoice`.
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    #: Extra variables for the chat template (e.g. `enable_thinking`).
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: Positive | None = None
     max_tokens: Positive | None = None
     logprobs: bool | None = False
