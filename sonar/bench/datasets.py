@@ -5,6 +5,8 @@
   ``len * (1 ± range_ratio)``.
 * ``prefix-repetition``: ``num_prefixes`` random prefixes, each shared by
   ``num_prompts / num_prefixes`` prompts that differ in a random suffix (exercises the prefix cache).
+* ``json-schema``: each request asks for JSON under a JSON schema (sent as ``response_format``):
+  see `sonar.bench.json_schemas` for the schemas and their options.
 * ``sharegpt``: a local JSON file in the ShareGPT format (a list of ``{"conversations": [{"from":
   "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``); the first human turn is the
   prompt and the reply's token count the output length, unless an output length is given.
@@ -20,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-DATASETS = ("random", "prefix-repetition", "sharegpt")
+from sonar.bench.json_schemas import schema_request
+
+DATASETS = ("random", "prefix-repetition", "json-schema", "sharegpt")
 
 
 @dataclass
@@ -30,6 +34,8 @@ class SampleRequest:
     prompt: str
     prompt_len: int
     expected_output_len: int
+    #: The JSON schema the output must follow (None: free text).
+    json_schema: dict[str, Any] | None = None
 
 
 @dataclass
@@ -49,6 +55,10 @@ class DatasetArgs:
     prefix_repetition_num_prefixes: int = 10
     prefix_repetition_output_len: int = 128
     sharegpt_output_len: int | None = None
+    json_schema_output_len: int = 128
+    json_schema_unique: bool = False
+    json_schema_min_chars: int = 0
+    json_schema_off: bool = False
 
 
 def add_dataset_arguments(parser: Any) -> None:
@@ -84,6 +94,20 @@ def add_dataset_arguments(parser: Any) -> None:
         help="sharegpt: tokens to generate (default: the length of the recorded reply)",
     )
 
+    g.add_argument("--json-schema-output-len", type=int, default=128, help="json-schema: max tokens per request")
+    g.add_argument(
+        "--json-schema-unique", action="store_true", help="json-schema: a distinct schema per request (cold compiles)"
+    )
+    g.add_argument(
+        "--json-schema-min-chars",
+        type=int,
+        default=0,
+        help="json-schema: a first free-text property of at least this many characters (runs to max tokens)",
+    )
+    g.add_argument(
+        "--json-schema-off", action="store_true", help="json-schema: the same prompts and lengths, no schema sent"
+    )
+
 
 def dataset_args(ns: Any) -> DatasetArgs:
     """The `DatasetArgs` of a parsed argparse namespace."""
@@ -99,6 +123,8 @@ def sample_requests(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
         return _random(args, tokenizer)
     if args.dataset_name == "prefix-repetition":
         return _prefix_repetition(args, tokenizer)
+    if args.dataset_name == "json-schema":
+        return _json_schema(args, tokenizer)
     if args.dataset_name == "sharegpt":
         return _sharegpt(args, tokenizer)
     raise ValueError(f"unknown dataset {args.dataset_name!r} (expected one of {', '.join(DATASETS)})")
@@ -168,6 +194,17 @@ def _prefix_repetition(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]
             text, length = _text_of(tokenizer, np.concatenate([prefix, suffix]), rng, ids)
             out.append(SampleRequest(text, length, args.prefix_repetition_output_len))
     random.Random(args.seed).shuffle(out)
+    return out
+
+
+def _json_schema(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
+    out = []
+    for i in range(args.num_prompts):
+        prompt, schema = schema_request(i, unique=args.json_schema_unique, min_chars=args.json_schema_min_chars)
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        out.append(
+            SampleRequest(prompt, prompt_len, args.json_schema_output_len, None if args.json_schema_off else schema)
+        )
     return out
 
 

@@ -55,6 +55,11 @@ def request_body(
     body.update({"temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
     if ignore_eos:
         body["ignore_eos"] = True
+    if sample.json_schema is not None:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "schema": sample.json_schema},
+        }
     body.update(extra or {})
     return body
 

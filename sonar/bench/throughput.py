@@ -86,7 +86,14 @@ async def run_throughput(args: argparse.Namespace, log: Any = print) -> dict[str
         outputs: list[Any] = [None] * len(samples)
 
         async def one(i: int) -> None:
-            params = sonar.SamplingParams(max_tokens=samples[i].expected_output_len, temperature=0.0, ignore_eos=True)
+            schema = samples[i].json_schema
+            params = sonar.SamplingParams(
+                max_tokens=samples[i].expected_output_len,
+                temperature=0.0,
+                # A grammar ends the request where the JSON ends: EOS must then stop it.
+                ignore_eos=schema is None,
+                structured_outputs=None if schema is None else sonar.StructuredOutputsParams(json=schema),
+            )
             outputs[i] = await llm.generate(samples[i].prompt, params)
 
         t0 = time.perf_counter()

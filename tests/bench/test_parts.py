@@ -47,6 +47,36 @@ def test_prefix_repetition_shares_prefixes(tokenizer) -> None:
     assert len(heads) == 2
 
 
+def test_json_schema_dataset_sends_a_schema_per_request(tokenizer) -> None:
+    import jsonschema
+
+    from sonar.bench.endpoint import request_body
+
+    args = DatasetArgs(dataset_name="json-schema", num_prompts=8, json_schema_output_len=32)
+    samples = sample_requests(args, tokenizer)
+    assert all(s.expected_output_len == 32 and s.json_schema is not None for s in samples)
+    assert len({json.dumps(s.json_schema) for s in samples}) == 4  # the built-in schemas, in turn
+    for s in samples:
+        jsonschema.Draft202012Validator.check_schema(s.json_schema)
+    body = request_body("openai-chat", "m", samples[0], ignore_eos=False)
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "bench", "schema": samples[0].json_schema},
+    }
+
+    unique = sample_requests(
+        DatasetArgs(dataset_name="json-schema", num_prompts=8, json_schema_unique=True, json_schema_min_chars=500),
+        tokenizer,
+    )
+    assert len({json.dumps(s.json_schema) for s in unique}) == 8
+    assert all(list(s.json_schema["properties"])[0] == "notes" for s in unique)
+    assert unique[0].json_schema["properties"]["notes"] == {"type": "string", "minLength": 500}
+
+    off = sample_requests(DatasetArgs(dataset_name="json-schema", num_prompts=8, json_schema_off=True), tokenizer)
+    assert [s.prompt for s in off] == [s.prompt for s in samples] and all(s.json_schema is None for s in off)
+    assert "response_format" not in request_body("openai", "m", off[0], ignore_eos=True)
+
+
 def test_sharegpt_file(tokenizer, tmp_path: Path) -> None:
     rows = [
         {
