@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
+from tests.http.conftest import ServerProcess, serving, start_server, stop_server_cleanly
 
 MODEL = "smol"
 MAX_MODEL_LEN = 512
@@ -311,3 +311,48 @@ def test_malformed_bodies_are_400s(http):
     expect_error(http.post("/v1/responses", content=b"{not json"), 400, None)
     expect_error(http.post("/v1/responses", json={"model": MODEL}), 400, "input")
     expect_error(http.post("/v1/responses", json={"model": MODEL, "input": 3}), 400, "input")
+
+
+# -- a failure mid-stream -------------------------------------------------------------------------
+#: " Paris" in SmolLM2's vocabulary: the answer to the question below says it, the question does not.
+PARIS = 7042
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A second server whose worker fails every step that computes " Paris" (a request that
+    generates it is quarantined mid-stream)."""
+    args = (
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--num-gpu-blocks-override",
+        "32",
+        "--placement",
+        "worker=inprocess",
+    )
+    with serving(tmp_path_factory.mktemp("poisoned"), *args, "--fault-injection", f"raise@token={PARIS}") as srv:
+        yield srv
+
+
+def test_an_engine_failure_mid_stream_ends_with_response_failed(poisoned):
+    client = openai.OpenAI(base_url=f"{poisoned.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    kw = dict(input="What is the capital of France?", temperature=0, max_output_tokens=20)
+    events = list(client.responses.create(stream=True, **kw))
+    assert [e.type for e in events[:4]] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas.endswith(" Paris")  # what was streamed before the step that failed
+    failed = events[-1]
+    assert failed.type == "response.failed" and failed.sequence_number == len(events) - 1
+    assert failed.response.status == "failed" and failed.response.error.code == "server_error"
+    assert "quarantined" in failed.response.error.message
+    assert failed.response.output[0].content[0].text == deltas
+    # A failed response is not kept.
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(failed.response.id)
