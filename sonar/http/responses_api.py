@@ -80,11 +80,12 @@ def _new_id(prefix: str) -> str:
 class _Turn:
     """What one request needs while it runs: its parsed body, ids, the response it builds."""
 
-    def __init__(self, req: ResponsesRequest, settings: ServerSettings, params: SamplingParams) -> None:
+    def __init__(self, rid: str, req: ResponsesRequest, settings: ServerSettings, params: SamplingParams) -> None:
         self.req = req
         self.settings = settings
         self.params = params
-        self.id = _new_id("resp")
+        self.id = rid
+        self.text = req.text_config()
         self.message_id = _new_id("msg")
         self.created_at = int(time.time())
         self.conversation: list[dict[str, Any]] = []
@@ -113,7 +114,7 @@ class _Turn:
             temperature=params.temperature,
             top_p=params.top_p,
             top_logprobs=req.top_logprobs,
-            text=req.text_config(),
+            text=self.text,
             tool_choice=req.tool_choice or "auto",
             parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
             store=req.store is not False,
@@ -173,13 +174,14 @@ async def create_response(
     store: ResponseStore,
     check_model: Callable[[str | None], None],
 ) -> Response:
+    rid = _new_id("resp")
+    request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
     req = decode_responses_request(await request.body())
     check_model(req.model)
     req.check_refused()
     req.check_max_tokens(llm.info.max_model_len)
-    turn = _Turn(req, settings, req.sampling_params(settings.default_sampling))
-    request.state.request_id = turn.id  # the error handler names the request with it
+    turn = _Turn(rid, req, settings, req.sampling_params(settings.default_sampling))
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)

@@ -121,6 +121,15 @@ def test_input_items_and_logprobs(client, http):
     assert len(logprobs) == r.usage.output_tokens
     assert "".join(lp.token for lp in logprobs) == r.output_text
     assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    # Streamed, each delta carries its tokens' logprobs; the done events carry them all.
+    kw = dict(input=items, include=["message.output_text.logprobs"], top_logprobs=2, max_output_tokens=6, stream=True)
+    events = list(create(client, **kw))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in logprobs]
+    # (A prefix-cache hit computes the prompt in other chunks: the same numbers up to rounding.)
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-3)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in logprobs]
 
 
 # -- streaming ------------------------------------------------------------------------------------
