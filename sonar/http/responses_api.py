@@ -80,8 +80,12 @@ def _new_id(prefix: str) -> str:
 class _Turn:
     """What one request needs while it runs: its parsed body, ids, the response it builds."""
 
-    def __init__(self, rid: str, req: ResponsesRequest, settings: ServerSettings, params: SamplingParams) -> None:
+    def __init__(
+        self, rid: str, req: ResponsesRequest, settings: ServerSettings, params: SamplingParams, cache_block: int
+    ) -> None:
+        """`cache_block`: the KV block size when the prefix cache is on, else 0."""
         self.req = req
+        self.cache_block = cache_block
         self.settings = settings
         self.params = params
         self.id = rid
@@ -109,7 +113,7 @@ class _Turn:
             error=error,
             incomplete_details=IncompleteDetails("max_output_tokens") if status == "incomplete" else None,
             instructions=req.instructions,
-            max_output_tokens=req.max_output_tokens,
+            max_output_tokens=params.max_tokens,  # the request's, under the generation config's cap
             previous_response_id=req.previous_response_id,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -128,9 +132,9 @@ class _Turn:
 
     def usage(self, output_tokens: int, cached_tokens: int) -> ResponseUsage:
         n = len(self.prompt_ids)
-        return ResponseUsage(
-            n, output_tokens, n + output_tokens, InputTokensDetails(cached_tokens), OutputTokensDetails()
-        )
+        full = n // self.cache_block * self.cache_block if self.cache_block else 0
+        details = InputTokensDetails(cached_tokens, max(0, full - cached_tokens))
+        return ResponseUsage(n, output_tokens, n + output_tokens, details, OutputTokensDetails())
 
     def keep(self, store: ResponseStore, response: ResponseObject, text: str) -> None:
         """With `store`, keep a finished response (completed or incomplete) for GET and for the
@@ -181,7 +185,8 @@ async def create_response(
     check_model(req.model)
     req.check_refused()
     req.check_max_tokens(llm.info.max_model_len)
-    turn = _Turn(rid, req, settings, req.sampling_params(settings.default_sampling))
+    cache_block = llm.config.block_size if llm.config.enable_prefix_caching else 0
+    turn = _Turn(rid, req, settings, req.sampling_params(settings.default_sampling), cache_block)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)

@@ -444,7 +444,10 @@ class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
 
 
 class InputTokensDetails(msgspec.Struct):
+    #: Prompt tokens read from the prefix cache.
     cached_tokens: int = 0
+    #: Prompt tokens this request computed into full blocks, which the prefix cache then keeps.
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):

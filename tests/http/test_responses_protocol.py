@@ -232,5 +232,28 @@ def test_the_response_object_reads_as_the_sdk_type() -> None:
     """The encoded object is what the official SDK's `Response` model validates."""
     from openai.types.responses import Response
 
-    obj = ResponseObject(id="resp_1", model="m", status="completed", output=[])
-    Response.model_validate(msgspec.to_builtins(obj))
+    from sonar.http.responses_protocol import (
+        IncompleteDetails,
+        InputTokensDetails,
+        Logprob,
+        OutputMessage,
+        OutputText,
+        OutputTokensDetails,
+        ResponseUsage,
+        TopLogprob,
+    )
+
+    logprob = Logprob("Hi", -0.5, [72, 105], [TopLogprob("Hi", -0.5, [72, 105])])
+    obj = ResponseObject(
+        id="resp_1",
+        model="m",
+        status="incomplete",
+        output=[OutputMessage("msg_1", "incomplete", [OutputText("Hi", [], [logprob])])],
+        incomplete_details=IncompleteDetails("max_output_tokens"),
+        metadata={"k": "v"},
+        usage=ResponseUsage(5, 1, 6, InputTokensDetails(2), OutputTokensDetails()),
+    )
+    parsed = Response.model_validate(msgspec.to_builtins(obj))
+    assert parsed.output_text == "Hi" and parsed.incomplete_details.reason == "max_output_tokens"
+    assert parsed.usage.input_tokens_details.cached_tokens == 2
+    assert parsed.usage.input_tokens_details.cache_write_tokens == 0
