@@ -3,9 +3,9 @@
     app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and DELETE
-/v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`), GET /v1/models, GET /health,
-GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (only with
---enable-tokenizer-info-endpoint), and the observability routes
+/v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`),
+GET /v1/models, GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
+GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
 --metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
