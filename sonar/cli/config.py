@@ -38,6 +38,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     header_read_timeout: float = 10.0
     body_read_timeout: float = 60.0
     max_connections: int = 2048
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 64 * 2**20
 
     # The actor transport between processes and machines (`sonar.actors.keys`).
     actor_keys: str | None = None

@@ -279,6 +279,8 @@ def _settings(config: ServeConfig) -> Any:
         metrics_public=config.metrics_public,
         max_request_body_bytes=config.max_request_body_bytes,
         body_read_timeout=config.body_read_timeout,
+        max_stored_responses=config.max_stored_responses,
+        max_stored_response_bytes=config.max_stored_response_bytes,
     )
 
 

@@ -801,6 +801,13 @@ GROUPS: tuple[Group, ...] = (
         _f("--max-chat-messages", I, 1024, "Most messages in one chat request.", to=E, check=positive),
         _f("--max-completions-per-request", I, 256,
            "Most completions one request asks for: n times its number of prompts.", to=E, check=positive),
+        _f("--max-stored-responses", I, 1024,
+           "Most responses of the Responses API kept in memory for previous_response_id and GET "
+           "/v1/responses/{id}; the oldest are evicted first (0: none is kept).", to=S, check=non_negative),
+        _f("--max-stored-response-bytes", Kind.BYTES, 64 * 2**20,
+           "Most bytes the kept responses (with their conversations) may hold together (takes 64M, 64MiB); "
+           "the oldest are evicted first, and a response bigger than this alone is not kept.",
+           to=S, check=non_negative),
     ),
     _group(
         "ActorConfig", "Sonar's own flags: where the engine's actors run and how long they may take.",

@@ -2,9 +2,10 @@
 
     app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET|POST /ping, GET /version, POST /tokenize, POST /detokenize, GET /tokenizer_info (only with
---enable-tokenizer-info-endpoint), and the observability routes
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and DELETE
+/v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`),
+GET /v1/models, GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
+GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
 --metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
@@ -51,7 +52,9 @@ from sonar.http.protocol import (
     TokenizeResponse,
     decode_request,
 )
+from sonar.http.response_store import ResponseStore
 from sonar.http.responses import json_response
+from sonar.http.responses_api import cancel_response, create_response, delete_response, get_response
 from sonar.http.settings import ServerSettings
 
 #: Routes that answer without the API key: the liveness probes (and /metrics with --metrics-public).
@@ -193,6 +196,19 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, llm, settings, check_model)
 
+    store = ResponseStore(settings.max_stored_responses, settings.max_stored_response_bytes)
+
+    async def responses(request: Request) -> Response:
+        return await create_response(request, llm, settings, store, check_model)
+
+    async def stored_response(request: Request) -> Response:
+        if request.method == "DELETE":
+            return await delete_response(request, store)
+        return await get_response(request, store)
+
+    async def cancel(request: Request) -> Response:
+        return await cancel_response(request, store)
+
     async def models(request: Request) -> Response:
         root = llm.config.model or llm.info.model
         return json_response(
@@ -257,6 +273,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),

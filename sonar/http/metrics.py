@@ -59,7 +59,7 @@ from sonar.procfs import resident_bytes
 log = get_logger("sonar.stats")
 
 #: The routes whose requests count toward `/load` (vLLM counts its generation endpoints).
-LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+LOAD_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 
 # Buckets as vLLM uses them (seconds).
 TTFT_BUCKETS = (

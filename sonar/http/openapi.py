@@ -44,6 +44,7 @@ from sonar.http.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from sonar.http.responses_protocol import ResponseObject, ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -107,6 +108,8 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         DetokenizeResponse,
         ModelList,
         ErrorResponse,
+        ResponsesRequest,
+        ResponseObject,
     ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _apply_limits(components, limits)
@@ -189,6 +192,14 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
                 "ChatCompletionRequest",
                 "ChatCompletionResponse",
                 chunk="ChatCompletionChunk",
+                generates=True,
+            )
+        },
+        "/v1/responses": {
+            "post": post(
+                "OpenAI's Responses API (with stream: true, its named server-sent events: docs/responses_api.md)",
+                "ResponsesRequest",
+                "ResponseObject",
                 generates=True,
             )
         },

@@ -52,6 +52,9 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 2**20
     #: --body-read-timeout: seconds from a request's headers to the end of its body (else 408).
     body_read_timeout: float = 60.0
+    #: --max-stored-responses / --max-stored-response-bytes: the bounds of the Responses API's store.
+    max_stored_responses: int = 1024
+    max_stored_response_bytes: int = 64 * 2**20
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -105,3 +105,12 @@ def test_exposure_warning() -> None:
         ("--uds", "/tmp/sonar.sock"),
     ):
         assert warning(*quiet) is None, quiet
+
+
+def test_the_response_store_bounds(usage_error) -> None:
+    config = parse_serve_args([])
+    assert (config.max_stored_responses, config.max_stored_response_bytes) == (1024, 64 * 2**20)
+    config = parse_serve_args(["--max-stored-responses", "0", "--max-stored-response-bytes", "1MiB"])
+    assert (config.max_stored_responses, config.max_stored_response_bytes) == (0, 2**20)
+    for flag in ("--max-stored-responses", "--max-stored-response-bytes"):
+        assert flag in usage_error(flag, "-1")
