@@ -1,0 +1,92 @@
+"""`mistral`: Mistral models mark calls with `[TOOL_CALLS]`, in one of two ways:
+
+    [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ...}]
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
+
+(the JSON array of the older tokenizers; the name-then-arguments form of tokenizer v11 and
+later). Text before the marker is content. The markers are special tokens: the server must not
+skip special tokens for them to reach the parser (requests may set `skip_special_tokens: false`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from sonar.parsers.jsonscan import Incomplete, Invalid, skip_ws, value_end
+from sonar.parsers.markers import held_back
+from sonar.parsers.tools.base import Call, Segment, Text, ToolCallFormat, json_object_call, text_until
+
+MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_NAME = re.compile(r"[A-Za-z_][\w.\-]*")
+
+
+class MistralFormat(ToolCallFormat):
+    name = "mistral"
+
+    def scan(self, text: str, final: bool) -> list[Segment]:
+        segments: list[Segment] = []
+        pos = 0
+        while pos < len(text):
+            content, k = text_until(text, pos, MARKER, final)
+            segments.append(content)
+            if k == len(text):
+                break
+            j = skip_ws(text, k + len(MARKER))
+            if j == len(text):
+                segments.append(Text(text[k:]) if final else Call(None))
+                break
+            if text[j] == "[":
+                rest, pos = _array(text, k, j, final)
+            else:
+                rest, pos = _named(text, k, j, final)
+            segments.extend(rest)
+        return segments
+
+
+def _array(text: str, k: int, j: int, final: bool) -> tuple[list[Segment], int]:
+    """The calls of `[{...}, {...}]` at `text[j]`; `k` is where the marker began."""
+    calls: list[Segment] = []
+    j = skip_ws(text, j + 1)
+    while True:
+        if j == len(text):
+            return (calls if final else [*calls, Call(None)]), len(text)
+        if text[j] == "]" and not calls:
+            return [Text(text[k : j + 1])], j + 1
+        try:
+            call, end = json_object_call(text, j, final)
+        except Invalid:
+            return [*calls, Text(text[k if not calls else j :])], len(text)
+        if end is None:
+            if final and call.name is None:
+                return [*calls, Text(text[k if not calls else j :])], len(text)
+            return [*calls, call], len(text)
+        calls.append(call)
+        j = skip_ws(text, end)
+        if j < len(text) and text[j] == ",":
+            j = skip_ws(text, j + 1)
+            continue
+        if j < len(text) and text[j] == "]":
+            return calls, j + 1
+        return calls, end if j < len(text) or final else len(text)
+
+
+def _named(text: str, k: int, j: int, final: bool) -> tuple[list[Segment], int]:
+    """The call `name[ARGS]{...}` at `text[j]`."""
+    a = text.find(ARGS, j)
+    if a < 0:
+        written = text[j:]
+        written = written[: len(written) - held_back(written, [ARGS])].rstrip()
+        if not final and (not written or _NAME.fullmatch(written)):
+            return [Call(None)], len(text)
+        return [Text(text[k:])], len(text)
+    name = text[j:a].strip()
+    if not _NAME.fullmatch(name):
+        return [Text(text[k : a + len(ARGS)])], a + len(ARGS)
+    start = skip_ws(text, a + len(ARGS))
+    try:
+        end = value_end(text, start, final)
+    except Incomplete:
+        return [Call(name, text[start:])], len(text)
+    except Invalid:
+        return [Call(name, text[start:], True)], len(text)
+    return [Call(name, text[start:end], True)], end
