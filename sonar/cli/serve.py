@@ -279,6 +279,9 @@ def _settings(config: ServeConfig) -> Any:
         metrics_public=config.metrics_public,
         max_request_body_bytes=config.max_request_body_bytes,
         body_read_timeout=config.body_read_timeout,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser or None,
     )
 
 

@@ -52,6 +52,12 @@ class ServerSettings:
     max_request_body_bytes: int = 8 * 2**20
     #: --body-read-timeout: seconds from a request's headers to the end of its body (else 408).
     body_read_timeout: float = 60.0
+    #: --enable-auto-tool-choice: tool_choice "auto" parses the output with `tool_call_parser`.
+    enable_auto_tool_choice: bool = False
+    #: --tool-call-parser: a name registered in `sonar.parsers.tools` (None: none).
+    tool_call_parser: str | None = None
+    #: --reasoning-parser: a name registered in `sonar.parsers.reasoning` (None: none).
+    reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
