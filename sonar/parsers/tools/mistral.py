@@ -14,7 +14,8 @@ import re
 
 from sonar.parsers.jsonscan import Incomplete, Invalid, skip_ws, value_end
 from sonar.parsers.markers import held_back
-from sonar.parsers.tools.base import Call, Segment, Text, ToolCallFormat, json_object_call, text_until
+from sonar.parsers.tools.base import Call, Segment, Text, ToolCallFormat, text_until
+from sonar.parsers.tools.json_list import array_calls
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
@@ -36,38 +37,13 @@ class MistralFormat(ToolCallFormat):
                 segments.append(Text(text[k:]) if final else Call(None))
                 break
             if text[j] == "[":
-                rest, pos = _array(text, k, j, final)
+                rest, pos = array_calls(text, j, final, ("arguments", "parameters"))
+                if rest and isinstance(rest[0], Text):  # not calls: the marker too is content
+                    rest = [Text(text[k:j]), *rest]
             else:
                 rest, pos = _named(text, k, j, final)
             segments.extend(rest)
         return segments
-
-
-def _array(text: str, k: int, j: int, final: bool) -> tuple[list[Segment], int]:
-    """The calls of `[{...}, {...}]` at `text[j]`; `k` is where the marker began."""
-    calls: list[Segment] = []
-    j = skip_ws(text, j + 1)
-    while True:
-        if j == len(text):
-            return (calls if final else [*calls, Call(None)]), len(text)
-        if text[j] == "]" and not calls:
-            return [Text(text[k : j + 1])], j + 1
-        try:
-            call, end = json_object_call(text, j, final)
-        except Invalid:
-            return [*calls, Text(text[k if not calls else j :])], len(text)
-        if end is None:
-            if final and call.name is None:
-                return [*calls, Text(text[k if not calls else j :])], len(text)
-            return [*calls, call], len(text)
-        calls.append(call)
-        j = skip_ws(text, end)
-        if j < len(text) and text[j] == ",":
-            j = skip_ws(text, j + 1)
-            continue
-        if j < len(text) and text[j] == "]":
-            return calls, j + 1
-        return calls, end if j < len(text) or final else len(text)
 
 
 def _named(text: str, k: int, j: int, final: bool) -> tuple[list[Segment], int]:
