@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sonar.cli import parse_serve_args
-from sonar.cli.serve import _settings, main
+from sonar.cli.serve import _settings, describe, main
 
 PLUGIN = """
 from sonar.parsers.reasoning import ReasoningFormat, register_reasoning_parser
@@ -37,6 +37,7 @@ def test_the_flags_reach_the_server_settings() -> None:
         "hermes",
         "qwen3",
     )
+    assert {"tool calls: tool_choice 'auto' parsed with hermes", "reasoning parser: qwen3"} <= set(describe(config))
     plain = _settings(parse_serve_args([]))
     assert (plain.enable_auto_tool_choice, plain.tool_call_parser, plain.reasoning_parser) == (False, None, None)
 
