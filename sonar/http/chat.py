@@ -151,11 +151,7 @@ async def _stream(
             delta, reason = DeltaMessage(content=d.text), d.finish_reason
             send = bool(d.text)
         else:
-            piece = parser.feed(d.text)
-            if d.finish_reason is not None:
-                rest = parser.finish()
-                piece.reasoning, piece.content = piece.reasoning + rest.reasoning, piece.content + rest.content
-                piece.calls.extend(rest.calls)
+            piece = parser.step(d.text, last=d.finish_reason is not None)
             delta, reason = parser.delta(piece), finish_reason(d.finish_reason, parser.calls_made)
             send = bool(piece)
         if send or d.finish_reason is not None or logprobs is not None:

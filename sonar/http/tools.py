@@ -152,25 +152,23 @@ class ChoiceOutput:
     def calls_made(self) -> int:
         return self._tools.calls_made if self._tools is not None else 0
 
-    def feed(self, text: str) -> ChoicePiece:
-        return self._advance(text, False)
-
-    def finish(self) -> ChoicePiece:
-        return self._advance("", True)
-
-    def _advance(self, text: str, final: bool) -> ChoicePiece:
+    def step(self, text: str, last: bool) -> ChoicePiece:
+        """What the next `text` of the output adds (`last`: the output ends with it)."""
         reasoning, content = "", text
         if self._reasoning is not None:
-            reasoning, content = self._reasoning.finish() if final else self._reasoning.feed(text)
+            reasoning, content = self._reasoning.feed(text)
+            if last:
+                more_reasoning, more_content = self._reasoning.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
         if self._tools is None:
             return ChoicePiece(reasoning, content)
         grown = self._tools.feed(content)
-        if final:
+        calls_grown = list(grown.calls)
+        content = grown.content
+        if last:
             done = self._tools.finish()
-            grown.calls.extend(done.calls)
-            content = grown.content + done.content
-        else:
-            content = grown.content
+            calls_grown.extend(done.calls)
+            content += done.content
         calls = [
             DeltaToolCall(
                 d.index,
@@ -178,7 +176,7 @@ class ChoiceOutput:
                 "function" if d.id is not None else None,
                 DeltaFunctionCall(d.name, d.arguments),
             )
-            for d in grown.calls
+            for d in calls_grown
         ]
         return ChoicePiece(reasoning, content, calls)
 
@@ -200,12 +198,12 @@ def finish_reason(reason: str | None, calls_made: int) -> str | None:
 
 def whole_message(output: ChoiceOutput, text: str, role: str) -> ResponseMessage:
     """The response message of a whole generated text (the sum of its stream deltas)."""
-    pieces = [output.feed(text), output.finish()]
-    reasoning = "".join(p.reasoning for p in pieces) or None
-    content = "".join(p.content for p in pieces)
+    piece = output.step(text, last=True)
+    reasoning = piece.reasoning or None
+    content = piece.content
     calls: dict[int, list[str]] = {}
     ids: dict[int, str] = {}
-    for call in (c for p in pieces for c in p.calls):
+    for call in piece.calls:
         function = call.function or DeltaFunctionCall()
         if call.id is not None:
             ids[call.index] = call.id

@@ -9,10 +9,13 @@ member's raw text while it grows.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 WHITESPACE = " \t\r\n"
 _CLOSERS = {"{": "}", "[": "]"}
+# Scanning jumps from one of these to the next: a stream rescans its text after every delta.
+_STRUCTURE = re.compile(r'["{}\[\]]')
 
 
 class Incomplete(Exception):
@@ -32,14 +35,13 @@ def skip_ws(text: str, i: int) -> int:
 def string_end(text: str, i: int) -> int:
     """The index just past the JSON string that opens at `text[i]` (a double quote)."""
     j = i + 1
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == '"':
-            return j + 1
-        j += 1
+    while (k := text.find('"', j)) >= 0:
+        escapes = k - 1
+        while escapes > i and text[escapes] == "\\":
+            escapes -= 1
+        if (k - 1 - escapes) % 2 == 0:  # not escaped
+            return k + 1
+        j = k + 1
     raise Incomplete
 
 
@@ -69,18 +71,18 @@ def value_end(text: str, i: int, final: bool) -> int:
 def _bracket_end(text: str, i: int) -> int:
     expected = [_CLOSERS[text[i]]]
     j = i + 1
-    while j < len(text):
+    while (match := _STRUCTURE.search(text, j)) is not None:
+        j = match.start()
         c = text[j]
         if c == '"':
             j = string_end(text, j)
             continue
         if c in _CLOSERS:
             expected.append(_CLOSERS[c])
-        elif c in "}]":
-            if c != expected.pop():
-                raise Invalid
-            if not expected:
-                return j + 1
+        elif c != expected.pop():
+            raise Invalid
+        elif not expected:
+            return j + 1
         j += 1
     raise Incomplete
 

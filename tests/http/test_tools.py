@@ -143,13 +143,8 @@ def chunks_of(output: ChoiceOutput, pieces: list[str], reason: str = "stop") -> 
     """The chunks chat.py sends for these text deltas (the role first, the reason with the last)."""
     chunks = [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
     for i, text in enumerate(pieces):
-        piece = output.feed(text)
         last = i == len(pieces) - 1
-        if last:
-            rest = output.finish()
-            piece.reasoning += rest.reasoning
-            piece.content += rest.content
-            piece.calls.extend(rest.calls)
+        piece = output.step(text, last)
         delta = msgspec.to_builtins(output.delta(piece))
         chunks.append(
             {"index": 0, "delta": delta, "finish_reason": finish_reason(reason, output.calls_made) if last else None}
