@@ -12,18 +12,20 @@ import json
 import re
 from dataclasses import dataclass
 
+from sonar.errors import SonarError
+
 WHITESPACE = " \t\r\n"
 _CLOSERS = {"{": "}", "[": "]"}
 # Scanning jumps from one of these to the next: a stream rescans its text after every delta.
 _STRUCTURE = re.compile(r'["{}\[\]]')
 
 
-class Incomplete(Exception):
-    """The text ends inside the value."""
+class Incomplete(SonarError):
+    """The text ends inside the value (internal to the parsers: a scan then waits for more)."""
 
 
-class Invalid(Exception):
-    """The text at this place is not JSON."""
+class Invalid(SonarError):
+    """The text at this place is not JSON (internal to the parsers: a scan then reads content)."""
 
 
 def skip_ws(text: str, i: int) -> int:
