@@ -20,7 +20,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping, Sequence
 
-from sonar.parsers.jsonscan import Incomplete, Invalid, Member, object_members
+from sonar.parsers.jsonscan import Invalid, Member, object_members
 from sonar.parsers.markers import held_back
 
 _ALPHABET = string.ascii_letters + string.digits
@@ -118,9 +118,9 @@ class ToolCallStream:
     def __init__(self, fmt: ToolCallFormat) -> None:
         self.fmt = fmt
         self.text = ""
-        self._content_sent = 0
+        self._content_sent = ""
         self._ids: list[str] = []
-        self._args_sent: list[int] = []
+        self._args_sent: list[str] = []
 
     @property
     def calls_made(self) -> int:
@@ -135,20 +135,26 @@ class ToolCallStream:
 
     def _advance(self, final: bool) -> ToolStreamDelta:
         segments = self.fmt.scan(self.text, final)
+        # A well-behaved format only ever extends what was sent; what does not extend it (a
+        # malformed call that a later scan reads otherwise) is not sent, as it cannot be taken back.
         content = _content(segments)
-        piece = content[self._content_sent :]
-        self._content_sent = max(self._content_sent, len(content))
+        piece = _extension(self._content_sent, content)
+        self._content_sent += piece
         deltas: list[ToolCallDelta] = []
         for index, call in enumerate(_named_calls(segments)):
             if index == len(self._ids):
                 self._ids.append(new_call_id())
-                self._args_sent.append(0)
+                self._args_sent.append("")
                 deltas.append(ToolCallDelta(index, self._ids[index], call.name))
-            grown = call.arguments[self._args_sent[index] :]
+            grown = _extension(self._args_sent[index], call.arguments)
             if grown:
                 deltas.append(ToolCallDelta(index, arguments=grown))
-                self._args_sent[index] = len(call.arguments)
+                self._args_sent[index] += grown
         return ToolStreamDelta(piece, deltas)
+
+
+def _extension(sent: str, now: str) -> str:
+    return now[len(sent) :] if now.startswith(sent) else ""
 
 
 # -- helpers the formats share --------------------------------------------------------------------
@@ -197,8 +203,6 @@ def json_object_call(
 
 __all__ = [
     "Call",
-    "Incomplete",
-    "Invalid",
     "ParsedToolCall",
     "Segment",
     "Text",
