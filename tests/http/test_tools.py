@@ -273,18 +273,34 @@ def test_auto_stream_reassembles_to_the_whole_result(server: Any) -> None:
     whole = ask(server, FEW_SHOT_CALL, tools=[WEATHER]).choices[0]
     stream = ask(server, FEW_SHOT_CALL, tools=[WEATHER], stream=True)
     state = ChatCompletionStreamState()
-    names = []
+    names, pieces = [], 0
     for chunk in stream:
         state.handle_chunk(chunk)
         for choice in chunk.choices:
-            names += [c.function.name for c in choice.delta.tool_calls or [] if c.function and c.function.name]
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:  # the first delta of a call: id, type, name
+                    assert call.type == "function" and call.function.name and call.index == len(names)
+                    names.append(call.function.name)
+                else:  # then only pieces of the arguments
+                    assert call.type is None and call.function.name is None and call.function.arguments
+                    pieces += 1
     streamed = state.get_final_completion().choices[0]
-    assert names == ["get_weather"]  # the name once
+    assert names == ["get_weather"] and pieces > 1  # the name once, the arguments in pieces
     assert streamed.finish_reason == whole.finish_reason == "tool_calls"
     assert (streamed.message.content or None) == whole.message.content
     assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls
     ]
+
+
+def test_every_choice_of_n_is_parsed(server: Any) -> None:
+    whole = ask(server, FEW_SHOT_CALL, tools=[WEATHER], n=2)
+    state = ChatCompletionStreamState()
+    for chunk in ask(server, FEW_SHOT_CALL, tools=[WEATHER], n=2, stream=True):
+        state.handle_chunk(chunk)
+    for choices in (whole.choices, state.get_final_completion().choices):
+        assert [c.finish_reason for c in choices] == ["tool_calls", "tool_calls"]
+        assert [[t.function.name for t in c.message.tool_calls] for c in choices] == [["get_weather"]] * 2
 
 
 def test_thinking_goes_to_reasoning_content_whole_and_streamed(server: Any) -> None:
