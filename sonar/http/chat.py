@@ -47,7 +47,7 @@ async def create_chat_completion(
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
     plan = plan_tools(req, settings)
-    plan.constrain(params)
+    plan.constrain(params, req)
     messages = req.template_messages()
     prompt_ids = await llm.apply_chat_template(
         messages,

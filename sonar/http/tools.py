@@ -70,8 +70,13 @@ class ToolPlan:
             schema["maxItems"] = 1
         return schema
 
-    def constrain(self, params: SamplingParams) -> None:
-        """Enforce required / named with structured outputs."""
+    def constrain(self, params: SamplingParams, req: ChatCompletionRequest) -> None:
+        """Enforce required / named with structured outputs; keep the special tokens a parser
+        reads (unless the request says whether to skip them)."""
+        if self.mode == "auto" and req.skip_special_tokens is None:
+            fmt = self.output_format()
+            if fmt is not None and fmt.keeps_special_tokens:
+                params.skip_special_tokens = False
         schema = self.schema()
         if schema is None:
             return

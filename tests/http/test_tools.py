@@ -23,7 +23,7 @@ from openai.types.chat import ChatCompletionChunk
 from sonar.http.protocol import ChatCompletionRequest, RequestError, decode_request
 from sonar.http.settings import ServerSettings
 from sonar.http.tools import ChoiceOutput, choice_output, finish_reason, plan_tools, whole_message
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.http.conftest import start_server, stop_server_cleanly
 
 WEATHER = {
@@ -79,17 +79,35 @@ def test_wrong_tool_choices_are_refused_naming_the_field() -> None:
     assert refused(AUTO, tools=[{**WEATHER, "type": "retrieval"}]).param == "tools[0].type"
 
 
+def constrained(settings: ServerSettings, params: SamplingParams | None = None, **body: Any) -> SamplingParams:
+    params = params or SamplingParams()
+    req = request(**body)
+    plan_tools(req, settings).constrain(params, req)
+    return params
+
+
 def test_forced_tool_choices_set_structured_outputs() -> None:
-    params = SamplingParams()
-    plan_tools(request(tools=[WEATHER, TIME], tool_choice="required"), PLAIN).constrain(params)
+    params = constrained(PLAIN, tools=[WEATHER, TIME], tool_choice="required")
     assert params.structured_outputs is not None and params.structured_outputs.kind == "json"
-    params = SamplingParams()
     named = {"type": "function", "function": {"name": "get_weather"}}
-    plan_tools(request(tools=[WEATHER], tool_choice=named), PLAIN).constrain(params)
+    params = constrained(PLAIN, tools=[WEATHER], tool_choice=named)
     assert params.structured_outputs is not None and params.structured_outputs.json == WEATHER["function"]["parameters"]
-    params = SamplingParams()
-    plan_tools(request(tools=[WEATHER], tool_choice="none"), PLAIN).constrain(params)
-    assert params.structured_outputs is None
+    assert constrained(PLAIN, tools=[WEATHER], tool_choice="none").structured_outputs is None
+    assert constrained(AUTO, tools=[WEATHER]).structured_outputs is None
+
+
+def test_forced_calls_and_another_constraint_are_refused() -> None:
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True))
+    with pytest.raises(RequestError) as info:
+        constrained(PLAIN, params, tools=[WEATHER], tool_choice="required")
+    assert info.value.param == "tool_choice"
+
+
+def test_a_parser_of_special_tokens_keeps_them() -> None:
+    mistral = ServerSettings(("m",), enable_auto_tool_choice=True, tool_call_parser="mistral")
+    assert constrained(mistral, tools=[WEATHER]).skip_special_tokens is False
+    assert constrained(mistral, tools=[WEATHER], skip_special_tokens=True).skip_special_tokens is True
+    assert constrained(AUTO, tools=[WEATHER]).skip_special_tokens is True
 
 
 # -- the schemas of forced calls, checked with jsonschema -----------------------------------------

@@ -56,6 +56,8 @@ class ToolCallFormat:
     parameters' JSON schema (formats that write untyped values convert them by it)."""
 
     name: ClassVar[str] = ""
+    #: The format's markers are special tokens: the output must keep them to be parsed.
+    keeps_special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: Mapping[str, Mapping[str, Any]] | None = None) -> None:
         self.tools = dict(tools or {})

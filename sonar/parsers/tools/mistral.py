@@ -4,8 +4,8 @@
     [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}
 
 (the JSON array of the older tokenizers; the name-then-arguments form of tokenizer v11 and
-later). Text before the marker is content. The markers are special tokens: the server must not
-skip special tokens for them to reach the parser (requests may set `skip_special_tokens: false`).
+later). Text before the marker is content. The markers are special tokens, so the output keeps
+special tokens when this format parses it (unless the request sets `skip_special_tokens`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ _NAME = re.compile(r"[A-Za-z_][\w.\-]*")
 
 class MistralFormat(ToolCallFormat):
     name = "mistral"
+    keeps_special_tokens = True
 
     def scan(self, text: str, final: bool) -> list[Segment]:
         segments: list[Segment] = []
