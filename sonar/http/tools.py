@@ -185,10 +185,9 @@ class ChoiceOutput:
         ]
         return ChoicePiece(reasoning, content, calls)
 
-    def delta(self, piece: ChoicePiece, role: str | None = None) -> DeltaMessage:
+    def delta(self, piece: ChoicePiece) -> DeltaMessage:
         """A stream delta of `piece` (reasoning in both of its fields)."""
         return DeltaMessage(
-            role=role,
             content=piece.content or None,
             tool_calls=piece.calls or None,
             reasoning_content=piece.reasoning or None,
