@@ -67,6 +67,13 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     fingerprint_value: str | None = None
     stream_interval: int = 1
 
+    # Tool calls and reasoning (the parsers' names; plugins were loaded while parsing the flags).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    tool_parser_plugin: str = ""
+    reasoning_parser: str = ""
+    reasoning_parser_plugin: str = ""
+
     # Logging.
     enable_log_requests: bool = False
     enable_log_outputs: bool = False

@@ -19,6 +19,7 @@ from sonar.cli.config import ServeConfig
 from sonar.cli.dotted import DottedKey, merge_key, split_dotted
 from sonar.cli.errors import PROG, HelpRequested, UsageError
 from sonar.cli.flags import Flag, Kind, Status
+from sonar.cli.parsers import check_parser_flags
 from sonar.cli.table import BY_DEST, BY_OPTION, FLAGS
 from sonar.cli.values import convert, convert_element
 
@@ -230,6 +231,7 @@ def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
     mode, fingerprint = serve_args.get("fingerprint_mode"), serve_args.get("fingerprint_value")
     if mode == "custom" and not fingerprint:
         raise UsageError.bad("argument --fingerprint-mode: 'custom' needs --fingerprint-value")
+    check_parser_flags(serve_args)
     endpoints = serve_args.pop("disable_access_log_for_endpoints")
     serve_args["disable_access_log_for_endpoints"] = tuple(p.strip() for p in (endpoints or "").split(",") if p.strip())
     names = serve_args.pop("served_model_name")

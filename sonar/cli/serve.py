@@ -281,6 +281,9 @@ def _settings(config: ServeConfig) -> Any:
         body_read_timeout=config.body_read_timeout,
         max_stored_responses=config.max_stored_responses,
         max_stored_response_bytes=config.max_stored_response_bytes,
+        enable_auto_tool_choice=config.enable_auto_tool_choice,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser or None,
     )
 
 
@@ -475,6 +478,10 @@ def describe(config: ServeConfig) -> list[str]:
     placed = server_engine_config(config).describe_placement()  # where the actors run, not the flag
     placement = ", ".join(f"{actor}={where}" for actor, where in placed.items())
     lines.append(f"placement: {placement}")
+    if config.enable_auto_tool_choice:
+        lines.append(f"tool calls: tool_choice 'auto' parsed with {config.tool_call_parser}")
+    if config.reasoning_parser:
+        lines.append(f"reasoning parser: {config.reasoning_parser}")
     if config.accepted_noops:
         lines.append(f"accepted, no effect in Sonar: {', '.join(config.accepted_noops)}")
     return lines

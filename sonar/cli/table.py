@@ -24,6 +24,16 @@ from sonar.cli.values import (
 B, I, F, S_, H, L, J = Kind.BOOL, Kind.INT, Kind.FLOAT, Kind.STR, Kind.HUMAN_INT, Kind.LIST, Kind.JSON
 E, S = "engine", "serve"
 
+#: --tool-call-parser's documented names (Sonar implements some; see `sonar.parsers.tools`).
+TOOL_CALL_PARSER_NAMES = (
+    "apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31", "deepseek_v32",
+    "deepseek_v4", "ernie45", "functiongemma", "gemma4", "gigachat3", "glm45", "glm47", "granite",
+    "granite-20b-fc", "granite4", "hermes", "hunyuan_a13b", "hy_v3", "inkling", "internlm", "jamba",
+    "kimi_k2", "lfm2", "llama3_json", "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5",
+    "minimax_m2", "minimax_m3", "mistral", "olmo3", "openai", "phi4_mini_json", "poolside_v1",
+    "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
+)  # fmt: skip
+
 # Why a no-op flag changes nothing in Sonar.
 ONE_ENGINE = "Sonar runs a single engine (no data parallelism), so there is nothing to aggregate or coordinate"
 MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
@@ -116,21 +126,19 @@ GROUPS: tuple[Group, ...] = (
            "Write logprob tokens as 'token_id:<id>' instead of their text, so that tokens which are not "
            "valid text stay distinguishable.", to=S),
         _f("--enable-auto-tool-choice", B, False,
-           "Let the model decide by itself to call tools (tool_choice 'auto'); needs --tool-call-parser."),
+           "Let the model decide by itself to call tools (tool_choice 'auto', the default when a request "
+           "has tools): its output is parsed with --tool-call-parser, which is required.", to=S),
         _f("--exclude-tools-when-tool-choice-none", B, False,
            "Leave the tool definitions out of the prompt when a request sets tool_choice to 'none'."),
         _f("--tool-call-parser", S_, None,
-           "Parser that turns the model's tool-call text into OpenAI tool calls; choose the one made for "
-           "the model family.",
-           choices=("apertus", "cohere_command3", "cohere_command4", "deepseek_v3", "deepseek_v31",
-                    "deepseek_v32", "deepseek_v4", "ernie45", "functiongemma", "gemma4", "gigachat3",
-                    "glm45", "glm47", "granite", "granite-20b-fc", "granite4", "hermes", "hunyuan_a13b",
-                    "hy_v3", "inkling", "internlm", "jamba", "kimi_k2", "lfm2", "llama3_json",
-                    "llama4_json", "llama4_pythonic", "longcat", "mimo", "minicpm5", "minimax_m2",
-                    "minimax_m3", "mistral", "olmo3", "openai", "phi4_mini_json", "poolside_v1",
-                    "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam"),
-           noop="tool calls are only parsed with --enable-auto-tool-choice, which Sonar does not support yet"),
-        _f("--tool-parser-plugin", S_, "", "Python file that registers additional tool-call parsers by name."),
+           "Parser that turns the model's tool-call text into OpenAI tool calls (with "
+           "--enable-auto-tool-choice); choose the one made for the model family. Sonar implements "
+           "hermes (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3.x), mistral, pythonic (Llama 3.2, "
+           "Llama 4) and qwen3_xml (Qwen3-Coder), or a name a --tool-parser-plugin registers.",
+           metavar="NAME", to=S),
+        _f("--tool-parser-plugin", S_, "",
+           "Python file that registers additional tool-call parsers by name. It is the operator's own "
+           "code: it runs at startup with the server's rights.", metavar="FILE", to=S),
         _f("--tool-server", S_, None,
            "Tool servers the model may use while generating: comma-separated host:port addresses, or "
            "'demo' for the built-in demo tools."),
@@ -374,8 +382,12 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "StructuredOutputsConfig", "Structured outputs and reasoning parsers.",
         _f("--reasoning-parser", S_, "",
-           "Parser that separates a reasoning model's thinking (reasoning_content) from its answer."),
-        _f("--reasoning-parser-plugin", S_, "", "Python file that registers additional reasoning parsers."),
+           "Parser that separates a reasoning model's thinking (reasoning_content) from its answer: "
+           "deepseek_r1, qwen3, granite, or a name a --reasoning-parser-plugin registers.",
+           metavar="NAME", to=S),
+        _f("--reasoning-parser-plugin", S_, "",
+           "Python file that registers additional reasoning parsers. It is the operator's own code: it "
+           "runs at startup with the server's rights.", metavar="FILE", to=S),
     ),
     _group(
         "ParallelConfig", "Spreading one model over several devices, processes or nodes.",

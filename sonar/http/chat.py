@@ -32,6 +32,7 @@ from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
 from sonar.http.tasks import cancel_on_disconnect
+from sonar.http.tools import ChoiceOutput, choice_output, finish_reason, plan_tools, whole_message
 from sonar.sampling_params import SamplingParams
 
 
@@ -45,6 +46,8 @@ async def create_chat_completion(
     check_model(req.model)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
+    plan = plan_tools(req, settings)
+    plan.constrain(params, req)
     messages = req.template_messages()
     prompt_ids = await llm.apply_chat_template(
         messages,
@@ -55,8 +58,16 @@ async def create_chat_completion(
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
+    # A reasoning parser needs to know whether the prompt left a thinking block open.
+    prompt_tail = llm.tokenizer.decode(prompt_ids[-8:]) if settings.reasoning_parser else ""
+
+    def output() -> ChoiceOutput | None:
+        return choice_output(plan, settings, prompt_tail)
+
     if req.stream:
-        return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
+        return EventStream(
+            lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec, output), rid
+        )
     finished, result = await cancel_on_disconnect(
         request,
         lambda: rec.generate(llm, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid),
@@ -64,19 +75,21 @@ async def create_chat_completion(
     )
     if not finished:
         return Response(status_code=499)  # nobody reads it
-    choices = [
-        ChatChoice(
-            out.index,
-            ResponseMessage(role, out.text),
-            chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
-            out.finish_reason,
-            out.stop_reason,
+    choices = []
+    for out in result.outputs:
+        parser = output()
+        choices.append(
+            ChatChoice(
+                out.index,
+                ResponseMessage(role, out.text) if parser is None else whole_message(parser, out.text, role),
+                chat_logprobs(out.logprobs or [], settings.return_tokens_as_token_ids) if req.logprobs else None,
+                finish_reason(out.finish_reason, parser.calls_made if parser else 0),
+                out.stop_reason,
+            )
         )
-        for out in result.outputs
-    ]
     completion_tokens = sum(len(out.token_ids) for out in result.outputs)
     log_output(
-        settings, rid, [c.message.content for c in choices], [c.finish_reason for c in choices], completion_tokens
+        settings, rid, [out.text for out in result.outputs], [c.finish_reason for c in choices], completion_tokens
     )
     usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
     return json_response(
@@ -100,6 +113,7 @@ async def _stream(
     role: str,
     rid: str,
     rec: RequestRecorder,
+    output: Callable[[], ChoiceOutput | None],
 ) -> None:
     created = int(time.time())
 
@@ -117,6 +131,7 @@ async def _stream(
     texts: dict[int, str] = {}
     finished: dict[int, str | None] = {}
     started = False
+    parsers = {i: output() for i in range(params.n)}
     deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid))
     async for d in batched(deltas, settings.stream_interval):
         log_delta(settings, rid, d)
@@ -131,12 +146,16 @@ async def _stream(
             finished[d.index] = d.finish_reason
         as_ids = settings.return_tokens_as_token_ids
         logprobs = chat_logprobs(d.logprobs, as_ids) if req.logprobs and d.logprobs else None
-        if d.text or d.finish_reason is not None or logprobs is not None:
-            await emit(
-                chunk(
-                    [ChatChunkChoice(d.index, DeltaMessage(content=d.text), logprobs, d.finish_reason, d.stop_reason)]
-                )
-            )
+        parser = parsers.get(d.index)
+        if parser is None:
+            delta, reason = DeltaMessage(content=d.text), d.finish_reason
+            send = bool(d.text)
+        else:
+            piece = parser.step(d.text, last=d.finish_reason is not None)
+            delta, reason = parser.delta(piece), finish_reason(d.finish_reason, parser.calls_made)
+            send = bool(piece)
+        if send or d.finish_reason is not None or logprobs is not None:
+            await emit(chunk([ChatChunkChoice(d.index, delta, logprobs, reason, d.stop_reason)]))
     order = sorted(texts)
     log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], completion_tokens)
     if req.include_usage or settings.enable_force_include_usage:

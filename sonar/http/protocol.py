@@ -495,9 +495,15 @@ class ChatLogprobs(msgspec.Struct):
     content: list[TokenLogprob]
 
 
-class ResponseMessage(msgspec.Struct):
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
+    """The generated message: `content` is null when the model only called tools; `tool_calls`,
+    `reasoning_content` and `reasoning` (the same thinking text, vLLM's newer name) appear when set."""
+
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -518,9 +524,27 @@ class ChatCompletionResponse(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call: the first carries `id`, `type` and the name; the later
+    ones pieces of the arguments, which the client joins by `index`."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -55,6 +55,12 @@ class ServerSettings:
     #: --max-stored-responses / --max-stored-response-bytes: the bounds of the Responses API's store.
     max_stored_responses: int = 1024
     max_stored_response_bytes: int = 64 * 2**20
+    #: --enable-auto-tool-choice: tool_choice "auto" parses the output with `tool_call_parser`.
+    enable_auto_tool_choice: bool = False
+    #: --tool-call-parser: a name registered in `sonar.parsers.tools` (None: none).
+    tool_call_parser: str | None = None
+    #: --reasoning-parser: a name registered in `sonar.parsers.reasoning` (None: none).
+    reasoning_parser: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
