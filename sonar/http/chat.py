@@ -1,5 +1,10 @@
 """POST /v1/chat/completions: the chat template renders the messages, then the engine generates.
 
+The messages and tools reach the template as `sonar.http.messages` shapes them, with the request's
+`chat_template_kwargs` over --default-chat-template-kwargs; with `tool_choice: "none"` and
+--exclude-tools-when-tool-choice-none the tools stay out of the prompt. What `tool_choice` asks of
+the output is `tool_behaviour`'s.
+
 Streamed, each choice's first chunk carries the role (sent when the engine's first output
 arrives, so that a rejected request still gets a proper 400), then content chunks, the last one
 with the finish reason; with `stream_options.include_usage` a final chunk carries the usage.
@@ -8,12 +13,13 @@ with the finish reason; with `stream_options.include_usage` a final chunk carrie
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
+from sonar.http.messages import template_messages, template_tools, tool_choice_of
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, chat_logprobs, make_usage
 from sonar.http.protocol import (
@@ -23,6 +29,7 @@ from sonar.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
+    RequestError,
     ResponseMessage,
     Usage,
     decode_request,
@@ -45,15 +52,27 @@ async def create_chat_completion(
     check_model(req.model)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
-    messages = req.template_messages()
+    if req.add_generation_prompt and req.continue_final_message:
+        raise RequestError(
+            "add_generation_prompt and continue_final_message cannot both be set (set add_generation_prompt to false)",
+            "continue_final_message",
+        )
+    messages = template_messages(req.messages, template_source(llm, settings))
+    tools = template_tools(req.tools)
+    choice = tool_choice_of(req.tool_choice, req.tools)
+    tool_behaviour(req)
+    if choice == "none" and settings.exclude_tools_when_tool_choice_none:
+        tools = None
     prompt_ids = await llm.apply_chat_template(
         messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template=settings.chat_template,
+        tools=tools,
+        chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
     if settings.enable_log_requests:
-        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
+        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec), rid)
@@ -88,6 +107,27 @@ async def create_chat_completion(
             system_fingerprint=settings.system_fingerprint,
         )
     )
+
+
+def tool_behaviour(req: ChatCompletionRequest) -> None:
+    """What the request's `tool_choice` asks of the output. Only "none" (the model answers in
+    text; the tools at most inform the prompt) is done; "auto", "required" and a named function
+    are refused until tool calls are parsed and enforced."""
+    choice = tool_choice_of(req.tool_choice, req.tools)
+    if choice != "none":
+        label = choice if isinstance(choice, str) else f"naming the function {choice.function.name!r}"
+        raise RequestError(f"tool_choice {label} is not supported yet (only 'none')", "tool_choice")
+
+
+def template_source(llm: LLM, settings: ServerSettings) -> str | None:
+    """The chat template's source: --chat-template, else the tokenizer's."""
+    return settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
+
+
+def template_kwargs(settings: ServerSettings, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The template's extra variables: the request's `chat_template_kwargs` over
+    --default-chat-template-kwargs."""
+    return {**settings.default_chat_template_kwargs, **(given or {})}
 
 
 async def _stream(

@@ -18,15 +18,20 @@ def _clip(value: Any, limit: int | None) -> Any:
     return value if limit is None else value[:limit]
 
 
-def log_request(settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any) -> None:
-    """With --enable-log-requests: one line with the request's id, prompt(s) and sampling params."""
+def log_request(
+    settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any, user: str | None = None
+) -> None:
+    """With --enable-log-requests: one line with the request's id, prompt(s), sampling params and
+    the client's `user` (when it sent one: the field's one effect)."""
     if settings.enable_log_requests:
         clipped = [_clip(p, settings.max_log_len) for p in prompts]
+        extra = {} if user is None else {"user": user}
         log.info(
             "request.received",
             request_id=request_id,
             prompt=clipped[0] if len(clipped) == 1 else clipped,
             params=msgspec.json.encode(params).decode(),
+            **extra,
         )
 
 
