@@ -121,7 +121,8 @@ def tool_choice_of(
     tool_choice: str | NamedToolChoice | None, tools: Sequence[ChatTool] | None
 ) -> str | NamedToolChoice:
     """The request's tool choice checked against its tools: "none", "auto", "required", or the
-    named function to call. Absent: "auto" with tools, else "none" (as OpenAI)."""
+    named function to call. Absent: "auto" with tools, else "none" (as OpenAI); "auto" without
+    tools leaves nothing to call, so it is "none"."""
     names = [t.function.name for t in tools or ()]
     if tool_choice is None:
         return "auto" if tools else "none"
@@ -133,7 +134,7 @@ def tool_choice_of(
             )
         if tool_choice == "required" and not tools:
             raise RequestError("tool_choice 'required' needs tools", "tool_choice")
-        return tool_choice
+        return "none" if tool_choice == "auto" and not tools else tool_choice
     if tool_choice.type != "function":
         raise RequestError(f"tool_choice.type must be 'function', got {tool_choice.type!r}", "tool_choice.type")
     name = tool_choice.function.name

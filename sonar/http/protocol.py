@@ -127,6 +127,7 @@ CHAT_REFUSED: dict[str, Refusal] = {
     "mm_processor_kwargs": Refusal("Sonar serves text-only models"),
     "media_io_kwargs": Refusal("Sonar serves text-only models"),
     "include_reasoning": Refusal("reasoning text cannot be left out", (True,)),
+    "thinking_token_budget": Refusal("the model's thinking cannot be bounded"),
 }
 
 
@@ -207,6 +208,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "skip_special_tokens",
             "spaces_between_special_tokens",
         )
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true (as OpenAI)", "stream_options")
         fields = {k: v for k, v in (defaults or {}).items() if k in names}
         fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
         return fields
@@ -443,6 +446,7 @@ class ChatCompletionRequest(_Structured, kw_only=True):
     mm_processor_kwargs: Any = None
     media_io_kwargs: Any = None
     include_reasoning: Any = None
+    thinking_token_budget: Any = None
 
     def check_max_tokens(self, max_model_len: int) -> None:
         if self.max_completion_tokens is not None:

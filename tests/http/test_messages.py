@@ -138,6 +138,7 @@ def test_tool_choice_is_checked_against_the_tools():
     tools = msgspec.convert([WEATHER], list[ChatTool])
     named = msgspec.convert({"type": "function", "function": {"name": "get_weather"}}, NamedToolChoice)
     assert tool_choice_of(None, None) == "none" and tool_choice_of(None, tools) == "auto"
+    assert tool_choice_of("auto", None) == "none"  # nothing to call
     assert tool_choice_of("none", tools) == "none" and tool_choice_of("required", tools) == "required"
     assert tool_choice_of(named, tools) is named
     for choice, given, param in [

@@ -126,6 +126,7 @@ WRONG_VALUES = [
     ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "auto, xgrammar"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "cannot set 'tools'"),
     ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_options", "continuous_usage_stats"),
+    ({"stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream: true"),
 ]
 
 
