@@ -120,8 +120,10 @@ def tool_behaviour(req: ChatCompletionRequest) -> None:
 
 
 def template_source(llm: LLM, settings: ServerSettings) -> str | None:
-    """The chat template's source: --chat-template, else the tokenizer's."""
-    return settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
+    """The chat template's source: --chat-template, else the tokenizer's (all of its named
+    templates, when it has several)."""
+    source = settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
+    return "\n".join(source.values()) if isinstance(source, dict) else source
 
 
 def template_kwargs(settings: ServerSettings, given: dict[str, Any] | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Sequence
 
 import msgspec
 
-from sonar.http.protocol import ChatMessage, ChatTool, NamedToolChoice, RequestError, TextPart
+from sonar.http.protocol import ChatMessage, ChatTool, NamedToolChoice, RequestError, TextPart, ToolCall
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -86,7 +86,7 @@ def _text(content: str | list[TextPart] | None, where: str) -> str:
     return "\n".join(texts)
 
 
-def _tool_call(call: Any, where: str) -> dict[str, Any]:
+def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:
     if call.type != "function":
         raise RequestError(f"{where}.type must be 'function', got {call.type!r}", f"{where}.type")
     try:

@@ -29,7 +29,7 @@ import msgspec
 
 from sonar.errors import SonarError
 from sonar.http.structured import ResponseFormat, StructuredOutputsRequest, structured_outputs_params
-from sonar.sampling_params import SamplingParams, SamplingParamsError
+from sonar.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -245,7 +245,7 @@ class _Structured(_Sampling, kw_only=True):
     kv_transfer_params: Any = None
     vllm_xargs: Any = None
 
-    def structured_outputs_params(self):
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint the structured-output fields ask for (None: free text)."""
         return structured_outputs_params(
             response_format=self.response_format,
