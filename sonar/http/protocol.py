@@ -28,6 +28,7 @@ from typing import Annotated, Any, ClassVar, Mapping, NamedTuple, TypeVar
 import msgspec
 
 from sonar.errors import SonarError
+from sonar.http.structured import JsonSchemaFormat as JsonSchemaFormat  # re-exported with the request shapes
 from sonar.http.structured import ResponseFormat, StructuredOutputsRequest, structured_outputs_params
 from sonar.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
