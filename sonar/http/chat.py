@@ -34,7 +34,7 @@ from sonar.http.protocol import (
     Usage,
     decode_request,
 )
-from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.request_log import check_user, log_delta, log_output, log_request
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
@@ -50,6 +50,7 @@ async def create_chat_completion(
     rec = recorder(request)
     req = decode_request(await request.body(), ChatCompletionRequest)
     check_model(req.model)
+    check_user(settings, req.user)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
     if req.add_generation_prompt and req.continue_final_message:

@@ -26,7 +26,7 @@ from sonar.http.protocol import (
     CompletionResponse,
     decode_request,
 )
-from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.request_log import check_user, log_delta, log_output, log_request
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
@@ -42,6 +42,7 @@ async def create_completion(
     rec = recorder(request)
     req = decode_request(await request.body(), CompletionRequest)
     check_model(req.model)
+    check_user(settings, req.user)
     prompts = req.prompts()
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if not isinstance(prompt, str):

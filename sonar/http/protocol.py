@@ -170,7 +170,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[TokenId, LogitBias] | None = None
-    #: Written in the request log line (--enable-log-requests); otherwise unused.
+    #: Written in the request log line (--enable-log-requests); refused without it.
     user: str | None = None
     # vLLM's extras.
     top_k: TopK | None = None

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import msgspec
 
 from sonar.engine.llm import StreamDelta
+from sonar.http.protocol import RequestError
 from sonar.http.settings import ServerSettings
 from sonar.log import get_logger
 
@@ -16,6 +17,17 @@ log = get_logger("sonar.http")
 def _clip(value: Any, limit: int | None) -> Any:
     """A prompt or output cut to `limit` characters (a string) or ids (a list of token ids)."""
     return value if limit is None else value[:limit]
+
+
+def check_user(settings: ServerSettings, user: str | None) -> None:
+    """A request's `user` is metadata whose one effect is the request log line: without
+    --enable-log-requests nothing would record it, so it is refused rather than dropped."""
+    if user is not None and not settings.enable_log_requests:
+        raise RequestError(
+            "user is not supported: it is only recorded in the request log, which is off "
+            "(start the server with --enable-log-requests)",
+            "user",
+        )
 
 
 def log_request(

@@ -385,6 +385,13 @@ def test_tokenize_detokenize_round_trip(http):
     assert chat["count"] > r["count"]
 
 
+def test_user_without_the_request_log_is_refused(client):
+    """`user` is metadata whose one effect is the request log, which this server does not write."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, user="alice")
+    assert info.value.body["param"] == "user" and "--enable-log-requests" in info.value.body["message"]
+
+
 def test_model_card_by_id(client, http):
     card = client.models.retrieve(MODEL)
     assert (card.id, card.object, card.owned_by) == (MODEL, "model", "sonar")
