@@ -55,6 +55,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     # Requests and responses.
     chat_template: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     response_role: str = "assistant"
     generation_config: str = "auto"
     override_generation_config: dict[str, Any] = {}

@@ -258,6 +258,8 @@ def _settings(config: ServeConfig) -> Any:
         served_model_names=config.served_model_name,
         api_keys=config.api_key or (),
         chat_template=_chat_template(config.chat_template),
+        default_chat_template_kwargs=dict(config.default_chat_template_kwargs or {}),
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         response_role=config.response_role,
         allowed_origins=config.allowed_origins,
         allowed_methods=config.allowed_methods,

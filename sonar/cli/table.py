@@ -119,7 +119,8 @@ GROUPS: tuple[Group, ...] = (
            "Let a request supply its own chat template; otherwise only the server's template is used."),
         _f("--default-chat-template-kwargs", J, None,
            "Extra variables handed to the chat template on every request: a JSON object, or one key at "
-           "a time as --default-chat-template-kwargs.KEY VALUE.", dotted=True),
+           "a time as --default-chat-template-kwargs.KEY VALUE. A request's chat_template_kwargs win.",
+           dotted=True, to=S),
         _f("--response-role", S_, "assistant",
            "Role name of the generated message when a chat request asks for the generation prompt.", to=S),
         _f("--return-tokens-as-token-ids", B, False,
@@ -129,7 +130,7 @@ GROUPS: tuple[Group, ...] = (
            "Let the model decide by itself to call tools (tool_choice 'auto', the default when a request "
            "has tools): its output is parsed with --tool-call-parser, which is required.", to=S),
         _f("--exclude-tools-when-tool-choice-none", B, False,
-           "Leave the tool definitions out of the prompt when a request sets tool_choice to 'none'."),
+           "Leave the tool definitions out of the prompt when a request sets tool_choice to 'none'.", to=S),
         _f("--tool-call-parser", S_, None,
            "Parser that turns the model's tool-call text into OpenAI tool calls (with "
            "--enable-auto-tool-choice); choose the one made for the model family. Sonar implements "

@@ -53,6 +53,27 @@ ADD_TIMEOUT = 30.0
 RETRY_AFTER = 1.0
 """Seconds an overloaded engine asks a client to wait before it tries again."""
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""Arguments of `apply_chat_template` itself, which chat_template_kwargs may not set."""
+
 
 @dataclass
 class CompletionOutput:
@@ -198,14 +219,18 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> RequestOutput:
-        """Apply the model's chat template to `messages`, then `generate`."""
+        """Apply the model's chat template to `messages` (see `apply_chat_template`), then `generate`."""
         prompt_ids = await self.apply_chat_template(
             messages,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             chat_template=chat_template,
+            tools=tools,
+            chat_template_kwargs=chat_template_kwargs,
         )
         return await self.generate(prompt_ids, params, **kwargs)
 
@@ -231,9 +256,23 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """The token ids of `messages` rendered by the chat template (`chat_template`, else the
+        tokenizer's), as transformers' `apply_chat_template` renders them: `tools` (a list of
+        `{"type": "function", "function": {...}}` dicts) reach the template as `tools`, and
+        `chat_template_kwargs` as extra template variables (none may replace an argument of the
+        call itself, such as `tools`: `RESERVED_TEMPLATE_KWARGS`)."""
         if add_generation_prompt and continue_final_message:
             raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be set")
+        extra = dict(chat_template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(
+                f"chat_template_kwargs cannot set {reserved[0]!r}: it is an argument of the template call itself",
+                param=f"chat_template_kwargs.{reserved[0]}",
+            )
         limit = self.config.max_chat_messages
         if len(messages) > limit:
             raise InvalidRequestError(
@@ -248,6 +287,8 @@ class LLM:
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,
                     chat_template=chat_template,
+                    tools=tools,
+                    **extra,
                 )
             except Exception as exc:
                 raise InvalidRequestError(f"cannot apply the chat template: {exc}", param="messages") from exc
@@ -369,6 +410,7 @@ class LLM:
             self.check_token_ids(ids)
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        check_context_length(len(ids), params.max_tokens, self.info.max_model_len)
         return list(ids), text
 
     async def _run(
@@ -449,6 +491,21 @@ class LLM:
             raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
         if accepted.rejected is not None:
             raise accepted.rejected.error(retry_after=RETRY_AFTER)
+
+
+def check_context_length(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Refuse a prompt longer than the model's context, in OpenAI's words and with its code
+    `context_length_exceeded` (clients such as litellm key on them). A prompt that fits is
+    served even when `max_tokens` reaches past the context: generation then stops at its end."""
+    if prompt_tokens > max_model_len:
+        completion = max_tokens or 0
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + completion} tokens ({prompt_tokens} in the messages, {completion} in the completion). "
+            "Please reduce the length of the messages or completion.",
+            param="prompt",
+            code="context_length_exceeded",
+        )
 
 
 def _request_error(error: RequestError) -> SonarError:

@@ -4,7 +4,8 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and DELETE
 /v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`),
-GET /v1/models, GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
+GET /v1/models, GET /v1/models/{id} (404 with code "model_not_found" for a name the server does
+not serve), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
@@ -37,9 +38,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import sonar
 from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
-from sonar.http.chat import create_chat_completion
+from sonar.http.chat import create_chat_completion, template_kwargs, template_source
 from sonar.http.completions import create_completion
 from sonar.http.errors import EXCEPTION_HANDLERS, error_response
+from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
 from sonar.http.protocol import (
@@ -209,11 +211,17 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     async def cancel(request: Request) -> Response:
         return await cancel_response(request, store)
 
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=llm.config.model or llm.info.model, max_model_len=llm.info.max_model_len)
+
     async def models(request: Request) -> Response:
-        root = llm.config.model or llm.info.model
-        return json_response(
-            ModelList([ModelCard(id=name, root=root, max_model_len=llm.info.max_model_len) for name in names])
-        )
+        return json_response(ModelList([card(name) for name in names]))
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in names:
+            raise RequestError(f"The model `{name}` does not exist.", "model", status=404, code="model_not_found")
+        return json_response(card(name))
 
     async def health(request: Request) -> Response:
         """200 when the scheduler and the worker answer within the deadline (the engine is serving), else 503."""
@@ -231,13 +239,17 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise RequestError("give either prompt or messages", "prompt")
+        for name in ("tools", "chat_template_kwargs"):
+            if req.messages is None and getattr(req, name) is not None:
+                raise RequestError(f"{name} only applies to messages", name)
         if req.messages is not None:
-            messages = [m.as_template_input(i) for i, m in enumerate(req.messages)]
             ids = await llm.apply_chat_template(
-                messages,
+                template_messages(req.messages, template_source(llm, settings)),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template=settings.chat_template,
+                tools=template_tools(req.tools),
+                chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
             )
         else:
             ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -277,6 +289,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),
         Route("/version", version, methods=["GET"]),

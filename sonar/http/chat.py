@@ -1,5 +1,11 @@
 """POST /v1/chat/completions: the chat template renders the messages, then the engine generates.
 
+The messages and tools reach the template as `sonar.http.messages` shapes them, with the request's
+`chat_template_kwargs` over --default-chat-template-kwargs; with `tool_choice: "none"` and
+--exclude-tools-when-tool-choice-none the tools stay out of the prompt. What `tool_choice` asks of
+the output (`sonar.http.tools.plan_tools`): nothing ("none"), tool calls parsed from the text
+("auto"), or calls enforced with structured outputs ("required", a named function).
+
 Streamed, each choice's first chunk carries the role (sent when the engine's first output
 arrives, so that a rejected request still gets a proper 400), then content chunks, the last one
 with the finish reason; with `stream_options.include_usage` a final chunk carries the usage.
@@ -8,12 +14,13 @@ with the finish reason; with `stream_options.include_usage` a final chunk carrie
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
+from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, chat_logprobs, make_usage
 from sonar.http.protocol import (
@@ -23,11 +30,12 @@ from sonar.http.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     DeltaMessage,
+    RequestError,
     ResponseMessage,
     Usage,
     decode_request,
 )
-from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.request_log import check_user, log_delta, log_output, log_request
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
@@ -44,19 +52,30 @@ async def create_chat_completion(
     rec = recorder(request)
     req = decode_request(await request.body(), ChatCompletionRequest)
     check_model(req.model)
+    check_user(settings, req.user)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
+    if req.add_generation_prompt and req.continue_final_message:
+        raise RequestError(
+            "add_generation_prompt and continue_final_message cannot both be set (set add_generation_prompt to false)",
+            "continue_final_message",
+        )
+    tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
     plan.constrain(params, req)
-    messages = req.template_messages()
+    messages = template_messages(req.messages, template_source(llm, settings))
+    if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
+        tools = None
     prompt_ids = await llm.apply_chat_template(
         messages,
         add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message,
         chat_template=settings.chat_template,
+        tools=tools,
+        chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
     if settings.enable_log_requests:
-        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params)
+        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     # A reasoning parser needs to know whether the prompt left a thinking block open.
     prompt_tail = llm.tokenizer.decode(prompt_ids[-8:]) if settings.reasoning_parser else ""
@@ -101,6 +120,19 @@ async def create_chat_completion(
             system_fingerprint=settings.system_fingerprint,
         )
     )
+
+
+def template_source(llm: LLM, settings: ServerSettings) -> str | None:
+    """The chat template's source: --chat-template, else the tokenizer's (all of its named
+    templates, when it has several)."""
+    source = settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
+    return "\n".join(source.values()) if isinstance(source, dict) else source
+
+
+def template_kwargs(settings: ServerSettings, given: dict[str, Any] | None) -> dict[str, Any]:
+    """The template's extra variables: the request's `chat_template_kwargs` over
+    --default-chat-template-kwargs."""
+    return {**settings.default_chat_template_kwargs, **(given or {})}
 
 
 async def _stream(

@@ -2,6 +2,10 @@
 
 Choice `i` of prompt `p` has index `p * n + i`, as OpenAI and vLLM number them. Usage counts
 each prompt's tokens once (not once per completion) and every completion token.
+
+`echo` with `max_tokens: 0` scores the prompt: each choice's text is the prompt, with its logprobs
+when `logprobs` is set (the first token's is null: nothing precedes it), and no completion tokens.
+The engine samples one token to get there, which the response leaves out (`_scored`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from sonar.http.protocol import (
     CompletionResponse,
     decode_request,
 )
-from sonar.http.request_log import log_delta, log_output, log_request
+from sonar.http.request_log import check_user, log_delta, log_output, log_request
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
@@ -38,6 +42,7 @@ async def create_completion(
     rec = recorder(request)
     req = decode_request(await request.body(), CompletionRequest)
     check_model(req.model)
+    check_user(settings, req.user)
     prompts = req.prompts()
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if not isinstance(prompt, str):
@@ -48,7 +53,7 @@ async def create_completion(
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if isinstance(prompt, str):
             llm.check_prompt_chars(prompt)
-    log_request(settings, rid, prompts, params)
+    log_request(settings, rid, prompts, params, user=req.user)
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
     finished, outputs = await cancel_on_disconnect(
@@ -67,6 +72,8 @@ async def create_completion(
     )
     if not finished:
         return Response(status_code=499)  # nobody reads it
+    if req.scores_only:
+        outputs = [_scored(result) for result in outputs]
     response = _response(llm, settings, req, rid, outputs, params.n)
     log_output(
         settings,
@@ -76,6 +83,13 @@ async def create_completion(
         response.usage.completion_tokens if response.usage else 0,
     )
     return json_response(response)
+
+
+def _scored(result: RequestOutput) -> RequestOutput:
+    """`result` without what was generated: what echo with max_tokens 0 answers."""
+    for out in result.outputs:
+        out.text, out.token_ids, out.logprobs, out.finish_reason, out.stop_reason = "", [], [], "length", None
+    return result
 
 
 def _prompt_text(llm: LLM, prompt: str | list[int]) -> str:
@@ -158,6 +172,9 @@ async def _stream(
             llm.stream(prompt, params, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{p}"), p
         )
         async for d in batched(deltas, settings.stream_interval):
+            if req.scores_only:
+                d.text, d.token_ids, d.logprobs, d.stop_reason = "", [], [], None
+                d.finish_reason = "length" if d.finish_reason is not None else None
             log_delta(settings, rid, d)
             if not counted and d.num_prompt_tokens:
                 counts["prompt"] += d.num_prompt_tokens

@@ -40,19 +40,30 @@ ERROR_TYPES = {
 }
 
 
-def error_body(message: str, status: int, param: str | None = None) -> ErrorResponse:
-    return ErrorResponse(ErrorInfo(message=message, type=ERROR_TYPES.get(status, "Error"), param=param, code=status))
+#: The OpenAI error codes an error body carries in place of its status: what clients key on.
+OPENAI_CODES = frozenset({"context_length_exceeded", "model_not_found"})
 
 
-def error_response(message: str, status: int, param: str | None = None) -> Response:
-    return json_response(error_body(message, status, param), status)
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> ErrorResponse:
+    """`code`: one of `OPENAI_CODES` in place of the status (any other is left out)."""
+    info = ErrorInfo(
+        message=message,
+        type=ERROR_TYPES.get(status, "Error"),
+        param=param,
+        code=code if code in OPENAI_CODES else status,
+    )
+    return ErrorResponse(info)
+
+
+def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> Response:
+    return json_response(error_body(message, status, param, code), status)
 
 
 def error_from_exception(exc: BaseException, request_id: str | None = None) -> tuple[int, ErrorResponse]:
     """The HTTP status and OpenAI error body for an exception raised while serving a request: the
     status the exception carries (`SonarError.status`, `RequestError.status`), the message for it."""
     if isinstance(exc, (RequestError, InvalidRequestError)):
-        return exc.status, error_body(str(exc), exc.status, exc.param)
+        return exc.status, error_body(str(exc), exc.status, exc.param, exc.code)
     if isinstance(exc, EngineDeadError):
         return exc.status, error_body(f"the engine is not available: {exc}", exc.status)
     if isinstance(exc, ServerOverloadedError):

@@ -14,8 +14,12 @@ say: a prompt longer than the model, `min_tokens` above `max_tokens`, more compl
 /health and /ping (and /metrics with --metrics-public) answers 401 without the key. Every error
 is the OpenAI error object (`ErrorResponse`).
 
-Unknown request fields are accepted and ignored (as vLLM does), so the request objects do not
-forbid additional properties.
+Nothing is accepted silently: the request objects forbid additional properties (an unknown field
+is a 400 naming it), and a field Sonar declares but refuses (docs/openai_fields.md) is stated as
+null or the values that ask for what Sonar does anyway (`store: false`), with why in its
+description. `GET /v1/models/{model}` answers the model card, or a 404 with the code
+`model_not_found`; a prompt longer than the model is a 400 with the code
+`context_length_exceeded` (every other error's code is its status).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from sonar.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
+    Refusal,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -107,6 +113,7 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         TokenizeResponse,
         DetokenizeResponse,
         ModelList,
+        ModelCard,
         ErrorResponse,
         ResponsesRequest,
         ResponseObject,
@@ -206,6 +213,16 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         "/tokenize": {"post": post("Prompt or messages to token ids", "TokenizeRequest", "TokenizeResponse")},
         "/detokenize": {"post": post("Token ids to text", "DetokenizeRequest", "DetokenizeResponse")},
         "/v1/models": {"get": get("The served model names", {"application/json": {"schema": ref("ModelList")}})},
+        "/v1/models/{model}": {
+            "get": {
+                **get(
+                    "One served model's card (404, code model_not_found, for another name)",
+                    {"application/json": {"schema": ref("ModelCard")}},
+                    statuses=(404, 500, 503),
+                ),
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            }
+        },
         "/health": {
             "get": {
                 "summary": "200 when the engine answers within its deadline, else 503",
@@ -311,6 +328,19 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
         "type": "object",
         "required": ["type", "text"],
         "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+        "additionalProperties": False,
+    }
+    for request in (CompletionRequest, ChatCompletionRequest):
+        props = components[request.__name__]["properties"]
+        for name, refusal in request.refused.items():
+            props[name] = _refused(name, refusal)
+    message = components["ChatMessage"]["properties"]
+    for name in ("refusal", "annotations", "audio", "function_call"):  # a response message's, sent back empty
+        message[name] = {"anyOf": [{"type": "null"}, {"const": []}], "default": None}
+    # Usage comes in a stream's last chunk only.
+    components["StreamOptions"]["properties"]["continuous_usage_stats"] = {
+        "anyOf": [{"const": False}, {"type": "null"}],
+        "default": None,
     }
     if limits.served_model_names:
         for props in (
@@ -323,6 +353,15 @@ def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
                 "anyOf": [{"type": "string", "enum": list(limits.served_model_names)}, {"type": "null"}],
                 "default": None,
             }
+
+
+def _refused(name: str, refusal: Refusal) -> dict[str, Any]:
+    """A refused field's schema: null, or a value that asks for what Sonar does anyway."""
+    return {
+        "anyOf": [{"type": "null"}, *({"const": value} for value in refusal.inert)],
+        "default": None,
+        "description": f"Refused: {name} is not supported: {refusal.reason}",
+    }
 
 
 def _bounded(schema: dict[str, Any], keyword: str, limit: int | None) -> dict[str, Any]:

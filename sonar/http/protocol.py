@@ -1,8 +1,12 @@
 """The OpenAI request and response shapes the HTTP server speaks, as msgspec Structs.
 
-Requests are decoded with `decode_request`: unknown fields are accepted and ignored (as vLLM
-does by default), a wrong type or an out-of-range value raises `RequestError` naming the
-parameter, which the app turns into a 400 in the OpenAI error shape.
+Requests are decoded with `decode_request`: nothing is accepted silently. An unknown field, a
+wrong type or an out-of-range value raises `RequestError` naming the parameter, which the app
+turns into a 400 in the OpenAI error shape. Every field of OpenAI's request schemas (and the vLLM
+extensions) is declared: the ones Sonar does not do are in `REFUSED`, and a request that sets one
+(to anything but null or a value that asks for what Sonar does anyway) is a 400 naming it. The
+table of every field, honoured or refused, is docs/openai_fields.md (a test keeps it and the
+structs in step).
 
 Optional sampling fields are `T | None`: a client that sends `"temperature": null` gets the
 default, as with the OpenAI API.
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Mapping, TypeVar
+from typing import Annotated, Any, ClassVar, Mapping, NamedTuple, TypeVar
 
 import msgspec
 
 from sonar.errors import SonarError
-from sonar.sampling_params import SamplingParams, SamplingParamsError
+from sonar.http.structured import JsonSchemaFormat as JsonSchemaFormat  # re-exported with the request shapes
+from sonar.http.structured import ResponseFormat, StructuredOutputsRequest, structured_outputs_params
+from sonar.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -50,21 +56,107 @@ LogitBias = Annotated[float, msgspec.Meta(ge=-100, le=100)]
 
 
 class RequestError(SonarError, ValueError):
-    """A request the server cannot take as sent: `status` (400/404), `param` names the field."""
+    """A request the server cannot take as sent: `status` (400/404), `param` names the field,
+    `code` is OpenAI's error code where clients key on one (e.g. "model_not_found")."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.status = status
+        self.code = code
 
 
 # -- requests -------------------------------------------------------------------------------------
-class StreamOptions(msgspec.Struct, kw_only=True):
+class Refusal(NamedTuple):
+    """Why Sonar refuses a declared field, and the values that pass because they ask for what
+    Sonar does anyway (e.g. `store: false`); null always passes."""
+
+    reason: str
+    inert: tuple[Any, ...] = ()
+
+
+#: The fields Sonar refuses on both /v1/completions and /v1/chat/completions -> why.
+_REFUSED: dict[str, Refusal] = {
+    "use_beam_search": Refusal("beam search is not implemented", (False,)),
+    "length_penalty": Refusal("beam search is not implemented", (1.0,)),
+    "truncate_prompt_tokens": Refusal("prompts are never truncated; a prompt too long is a 400"),
+    "allowed_token_ids": Refusal("restricting the vocabulary is not implemented (see structured_outputs)"),
+    "bad_words": Refusal("banned words are not implemented"),
+    "request_id": Refusal("Sonar names each request itself (see --enable-request-id-headers)"),
+    "logits_processors": Refusal("custom logits processors are not implemented"),
+    "return_tokens_as_token_ids": Refusal("it is set for the whole server (--return-tokens-as-token-ids)", (False,)),
+    "return_token_ids": Refusal("responses carry no token ids", (False,)),
+    "kv_transfer_params": Refusal("KV transfer between servers is not implemented"),
+    "vllm_xargs": Refusal("Sonar takes no request extensions"),
+}
+
+#: The fields /v1/completions declares and refuses -> why.
+COMPLETION_REFUSED: dict[str, Refusal] = {
+    **_REFUSED,
+    "prompt_logprobs": Refusal("prompt logprobs come with echo and logprobs"),
+    "prompt_embeds": Refusal("prompts are text or token ids"),
+    "add_special_tokens": Refusal("the tokenizer always adds its special tokens to a text prompt", (True,)),
+}
+
+#: The fields /v1/chat/completions declares and refuses -> why.
+CHAT_REFUSED: dict[str, Refusal] = {
+    # OpenAI's.
+    "audio": Refusal("Sonar generates text only"),
+    "modalities": Refusal("Sonar generates text only", (["text"],)),
+    "prediction": Refusal("predicted outputs are not implemented"),
+    "store": Refusal("Sonar stores no completions", (False,)),
+    "metadata": Refusal("Sonar stores no completions to tag"),
+    "service_tier": Refusal("Sonar has one service tier"),
+    "web_search_options": Refusal("Sonar has no web search"),
+    "functions": Refusal("the legacy functions field is not implemented; use tools"),
+    "function_call": Refusal("the legacy function_call field is not implemented; use tool_choice"),
+    "reasoning_effort": Refusal("the model's reasoning effort cannot be set"),
+    "verbosity": Refusal("the model's verbosity cannot be set"),
+    "prompt_cache_key": Refusal("the prefix cache needs no key (see cache_salt)"),
+    "prompt_cache_retention": Refusal("the prefix cache's retention cannot be set per request"),
+    "prompt_cache_options": Refusal("the prefix cache cannot be configured per request"),
+    "safety_identifier": Refusal("Sonar does not moderate requests"),
+    "moderation": Refusal("Sonar does not moderate requests"),
+    # vLLM's.
+    **_REFUSED,
+    "best_of": Refusal("chat completions draw n choices, no more", (1,)),
+    "prompt_logprobs": Refusal("chat responses carry no prompt logprobs"),
+    "echo": Refusal("chat completions do not echo the last message", (False,)),
+    "add_special_tokens": Refusal("the chat template writes the special tokens itself", (False,)),
+    "documents": Refusal("documents for retrieval-augmented templates are not implemented"),
+    "chat_template": Refusal("a request cannot bring its own chat template (--chat-template sets the server's)"),
+    "mm_processor_kwargs": Refusal("Sonar serves text-only models"),
+    "media_io_kwargs": Refusal("Sonar serves text-only models"),
+    "include_reasoning": Refusal("reasoning text cannot be left out", (True,)),
+    "thinking_token_budget": Refusal("the model's thinking cannot be bounded"),
+}
+
+
+def check_refused(request: Any) -> None:
+    """A `RequestError` naming the first refused field (its struct's `refused`) `request` sets."""
+    for name, refusal in type(request).refused.items():
+        value = getattr(request, name)
+        if value is not None and not any(_same(value, inert) for inert in refusal.inert):
+            raise RequestError(f"{name} is not supported: {refusal.reason}", name)
+
+
+def _same(value: Any, inert: Any) -> bool:
+    """JSON equality: a number equals a number of the same value, but never a boolean."""
+    if isinstance(value, bool) or isinstance(inert, bool):
+        return value is inert
+    return value == inert
+
+
+class StreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = None
 
+    def __post_init__(self) -> None:
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported: usage comes in the last chunk only")
 
-class _Sampling(msgspec.Struct, kw_only=True):
+
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The sampling fields completions and chat completions share (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
@@ -78,6 +170,7 @@ class _Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     logit_bias: dict[TokenId, LogitBias] | None = None
+    #: Written in the request log line (--enable-log-requests); refused without it.
     user: str | None = None
     # vLLM's extras.
     top_k: TopK | None = None
@@ -116,6 +209,8 @@ class _Sampling(msgspec.Struct, kw_only=True):
             "skip_special_tokens",
             "spaces_between_special_tokens",
         )
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream: true (as OpenAI)", "stream_options")
         fields = {k: v for k, v in (defaults or {}).items() if k in names}
         fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
         return fields
@@ -123,35 +218,6 @@ class _Sampling(msgspec.Struct, kw_only=True):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
-
-
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
-    name: str
-    #: Absent: any JSON object (as OpenAI).
-    schema: dict[str, Any] | None = None
-    description: str | None = None
-    strict: bool | None = None
-
-
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    """`response_format`: "text", "json_object" or "json_schema" (with `json_schema`)."""
-
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-
-class StructuredOutputsRequest(msgspec.Struct, kw_only=True):
-    """vLLM's `structured_outputs` request field (one form set; see `StructuredOutputsParams`)."""
-
-    json: str | dict[str, Any] | None = None
-    json_object: bool | None = None
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool | None = None
-    whitespace_pattern: str | None = None
 
 
 class _Structured(_Sampling, kw_only=True):
@@ -167,18 +233,54 @@ class _Structured(_Sampling, kw_only=True):
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     response_format: ResponseFormat | None = None
+    # Declared to be refused (see `_REFUSED`): any type, so that the refusal names the field.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    truncate_prompt_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    request_id: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint the structured-output fields ask for (None: free text)."""
+        return structured_outputs_params(
+            response_format=self.response_format,
+            structured_outputs=self.structured_outputs,
+            guided_json=self.guided_json,
+            guided_regex=self.guided_regex,
+            guided_choice=self.guided_choice,
+            guided_grammar=self.guided_grammar,
+            guided_decoding_backend=self.guided_decoding_backend,
+            guided_whitespace_pattern=self.guided_whitespace_pattern,
+        )
 
 
 class CompletionRequest(_Structured, kw_only=True):
+    refused: ClassVar[Mapping[str, Refusal]] = COMPLETION_REFUSED
+
     # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
     # the list is checked by `prompts()`.
     prompt: str | list[Any]
-    #: Absent: 16, or the generation config's max_new_tokens (null: up to the context).
-    max_tokens: Positive | None | msgspec.UnsetType = msgspec.UNSET
+    #: Absent: 16, or the generation config's max_new_tokens (null: up to the context). 0 only
+    #: with `echo`: the prompt is scored, nothing is generated.
+    max_tokens: NonNegative | None | msgspec.UnsetType = msgspec.UNSET
     logprobs: NonNegative | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: NumCompletions | None = None
+    prompt_logprobs: Any = None
+    prompt_embeds: Any = None
+    add_special_tokens: Any = None
+
+    @property
+    def scores_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: score the prompt, generate nothing."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a string or a list of token ids."""
@@ -211,6 +313,8 @@ class CompletionRequest(_Structured, kw_only=True):
             raise RequestError("best_of is not supported (only best_of == n)", "best_of")
         if self.logprobs is not None and self.logprobs < 0:
             raise RequestError(f"logprobs must be >= 0, got {self.logprobs}", "logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: the prompt is scored)", "max_tokens")
         fields = self.sampling_fields(defaults)
         max_tokens = default_max_tokens(
             None if self.max_tokens is msgspec.UNSET else self.max_tokens,
@@ -218,26 +322,35 @@ class CompletionRequest(_Structured, kw_only=True):
             16 if self.max_tokens is msgspec.UNSET else None,
         )
         return make_sampling_params(
-            max_tokens=max_tokens,
+            # Scoring runs the prompt and samples one token, which the response leaves out.
+            max_tokens=1 if self.scores_only else max_tokens,
             logprobs=self.logprobs,
             prompt_logprobs=self.logprobs if self.echo and self.logprobs is not None else None,
+            structured_outputs=self.structured_outputs_params(),
             **fields,
         )
 
 
-class TextPart(msgspec.Struct, kw_only=True):
+class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A content part: only "text" parts are served; the others OpenAI defines are declared so that
+    their refusal names the part's type."""
+
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
 
 
-class FunctionCall(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A function call as OpenAI writes it: `arguments` is JSON text (not an object)."""
 
     name: str
     arguments: str
 
 
-class ToolCall(msgspec.Struct, kw_only=True):
+class ToolCall(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One tool call of an assistant message (request) or of a response message."""
 
     id: str
@@ -245,7 +358,9 @@ class ToolCall(msgspec.Struct, kw_only=True):
     type: str = "function"
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One message of a chat request; `sonar.http.messages` checks it and renders it for the template."""
+
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -253,30 +368,17 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall] | None = None
     #: A `tool` message answers the call with this id.
     tool_call_id: str | None = None
-    #: An assistant message's thinking, as a reasoning parser returned it.
+    #: An assistant message's thinking, as a reasoning parser returned it (vLLM's two names).
     reasoning_content: str | None = None
-
-    def as_template_input(self, index: int) -> dict[str, Any]:
-        """The message as the chat template expects it: content flattened to one string."""
-        content = self.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text":
-                    raise RequestError(
-                        f"content part type {part.type!r} is not supported (only 'text')", f"messages[{index}].content"
-                    )
-                if part.text is None:
-                    raise RequestError("a 'text' content part needs its `text`", f"messages[{index}].content")
-                texts.append(part.text)
-            content = "\n".join(texts)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
-        return out
+    reasoning: str | None = None
+    # What a response message carries and a client may send back with it: accepted when empty.
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
 
-class FunctionDefinition(msgspec.Struct, kw_only=True):
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     description: str | None = None
     #: A JSON schema of the arguments object.
@@ -284,18 +386,18 @@ class FunctionDefinition(msgspec.Struct, kw_only=True):
     strict: bool | None = None
 
 
-class ChatTool(msgspec.Struct, kw_only=True):
+class ChatTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A tool the model may call (`tools` of a chat request); only functions exist."""
 
     function: FunctionDefinition
     type: str = "function"
 
 
-class NamedFunction(msgspec.Struct, kw_only=True):
+class NamedFunction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, kw_only=True):
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`tool_choice` naming the one function the model must call."""
 
     function: NamedFunction
@@ -303,10 +405,13 @@ class NamedToolChoice(msgspec.Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_Structured, kw_only=True):
+    refused: ClassVar[Mapping[str, Refusal]] = CHAT_REFUSED
+
     messages: list[ChatMessage]
     tools: list[ChatTool] | None = None
     #: "none", "auto", "required", or a `NamedToolChoice`.
     tool_choice: str | NamedToolChoice | None = None
+    #: Only matters when the model calls tools (see `sonar.http.tools.plan_tools`).
     parallel_tool_calls: bool | None = None
     #: Extra variables for the chat template (e.g. `enable_thinking`).
     chat_template_kwargs: dict[str, Any] | None = None
@@ -316,17 +421,33 @@ class ChatCompletionRequest(_Structured, kw_only=True):
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-
-    def template_messages(self) -> list[dict[str, Any]]:
-        if not self.messages:
-            raise RequestError("messages must not be empty", "messages")
-        if self.add_generation_prompt and self.continue_final_message:
-            raise RequestError(
-                "add_generation_prompt and continue_final_message cannot both be set "
-                "(set add_generation_prompt to false)",
-                "continue_final_message",
-            )
-        return [m.as_template_input(i) for i, m in enumerate(self.messages)]
+    # Declared to be refused (see `CHAT_REFUSED`).
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    web_search_options: Any = None
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    safety_identifier: Any = None
+    moderation: Any = None
+    best_of: Any = None
+    prompt_logprobs: Any = None
+    echo: Any = None
+    add_special_tokens: Any = None
+    documents: Any = None
+    chat_template: Any = None
+    mm_processor_kwargs: Any = None
+    media_io_kwargs: Any = None
+    include_reasoning: Any = None
+    thinking_token_budget: Any = None
 
     def check_max_tokens(self, max_model_len: int) -> None:
         if self.max_completion_tokens is not None:
@@ -346,22 +467,26 @@ class ChatCompletionRequest(_Structured, kw_only=True):
         return make_sampling_params(
             max_tokens=default_max_tokens(max_tokens, defaults),
             logprobs=(top or 0) if self.logprobs else None,
+            structured_outputs=self.structured_outputs_params(),
             _max_tokens_param=param,
             **self.sampling_fields(defaults),
         )
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    #: With `messages`: rendered by the chat template as a chat request renders them.
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(msgspec.Struct, kw_only=True):
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     tokens: list[TokenId]
 
@@ -398,16 +523,23 @@ _PATH = re.compile(r" - at `(?:key` in `)?\$\.?(.*)`$")
 
 
 def decode_request(body: bytes, kind: type[T]) -> T:
-    """Decode a JSON body into `kind`; malformed JSON, invalid UTF-8 (anywhere in the body, even
-    in a field that is ignored), nesting too deep, wrong types → `RequestError` (400)."""
+    """Decode a JSON body into `kind`; malformed JSON, invalid UTF-8 (anywhere in the body),
+    nesting too deep, an unknown field, wrong types, a refused field set (`check_refused`) →
+    `RequestError` (400)."""
     try:
         if not body.isascii():
             body.decode("utf-8")
-        return msgspec.json.decode(body, type=kind)
+        request = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
         message = str(exc)
         match = _PATH.search(message)
         param = match.group(1).removesuffix("[...]") if match and match.group(1) else None
+        unknown = re.match(r"Object contains unknown field `([^`]*)`", message)
+        if unknown:
+            name = f"{param}.{unknown.group(1)}" if param else unknown.group(1)
+            return _raise(
+                RequestError(f"unknown field {name!r}: Sonar does not know it (see docs/openai_fields.md)", name)
+            )
         if param is None:  # "Object missing required field `prompt`"
             missing = re.search(r"missing required field `(\w+)`", message)
             param = missing.group(1) if missing else None
@@ -418,6 +550,9 @@ def decode_request(body: bytes, kind: type[T]) -> T:
         return _raise(RequestError(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}"))
     except RecursionError:
         return _raise(RequestError("malformed JSON body: nested too deeply"))
+    if hasattr(kind, "refused"):
+        check_refused(request)
+    return request
 
 
 def _raise(exc: Exception) -> Any:
@@ -444,7 +579,9 @@ class ErrorInfo(msgspec.Struct):
     message: str
     type: str
     param: str | None
-    code: int
+    #: The HTTP status, or OpenAI's code where clients key on it ("context_length_exceeded",
+    #: "model_not_found").
+    code: int | str
 
 
 class ErrorResponse(msgspec.Struct):

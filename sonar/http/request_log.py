@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import msgspec
 
 from sonar.engine.llm import StreamDelta
+from sonar.http.protocol import RequestError
 from sonar.http.settings import ServerSettings
 from sonar.log import get_logger
 
@@ -18,15 +19,31 @@ def _clip(value: Any, limit: int | None) -> Any:
     return value if limit is None else value[:limit]
 
 
-def log_request(settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any) -> None:
-    """With --enable-log-requests: one line with the request's id, prompt(s) and sampling params."""
+def check_user(settings: ServerSettings, user: str | None) -> None:
+    """A request's `user` is metadata whose one effect is the request log line: without
+    --enable-log-requests nothing would record it, so it is refused rather than dropped."""
+    if user is not None and not settings.enable_log_requests:
+        raise RequestError(
+            "user is not supported: it is only recorded in the request log, which is off "
+            "(start the server with --enable-log-requests)",
+            "user",
+        )
+
+
+def log_request(
+    settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any, user: str | None = None
+) -> None:
+    """With --enable-log-requests: one line with the request's id, prompt(s), sampling params and
+    the client's `user` (when it sent one: the field's one effect)."""
     if settings.enable_log_requests:
         clipped = [_clip(p, settings.max_log_len) for p in prompts]
+        extra = {} if user is None else {"user": user}
         log.info(
             "request.received",
             request_id=request_id,
             prompt=clipped[0] if len(clipped) == 1 else clipped,
             params=msgspec.json.encode(params).decode(),
+            **extra,
         )
 
 

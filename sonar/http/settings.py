@@ -13,6 +13,11 @@ class ServerSettings:
     served_model_names: tuple[str, ...]
     api_keys: tuple[str, ...] = ()
     chat_template: str | None = None
+    #: --default-chat-template-kwargs: template variables for every chat request (a request's
+    #: chat_template_kwargs win).
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: --exclude-tools-when-tool-choice-none: `tool_choice: "none"` keeps the tools out of the prompt.
+    exclude_tools_when_tool_choice_none: bool = False
     response_role: str = "assistant"
     allowed_origins: tuple[str, ...] = ("*",)
     allowed_methods: tuple[str, ...] = ("*",)

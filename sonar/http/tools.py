@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sonar.http.messages import tool_choice_of
 from sonar.http.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
@@ -99,33 +100,13 @@ class ToolPlan:
 
 
 def plan_tools(req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
-    """The request's tool plan; a tool_choice the server cannot honour is a 400 naming it."""
-    tools: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(req.tools or []):
-        if tool.type != "function":
-            raise RequestError(f"tool type {tool.type!r} is not supported (only 'function')", f"tools[{i}].type")
-        if tool.function.name in tools:
-            raise RequestError(f"two tools are named {tool.function.name!r}", f"tools[{i}].function.name")
-        tools[tool.function.name] = tool.function.parameters or dict(ANY_OBJECT)
-    choice = req.tool_choice
+    """The request's tool plan (its tools and tool_choice checked by `tool_choice_of` and
+    `template_tools`); an "auto" the server cannot honour is a 400 naming tool_choice."""
+    choice = tool_choice_of(req.tool_choice, req.tools)
+    tools = {tool.function.name: tool.function.parameters or dict(ANY_OBJECT) for tool in req.tools or []}
     parallel = req.parallel_tool_calls is not False
-    if choice is None:
-        choice = "auto" if tools else "none"
     if isinstance(choice, NamedToolChoice):
-        if choice.type != "function":
-            raise RequestError(f"tool_choice type {choice.type!r} is not supported (only 'function')", "tool_choice")
-        if choice.function.name not in tools:
-            raise RequestError(
-                f"tool_choice names the function {choice.function.name!r}, which is not among the request's tools",
-                "tool_choice",
-            )
         return ToolPlan("named", tools, choice.function.name, parallel)
-    if choice not in ("none", "auto", "required"):
-        raise RequestError(
-            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}", "tool_choice"
-        )
-    if choice != "none" and not tools:
-        raise RequestError(f"tool_choice {choice!r} needs tools", "tool_choice")
     if choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
         raise RequestError(
             "tool_choice 'auto' needs the server started with --enable-auto-tool-choice and --tool-call-parser "

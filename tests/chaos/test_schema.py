@@ -78,9 +78,16 @@ def test_openapi_document(schema: dict[str, Any]) -> None:
     assert set(schemas["ErrorInfo"]["required"]) == {"message", "type", "param", "code"}
     completion = schemas["CompletionRequest"]["properties"]
     # The engine's limits are stated: the model length, --max-logprobs, the vocabulary.
-    assert {"type": "integer", "minimum": 1, "maximum": MAX_MODEL_LEN} in completion["max_tokens"]["anyOf"]
+    # (0 scores the prompt: only with echo, which a schema cannot tie to it.)
+    assert {"type": "integer", "minimum": 0, "maximum": MAX_MODEL_LEN} in completion["max_tokens"]["anyOf"]
     assert {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS} in completion["logprobs"]["anyOf"]
     assert "prompt" in schemas["CompletionRequest"]["required"]
+    # Nothing is accepted silently: unknown fields are refused, refused fields say why.
+    for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "ResponseFormat"):
+        assert schemas[name]["additionalProperties"] is False, name
+    store = schemas["ChatCompletionRequest"]["properties"]["store"]
+    assert store["anyOf"] == [{"type": "null"}, {"const": False}] and "store is not supported" in store["description"]
+    assert "404" in schema["paths"]["/v1/models/{model}"]["get"]["responses"]
 
 
 def narrowed(schema: dict[str, Any]) -> dict[str, Any]:

@@ -335,7 +335,7 @@ async def test_invalid_requests_are_rejected_and_the_engine_keeps_serving(llm):
     too_long = [504] * (MAX_MODEL_LEN + 1)
     with pytest.raises(InvalidRequestError) as info:
         await llm.generate(too_long, ok)
-    assert info.value.code == "too_long" and info.value.param == "prompt"
+    assert info.value.code == "context_length_exceeded" and info.value.param == "prompt"
     with pytest.raises(InvalidRequestError):
         await llm.generate("word " * (MAX_MODEL_LEN + 10), ok)
     with pytest.raises(InvalidRequestError):

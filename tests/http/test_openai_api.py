@@ -66,11 +66,14 @@ def tokenize(http: httpx.Client, **body: Any) -> list[int]:
     return r.json()["tokens"]
 
 
-def expect_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
+def expect_error(
+    response: httpx.Response, status: int, param: str | None = None, code: int | str | None = None
+) -> dict[str, Any]:
+    """The OpenAI error body; its `code` is the status unless OpenAI's `code` is given."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert error["message"] and error["type"] and error["code"] == status
+    assert error["message"] and error["type"] and error["code"] == (status if code is None else code)
     if param is not None:
         assert error["param"] == param, error
     return error
@@ -300,21 +303,36 @@ def test_bad_parameters_are_400_naming_the_param(client, http):
         400,
         "messages[0].content",
     )
-    # Unknown fields are ignored.
-    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": 1, "no_such_field": 1})
-    assert ok.status_code == 200, ok.text
+    # Unknown fields are refused, by their path.
+    error = expect_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": 1, "no_such_field": 1}),
+        400,
+        "no_such_field",
+    )
+    assert "unknown field 'no_such_field'" in error["message"]
+    expect_error(
+        http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{**MESSAGES[0], "mood": "happy"}]}),
+        400,
+        "messages[0].mood",
+    )
 
 
-def test_prompt_too_long_is_400(client, http):
+def test_prompt_too_long_is_400_in_openais_words(client, http):
     long = "word " * (MAX_MODEL_LEN + 20)
+    n = len(tokenize(http, prompt=long))
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt=long, max_tokens=4)
-    assert info.value.body["param"] == "prompt"
+    assert info.value.body["param"] == "prompt" and info.value.code == "context_length_exceeded"
+    assert info.value.body["message"] == (
+        f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested {n + 4} tokens "
+        f"({n} in the messages, 4 in the completion). Please reduce the length of the messages or completion."
+    )
     # Streamed too: the error comes before the stream starts, as a 400.
     r = http.post(
         "/v1/chat/completions", json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": long}]}
     )
-    expect_error(r, 400, "prompt")
+    error = expect_error(r, 400, "prompt", "context_length_exceeded")
+    assert error["message"].startswith(f"This model's maximum context length is {MAX_MODEL_LEN} tokens.")
 
 
 def test_malformed_json_is_400(http):
@@ -365,3 +383,54 @@ def test_tokenize_detokenize_round_trip(http):
     expect_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens")
     chat = http.post("/tokenize", json={"messages": MESSAGES}).json()
     assert chat["count"] > r["count"]
+
+
+def test_user_without_the_request_log_is_refused(client):
+    """`user` is metadata whose one effect is the request log, which this server does not write."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, user="alice")
+    assert info.value.body["param"] == "user" and "--enable-log-requests" in info.value.body["message"]
+
+
+def test_model_card_by_id(client, http):
+    card = client.models.retrieve(MODEL)
+    assert (card.id, card.object, card.owned_by) == (MODEL, "model", "sonar")
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-4o")
+    assert info.value.code == "model_not_found" and "gpt-4o" in info.value.body["message"]
+    expect_error(http.get("/v1/models/org/name"), 404, "model", "model_not_found")
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(client, http):
+    ids = tokenize(http, prompt=STORY)
+    scored = client.completions.create(model=MODEL, prompt=STORY, max_tokens=0, echo=True, logprobs=1)
+    [choice] = scored.choices
+    assert choice.text == STORY and choice.finish_reason == "length"
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens) == (len(ids), 0)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens) == STORY and lp.text_offset[0] == 0
+    # The same scores as the prompt part of an echo that generates.
+    full = client.completions.create(model=MODEL, prompt=STORY, max_tokens=2, echo=True, logprobs=1, temperature=0)
+    assert full.choices[0].logprobs.token_logprobs[: len(ids)] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    # Streamed: one text, the prompt; no completion tokens.
+    r = http.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": STORY,
+            "max_tokens": 0,
+            "echo": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    events = [e for e in sse_events(r) if e != "[DONE]"]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == STORY
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    # Without echo, max_tokens 0 asks for nothing: a 400.
+    expect_error(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": STORY, "max_tokens": 0}), 400, "max_tokens"
+    )
