@@ -114,7 +114,7 @@ WRONG_VALUES = [
     (
         {"tools": [{"type": "function", "function": {"name": "get_weather"}}]},  # tool_choice absent: auto
         "tool_choice",
-        "tool_choice auto is not supported yet",
+        "tool_choice 'auto' needs the server started with --enable-auto-tool-choice",
     ),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "must be one of text, json_object, json_schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "needs its `json_schema`"),
