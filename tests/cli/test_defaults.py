@@ -93,6 +93,8 @@ def test_every_documented_flag_is_known() -> None:
         "--max-logit-bias",
         "--max-chat-messages",
         "--max-completions-per-request",
+        "--max-structured-output-chars",
+        "--structured-outputs-compile-timeout",
     }
     assert {f.name for f in FLAGS.values() if f.group == "Limits"} == limits
     own |= limits
