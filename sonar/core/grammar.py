@@ -19,7 +19,8 @@ __all__ = ["GrammarMatcher"]
 
 class GrammarMatcher(Protocol):
     def accept_token(self, token_id: int) -> bool:
-        """Advance by one sampled token; False if the grammar does not allow it (state unchanged)."""
+        """Advance by one sampled token; False if the grammar does not allow it (the request then
+        fails: a backend may leave the matcher unusable)."""
         ...
 
     def is_terminated(self) -> bool:

@@ -3,7 +3,13 @@ cached per tokenizer, the matchers the scheduler core advances (`sonar.core.gram
 token bitmask the worker applies before sampling."""
 
 from sonar.structured.backends import BACKENDS, CompiledGrammar, GrammarError
-from sonar.structured.bitmask import allocate_bitmask, apply_token_bitmask, bitmask_words, pack_allowed
+from sonar.structured.bitmask import (
+    allocate_bitmask,
+    apply_token_bitmask,
+    bitmask_words,
+    pack_allowed,
+    unpack_allowed,
+)
 from sonar.structured.compiler import GrammarCompiler, compiler_for
 from sonar.structured.config import StructuredOutputsConfig
 
@@ -18,4 +24,5 @@ __all__ = [
     "bitmask_words",
     "compiler_for",
     "pack_allowed",
+    "unpack_allowed",
 ]

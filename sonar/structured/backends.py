@@ -15,6 +15,7 @@ which a backend compiles into a `CompiledGrammar`; each request then gets its ow
 | grammar | EBNF (GBNF-like) | Lark |
 | structural_tag | `compile_structural_tag` | refused |
 | whitespace_pattern | refused | ``x-guidance.whitespace_pattern`` |
+| a string's pattern with min/maxLength | refused (xgrammar would drop the lengths) | honoured |
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ class XgrammarBackend:
         if spec.whitespace_pattern is not None:
             raise Unsupported("xgrammar does not take a whitespace_pattern (the guidance backend does)")
         c = self._compiler
+        if spec.kind == "json":
+            problem = _xgrammar_cannot(json.loads(spec.text))
+            if problem:
+                raise Unsupported(f"xgrammar ignores {problem} (the guidance backend honours it)")
         try:
             if spec.kind in ("json", "json_object"):
                 compiled = c.compile_json_schema(
@@ -168,6 +173,17 @@ class XgrammarBackend:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise GrammarError(_XGR_PREFIX.sub("", str(exc)).strip()) from None
         return XgrammarGrammar(compiled)
+
+
+def _xgrammar_cannot(schema: Any) -> str | None:
+    """A JSON schema feature xgrammar would drop with only a warning, or None."""
+    if isinstance(schema, list):
+        return next((p for p in map(_xgrammar_cannot, schema) if p), None)
+    if not isinstance(schema, dict):
+        return None
+    if "pattern" in schema and ("minLength" in schema or "maxLength" in schema):
+        return "minLength/maxLength next to a pattern"
+    return next((p for p in map(_xgrammar_cannot, schema.values()) if p), None)
 
 
 def _structural_tag(text: str) -> Any:
