@@ -78,7 +78,7 @@ from sonar.protocol.engine import (
     WorkerMsg,
 )
 from sonar.protocol.offload import OffloadMsg, PublishEvents, TierUpdate, WatchTiers
-from sonar.structured import allocate_bitmask, compiler_for
+from sonar.structured import allocate_bitmask, compiler_for, fill_bitmasks
 
 TIER_MEDIA = ("CPU", "DISK")
 
@@ -348,12 +348,12 @@ class SchedulerActor(Actor):
             self._bitmasks = [allocate_bitmask(size, self.info.vocab_size) for _ in range(2)]
         buffer = self._bitmasks[self._bitmask_turn]
         self._bitmask_turn ^= 1
-        for i, rid in enumerate(rows):
+        matchers = []
+        for rid in rows:
             request = self.core.get_request(rid)
-            if request is None or request.grammar is None or request.is_finished or request.grammar.is_terminated():
-                buffer[i].fill_(-1)
-            else:
-                request.grammar.fill_bitmask(buffer, i)
+            grammar = None if request is None or request.is_finished else request.grammar
+            matchers.append(None if grammar is None or grammar.is_terminated() else grammar)
+        fill_bitmasks(matchers, buffer)
         try:
             await self.worker.send(StepBitmask(output.step_id, buffer[: len(rows)]))
         except (ActorError, ActorNotFound):

@@ -2,7 +2,7 @@
 cached per tokenizer, the matchers the scheduler core advances (`sonar.core.grammar`) and the
 token bitmask the worker applies before sampling."""
 
-from sonar.structured.backends import BACKENDS, CompiledGrammar, GrammarError
+from sonar.structured.backends import BACKENDS, CompiledGrammar, GrammarError, fill_bitmasks
 from sonar.structured.bitmask import (
     allocate_bitmask,
     apply_token_bitmask,
@@ -23,6 +23,7 @@ __all__ = [
     "apply_token_bitmask",
     "bitmask_words",
     "compiler_for",
+    "fill_bitmasks",
     "pack_allowed",
     "unpack_allowed",
 ]

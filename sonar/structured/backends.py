@@ -126,6 +126,35 @@ class _XgrMatcher:
         self._m.fill_next_token_bitmask(bitmask, row)
 
 
+def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
+    """Fill row ``i`` of `bitmask` from ``matchers[i]`` (None: every token allowed). xgrammar's
+    rows are filled together on its thread pool; the others one by one."""
+    batch, rows = [], []
+    for i, matcher in enumerate(matchers):
+        if matcher is None:
+            bitmask[i].fill_(-1)
+        elif isinstance(matcher, _XgrMatcher):
+            batch.append(matcher._m)
+            rows.append(i)
+        else:
+            matcher.fill_bitmask(bitmask, i)
+    if len(batch) == 1:
+        batch[0].fill_next_token_bitmask(bitmask, rows[0])
+    elif batch:
+        _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, rows)
+
+
+_BATCH: list[Any] = []
+
+
+def _batch_matcher() -> Any:
+    if not _BATCH:
+        import xgrammar
+
+        _BATCH.append(xgrammar.BatchGrammarMatcher(max_threads="auto"))
+    return _BATCH[0]
+
+
 class XgrammarGrammar(CompiledGrammar):
     backend = "xgrammar"
 

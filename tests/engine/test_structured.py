@@ -113,12 +113,18 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                 "oneOf": [
                     {
                         "type": "object",
-                        "properties": {"kind": {"const": "circle"}, "r": {"type": "integer", "minimum": 1, "maximum": 9}},
+                        "properties": {
+                            "kind": {"const": "circle"},
+                            "r": {"type": "integer", "minimum": 1, "maximum": 9},
+                        },
                         "required": ["kind", "r"],
                     },
                     {
                         "type": "object",
-                        "properties": {"kind": {"const": "square"}, "a": {"type": "integer", "minimum": 1, "maximum": 9}},
+                        "properties": {
+                            "kind": {"const": "square"},
+                            "a": {"type": "integer", "minimum": 1, "maximum": 9},
+                        },
                         "required": ["kind", "a"],
                     },
                 ]
@@ -127,7 +133,13 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "required": ["shape"],
     },
     "refs": {
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}, "required": ["x", "y"]}},
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            }
+        },
         "type": "object",
         "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
         "required": ["start", "end"],
@@ -149,7 +161,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
             "l1": {
                 "type": "object",
                 "properties": {
-                    "l2": {"type": "object", "properties": {"l3": {"type": "integer", "maximum": 5}}, "required": ["l3"]}
+                    "l2": {
+                        "type": "object",
+                        "properties": {"l3": {"type": "integer", "maximum": 5}},
+                        "required": ["l3"],
+                    }
                 },
                 "required": ["l2"],
             }
@@ -260,7 +276,9 @@ async def test_regex_choice_grammar_and_json_object(llm) -> None:
     out = await llm.generate("A SQL query:", constrained(grammar=ebnf, max_tokens=24))
     assert out.finish_reason == "stop" and re.fullmatch(r"SELECT (id|name|\*) FROM [a-z]+;", out.text), out.text
 
-    out = await llm.chat(ask({"type": "object"}), constrained(json_object=True, max_tokens=64, disable_any_whitespace=True))
+    out = await llm.chat(
+        ask({"type": "object"}), constrained(json_object=True, max_tokens=64, disable_any_whitespace=True)
+    )
     if out.finish_reason == "stop":
         assert isinstance(json.loads(out.text), dict), out.text
 
@@ -350,11 +368,13 @@ async def test_n_logprobs_stop_strings_and_the_prefix_cache(llm) -> None:
 
 async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread) -> None:
     """The worker raises in step 12 (the JSON half written): the requests are recomputed from the
-    tokens they keep, and their matchers, which hold exactly those tokens, go on from there."""
+    tokens they keep, and their matchers, which hold exactly those tokens, go on from there to the
+    same output."""
     schemas = [SCHEMAS["person"], SCHEMAS["array_of_objects"], SCHEMAS["nested_address"]]
     async with sonar.open(**ENGINE, async_scheduling=False) as llm:
         reference = [(await llm.chat(ask(s), constrained(json=s))).text for s in schemas]
-    async with sonar.open(**ENGINE, async_scheduling=False, fault_injection="raise@step=12") as llm:
+    placed = dict(async_scheduling=False, fault_injection="raise@step=12")
+    async with sonar.open(**ENGINE, **placed) as llm:
         outs = []
 
         async def one(schema: dict[str, Any]) -> None:

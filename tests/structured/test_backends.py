@@ -4,12 +4,13 @@ choice, and the matchers the scheduler core drives."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sonar.core import BlockManager, Request, Scheduler, SchedulerConfig
 from sonar.errors import InvalidRequestError
 from sonar.models.embedded import tokenizer_dir
 from sonar.sampling_params import StructuredOutputsParams
-from sonar.structured import StructuredOutputsConfig, allocate_bitmask, unpack_allowed
+from sonar.structured import StructuredOutputsConfig, allocate_bitmask, fill_bitmasks, unpack_allowed
 from sonar.structured.compiler import GrammarCompiler
 
 VOCAB = 49152
@@ -90,3 +91,20 @@ def test_the_core_advances_a_matcher_with_the_tokens_a_request_keeps(compiler, t
     assert update.finish_reason == "stop" and update.stop_reason == EOS
     assert not scheduler.requests
     scheduler.check_invariants()
+
+
+def test_fill_bitmasks_fills_each_row_from_its_matcher(compiler, tokenizer) -> None:
+    """xgrammar's rows batched, llguidance's one by one, None rows allow everything: the same
+    rows as filling each matcher alone."""
+    specs = [("xgrammar", "[0-9]+"), ("guidance", "[a-c]+"), ("xgrammar", "x|y"), (None, None), ("xgrammar", "q")]
+    matchers = [None if b is None else compile_(compiler, regex=r, backend=b).matcher() for b, r in specs]
+    together = allocate_bitmask(6, VOCAB)
+    together[5] = 7  # past the rows: untouched
+    fill_bitmasks(matchers, together)
+    for i, matcher in enumerate(matchers):
+        alone = allocate_bitmask(1, VOCAB)
+        if matcher is not None:
+            matcher.fill_bitmask(alone, 0)
+        assert torch.equal(together[i], alone[0]), i
+    assert (together[5] == 7).all()
+    assert not unpack_allowed(together[:1], VOCAB).all()
