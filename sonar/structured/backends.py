@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sonar.core.grammar import GrammarMatcher
+from sonar.errors import SonarError
 from sonar.sampling_params import StructuredOutputsParams
 
 BACKENDS = ("xgrammar", "guidance")
@@ -34,8 +35,11 @@ BACKENDS = ("xgrammar", "guidance")
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
-class GrammarError(ValueError):
-    """A spec does not compile; the message is the backend's."""
+class GrammarError(SonarError, ValueError):
+    """A spec does not compile; the message is the backend's (the compiler raises it to the
+    caller as an `InvalidRequestError` naming ``structured_outputs``)."""
+
+    status = 400
 
 
 class Unsupported(GrammarError):
@@ -175,7 +179,9 @@ class XgrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import xgrammar
 
-        info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or None
+        )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
@@ -278,7 +284,9 @@ class GuidanceBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import llguidance.hf
 
-        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids[0])
+        # llguidance takes one stop token: the model's first EOS (the tokenizer's own when none)
+        eos = eos_token_ids[0] if eos_token_ids else None
+        self._tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         from llguidance import LLMatcher
