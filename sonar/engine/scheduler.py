@@ -287,8 +287,10 @@ class SchedulerActor(Actor):
                 continue
             step = await self._send(output)
             if in_flight is not None:
-                ok = await self._complete(in_flight)
-                if step is not None:  # the one token its grammar rows did not know is fed now
+                # the one token the new step's grammar rows did not know is fed now: its bitmask
+                # goes out as soon as it is (and after a failure, for the voided step to end)
+                ok = await self._complete(in_flight, bitmask_of=output if step is not None else None)
+                if step is not None:
                     await self._send_bitmask(output)
                 if not ok:
                     if step is not None:
@@ -359,9 +361,12 @@ class SchedulerActor(Actor):
         except (ActorError, ActorNotFound):
             pass  # the worker is gone: the step fails, and is recovered, without it
 
-    async def _complete(self, step: PendingReply, apply: bool = True) -> bool:
+    async def _complete(
+        self, step: PendingReply, apply: bool = True, bitmask_of: SchedulerOutput | None = None
+    ) -> bool:
         """Wait for a step's result and feed it back (unless `apply` is false); False when the
-        step failed (`self.failure` says how)."""
+        step failed (`self.failure` says how). `bitmask_of`: the step sent after this one, whose
+        bitmask goes out right after the tokens are fed, before the outputs are passed on."""
         try:
             result = await step.result(timeout=self.config.step_timeout)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
@@ -372,6 +377,8 @@ class SchedulerActor(Actor):
             return True
         self.steps += 1
         updates = self.core.update_from_output(result.sampled)
+        if bitmask_of is not None:
+            await self._send_bitmask(bitmask_of)
         if result.failed:
             for rid, reason in result.failed.items():
                 log.error("request.sampling_failed", request=rid, reason=reason)

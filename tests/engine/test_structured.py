@@ -236,7 +236,8 @@ def check_json(text: str, finish_reason: str | None, schema: dict[str, Any]) -> 
 
 
 async def test_json_schemas_yield_valid_json_greedy_and_sampled(llm) -> None:
-    """Every schema twice: greedy, and at temperature 1 with a seed; compact JSON for half."""
+    """Every schema twice: greedy, and at temperature 1 with a seed; compact JSON for half. The
+    44 prompts are prefilled in chunks beside other requests' decodes."""
     results: dict[tuple[str, bool], Any] = {}
 
     async def one(name: str, schema: dict[str, Any], sampled: bool) -> None:
@@ -367,14 +368,23 @@ async def test_n_logprobs_stop_strings_and_the_prefix_cache(llm) -> None:
 
 
 async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread) -> None:
-    """The worker raises in step 12 (the JSON half written): the requests are recomputed from the
-    tokens they keep, and their matchers, which hold exactly those tokens, go on from there to the
-    same output."""
+    """First in a KV cache too small for the three requests at once (some are preempted), then
+    with the worker raising in step 12 (the JSON half written): each time a request is recomputed
+    from the tokens it keeps, and its matcher, which holds exactly those tokens, goes on from
+    there; both runs give the same valid JSON."""
     schemas = [SCHEMAS["person"], SCHEMAS["array_of_objects"], SCHEMAS["nested_address"]]
-    async with sonar.open(**ENGINE, async_scheduling=False) as llm:
-        reference = [(await llm.chat(ask(s), constrained(json=s))).text for s in schemas]
-    placed = dict(async_scheduling=False, fault_injection="raise@step=12")
-    async with sonar.open(**ENGINE, **placed) as llm:
+    tight = dict(ENGINE, max_model_len=256, num_gpu_blocks_override=16)
+    async with sonar.open(**tight, async_scheduling=False) as llm:
+        reference = []
+
+        async def preempted(schema: dict[str, Any]) -> None:
+            reference.append((await llm.chat(ask(schema), constrained(json=schema))).text)
+
+        async with anyio.create_task_group() as tg:
+            for schema in schemas:
+                tg.start_soon(preempted, schema)
+        assert (await llm.stats()).num_preemptions > 0
+    async with sonar.open(**ENGINE, async_scheduling=False, fault_injection="raise@step=12") as llm:
         outs = []
 
         async def one(schema: dict[str, Any]) -> None:

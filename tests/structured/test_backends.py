@@ -3,6 +3,8 @@ choice, and the matchers the scheduler core drives."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -108,3 +110,24 @@ def test_fill_bitmasks_fills_each_row_from_its_matcher(compiler, tokenizer) -> N
         assert torch.equal(together[i], alone[0]), i
     assert (together[5] == 7).all()
     assert not unpack_allowed(together[:1], VOCAB).all()
+
+
+def test_structural_tags_in_both_forms_compile_with_xgrammar(compiler, tokenizer) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    current = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {"type": "json_schema", "json_schema": schema},
+            "end": "</call>",
+        },
+    }
+    legacy = {"structures": [{"begin": "<call>", "schema": schema, "end": "</call>"}], "triggers": ["<call>"]}
+    for tag in (current, legacy):
+        compiled = compile_(compiler, structural_tag=json.dumps(tag))
+        assert compiled.backend == "xgrammar"
+        matcher = compiled.matcher()
+        assert run(matcher, tokenizer, '<call>{"city": "Paris"}</call>')
+    with pytest.raises(InvalidRequestError, match="structural_tag"):
+        compile_(compiler, structural_tag='{"structures": [{"begin": "<a>"}], "triggers": []}')
