@@ -8,10 +8,12 @@ is one compiler per tokenizer and vocabulary in a process (`compiler_for`), so t
 run in one process. A cache entry is the compile's future: requests for a spec being compiled wait
 for that compile rather than start another, and a spec that failed fails again at once.
 
-Bounds: a spec longer than ``max_chars`` is refused before compiling; compiles run on a pool of
-two threads and a caller waits at most ``timeout`` seconds (queueing included). A compile that
-overruns cannot be interrupted (neither library can be): it finishes in its thread and is then
-cached, and the request that waited for it is refused with a message naming the limit.
+Bounds: a spec longer than ``max_chars`` is refused before compiling; at most two compiles run at
+once, each in a thread of its own, and a caller waits at most ``timeout`` seconds (queueing
+included). A compile that overruns cannot be interrupted (neither library can be): it finishes in
+its thread and is then cached, and the request that waited for it is refused with a message
+naming the limit. (The threads are not daemons: the native compilers abort the process if it
+exits under them, so an exit waits for the compiles in flight, which the size limit bounds.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -33,6 +36,9 @@ from sonar.structured.config import StructuredOutputsConfig
 
 PARAM = "structured_outputs"
 
+COMPILE_THREADS = 2
+"""Compiles that run at once (the others wait their turn, within their timeout)."""
+
 CACHE_ENTRIES = 1024
 """Compiled grammars kept per tokenizer (least recently used go first)."""
 
@@ -43,7 +49,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
         self.backends = Backends(tokenizer, vocab_size, list(eos_token_ids))
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sonar-grammar")
+        self._running = threading.BoundedSemaphore(COMPILE_THREADS)
         self._cache: OrderedDict[tuple[str, GrammarSpec], Future[CompiledGrammar]] = OrderedDict()
         self._lock = threading.Lock()
         self.compiles = 0
@@ -77,12 +83,26 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(compile_spec, self.backends, backend, spec)
+            future = self._submit(compile_spec, self.backends, backend, spec)
             self.compiles += 1
             self._cache[key] = future
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             return future
+
+    def _submit(self, fn: Callable[..., CompiledGrammar], *args: Any) -> Future[CompiledGrammar]:
+        future: Future[CompiledGrammar] = Future()
+
+        def run() -> None:
+            with self._running:
+                future.set_running_or_notify_cancel()
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+
+        threading.Thread(target=run, name="sonar-grammar").start()
+        return future
 
     async def compile(
         self,

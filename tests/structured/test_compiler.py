@@ -76,5 +76,8 @@ def test_limits_on_size_and_time(compiler) -> None:
         params = StructuredOutputsParams(json=schema)
         with pytest.raises(InvalidRequestError, match="did not compile within 1e-06 s"):
             await compiler.compile(params, StructuredOutputsConfig(), max_chars=100_000, timeout=1e-6)
+        # the compile went on in its thread, and is cached once done
+        compiled = await compiler.compile(params, StructuredOutputsConfig(), max_chars=100_000, timeout=60)
+        assert compiled is compiler.compile_sync(params, StructuredOutputsConfig(), max_chars=100_000, timeout=0)
 
     anyio.run(slow)
