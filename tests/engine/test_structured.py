@@ -373,8 +373,9 @@ async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread) -> N
     from the tokens it keeps, and its matcher, which holds exactly those tokens, goes on from
     there; both runs give the same valid JSON."""
     schemas = [SCHEMAS["person"], SCHEMAS["array_of_objects"], SCHEMAS["nested_address"]]
-    tight = dict(ENGINE, max_model_len=256, num_gpu_blocks_override=16)
-    async with sonar.open(**tight, async_scheduling=False) as llm:
+    tight = dict(ENGINE, max_model_len=256, num_gpu_blocks_override=16, enable_prefix_caching=False)
+    chunked = dict(long_prefill_token_threshold=32, scheduler_reserve_full_isl=False)  # all three admitted
+    async with sonar.open(**tight, **chunked, async_scheduling=False) as llm:
         reference = []
 
         async def preempted(schema: dict[str, Any]) -> None:
