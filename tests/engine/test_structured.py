@@ -367,9 +367,11 @@ async def test_n_logprobs_stop_strings_and_the_prefix_cache(llm) -> None:
     check_json(second.text, second.finish_reason, SCHEMAS["nested_address"])
 
 
-async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread, async_scheduling: bool) -> None:
     """First in a KV cache too small for the three requests at once (some are preempted), then
-    with the worker raising in step 12 (the JSON half written): each time a request is recomputed
+    with the worker raising in step 12 (the JSON half written; with async scheduling the step sent
+    behind it, waiting for its bitmask, goes down with it): each time a request is recomputed
     from the tokens it keeps, and its matcher, which holds exactly those tokens, goes on from
     there; both runs give the same valid JSON."""
     schemas = [SCHEMAS["person"], SCHEMAS["array_of_objects"], SCHEMAS["nested_address"]]
@@ -385,7 +387,7 @@ async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread) -> N
             for schema in schemas:
                 tg.start_soon(preempted, schema)
         assert (await llm.stats()).num_preemptions > 0
-    async with sonar.open(**ENGINE, async_scheduling=False, fault_injection="raise@step=12") as llm:
+    async with sonar.open(**ENGINE, async_scheduling=async_scheduling, fault_injection="raise@step=12") as llm:
         outs = []
 
         async def one(schema: dict[str, Any]) -> None:
