@@ -70,3 +70,23 @@ def test_logits_wider_than_the_bitmask_forbid_the_extra_tokens() -> None:
     logits = torch.zeros(1, 40)
     apply_token_bitmask(logits, allocate_bitmask(1, 32), [0])
     assert torch.isfinite(logits[0, :32]).all() and torch.isinf(logits[0, 32:]).all()
+
+
+def test_a_step_bitmask_crosses_a_process_boundary_intact() -> None:
+    """The scheduler sends a view of the first rows of its buffer; the worker in another process
+    decodes a read-only tensor over the frame, which applies as the original does."""
+    from sonar.actors.codec import Codec
+    from sonar.protocol.engine import StepBitmask, WorkerMsg
+
+    vocab = 1000
+    buffer = allocate_bitmask(8, vocab)
+    allowed = torch.rand(3, vocab, generator=torch.Generator().manual_seed(2)) < 0.5
+    buffer[:3] = pack_allowed(allowed)
+    codec = Codec()
+    frames = [bytes(f) for f in codec.encode(StepBitmask(7, buffer[:3]))]
+    msg = codec.decode(frames, WorkerMsg)
+    assert isinstance(msg, StepBitmask) and msg.step_id == 7
+    logits = torch.randn(3, vocab)
+    applied = logits.clone()
+    apply_token_bitmask(applied, msg.bitmask, [0, 1, 2])
+    assert torch.equal(applied, logits.masked_fill(~allowed, float("-inf")))
