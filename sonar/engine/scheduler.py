@@ -16,9 +16,9 @@ process's compile cache (`sonar.structured.compiler_for`; the `LLM` handle compi
 when it runs in this process), and the core advances it with the tokens the request keeps. For a
 step with grammar rows, `ExecuteStep.grammar_rows` names them and a `StepBitmask` follows: sent at
 once in the synchronous loop, and with async scheduling as soon as the previous step's tokens are
-fed back (the only tokens it could not know yet), so the bitmask is filled while the step's forward
-pass runs, into one of two preallocated buffers (a buffer is reused two steps later, when the
-worker is done with it).
+fed back (the only tokens it could not know yet), so the bitmask is filled (in a thread) while the
+step's forward pass runs, into one of two preallocated buffers (a buffer is reused two steps later,
+when the worker is done with it).
 
 Async scheduling (``async_scheduling``; by default on for a CUDA device, off on the CPU): step
 N+1 is scheduled and sent while step N runs, before its tokens are back (the core counts them as
@@ -42,6 +42,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
@@ -355,7 +356,9 @@ class SchedulerActor(Actor):
             request = self.core.get_request(rid)
             grammar = None if request is None or request.is_finished else request.grammar
             matchers.append(None if grammar is None or grammar.is_terminated() else grammar)
-        fill_bitmasks(matchers, buffer)
+        # in a thread: a grammar whose masks are slow to compute (a long bounded repetition costs
+        # xgrammar ~10 ms a row) must not hold up the mailbox and, in `serve`, the HTTP server
+        await anyio.to_thread.run_sync(fill_bitmasks, matchers, buffer)
         try:
             await self.worker.send(StepBitmask(output.step_id, buffer[: len(rows)]))
         except (ActorError, ActorNotFound):
