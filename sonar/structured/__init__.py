@@ -2,7 +2,7 @@
 cached per tokenizer, the matchers the scheduler core advances (`sonar.core.grammar`) and the
 token bitmask the worker applies before sampling."""
 
-from sonar.structured.backends import BACKENDS, CompiledGrammar, GrammarError, fill_bitmasks
+from sonar.structured.backends import CompiledGrammar, GrammarError, fill_bitmasks
 from sonar.structured.bitmask import (
     allocate_bitmask,
     apply_token_bitmask,
@@ -11,7 +11,7 @@ from sonar.structured.bitmask import (
     unpack_allowed,
 )
 from sonar.structured.compiler import GrammarCompiler, compiler_for
-from sonar.structured.config import StructuredOutputsConfig
+from sonar.structured.config import BACKENDS, StructuredOutputsConfig
 
 __all__ = [
     "BACKENDS",

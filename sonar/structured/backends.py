@@ -30,8 +30,6 @@ from sonar.core.grammar import GrammarMatcher
 from sonar.errors import SonarError
 from sonar.sampling_params import StructuredOutputsParams
 
-BACKENDS = ("xgrammar", "guidance")
-
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
