@@ -14,7 +14,8 @@ run). The floors, lowest first; packages on one floor import nothing of each oth
 3. ``protocol`` (the engine's and the offload manager's messages, below every actor that sends
    them) and ``kernels``.
 4. ``models``.
-5. ``offload`` (the KV offload manager and its events publisher).
+5. ``offload`` (the KV offload manager and its events publisher), ``structured`` (grammar
+   backends, their compile cache, the token bitmask).
 6. ``engine`` (the actor shells, the runner, the library client).
 7. ``http`` (the OpenAI frontend).
 8. ``cli``, ``bench``; 9. ``__main__``.
@@ -45,6 +46,7 @@ FLOORS: dict[str, int] = {
     "kernels": 3,
     "models": 4,
     "offload": 5,
+    "structured": 5,
     "engine": 6,
     "http": 7,
     "cli": 8,

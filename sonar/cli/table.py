@@ -18,6 +18,7 @@ from sonar.cli.values import (
     port_number,
     positive,
     power_of_two,
+    structured_outputs_config,
     watermark,
 )
 
@@ -771,7 +772,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--kernel-config", J, {}, "Kernel selection and warmup settings.", dotted=True,
            reference_default="KernelConfig(...) with every field at its default"),
         _f("--additional-config", J, {}, "Platform-specific extra settings."),
-        _f("--structured-outputs-config", J, {}, "Structured output settings, such as the backend.", dotted=True,
+        _f("--structured-outputs-config", J, {},
+           "Structured output settings: backend (auto: xgrammar, and llguidance for what xgrammar cannot "
+           "express; xgrammar; guidance), disable_any_whitespace, disable_additional_properties. "
+           "reasoning_parser, reasoning_parser_plugin and enable_in_reasoning only at their defaults.",
+           dotted=True, to=E, check=structured_outputs_config,
            reference_default="StructuredOutputsConfig(...) with every field at its default"),
         _f("--profiler-config", J, {}, "Profiler settings.", dotted=True,
            reference_default="ProfilerConfig(...) with every field at its default"),
@@ -821,6 +826,12 @@ GROUPS: tuple[Group, ...] = (
            "Most bytes the kept responses (with their conversations) may hold together (takes 64M, 64MiB); "
            "the oldest are evicted first, and a response bigger than this alone is not kept.",
            to=S, check=non_negative),
+        _f("--max-structured-output-chars", I, 65536,
+           "Most characters in one request's structured output spec (JSON schema, regex, grammar, choices).",
+           to=E, check=positive),
+        _f("--structured-outputs-compile-timeout", F, 10.0,
+           "Seconds a request waits for its structured output grammar to compile; a slower one gets 400 "
+           "(compiled grammars are cached, so a spec pays this once).", to=E, check=positive),
     ),
     _group(
         "ActorConfig", "Sonar's own flags: where the engine's actors run and how long they may take.",

@@ -223,3 +223,9 @@ def logprobs_cap(value: int) -> None:
 def power_of_two(value: int) -> None:
     if value <= 0 or value & (value - 1):
         raise ValueError(f"must be a positive power of two, got {value}")
+
+
+def structured_outputs_config(value: dict[str, Any]) -> None:
+    from sonar.structured.config import StructuredOutputsConfig
+
+    StructuredOutputsConfig.parse(value)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from sonar.core.grammar import GrammarMatcher
 from sonar.core.outputs import RequestError
 from sonar.core.prefix import BlockHash
 from sonar.errors import Rejection, RejectKind, SonarError
@@ -142,6 +143,7 @@ class Request:
         "cache_salt",
         "skip_reading_prefix_cache",
         "sampling_params",
+        "grammar",
         "status",
         "num_computed_tokens",
         "num_placeholders",
@@ -167,6 +169,7 @@ class Request:
         cache_salt: str | None = None,
         skip_reading_prefix_cache: bool = False,
         sampling_params: Any = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise RequestRejectedError(request_id, f"max_tokens must be >= 1, got {max_tokens}")
@@ -196,6 +199,9 @@ class Request:
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""
         self.sampling_params = sampling_params
+        self.grammar = grammar
+        """Structured outputs: the matcher of the request's grammar, advanced with every token the
+        request keeps (`sonar.core.grammar`); None for free text."""
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         """Tokens whose KV is in the cache (or scheduled to be written by the steps in flight)."""

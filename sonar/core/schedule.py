@@ -531,7 +531,8 @@ class Scheduler:
 
         ``sampled`` maps request id to the tokens sampled for it this step (usually one).
         A request finishes on a token in its ``stop_token_ids`` (once ``min_tokens`` are
-        out), on reaching ``max_tokens``, or on reaching ``max_model_len``; later tokens
+        out), when its grammar (structured outputs) terminates, on reaching ``max_tokens``, or on
+        reaching ``max_model_len``; a token its grammar refuses fails it (``FINISHED_ERROR``); later tokens
         of the same step are dropped (a stop string, found downstream, ends a request through
         `finish_requests`). Ids no longer running (aborted or
         finished meanwhile) are ignored, except a request preempted while this step was in
@@ -554,13 +555,24 @@ class Scheduler:
                 continue
             output = request.output_token_ids
             all_ids = request.all_token_ids
+            grammar = request.grammar
             first = len(output)
             for token in token_ids:
                 output.append(token)
                 all_ids.append(token)
+                if grammar is not None and not grammar.accept_token(token):
+                    request.status = RequestStatus.FINISHED_ERROR
+                    request.error = RequestError(
+                        "grammar",
+                        f"request {request_id!r}: token {token} does not follow its structured output grammar",
+                    )
+                    break
                 if token in request.stop_token_ids and len(output) >= request.min_tokens:
                     request.status = RequestStatus.FINISHED_STOPPED
                     request.stop_reason = token
+                    break
+                if grammar is not None and grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED
                     break
                 if len(all_ids) >= max_model_len or (
                     request.max_tokens is not None and len(output) >= request.max_tokens

@@ -24,6 +24,7 @@ LIMITS = (
     "max_logit_bias",
     "max_chat_messages",
     "max_completions_per_request",
+    "max_structured_output_chars",
 )
 
 
@@ -104,6 +105,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_chat_messages: int = 1024
     max_completions_per_request: int = 256
     """Completions one call may ask for: n x prompts (`generate_many`, a batched HTTP request)."""
+    max_structured_output_chars: int = 65536
+    """Characters of one request's structured output spec (schema, regex, grammar, choices)."""
+    structured_outputs_compile_timeout: float = 10.0
+    """Seconds a request waits for its grammar to compile before it is refused."""
+    structured_outputs_config: dict[str, Any] = {}
+    """`--structured-outputs-config`: backend, disable_any_whitespace, disable_additional_properties
+    (`sonar.structured.StructuredOutputsConfig`)."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -111,7 +119,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         unknown = sorted(set(args) - fields)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        for name in ("kv_transfer_config", "kv_events_config"):
+        for name in ("kv_transfer_config", "kv_events_config", "structured_outputs_config"):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
         if "max_model_len" in args and args["max_model_len"] is not None:
@@ -162,6 +170,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         for name in LIMITS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        self.structured_config()
+        if self.structured_outputs_compile_timeout <= 0:
+            raise ValueError(
+                f"structured_outputs_compile_timeout must be positive, got {self.structured_outputs_compile_timeout}"
+            )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         for actor, where in self.placement.items():
@@ -191,6 +204,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             kv_offloading_backend=self.kv_offloading_backend,
             kv_transfer_config=self.kv_transfer_config,
         )
+
+    def structured_config(self) -> Any:
+        """The `StructuredOutputsConfig` of `--structured-outputs-config` (ValueError naming a bad key)."""
+        from sonar.structured.config import StructuredOutputsConfig
+
+        return StructuredOutputsConfig.parse(self.structured_outputs_config)
 
     def kv_events(self) -> Any:
         """The `KVEventsConfig` of `--kv-events-config`, or None when events are off."""

@@ -1,7 +1,8 @@
 """`LLM`, the handle on a running engine (what `sonar.open` yields), and the outputs it returns.
 
 The handle is where a request enters the engine: it validates the request once (sampling
-parameters, the engine's per-request limits, token ids inside the vocabulary), tokenizes off the
+parameters, the engine's per-request limits, token ids inside the vocabulary, a structured output
+spec compiled through the process's grammar cache), tokenizes off the
 event loop, asks the scheduler to take it (`AddRequest`; a refusal comes back as a typed
 `Rejection` and is raised as its exception) and reads the request's outputs from the stream the
 client actor fills (`sonar.engine.client_actor`).
@@ -44,6 +45,7 @@ from sonar.protocol.engine import (
     WorkerInfo,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
+from sonar.structured import compiler_for
 
 Prompt = str | Sequence[int]
 
@@ -399,7 +401,7 @@ class LLM:
         except SamplingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         if params.structured_outputs is not None:
-            raise InvalidRequestError("structured outputs are not supported yet", param="structured_outputs")
+            await self._check_structured(params)
         self.check_completions(1, params)
         if isinstance(prompt, str):
             text = prompt
@@ -412,6 +414,28 @@ class LLM:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         check_context_length(len(ids), params.max_tokens, self.info.max_model_len)
         return list(ids), text
+
+    async def _check_structured(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached) so a bad spec is refused before admission, and
+        refuse what cannot work with it."""
+        for name in ("ignore_eos", "min_tokens"):
+            if getattr(params, name):
+                raise InvalidRequestError(
+                    f"{name} cannot be combined with structured_outputs: the grammar decides where the output "
+                    f"ends (its stop token){'' if name == 'ignore_eos' else ', and blocking it may leave no token'}",
+                    param=name,
+                )
+        config, info = self.config, self.info
+        path = config.tokenizer or info.tokenizer_path
+        if path is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
+        compiler = compiler_for(path, info.vocab_size, info.eos_token_ids, tokenizer=self.tokenizer)
+        await compiler.compile(
+            params.structured_outputs,
+            config.structured_config(),
+            max_chars=config.max_structured_output_chars,
+            timeout=config.structured_outputs_compile_timeout,
+        )
 
     async def _run(
         self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None

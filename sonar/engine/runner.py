@@ -38,6 +38,7 @@ from sonar.models.loader import LoadedModel, load_model
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.sampling_params import SamplingParams
+from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
 
 log = get_logger("sonar.runner")
@@ -317,7 +318,10 @@ class ModelRunner:
         return profile
 
     @torch.inference_mode()
-    def execute(self, msg: ExecuteStep) -> StepResult:
+    def execute(self, msg: ExecuteStep, wait_bitmask: Callable[[], torch.Tensor] | None = None) -> StepResult:
+        """Run one step. With `msg.grammar_rows`, `wait_bitmask` gives their token bitmask (it may
+        block until the scheduler has sent it): called after the forward pass, applied to those
+        rows' logits before either sampler sees them."""
         started = time.perf_counter()
         out = msg.output
         for rid in out.finished_req_ids:
@@ -379,6 +383,11 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=hidden.device)]
             )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
+            if msg.grammar_rows:
+                if wait_bitmask is None:
+                    raise ValueError(f"step {out.step_id} has grammar rows but no bitmask to wait for")
+                where = {rid: i for i, rid in enumerate(sample_ids)}
+                apply_token_bitmask(logits, wait_bitmask(), [where[rid] for rid in msg.grammar_rows])
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)

@@ -11,6 +11,15 @@ could draw no token for is failed alone too.
 
 New requests are refused (``overloaded``) while `max_waiting_seqs` sequences wait.
 
+Structured outputs: a request with `structured_outputs` gets its grammar matcher here, from the
+process's compile cache (`sonar.structured.compiler_for`; the `LLM` handle compiled it already
+when it runs in this process), and the core advances it with the tokens the request keeps. For a
+step with grammar rows, `ExecuteStep.grammar_rows` names them and a `StepBitmask` follows: sent at
+once in the synchronous loop, and with async scheduling as soon as the previous step's tokens are
+fed back (the only tokens it could not know yet), so the bitmask is filled (in a thread) while the
+step's forward pass runs, into one of two preallocated buffers (a buffer is reused two steps later,
+when the worker is done with it).
+
 Async scheduling (``async_scheduling``; by default on for a CUDA device, off on the CPU): step
 N+1 is scheduled and sent while step N runs, before its tokens are back (the core counts them as
 placeholders, the worker puts them in), so the worker starts the next step as soon as it
@@ -33,6 +42,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
@@ -44,7 +54,7 @@ from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import RequestStatus
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
-from sonar.errors import Rejection, RejectKind
+from sonar.errors import InvalidRequestError, Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
     Abort,
@@ -61,6 +71,7 @@ from sonar.protocol.engine import (
     KVLoaded,
     NewRequestData,
     SchedulerMsg,
+    StepBitmask,
     StepOutputs,
     StopStringHit,
     TrackRequest,
@@ -68,6 +79,7 @@ from sonar.protocol.engine import (
     WorkerMsg,
 )
 from sonar.protocol.offload import OffloadMsg, PublishEvents, TierUpdate, WatchTiers
+from sonar.structured import allocate_bitmask, compiler_for, fill_bitmasks
 
 TIER_MEDIA = ("CPU", "DISK")
 
@@ -109,6 +121,11 @@ class SchedulerActor(Actor):
         self.tier_seq = 0
         self.pipelined = False
         """Async scheduling: send the next step before the current one's result is back."""
+        self._bitmasks: list[Any] = []
+        """Two preallocated bitmask buffers (structured outputs), used in turn."""
+        self._bitmask_turn = 0
+        self._step_rows: dict[int, list[str]] = {}
+        """The grammar rows of the steps sent whose bitmask is not sent yet."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -152,7 +169,7 @@ class SchedulerActor(Actor):
 
     async def handle(self, msg: SchedulerMsg) -> Any:
         if isinstance(msg, AddRequest):
-            return self._add(msg)
+            return await self._add(msg)
         if isinstance(msg, Abort):
             found = self.core.abort(msg.request_ids)
             dropped = {t.req_id for t in self.pending} & set(msg.request_ids)
@@ -178,7 +195,25 @@ class SchedulerActor(Actor):
             return None
         raise TypeError(f"unexpected {type(msg).__name__}")
 
-    def _add(self, msg: AddRequest) -> Accepted:
+    async def _grammar(self, msg: AddRequest) -> Any:
+        """The grammar matcher of a structured output request (None for free text)."""
+        spec = msg.params.structured_outputs
+        if spec is None:
+            return None
+        cfg, info = self.config, self.info
+        path = cfg.tokenizer or info.tokenizer_path
+        if path is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
+        compiler = await anyio.to_thread.run_sync(compiler_for, path, info.vocab_size, info.eos_token_ids)
+        compiled = await compiler.compile(
+            spec,
+            cfg.structured_config(),
+            max_chars=cfg.max_structured_output_chars,
+            timeout=cfg.structured_outputs_compile_timeout,
+        )
+        return compiled.matcher()
+
+    async def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs
         if self.core.num_waiting >= limit:
             return Accepted(
@@ -189,6 +224,10 @@ class SchedulerActor(Actor):
                 )
             )
         params = msg.params
+        try:
+            grammar = await self._grammar(msg)
+        except InvalidRequestError as exc:
+            return Accepted(Rejection(RejectKind.INVALID, str(exc)))
         stop_ids = list(params.stop_token_ids or ())
         if not params.ignore_eos:
             stop_ids += self.info.eos_token_ids
@@ -204,6 +243,7 @@ class SchedulerActor(Actor):
                 cache_salt=msg.cache_salt,
                 sampling_params=params,
                 skip_reading_prefix_cache=params.prompt_logprobs is not None,
+                grammar=grammar,
             )
             self.core.add_request(request)
         except RequestRejectedError as exc:
@@ -248,12 +288,19 @@ class SchedulerActor(Actor):
                 continue
             step = await self._send(output)
             if in_flight is not None:
-                if not await self._complete(in_flight):
+                # the one token the new step's grammar rows did not know is fed now: its bitmask
+                # goes out as soon as it is (and after a failure, for the voided step to end)
+                ok = await self._complete(in_flight, bitmask_of=output if step is not None else None)
+                if step is not None:
+                    await self._send_bitmask(output)
+                if not ok:
                     if step is not None:
                         await self._complete(step, apply=False)  # sent after a failed one: void
                     in_flight = None
                     await self._recover(in_flight_output)
                     continue
+            elif step is not None:
+                await self._send_bitmask(output)
             if step is None:  # the worker could not be reached: the step never ran
                 in_flight = None
                 await self._recover(None)
@@ -273,14 +320,56 @@ class SchedulerActor(Actor):
                 )
         fault = self.faults.next_step(s.token_ids for s in output.requests) if self.faults is not None else None
         try:
-            return await self.worker.ask_soon(ExecuteStep(output, new, fault))
+            rows = self._grammar_rows(output)
+            if rows:
+                self._step_rows[output.step_id] = rows
+            return await self.worker.ask_soon(ExecuteStep(output, new, fault, rows))
         except (ActorError, ActorNotFound) as exc:
+            self._step_rows.pop(output.step_id, None)
             self.failure = exc
             return None
 
-    async def _complete(self, step: PendingReply, apply: bool = True) -> bool:
+    def _grammar_rows(self, output: SchedulerOutput) -> list[str]:
+        """The requests of a step that sample under a grammar, in step order."""
+        rows = []
+        for sched in output.requests:
+            if sched.sample:
+                request = self.core.get_request(sched.req_id)
+                if request is not None and request.grammar is not None:
+                    rows.append(sched.req_id)
+        return rows
+
+    async def _send_bitmask(self, output: SchedulerOutput) -> None:
+        """Fill and send the bitmask of a step's grammar rows, from the matchers as they are now:
+        every token before the one the step samples has been fed to them. A request that ended
+        meanwhile (its token of this step is dropped) allows every token."""
+        rows = self._step_rows.pop(output.step_id, None)
+        if rows is None:
+            return
+        if not self._bitmasks:
+            size = max(self.config.max_num_seqs, len(rows))
+            self._bitmasks = [allocate_bitmask(size, self.info.vocab_size) for _ in range(2)]
+        buffer = self._bitmasks[self._bitmask_turn]
+        self._bitmask_turn ^= 1
+        matchers = []
+        for rid in rows:
+            request = self.core.get_request(rid)
+            grammar = None if request is None or request.is_finished else request.grammar
+            matchers.append(None if grammar is None or grammar.is_terminated() else grammar)
+        # in a thread: a grammar whose masks are slow to compute (a long bounded repetition costs
+        # xgrammar ~10 ms a row) must not hold up the mailbox and, in `serve`, the HTTP server
+        await anyio.to_thread.run_sync(fill_bitmasks, matchers, buffer)
+        try:
+            await self.worker.send(StepBitmask(output.step_id, buffer[: len(rows)]))
+        except (ActorError, ActorNotFound):
+            pass  # the worker is gone: the step fails, and is recovered, without it
+
+    async def _complete(
+        self, step: PendingReply, apply: bool = True, bitmask_of: SchedulerOutput | None = None
+    ) -> bool:
         """Wait for a step's result and feed it back (unless `apply` is false); False when the
-        step failed (`self.failure` says how)."""
+        step failed (`self.failure` says how). `bitmask_of`: the step sent after this one, whose
+        bitmask goes out right after the tokens are fed, before the outputs are passed on."""
         try:
             result = await step.result(timeout=self.config.step_timeout)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
@@ -291,6 +380,8 @@ class SchedulerActor(Actor):
             return True
         self.steps += 1
         updates = self.core.update_from_output(result.sampled)
+        if bitmask_of is not None:
+            await self._send_bitmask(bitmask_of)
         if result.failed:
             for rid, reason in result.failed.items():
                 log.error("request.sampling_failed", request=rid, reason=reason)

@@ -13,6 +13,10 @@ KV offloading: a step's `kv_stores` are copied out of the cache first, before it
 (`Store`); each of its `kv_loads` becomes a task of its own (`Load` from the manager, copy into
 the cache, `KVLoaded` to the scheduler) that runs beside the forward pass, off the step's
 critical path. A failed store is dropped and a failed load reports 0 blocks (they are recomputed).
+
+Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
+samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
+previous step's tokens); past `BITMASK_TIMEOUT` the step fails like any other crash.
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.errors import SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
-from sonar.protocol.engine import DescribeWorker, ExecuteStep, KVLoaded, SchedulerMsg, StepResult, WorkerMsg
+from sonar.protocol.engine import (
+    DescribeWorker,
+    ExecuteStep,
+    KVLoaded,
+    SchedulerMsg,
+    StepBitmask,
+    StepResult,
+    WorkerMsg,
+)
 from sonar.protocol.offload import ChunkMeta, Load, OffloadMsg, Store
 
 log = get_logger("sonar.worker")
@@ -47,6 +59,18 @@ EXIT_HUNG = 75
 """Exit code of a worker process that found its own step hung."""
 EXIT_INJECTED = 137
 """Exit code of a worker process told to die by --fault-injection (what a SIGKILL reports)."""
+BITMASK_TIMEOUT = 60.0
+"""Seconds a step with grammar rows waits for its `StepBitmask` after its forward pass."""
+KEPT_BITMASKS = 8
+"""Bitmasks kept for steps not run yet (a step voided by a failure never collects its own)."""
+
+
+class _BitmaskSlot:
+    """Where a step's bitmask arrives (the mailbox loop) and is awaited (the step's thread)."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.bitmask: Any = None
 
 
 class WorkerHung(SonarError, RuntimeError):
@@ -77,6 +101,7 @@ class WorkerActor(Actor):
         self.worst_per_token = 0.0
         self.step_started: float | None = None
         self.step_tokens = 0
+        self._bitmasks: dict[int, _BitmaskSlot] = {}
         self._unhang = threading.Event()
         """Releases an injected hang once the worker has given up on the step (in-process, the
         thread would otherwise outlive the actor and keep the interpreter from exiting)."""
@@ -88,14 +113,43 @@ class WorkerActor(Actor):
 
     async def handle(self, msg: WorkerMsg) -> Any:
         if isinstance(msg, ExecuteStep):
+            if msg.grammar_rows:
+                self._bitmask_slot(msg.output.step_id)
             self.task_group.start_soon(self._step, msg)
             return NO_REPLY
+        if isinstance(msg, StepBitmask):
+            slot = self._bitmask_slot(msg.step_id)
+            slot.bitmask = msg.bitmask
+            slot.ready.set()
+            return None
         if isinstance(msg, DescribeWorker):
             return self.info
         raise TypeError(f"unexpected {type(msg).__name__}")
 
+    def _bitmask_slot(self, step_id: int) -> _BitmaskSlot:
+        slot = self._bitmasks.get(step_id)
+        if slot is None:
+            slot = self._bitmasks[step_id] = _BitmaskSlot()
+            while len(self._bitmasks) > KEPT_BITMASKS:
+                del self._bitmasks[next(iter(self._bitmasks))]
+        return slot
+
+    def _wait_bitmask(self, step_id: int, slot: _BitmaskSlot) -> Any:
+        """The bitmask of step `step_id` (in the step's thread, after its forward pass)."""
+        if not slot.ready.wait(BITMASK_TIMEOUT) and not self._unhang.is_set():
+            raise WorkerHung(f"step {step_id} waited {BITMASK_TIMEOUT:g} s for its grammar bitmask")
+        if slot.bitmask is None:
+            raise InjectedFault(f"step {step_id} was abandoned while it waited for its grammar bitmask")
+        return slot.bitmask
+
     async def stopping(self) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        """Let a step's thread go: an injected hang, a wait for a bitmask."""
         self._unhang.set()
+        for slot in list(self._bitmasks.values()):
+            slot.ready.set()
 
     def deadline(self) -> float:
         """Seconds the running step may take before it counts as hung: four times what the steps
@@ -125,7 +179,7 @@ class WorkerActor(Actor):
                 )
                 if self.own_process:
                     os._exit(EXIT_HUNG)
-                self._unhang.set()
+                self._release()
                 raise WorkerHung(f"a step has run {elapsed:.1f} s, past the liveness deadline of {limit:.1f} s")
 
     async def _step(self, msg: ExecuteStep) -> None:
@@ -213,7 +267,14 @@ class WorkerActor(Actor):
     def _execute(self, msg: ExecuteStep) -> StepResult:
         if msg.fault is not None:
             self._inject(msg.fault, msg.output.step_id)
-        return self.runner.execute(msg)
+        if not msg.grammar_rows:
+            return self.runner.execute(msg)
+        step_id = msg.output.step_id
+        slot = self._bitmasks.get(step_id) or _BitmaskSlot()  # gone: dropped as too old
+        try:
+            return self.runner.execute(msg, partial(self._wait_bitmask, step_id, slot))
+        finally:
+            self._bitmasks.pop(step_id, None)
 
     def _inject(self, action: str, step_id: int) -> None:
         log.warning("worker.fault_injected", action=action, step=step_id)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -77,10 +77,24 @@ class ExecuteStep(Ask, tag="worker.step"):
     new_requests: list[NewRequestData] = []
     fault: str | None = None
     """--fault-injection: "raise", "hang" or "exit" makes this step fail that way (tests, drills)."""
+    grammar_rows: list[str] = []
+    """Structured outputs: the requests of this step that sample under a grammar, in step order.
+    Their bitmask follows in a `StepBitmask` of the same step id, which the step waits for (after
+    its forward pass) before it samples."""
     reply_type = StepResult
 
 
-WorkerMsg = Union[DescribeWorker, ExecuteStep]
+class StepBitmask(msgspec.Struct, tag="worker.bitmask"):
+    """The tokens the grammar rows of step ``step_id`` may sample: row ``i`` of ``bitmask`` (a
+    torch int32 CPU tensor ``[len(grammar_rows), ceil(vocab / 32)]``, `sonar.structured.bitmask`)
+    is for ``ExecuteStep.grammar_rows[i]``. The scheduler sends it as soon as the matchers have
+    taken the tokens of the step before, so it is filled while the step's forward pass runs."""
+
+    step_id: int
+    bitmask: Any
+
+
+WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask]
 
 
 # -- scheduler -----------------------------------------------------------------------------------

@@ -100,6 +100,8 @@ def test_every_documented_flag_is_known() -> None:
         "--max-completions-per-request",
         "--max-stored-responses",
         "--max-stored-response-bytes",
+        "--max-structured-output-chars",
+        "--structured-outputs-compile-timeout",
     }
     assert {f.name for f in FLAGS.values() if f.group == "Limits"} == limits
     own |= limits

@@ -114,3 +114,36 @@ def test_the_response_store_bounds(usage_error) -> None:
     assert (config.max_stored_responses, config.max_stored_response_bytes) == (0, 2**20)
     for flag in ("--max-stored-responses", "--max-stored-response-bytes"):
         assert flag in usage_error(flag, "-1")
+
+
+def test_structured_outputs_flags_land_in_the_engine_config_and_bad_keys_are_refused(usage_error) -> None:
+    engine = parse_serve_args([]).engine
+    assert (engine.max_structured_output_chars, engine.structured_outputs_compile_timeout) == (65536, 10.0)
+    assert engine.structured_config().backend == "auto"
+    engine = parse_serve_args(
+        [
+            "--structured-outputs-config.backend",
+            "guidance",
+            "--structured-outputs-config.disable_any_whitespace",
+            "true",
+            "--max-structured-output-chars",
+            "4096",
+            "--structured-outputs-compile-timeout",
+            "2.5",
+        ]
+    ).engine
+    config = engine.structured_config()
+    assert (config.backend, config.disable_any_whitespace, config.disable_additional_properties) == (
+        "guidance",
+        True,
+        False,
+    )
+    assert (engine.max_structured_output_chars, engine.structured_outputs_compile_timeout) == (4096, 2.5)
+    for words, message in (
+        (["--structured-outputs-config", '{"backend": "outlines"}'], "backend='outlines'"),
+        (["--structured-outputs-config.fast", "true"], "unknown key(s) fast"),
+        (["--structured-outputs-config.reasoning_parser", "qwen3"], "reasoning_parser='qwen3' is not supported"),
+        (["--structured-outputs-compile-timeout", "0"], "must be positive"),
+    ):
+        error = usage_error(*words)
+        assert message in error and "structured" in error, error
