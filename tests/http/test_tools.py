@@ -340,16 +340,37 @@ def test_plain_chat_is_unchanged_without_tools(server: Any) -> None:
     assert choice.message.model_dump().get("reasoning_content") is None
 
 
-def test_forced_tool_choices_need_structured_outputs_from_the_engine(server: Any) -> None:
-    # The engine refuses structured outputs until it honours them: a 400 naming the field.
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = httpx.post(
-            f"{server.base_url}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "tool_choice": choice},
-            timeout=60,
-        )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "structured_outputs"
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_choices_call_a_tool_with_valid_arguments(server: Any, choice: Any) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Lima?"}],
+        "tools": [WEATHER],
+        "tool_choice": choice,
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice_out = r.json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls", choice_out
+    calls = choice_out["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * len(calls) and calls
+    for call in calls:
+        assert call["id"].startswith("call_") and call["type"] == "function"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
+    # Streamed, the deltas reassemble (as the openai SDK does it) to the same calls.
+    state = ChatCompletionStreamState()
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                state.handle_chunk(ChatCompletionChunk.model_validate_json(line[len("data: ") :]))
+    streamed = state.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls or []] == [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
+    ]
 
 
 def test_tool_choice_errors_over_http(server: Any) -> None:
