@@ -10,6 +10,7 @@ import pytest
 from sonar.bench.datasets import DatasetArgs, sample_requests
 from sonar.bench.endpoint import RequestResult
 from sonar.bench.floor import step_floor
+from sonar.bench.json_schemas import SCHEMAS
 from sonar.bench.model_info import load_tokenizer, model_params, param_count, resolve_model_files
 from sonar.bench.serve import arrival_delays
 from sonar.bench.server_metrics import MetricsPoller, parse_metrics, server_summary
@@ -166,3 +167,16 @@ def test_floor_and_parameter_count() -> None:
     sixteen = step_floor(134.5e6, "bfloat16", 16, 56.0)
     assert sixteen.bound == "compute" and sixteen.floor_ms == pytest.approx(2 * 134.5e6 * 16 / 390e9 * 1e3)
     assert sixteen.tpot_over_floor == pytest.approx(56.0 / sixteen.floor_ms)
+
+
+def test_bench_grammar_times_each_schema_cold_and_cached() -> None:
+    import argparse
+
+    from sonar.bench.grammar import format_report, run_grammar
+
+    result = run_grammar(argparse.Namespace(model=None, backend=["xgrammar"], repeats=1, json=False))
+    assert [row["schema"] for row in result["rows"]] == [subject for subject, _ in SCHEMAS]
+    for row in result["rows"]:
+        # A cached spec answers from the cache: far below the compile it saved.
+        assert row["cached_ms"] < row["cold_ms"] and row["fill_us"] > 0
+    assert "xgrammar" in format_report(result)
