@@ -81,7 +81,7 @@ def test_wrong_tool_choices_are_refused_naming_the_field() -> None:
 def constrained(settings: ServerSettings, params: SamplingParams | None = None, **body: Any) -> SamplingParams:
     params = params or SamplingParams()
     req = request(**body)
-    plan_tools(req, settings).constrain(params, req)
+    plan_tools(req, settings).constrain(params, req.skip_special_tokens)
     return params
 
 
@@ -340,16 +340,26 @@ def test_plain_chat_is_unchanged_without_tools(server: Any) -> None:
     assert choice.message.model_dump().get("reasoning_content") is None
 
 
-def test_forced_tool_choices_need_structured_outputs_from_the_engine(server: Any) -> None:
-    # The engine refuses structured outputs until it honours them: a 400 naming the field.
+def test_forced_tool_choices_give_valid_arguments(server: Any) -> None:
+    parameters = WEATHER["function"]["parameters"]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = httpx.post(
-            f"{server.base_url}/v1/chat/completions",
-            json={"messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER], "tool_choice": choice},
-            timeout=60,
+        choice_ = (
+            client(server)
+            .chat.completions.create(
+                model=server_model(server),
+                messages=[{"role": "user", "content": "weather?"}],
+                tools=[WEATHER],
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=0,
+                max_tokens=120,
+            )
+            .choices[0]
         )
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "structured_outputs"
+        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+        [call] = choice_.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
 
 
 def test_tool_choice_errors_over_http(server: Any) -> None:
