@@ -48,6 +48,7 @@ from sonar.http.responses_protocol import (
     Logprob,
     OutputItem,
     OutputTokensDetails,
+    ReasoningOutput,
     ResponseCompleted,
     ResponseCreated,
     ResponseError,
@@ -137,11 +138,17 @@ class _Turn:
             usage=usage,
         )
 
-    def usage(self, output_tokens: int, cached_tokens: int) -> ResponseUsage:
+    async def usage(
+        self, llm: LLM, output: Sequence[OutputItem], output_tokens: int, cached_tokens: int
+    ) -> ResponseUsage:
+        """The usage; `reasoning_tokens` counts the thinking's text re-encoded (the markers
+        around it, such as `<think>`, are not counted)."""
         n = len(self.prompt_ids)
         full = n // self.cache_block * self.cache_block if self.cache_block else 0
         details = InputTokensDetails(cached_tokens, max(0, full - cached_tokens))
-        return ResponseUsage(n, output_tokens, n + output_tokens, details, OutputTokensDetails())
+        thinking = "".join(part.text for item in output if isinstance(item, ReasoningOutput) for part in item.content)
+        reasoning = len(await llm.tokenize(thinking, add_special_tokens=False)) if thinking else 0
+        return ResponseUsage(n, output_tokens, n + output_tokens, details, OutputTokensDetails(reasoning))
 
     def keep(self, store: ResponseStore, response: ResponseObject) -> None:
         """With `store`, keep a finished response (completed or incomplete) for GET and for the
@@ -279,9 +286,8 @@ async def create_response(
     )
     items.finish("incomplete" if status == "failed" else status)
     log_output(settings, turn.id, [out.text], [out.finish_reason], len(out.token_ids))
-    response = turn.response(
-        status, items.items, turn.usage(len(out.token_ids), result.num_cached_tokens), _failure(out.finish_reason)
-    )
+    usage = await turn.usage(llm, items.items, len(out.token_ids), result.num_cached_tokens)
+    response = turn.response(status, items.items, usage, _failure(out.finish_reason))
     turn.keep(store, response)
     return json_response(response)
 
@@ -336,7 +342,8 @@ async def _stream(emit: Emit, llm: LLM, store: ResponseStore, turn: _Turn, rec: 
     log_output(settings, turn.id, [text], [finish_reason], output_tokens)
     status = status_of(finish_reason)
     await send_all(items.finish("incomplete" if status == "failed" else status))
-    response = turn.response(status, items.items, turn.usage(output_tokens, cached_tokens), _failure(finish_reason))
+    usage = await turn.usage(llm, items.items, output_tokens, cached_tokens)
+    response = turn.response(status, items.items, usage, _failure(finish_reason))
     turn.keep(store, response)
     last = {"completed": ResponseCompleted, "incomplete": ResponseIncomplete}.get(status, ResponseFailed)
     await send(last, response=response)

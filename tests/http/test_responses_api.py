@@ -416,6 +416,7 @@ def test_thinking_becomes_a_reasoning_item_whole_and_streamed(parsing):
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "They greet me.")]
     assert message.type == "message" and whole.output_text == "Hello there!"
+    assert whole.usage.output_tokens_details.reasoning_tokens == 4  # "They greet me."
     with parsing.responses.stream(**kw) as stream:
         events = list(stream)
         final = stream.get_final_response()
