@@ -21,7 +21,6 @@ conversation so far: the next turn's input continues it.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from typing import Any, Callable, Sequence
 
@@ -63,6 +62,7 @@ from sonar.http.responses_protocol import (
     decode_responses_request,
     event_name,
     input_messages,
+    is_arguments,
 )
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
@@ -164,21 +164,13 @@ class _Turn:
 def _assistant_turn(output: Sequence[OutputItem]) -> list[dict[str, Any]]:
     """The output items as the next turn's template sees them: read as input items are (so that
     continuing with previous_response_id and sending the items back give one prompt), leaving out
-    a call whose arguments the token limit cut short of JSON."""
+    a call whose arguments are not a JSON object (the token limit cut them short)."""
     items = [
         msgspec.to_builtins(item)
         for item in output
-        if not (isinstance(item, FunctionCallOutput) and not _is_json(item.arguments))
+        if not (isinstance(item, FunctionCallOutput) and not is_arguments(item.arguments))
     ]
     return input_messages(items, "output")
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
 
 
 def status_of(finish_reason: str | None) -> str:

@@ -480,12 +480,23 @@ def _text_of(parts: list[Any], where: str, allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
-def _arguments(text: str, where: str) -> Any:
+def _arguments(text: str, where: str) -> dict[str, Any]:
     """A function call's arguments (JSON text) as the chat templates take them: an object."""
     try:
-        return json.loads(text)
+        arguments = json.loads(text)
     except ValueError as exc:
         raise RequestError(f"{where} is not valid JSON: {exc}", where) from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where} must be a JSON object", where)
+    return arguments
+
+
+def is_arguments(text: str) -> bool:
+    """Whether `text` is a call's arguments as an input item takes them (a JSON object)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def decode_responses_request(body: bytes) -> ResponsesRequest:

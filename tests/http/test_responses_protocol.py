@@ -146,6 +146,7 @@ def test_function_tools_in_chats_shape() -> None:
         ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
         ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}], "input[0].arguments"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
         ([{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}], "input[0].encrypted_content"),
         ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}], "input[0].summary"),
         (
