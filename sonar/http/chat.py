@@ -62,7 +62,7 @@ async def create_chat_completion(
         )
     tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
-    plan.constrain(params, req)
+    plan.constrain(params, req.skip_special_tokens)
     messages = template_messages(req.messages, template_source(llm, settings))
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None

@@ -22,6 +22,10 @@ from typing import Any, Mapping
 import msgspec
 
 from sonar.http.protocol import (
+    ChatTool,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
     Positive,
     RequestError,
     Temperature,
@@ -80,6 +84,27 @@ class TextConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     verbosity: str | None = None
 
 
+class FunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A function tool, in the Responses shape (chat's nests the same fields under `function`)."""
+
+    type: str
+    name: str
+    parameters: dict[str, Any] | None = None
+    #: The arguments of forced calls always follow `parameters`; those of "auto" calls are what
+    #: the model wrote (as in chat completions): `strict` changes neither.
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ReasoningConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`reasoning`: how much a reasoning model thinks and whether it summarizes. Neither can be
+    set here (`check_refused`); all null takes effect as it says (the model's own thinking)."""
+
+    effort: Any = None
+    summary: Any = None
+    generate_summary: Any = None
+
+
 class ResponsesStreamOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     include_obfuscation: bool | None = None
 
@@ -107,7 +132,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: str | None = None
-    reasoning: Any = None
+    reasoning: ReasoningConfig | None = None
     include: list[str] | None = None
     background: bool | None = None
     service_tier: str | None = None
@@ -129,8 +154,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         for name, why in REFUSED.items():
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported: {why}", name)
-        if self.reasoning is not None:
-            raise RequestError("reasoning is not supported: the server has no reasoning parser", "reasoning")
+        for name in ("effort", "summary", "generate_summary"):
+            if self.reasoning is not None and getattr(self.reasoning, name) is not None:
+                raise RequestError(
+                    f"reasoning.{name} is not supported: a model here thinks as its chat template and weights "
+                    "make it (--reasoning-parser returns that thinking as a reasoning item), it cannot be "
+                    "told how much, nor summarize",
+                    f"reasoning.{name}",
+                )
         if self.background:
             raise RequestError("background responses are not supported (set background to false)", "background")
         if self.truncation not in (None, "disabled"):
@@ -161,7 +192,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                 f"text.verbosity {self.text.verbosity!r} is not supported; only 'medium'", "text.verbosity"
             )
         self._check_metadata()
-        self._check_tools()
 
     def _check_metadata(self) -> None:
         metadata = self.metadata or {}
@@ -175,27 +205,36 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                     f"metadata values are at most {MAX_METADATA_VALUE} characters (key {key!r})", "metadata"
                 )
 
-    def _check_tools(self) -> None:
-        """Function tools need the chat template's `tools=` and a tool-call parser, which this
-        server does not have yet: a request with tools is refused. With no tools, `tool_choice`
-        may only say that none is called."""
-        for i, tool in enumerate(self.tools or ()):
-            kind = tool.get("type") if isinstance(tool, dict) else None
+    def chat_tools(self) -> list[ChatTool] | None:
+        """`tools` in chat's shape (what `template_tools` and `tool_plan` take); a tool that is not
+        a function is a 400 naming it."""
+        if self.tools is None:
+            return None
+        tools = []
+        for i, raw in enumerate(self.tools):
+            kind = raw.get("type") if isinstance(raw, dict) else None
             if kind != "function":
-                raise RequestError(f"tool type {kind!r} is not supported; only 'function'", f"tools[{i}].type")
-        if self.tools:
-            raise RequestError("function tools are not supported yet (no tool-call parser)", "tools")
-        for i, item in enumerate(self.input if isinstance(self.input, list) else ()):
-            kind = item.get("type") if isinstance(item, dict) else None
-            if kind in ("function_call", "function_call_output"):
                 raise RequestError(
-                    f"input item type {kind!r} is not supported yet (function tools are not)", f"input[{i}].type"
+                    f"tool type {kind!r} is not supported; only 'function' (no built-in tools)", f"tools[{i}].type"
                 )
+            tool = convert_item(raw, FunctionTool, f"tools[{i}]")
+            tools.append(ChatTool(function=FunctionDefinition(**{f: getattr(tool, f) for f in _FUNCTION_FIELDS})))
+        return tools
+
+    def chat_tool_choice(self) -> str | NamedToolChoice | None:
+        """`tool_choice` in chat's shape: a string as it is, `{"type": "function", "name"}` as a
+        named choice; the other kinds (allowed_tools, built-in tools, MCP) are refused."""
         choice = self.tool_choice
-        if choice is not None and choice not in ("none", "auto"):
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") != "function":
             raise RequestError(
-                f"tool_choice {choice!r} names a tool or requires one, but the request has no tools", "tool_choice"
+                f"tool_choice type {choice.get('type')!r} is not supported; use 'none', 'auto', 'required' or "
+                '{"type": "function", "name": ...}',
+                "tool_choice.type",
             )
+        named = convert_item(choice, _NamedChoice, "tool_choice")
+        return NamedToolChoice(function=NamedFunction(name=named.name))
 
     def check_max_tokens(self, max_model_len: int) -> None:
         if self.max_output_tokens is not None and self.max_output_tokens > max_model_len:
@@ -258,6 +297,14 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
         """The `text` the response reports: the format as it was asked for."""
         fmt = self.text_format()
         return {"format": msgspec.to_builtins(fmt), "verbosity": "medium"}
+
+
+_FUNCTION_FIELDS = ("name", "description", "parameters", "strict")
+
+
+class _NamedChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: str
+    name: str
 
 
 # -- input items → chat-template messages -----------------------------------------------------------
@@ -324,14 +371,29 @@ class FunctionCallOutputItem(msgspec.Struct, kw_only=True, forbid_unknown_fields
     status: str | None = None
 
 
+class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A reasoning output item sent back: its text reaches the template as the next assistant
+    message's `reasoning_content` (templates decide whether to show it)."""
+
+    type: str
+    summary: list[Any]
+    content: list[Any] | None = None
+    #: Sonar never makes encrypted reasoning; only null is accepted.
+    encrypted_content: None = None
+    id: str | None = None
+    status: str | None = None
+
+
 #: Input roles and the chat-template role each becomes (`developer` is the system's voice).
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
 def input_messages(input: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
     """The request's `input` as chat-template messages: a string is one user message; a list is
-    read item by item (messages, function calls and their outputs). Consecutive function_call
-    items become one assistant message with several `tool_calls` (parallel calls)."""
+    read item by item (messages, reasoning, function calls and their outputs). What one assistant
+    turn produced becomes one assistant message, as a response's output items make it: a reasoning
+    item starts it (`reasoning_content`), an assistant message after it gives its content, and
+    function_call items after an assistant message join its `tool_calls` (parallel calls)."""
     if isinstance(input, str):
         return [{"role": "user", "content": input}]
     if not input:
@@ -342,8 +404,19 @@ def input_messages(input: str | list[Any], param: str = "input") -> list[dict[st
         if not isinstance(raw, dict):
             raise RequestError(f"{where} must be an object (an input item)", where)
         kind = raw.get("type", "message" if "role" in raw else None)
+        last = messages[-1] if messages else None
         if kind == "message":
-            messages.append(_message(convert_item(raw, MessageItem, where), where))
+            message = _message(convert_item(raw, MessageItem, where), where)
+            if message["role"] == "assistant" and _only_reasoning(last):
+                last["content"] = message["content"]  # type: ignore[index]
+            else:
+                messages.append(message)
+        elif kind == "reasoning":
+            item = convert_item(raw, ReasoningItem, where)
+            if item.summary:
+                raise RequestError(f"{where}.summary must be empty (Sonar makes no summaries)", f"{where}.summary")
+            text = _text_of(item.content or [], f"{where}.content", ("reasoning_text",))
+            messages.append({"role": "assistant", "content": "", "reasoning_content": text})
         elif kind == "function_call":
             call = convert_item(raw, FunctionCallItem, where)
             tool_call = {
@@ -351,9 +424,8 @@ def input_messages(input: str | list[Any], param: str = "input") -> list[dict[st
                 "type": "function",
                 "function": {"name": call.name, "arguments": _arguments(call.arguments, f"{where}.arguments")},
             }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-                last["tool_calls"].append(tool_call)
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(tool_call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [tool_call]})
         elif kind == "function_call_output":
@@ -364,10 +436,22 @@ def input_messages(input: str | list[Any], param: str = "input") -> list[dict[st
             messages.append({"role": "tool", "tool_call_id": out.call_id, "content": text})
         else:
             raise RequestError(
-                f"input item type {kind!r} is not supported; use 'message', 'function_call' or 'function_call_output'",
+                f"input item type {kind!r} is not supported; use 'message', 'reasoning', 'function_call' or "
+                "'function_call_output'",
                 f"{where}.type",
             )
     return messages
+
+
+def _only_reasoning(message: dict[str, Any] | None) -> bool:
+    """Whether `message` is an assistant turn that has so far only thought."""
+    return (
+        message is not None
+        and message["role"] == "assistant"
+        and "reasoning_content" in message
+        and not message["content"]
+        and not message.get("tool_calls")
+    )
 
 
 def _message(item: MessageItem, where: str) -> dict[str, Any]:
@@ -396,12 +480,23 @@ def _text_of(parts: list[Any], where: str, allowed: tuple[str, ...]) -> str:
     return "\n".join(texts)
 
 
-def _arguments(text: str, where: str) -> Any:
+def _arguments(text: str, where: str) -> dict[str, Any]:
     """A function call's arguments (JSON text) as the chat templates take them: an object."""
     try:
-        return json.loads(text)
+        arguments = json.loads(text)
     except ValueError as exc:
         raise RequestError(f"{where} is not valid JSON: {exc}", where) from None
+    if not isinstance(arguments, dict):
+        raise RequestError(f"{where} must be a JSON object", where)
+    return arguments
+
+
+def is_arguments(text: str) -> bool:
+    """Whether `text` is a call's arguments as an input item takes them (a JSON object)."""
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def decode_responses_request(body: bytes) -> ResponsesRequest:
@@ -443,6 +538,31 @@ class OutputMessage(msgspec.Struct, tag_field="type", tag="message"):
     role: str = "assistant"
 
 
+class ReasoningText(msgspec.Struct, tag_field="type", tag="reasoning_text"):
+    text: str
+
+
+class ReasoningOutput(msgspec.Struct, tag_field="type", tag="reasoning"):
+    """The model's thinking (split off by --reasoning-parser), as text; never summarized."""
+
+    id: str
+    status: str
+    content: list[ReasoningText]
+    summary: list[Any] = []
+
+
+class FunctionCallOutput(msgspec.Struct, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    #: JSON text (what the model wrote so far, when max_output_tokens cut the call).
+    arguments: str
+    status: str
+
+
+OutputItem = OutputMessage | ReasoningOutput | FunctionCallOutput
+
+
 class InputTokensDetails(msgspec.Struct):
     #: Prompt tokens read from the prefix cache.
     cached_tokens: int = 0
@@ -477,7 +597,7 @@ class ResponseObject(msgspec.Struct, kw_only=True):
     id: str
     model: str
     status: str
-    output: list[OutputMessage]
+    output: list[OutputItem]
     created_at: int = msgspec.field(default_factory=lambda: int(time.time()))
     object: str = "response"
     completed_at: int | None = None
@@ -532,26 +652,26 @@ class ResponseFailed(StreamEvent, tag="response.failed"):
 
 class OutputItemAdded(StreamEvent, tag="response.output_item.added"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class OutputItemDone(StreamEvent, tag="response.output_item.done"):
     output_index: int
-    item: OutputMessage
+    item: OutputItem
 
 
 class ContentPartAdded(StreamEvent, tag="response.content_part.added"):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class ContentPartDone(StreamEvent, tag="response.content_part.done"):
     item_id: str
     output_index: int
     content_index: int
-    part: OutputText
+    part: OutputText | ReasoningText
 
 
 class OutputTextDelta(StreamEvent, tag="response.output_text.delta"):
@@ -568,6 +688,32 @@ class OutputTextDone(StreamEvent, tag="response.output_text.done"):
     content_index: int
     text: str
     logprobs: list[Logprob] = []
+
+
+class ReasoningTextDelta(StreamEvent, tag="response.reasoning_text.delta"):
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+
+
+class ReasoningTextDone(StreamEvent, tag="response.reasoning_text.done"):
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+
+
+class FunctionCallArgumentsDelta(StreamEvent, tag="response.function_call_arguments.delta"):
+    item_id: str
+    output_index: int
+    delta: str
+
+
+class FunctionCallArgumentsDone(StreamEvent, tag="response.function_call_arguments.done"):
+    item_id: str
+    output_index: int
+    arguments: str
 
 
 def event_name(event: StreamEvent) -> str:

@@ -16,11 +16,12 @@ stopped on its own finishes with `tool_calls`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from sonar.http.messages import tool_choice_of
 from sonar.http.protocol import (
     ChatCompletionRequest,
+    ChatTool,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -71,10 +72,10 @@ class ToolPlan:
             schema["maxItems"] = 1
         return schema
 
-    def constrain(self, params: SamplingParams, req: ChatCompletionRequest) -> None:
+    def constrain(self, params: SamplingParams, skip_special_tokens: bool | None = None) -> None:
         """Enforce required / named with structured outputs; keep the special tokens a parser
-        reads (unless the request says whether to skip them)."""
-        if self.mode == "auto" and req.skip_special_tokens is None:
+        reads (unless the request says whether to skip them: `skip_special_tokens`)."""
+        if self.mode == "auto" and skip_special_tokens is None:
             fmt = self.output_format()
             if fmt is not None and fmt.keeps_special_tokens:
                 params.skip_special_tokens = False
@@ -83,8 +84,8 @@ class ToolPlan:
             return
         if params.structured_outputs is not None:
             raise RequestError(
-                f"tool_choice {self.mode!r} constrains the output itself; it cannot be combined with "
-                "response_format or structured_outputs",
+                f"tool_choice {self.mode!r} constrains the output itself; it cannot be combined with another "
+                "output constraint (response_format, structured_outputs, text.format)",
                 "tool_choice",
             )
         params.structured_outputs = StructuredOutputsParams(json=schema)
@@ -100,20 +101,31 @@ class ToolPlan:
 
 
 def plan_tools(req: ChatCompletionRequest, settings: ServerSettings) -> ToolPlan:
-    """The request's tool plan (its tools and tool_choice checked by `tool_choice_of` and
-    `template_tools`); an "auto" the server cannot honour is a 400 naming tool_choice."""
-    choice = tool_choice_of(req.tool_choice, req.tools)
-    tools = {tool.function.name: tool.function.parameters or dict(ANY_OBJECT) for tool in req.tools or []}
-    parallel = req.parallel_tool_calls is not False
+    """A chat request's tool plan (see `tool_plan`)."""
+    return tool_plan(req.tool_choice, req.tools, req.parallel_tool_calls, settings)
+
+
+def tool_plan(
+    tool_choice: str | NamedToolChoice | None,
+    tools: Sequence[ChatTool] | None,
+    parallel_tool_calls: bool | None,
+    settings: ServerSettings,
+) -> ToolPlan:
+    """The tool plan of a request's tools and tool_choice (checked by `tool_choice_of`; the tools'
+    names and types by `template_tools`), for chat completions and responses alike; an "auto"
+    the server cannot honour is a 400 naming tool_choice."""
+    choice = tool_choice_of(tool_choice, tools)
+    parameters = {tool.function.name: tool.function.parameters or dict(ANY_OBJECT) for tool in tools or []}
+    parallel = parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
-        return ToolPlan("named", tools, choice.function.name, parallel)
+        return ToolPlan("named", parameters, choice.function.name, parallel)
     if choice == "auto" and not (settings.enable_auto_tool_choice and settings.tool_call_parser):
         raise RequestError(
             "tool_choice 'auto' needs the server started with --enable-auto-tool-choice and --tool-call-parser "
             "(or use tool_choice 'required', 'none' or a named function)",
             "tool_choice",
         )
-    return ToolPlan(choice, tools, None, parallel, settings.tool_call_parser if choice == "auto" else None)
+    return ToolPlan(choice, parameters, None, parallel, settings.tool_call_parser if choice == "auto" else None)
 
 
 @dataclass

@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -186,7 +187,7 @@ def test_the_sse_lines_name_each_event_and_end_without_done(http):
 
 def test_a_refused_stream_is_a_plain_400(http):
     body = {"model": MODEL, "input": "Hi", "stream": True, "reasoning": {"effort": "low"}}
-    expect_error(http.post("/v1/responses", json=body), 400, "reasoning")
+    expect_error(http.post("/v1/responses", json=body), 400, "reasoning.effort")
 
 
 # -- conversations --------------------------------------------------------------------------------
@@ -259,7 +260,187 @@ def test_retrieve_delete_and_cancel(client, http):
     expect_error(http.post(f"/v1/responses/{r.id}/cancel"), 404, "response_id")
 
 
+# -- function tools -------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+TIME = {"type": "function", "name": "get_time", "parameters": None, "strict": False}  # any object
+NAMED = {"type": "function", "name": "get_weather"}
+WEATHER_QUESTION = "What is the weather in Paris?"
+
+
+def calls(response: Any) -> list[Any]:
+    return [item for item in response.output if item.type == "function_call"]
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_forced_tool_choices_give_calls_with_valid_arguments(client, choice):
+    kw = dict(input=WEATHER_QUESTION, tools=[WEATHER, TIME], tool_choice=choice, max_output_tokens=150)
+    r = create(client, parallel_tool_calls=False, **kw)
+    assert r.status == "completed" and not r.parallel_tool_calls
+    assert (r.tool_choice if isinstance(r.tool_choice, str) else r.tool_choice.model_dump()) == choice
+    [call] = r.output  # one call, no message
+    assert call.type == "function_call" and call.status == "completed"
+    assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.name in ("get_weather", "get_time")
+    assert call.name == "get_weather" or choice == "required"
+    schema = {"get_weather": WEATHER["parameters"], "get_time": {"type": "object"}}[call.name]
+    jsonschema.validate(json.loads(call.arguments), schema)
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"]
+    # Several calls are allowed by default; each is an item.
+    many = create(client, **kw)
+    assert many.status == "completed" and many.output == calls(many) and calls(many)
+    for c in calls(many):
+        jsonschema.validate(json.loads(c.arguments), {"get_weather": WEATHER["parameters"]}.get(c.name, {}))
+
+
+def test_streamed_calls_reassemble_to_the_whole_response(client):
+    kw = dict(model=MODEL, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice=NAMED, temperature=0)
+    whole = client.responses.create(max_output_tokens=150, **kw)
+    with client.responses.stream(max_output_tokens=150, **kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+    ]
+    assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    added = events[2].item
+    assert (added.type, added.name, added.arguments, added.status) == (
+        "function_call",
+        "get_weather",
+        "",
+        "in_progress",
+    )
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and events[-3].arguments == "".join(deltas)
+    assert events[-2].item.status == "completed" and events[-2].item.call_id == added.call_id
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+    def shape(items: list[Any]) -> list[Any]:
+        return [(i.type, i.name, i.arguments, i.status) for i in items]
+
+    assert shape(final.output) == shape(whole.output)
+    assert final.output[0].parsed_arguments == json.loads(whole.output[0].arguments)  # the SDK parses strict ones
+
+
+def test_a_tool_round_trip_through_previous_response_id(client, http):
+    first = create(client, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice=NAMED, max_output_tokens=150)
+    [call] = calls(first)
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}
+    kw = dict(tools=[WEATHER], tool_choice="none", max_output_tokens=20)
+    second = create(client, input=[result], previous_response_id=first.id, **kw)
+    assert second.status in ("completed", "incomplete") and [i.type for i in second.output] == ["message"]
+    # The prompt is chat's: the call as the assistant's tool_calls, its output as a tool message.
+    messages = [
+        {"role": "user", "content": WEATHER_QUESTION},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 degrees."},
+    ]
+    r = http.post("/tokenize", json={"messages": messages, "tools": [CHAT_WEATHER]})
+    assert r.status_code == 200, r.text
+    assert second.usage.input_tokens == r.json()["count"]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[CHAT_WEATHER], tool_choice="none", temperature=0, max_tokens=20
+    )
+    assert chat.choices[0].message.content == second.output_text
+    # The items sent back whole make the same prompt and answer.
+    again = create(client, input=[{"role": "user", "content": WEATHER_QUESTION}, *first.output, result], **kw)
+    assert again.usage.input_tokens == second.usage.input_tokens and again.output_text == second.output_text
+
+
+# -- tool_choice "auto" and reasoning, parsed ----------------------------------------------------
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+THOUGHT = "<think>They greet me.</think> Hello there!"
+
+
+def few_shot(answer: str, question: str) -> list[dict[str, str]]:
+    """Two turns that answer `question` with `answer`, then the question again: SmolLM2 at
+    temperature 0 answers it the same way."""
+    turns = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}] * 2
+    return [*turns, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def parsing(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server that parses tool calls (hermes) and thinking (qwen3) out of the output."""
+    args = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "48")
+    parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    with serving(tmp_path_factory.mktemp("parsing"), *args, *parsers, "--served-model-name", MODEL) as srv:
+        yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_auto_parses_the_models_call_whole_and_streamed(parsing):
+    kw = dict(model=MODEL, input=few_shot(CALL, WEATHER_QUESTION), tools=[WEATHER], temperature=0)
+    whole = parsing.responses.create(max_output_tokens=40, **kw)
+    assert whole.status == "completed" and whole.tool_choice == "auto"
+    [call] = whole.output
+    assert (call.type, call.name, json.loads(call.arguments), call.status) == (
+        "function_call",
+        "get_weather",
+        {"city": "Paris"},
+        "completed",
+    )
+    with parsing.responses.stream(max_output_tokens=40, **kw) as stream:
+        types = [e.type for e in stream]
+        final = stream.get_final_response()
+    assert "response.output_text.delta" not in types  # the call's markup never shows as text
+    assert [(i.type, i.name, i.arguments) for i in final.output] == [(call.type, call.name, call.arguments)]
+    # Without tools the same output is text.
+    plain = parsing.responses.create(max_output_tokens=40, **{**kw, "tools": None})
+    assert plain.output_text.startswith("<tool_call>")
+
+
+def test_thinking_becomes_a_reasoning_item_whole_and_streamed(parsing):
+    kw = dict(model=MODEL, input=few_shot(THOUGHT, "hello"), temperature=0, max_output_tokens=30)
+    whole = parsing.responses.create(**kw)
+    reasoning, message = whole.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
+    assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "They greet me.")]
+    assert message.type == "message" and whole.output_text == "Hello there!"
+    assert whole.usage.output_tokens_details.reasoning_tokens == 4  # "They greet me."
+    with parsing.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[2:5] == ["response.output_item.added", "response.content_part.added", "response.reasoning_text.delta"]
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = next(e for e in events if e.type == "response.reasoning_text.done")
+    assert thought == done.text == "They greet me."
+    assert types.index("response.output_item.done") < types.index("response.output_text.delta")
+
+    def shape(items: list[Any]) -> list[Any]:
+        return [(i.type, i.status, [(c.type, c.text) for c in i.content]) for i in items]
+
+    assert shape(final.output) == shape(whole.output)
+    # The thinking goes back to the template with the turn (reasoning_content), as it does sent whole.
+    after = parsing.responses.create(**{**kw, "input": "hello", "previous_response_id": whole.id})
+    again = parsing.responses.create(
+        **{**kw, "input": [*few_shot(THOUGHT, "hello"), *whole.output, {"role": "user", "content": "hello"}]}
+    )
+    assert after.usage.input_tokens == again.usage.input_tokens
+
+
 # -- refusals -------------------------------------------------------------------------------------
+FUNCTION = {"type": "function", "name": "f", "parameters": {"type": "object"}}
 REFUSALS = [
     ("conversation", {"conversation": "conv_1"}),
     ("prompt", {"prompt": {"id": "pmpt_1"}}),
@@ -273,7 +454,8 @@ REFUSALS = [
     ("moderation", {"moderation": {"model": "omni-moderation-latest"}}),
     ("access_programs", {"access_programs": {"cyber": "standard"}}),
     ("background_options", {"background_options": {"completion_window": "2h"}}),
-    ("reasoning", {"reasoning": {"effort": "low"}}),
+    ("reasoning.effort", {"reasoning": {"effort": "low"}}),
+    ("reasoning.summary", {"reasoning": {"summary": "auto"}}),
     ("background", {"background": True}),
     ("truncation", {"truncation": "auto"}),
     ("service_tier", {"service_tier": "flex"}),
@@ -286,10 +468,23 @@ REFUSALS = [
         "text.format.description",
         {"text": {"format": {"type": "json_schema", "name": "a", "schema": {}, "description": "d"}}},
     ),
-    ("tools", {"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}),
     ("tools[0].type", {"tools": [{"type": "web_search"}]}),
+    ("tools[1].name", {"tools": [FUNCTION, FUNCTION], "tool_choice": "required"}),
+    ("tools[0].parameter", {"tools": [{**FUNCTION, "parameter": {}}], "tool_choice": "required"}),
+    ("tool_choice", {"tools": [FUNCTION]}),  # "auto" needs --enable-auto-tool-choice
+    ("tool_choice", {"tools": [FUNCTION], "tool_choice": "auto"}),
     ("tool_choice", {"tool_choice": "required"}),
-    ("input[0].type", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]}),
+    ("tool_choice", {"tool_choice": {"type": "function", "name": "f"}}),
+    ("tool_choice.name", {"tools": [FUNCTION], "tool_choice": {"type": "function", "name": "g"}}),
+    ("tool_choice.type", {"tools": [FUNCTION], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}),
+    ("tool_choice", {"tools": [FUNCTION], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}),
+    (
+        "include",
+        {"tools": [FUNCTION], "tool_choice": "required", "include": ["message.output_text.logprobs"]},
+    ),
+    ("input[0].type", {"input": [{"type": "web_search_call", "id": "ws_1"}]}),
+    ("input[0].arguments", {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]}),
+    ("input[0].summary", {"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}]}),
     ("input[0].content[0].type", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}),
     ("input[0].role", {"input": [{"role": "tool", "content": "x"}]}),
     ("metadata", {"metadata": {f"k{i}": "v" for i in range(17)}}),
@@ -307,15 +502,33 @@ def test_refused_fields_are_400s_naming_them(http, param, body):
     assert param.split(".")[-1].split("[")[0] in message or param in ("input", "model")
 
 
-@pytest.mark.parametrize(
-    "fmt",
-    [{"type": "json_object"}, {"type": "json_schema", "name": "a", "schema": {"type": "object"}, "strict": True}],
-)
-def test_structured_text_formats_reach_the_engine(http, fmt):
-    """`text.format` becomes the engine's structured outputs, which this engine refuses (400) until
-    it honours them; once it does, this test turns into one of valid JSON output."""
-    body = {"model": MODEL, "input": "Give me JSON.", "text": {"format": fmt}}
-    expect_error(http.post("/v1/responses", json=body), 400, "structured_outputs")
+# -- structured output ----------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "age", "tags"],
+    "additionalProperties": False,
+}
+FORMATS = [
+    ({"type": "json_object"}, {"type": "object"}, 'Reply with the JSON object {"ok": true}.'),
+    ({"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}, PERSON, "Describe a person."),
+]
+
+
+@pytest.mark.parametrize(("fmt", "schema", "question"), FORMATS, ids=["json_object", "json_schema"])
+def test_text_formats_give_json_that_validates(client, fmt, schema, question):
+    kw = dict(input=question, text={"format": fmt}, max_output_tokens=120)
+    whole = create(client, **kw)
+    assert whole.status == "completed", whole.output_text
+    jsonschema.validate(json.loads(whole.output_text), schema)
+    assert whole.text.format.type == fmt["type"]
+    events = list(create(client, stream=True, **kw))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == events[-1].response.output_text == whole.output_text
 
 
 def test_malformed_bodies_are_400s(http):

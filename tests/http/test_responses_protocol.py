@@ -28,6 +28,8 @@ def refused(param: str, **body: Any) -> str:
     with pytest.raises(RequestError) as info:
         req = decode(**body)
         req.check_refused()
+        req.chat_tools()
+        req.chat_tool_choice()
         input_messages(req.input)
         req.sampling_params()
     assert info.value.param == param, str(info.value)
@@ -89,6 +91,46 @@ def test_function_calls_become_tool_calls_and_tool_messages() -> None:
     ]
 
 
+def test_one_turns_items_make_one_assistant_message() -> None:
+    """What a response outputs (reasoning, message, calls) sent back is one assistant turn."""
+    items = [
+        {"role": "user", "content": "weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Hmm."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": []},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{}"},
+    ]
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {}}}
+    assert input_messages(items) == [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Hmm.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [{**call, "id": "c2"}]},
+    ]
+
+
+def test_function_tools_in_chats_shape() -> None:
+    tool = {"type": "function", "name": "f", "description": "d", "parameters": {"type": "object"}, "strict": True}
+    req = decode(
+        tools=[tool, {"type": "function", "name": "g", "parameters": None}],
+        tool_choice={"type": "function", "name": "g"},
+    )
+    req.check_refused()
+    [f, g] = req.chat_tools() or []
+    assert (f.function.name, f.function.description, f.function.parameters, f.function.strict) == (
+        "f",
+        "d",
+        {"type": "object"},
+        True,
+    )
+    assert (g.function.name, g.function.parameters) == ("g", None)
+    choice = req.chat_tool_choice()
+    assert not isinstance(choice, str) and choice is not None and choice.function.name == "g"
+    assert decode(tool_choice="required").chat_tool_choice() == "required"
+
+
 @pytest.mark.parametrize(
     ("items", "param"),
     [
@@ -104,6 +146,13 @@ def test_function_calls_become_tool_calls_and_tool_messages() -> None:
         ([{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
         ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}], "input[0].arguments"),
         ([{"type": "function_call_output", "output": "x"}], "input[0].call_id"),
+        ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1]"}], "input[0].arguments"),
+        ([{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}], "input[0].encrypted_content"),
+        ([{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]}], "input[0].summary"),
+        (
+            [{"type": "reasoning", "summary": [], "content": [{"type": "input_text", "text": "x"}]}],
+            "input[0].content[0].type",
+        ),
     ],
 )
 def test_bad_input_items_name_their_place(items: list[Any], param: str) -> None:
@@ -165,7 +214,7 @@ def test_accepted_fields_pass() -> None:
         stream=True,
         stream_options={"include_obfuscation": False},
         text={"format": {"type": "text"}, "verbosity": "medium"},
-        reasoning=None,
+        reasoning={"effort": None, "summary": None},
     )
     req.check_refused()
 
@@ -179,7 +228,10 @@ def test_each_refused_field(name: str) -> None:
 @pytest.mark.parametrize(
     ("param", "body"),
     [
-        ("reasoning", {"reasoning": {"effort": "low"}}),
+        ("reasoning.effort", {"reasoning": {"effort": "low"}}),
+        ("reasoning.summary", {"reasoning": {"summary": "auto"}}),
+        ("reasoning.generate_summary", {"reasoning": {"generate_summary": "concise"}}),
+        ("reasoning.budget", {"reasoning": {"budget": 3}}),
         ("background", {"background": True}),
         ("truncation", {"truncation": "auto"}),
         ("service_tier", {"service_tier": "flex"}),
@@ -195,19 +247,12 @@ def test_each_refused_field(name: str) -> None:
         ),
         ("text.format.name", {"text": {"format": {"type": "json_schema", "schema": {}}}}),
         ("text.format.strict", {"text": {"format": {"type": "json_object", "strict": True}}}),
-        ("tools", {"tools": [{"type": "function", "name": "f", "parameters": {}}]}),
         ("tools[0].type", {"tools": [{"type": "web_search"}]}),
-        ("tool_choice", {"tool_choice": "required"}),
-        ("tool_choice", {"tool_choice": {"type": "function", "name": "f"}}),
-        (
-            "input[1].type",
-            {
-                "input": [
-                    {"role": "user", "content": "x"},
-                    {"type": "function_call_output", "call_id": "c", "output": "y"},
-                ]
-            },
-        ),
+        ("tools[1].type", {"tools": [{"type": "function", "name": "f"}, "f"]}),
+        ("tools[0].name", {"tools": [{"type": "function", "parameters": {}}]}),
+        ("tools[0].function", {"tools": [{"type": "function", "name": "f", "function": {}}]}),
+        ("tool_choice.type", {"tool_choice": {"type": "mcp", "server_label": "x"}}),
+        ("tool_choice.function", {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
         ("metadata", {"metadata": {f"k{i}": "v" for i in range(17)}}),
         ("metadata", {"metadata": {"k": "v" * 513}}),
         ("temperature", {"temperature": -1}),

@@ -81,7 +81,7 @@ def test_wrong_tool_choices_are_refused_naming_the_field() -> None:
 def constrained(settings: ServerSettings, params: SamplingParams | None = None, **body: Any) -> SamplingParams:
     params = params or SamplingParams()
     req = request(**body)
-    plan_tools(req, settings).constrain(params, req)
+    plan_tools(req, settings).constrain(params, req.skip_special_tokens)
     return params
 
 
@@ -371,6 +371,28 @@ def test_forced_tool_choices_call_a_tool_with_valid_arguments(server: Any, choic
     assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed.message.tool_calls or []] == [
         (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls
     ]
+
+
+def test_forced_tool_choices_without_parallel_calls_make_exactly_one(server: Any) -> None:
+    parameters = WEATHER["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        choice_ = (
+            client(server)
+            .chat.completions.create(
+                model=server_model(server),
+                messages=[{"role": "user", "content": "weather?"}],
+                tools=[WEATHER],
+                tool_choice=choice,
+                parallel_tool_calls=False,
+                temperature=0,
+                max_tokens=120,
+            )
+            .choices[0]
+        )
+        assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+        [call] = choice_.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
 
 
 def test_tool_choice_errors_over_http(server: Any) -> None:
