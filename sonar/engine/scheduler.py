@@ -52,6 +52,7 @@ from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import RequestStatus
+from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
@@ -205,13 +206,18 @@ class SchedulerActor(Actor):
         if path is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
         compiler = await anyio.to_thread.run_sync(compiler_for, path, info.vocab_size, info.eos_token_ids)
+        structured = cfg.structured_config()
         compiled = await compiler.compile(
             spec,
-            cfg.structured_config(),
+            structured,
             max_chars=cfg.max_structured_output_chars,
             timeout=cfg.structured_outputs_compile_timeout,
         )
-        return compiled.matcher()
+        ends = structured.thinking_ends()
+        if not ends:
+            return compiled.matcher()
+        token_bytes = await anyio.to_thread.run_sync(compiler.token_bytes)
+        return ThinkingGate(compiled.matcher(), ends, token_bytes, msg.prompt_token_ids)
 
     async def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs

@@ -54,6 +54,17 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compiles = 0
         """Compiles started (cache misses), for tests and stats."""
+        self._token_bytes: list[bytes] | None = None
+
+    def token_bytes(self) -> list[bytes]:
+        """The text of every token id as UTF-8 bytes (special tokens as their text; a byte-level
+        piece as its bytes), from xgrammar's reading of the vocabulary. Call it off the event
+        loop the first time."""
+        with self._lock:
+            if self._token_bytes is None:
+                vocab = self.backends.get("xgrammar").info.decoded_vocab
+                self._token_bytes = [bytes(piece) for piece in vocab]
+            return self._token_bytes
 
     def _future(
         self, params: StructuredOutputsParams, config: StructuredOutputsConfig, max_chars: int
