@@ -213,11 +213,22 @@ class SchedulerActor(Actor):
             max_chars=cfg.max_structured_output_chars,
             timeout=cfg.structured_outputs_compile_timeout,
         )
-        ends = structured.thinking_ends()
-        if not ends:
+        fmt = structured.thinking_format()
+        if fmt is None:
             return compiled.matcher()
+        # a format that always thinks first needs no opening marker to start the thinking
+        starts = () if fmt.thinks_first else tuple(fmt.starts)
         token_bytes = await anyio.to_thread.run_sync(compiler.token_bytes)
-        return ThinkingGate(compiled.matcher(), ends, token_bytes, msg.prompt_token_ids)
+        opening_ids, opening_row = await anyio.to_thread.run_sync(compiler.opening_tokens, starts)
+        return ThinkingGate(
+            compiled.matcher(),
+            fmt.ends,
+            token_bytes,
+            msg.prompt_token_ids,
+            starts=starts,
+            opening_ids=opening_ids,
+            opening_row=opening_row,
+        )
 
     async def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs

@@ -131,10 +131,13 @@ class _XgrMatcher:
 
 def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
     """Fill row ``i`` of `bitmask` from ``matchers[i]`` (None, or a request still thinking: every
-    token allowed). xgrammar's rows are filled together on its thread pool; the others one by one."""
-    batch, rows = [], []
+    token allowed; a `ThinkingGate` at an undecided first token adds its opening tokens).
+    xgrammar's rows are filled together on its thread pool; the others one by one."""
+    batch, rows, extra = [], [], []
     for i, matcher in enumerate(matchers):
         if isinstance(matcher, ThinkingGate):
+            if matcher.also_allowed is not None:
+                extra.append((i, matcher.also_allowed))
             matcher = matcher.constraint
         if matcher is None:
             bitmask[i].fill_(-1)
@@ -147,6 +150,8 @@ def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
         batch[0].fill_next_token_bitmask(bitmask, rows[0])
     elif batch:
         _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, rows)
+    for i, allowed in extra:
+        bitmask[i] |= allowed
 
 
 _BATCH: list[Any] = []

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from sonar.parsers import ParserError, load_plugin
-from sonar.parsers.reasoning import reasoning_format
+from sonar.parsers.reasoning import ReasoningFormat, reasoning_format
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 
@@ -61,13 +61,17 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def thinking_ends(self) -> tuple[str, ...]:
         """The markers after which a request's grammar applies; empty when it applies from the
-        start (no reasoning parser, or `enable_in_reasoning`). Loads the plugin, once per process;
-        ValueError naming the key when the plugin or the parser name is wrong."""
-        if not self.reasoning_parser:
-            if self.reasoning_parser_plugin:
-                self._load_plugin()
-            return ()
+        start (no reasoning parser, or `enable_in_reasoning`)."""
+        fmt = self.thinking_format()
+        return tuple(fmt.ends) if fmt is not None else ()
+
+    def thinking_format(self) -> ReasoningFormat | None:
+        """The reasoning format whose thinking a request's grammar waits out; None when it
+        applies from the start (no reasoning parser, or `enable_in_reasoning`). Loads the plugin,
+        once per process; ValueError naming the key when the plugin or the parser name is wrong."""
         self._load_plugin()
+        if not self.reasoning_parser:
+            return None
         try:
             fmt = reasoning_format(self.reasoning_parser)
         except ParserError as exc:
@@ -76,7 +80,7 @@ class StructuredOutputsConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(
                 f"structured_outputs_config.reasoning_parser: {self.reasoning_parser!r} names no end of thinking"
             )
-        return () if self.enable_in_reasoning else tuple(fmt.ends)
+        return None if self.enable_in_reasoning else fmt
 
     def _load_plugin(self) -> None:
         if self.reasoning_parser_plugin:

@@ -27,11 +27,20 @@ def ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def gate(compiler, ends=("</think>",), prompt=()) -> ThinkingGate:
+def gate(compiler, ends=("</think>",), prompt=(), starts=()) -> ThinkingGate:
     compiled = compiler.compile_sync(
         StructuredOutputsParams(regex="[0-9]{3}"), StructuredOutputsConfig(), max_chars=1000, timeout=30
     )
-    return ThinkingGate(compiled.matcher(), ends, compiler.token_bytes(), prompt)
+    opening_ids, opening_row = compiler.opening_tokens(tuple(starts))
+    return ThinkingGate(
+        compiled.matcher(),
+        ends,
+        compiler.token_bytes(),
+        prompt,
+        starts=starts,
+        opening_ids=opening_ids,
+        opening_row=opening_row,
+    )
 
 
 def allowed(g: ThinkingGate, vocab: int) -> torch.Tensor:
@@ -75,6 +84,33 @@ def test_a_prompt_that_ended_the_thinking_is_constrained_from_the_first_token(to
     assert not closed.thinking and not allowed(closed, vocab)[ids(tokenizer, "a")[0]]
     for prompt in ("<|im_start|>assistant\n<think>\n", "</think> earlier turn <think>\nstill", ""):
         assert gate(compiler, prompt=ids(tokenizer, prompt)).thinking, prompt
+
+
+# SmolLM2 has no <think> token: its chat markers stand in for a format whose start marker is one
+# special token (Qwen3's <think>), so that the model may or may not think
+START, END = "<|im_start|>", "<|im_end|>"
+
+
+def test_a_model_that_may_think_decides_at_its_first_token(tokenizer, compiler) -> None:
+    vocab = len(tokenizer)
+    start = tokenizer.convert_tokens_to_ids(START)
+    assert compiler.opening_tokens((START,))[0] == {start}
+    first = allowed(gate(compiler, ends=(END,), starts=(START,)), vocab)
+    assert first[start] and first[ids(tokenizer, "4")[0]] and not first[ids(tokenizer, "a")[0]]
+    answers = gate(compiler, ends=(END,), starts=(START,))
+    assert answers.accept_token(ids(tokenizer, "4")[0]) and not answers.thinking and not answers.undecided
+    assert not allowed(answers, vocab)[start]  # the grammar alone from then on
+    thinks = gate(compiler, ends=(END,), starts=(START,))
+    assert thinks.accept_token(start) and thinks.thinking and allowed(thinks, vocab).all()
+    for token in ids(tokenizer, "free text" + END):
+        assert thinks.accept_token(token)
+    assert not thinks.thinking and not allowed(thinks, vocab)[start]
+    # a prompt that opened the thinking, or ended it, decides instead
+    assert gate(compiler, ends=(END,), starts=(START,), prompt=ids(tokenizer, "x" + START + "\n")).thinking
+    ended = gate(compiler, ends=(END,), starts=(START,), prompt=ids(tokenizer, START + "x" + END + "\n"))
+    assert not ended.thinking and not ended.undecided
+    # a start marker spelled in several tokens cannot open it: the model answers, constrained
+    assert compiler.opening_tokens(("<think>",))[0] == frozenset()
 
 
 def test_a_gate_needs_a_marker(compiler) -> None:
