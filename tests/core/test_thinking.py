@@ -116,3 +116,20 @@ def test_a_model_that_may_think_decides_at_its_first_token(tokenizer, compiler) 
 def test_a_gate_needs_a_marker(compiler) -> None:
     with pytest.raises(ValueError, match="end marker"):
         gate(compiler, ends=())
+
+
+def test_gates_in_one_batch_fill_as_they_would_alone(tokenizer, compiler) -> None:
+    vocab = len(tokenizer)
+    thinking = gate(compiler)
+    answering = gate(compiler, prompt=ids(tokenizer, "</think>"))
+    undecided = gate(compiler, ends=(END,), starts=(START,))
+    plain = answering.matcher
+    rows = [thinking, plain, answering, undecided, None]
+    bitmask = allocate_bitmask(len(rows), vocab)
+    bitmask.zero_()
+    fill_bitmasks(rows, bitmask)
+    together = unpack_allowed(bitmask, vocab)
+    assert together[0].all() and together[4].all()
+    assert torch.equal(together[1], together[2]) and not together[2].all()
+    assert torch.equal(together[3], allowed(undecided, vocab))
+    assert torch.equal(together[3] & ~together[2], unpack_allowed(compiler.opening_tokens((START,))[1][None], vocab)[0])

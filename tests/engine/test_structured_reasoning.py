@@ -126,3 +126,17 @@ async def test_enable_in_reasoning_constrains_the_thinking_too(one_thread: Any, 
         out = await chat(llm, THINKING, params())
     jsonschema.validate(json.loads(out.text), SCHEMA)
     assert out.text.startswith("{")
+
+
+@pytest.mark.parametrize("step", [3, 5])
+async def test_a_worker_crash_around_the_marker_gives_the_same_answer(llm: Any, plugin: str, step: int) -> None:
+    # the prefill samples " your", then " question", ".", "{": a crash at step 3 loses the marker's
+    # step, at 5 the first steps of the JSON; the gate never runs ahead of the kept tokens
+    reference = (await chat(llm, THINKING, params())).text
+    config = {"reasoning_parser": "dot_thinking", "reasoning_parser_plugin": plugin}
+    crash = f"raise@step={step}"
+    async with sonar.open(**ENGINE, structured_outputs_config=config, fault_injection=crash) as crashed:
+        out = await chat(crashed, THINKING, params())
+        assert next(c for c in crashed.tree().children if c.name == "worker").restarts == 1
+    assert out.text == reference
+    answer(out.text)
