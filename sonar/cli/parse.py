@@ -12,6 +12,7 @@ import argparse
 import copy
 import difflib
 import json
+import os
 from functools import lru_cache
 from typing import Any, Sequence
 
@@ -211,6 +212,40 @@ def _value(explicit: dict[str, Any], flag: Flag) -> Any:
     return copy.deepcopy(flag.default)  # never hand out the table's own dicts
 
 
+def _one_reasoning_parser(serve_args: dict[str, Any], engine_args: dict[str, Any]) -> str:
+    """--reasoning-parser(-plugin) and --structured-outputs-config.reasoning_parser(_plugin) are one
+    setting, as in vLLM: either sets both (the HTTP frontend splits the thinking off, the engine
+    starts a request's grammar after it); given both, they must agree. Returns the option that
+    named the parser."""
+    structured = engine_args.get("structured_outputs_config") or {}
+    if isinstance(structured, str):
+        try:
+            structured = json.loads(structured)
+        except ValueError:
+            return "--reasoning-parser"  # the engine config names the bad JSON
+    if not isinstance(structured, dict):
+        return "--reasoning-parser"
+    structured = dict(structured)
+    given = (
+        "--reasoning-parser" if serve_args.get("reasoning_parser") else "--structured-outputs-config.reasoning_parser"
+    )
+    for key in ("reasoning_parser", "reasoning_parser_plugin"):
+        flag = "--" + key.replace("_", "-")
+        ours, theirs = serve_args.get(key) or "", structured.get(key) or ""
+        if key.endswith("plugin"):
+            ours, theirs = (os.path.abspath(p) if p else "" for p in (ours, theirs))
+        if ours and theirs and ours != theirs:
+            raise UsageError.bad(
+                f"argument {flag}: {ours!r} differs from --structured-outputs-config.{key} {theirs!r} "
+                "(they are one setting: give one, or the same in both)"
+            )
+        serve_args[key] = ours or theirs
+        if ours or theirs:
+            structured[key] = ours or theirs
+    engine_args["structured_outputs_config"] = structured
+    return given
+
+
 def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
     from sonar.engine.config import EngineConfig
 
@@ -231,7 +266,7 @@ def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
     mode, fingerprint = serve_args.get("fingerprint_mode"), serve_args.get("fingerprint_value")
     if mode == "custom" and not fingerprint:
         raise UsageError.bad("argument --fingerprint-mode: 'custom' needs --fingerprint-value")
-    check_parser_flags(serve_args)
+    check_parser_flags(serve_args, _one_reasoning_parser(serve_args, engine_args))
     endpoints = serve_args.pop("disable_access_log_for_endpoints")
     serve_args["disable_access_log_for_endpoints"] = tuple(p.strip() for p in (endpoints or "").split(",") if p.strip())
     names = serve_args.pop("served_model_name")

@@ -15,8 +15,9 @@ from sonar.parsers.reasoning import BUILTIN_REASONING_PARSERS, REASONING_PARSERS
 from sonar.parsers.tools import BUILTIN_TOOL_PARSERS, TOOL_PARSERS
 
 
-def check_parser_flags(serve: dict[str, Any]) -> None:
-    """Load the plugins and check the parser names in `serve` (ServeConfig's fields)."""
+def check_parser_flags(serve: dict[str, Any], reasoning_flag: str = "--reasoning-parser") -> None:
+    """Load the plugins and check the parser names in `serve` (ServeConfig's fields);
+    `reasoning_flag` is the option that named the reasoning parser."""
     for flag, field in (
         ("--tool-parser-plugin", "tool_parser_plugin"),
         ("--reasoning-parser-plugin", "reasoning_parser_plugin"),
@@ -49,6 +50,6 @@ def check_parser_flags(serve: dict[str, Any]) -> None:
     reasoning_parser = serve.get("reasoning_parser")
     if reasoning_parser and reasoning_parser not in REASONING_PARSERS:
         raise UsageError.bad(
-            f"argument --reasoning-parser: unknown parser {reasoning_parser!r} (Sonar implements "
+            f"argument {reasoning_flag}: unknown parser {reasoning_parser!r} (Sonar implements "
             f"{', '.join(BUILTIN_REASONING_PARSERS)}, or a name a --reasoning-parser-plugin registers)"
         )

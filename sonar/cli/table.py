@@ -385,7 +385,9 @@ GROUPS: tuple[Group, ...] = (
         "StructuredOutputsConfig", "Structured outputs and reasoning parsers.",
         _f("--reasoning-parser", S_, "",
            "Parser that separates a reasoning model's thinking (reasoning_content) from its answer: "
-           "deepseek_r1, qwen3, granite, or a name a --reasoning-parser-plugin registers.",
+           "deepseek_r1, qwen3, granite, or a name a --reasoning-parser-plugin registers. Structured "
+           "outputs (and tool_choice required or named) then constrain only the answer, after the "
+           "thinking ends (see --structured-outputs-config.enable_in_reasoning).",
            metavar="NAME", to=S),
         _f("--reasoning-parser-plugin", S_, "",
            "Python file that registers additional reasoning parsers. It is the operator's own code: it "
@@ -774,8 +776,10 @@ GROUPS: tuple[Group, ...] = (
         _f("--additional-config", J, {}, "Platform-specific extra settings."),
         _f("--structured-outputs-config", J, {},
            "Structured output settings: backend (auto: xgrammar, and llguidance for what xgrammar cannot "
-           "express; xgrammar; guidance), disable_any_whitespace, disable_additional_properties. "
-           "reasoning_parser, reasoning_parser_plugin and enable_in_reasoning only at their defaults.",
+           "express; xgrammar; guidance), disable_any_whitespace, disable_additional_properties, "
+           "reasoning_parser and reasoning_parser_plugin (the same setting as --reasoning-parser and "
+           "--reasoning-parser-plugin: a request's grammar applies after the thinking ends), "
+           "enable_in_reasoning (apply it from the first token).",
            dotted=True, to=E, check=structured_outputs_config,
            reference_default="StructuredOutputsConfig(...) with every field at its default"),
         _f("--profiler-config", J, {}, "Profiler settings.", dotted=True,

@@ -52,6 +52,7 @@ from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.request import RequestStatus
+from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
@@ -205,13 +206,29 @@ class SchedulerActor(Actor):
         if path is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer", param="structured_outputs")
         compiler = await anyio.to_thread.run_sync(compiler_for, path, info.vocab_size, info.eos_token_ids)
+        structured = cfg.structured_config()
         compiled = await compiler.compile(
             spec,
-            cfg.structured_config(),
+            structured,
             max_chars=cfg.max_structured_output_chars,
             timeout=cfg.structured_outputs_compile_timeout,
         )
-        return compiled.matcher()
+        fmt = structured.thinking_format()
+        if fmt is None:
+            return compiled.matcher()
+        # a format that always thinks first needs no opening marker to start the thinking
+        starts = () if fmt.thinks_first else tuple(fmt.starts)
+        token_bytes = await anyio.to_thread.run_sync(compiler.token_bytes)
+        opening_ids, opening_row = await anyio.to_thread.run_sync(compiler.opening_tokens, starts)
+        return ThinkingGate(
+            compiled.matcher(),
+            fmt.ends,
+            token_bytes,
+            msg.prompt_token_ids,
+            starts=starts,
+            opening_ids=opening_ids,
+            opening_row=opening_row,
+        )
 
     async def _add(self, msg: AddRequest) -> Accepted:
         limit = self.config.max_waiting_seqs

@@ -9,7 +9,9 @@ generated text turned into the response message (whole) or its stream deltas.
   named function's arguments object; that JSON becomes `tool_calls`.
 
 With --reasoning-parser the thinking is split off first (`reasoning_content`, and `reasoning`,
-the same text); the tool calls are read from the answer after it. A choice that made calls and
+the same text); the tool calls are read from the answer after it. The engine applies the
+structured outputs of `required` and named functions after the thinking too
+(`sonar.core.thinking`), so the answer is the constrained JSON. A choice that made calls and
 stopped on its own finishes with `tool_calls`.
 """
 
@@ -222,6 +224,8 @@ def choice_output(plan: ToolPlan, settings: ServerSettings, prompt_tail: str) ->
     """The output parser of one choice (None when the text passes as it is)."""
     tools = plan.output_format()
     reasoning = reasoning_format(settings.reasoning_parser) if settings.reasoning_parser else None
+    if reasoning is not None and reasoning.closed_by(prompt_tail):
+        reasoning = None  # the prompt ended the thinking: the output is all answer
     if tools is None and reasoning is None:
         return None
     return ChoiceOutput(tools, reasoning, reasoning.opened_by(prompt_tail) if reasoning is not None else False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sonar.core.grammar import GrammarMatcher
+from sonar.core.thinking import ThinkingGate
 from sonar.errors import SonarError
 from sonar.sampling_params import StructuredOutputsParams
 
@@ -129,10 +130,15 @@ class _XgrMatcher:
 
 
 def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
-    """Fill row ``i`` of `bitmask` from ``matchers[i]`` (None: every token allowed). xgrammar's
-    rows are filled together on its thread pool; the others one by one."""
-    batch, rows = [], []
+    """Fill row ``i`` of `bitmask` from ``matchers[i]`` (None, or a request still thinking: every
+    token allowed; a `ThinkingGate` at an undecided first token adds its opening tokens).
+    xgrammar's rows are filled together on its thread pool; the others one by one."""
+    batch, rows, extra = [], [], []
     for i, matcher in enumerate(matchers):
+        if isinstance(matcher, ThinkingGate):
+            if matcher.also_allowed is not None:
+                extra.append((i, matcher.also_allowed))
+            matcher = matcher.constraint
         if matcher is None:
             bitmask[i].fill_(-1)
         elif isinstance(matcher, _XgrMatcher):
@@ -144,6 +150,8 @@ def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
         batch[0].fill_next_token_bitmask(bitmask, rows[0])
     elif batch:
         _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, rows)
+    for i, allowed in extra:
+        bitmask[i] |= allowed
 
 
 _BATCH: list[Any] = []
@@ -177,7 +185,7 @@ class XgrammarBackend:
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> None:
         import xgrammar
 
-        info = xgrammar.TokenizerInfo.from_huggingface(
+        self.info = info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids or None
         )
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)

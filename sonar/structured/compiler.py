@@ -27,10 +27,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import anyio
+import torch
 
 from sonar.errors import InvalidRequestError
 from sonar.sampling_params import StructuredOutputsParams
 from sonar.structured.backends import Backends, CompiledGrammar, GrammarError, GrammarSpec, compile_spec
+from sonar.structured.bitmask import pack_allowed
 from sonar.structured.config import BACKENDS as CONFIG_BACKENDS
 from sonar.structured.config import StructuredOutputsConfig
 
@@ -54,6 +56,33 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.compiles = 0
         """Compiles started (cache misses), for tests and stats."""
+        self._token_bytes: list[bytes] | None = None
+        self._opening: dict[tuple[str, ...], tuple[frozenset[int], torch.Tensor]] = {}
+
+    def token_bytes(self) -> list[bytes]:
+        """The text of every token id as UTF-8 bytes (special tokens as their text; a byte-level
+        piece as its bytes), from xgrammar's reading of the vocabulary. Call it off the event
+        loop the first time."""
+        with self._lock:
+            if self._token_bytes is None:
+                vocab = self.backends.get("xgrammar").info.decoded_vocab
+                self._token_bytes = [bytes(piece) for piece in vocab]
+            return self._token_bytes
+
+    def opening_tokens(self, starts: tuple[str, ...]) -> tuple[frozenset[int], torch.Tensor]:
+        """The tokens that are a whole start marker of `starts` (leading whitespace aside), and
+        their packed bitmask row (`sonar.core.thinking.ThinkingGate`'s ``opening_ids`` and
+        ``opening_row``); one pass over the vocabulary per set of markers, then cached."""
+        token_bytes = self.token_bytes()
+        with self._lock:
+            found = self._opening.get(starts)
+            if found is None:
+                marks = tuple(s.encode() for s in starts)
+                ids = frozenset(t for t, b in enumerate(token_bytes) if b.lstrip(b" \t\r\n").startswith(marks))
+                allowed = torch.zeros(1, self.vocab_size, dtype=torch.bool)
+                allowed[0, [t for t in ids if t < self.vocab_size]] = True
+                found = self._opening[starts] = (ids, pack_allowed(allowed)[0])
+            return found
 
     def _future(
         self, params: StructuredOutputsParams, config: StructuredOutputsConfig, max_chars: int

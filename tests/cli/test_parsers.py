@@ -87,3 +87,32 @@ def test_plugins_register_names(tmp_path: Path, usage_error) -> None:
     )
     assert (config.tool_call_parser, config.reasoning_parser) == ("cli_test_tools", "cli_test_reasoning")
     assert "no such file" in usage_error("--tool-parser-plugin", str(tmp_path / "absent.py"))
+
+
+def test_the_reasoning_parser_is_one_setting_with_the_structured_outputs_configs(tmp_path: Path, usage_error) -> None:
+    # --reasoning-parser reaches the engine (a request's grammar waits for the thinking) ...
+    engine = parse_serve_args(["--reasoning-parser", "qwen3"]).engine
+    assert engine.structured_config().reasoning_parser == "qwen3"
+    assert engine.structured_config().thinking_ends() == ("</think>",)
+    # ... and the config's key reaches the HTTP frontend (reasoning_content), plugin included
+    plugin = tmp_path / "parsers.py"
+    plugin.write_text(PLUGIN)
+    config = parse_serve_args(
+        [
+            "--structured-outputs-config",
+            f'{{"reasoning_parser": "cli_test_reasoning", "reasoning_parser_plugin": "{plugin}"}}',
+        ]
+    )
+    assert (config.reasoning_parser, config.reasoning_parser_plugin) == ("cli_test_reasoning", str(plugin))
+    assert _settings(config).reasoning_parser == "cli_test_reasoning"
+    assert config.engine.structured_config().thinking_ends() == (">>",)
+    same = parse_serve_args(["--reasoning-parser", "qwen3", "--structured-outputs-config.reasoning_parser", "qwen3"])
+    assert same.reasoning_parser == same.engine.structured_config().reasoning_parser == "qwen3"
+    inside = parse_serve_args(
+        ["--reasoning-parser", "qwen3", "--structured-outputs-config.enable_in_reasoning", "true"]
+    )
+    assert inside.reasoning_parser == "qwen3" and inside.engine.structured_config().thinking_ends() == ()
+    message = usage_error("--reasoning-parser", "qwen3", "--structured-outputs-config.reasoning_parser", "granite")
+    assert "--reasoning-parser" in message and "--structured-outputs-config.reasoning_parser" in message, message
+    assert "'qwen3'" in message and "'granite'" in message, message
+    assert "unknown parser 'nope'" in usage_error("--structured-outputs-config.reasoning_parser", "nope")

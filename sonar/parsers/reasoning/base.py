@@ -3,7 +3,7 @@
 A format names the markers that open and close the thinking. The thinking is open when the
 output starts with an opening marker, when the prompt already opened it (a chat template that
 ends its generation prompt with `<think>`), or, for formats that always think (`thinks_first`),
-from the start. It runs to the first closing marker; the rest is the answer (content), with its
+from the start; a prompt that already closed it (`closed_by`) leaves the output all answer. It runs to the first closing marker; the rest is the answer (content), with its
 leading whitespace dropped. Thinking never closed (cut by max_tokens) is all thinking.
 
 As with tool calls, one `split` serves both: `split_reasoning` applies it to the whole text,
@@ -32,6 +32,13 @@ class ReasoningFormat:
         """True when the prompt ends inside an open thinking block."""
         tail = prompt_tail.rstrip()
         return any(tail.endswith(s) for s in self.starts)
+
+    def closed_by(self, prompt_tail: str) -> bool:
+        """True when the prompt already ended the thinking (it ends, but for whitespace, with a
+        closing marker, as Qwen3's template renders an empty `<think></think>` block when told
+        not to think): the output is all answer."""
+        tail = prompt_tail.rstrip()
+        return any(tail.endswith(e) for e in self.ends)
 
     def split(self, text: str, final: bool, opened: bool = False) -> tuple[str, str]:
         """(thinking, answer) as far as `text` goes; with `opened` the prompt opened the thinking."""

@@ -64,6 +64,15 @@ def test_qwen3_thinking_opened_by_the_prompt() -> None:
     assert both_ways("qwen3", "Greet back.\n</think>\n\nHi!", opened=True) == ("Greet back.\n", "Hi!")
 
 
+def test_a_prompt_that_closed_the_thinking() -> None:
+    # Qwen3's template with enable_thinking=false; deepseek_r1 would otherwise read the answer as thinking
+    for name in ("qwen3", "deepseek_r1"):
+        fmt = reasoning_format(name)
+        assert fmt.closed_by("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert not fmt.closed_by("<|im_start|>assistant\n<think>\n")
+    assert reasoning_format("granite").closed_by("Here is my thought process: rain. Here is my response:")
+
+
 def test_granite() -> None:
     reasoning, content = both_ways("granite", GRANITE)
     assert reasoning == "\nThe user wants a haiku about rain. Five, seven, five.\n"
