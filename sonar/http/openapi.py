@@ -84,6 +84,7 @@ class Limits:
     max_logit_bias: int | None = None
     max_chat_messages: int | None = None
     max_completions_per_request: int | None = None
+    max_structured_output_chars: int | None = None
 
     @classmethod
     def of(cls, llm: Any, settings: Any) -> "Limits":
