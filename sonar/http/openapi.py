@@ -132,9 +132,27 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         }
 
     def post(
-        summary: str, request: str, response: str, *, chunk: str | None = None, generates: bool = False
+        summary: str,
+        request: str,
+        response: str,
+        *,
+        chunk: str | None = None,
+        events: bool = False,
+        generates: bool = False,
     ) -> dict[str, Any]:
         ok: dict[str, Any] = {"application/json": {"schema": ref(response)}}
+        if events:  # the Responses API's named events: `event` is the type, `data` the event as JSON
+            ok["text/event-stream"] = {
+                "schema": {
+                    "type": "object",
+                    "required": ["event", "data"],
+                    "description": "with stream: true, OpenAI's response events (docs/responses_api.md); no `[DONE]`",
+                    "properties": {
+                        "event": {"type": "string"},
+                        "data": {"type": "string", "contentMediaType": "application/json"},
+                    },
+                }
+            }
         if chunk is not None:  # "stream": true answers server-sent events; the schema is one event's
             ok["text/event-stream"] = {
                 "schema": {
@@ -208,6 +226,7 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
                 "OpenAI's Responses API (with stream: true, its named server-sent events: docs/responses_api.md)",
                 "ResponsesRequest",
                 "ResponseObject",
+                events=True,
                 generates=True,
             )
         },

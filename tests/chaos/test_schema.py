@@ -101,6 +101,7 @@ def narrowed(schema: dict[str, Any]) -> dict[str, Any]:
         "best_of": 2,
         "logprobs": 2,
         "top_logprobs": 2,
+        "max_output_tokens": 4,
     }
 
     def walk(node: Any, name: str | None = None) -> None:
@@ -134,6 +135,7 @@ def narrowed(schema: dict[str, Any]) -> dict[str, Any]:
         "ChatMessage",
         "TextPart",
         "StreamOptions",
+        "ResponsesRequest",
     ):
         walk(doc["components"]["schemas"][name])
     # Generation with max_tokens left out (null) would run to the model length: make it explicit.
@@ -142,6 +144,9 @@ def narrowed(schema: dict[str, Any]) -> dict[str, Any]:
         component["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
         component["properties"].pop("max_completion_tokens", None)
         component["required"] = sorted(set(component.get("required", [])) | {"max_tokens"})
+    responses = doc["components"]["schemas"]["ResponsesRequest"]
+    responses["properties"]["max_output_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
+    responses["required"] = sorted(set(responses.get("required", [])) | {"max_output_tokens"})
     return doc
 
 
