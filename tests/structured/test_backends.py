@@ -10,34 +10,8 @@ import torch
 
 from sonar.core import BlockManager, Request, Scheduler, SchedulerConfig
 from sonar.errors import InvalidRequestError
-from sonar.models.embedded import tokenizer_dir
-from sonar.sampling_params import StructuredOutputsParams
 from sonar.structured import StructuredOutputsConfig, allocate_bitmask, fill_bitmasks, unpack_allowed
-from sonar.structured.compiler import GrammarCompiler
-
-VOCAB = 49152
-EOS = 2
-LIMITS = dict(max_chars=10_000, timeout=30.0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tokenizer_dir()))
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer) -> GrammarCompiler:
-    return GrammarCompiler(tokenizer, VOCAB, [EOS])
-
-
-def compile_(compiler: GrammarCompiler, config: StructuredOutputsConfig | None = None, **spec):
-    return compiler.compile_sync(StructuredOutputsParams(**spec), config or StructuredOutputsConfig(), **LIMITS)
-
-
-def run(matcher, tokenizer, text: str) -> bool:
-    return all(matcher.accept_token(t) for t in tokenizer(text, add_special_tokens=False).input_ids)
+from tests.structured.conftest import EOS, VOCAB, compile_, run
 
 
 def test_both_backends_match_what_they_compiled(compiler, tokenizer) -> None:
