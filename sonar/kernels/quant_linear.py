@@ -1,0 +1,177 @@
+"""Layers over quantized weights (`sonar.kernels.quant`): `QuantLinear` and `QuantEmbedding`,
+each running on the backend chosen for its device.
+
+A backend packs a `QuantizedWeight` once, at load, into the tensors its kernel reads, and keeps
+nothing else: the packed tensors are the layer's only copy of the weight. Backends, first that
+serves a weight wins: the native CPU kernels (`sonar.kernels.quant_cpu`), the Triton kernels on
+CUDA (`sonar.kernels.quant_triton`), and the torch reference (`ReferenceBackend`, the logical
+layout as it is, dequantized on every call: correct everywhere, slow).
+
+An embedding tied to the output layer (SmolLM2, small Qwens) shares the output layer's packed
+weight: `QuantEmbedding` asks the backend for the rows of the tokens it looks up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from sonar.kernels import quant
+from sonar.kernels.quant import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class QuantMeta:
+    """What a backend needs besides the packed tensors."""
+
+    format: quant.Format
+    out_features: int
+    in_features: int
+    group: int
+    has_offsets: bool
+    has_perm: bool
+
+
+class Backend(Protocol):
+    name: str
+
+    def serves(self, qw: QuantizedWeight) -> bool:
+        """Whether this backend runs `qw` (on the device its tensors are on)."""
+        ...
+
+    def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:
+        """The tensors the kernel reads, made once."""
+        ...
+
+    def linear(self, x: Tensor, packed: dict[str, Tensor], meta: QuantMeta, bias: Tensor | None) -> Tensor:
+        """``x [M, K] @ w.T + bias`` in ``x``'s dtype."""
+        ...
+
+    def rows(self, packed: dict[str, Tensor], meta: QuantMeta, index: Tensor, dtype: torch.dtype) -> Tensor:
+        """Rows `index` of the dequantized weight, ``[len(index), K]`` in `dtype`."""
+        ...
+
+
+def _meta(qw: QuantizedWeight) -> QuantMeta:
+    return QuantMeta(qw.format, qw.out_features, qw.in_features, qw.group, qw.offsets is not None, qw.perm is not None)
+
+
+class ReferenceBackend:
+    """The logical layout kept as it is; every call dequantizes (`sonar.kernels.quant.dequantize`)."""
+
+    name = "reference"
+
+    def serves(self, qw: QuantizedWeight) -> bool:
+        return True
+
+    def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:
+        packed = {"values": qw.values, "scales": qw.scales}
+        if qw.offsets is not None:
+            packed["offsets"] = qw.offsets
+        if qw.perm is not None:
+            packed["perm"] = qw.perm
+        return packed
+
+    def _weight(self, packed: dict[str, Tensor], meta: QuantMeta) -> QuantizedWeight:
+        return QuantizedWeight(
+            meta.format, packed["values"], packed["scales"], packed.get("offsets"), meta.group, packed.get("perm")
+        )
+
+    def linear(self, x: Tensor, packed: dict[str, Tensor], meta: QuantMeta, bias: Tensor | None) -> Tensor:
+        return quant.reference_linear(x, self._weight(packed, meta), bias)
+
+    def rows(self, packed: dict[str, Tensor], meta: QuantMeta, index: Tensor, dtype: torch.dtype) -> Tensor:
+        qw = self._weight(packed, meta)
+        picked = QuantizedWeight(
+            qw.format,
+            qw.values[index],
+            qw.scales[index],
+            None if qw.offsets is None else qw.offsets[index],
+            qw.group,
+            qw.perm,
+        )
+        return quant.dequantize(picked, dtype)
+
+
+def backends() -> list[Backend]:
+    """The backends in the order they are tried."""
+    found: list[Backend] = []
+    try:
+        from sonar.kernels.quant_cpu import NativeBackend
+    except ImportError:
+        pass
+    else:
+        found.append(NativeBackend())
+    try:
+        from sonar.kernels.quant_triton import TritonBackend
+    except ImportError:
+        pass
+    else:
+        found.append(TritonBackend())
+    found.append(ReferenceBackend())
+    return found
+
+
+def backend_for(qw: QuantizedWeight, prefer_reference: bool = False) -> Backend:
+    if prefer_reference:
+        return ReferenceBackend()
+    return next(b for b in backends() if b.serves(qw))
+
+
+class QuantLinear(nn.Module):
+    """``y = x @ w.T + bias`` over a quantized weight (module names as ``nn.Linear``'s, so
+    checkpoints and the fused decode path find it where they look)."""
+
+    def __init__(self, qw: QuantizedWeight, bias: Tensor | None, backend: Backend | None = None) -> None:
+        super().__init__()
+        self.in_features = qw.in_features
+        self.out_features = qw.out_features
+        self.meta = _meta(qw)
+        self.backend = backend or backend_for(qw)
+        self.packed_names: list[str] = []
+        for name, tensor in self.backend.pack(qw).items():
+            self.register_buffer(f"q_{name}", tensor, persistent=False)
+            self.packed_names.append(name)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def packed(self) -> dict[str, Tensor]:
+        return {name: getattr(self, f"q_{name}") for name in self.packed_names}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.packed.values())
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        y = self.backend.linear(x.reshape(-1, shape[-1]), self.packed, self.meta, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def rows(self, index: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.backend.rows(self.packed, self.meta, index, dtype)
+
+    def extra_repr(self) -> str:
+        m = self.meta
+        return (
+            f"in_features={m.in_features}, out_features={m.out_features}, {m.format}, group={m.group}, "
+            f"bias={self.bias is not None}, backend={self.backend.name}"
+        )
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings read from a quantized matrix ``[vocab, hidden]``: the rows of the tokens
+    looked up are dequantized into `dtype`. `source` may be the tied output layer."""
+
+    def __init__(self, source: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.source = source
+        self.dtype = dtype
+        self.num_embeddings = source.out_features
+        self.embedding_dim = source.in_features
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        return self.source.rows(flat, self.dtype).reshape(*ids.shape, self.embedding_dim)
