@@ -270,11 +270,17 @@ GROUPS: tuple[Group, ...] = (
            "'auto' or -1 picks the model's own limit when its KV cache fits in memory, else the longest "
            "length that fits.", to=E, default_note="the model's own context length"),
         _f("--quantization -q", S_, None,
-           "Quantization method of the weights; unset reads it from the model's config."),
+           "Quantization method of the weights; unset reads it from the model's config (a GGUF file is "
+           "'gguf'). 'fp8' on an unquantized checkpoint quantizes its linear weights to FP8 per output "
+           "channel at load.", to=E,
+           supported=("gguf", "fp8", "gptq", "awq", "compressed-tensors")),
+        _f("--dequantize-weights", B, False,
+           "Sonar's addition: serve a quantized checkpoint (GGUF, GPTQ, AWQ, FP8, compressed-tensors) "
+           "dequantized to --dtype: the reference path, with more memory and a slower decode.", to=E),
         _f("--quantization-config", J, None,
            "Detailed quantization settings (per kind of layer, ignore patterns).", dotted=True),
         _f("--allow-deprecated-quantization", B, False, "Permit quantization methods that are deprecated.",
-           noop="Sonar implements no quantization methods (GGUF weights are dequantized), so none is deprecated"),
+           noop="none of the quantization methods Sonar implements is deprecated"),
         _f("--enforce-eager", B, False,
            "Always run the model as plain eager PyTorch, without CUDA graphs and (on CPU) without prepacking "
            "the linear weights for oneDNN: faster startup, slower decode.", to=E),

@@ -35,6 +35,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     download_dir: str | None = None
     load_format: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None
+    """The weights' quantization method (None: what the checkpoint declares)."""
+    dequantize_weights: bool = False
+    """Serve a quantized checkpoint dequantized to `dtype` (the reference path)."""
     seed: int = 0
     max_model_len: int | None = None  # None: from the model's config; -1: auto (fit the KV cache)
     block_size: int = 16

@@ -125,6 +125,8 @@ class ModelRunner:
             revision=cfg.revision,
             download_dir=cfg.download_dir,
             device=device,
+            quantization=cfg.quantization,
+            dequantize_weights=cfg.dequantize_weights,
         )
         self.model = self.loaded.model
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)

@@ -59,8 +59,19 @@ def _meta(qw: QuantizedWeight) -> QuantMeta:
     return QuantMeta(qw.format, qw.out_features, qw.in_features, qw.group, qw.offsets is not None, qw.perm is not None)
 
 
+def pack_nibbles(values: Tensor) -> Tensor:
+    """int4 values ``[N, K]`` (uint8 0..15) two per byte, ``[N, K / 2]``: column ``2j`` in the low
+    nibble of byte ``j``, ``2j + 1`` in the high one."""
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
 class ReferenceBackend:
-    """The logical layout kept as it is; every call dequantizes (`sonar.kernels.quant.dequantize`)."""
+    """The logical layout (int4 two values per byte); every call dequantizes
+    (`sonar.kernels.quant.dequantize`)."""
 
     name = "reference"
 
@@ -68,32 +79,28 @@ class ReferenceBackend:
         return True
 
     def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:
-        packed = {"values": qw.values, "scales": qw.scales}
+        values = pack_nibbles(qw.values) if qw.format == "int4" else qw.values
+        packed = {"values": values, "scales": qw.scales}
         if qw.offsets is not None:
             packed["offsets"] = qw.offsets
         if qw.perm is not None:
             packed["perm"] = qw.perm
         return packed
 
-    def _weight(self, packed: dict[str, Tensor], meta: QuantMeta) -> QuantizedWeight:
-        return QuantizedWeight(
-            meta.format, packed["values"], packed["scales"], packed.get("offsets"), meta.group, packed.get("perm")
-        )
+    def _weight(self, packed: dict[str, Tensor], meta: QuantMeta, index: Tensor | None = None) -> QuantizedWeight:
+        values, scales, offsets = packed["values"], packed["scales"], packed.get("offsets")
+        if index is not None:
+            values, scales = values[index], scales[index]
+            offsets = None if offsets is None else offsets[index]
+        if meta.format == "int4":
+            values = unpack_nibbles(values)
+        return QuantizedWeight(meta.format, values, scales, offsets, meta.group, packed.get("perm"))
 
     def linear(self, x: Tensor, packed: dict[str, Tensor], meta: QuantMeta, bias: Tensor | None) -> Tensor:
         return quant.reference_linear(x, self._weight(packed, meta), bias)
 
     def rows(self, packed: dict[str, Tensor], meta: QuantMeta, index: Tensor, dtype: torch.dtype) -> Tensor:
-        qw = self._weight(packed, meta)
-        picked = QuantizedWeight(
-            qw.format,
-            qw.values[index],
-            qw.scales[index],
-            None if qw.offsets is None else qw.offsets[index],
-            qw.group,
-            qw.perm,
-        )
-        return quant.dequantize(picked, dtype)
+        return quant.dequantize(self._weight(packed, meta, index), dtype)
 
 
 def backends() -> list[Backend]:

@@ -1,8 +1,10 @@
-"""GGUF checkpoints: dequantized once into a Hugging Face style directory under the cache root.
+"""GGUF checkpoints: converted once into a Hugging Face style directory under the cache root, and
+read as quants (`gguf_quantized_weights`).
 
 A converted directory holds ``config.json``, ``model.safetensors`` (float32, exactly the
-dequantized values) and the tokenizer files, so every later load is an ordinary safetensors
-load, and transformers can open the same directory as the reference.
+dequantized values) and the tokenizer files: the config and tokenizer of every load, the weights
+of a load with ``--dequantize-weights``, and what transformers opens as the reference. A quantized
+load reads the linear layers' blocks from the GGUF file itself (`sonar.models.gguf_quant`).
 
 Two things differ from a Hugging Face checkpoint and are undone here:
 
@@ -27,7 +29,9 @@ import numpy as np
 import structlog
 import torch
 
+from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+from sonar.models.gguf_quant import block_weight, served_quantized
 from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
@@ -204,28 +208,91 @@ def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
+def _rotary_heads(reader: Any, config: Any, name: str) -> int | None:
+    """For a llama q/k projection, the head count its rows are permuted over; else None."""
+    if _field(reader, "general.architecture") != "llama":
+        return None
+    if ".q_proj." in name:
+        return config.num_attention_heads
+    if ".k_proj." in name:
+        return config.num_key_value_heads
+    return None
+
+
+def _dequantized(reader: Any, config: Any, tensor: Any, name: str, path: Path) -> torch.Tensor:
     from gguf import dequantize
 
-    permuted = _field(reader, "general.architecture") == "llama"
-    out: dict[str, torch.Tensor] = {}
+    try:
+        array = dequantize(tensor.data, tensor.tensor_type)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}") from exc
+    heads = _rotary_heads(reader, config, name)
+    if heads is not None:
+        array = unpermute_rotary_rows(array, heads)
+    return torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
+
+
+def _named_tensors(reader: Any, path: Path) -> list[tuple[str, Any]]:
+    named = []
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             log.warning("model.gguf_tensor_skipped", tensor=tensor.name, source=str(path))
             continue
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}"
-            ) from exc
-        if permuted and ".q_proj." in name:
-            array = unpermute_rotary_rows(array, config.num_attention_heads)
-        elif permuted and ".k_proj." in name:
-            array = unpermute_rotary_rows(array, config.num_key_value_heads)
-        out[name] = torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
-    return out
+        named.append((name, tensor))
+    return named
+
+
+def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
+    return {name: _dequantized(reader, config, tensor, name, path) for name, tensor in _named_tensors(reader, path)}
+
+
+def gguf_quantized_weights(
+    path: Path, config: Any
+) -> tuple[dict[str, QuantizedWeight], list[tuple[str, torch.Tensor]]]:
+    """The weights of a GGUF file as Sonar serves them: the matrices whose block type Sonar runs
+    quantized, by module name (``model.layers.0.self_attn.q_proj``), and every other tensor
+    dequantized to float32, by parameter name (norms; matrices of other block types, logged)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    quantized: dict[str, QuantizedWeight] = {}
+    plain: list[tuple[str, torch.Tensor]] = []
+    dequantized_types: dict[str, int] = {}
+    for name, tensor in _named_tensors(reader, path):
+        kind = tensor.tensor_type.name
+        shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
+        if name.endswith(".weight") and len(shape) == 2 and served_quantized(kind):
+            try:
+                qw = block_weight(kind, tensor.data, *shape)
+            except ValueError as exc:
+                raise ModelLoadError(f"{path}: tensor {tensor.name}: {exc}") from exc
+            heads = _rotary_heads(reader, config, name)
+            if heads is not None:
+                qw = _unpermuted(qw, heads)
+            quantized[name.removesuffix(".weight")] = qw
+            continue
+        if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
+            dequantized_types[kind] = dequantized_types.get(kind, 0) + 1
+        plain.append((name, _dequantized(reader, config, tensor, name, path)))
+    if dequantized_types:
+        log.warning(
+            "model.gguf_served_dequantized",
+            detail="Sonar has no kernel for these GGUF block types; their matrices are served in the model's dtype",
+            types=dequantized_types,
+            source=str(path),
+        )
+    return quantized, plain
+
+
+def _unpermuted(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
+    def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.from_numpy(np.ascontiguousarray(unpermute_rotary_rows(t.numpy(), heads)))
+
+    return QuantizedWeight(qw.format, rows(qw.values), rows(qw.scales), rows(qw.offsets), qw.group)
 
 
 def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_tokenizer: bool) -> None:

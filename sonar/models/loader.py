@@ -8,8 +8,10 @@ Sources, in the order they are tried:
   single ``.gguf`` file and no ``config.json``;
 * otherwise a Hugging Face model id, looked up in the local Hugging Face cache only (offline).
 
-GGUF files are dequantized once into a safetensors directory under the cache root
-(`sonar.models.gguf_file`); later loads read that directory.
+GGUF files are served quantized: their blocks become `QuantizedWeight`s
+(`sonar.models.gguf_quant`) run by the quantized kernels. Their config and tokenizer, and a
+dequantized copy of the weights (the reference, and what ``dequantize_weights`` serves), are
+converted once into a safetensors directory under the cache root (`sonar.models.gguf_file`).
 
 Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
 """
@@ -29,7 +31,8 @@ import torch
 from sonar.models import embedded
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
-from sonar.models.gguf_file import convert_gguf, converted_dir, is_converted
+from sonar.models.gguf_file import convert_gguf, converted_dir, gguf_quantized_weights, is_converted
+from sonar.models.quantized import Installed, install_quantized
 from sonar.models.registry import model_class
 from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
 
@@ -61,6 +64,9 @@ class LoadedModel:
     load_seconds: float
     convert_seconds: float = 0.0
     """Of `load_seconds`, the time spent finding and (first time only) converting a GGUF source."""
+    quantization: str | None = None
+    """The quantization method the weights are served in (``gguf``, ``gptq``, ...), None for none."""
+    quantized: Installed | None = None
     _tokenizer: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -106,12 +112,17 @@ def load_model(
     revision: str | None = None,
     download_dir: str | Path | None = None,
     device: str | torch.device = "cpu",
+    quantization: str | None = None,
+    dequantize_weights: bool = False,
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
     `dtype` ``auto`` keeps a bfloat16 checkpoint in bfloat16 and serves float32/float16
     checkpoints (and GGUF) in float16, except on CPU, where float16 is slow and bfloat16 is
     chosen instead. `load_format` ``dummy`` builds the model from its config with random weights.
+    `quantization`: the method the weights are in (None: what the checkpoint says; a GGUF file
+    is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
+    `dtype` (the reference path: more memory, slower decode).
     """
     started = time.perf_counter()
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -120,8 +131,13 @@ def load_model(
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
     device = torch.device(device)
     resolving = time.perf_counter()
-    model_dir, source = _resolve(model, load_format, revision, download_dir)
-    from_gguf = source.startswith(("GGUF", "embedded"))
+    model_dir, source, gguf = _resolve(model, load_format, revision, download_dir)
+    from_gguf = gguf is not None
+    if from_gguf and quantization not in (None, "gguf"):
+        raise ModelLoadError(
+            f"--quantization {quantization} does not apply to {source}: a GGUF file's weights are GGUF quants "
+            "(served as they are, or dequantized with --dequantize-weights)"
+        )
     convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
     config = _read_config(model_dir, source)
     cls = model_class(config)
@@ -131,8 +147,13 @@ def load_model(
     module = module.to(dtype=resolved).to_empty(device=device)
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
+    installed = None
     if load_format == "dummy":
         init_dummy_weights(module, std=float(getattr(config, "initializer_range", 0.02) or 0.02))
+    elif gguf is not None and not dequantize_weights:
+        quantized, plain = gguf_quantized_weights(gguf, config)
+        installed = install_quantized(module, quantized)
+        _check_complete(module, module.load_weights(plain) | _written(installed), source)
     else:
         _load_checkpoint(module, model_dir, source)
     module.eval().requires_grad_(False)
@@ -145,6 +166,8 @@ def load_model(
         dtype=str(resolved).removeprefix("torch."),
         device=str(device),
         load_format=load_format,
+        quantization="gguf" if installed is not None else None,
+        quantized_bytes=installed.nbytes if installed is not None else None,
         seconds=round(seconds, 2),
     )
     return LoadedModel(
@@ -157,6 +180,8 @@ def load_model(
         tokenizer_path=tokenizer_path,
         load_seconds=seconds,
         convert_seconds=convert_seconds,
+        quantization="gguf" if installed is not None else None,
+        quantized=installed,
     )
 
 
@@ -195,8 +220,9 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.
 
 def _resolve(
     model: str | None, load_format: str, revision: str | None, download_dir: str | Path | None
-) -> tuple[Path, str]:
-    """The directory to load (a GGUF converted first) and a description of where it came from."""
+) -> tuple[Path, str, Path | None]:
+    """The directory to load (a GGUF converted first), a description of where it came from, and
+    the GGUF file when it is one."""
     if model is None:
         try:
             path = embedded.gguf_path()
@@ -205,34 +231,35 @@ def _resolve(
         out = converted_dir(path)
         if not is_converted(out):  # the embedded tokenizer has its own cache; reuse it
             out = convert_gguf(path, tokenizer_from=embedded.tokenizer_dir())
-        return out, f"embedded {embedded.EMBEDDED_NAME} ({path.name})"
+        return out, f"embedded {embedded.EMBEDDED_NAME} ({path.name})", path
     path = Path(model).expanduser()
     if path.exists():
         return _resolve_path(path, load_format)
     if _REPO_ID.match(model) and not model.endswith(".gguf"):
-        return _resolve_hub_cache(model, revision, download_dir), f"{model} (Hugging Face cache)"
+        snapshot = _resolve_hub_cache(model, revision, download_dir)
+        return snapshot[0], f"{model} (Hugging Face cache)", snapshot[1]
     raise ModelLoadError(f"model path {model} does not exist")
 
 
-def _resolve_path(path: Path, load_format: str) -> tuple[Path, str]:
+def _resolve_path(path: Path, load_format: str) -> tuple[Path, str, Path | None]:
     if path.is_file():
         if load_format == "safetensors":
             raise ModelLoadError(f"load_format safetensors needs a model directory, {path} is a file")
         if path.suffix == ".gguf" or load_format == "gguf":
-            return convert_gguf(path.resolve()), f"GGUF {path}"
+            return convert_gguf(path.resolve()), f"GGUF {path}", path.resolve()
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return convert_gguf(ggufs[0].resolve()), f"GGUF {ggufs[0]}"
+            return convert_gguf(ggufs[0].resolve()), f"GGUF {ggufs[0]}", ggufs[0].resolve()
         found = "several .gguf files" if ggufs else "no config.json"
         raise ModelLoadError(f"model directory {path} has {found}; cannot tell what to load")
     if load_format == "gguf":
         raise ModelLoadError(f"load_format gguf, but {path} is a safetensors directory")
-    return path, f"directory {path}"
+    return path, f"directory {path}", None
 
 
-def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Path | None) -> Path:
+def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Path | None) -> tuple[Path, Path | None]:
     from huggingface_hub import snapshot_download
 
     try:
@@ -250,8 +277,9 @@ def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Pat
         ) from exc
     path = Path(snapshot)
     if (path / "config.json").is_file():
-        return path
-    return _resolve_path(path, "auto")[0]
+        return path, None
+    found = _resolve_path(path, "auto")
+    return found[0], found[2]
 
 
 def _read_config(model_dir: Path, source: str) -> Any:
@@ -270,8 +298,16 @@ def _read_config(model_dir: Path, source: str) -> Any:
         raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
 
 
+def _written(installed: Installed) -> set[str]:
+    """The parameters `install_quantized` wrote: the weights of the layers it served dequantized."""
+    return {f"{name}.weight" for name in installed.dequantized}
+
+
 def _load_checkpoint(module: DecoderForCausalLM, model_dir: Path, source: str) -> None:
-    loaded = module.load_weights(iter_safetensors(safetensors_files(model_dir)))
+    _check_complete(module, module.load_weights(iter_safetensors(safetensors_files(model_dir))), source)
+
+
+def _check_complete(module: DecoderForCausalLM, loaded: set[str], source: str) -> None:
     expected = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:

@@ -84,6 +84,7 @@ def test_every_documented_flag_is_known() -> None:
         "--max-waiting-seqs",
         "--actor-keys",
         "--actor-max-frame-bytes",
+        "--dequantize-weights",
     }
     limits = {
         "--metrics-public",

@@ -163,7 +163,7 @@ def _assert_engine_idle(stats: Any, info: Any) -> None:
 async def test_smollm2_greedy_equals_transformers() -> None:
     """8 prompts (plain and chat-templated, 3 to ~40 tokens) x 64 tokens, batched by the engine,
     against transformers' left-padded batch on the same float32 weights."""
-    async with sonar.open(dtype="float32", num_gpu_blocks_override=128) as llm:
+    async with sonar.open(dtype="float32", num_gpu_blocks_override=128, dequantize_weights=True) as llm:
         texts = _chat_or_plain(llm.tokenizer, TEXTS)
         outs = await llm.generate_many(texts, _greedy(SMOL_NEW_TOKENS, SMOL_LOGPROBS))
         # the embedded model's converted checkpoint directory holds its tokenizer too

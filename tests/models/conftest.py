@@ -110,7 +110,7 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tiny
 def smollm2_fp32() -> Any:
     from sonar.models.loader import load_model
 
-    return load_model(None, dtype="float32")
+    return load_model(None, dtype="float32", dequantize_weights=True)
 
 
 @pytest.fixture(scope="session")

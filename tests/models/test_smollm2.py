@@ -101,7 +101,7 @@ def test_bfloat16_is_sane(smollm2_prompts: Any, smollm2_fp32: Any) -> None:
 
     texts, prompts = smollm2_prompts
     n = 16
-    loaded = load_model(None)  # dtype auto on CPU -> bfloat16
+    loaded = load_model(None, dequantize_weights=True)  # dtype auto on CPU -> bfloat16
     assert loaded.dtype == torch.bfloat16
     ours = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, n)
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.model_dir), dtype=torch.bfloat16).eval()
@@ -125,7 +125,7 @@ def test_bfloat16_prepacked_linears_equal_plain(smollm2_fp32: Any, smollm2_promp
 
     _, prompts = smollm2_prompts
     ref = GreedyDriver(smollm2_fp32.model, torch.float32, num_blocks=64).generate(prompts, 8)
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None, dtype="bfloat16", dequantize_weights=True)
     plain = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
     assert prepack_linears(loaded.model) == 4 * loaded.model.num_layers + 1  # and the (tied) head
     packed = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, 8)
