@@ -1,0 +1,304 @@
+"""Whole quantized checkpoints through Sonar: a tiny random Llama whose linear layers are
+quantized in the test (each format's own formula and packing), saved as safetensors with the
+format's ``quantization_config``, loaded by `load_quantized_checkpoint`, against transformers'
+LlamaForCausalLM holding the same layers' dequantized weights.
+
+Tolerance: both sides compute in float32 from the same dequantized weights (Sonar's layers
+dequantize the logical layout exactly); they differ only in kernels and summation order, as in
+tests/models/test_architectures.py: 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from sonar.kernels.quant import dequantize
+from sonar.kernels.quant_linear import QuantLinear
+from sonar.models.decoder import DecoderForCausalLM
+from sonar.models.errors import ModelLoadError
+from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint, quantize_dynamic_fp8
+from tests.models.driver import GreedyDriver
+from tests.models.quantization import formats as f
+
+ATOL = RTOL = 1e-4
+NEW_TOKENS = 6
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# modules reading the same input share GPTQ's act-order (the same Hessian orders their columns)
+INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+
+Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def _seed(module: str) -> int:
+    layer = int(module.split(".")[2]) if module.startswith("model.layers.") else 99
+    leaf = module.rsplit(".", 1)[-1]
+    return 10 * layer + (
+        1 if INPUT_OF.get(leaf) == "attn" else 2 if INPUT_OF.get(leaf) == "mlp" else hash(leaf) % 7 + 3
+    )
+
+
+def _fp8_static(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    tensors, ref = f.fp8_scaled(w, per_row=False)
+    return {**tensors, "input_scale": torch.tensor(0.03)}, ref
+
+
+def _ct_fp8(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    return f.fp8_scaled(w, per_row=True)
+
+
+TOKEN_ACTS = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+CASES: dict[str, tuple[Quantizer, dict, bool]] = {
+    # name: (quantize one linear, quantization_config, lm_head quantized too)
+    "gptq-int4-act-order-v1": (
+        lambda m, w: f.gptq(w, 4, 32, False, True, True, seed=_seed(m)),
+        f.gptq_config(4, 32, False, True, True),
+        False,
+    ),
+    "gptq-int8-sym-v2": (
+        lambda m, w: f.gptq(w, 8, 64, True, False, False),
+        f.gptq_config(8, 64, True, False, False),
+        True,
+    ),
+    "awq": (lambda m, w: f.awq(w, 64), f.awq_config(64), False),
+    "fp8-block": (lambda m, w: f.fp8_block(w, (128, 128)), f.fp8_config((128, 128)), False),
+    "fp8-tensor-static": (_fp8_static, f.fp8_config(None, static=True), False),
+    "ct-w4a16": (
+        lambda m, w: f.ct_packed(w, 4, 32, False),
+        f.ct_config("pack-quantized", f.ct_weights(4, "int", "group", False, 32), ["lm_head"]),
+        False,
+    ),
+    "ct-w8a8-fp8": (
+        _ct_fp8,
+        f.ct_config(
+            "float-quantized", f.ct_weights(8, "float", "channel"), ["lm_head"], {**TOKEN_ACTS, "type": "float"}
+        ),
+        False,
+    ),
+    "ct-w8a8-int8": (
+        lambda m, w: f.ct_int8(w, True),
+        f.ct_config("int-quantized", f.ct_weights(8, "int", "channel"), [], TOKEN_ACTS),
+        True,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A random 2-layer Llama (hidden 128, intermediate 256: every group size divides), saved plain."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=384,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+        architectures=["LlamaForCausalLM"],
+    )
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            param.copy_(
+                1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.15 * torch.randn_like(param)
+            )
+    path = tmp_path_factory.mktemp("plain")
+    hf.save_pretrained(str(path))
+    return hf, path
+
+
+def _quantized_modules(hf: Any, with_lm_head: bool) -> list[str]:
+    names = [f"model.layers.{i}.{linear}" for i in range(hf.config.num_hidden_layers) for linear in LINEARS]
+    return names + (["lm_head"] if with_lm_head else [])
+
+
+def _write(hf: Any, out: Path, quantize: Quantizer, qc: dict, with_lm_head: bool) -> dict[str, torch.Tensor]:
+    """Save `hf` with its linear layers quantized; returns the dequantized weights by parameter name."""
+    state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    dequantized = {}
+    for module in _quantized_modules(hf, with_lm_head):
+        tensors, ref = quantize(module, state.pop(f"{module}.weight"))
+        state.update({f"{module}.{part}": t.contiguous() for part, t in tensors.items()})
+        dequantized[f"{module}.weight"] = ref
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"))
+    config = hf.config.to_dict()
+    config["quantization_config"] = qc
+    (out / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def _reference(hf: Any, dequantized: dict[str, torch.Tensor]) -> Any:
+    from transformers import LlamaForCausalLM
+
+    ref = LlamaForCausalLM(hf.config).to(torch.float32).eval()
+    ref.load_state_dict({**hf.state_dict(), **dequantized})
+    return ref
+
+
+def _load(path: Path, requested: str | None = None, dequantize_weights: bool = False) -> DecoderForCausalLM:
+    """The loader's steps: the model built on the meta device, then the checkpoint."""
+    from transformers import AutoConfig
+
+    from sonar.models.registry import model_class
+
+    raw = json.loads((path / "config.json").read_text())
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = model_class(config)(config)
+    model = model.to(dtype=torch.float32).to_empty(device="cpu")
+    method = checkpoint_method(raw, requested)
+    assert method is not None
+    load_quantized_checkpoint(model, path, method, f"test {path.name}", dequantize_weights=dequantize_weights)
+    return model.eval().requires_grad_(False)
+
+
+def _compare(model: DecoderForCausalLM, ref: Any) -> None:
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 19)]
+    out = GreedyDriver(model, torch.float32, num_blocks=64, block_size=4).generate(
+        prompts, NEW_TOKENS, prompt_logits=True
+    )
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            full = ref(torch.tensor([prompt + out.tokens[i]])).logits[0].float()
+        n = len(prompt)
+        torch.testing.assert_close(out.prompt_logits[i], full[:n], atol=ATOL, rtol=RTOL)
+        # each generated token's logits: the reference's at the position before it
+        torch.testing.assert_close(out.logits[i], full[n - 1 : n - 1 + NEW_TOKENS], atol=ATOL, rtol=RTOL)
+        assert out.tokens[i] == full[n - 1 : n - 1 + NEW_TOKENS].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_equal_transformers_on_the_dequantized_weights(
+    case: str, tiny: tuple[Any, Path], tmp_path: Path
+) -> None:
+    hf, _ = tiny
+    quantize, qc, with_lm_head = CASES[case]
+    dequantized = _write(hf, tmp_path / case, quantize, qc, with_lm_head)
+    model = _load(tmp_path / case)
+    layers = {name for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+    fused = {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"}
+    assert layers == {f"model.layers.{i}.{x}" for i in range(2) for x in fused} | (
+        {"lm_head"} if with_lm_head else set()
+    )
+    _compare(model, _reference(hf, dequantized))
+
+
+def test_dequantize_weights_serves_the_same_model_unquantized(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    hf, _ = tiny
+    quantize, qc, with_lm_head = CASES["gptq-int4-act-order-v1"]
+    dequantized = _write(hf, tmp_path, quantize, qc, with_lm_head)
+    model = _load(tmp_path, dequantize_weights=True)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+    _compare(model, _reference(hf, dequantized))
+
+
+def test_dynamic_fp8_of_a_plain_checkpoint(tiny: tuple[Any, Path]) -> None:
+    """``--quantization fp8`` on the unquantized checkpoint: its linear layers per output row,
+    the output layer as it is."""
+    hf, path = tiny
+    model = _load(path, "fp8")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.meta.format == "fp8"
+    assert not isinstance(model.lm_head, QuantLinear)
+    dequantized = {
+        f"{m}.weight": dequantize(quantize_dynamic_fp8(hf.get_parameter(f"{m}.weight").detach()))
+        for m in _quantized_modules(hf, False)
+    }
+    _compare(model, _reference(hf, dequantized))
+
+
+def test_act_orders_that_differ_within_a_fused_layer_are_served_dequantized(
+    tiny: tuple[Any, Path], tmp_path: Path
+) -> None:
+    """q, k and v with different act-orders cannot share one quantized matrix: the fused layer is
+    served dequantized (exact), the others quantized, the logits as before."""
+    hf, _ = tiny
+
+    def quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        return f.gptq(w, 4, 64, True, True, True, seed=hash(module) % 1000)
+
+    dequantized = _write(hf, tmp_path / "mixed", quantize, f.gptq_config(4, 64, True, True, True), False)
+    model = _load(tmp_path / "mixed")
+    assert not isinstance(model.model.layers[0].self_attn.qkv_proj, QuantLinear)
+    assert isinstance(model.model.layers[0].self_attn.o_proj, QuantLinear)
+    _compare(model, _reference(hf, dequantized))
+
+
+def _gptq_checkpoint(hf: Any, out: Path) -> None:
+    _write(hf, out, lambda m, w: f.gptq(w, 4, 64, True, False, True), f.gptq_config(4, 64, True, False, True), False)
+
+
+def _edit(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    change(state)
+    save_file(state, str(path / "model.safetensors"))
+
+
+def test_a_missing_part_names_the_source_and_module(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    _gptq_checkpoint(tiny[0], tmp_path)
+    _edit(tmp_path, lambda s: s.pop("model.layers.1.mlp.down_proj.qzeros"))
+    with pytest.raises(
+        ModelLoadError, match=f"test {tmp_path.name}: quantized module model.layers.1.mlp.down_proj lacks its qzeros"
+    ):
+        _load(tmp_path)
+
+
+def test_a_missing_plain_weight_is_named(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    _gptq_checkpoint(tiny[0], tmp_path)
+    _edit(tmp_path, lambda s: s.pop("model.norm.weight"))
+    with pytest.raises(ModelLoadError, match="checkpoint lacks weights for model.norm.weight"):
+        _load(tmp_path)
+
+
+def test_a_config_without_quantized_layers_is_refused(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    hf, path = tiny
+    hf.save_pretrained(str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": f.awq_config(64)}))
+    with pytest.raises(ModelLoadError, match="quantization_config says awq, but no layer is stored quantized"):
+        _load(tmp_path)
+
+
+def test_fp8_weights_without_scales_are_refused(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    """An FP8 layer the config's method does not cover is not cast silently to the model's dtype."""
+    _write(tiny[0], tmp_path, lambda m, w: f.fp8_block(w, (128, 128)), f.fp8_config((128, 128)), False)
+    _edit(tmp_path, lambda s: s.pop("model.layers.0.mlp.up_proj.weight_scale_inv"))
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.up_proj.weight is stored as torch.float8_e4m3fn"):
+        _load(tmp_path)
+
+
+def test_a_quantized_embedding_is_refused(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    _gptq_checkpoint(tiny[0], tmp_path)
+
+    def quantize_embedding(state: dict[str, torch.Tensor]) -> None:
+        tensors, _ = f.gptq(state.pop("model.embed_tokens.weight"), 4, 64, True, False, True)
+        state.update({f"model.embed_tokens.{k}": v for k, v in tensors.items()})
+
+    _edit(tmp_path, quantize_embedding)
+    with pytest.raises(ModelLoadError, match="model.embed_tokens is stored quantized; Sonar serves quantized linear"):
+        _load(tmp_path)
