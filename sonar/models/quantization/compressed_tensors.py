@@ -68,10 +68,6 @@ class Scheme:
     static_input: bool
     targets: tuple[str, ...]
 
-    @property
-    def marker(self) -> str:
-        return "weight_packed" if self.format == "pack-quantized" else "weight_scale"
-
 
 def _matches(module: str, pattern: str) -> bool:
     if pattern.startswith("re:"):

@@ -39,17 +39,18 @@ LINEARS = (
     "mlp.down_proj",
 )
 # modules reading the same input share GPTQ's act-order (the same Hessian orders their columns)
-INPUT_OF = {"q_proj": "attn", "k_proj": "attn", "v_proj": "attn", "gate_proj": "mlp", "up_proj": "mlp"}
+INPUT_OF = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 2, "up_proj": 2}
 
 Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
-def _seed(module: str) -> int:
-    layer = int(module.split(".")[2]) if module.startswith("model.layers.") else 99
+def _seed(module: str, shared: bool = True) -> int:
+    """A layer's act-order seed: `shared`, one per layer and input (q/k/v alike, gate/up alike);
+    otherwise one per module."""
+    layer = int(module.split(".")[2]) if module.startswith("model.layers.") else len(LINEARS)
     leaf = module.rsplit(".", 1)[-1]
-    return 10 * layer + (
-        1 if INPUT_OF.get(leaf) == "attn" else 2 if INPUT_OF.get(leaf) == "mlp" else hash(leaf) % 7 + 3
-    )
+    own = next((i for i, name in enumerate(LINEARS) if name.endswith(leaf)), len(LINEARS))
+    return 100 * layer + (INPUT_OF[leaf] if shared and leaf in INPUT_OF else 10 + own)
 
 
 def _fp8_static(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -238,7 +239,7 @@ def test_act_orders_that_differ_within_a_fused_layer_are_served_dequantized(
     hf, _ = tiny
 
     def quantize(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        return f.gptq(w, 4, 64, True, True, True, seed=hash(module) % 1000)
+        return f.gptq(w, 4, 64, True, True, True, seed=_seed(module, shared=False))
 
     dequantized = _write(hf, tmp_path / "mixed", quantize, f.gptq_config(4, 64, True, True, True), False)
     model = _load(tmp_path / "mixed")
