@@ -98,12 +98,12 @@ CASES: dict[str, tuple[Quantizer, dict, bool]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
-    """A random 2-layer Llama (hidden 128, intermediate 256: every group size divides), saved plain."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny(tmp_path_factory: pytest.TempPathFactory, architecture: str, **extra: Any) -> tuple[Any, Path]:
+    """A random 2-layer model (hidden 128, intermediate 256: every group size divides), saved plain."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = LlamaConfig(
+    config = AutoConfig.for_model(
+        extra.pop("model_type"),
         vocab_size=384,
         hidden_size=128,
         intermediate_size=256,
@@ -115,18 +115,24 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=0,
-        architectures=["LlamaForCausalLM"],
+        architectures=[architecture],
+        **extra,
     )
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(config).to(torch.float32).eval()
-    with torch.no_grad():
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # spread every weight (zero-initialized biases and unit norms too)
         for name, param in hf.named_parameters():
             param.copy_(
                 1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.15 * torch.randn_like(param)
             )
-    path = tmp_path_factory.mktemp("plain")
+    path = tmp_path_factory.mktemp(architecture)
     hf.save_pretrained(str(path))
     return hf, path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    return _tiny(tmp_path_factory, "LlamaForCausalLM", model_type="llama")
 
 
 def _quantized_modules(hf: Any, with_lm_head: bool) -> list[str]:
@@ -151,9 +157,9 @@ def _write(hf: Any, out: Path, quantize: Quantizer, qc: dict, with_lm_head: bool
 
 
 def _reference(hf: Any, dequantized: dict[str, torch.Tensor]) -> Any:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    ref = LlamaForCausalLM(hf.config).to(torch.float32).eval()
+    ref = AutoModelForCausalLM.from_config(hf.config, dtype=torch.float32).eval()
     ref.load_state_dict({**hf.state_dict(), **dequantized})
     return ref
 
@@ -169,6 +175,8 @@ def _load(path: Path, requested: str | None = None, dequantize_weights: bool = F
     with torch.device("meta"):
         model = model_class(config)(config)
     model = model.to(dtype=torch.float32).to_empty(device="cpu")
+    if model.tie_word_embeddings:  # to_empty made two tensors of the tied one
+        model.lm_head.weight = model.model.embed_tokens.weight
     method = checkpoint_method(raw, requested)
     assert method is not None
     load_quantized_checkpoint(model, path, method, f"test {path.name}", dequantize_weights=dequantize_weights)
@@ -204,6 +212,19 @@ def test_logits_equal_transformers_on_the_dequantized_weights(
     assert layers == {f"model.layers.{i}.{x}" for i in range(2) for x in fused} | (
         {"lm_head"} if with_lm_head else set()
     )
+    _compare(model, _reference(hf, dequantized))
+
+
+def test_biases_and_tied_embeddings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
+    """Qwen2 (biases on q/k/v, kept beside the quantized weights) with tied input and output
+    embeddings (the output layer stays the embedding), as GPTQ act-order."""
+    hf, _ = _tiny(tmp_path_factory, "Qwen2ForCausalLM", model_type="qwen2", tie_word_embeddings=True)
+    quantize, qc, _ = CASES["gptq-int4-act-order-v1"]
+    dequantized = _write(hf, tmp_path, quantize, qc, False)
+    model = _load(tmp_path)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.bias is not None
+    assert model.lm_head.weight is model.model.embed_tokens.weight
     _compare(model, _reference(hf, dequantized))
 
 
