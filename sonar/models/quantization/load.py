@@ -53,7 +53,7 @@ def quantized_modules(names: list[str], method: Method) -> dict[str, set[str]]:
         if LINEAR_MODULE.fullmatch(module) is None:
             raise ModelLoadError(f"{module} is stored quantized; Sonar serves quantized linear layers only")
     if not found:
-        raise ModelLoadError(f"quantization_config says {method.name}, but no layer is stored quantized")
+        raise ModelLoadError(f"quantization method {method.name}, but the checkpoint stores no layer quantized")
     return found
 
 

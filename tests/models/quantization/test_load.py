@@ -302,7 +302,7 @@ def test_a_config_without_quantized_layers_is_refused(tiny: tuple[Any, Path], tm
     hf.save_pretrained(str(tmp_path))
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": f.awq_config(64)}))
-    with pytest.raises(ModelLoadError, match="quantization_config says awq, but no layer is stored quantized"):
+    with pytest.raises(ModelLoadError, match="quantization method awq, but the checkpoint stores no layer quantized"):
         _load(tmp_path)
 
 
