@@ -127,6 +127,8 @@ class TritonBackend:
         )
 
     def _scaled_mm(self, x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
+        if not x.shape[0]:
+            return x.new_empty((0, weight.shape[0]))
         xq, x_scale = _kernels().quantize_rows_fp8(x)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale, out_dtype=torch.bfloat16)
         if bias is not None:

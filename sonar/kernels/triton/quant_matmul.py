@@ -253,12 +253,14 @@ def _quantize_rows_fp8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_xm, stride_qm, 
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0), 1e-12) / 448.0
+    # IEEE division (Triton's `/` is approximate on NVIDIA GPUs): the rounding to e4m3 then
+    # matches torch's ``x / scale`` bit for bit
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = round_to_e4m3(x / scale)
+        q = round_to_e4m3(tl.math.div_rn(x, scale))
         tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
 
 
