@@ -10,6 +10,11 @@ near zero). The shapes are small (N 48, K 128) so the interpreter takes seconds.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +26,7 @@ from sonar.kernels.triton import quant_matmul as qm
 
 N, K = 48, 128
 MS = (1, 5, 33)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_weight(
@@ -131,8 +137,9 @@ def test_act_order_layer_and_its_rows() -> None:
     bias = torch.randn(N, generator=torch.Generator().manual_seed(3))
     layer = QuantLinear(qw, bias, backend=TritonBackend())
     for m in MS:
-        x = activations(m, torch.bfloat16, seed=10 + m)
-        close(layer(x), quant.reference_linear(x, qw, bias))
+        for dtype in (torch.bfloat16, torch.float16):
+            x = activations(m, dtype, seed=10 + m)
+            close(layer(x), quant.reference_linear(x, qw, bias))
     x3 = activations(6, torch.bfloat16).reshape(2, 3, K)
     close(layer(x3), quant.reference_linear(x3.reshape(6, K), qw, bias).reshape(2, 3, N))
     ids = torch.tensor([[3, 0], [47, 3]])
@@ -211,3 +218,63 @@ def test_groups_the_kernel_serves() -> None:
     assert qm.check_group(16, 128) and qm.check_group(128, 128) and qm.check_group(48, 96)
     assert not qm.check_group(8, 128) and not qm.check_group(24, 96) and not qm.check_group(64, 96)
     assert qm.choose_tiles(1, 1024, 1024, 48, torch.device("cpu"))[2] == 16  # BLOCK_K divides the group
+
+
+# --- the GPU lowering, compiled on this CPU -------------------------------------------------------------
+
+
+def record_gpu_launches(capability: int) -> list:
+    """The launches the GPU path makes at Qwen3-0.6B's shapes on a 132-SM GPU: decode (K split,
+    bf16), prefill with a bias (fp16 on Ampere), float32 activations, FP8 from its bits (the
+    fallback of GPUs without FP8 matmuls) and, from 8.9 on, the per-token FP8 quantization."""
+    from sonar.kernels.triton import aot
+
+    sms, qm._num_sms = qm._num_sms, lambda device: 132
+    try:
+        with aot.recording([qm]) as launches:
+            for fmt, m, dtype, bias in (
+                ("int4", 1, torch.bfloat16, False),
+                ("int8", 300, torch.bfloat16 if capability >= 89 else torch.float16, True),
+                ("fp8", 40, torch.float32, False),
+                ("fp8", 1, torch.bfloat16, False),
+            ):
+                qw = make_weight(fmt, 128, True, n=1024, k=3072)
+                p = TritonBackend().pack(qw)
+                b = torch.zeros(1024, dtype=dtype) if bias else None
+                qm.quant_matmul(torch.zeros(m, 3072, dtype=dtype), p["qweight"], p["scales"], p["offsets"], fmt, 128, b)
+            if capability >= 89:
+                qm.quantize_rows_fp8(torch.zeros(2, 3072, dtype=torch.bfloat16))
+    finally:
+        qm._num_sms = sms
+    return launches
+
+
+def compile_gpu_launches(capability: int) -> int:
+    """Compile `record_gpu_launches` for `capability` (run without ``TRITON_INTERPRET``); prints
+    one line per kernel, returns the number that failed."""
+    from sonar.kernels.triton import aot
+
+    aot._TYPES.setdefault(torch.int8, "i8")  # int8 weights: a pointer type aot's attention kernels never needed
+    failed = 0
+    for launch in record_gpu_launches(capability):
+        label = launch.name + " " + " ".join(f"{k}={v}" for k, v in launch.kwargs.items() if k.isupper())
+        try:
+            aot.compile_launch(launch, capability)
+            print("ok", label)
+        except Exception as e:  # every failure reported
+            failed += 1
+            print("FAIL", label, f"{type(e).__name__}: {str(e)[:1000]}")
+    return failed
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+def test_kernels_compile_for_the_gpu(capability: int) -> None:
+    """What the interpreter cannot check (dot shapes, layouts, shared memory, conversions that
+    lower): the kernels compile for Hopper and Ampere, in a subprocess without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        f"import sys; from tests.kernels.test_quant_triton import compile_gpu_launches as c; sys.exit(c({capability}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert proc.stdout.count("ok ") >= 5, proc.stdout
