@@ -13,6 +13,7 @@ weight: `QuantEmbedding` asks the backend for the rows of the tokens it looks up
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,6 +129,46 @@ def backend_for(qw: QuantizedWeight, prefer_reference: bool = False) -> Backend:
     return next(b for b in backends() if b.serves(qw))
 
 
+@functools.cache
+def _backends_by_name() -> dict[str, Backend]:
+    return {b.name: b for b in backends()}
+
+
+@torch.library.custom_op("sonar::quant_linear", mutates_args=())
+def quant_linear_op(
+    x: Tensor,
+    tensors: list[Tensor],
+    names: str,
+    backend: str,
+    fmt: str,
+    out_features: int,
+    in_features: int,
+    group: int,
+    bias: Tensor | None,
+) -> Tensor:
+    """`QuantLinear.forward` as one opaque operator for ``torch.compile`` (Inductor cannot lower a
+    packed weight, and the backends' kernels are not traceable): the packed tensors in order,
+    their `names` comma-separated, and the backend by name."""
+    keys = names.split(",")
+    meta = QuantMeta(fmt, out_features, in_features, group, "offsets" in keys, "perm" in keys)  # type: ignore[arg-type]
+    return _backends_by_name()[backend].linear(x, dict(zip(keys, tensors, strict=True)), meta, bias)
+
+
+@quant_linear_op.register_fake
+def _quant_linear_fake(
+    x: Tensor,
+    tensors: list[Tensor],
+    names: str,
+    backend: str,
+    fmt: str,
+    out_features: int,
+    in_features: int,
+    group: int,
+    bias: Tensor | None,
+) -> Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
 class QuantLinear(nn.Module):
     """``y = x @ w.T + bias`` over a quantized weight (module names as ``nn.Linear``'s, so
     checkpoints and the fused decode path find it where they look)."""
@@ -154,7 +195,22 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
-        y = self.backend.linear(x.reshape(-1, shape[-1]), self.packed, self.meta, self.bias)
+        flat = x.reshape(-1, shape[-1])
+        if torch.compiler.is_compiling():
+            m = self.meta
+            y = quant_linear_op(
+                flat,
+                list(self.packed.values()),
+                ",".join(self.packed_names),
+                self.backend.name,
+                m.format,
+                m.out_features,
+                m.in_features,
+                m.group,
+                self.bias,
+            )
+        else:
+            y = self.backend.linear(flat, self.packed, self.meta, self.bias)
         return y.reshape(*shape[:-1], self.out_features)
 
     def rows(self, index: Tensor, dtype: torch.dtype) -> Tensor:
