@@ -140,6 +140,10 @@ class CompressedTensors(Method):
             raise ModelLoadError(
                 "compressed-tensors kv_cache_scheme is not supported (Sonar's --kv-cache-dtype sets the cache)"
             )
+        if qc.get("transform_config"):
+            raise ModelLoadError(
+                "compressed-tensors transform_config (rotated weights needing online transforms) is not supported"
+            )
         groups = qc.get("config_groups") or {}
         if not groups:
             raise ModelLoadError("compressed-tensors quantization_config has no config_groups")

@@ -111,6 +111,7 @@ def _config_with(**changes: object) -> dict:
         ({"sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity format 'sparse-24-bitmask'"),
         ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme is not supported"),
         ({"quantization_status": "frozen"}, "quantization_status 'frozen'"),
+        ({"transform_config": {"config_groups": {"R1": {"type": "hadamard"}}}}, "transform_config"),
     ],
 )
 def test_unsupported_configs_are_refused(changes: dict, message: str) -> None:
