@@ -37,7 +37,7 @@ class AWQ(Method):
 
     @classmethod
     def from_config(cls, qc: dict[str, Any]) -> AWQ:
-        version = str(qc.get("version", "gemm")).lower()
+        version = str(qc.get("version") or qc.get("checkpoint_format") or "gemm").lower()
         if version != "gemm":
             raise ModelLoadError(f"AWQ version {version!r} is not supported (Sonar reads the gemm layout)")
         bits = qc.get("bits", qc.get("w_bit"))

@@ -59,6 +59,9 @@ class GPTQ(Method):
             raise ModelLoadError(
                 f"GPTQ checkpoint_format {shown!r} is not supported (Sonar reads {' and '.join(FORMATS)})"
             )
+        pack = qc.get("pack_dtype", "int32")
+        if pack != "int32":
+            raise ModelLoadError(f"GPTQ pack_dtype {pack!r} is not supported (int32)")
         if qc.get("dynamic"):
             raise ModelLoadError("GPTQ per-module overrides (quantization_config.dynamic) are not supported")
         skip = list(qc.get("modules_to_not_convert") or [])

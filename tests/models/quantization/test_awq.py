@@ -26,6 +26,7 @@ def test_dequantizes_to_the_format_formula(group: int) -> None:
     [
         ({"version": "gemv"}, "AWQ version 'gemv'"),
         ({"version": "marlin"}, "AWQ version 'marlin'"),
+        ({"version": None, "checkpoint_format": "gemv_fast"}, "AWQ version 'gemv_fast'"),
         ({"bits": 8}, "AWQ bits 8"),
         ({"group_size": 256}, "AWQ group_size 256"),
         ({"zero_point": False}, "zero_point false"),

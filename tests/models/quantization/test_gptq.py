@@ -60,6 +60,7 @@ def test_layer_output_matches_the_dequantized_weight() -> None:
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ({"is_marlin_format": True}, "checkpoint_format 'marlin'"),
         ({"dynamic": {"-:.*down_proj": {}}}, "quantization_config.dynamic"),
+        ({"pack_dtype": "int16"}, "pack_dtype 'int16'"),
     ],
 )
 def test_unsupported_configs_are_refused(change: dict, message: str) -> None:
