@@ -18,6 +18,7 @@ Two things differ from a Hugging Face checkpoint and are undone here:
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -247,12 +248,72 @@ def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torc
     return {name: _dequantized(reader, config, tensor, name, path) for name, tensor in _named_tensors(reader, path)}
 
 
+QUANTIZED_FILE = "quantized.safetensors"
+"""In a converted directory: what `gguf_quantized_weights` returns, so later loads skip the GGUF
+reader (seconds, most of it parsing the tokenizer's metadata) and the unpacking."""
+
+
 def gguf_quantized_weights(
     path: Path, config: Any
 ) -> tuple[dict[str, QuantizedWeight], list[tuple[str, torch.Tensor]]]:
     """The weights of a GGUF file as Sonar serves them: the matrices whose block type Sonar runs
     quantized, by module name (``model.layers.0.self_attn.q_proj``), and every other tensor
-    dequantized to float32, by parameter name (norms; matrices of other block types, logged)."""
+    dequantized to float32, by parameter name (norms; matrices of other block types, logged).
+    Read from the converted directory's cache when it holds them, else unpacked and cached."""
+    cache = converted_dir(path) / QUANTIZED_FILE
+    if cache.is_file():
+        try:
+            return _read_quantized(cache)
+        except Exception as exc:  # a damaged cache is rebuilt, not fatal
+            log.warning("model.gguf_quantized_cache_unreadable", path=str(cache), error=str(exc))
+    quantized, plain = _unpack_gguf(path, config)
+    if cache.parent.is_dir():
+        _write_quantized(cache, quantized, plain)
+    return quantized, plain
+
+
+def _write_quantized(cache: Path, quantized: dict[str, QuantizedWeight], plain: list[tuple[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {f"plain:{name}": t for name, t in plain}
+    layout: dict[str, str] = {}
+    for module, qw in quantized.items():
+        tensors[f"values:{module}"] = qw.values
+        tensors[f"scales:{module}"] = qw.scales
+        if qw.offsets is not None:
+            tensors[f"offsets:{module}"] = qw.offsets
+        layout[module] = f"{qw.format}/{qw.group}"
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+    try:
+        save_file(tensors, str(tmp), metadata={"layout": json.dumps(layout), "version": str(CONVERSION_VERSION)})
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("model.gguf_quantized_cache_not_written", path=str(cache), error=str(exc))
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_quantized(cache: Path) -> tuple[dict[str, QuantizedWeight], list[tuple[str, torch.Tensor]]]:
+    from safetensors import safe_open
+
+    with safe_open(str(cache), framework="pt", device="cpu") as handle:
+        layout = json.loads(handle.metadata()["layout"])
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    quantized = {}
+    for module, spec in layout.items():
+        fmt, group = spec.split("/")
+        quantized[module] = QuantizedWeight(
+            fmt,  # type: ignore[arg-type]
+            tensors[f"values:{module}"],
+            tensors[f"scales:{module}"],
+            tensors.get(f"offsets:{module}"),
+            int(group),
+        )
+    plain = [(name.removeprefix("plain:"), t) for name, t in tensors.items() if name.startswith("plain:")]
+    return quantized, plain
+
+
+def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], list[tuple[str, torch.Tensor]]]:
     from gguf import GGUFReader
 
     try:

@@ -136,3 +136,106 @@ def test_quantized_serving_agrees_with_the_dequantized_path(served_pair: tuple[A
         ppl.append(float(torch.exp(nll)))
     print(f"greedy tokens agreeing {same} of {n * len(prompts)}; perplexity {ppl[0]:.4f} vs {ppl[1]:.4f}")
     assert abs(ppl[0] - ppl[1]) <= 0.01 * ppl[1]
+
+
+# a Q4_K_M-like mix (K-quants, Q6_K for v and down, Q8_0 embeddings), the legacy types, and a
+# file whose attention output is Q3_K (no Sonar kernel: served dequantized)
+MIXES = {
+    "k-quants": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q5_K", "gate_proj": "Q4_K",
+                 "up_proj": "Q4_K", "down_proj": "Q6_K", "embed_tokens": "Q8_0", "lm_head": "Q6_K"},
+    "legacy": {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q5_0", "gate_proj": "Q5_1",
+               "up_proj": "Q5_1", "down_proj": "Q8_0", "embed_tokens": "Q4_1", "lm_head": "Q8_0"},
+    "unserved": {"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q4_K", "o_proj": "Q3_K", "gate_proj": "Q4_K",
+                 "up_proj": "Q4_K", "down_proj": "Q4_K", "embed_tokens": "Q8_0", "lm_head": "Q8_0"},
+}  # fmt: skip
+
+
+def _tiny_quantized_gguf(path: Any, mix: dict[str, str]) -> Any:
+    """A 2-layer Llama with 256-wide rows (one K-quant super-block) whose matrices are stored in
+    the block types of `mix`: the legacy types quantized from random weights by gguf's quantizer,
+    the K-quants as random valid blocks."""
+    from gguf import GGUFWriter
+    from transformers import LlamaConfig
+
+    from tests.models.test_gguf import gguf_name
+
+    config = LlamaConfig(
+        vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    rng = np.random.default_rng(0)
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config.vocab_size)
+    h, inter, kv = config.hidden_size, config.intermediate_size, 2 * 64
+    shapes = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h), "gate_proj": (inter, h),
+              "up_proj": (inter, h), "down_proj": (h, inter)}  # fmt: skip
+    for layer in range(config.num_hidden_layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weight = (1 + 0.1 * rng.standard_normal(h)).astype(np.float32)
+            writer.add_tensor(gguf_name(f"model.layers.{layer}.{norm}.weight"), weight)
+        for module, (rows, cols) in shapes.items():
+            kind = mix[module]
+            prefix = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            name = gguf_name(f"model.layers.{layer}.{prefix}.{module}.weight")
+            writer.add_tensor(name, _raw(kind, rows, cols, rng, config, module), raw_dtype=GGMLQuantizationType[kind])
+    writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
+    for module, name in (("embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
+        kind = mix[module]
+        writer.add_tensor(
+            name, _raw(kind, config.vocab_size, h, rng, config, module), raw_dtype=GGMLQuantizationType[kind]
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return config
+
+
+def _raw(kind: str, rows: int, cols: int, rng: np.random.Generator, config: Any, module: str) -> np.ndarray:
+    qtype = GGMLQuantizationType[kind]
+    if kind in QUANTIZABLE:
+        return quantize(rng.normal(0, 0.06, (rows, cols)).astype(np.float32), qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,)}[kind]
+    for at in halves:
+        raw[:, at : at + 2] = np.abs(rng.normal(0, 4e-4, (raw.shape[0], 1))).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """Every layer of a tiny GGUF in each mix of block types loads quantized (or, for a type
+    without a kernel, dequantized), and the model's logits equal those of the dequantized load,
+    which tests/models/test_gguf.py ties to transformers (float32: only summation order differs)."""
+    from tests.models.driver import GreedyDriver
+
+    monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
+    path = tmp_path / f"{mix}.gguf"
+    _tiny_quantized_gguf(path, MIXES[mix])
+    quantized = load_model(str(path), dtype="float32")
+    reference = load_model(str(path), dtype="float32", dequantize_weights=True)
+    installed = quantized.quantized
+    served = {name.rsplit(".", 1)[-1] for name in installed.quantized}
+    if mix == "unserved":
+        assert installed.dequantized == [] and "o_proj" not in served
+        assert isinstance(quantized.model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
+    else:
+        assert served == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens"}
+    prompts = [[5, 17, 300, 2, 99, 120], [7, 7, 7]]
+    ours = GreedyDriver(quantized.model, torch.float32, num_blocks=16).generate(prompts, 4)
+    ref = GreedyDriver(reference.model, torch.float32, num_blocks=16).generate(prompts, 4)
+    assert ours.tokens == ref.tokens
+    for a, b in zip(ours.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    again = load_model(str(path), dtype="float32")  # from the cache of unpacked quants now
+    assert again.quantized.formats == installed.formats
