@@ -281,6 +281,30 @@ def _edit(path: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> None
     save_file(state, str(path / "model.safetensors"))
 
 
+def test_sharded_checkpoint_with_modules_split_across_shards(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    """Shards named by ``model.safetensors.index.json``, every tensor in turn in the other shard,
+    so each quantized module's parts arrive from two files."""
+    from safetensors.torch import load_file
+
+    hf, _ = tiny
+    quantize, qc, with_lm_head = CASES["awq"]
+    dequantized = _write(hf, tmp_path, quantize, qc, with_lm_head)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    (tmp_path / "model.safetensors").unlink()
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    for i, name in enumerate(sorted(state)):
+        shards[i % 2][name] = state[name]
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file(shard, str(tmp_path / file))
+        weight_map.update(dict.fromkeys(shard, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    split = "model.layers.0.mlp.down_proj"
+    assert len({weight_map[f"{split}.{part}"] for part in ("qweight", "qzeros", "scales")}) == 2
+    _compare(_load(tmp_path), _reference(hf, dequantized))
+
+
 def test_a_missing_part_names_the_source_and_module(tiny: tuple[Any, Path], tmp_path: Path) -> None:
     _gptq_checkpoint(tiny[0], tmp_path)
     _edit(tmp_path, lambda s: s.pop("model.layers.1.mlp.down_proj.qzeros"))
