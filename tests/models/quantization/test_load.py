@@ -164,7 +164,9 @@ def _reference(hf: Any, dequantized: dict[str, torch.Tensor]) -> Any:
     return ref
 
 
-def _load(path: Path, requested: str | None = None, dequantize_weights: bool = False) -> DecoderForCausalLM:
+def _load(
+    path: Path, requested: str | None = None, dequantize_weights: bool = False, dtype: torch.dtype = torch.float32
+) -> DecoderForCausalLM:
     """The loader's steps: the model built on the meta device, then the checkpoint."""
     from transformers import AutoConfig
 
@@ -174,7 +176,7 @@ def _load(path: Path, requested: str | None = None, dequantize_weights: bool = F
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
         model = model_class(config)(config)
-    model = model.to(dtype=torch.float32).to_empty(device="cpu")
+    model = model.to(dtype=dtype).to_empty(device="cpu")
     if model.tie_word_embeddings:  # to_empty made two tensors of the tied one
         model.lm_head.weight = model.model.embed_tokens.weight
     method = checkpoint_method(raw, requested)
@@ -213,6 +215,26 @@ def test_logits_equal_transformers_on_the_dequantized_weights(
         {"lm_head"} if with_lm_head else set()
     )
     _compare(model, _reference(hf, dequantized))
+
+
+@pytest.mark.parametrize("case", ["gptq-int4-act-order-v1", "awq", "fp8-block", "ct-w8a8-int8"])
+def test_served_in_bfloat16(case: str, tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    """The serving dtype, on whichever backend serves the layers: the prompt logits within 0.5 of
+    transformers' float32 on the dequantized weights. bfloat16 activations through two layers
+    move these logits (magnitude about 7) by up to about 0.25; a layer read in the wrong column
+    or group order moves them by whole units."""
+    hf, _ = tiny
+    quantize, qc, with_lm_head = CASES[case]
+    dequantized = _write(hf, tmp_path, quantize, qc, with_lm_head)
+    model = _load(tmp_path, dtype=torch.bfloat16)
+    ref = _reference(hf, dequantized)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in (5, 19)]
+    out = GreedyDriver(model, torch.bfloat16, num_blocks=64, block_size=4).generate(prompts, 1, prompt_logits=True)
+    for i, prompt in enumerate(prompts):
+        with torch.inference_mode():
+            full = ref(torch.tensor([prompt])).logits[0].float()
+        torch.testing.assert_close(out.prompt_logits[i].float(), full, atol=0.5, rtol=0)
 
 
 def test_biases_and_tied_embeddings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
