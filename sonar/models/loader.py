@@ -32,6 +32,7 @@ from sonar.models import embedded
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import convert_gguf, converted_dir, gguf_quantized_weights, is_converted
+from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
 from sonar.models.registry import model_class
 from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
@@ -147,15 +148,26 @@ def load_model(
     module = module.to(dtype=resolved).to_empty(device=device)
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
-    installed = None
+    installed, method_name = None, None
+    method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     if load_format == "dummy":
+        if quantization is not None or method is not None:
+            raise ModelLoadError(
+                f"load_format dummy makes random unquantized weights; it cannot serve {source} quantized "
+                f"({quantization or method.name})"
+            )
         init_dummy_weights(module, std=float(getattr(config, "initializer_range", 0.02) or 0.02))
     elif gguf is not None and not dequantize_weights:
         quantized, plain = gguf_quantized_weights(gguf, config)
-        installed = install_quantized(module, quantized)
+        installed, method_name = install_quantized(module, quantized), "gguf"
         _check_complete(module, module.load_weights(plain) | _written(installed), source)
+    elif method is not None:
+        installed = load_quantized_checkpoint(module, model_dir, method, source, dequantize_weights=dequantize_weights)
+        method_name = None if dequantize_weights else method.name
     else:
         _load_checkpoint(module, model_dir, source)
+    if device.type == "cuda":  # the full-size weights the quantized layers replaced
+        torch.cuda.empty_cache()
     module.eval().requires_grad_(False)
     tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
     seconds = time.perf_counter() - started
@@ -166,8 +178,8 @@ def load_model(
         dtype=str(resolved).removeprefix("torch."),
         device=str(device),
         load_format=load_format,
-        quantization="gguf" if installed is not None else None,
-        quantized_bytes=installed.nbytes if installed is not None else None,
+        quantization=method_name,
+        quantized_bytes=installed.nbytes if method_name is not None else None,
         seconds=round(seconds, 2),
     )
     return LoadedModel(
@@ -180,8 +192,8 @@ def load_model(
         tokenizer_path=tokenizer_path,
         load_seconds=seconds,
         convert_seconds=convert_seconds,
-        quantization="gguf" if installed is not None else None,
-        quantized=installed,
+        quantization=method_name,
+        quantized=installed if method_name is not None else None,
     )
 
 

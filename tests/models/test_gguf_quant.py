@@ -239,3 +239,10 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
     again = load_model(str(path), dtype="float32")  # from the cache of unpacked quants now
     assert again.quantized.formats == installed.formats
+
+
+def test_another_method_for_a_gguf_file_is_refused() -> None:
+    from sonar.models.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="--quantization awq does not apply to embedded"):
+        load_model(None, quantization="awq")

@@ -370,3 +370,23 @@ def test_a_quantized_embedding_is_refused(tiny: tuple[Any, Path], tmp_path: Path
     _edit(tmp_path, quantize_embedding)
     with pytest.raises(ModelLoadError, match="model.embed_tokens is stored quantized; Sonar serves quantized linear"):
         _load(tmp_path)
+
+
+def test_load_model_reads_the_method_from_the_checkpoint(tiny: tuple[Any, Path], tmp_path: Path) -> None:
+    """Through `load_model` (what `sonar serve` calls): the method comes from config.json, the flag
+    may name it or contradict it (an error naming both), and random dummy weights refuse it."""
+    from sonar.models.loader import load_model
+
+    hf, _ = tiny
+    path = tmp_path / "gptq"
+    _gptq_checkpoint(hf, path)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.quantization == "gptq" and loaded.quantized.formats == {"int4": 4 * hf.config.num_hidden_layers}
+    assert load_model(str(path), dtype="float32", quantization="gptq").quantization == "gptq"
+    with pytest.raises(ModelLoadError, match="awq"):
+        load_model(str(path), dtype="float32", quantization="awq")
+    with pytest.raises(ModelLoadError, match="dummy"):
+        load_model(str(path), load_format="dummy")
+    plain = load_model(str(path), dtype="float32", dequantize_weights=True)
+    assert plain.quantization is None and plain.quantized is None
+    assert isinstance(plain.model.model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
