@@ -8,9 +8,11 @@ decodes to one C++ function that calls the same native kernels in the same order
 bit for bit the per-op path's (`tests/models/test_fused.py` checks it).
 
 It serves only what those kernels serve: CPU tensors in one of `ops.NATIVE_DTYPES`, a KV cache of
-the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear either packed for
-Sonar's bf16 kernel or a plain ``nn.Linear``. Anything else — prefills, mixed steps, CUDA, code that
-``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`` — takes the per-op path.
+the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear packed for
+Sonar's bf16 kernel, a plain ``nn.Linear``, or (bfloat16 models) a `QuantLinear` on the native
+quantized backend without an act-order permutation; the kinds and quantized formats may differ from
+one linear to the next (a GGUF Q4_K_M file mixes int4 and int8 layers). Anything else — prefills,
+mixed steps, CUDA, code that ``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`` — takes the per-op path.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from sonar.kernels import linear as packed_linear
-from sonar.kernels import ops
+from sonar.kernels import ops, quant_cpu
 from sonar.kernels.attention import AttentionMetadata
+from sonar.kernels.quant_linear import QuantLinear
+
+#: How ``decode_layers`` runs a linear layer (its ``kinds``): a plain matrix through ``at::linear``,
+#: packed for ``linear_bf16``, or packed for ``linear_quant``: `QUANTIZED` + 2 * format code + offsets.
+PLAIN, PACKED_BF16, QUANTIZED = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -40,16 +47,24 @@ class LayerWeights:
     down: list[Tensor]
     final_norm: Tensor
     windows: list[int]
-    packed: bool
+    kinds: list[int]  # four per layer: qkv, o, gate_up, down
+    groups: list[int]  # the quantized layers' group sizes (0 for the others)
 
 
-def _weight(layer: nn.Module) -> tuple[Tensor, bool] | None:
-    """A linear layer's weight as the native call reads it and whether it is packed; None when
-    the layer is something else (oneDNN's packing, a wrapper)."""
+def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
+    """A linear layer's weight as the native call reads it, its kind and its group size; None
+    when the layer is something else (oneDNN's packing, another quantized backend, act-order, a
+    wrapper)."""
     if isinstance(layer, packed_linear.PackedLinear):
-        return (layer.packed, True) if layer.native_layout else None
+        return (layer.packed, PACKED_BF16, 0) if layer.native_layout else None
     if type(layer) is nn.Linear:
-        return layer.weight, False
+        return layer.weight, PLAIN, 0
+    if isinstance(layer, QuantLinear) and layer.backend.name == quant_cpu.NativeBackend.name:
+        meta = layer.meta
+        if meta.has_perm:
+            return None
+        kind = QUANTIZED + 2 * quant_cpu.FORMAT_CODES[meta.format] + int(meta.has_offsets)
+        return layer.packed["packed"], kind, meta.group
     return None
 
 
@@ -61,7 +76,9 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     lists: dict[str, list[Tensor]] = {
         k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias", "post_norms", "gate_up", "mlp_bias", "down")
     }
-    kinds = set()
+    kinds: list[int] = []
+    groups: list[int] = []
+    quantized: set[int] = set()  # ids of the packed quantized weights: bytes, not the model's dtype
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
@@ -69,8 +86,12 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
             found = _weight(module)
             if found is None:
                 return None
-            lists[name].append(found[0])
-            kinds.add(found[1])
+            weight, kind, group = found
+            lists[name].append(weight)
+            kinds.append(kind)
+            groups.append(group)
+            if kind >= QUANTIZED:
+                quantized.add(id(weight))
         for name, biases in (
             ("qkv_bias", (attn.qkv_proj,)),
             ("o_bias", (attn.o_proj,)),
@@ -79,14 +100,19 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
             lists[name].extend(m.bias for m in biases if m.bias is not None)
         lists["input_norms"].append(layer.input_layernorm.weight)
         lists["post_norms"].append(layer.post_attention_layernorm.weight)
-    tensors = [t for values in lists.values() for t in values]
-    if len(kinds) != 1 or not ops.use_native(model.model.embed_tokens.weight, *tensors):
+    final_norm = model.model.norm.weight
+    # the quantized weights are bytes, on the CPU (where their backend serves them)
+    typed = [t for values in lists.values() for t in values if id(t) not in quantized]
+    if not ops.use_native(final_norm, *typed):
+        return None
+    if quantized and final_norm.dtype != torch.bfloat16:  # the quantized kernel takes bfloat16 x
         return None
     return LayerWeights(
         **lists,
-        final_norm=model.model.norm.weight,
+        final_norm=final_norm,
         windows=[layer.self_attn.sliding_window or -1 for layer in model.model.layers],
-        packed=kinds.pop(),
+        kinds=kinds,
+        groups=groups,
     )
 
 
@@ -142,5 +168,6 @@ class FusedDecode:
             attn.num_heads,
             model.model.norm.eps,
             attn.scale,
-            w.packed,
+            w.kinds,
+            w.groups,
         )

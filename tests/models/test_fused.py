@@ -4,6 +4,7 @@ linears and on the tiny architectures (biases, sliding windows, float32, bfloat1
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 
 from sonar.kernels import linear, native
 from sonar.kernels.attention import AttentionMetadata
-from sonar.models.fused import FusedDecode, layer_weights
+from sonar.kernels.quant import QuantizedWeight
+from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
+from sonar.models.fused import PACKED_BF16, QUANTIZED, FusedDecode, layer_weights
 from sonar.models.loader import load_model
 from tests.models.driver import GreedyDriver
 
@@ -91,7 +94,7 @@ def test_smollm2_packed_bf16_equals_the_per_op_path(monkeypatch: pytest.MonkeyPa
     if not linear.can_pack_native(loaded.model.lm_head.weight):  # oneDNN's packing: the per-op path
         assert weights is None
         return
-    assert weights is not None and weights.packed
+    assert weights is not None and set(weights.kinds) == {PACKED_BF16}
     fused, per_op, a, b, calls = _both(loaded.model, torch.bfloat16, _prompts(1000)[:4], 6, monkeypatch)
     assert calls == 5
     _assert_same(fused, per_op, a, b)
@@ -129,4 +132,101 @@ def test_repacked_weights_are_picked_up(monkeypatch: pytest.MonkeyPatch) -> None
     layer.repack()
     after = model.fused_decode.weights()
     assert after is not before
-    assert after.down[3] is layer.packed if after.packed else after.down[3] is layer.weight
+    assert after.down[3] is (layer.packed if after.kinds[4 * 3 + 3] == PACKED_BF16 else layer.weight)
+
+
+# --- quantized linear layers ---------------------------------------------------------------------
+
+
+def _quantize(weight: torch.Tensor, fmt: str, group: int, offsets: bool) -> QuantizedWeight:
+    """Round-to-nearest quantization of `weight` ``[N, K]`` in groups of `group` columns: int4
+    from the group's minimum (GGUF's Q4_1 with offsets, Q4_0-like without), int8 and fp8
+    symmetric (around the group's midpoint, as the offset, if `offsets`)."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // group, group)
+    low, high = w.amin(-1), w.amax(-1)
+    if fmt == "int4":
+        base = low if offsets else torch.zeros_like(low)
+        scale = ((high - base) / 15).clamp_min(1e-8)
+        values = ((w - base[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return QuantizedWeight("int4", values.reshape(n, k), scale, base if offsets else None, group)
+    middle = (low + high) / 2 if offsets else torch.zeros_like(low)
+    centered = w - middle[..., None]
+    peak = centered.abs().amax(-1).clamp_min(1e-8)
+    if fmt == "int8":
+        scale = peak / 127
+        values = (centered / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    else:
+        scale = peak / 448
+        values = (centered / scale[..., None]).to(torch.float8_e4m3fn)
+    return QuantizedWeight(fmt, values.reshape(n, k), scale, middle if offsets else None, group)
+
+
+def _quantized_model(path: Any) -> Any:
+    """A tiny checkpoint in bfloat16 with every linear layer quantized, formats mixed as a GGUF
+    Q4_K_M file mixes them, and its tied output layer in int8 serving the embedding too."""
+    loaded = load_model(str(path), dtype="bfloat16")
+    model = loaded.model
+    plan = {"qkv_proj": ("int4", 32, True), "o_proj": ("fp8", 64, False), "gate_up_proj": ("int4", 16, False)}
+    plan["down_proj"] = ("int8", 32, False)
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, (fmt, group, offsets) in plan.items():
+                if hasattr(parent, name):
+                    old = getattr(parent, name)
+                    qw = _quantize(old.weight.detach(), fmt, group, offsets)
+                    bias = None if old.bias is None else old.bias.detach()
+                    setattr(parent, name, QuantLinear(qw, bias))
+        plan["o_proj"] = ("int8", 64, True)  # the next layers: another format in the same slot
+    head = QuantLinear(_quantize(model.lm_head.weight.detach(), "int8", 32, False), None)
+    model.lm_head = head
+    model.model.embed_tokens = QuantEmbedding(head, torch.bfloat16)
+    return loaded
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+def test_quantized_layers_equal_the_per_op_path(
+    name: str, tiny_checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int4 (with and without offsets), int8 and fp8 layers, several group sizes, biases (Qwen2),
+    through ``linear_quant`` in the loop and in the layers: the same bits."""
+    loaded = _quantized_model(tiny_checkpoints[name].path)
+    weights = layer_weights(loaded.model)
+    assert weights is not None
+    # int4 with offsets, fp8, int4, int8; then int8 with offsets in the second layer's o_proj
+    assert weights.kinds[:8] == [QUANTIZED + 1, QUANTIZED + 4, QUANTIZED, QUANTIZED + 2] + [
+        QUANTIZED + 1,
+        QUANTIZED + 3,
+        QUANTIZED,
+        QUANTIZED + 2,
+    ]
+    assert weights.groups[:4] == [32, 64, 16, 32]
+    fused, per_op, a, b, calls = _both(
+        loaded.model,
+        torch.bfloat16,
+        _prompts(loaded.config.vocab_size),
+        10,
+        monkeypatch,
+        prefill_chunk=8,
+        join_steps=[0, 2, 0, 5, 1],
+    )
+    assert calls >= 6
+    _assert_same(fused, per_op, a, b)
+
+
+def test_quantized_layers_the_loop_does_not_serve(tiny_checkpoints: dict[str, Any]) -> None:
+    """An act-order permutation, the reference backend, and a float32 model with quantized layers
+    take the per-op path."""
+    path = tiny_checkpoints["llama3"].path
+    loaded = _quantized_model(path)
+    layer = loaded.model.model.layers[1].mlp
+    qw = _quantize(torch.randn(layer.down_proj.out_features, layer.down_proj.in_features), "int4", 32, True)
+    layer.down_proj = QuantLinear(replace(qw, perm=torch.randperm(qw.in_features)), None)
+    assert layer_weights(loaded.model) is None
+    layer.down_proj = QuantLinear(qw, None, backend=ReferenceBackend())
+    assert layer_weights(loaded.model) is None
+    layer.down_proj = QuantLinear(qw, None)
+    assert layer_weights(loaded.model) is not None
+    model32 = load_model(str(path), dtype="float32").model
+    model32.model.layers[0].mlp.down_proj = QuantLinear(qw, None)
+    assert layer_weights(model32) is None

@@ -956,6 +956,18 @@ int64_t first_tile(int64_t tiles) {
   return begin < tiles ? begin : -1;
 }
 
+#ifdef SONAR_LINEAR_BF16
+// The lines of the first `group_tiles` tiles this thread will take of `next`, a packed weight (bf16
+// or quantized) whose tiles are its first dimension, each one contiguous run of 64-byte lines.
+Prefetch next_layer_lines(const at::Tensor& next, int64_t group_tiles) {
+  const int64_t tiles = next.size(0), first = first_tile(tiles);
+  if (first < 0) return {};
+  const int64_t tile_lines = static_cast<int64_t>(next.nbytes()) / tiles / 64;
+  return {static_cast<const char*>(next.data_ptr()) + first * tile_lines * 64,
+          std::min<int64_t>(group_tiles, tiles - first) * tile_lines};
+}
+#endif
+
 // y = x @ W.T (+ bias); `next`, when given, is the packed weight of the linear layer the caller
 // runs next, whose first group this thread prefetches during its last one.
 at::Tensor linear_bf16_then(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
@@ -992,10 +1004,7 @@ at::Tensor linear_bf16_then(const at::Tensor& x, const at::Tensor& packed, const
         group = {reinterpret_cast<const char*>(w + count * tile_stride),
                  std::min<int64_t>(kLinearTiles, end - t - count) * kp_count};
       } else if (blocks > 1 && next != nullptr) {
-        const int64_t next_tiles = next->size(0), next_kp = next->size(1), first = first_tile(next_tiles);
-        if (first >= 0)
-          group = {reinterpret_cast<const char*>(data<const int32_t>(*next) + first * next_kp * 16),
-                   std::min<int64_t>(kLinearTiles, next_tiles - first) * next_kp};
+        group = next_layer_lines(*next, kLinearTiles);
       }
       const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
       int64_t r = 0;
@@ -1028,18 +1037,397 @@ bool has_linear_bf16() {
 #endif
 }
 
+// --- quantized linear layers ---------------------------------------------------------------------
+//
+// y = x @ W.T (+ bias) for bfloat16 x [M, K] and W in the logical layout of
+// sonar/kernels/quant.py (w = v * scale + offset per group of `group` input columns of a row),
+// packed once at load by sonar/kernels/quant_cpu.py as a byte tensor [ceil(N / 16), G, B]: per tile
+// of 16 output columns and per group g, the group's weights in 64-byte lines, then the 16 columns'
+// float32 scales (one line), then their float32 offsets (one line, when the weight has offsets).
+// One tile is one contiguous run of bytes, read front to back, like linear_bf16's tiles.
+//
+// A line holds 16 columns x 8 k of int4 or 16 columns x 4 k of int8 / fp8, arranged so that
+// unpacking it in registers gives bfloat16 vectors in linear_bf16's order (32-bit lane j: column
+// j's weights at k and k + 1), fed to the same `vdpbf16ps`, accumulated in float32 one group at a
+// time and scaled at the group's end: y += scale * sum_k(v x) + offset * sum_k(x), the sums of x
+// per row and group computed once per call. The unpacking is exact: every int4, int8 and e4m3
+// value is a bfloat16.
+//   int4: each 16-bit lane of a line holds the four nibbles of one (column, k parity) at four
+//     consecutive k pairs. (nibble | 0x4300) read as bfloat16 is 128 + q exactly (one vpternlogd
+//     per 32 values), so the dot product carries 128 * sum(x), taken back out with the offset term:
+//     y += scale * dot + (offset - 128 scale) * sum(x).
+//   int8: bytes in linear_bf16's pair order, sign-extended to int32, converted to float, rounded
+//     (exactly) to bfloat16 pairs by vcvtne2ps2bf16.
+//   fp8 (e4m3): ((b << 20) & 0x87f00000) read as float32 is the value times 2^-120, subnormals
+//     included (as float32 subnormals); times 2^120, then as int8. (A bfloat16 subnormal would be
+//     read as zero by vdpbf16ps, hence the float32 detour.)
+// Without AVX512-BF16 a portable loop reads the same packing (same results up to summation order).
+
+enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+
+// The shape of a packed quantized weight, from the tensor and its format and group.
+struct QuantGeometry {
+  int64_t format, group, groups, k, tiles, group_bytes, meta_lines, stride_g, tile_bytes;
+  bool offsets;
+
+  static int64_t k_per_line(int64_t format) { return format == kInt4 ? 8 : 4; }
+
+  QuantGeometry(const at::Tensor& packed, int64_t format_, int64_t group_, bool offsets_)
+      : format(format_), group(group_), offsets(offsets_) {
+    TORCH_CHECK(format >= kInt4 && format <= kFp8, "sonar_cpu::linear_quant: format 0 (int4), 1 (int8) or 2 (fp8)");
+    TORCH_CHECK(group > 0 && group % k_per_line(format) == 0, "sonar_cpu::linear_quant: group ", group,
+                " is not a multiple of ", k_per_line(format));
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
+                "sonar_cpu::linear_quant: packed weights: a contiguous uint8 [tiles, groups, bytes]");
+    tiles = packed.size(0);
+    groups = packed.size(1);
+    k = groups * group;
+    group_bytes = group / k_per_line(format) * 64;
+    meta_lines = offsets ? 2 : 1;
+    stride_g = group_bytes + meta_lines * 64;
+    tile_bytes = groups * stride_g;
+    TORCH_CHECK(packed.size(2) == stride_g, "sonar_cpu::linear_quant: packed weights of ", packed.size(2),
+                " bytes per group, expected ", stride_g, " (group ", group, offsets ? ", with offsets)" : ")");
+  }
+};
+
+// Per row of x and group: the sum of the row's values in the group, float32.
+std::vector<float> group_sums(const Bf16* x, int64_t rows, int64_t k, int64_t group) {
+  const int64_t groups = k / group;
+  std::vector<float> sums(rows * groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += to_float(x[r * k + g * group + i]);
+      sums[r * groups + g] = s;
+    }
+  return sums;
+}
+
+#ifdef SONAR_LINEAR_BF16
+#define SONAR_LINEAR_QUANT 1
+
+// One 64-byte line of a tile, unpacked one k pair at a time into bfloat16 pair vectors.
+template <int FORMAT>
+struct QuantLine {
+  static constexpr int kPairs = FORMAT == kInt4 ? 4 : 2;
+  __m512i w;  // int4: the line; int8 / fp8: unused (each pair is loaded from memory, widened)
+  const uint8_t* line;
+
+  QuantLine() = default;
+  explicit QuantLine(const uint8_t* p) : line(p) {
+    if constexpr (FORMAT == kInt4) w = _mm512_loadu_si512(p);
+  }
+
+  __m512bh pair(int p) const {
+    if constexpr (FORMAT == kInt4) {
+      const __m512i nibble = _mm512_set1_epi16(0x000f), high = _mm512_set1_epi16(0x4300);
+      if (p == 3) return (__m512bh)_mm512_or_si512(_mm512_srli_epi16(w, 12), high);
+      const __m512i shifted = p == 0 ? w : _mm512_srli_epi16(w, 4 * p);
+      return (__m512bh)_mm512_ternarylogic_epi32(shifted, nibble, high, 0xea);  // (w & nibble) | high
+    } else {
+      __m512 half[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + p * 32 + h * 16)));
+        if constexpr (FORMAT == kInt8) {
+          half[h] = _mm512_cvtepi32_ps(b);
+        } else {
+          const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87f00000u)));
+          half[h] = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+        }
+      }
+      return _mm512_cvtne2ps_pbh(half[1], half[0]);
+    }
+  }
+};
+
+// Bytes ahead in its tile at which a block prefetches while it reads a line: the unpacking keeps a
+// core busy long enough that the hardware prefetcher alone leaves it waiting on memory at batch 1
+// (measured, 1 thread, SmolLM2's gate_up: 512 bytes ahead ~10 % faster, 0 / 1024 / 2048 within noise).
+constexpr int64_t kQuantAhead = 512;
+
+// ROWS rows of x against TILES tiles (`columns` output columns from the first tile's first). The
+// group's dot products go to SPLIT interleaved accumulators per row and tile, so that a small
+// block still has about 8 independent `vdpbf16ps` chains in flight.
+template <int FORMAT, int ROWS, int TILES>
+inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
+                        const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
+                        Prefetch pf) {
+  constexpr int P = QuantLine<FORMAT>::kPairs;
+  constexpr int SPLIT = ROWS * TILES >= 8 ? 1 : 8 / (ROWS * TILES);
+  const int64_t lines = geo.group_bytes / 64;
+  __m512 out[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) out[r][t] = _mm512_setzero_ps();
+  const int64_t per_line = pf.count > 0 ? (pf.count + geo.groups * lines - 1) / (geo.groups * lines) : 0;
+  int64_t fetched = 0;
+  for (int64_t g = 0; g < geo.groups; ++g) {
+    const uint8_t* wg = w + g * geo.stride_g;
+    __m512 acc[SPLIT][ROWS][TILES];
+    for (int i = 0; i < SPLIT; ++i)
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < TILES; ++t) acc[i][r][t] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < lines; ++l) {
+      for (const int64_t stop = std::min(pf.count, fetched + per_line); fetched < stop; ++fetched)
+        _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
+      const int32_t* xl = x + (g * lines + l) * P;
+      QuantLine<FORMAT> raw[TILES];
+      for (int t = 0; t < TILES; ++t) {
+        raw[t] = QuantLine<FORMAT>(wg + t * geo.tile_bytes + l * 64);
+        _mm_prefetch(wg + t * geo.tile_bytes + l * 64 + kQuantAhead, _MM_HINT_T0);
+      }
+      for (int p = 0; p < P; ++p) {
+        __m512bh v[TILES];
+        for (int t = 0; t < TILES; ++t) v[t] = raw[t].pair(p);
+        for (int r = 0; r < ROWS; ++r) {
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(xl[r * kp_count + p]);
+          for (int t = 0; t < TILES; ++t) acc[p % SPLIT][r][t] = _mm512_dpbf16_ps(acc[p % SPLIT][r][t], v[t], xb);
+        }
+      }
+    }
+    for (int i = 1; i < SPLIT; ++i)
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < TILES; ++t) acc[0][r][t] = _mm512_add_ps(acc[0][r][t], acc[i][r][t]);
+    for (int t = 0; t < TILES; ++t) {
+      const float* meta = reinterpret_cast<const float*>(wg + t * geo.tile_bytes + geo.group_bytes);
+      const __m512 scale = _mm512_loadu_ps(meta);
+      if constexpr (FORMAT == kInt4) {
+        const __m512 given = geo.offsets ? _mm512_loadu_ps(meta + 16) : _mm512_setzero_ps();
+        const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.f), given);  // offset - 128 scale
+        for (int r = 0; r < ROWS; ++r)
+          out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * geo.groups + g]),
+                                      _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]));
+      } else if (geo.offsets) {
+        const __m512 offset = _mm512_loadu_ps(meta + 16);
+        for (int r = 0; r < ROWS; ++r)
+          out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * geo.groups + g]),
+                                      _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]));
+      } else {
+        for (int r = 0; r < ROWS; ++r) out[r][t] = _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = columns - t * 16;
+    if (n <= 0) break;
+    const __m512 b = bias ? loadn(bias + t * 16, n) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) storen(y + r * y_stride + t * 16, _mm512_add_ps(out[r][t], b), n);
+  }
+}
+
+// The work of one thread, a group of kQuantTiles tiles at a time: blocks of kQuantRows rows, two
+// tiles each (2 x 8 x 2 float32 accumulators, the group's and the running sums, and the unpacked
+// weights stay near the 32 registers); the last rows % kQuantRows rows in blocks of up to 3 rows
+// and 4 tiles (a decode at batch 1 gets 4 tiles x 2 split accumulators in flight). Measured on
+// SmolLM2's shapes, 1 thread: 8 x 2 vs 4 x 2 and 4 x 4 blocks, batch 16: 1.0-1.2x bf16's time
+// instead of 0.8-0.95x for the int4 layers and the int8 lm_head 0.97x instead of 0.6-0.8x.
+constexpr int kQuantRows = 8;
+constexpr int kQuantTiles = 4;
+constexpr int kQuantBlockTiles = 2;
+
+template <int FORMAT, int ROWS, int TILES>
+inline void quant_rows(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
+                       const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
+                       Prefetch pf) {
+  if constexpr (TILES > 1) {
+    if (tiles < TILES)
+      return quant_rows<FORMAT, ROWS, TILES - 1>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf);
+  }
+  quant_block<FORMAT, ROWS, TILES>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf);
+}
+
+// `tiles` tiles (at most kQuantTiles) for ROWS rows, TILES tiles per block.
+template <int FORMAT, int ROWS, int TILES>
+inline void quant_tiles(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
+                        const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
+                        Prefetch pf) {
+  for (int64_t t = 0; t < tiles; t += TILES) {
+    quant_rows<FORMAT, ROWS, TILES>(std::min<int64_t>(TILES, tiles - t), x, kp_count, sums, w + t * geo.tile_bytes,
+                                    geo, bias ? bias + t * 16 : nullptr, y + t * 16, y_stride, columns - t * 16,
+                                    t == 0 ? pf : Prefetch{});
+  }
+}
+
+template <int FORMAT, int ROWS = kQuantRows - 1>
+inline void quant_tail(int64_t rows, int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums,
+                       const uint8_t* w, const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride,
+                       int64_t columns) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) {
+      constexpr int tiles_per_block = ROWS <= 3 ? kQuantTiles : kQuantBlockTiles;
+      return quant_tiles<FORMAT, ROWS, tiles_per_block>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns,
+                                                        {});
+    }
+    quant_tail<FORMAT, ROWS - 1>(rows, tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns);
+  }
+}
+
+template <int FORMAT>
+void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
+                         const Bf16* bs, Bf16* ys, int64_t out_features, const at::Tensor* next) {
+  const int64_t kp_count = geo.k / 2, blocks = rows / kQuantRows, groups = geo.groups;
+  const int32_t* x = reinterpret_cast<const int32_t*>(xs);
+  at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t += kQuantTiles) {
+      const int64_t count = std::min<int64_t>(kQuantTiles, end - t);
+      const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
+      const uint8_t* w = ws + t * geo.tile_bytes;
+      const Bf16* b = bs ? bs + t * 16 : nullptr;
+      Prefetch group;  // as linear_bf16: the tiles this thread takes next, or the next layer's first
+      if (blocks > 1 && t + count < end) {
+        group = {reinterpret_cast<const char*>(w + count * geo.tile_bytes),
+                 std::min<int64_t>(kQuantTiles, end - t - count) * geo.tile_bytes / 64};
+      } else if (blocks > 1 && next != nullptr) {
+        group = next_layer_lines(*next, kQuantTiles);
+      }
+      const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
+      int64_t r = 0;
+      for (int64_t i = 0; r + kQuantRows <= rows; r += kQuantRows, ++i) {
+        const int64_t from = std::min(group.count, i * share);
+        const Prefetch part{group.lines + from * 64, std::min(share, group.count - from)};
+        quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, x + r * kp_count, kp_count, sums + r * groups, w, geo,
+                                                          b, ys + r * out_features + t * 16, out_features, columns,
+                                                          part);
+      }
+      quant_tail<FORMAT>(rows - r, count, x + r * kp_count, kp_count, sums + r * groups, w, geo, b,
+                         ys + r * out_features + t * 16, out_features, columns);
+    }
+  });
+}
+#endif
+
+// The portable loop: per tile and group, the group's weights unpacked to float32 once, then every
+// row's 16 column sums over them.
+void linear_quant_portable(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
+                           const Bf16* bs, Bf16* ys, int64_t out_features) {
+  at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(geo.group * 16), out(rows * 16), xf(geo.k);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(out.begin(), out.end(), 0.f);
+      for (int64_t g = 0; g < geo.groups; ++g) {
+        const uint8_t* wg = ws + t * geo.tile_bytes + g * geo.stride_g;
+        for (int64_t i = 0; i < geo.group; ++i) {  // k = g * group + i
+          const int64_t line = i / QuantGeometry::k_per_line(geo.format), within = i % QuantGeometry::k_per_line(geo.format);
+          for (int64_t c = 0; c < 16; ++c) {
+            float v;
+            if (geo.format == kInt4) {
+              const uint8_t* lane = wg + line * 64 + (c * 2 + within % 2) * 2;
+              const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
+              v = static_cast<float>((word >> (4 * (within / 2))) & 0xf);
+            } else {
+              const uint8_t byte = wg[line * 64 + (within / 2) * 32 + c * 2 + within % 2];
+              if (geo.format == kInt8) {
+                v = static_cast<float>(static_cast<int8_t>(byte));
+              } else {
+                const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << 20) &
+                                      0x87f00000u;
+                std::memcpy(&v, &bits, sizeof v);
+                v *= 0x1p120f;
+              }
+            }
+            wf[i * 16 + c] = v;
+          }
+        }
+        const float* scale = reinterpret_cast<const float*>(wg + geo.group_bytes);
+        const float* offset = geo.offsets ? scale + 16 : nullptr;
+        for (int64_t r = 0; r < rows; ++r) {
+          const Bf16* xr = xs + r * geo.k + g * geo.group;
+          float acc[16] = {};
+          for (int64_t i = 0; i < geo.group; ++i) {
+            const float xi = to_float(xr[i]);
+#pragma omp simd
+            for (int64_t c = 0; c < 16; ++c) acc[c] += xi * wf[i * 16 + c];
+          }
+          const float s = sums[r * geo.groups + g];
+          for (int64_t c = 0; c < 16; ++c) out[r * 16 + c] += acc[c] * scale[c] + (offset ? offset[c] * s : 0.f);
+        }
+      }
+      const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < columns; ++c) {
+          const float b = bs ? to_float(bs[t * 16 + c]) : 0.f;
+          ys[r * out_features + t * 16 + c] = from_float<Bf16>(out[r * 16 + c] + b);
+        }
+    }
+  });
+}
+
+// y = x @ W.T (+ bias) over a packed quantized weight; `next` as in linear_bf16_then.
+at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                             int64_t format, int64_t out_features, int64_t group, bool offsets, const at::Tensor* next) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  const QuantGeometry geo(packed, format, group, offsets);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == geo.k,
+              "sonar_cpu::linear_quant: contiguous bfloat16 x [M, ", geo.k, "]");
+  TORCH_CHECK(out_features <= geo.tiles * 16 && out_features > (geo.tiles - 1) * 16,
+              "sonar_cpu::linear_quant: ", out_features, " output features in ", geo.tiles, " tiles of 16");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
+                "sonar_cpu::linear_quant: bfloat16 bias [N]");
+  }
+  const int64_t rows = x.size(0);
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  const Bf16* xs = data<const Bf16>(x);
+  const std::vector<float> sums = group_sums(xs, rows, geo.k, group);
+  const uint8_t* ws = data<const uint8_t>(packed);
+  const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
+  Bf16* ys = data<Bf16>(y);
+#ifdef SONAR_LINEAR_QUANT
+  if (format == kInt4) linear_quant_avx512<kInt4>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
+  else if (format == kInt8) linear_quant_avx512<kInt8>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
+  else linear_quant_avx512<kFp8>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
+#else
+  linear_quant_portable(xs, rows, sums.data(), ws, geo, bs, ys, out_features);
+#endif
+  return y;
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                        int64_t format, int64_t out_features, int64_t group, bool offsets) {
+  return linear_quant_then(x, packed, bias, format, out_features, group, offsets, nullptr);
+}
+
+bool has_linear_quant() {
+#ifdef SONAR_LINEAR_QUANT
+  return true;
+#else
+  return false;
+#endif
+}
+
 // --- a decode step's decoder layers in one call ------------------------------------------------
 //
 // The layer loop of sonar/models/decoder.py for a step whose rows are all decodes (one new token
 // per sequence, row i is sequence i), calling the kernels above directly: the same kernels in the
 // same order as the per-op path, so the same bits, without ~10 Python-level operator calls per
-// layer (about 4 ms of a 28 ms step at batch 16 on 2 cores). Linear weights are all packed for
-// `linear_bf16` (packed = true) or all plain [N, K] matrices for `at::linear`; biases are
-// optional per kind of layer (empty lists: none). Returns the final norm of the last hidden state.
+// layer (about 4 ms of a 28 ms step at batch 16 on 2 cores). Each linear layer is one tensor and a
+// kind (`kinds`, four per layer: qkv, o, gate_up, down): a plain [N, K] matrix for `at::linear`,
+// packed for `linear_bf16`, or packed for `linear_quant` in one of its formats (with `groups` its
+// group size), so layers of different formats mix; biases are optional per kind of layer (empty
+// lists: none). Returns the final norm of the last hidden state.
 
-at::Tensor linear_any(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                      int64_t out_features, bool packed, const at::Tensor* next) {
-  return packed ? linear_bf16_then(x, weight, bias, out_features, next) : at::linear(x, weight, bias);
+// A linear layer's kind in `decode_layers`: plain, bf16 packed, or 2 + 2 * format + has_offsets.
+enum LinearKind : int64_t { kPlain = 0, kPackedBf16 = 1, kQuantFirst = 2, kQuantLast = 7 };
+
+struct AnyLinear {
+  const at::Tensor* weight;
+  int64_t kind, group;
+
+  int64_t in_features() const {
+    if (kind == kPlain) return weight->size(1);
+    if (kind == kPackedBf16) return weight->size(1) * 2;
+    return weight->size(1) * group;
+  }
+};
+
+at::Tensor linear_any(const at::Tensor& x, const AnyLinear& w, const std::optional<at::Tensor>& bias,
+                      int64_t out_features, const AnyLinear* next) {
+  const at::Tensor* then = next != nullptr && next->kind != kPlain ? next->weight : nullptr;
+  if (w.kind == kPlain) return at::linear(x, *w.weight, bias);
+  if (w.kind == kPackedBf16) return linear_bf16_then(x, *w.weight, bias, out_features, then);
+  const int64_t code = w.kind - kQuantFirst;
+  return linear_quant_then(x, *w.weight, bias, code / 2, out_features, w.group, code % 2 == 1, then);
 }
 
 std::optional<at::Tensor> nth(const at::TensorList& list, size_t i) {
@@ -1052,36 +1440,46 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList mlp_bias, at::TensorList down, const at::Tensor& final_norm,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t num_heads, double eps,
-                         double scale, bool packed) {
+                         double scale, at::IntArrayRef kinds, at::IntArrayRef groups) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && input_norms.size() == layers && qkv.size() == layers && o.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
                   windows.size() == layers,
               "sonar_cpu::decode_layers: one entry per layer in every list");
+  TORCH_CHECK(kinds.size() == 4 * layers && groups.size() == 4 * layers,
+              "sonar_cpu::decode_layers: a kind and a group per linear layer (four per layer)");
+  for (const int64_t kind : kinds)
+    TORCH_CHECK(kind >= kPlain && kind <= kQuantLast, "sonar_cpu::decode_layers: unknown linear kind ", kind);
   TORCH_CHECK((qkv_bias.empty() || qkv_bias.size() == layers) && (o_bias.empty() || o_bias.size() == layers) &&
                   (mlp_bias.empty() || mlp_bias.size() == 2 * layers),
               "sonar_cpu::decode_layers: bias lists empty or one per layer (two for the MLP)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == seq_lens.size(0),
               "sonar_cpu::decode_layers: contiguous x [seqs, hidden], one row per sequence");
+  std::vector<AnyLinear> linears;
+  for (size_t l = 0; l < layers; ++l) {
+    const at::Tensor* weights[4] = {&qkv[l], &o[l], &gate_up[l], &down[l]};
+    for (size_t i = 0; i < 4; ++i) linears.push_back({weights[i], kinds[4 * l + i], groups[4 * l + i]});
+  }
   const int64_t n = x.size(0), hidden = x.size(1);
   const int64_t kv_heads = kv_caches[0].size(3), head_dim = kv_caches[0].size(4);
   const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
-  const int64_t inter = (packed ? down[0].size(1) * 2 : down[0].size(1));
+  const int64_t inter = linears[3].in_features();
   const at::Tensor no_rows = at::empty({0}, slot_mapping.options());
   at::Tensor h = rms_norm(x, input_norms[0], eps), residual = x, out = x;
   for (size_t l = 0; l < layers; ++l) {
+    const AnyLinear* w = &linears[4 * l];
     if (l > 0) std::tie(h, residual) = fused_add_rms_norm(out, residual, input_norms[l], eps);
-    const at::Tensor proj = linear_any(h, qkv[l], nth(qkv_bias, l), q_size + 2 * kv_size, packed, &o[l]);
+    const at::Tensor proj = linear_any(h, w[0], nth(qkv_bias, l), q_size + 2 * kv_size, &w[1]);
     const at::Tensor qk = rotary(proj.narrow(1, 0, q_size + kv_size).view({n, num_heads + kv_heads, head_dim}), cos, sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, kv_heads);
     const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     at::Tensor attn = at::empty(q.sizes(), q.options());
     decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l]);
-    const at::Tensor attended = linear_any(attn.view({n, q_size}), o[l], nth(o_bias, l), hidden, packed, &gate_up[l]);
+    const at::Tensor attended = linear_any(attn.view({n, q_size}), w[1], nth(o_bias, l), hidden, &w[2]);
     std::tie(h, residual) = fused_add_rms_norm(attended, residual, post_norms[l], eps);
-    const at::Tensor gated = silu_and_mul(linear_any(h, gate_up[l], nth(mlp_bias, 2 * l), 2 * inter, packed, &down[l]));
-    out = linear_any(gated, down[l], nth(mlp_bias, 2 * l + 1), hidden, packed, l + 1 < layers ? &qkv[l + 1] : nullptr);
+    const at::Tensor gated = silu_and_mul(linear_any(h, w[2], nth(mlp_bias, 2 * l), 2 * inter, &w[3]));
+    out = linear_any(gated, w[3], nth(mlp_bias, 2 * l + 1), hidden, l + 1 < layers ? &w[4] : nullptr);
   }
   return std::get<0>(fused_add_rms_norm(out, residual, final_norm, eps));
 }
@@ -1101,7 +1499,10 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] o, Tensor[] o_bias, Tensor[] post_norms, Tensor[] gate_up, Tensor[] mlp_bias, Tensor[] down, "
         "Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int[] windows, int num_heads, float eps, float scale, bool packed) -> Tensor");
+        "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups) -> Tensor");
+  m.def("linear_quant(Tensor x, Tensor packed, Tensor? bias, int format, int out_features, int group, bool offsets) "
+        "-> Tensor");
+  m.def("has_linear_quant() -> bool", &has_linear_quant);
 }
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
@@ -1112,5 +1513,6 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("linear_quant", &linear_quant);
   m.impl("decode_layers", &decode_layers);
 }

@@ -1,0 +1,240 @@
+"""The native quantized linear kernel (``torch.ops.sonar_cpu.linear_quant``, `sonar.kernels.quant_cpu`)
+against `sonar.kernels.quant.reference_linear`: every format and group size, with and without
+offsets, act-order, bias, row counts around the register blocks, a tile count not a multiple of
+16; exactly where every sum is exact; `rows` against `dequantize`; the portable build.
+
+Tolerance (bfloat16 output, compared in float32): both sides round a float32 sum to bfloat16, so
+they may differ by one bfloat16 step (2^-7 relative) plus the float32 summation-order error; the
+kernel sums (128 + q) x for int4, up to ~10x the magnitude of the plain terms, so that error is
+bounded by 1e-4 of sum |x| (|w| + 128 scale) here (K = 256)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sonar.kernels import native, quant, quant_cpu
+from sonar.kernels.quant import QuantizedWeight
+from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, K = 37, 256
+GROUPS = [16, 32, 64, 128, K]
+ROWS = [1, 3, 4, 5, 17, 300]
+
+
+def _values(fmt: str, shape: tuple[int, int], gen: torch.Generator, small: bool = False) -> torch.Tensor:
+    if fmt == "int4":
+        return torch.randint(0, 4 if small else 16, shape, generator=gen, dtype=torch.uint8)
+    if fmt == "int8":
+        return torch.randint(-4 if small else -128, 4 if small else 128, shape, generator=gen, dtype=torch.int8)
+    if small:
+        return torch.randint(-4, 4, shape, generator=gen).float().to(torch.float8_e4m3fn)
+    # every e4m3 value but NaN: subnormals, zeros of both signs, the extremes
+    bits = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    bits = torch.where((bits & 0x7F) == 0x7F, bits & 0xFE, bits)
+    return bits.view(torch.float8_e4m3fn)
+
+
+def random_weight(
+    fmt: str, group: int, offsets: bool, perm: bool = False, n: int = N, k: int = K, seed: int = 0
+) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    groups = k // group
+    scales = torch.rand(n, groups, generator=gen) * 0.1 + 0.01
+    return QuantizedWeight(
+        fmt,
+        _values(fmt, (n, k), gen),
+        scales,
+        torch.randn(n, groups, generator=gen) * 0.1 if offsets else None,
+        group,
+        torch.randperm(k, generator=gen) if perm else None,
+    )
+
+
+def exact_weight(fmt: str, group: int, offsets: bool, gen: torch.Generator) -> QuantizedWeight:
+    """Small values, power-of-two scales, offsets on a 1/4 grid: with small integer x every
+    product and sum is exact in float32."""
+    groups = K // group
+    return QuantizedWeight(
+        fmt,
+        _values(fmt, (N, K), gen, small=True),
+        2.0 ** torch.randint(-2, 2, (N, groups), generator=gen).float(),
+        torch.randint(-8, 8, (N, groups), generator=gen).float() / 4 if offsets else None,
+        group,
+    )
+
+
+def assert_close_to_reference(
+    got: torch.Tensor, x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None
+) -> None:
+    want = quant.reference_linear(x, qw, bias).float()
+    ones = torch.ones(qw.values.shape).to(qw.values.dtype)
+    scales = quant.dequantize(replace(qw, values=ones, offsets=None)).abs()  # per weight, in x's column order
+    spread = x.float().abs() @ (quant.dequantize(qw).abs() + 128 * scales).T
+    bound = 2**-7 * want.abs() + 1e-4 * spread + 1e-6
+    error = (got.float() - want).abs()
+    assert got.dtype == x.dtype and got.shape == want.shape
+    assert bool((error <= bound).all()), f"error up to {(error / bound).max().item():.2f}x the bound"
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("offsets", [False, True])
+def test_linear_matches_the_reference(fmt: str, group: int, offsets: bool) -> None:
+    gen = torch.Generator().manual_seed(group)
+    for perm in (False, True):
+        qw = random_weight(fmt, group, offsets, perm, seed=group + perm)
+        layer = QuantLinear(qw, None)
+        assert layer.backend.name == "native"
+        for rows in ROWS:
+            x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+            bias = torch.randn(N, generator=gen).to(torch.bfloat16) if rows % 2 else None
+            layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+            assert_close_to_reference(layer(x), x, qw, bias)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("group", [16, K])
+def test_exact_where_every_sum_is(fmt: str, group: int) -> None:
+    """Every product and sum exact in float32 on both sides (`exact_weight`, small integer x):
+    the bfloat16 outputs are equal."""
+    gen = torch.Generator().manual_seed(3)
+    for offsets in (False, True):
+        qw = exact_weight(fmt, group, offsets, gen)
+        layer = QuantLinear(qw, torch.randint(-3, 3, (N,), generator=gen).to(torch.bfloat16))
+        for rows in (1, 4, 7, 16):
+            x = torch.randint(-3, 4, (rows, K), generator=gen).to(torch.bfloat16)
+            assert torch.equal(layer(x), quant.reference_linear(x, qw, layer.bias))
+
+
+def test_many_tiles_and_a_wide_input() -> None:
+    """Several tiles per thread and a tail tile: SmolLM2's down projection shape, cut to 600 rows."""
+    qw = random_weight("int4", 32, True, n=600, k=1536, seed=5)
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    assert_close_to_reference(QuantLinear(qw, None)(x), x, qw, None)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+@pytest.mark.parametrize("group", [16, 64, K])
+def test_rows_are_the_dequantized_rows(fmt: str, group: int) -> None:
+    """`rows` dequantizes out of the packing exactly as `dequantize` does out of the logical
+    layout; the tied embedding reads through it."""
+    for offsets, perm in ((False, False), (True, True)):
+        qw = random_weight(fmt, group, offsets, perm, seed=7)
+        layer = QuantLinear(qw, None)
+        index = torch.tensor([0, 36, 17, 5, 5, 16, 15])
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(layer.rows(index, dtype), quant.dequantize(qw, dtype)[index])
+        embedding = QuantEmbedding(layer, torch.bfloat16)
+        ids = index.reshape(1, 7)
+        assert torch.equal(embedding(ids), quant.dequantize(qw, torch.bfloat16)[index].reshape(1, 7, K))
+
+
+def test_packing_holds_the_layout_unchanged() -> None:
+    qw = random_weight("int4", 32, True, n=40)
+    packed = quant_cpu.pack(qw)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, K // 32, 4 * 64 + 2 * 64)
+    assert qw.nbytes <= packed.numel() < qw.nbytes * 1.25  # the padding of the last tile only
+    back = quant_cpu.unpack_rows(packed, QuantLinear(qw, None).meta, torch.arange(40))
+    assert torch.equal(back.values, qw.values) and torch.equal(back.scales, qw.scales)
+    assert torch.equal(back.offsets, qw.offsets)
+
+
+def test_other_activation_dtypes_take_the_reference() -> None:
+    qw = random_weight("int8", 32, True, perm=True)
+    x = torch.randn(3, K)
+    assert torch.equal(QuantLinear(qw, None)(x), quant.reference_linear(x, qw))
+
+
+def test_what_the_backend_does_not_serve() -> None:
+    """A group that is not whole lines of the packing (int4: 8 columns, int8: 4) goes to the
+    reference backend; so does everything when the native kernels are off."""
+    odd = random_weight("int4", 4, False, k=64)
+    assert not quant_cpu.NativeBackend().serves(odd)
+    assert QuantLinear(odd, None).backend.name == "reference"
+    assert quant_cpu.NativeBackend().serves(random_weight("int8", 4, False, k=64))
+    assert quant_cpu.NativeBackend().serves(random_weight("fp8", 32, False))
+
+
+def test_bad_input_is_refused() -> None:
+    qw = random_weight("int4", 32, True)
+    packed = quant_cpu.pack(qw)
+    x = torch.randn(2, K).to(torch.bfloat16)
+    op = torch.ops.sonar_cpu.linear_quant
+    with pytest.raises(RuntimeError, match="bfloat16 x"):
+        op(x.float(), packed, None, 0, N, 32, True)
+    with pytest.raises(RuntimeError, match="bytes per group"):
+        op(x, packed, None, 0, N, 32, False)  # offsets missing from the packing
+    with pytest.raises(RuntimeError, match="output features"):
+        op(x, packed, None, 0, 60, 32, True)
+    with pytest.raises(RuntimeError, match="format"):
+        op(x, packed, None, 3, N, 32, True)
+    with pytest.raises(RuntimeError, match="not a multiple"):
+        op(x, packed, None, 0, N, 12, True)
+
+
+def test_the_reference_backend_agrees() -> None:
+    """The two backends on one weight (the native one within the stated tolerance)."""
+    qw = random_weight("fp8", 64, True, perm=True)
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(QuantLinear(qw, None, backend=ReferenceBackend())(x), quant.reference_linear(x, qw))
+    assert_close_to_reference(QuantLinear(qw, None)(x), x, qw, None)
+
+
+# --- the portable build --------------------------------------------------------------------------
+
+PORTABLE_CHECK = """
+import sys
+import torch
+torch.ops.load_library(sys.argv[1])
+from sonar.kernels import quant, quant_cpu
+from tests.kernels.test_quant_cpu import K, N, assert_close_to_reference, exact_weight, random_weight
+
+assert not torch.ops.sonar_cpu.has_linear_quant()
+gen = torch.Generator().manual_seed(0)
+for fmt in ("int4", "int8", "fp8"):
+    for group, offsets in ((16, True), (32, False), (K, True)):
+        qw = random_weight(fmt, group, offsets)
+        packed = quant_cpu.pack(qw)
+        for rows in (1, 5):
+            x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+            bias = torch.randn(N, generator=gen).to(torch.bfloat16)
+            got = torch.ops.sonar_cpu.linear_quant(x, packed, bias, quant_cpu.FORMAT_CODES[fmt], N, group, offsets)
+            assert_close_to_reference(got, x, qw, bias)
+    small = exact_weight(fmt, 16, True, gen)
+    x = torch.randint(-3, 4, (3, K), generator=gen).to(torch.bfloat16)
+    got = torch.ops.sonar_cpu.linear_quant(x, quant_cpu.pack(small), None, quant_cpu.FORMAT_CODES[fmt], N, 16, True)
+    assert torch.equal(got, quant.reference_linear(x, small)), fmt
+print("ok")
+"""
+
+
+def test_portable_build_matches_the_reference() -> None:
+    """The kernel as a CPU without AVX-512 gets it (``-mno-avx512f``: the portable loop over the
+    same packing), in a fresh process (one process can load one ``sonar_cpu`` library). Built
+    into the usual cache, so it compiles once per source."""
+    library = native.build(flags=("-mno-avx512f",))
+    proc = subprocess.run(
+        [sys.executable, "-c", PORTABLE_CHECK, str(library)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "SONAR_NATIVE_KERNELS": "0"},
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_replace_keeps_perm_semantics() -> None:
+    """An act-order weight is the plain weight with its columns permuted: x[:, perm] @ w.T."""
+    qw = random_weight("int4", 32, True, seed=9)
+    perm = torch.randperm(K, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(4, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    permuted = QuantLinear(replace(qw, perm=perm), None)(x)
+    assert torch.equal(permuted, QuantLinear(qw, None)(x[:, perm].contiguous()))
