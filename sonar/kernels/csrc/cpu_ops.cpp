@@ -1058,9 +1058,10 @@ bool has_linear_bf16() {
 //     y += scale * dot + (offset - 128 scale) * sum(x).
 //   int8: bytes in linear_bf16's pair order, sign-extended to int32, converted to float, rounded
 //     (exactly) to bfloat16 pairs by vcvtne2ps2bf16.
-//   fp8 (e4m3): ((b << 20) & 0x87f00000) read as float32 is the value times 2^-120, subnormals
-//     included (as float32 subnormals); times 2^120, then as int8. (A bfloat16 subnormal would be
-//     read as zero by vdpbf16ps, hence the float32 detour.)
+//   fp8 (e4m3): with b sign-extended to 32 bits, ((b << 20) & 0x87f00000) read as float32 is the
+//     value times 2^-120, subnormals included (as float32 subnormals); times 2^120, then as int8.
+//     (A bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
+//     encoding, which no weight holds, reads as 480.)
 // Without AVX512-BF16 a portable loop reads the same packing (same results up to summation order).
 
 enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
@@ -1227,8 +1228,10 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
 // tiles each (2 x 8 x 2 float32 accumulators, the group's and the running sums, and the unpacked
 // weights stay near the 32 registers); the last rows % kQuantRows rows in blocks of up to 3 rows
 // and 4 tiles (a decode at batch 1 gets 4 tiles x 2 split accumulators in flight). Measured on
-// SmolLM2's shapes, 1 thread: 8 x 2 vs 4 x 2 and 4 x 4 blocks, batch 16: 1.0-1.2x bf16's time
-// instead of 0.8-0.95x for the int4 layers and the int8 lm_head 0.97x instead of 0.6-0.8x.
+// SmolLM2's shapes, 1 thread, CPU time, weights streamed from memory, against linear_bf16: batch 1
+// int4 1.4-2.0x faster, int8 lm_head 1.4x (both bound by the unpacking, ~11-15 GB/s of packed
+// weights, not by memory); batch 16 0.84-1.02x bf16's speed; batch 64 0.73-0.95x. (4 x 2 and 4 x 4
+// blocks measured no faster at batch 1 and up to 10 % slower at 16.)
 constexpr int kQuantRows = 8;
 constexpr int kQuantTiles = 4;
 constexpr int kQuantBlockTiles = 2;
@@ -1347,7 +1350,7 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
 void linear_quant_portable(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
                            const Bf16* bs, Bf16* ys, int64_t out_features) {
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(geo.group * 16), out(rows * 16), xf(geo.k);
+    std::vector<float> wf(geo.group * 16), out(rows * 16);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(out.begin(), out.end(), 0.f);
       for (int64_t g = 0; g < geo.groups; ++g) {
