@@ -18,7 +18,6 @@ permutation gathers x's columns before the kernel.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,12 +34,6 @@ FORMAT_CODES: dict[str, int] = {"int4": 0, "int8": 1, "fp8": 2}
 #: Input columns per 64-byte line of a tile (16 rows each): groups are whole lines.
 COLUMNS_PER_LINE: dict[str, int] = {"int4": 8, "int8": 4, "fp8": 4}
 TILE = 16
-
-
-@functools.cache
-def has_avx512_kernel() -> bool:
-    """Whether the loaded kernels run the AVX512-BF16 path (else the portable loop)."""
-    return native.available() and bool(torch.ops.sonar_cpu.has_linear_quant())
 
 
 def _group_bytes(meta: QuantMeta) -> int:

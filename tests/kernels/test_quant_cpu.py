@@ -109,7 +109,7 @@ def test_exact_where_every_sum_is(fmt: str, group: int) -> None:
     for offsets in (False, True):
         qw = exact_weight(fmt, group, offsets, gen)
         layer = QuantLinear(qw, torch.randint(-3, 3, (N,), generator=gen).to(torch.bfloat16))
-        for rows in (1, 4, 7, 16):
+        for rows in (1, 4, 7, 16, 40):
             x = torch.randint(-3, 4, (rows, K), generator=gen).to(torch.bfloat16)
             assert torch.equal(layer(x), quant.reference_linear(x, qw, layer.bias))
 

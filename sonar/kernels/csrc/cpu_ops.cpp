@@ -1058,9 +1058,10 @@ bool has_linear_bf16() {
 //     y += scale * dot + (offset - 128 scale) * sum(x).
 //   int8: bytes in linear_bf16's pair order, sign-extended to int32, converted to float, rounded
 //     (exactly) to bfloat16 pairs by vcvtne2ps2bf16.
-//   fp8 (e4m3): ((b << 20) & 0x87f00000) read as float32 is the value times 2^-120, subnormals
-//     included (as float32 subnormals); times 2^120, then as int8. (A bfloat16 subnormal would be
-//     read as zero by vdpbf16ps, hence the float32 detour.)
+//   fp8 (e4m3): with b sign-extended to 32 bits, ((b << 20) & 0x87f00000) read as float32 is the
+//     value times 2^-120, subnormals included (as float32 subnormals); times 2^120, then as int8.
+//     (A bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
+//     encoding, which no weight holds, reads as 480.)
 // Without AVX512-BF16 a portable loop reads the same packing (same results up to summation order).
 
 enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
@@ -1149,10 +1150,10 @@ constexpr int64_t kQuantAhead = 512;
 // ROWS rows of x against TILES tiles (`columns` output columns from the first tile's first). The
 // group's dot products go to SPLIT interleaved accumulators per row and tile, so that a small
 // block still has about 8 independent `vdpbf16ps` chains in flight.
-template <int FORMAT, int ROWS, int TILES>
+template <int FORMAT, int ROWS, int TILES, bool SCRATCH>
 inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
                         const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                        Prefetch pf) {
+                        Prefetch pf, const int32_t* scratch) {
   constexpr int P = QuantLine<FORMAT>::kPairs;
   constexpr int SPLIT = ROWS * TILES >= 8 ? 1 : 8 / (ROWS * TILES);
   const int64_t lines = geo.group_bytes / 64;
@@ -1172,13 +1173,21 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
         _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
       const int32_t* xl = x + (g * lines + l) * P;
       QuantLine<FORMAT> raw[TILES];
-      for (int t = 0; t < TILES; ++t) {
-        raw[t] = QuantLine<FORMAT>(wg + t * geo.tile_bytes + l * 64);
-        _mm_prefetch(wg + t * geo.tile_bytes + l * 64 + kQuantAhead, _MM_HINT_T0);
+      if constexpr (!SCRATCH) {
+        for (int t = 0; t < TILES; ++t) {
+          raw[t] = QuantLine<FORMAT>(wg + t * geo.tile_bytes + l * 64);
+          _mm_prefetch(wg + t * geo.tile_bytes + l * 64 + kQuantAhead, _MM_HINT_T0);
+        }
       }
       for (int p = 0; p < P; ++p) {
         __m512bh v[TILES];
-        for (int t = 0; t < TILES; ++t) v[t] = raw[t].pair(p);
+        for (int t = 0; t < TILES; ++t) {
+          if constexpr (SCRATCH) {
+            v[t] = (__m512bh)_mm512_loadu_si512(scratch + t * kp_count * 16 + ((g * lines + l) * P + p) * 16);
+          } else {
+            v[t] = raw[t].pair(p);
+          }
+        }
         for (int r = 0; r < ROWS; ++r) {
           const __m512bh xb = (__m512bh)_mm512_set1_epi32(xl[r * kp_count + p]);
           for (int t = 0; t < TILES; ++t) acc[p % SPLIT][r][t] = _mm512_dpbf16_ps(acc[p % SPLIT][r][t], v[t], xb);
@@ -1219,8 +1228,10 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
 // tiles each (2 x 8 x 2 float32 accumulators, the group's and the running sums, and the unpacked
 // weights stay near the 32 registers); the last rows % kQuantRows rows in blocks of up to 3 rows
 // and 4 tiles (a decode at batch 1 gets 4 tiles x 2 split accumulators in flight). Measured on
-// SmolLM2's shapes, 1 thread: 8 x 2 vs 4 x 2 and 4 x 4 blocks, batch 16: 1.0-1.2x bf16's time
-// instead of 0.8-0.95x for the int4 layers and the int8 lm_head 0.97x instead of 0.6-0.8x.
+// SmolLM2's shapes, 1 thread, CPU time, weights streamed from memory, against linear_bf16: batch 1
+// int4 1.4-2.0x faster, int8 lm_head 1.4x (both bound by the unpacking, ~11-15 GB/s of packed
+// weights, not by memory); batch 16 0.84-1.02x bf16's speed; batch 64 0.73-0.95x. (4 x 2 and 4 x 4
+// blocks measured no faster at batch 1 and up to 10 % slower at 16.)
 constexpr int kQuantRows = 8;
 constexpr int kQuantTiles = 4;
 constexpr int kQuantBlockTiles = 2;
@@ -1228,38 +1239,69 @@ constexpr int kQuantBlockTiles = 2;
 template <int FORMAT, int ROWS, int TILES>
 inline void quant_rows(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
                        const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                       Prefetch pf) {
+                       Prefetch pf, const int32_t* scratch) {
   if constexpr (TILES > 1) {
     if (tiles < TILES)
-      return quant_rows<FORMAT, ROWS, TILES - 1>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf);
+      return quant_rows<FORMAT, ROWS, TILES - 1>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf,
+                                                 scratch);
   }
-  quant_block<FORMAT, ROWS, TILES>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf);
+  if (scratch != nullptr)
+    quant_block<FORMAT, ROWS, TILES, true>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf, scratch);
+  else
+    quant_block<FORMAT, ROWS, TILES, false>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf, nullptr);
 }
 
 // `tiles` tiles (at most kQuantTiles) for ROWS rows, TILES tiles per block.
 template <int FORMAT, int ROWS, int TILES>
 inline void quant_tiles(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
                         const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                        Prefetch pf) {
+                        Prefetch pf, const int32_t* scratch) {
   for (int64_t t = 0; t < tiles; t += TILES) {
     quant_rows<FORMAT, ROWS, TILES>(std::min<int64_t>(TILES, tiles - t), x, kp_count, sums, w + t * geo.tile_bytes,
                                     geo, bias ? bias + t * 16 : nullptr, y + t * 16, y_stride, columns - t * 16,
-                                    t == 0 ? pf : Prefetch{});
+                                    t == 0 ? pf : Prefetch{}, scratch ? scratch + t * kp_count * 16 : nullptr);
   }
 }
 
 template <int FORMAT, int ROWS = kQuantRows - 1>
 inline void quant_tail(int64_t rows, int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums,
                        const uint8_t* w, const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride,
-                       int64_t columns) {
+                       int64_t columns, const int32_t* scratch) {
   if constexpr (ROWS > 0) {
     if (rows == ROWS) {
       constexpr int tiles_per_block = ROWS <= 3 ? kQuantTiles : kQuantBlockTiles;
       return quant_tiles<FORMAT, ROWS, tiles_per_block>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns,
-                                                        {});
+                                                        {}, scratch);
     }
-    quant_tail<FORMAT, ROWS - 1>(rows, tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns);
+    quant_tail<FORMAT, ROWS - 1>(rows, tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, scratch);
   }
+}
+
+// From this many blocks of rows on, a group of int8 / fp8 tiles is unpacked once into a scratch
+// buffer of bfloat16 pairs (linear_bf16's tile layout, in L2) that every block of rows reads,
+// instead of each block unpacking it again (SmolLM2's int8 lm_head, 1 thread, 64 rows: 0.77 -> 0.93x
+// bf16's time; at 16 rows it measured slower, and for int4, whose unpacking is cheap, at every count).
+template <int FORMAT>
+constexpr int64_t kQuantScratchBlocks = FORMAT == kInt4 ? std::numeric_limits<int64_t>::max() : 4;
+
+// `tiles` tiles unpacked into `scratch` (per tile K / 2 pairs of 16 lanes), prefetching `pf`.
+template <int FORMAT>
+void unpack_tiles(const uint8_t* w, int64_t tiles, const QuantGeometry& geo, int32_t* scratch, Prefetch pf) {
+  constexpr int P = QuantLine<FORMAT>::kPairs;
+  const int64_t lines = geo.group_bytes / 64, kp_count = geo.k / 2;
+  const int64_t per_line = pf.count > 0 ? (pf.count + tiles * geo.groups * lines - 1) / (tiles * geo.groups * lines) : 0;
+  int64_t fetched = 0;
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t g = 0; g < geo.groups; ++g)
+      for (int64_t l = 0; l < lines; ++l) {
+        for (const int64_t stop = std::min(pf.count, fetched + per_line); fetched < stop; ++fetched)
+          _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
+        const uint8_t* line = w + t * geo.tile_bytes + g * geo.stride_g + l * 64;
+        _mm_prefetch(line + kQuantAhead, _MM_HINT_T0);
+        const QuantLine<FORMAT> raw(line);
+        int32_t* out = scratch + t * kp_count * 16 + (g * lines + l) * P * 16;
+        for (int p = 0; p < P; ++p) _mm512_storeu_si512(out + p * 16, (__m512i)raw.pair(p));
+      }
 }
 
 template <int FORMAT>
@@ -1268,6 +1310,7 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
   const int64_t kp_count = geo.k / 2, blocks = rows / kQuantRows, groups = geo.groups;
   const int32_t* x = reinterpret_cast<const int32_t*>(xs);
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> scratch(blocks >= kQuantScratchBlocks<FORMAT> ? kQuantTiles * kp_count * 16 : 0);
     for (int64_t t = begin; t < end; t += kQuantTiles) {
       const int64_t count = std::min<int64_t>(kQuantTiles, end - t);
       const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
@@ -1281,16 +1324,22 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
         group = next_layer_lines(*next, kQuantTiles);
       }
       const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
+      const int32_t* from_scratch = nullptr;
+      if (blocks >= kQuantScratchBlocks<FORMAT>) {
+        unpack_tiles<FORMAT>(w, count, geo, scratch.data(), group);
+        group = {};  // prefetched while unpacking
+        from_scratch = scratch.data();
+      }
       int64_t r = 0;
       for (int64_t i = 0; r + kQuantRows <= rows; r += kQuantRows, ++i) {
         const int64_t from = std::min(group.count, i * share);
         const Prefetch part{group.lines + from * 64, std::min(share, group.count - from)};
         quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, x + r * kp_count, kp_count, sums + r * groups, w, geo,
                                                           b, ys + r * out_features + t * 16, out_features, columns,
-                                                          part);
+                                                          part, from_scratch);
       }
       quant_tail<FORMAT>(rows - r, count, x + r * kp_count, kp_count, sums + r * groups, w, geo, b,
-                         ys + r * out_features + t * 16, out_features, columns);
+                         ys + r * out_features + t * 16, out_features, columns, from_scratch);
     }
   });
 }
@@ -1301,7 +1350,7 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
 void linear_quant_portable(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
                            const Bf16* bs, Bf16* ys, int64_t out_features) {
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(geo.group * 16), out(rows * 16), xf(geo.k);
+    std::vector<float> wf(geo.group * 16), out(rows * 16);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(out.begin(), out.end(), 0.f);
       for (int64_t g = 0; g < geo.groups; ++g) {
