@@ -150,6 +150,8 @@ def load_model(
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
+    if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
+        dequantize_weights = _float32_on_cpu(resolved, device, quantization, source)
     if load_format == "dummy":
         if quantization is not None or method is not None:
             raise ModelLoadError(
@@ -308,6 +310,26 @@ def _read_config(model_dir: Path, source: str) -> Any:
         return AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+
+
+def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | None, source: str) -> bool:
+    """Whether a quantized checkpoint must be served dequantized: float32 on the CPU, whose
+    quantized kernels take bfloat16 activations. Asked for by ``--quantization``, that is an error;
+    read from the checkpoint, the weights are dequantized (exact, then float32), with a warning."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    if requested is not None:
+        raise ModelLoadError(
+            f"--quantization {requested} with --dtype float32: Sonar's quantized CPU kernels take bfloat16 "
+            f"activations; serve {source} with --dtype bfloat16, or dequantized with --dequantize-weights"
+        )
+    log.warning(
+        "model.quantized_served_dequantized",
+        detail="float32 on the CPU: the quantized kernels take bfloat16 activations, so the weights are "
+        "dequantized (exactly) and served in float32; --dtype bfloat16 serves them quantized",
+        source=source,
+    )
+    return True
 
 
 def _written(installed: Installed) -> set[str]:

@@ -65,16 +65,16 @@ def test_a_row_of_partial_blocks_is_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def embedded_pair() -> tuple[Any, Any]:
-    quantized = load_model(None, dtype="float32")
-    reference = load_model(None, dtype="float32", dequantize_weights=True)
-    return quantized, reference
+def served_pair() -> tuple[Any, Any]:
+    """The embedded model as `sonar serve` runs it (bfloat16), quantized and dequantized."""
+    return load_model(None), load_model(None, dequantize_weights=True)
 
 
-def test_embedded_model_is_served_as_quants(embedded_pair: tuple[Any, Any]) -> None:
+def test_embedded_model_is_served_as_quants(served_pair: tuple[Any, Any]) -> None:
     """SmolLM2's Q4_1 linears become int4 layers, its Q8_0 embedding (tied to the output layer)
-    one int8 matrix read by both; every weight equals the dequantized checkpoint's."""
-    quantized, reference = embedded_pair
+    one int8 matrix read by both; every weight equals the dequantized checkpoint's (read through
+    the layer, to within the rounding of its bfloat16 output)."""
+    quantized, reference = served_pair
     assert quantized.quantization == "gguf" and reference.quantization is None
     model = quantized.model
     assert quantized.quantized.formats == {"int4": 4 * model.num_layers, "int8": 1}
@@ -82,8 +82,8 @@ def test_embedded_model_is_served_as_quants(embedded_pair: tuple[Any, Any]) -> N
     assert model.model.embed_tokens.source is model.lm_head
     ref = reference.model
     layer, ref_layer = model.model.layers[3].self_attn.qkv_proj, ref.model.layers[3].self_attn.qkv_proj
-    x = torch.eye(layer.in_features)
-    torch.testing.assert_close(layer(x).T, ref_layer.weight, rtol=0, atol=0)
+    x = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    torch.testing.assert_close(layer(x).T, ref_layer.weight, rtol=2**-8, atol=1e-6)
     ids = torch.tensor([0, 5, 49151, 1234])
     torch.testing.assert_close(model.model.embed_tokens(ids), ref.model.embed_tokens(ids), rtol=0, atol=0)
     # the quantized weights take the bytes of their GGUF blocks, give or take the float32 scales
@@ -98,12 +98,6 @@ PASSAGE = (
     "years presses were running in more than two hundred European cities, and the spread of literacy, "
     "science and religious reform that came after owes much to this machine."
 )
-
-
-@pytest.fixture(scope="module")
-def served_pair() -> tuple[Any, Any]:
-    """The embedded model as `sonar serve` runs it (bfloat16), quantized and dequantized."""
-    return load_model(None), load_model(None, dequantize_weights=True)
 
 
 def test_quantized_serving_agrees_with_the_dequantized_path(served_pair: tuple[Any, Any], smollm2_prompts) -> None:
@@ -215,15 +209,19 @@ def _raw(kind: str, rows: int, cols: int, rng: np.random.Generator, config: Any,
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any, monkeypatch: Any) -> None:
     """Every layer of a tiny GGUF in each mix of block types loads quantized (or, for a type
-    without a kernel, dequantized), and the model's logits equal those of the dequantized load,
-    which tests/models/test_gguf.py ties to transformers (float32: only summation order differs)."""
+    without a kernel, dequantized), and in bfloat16, as served, its logits are as close to the
+    exact model's (the same file dequantized, in float32; tests/models/test_gguf.py ties that load
+    to transformers) as those of the dequantized bfloat16 load: the two round differently (the
+    dequantized path each weight, the quantized one its activations), neither is exact. Measured
+    on these random files: 0.5-6.5 % from the truth either way (random blocks make large
+    activations); the bar: twice the dequantized load's error, or 3 %."""
     from tests.models.driver import GreedyDriver
 
     monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
     path = tmp_path / f"{mix}.gguf"
     _tiny_quantized_gguf(path, MIXES[mix])
-    quantized = load_model(str(path), dtype="float32")
-    reference = load_model(str(path), dtype="float32", dequantize_weights=True)
+    quantized = load_model(str(path))
+    reference = load_model(str(path), dequantize_weights=True)
     installed = quantized.quantized
     served = {name.rsplit(".", 1)[-1] for name in installed.quantized}
     if mix == "unserved":
@@ -231,13 +229,23 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
         assert isinstance(quantized.model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
     else:
         assert served == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens"}
-    prompts = [[5, 17, 300, 2, 99, 120], [7, 7, 7]]
-    ours = GreedyDriver(quantized.model, torch.float32, num_blocks=16).generate(prompts, 4)
-    ref = GreedyDriver(reference.model, torch.float32, num_blocks=16).generate(prompts, 4)
-    assert ours.tokens == ref.tokens
-    for a, b in zip(ours.logits, ref.logits):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
-    again = load_model(str(path), dtype="float32")  # from the cache of unpacked quants now
+    exact = load_model(str(path), dtype="float32")  # the CPU serves float32 dequantized: the truth
+    assert exact.quantization is None
+    prompts = [[5, 17, 300, 2, 99, 120, 4, 8, 15, 16, 23, 42], [7, 7, 7]]
+
+    def prompt_logits(loaded: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+        gen = GreedyDriver(loaded.model, dtype, num_blocks=16).generate(prompts, 1, prompt_logits=True)
+        return [t.float() for t in gen.prompt_logits]
+
+    truth = prompt_logits(exact, torch.float32)
+    for ours, ref, true in zip(
+        prompt_logits(quantized, torch.bfloat16), prompt_logits(reference, torch.bfloat16), truth
+    ):
+        error = float(torch.linalg.norm(ours - true) / torch.linalg.norm(true))
+        ref_error = float(torch.linalg.norm(ref - true) / torch.linalg.norm(true))
+        print(f"{mix}: relative error of the prompt logits, quantized {error:.4f}, dequantized {ref_error:.4f}")
+        assert error <= max(2 * ref_error, 0.03)
+    again = load_model(str(path))  # from the cache of unpacked quants now
     assert again.quantized.formats == installed.formats
 
 
