@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +31,18 @@ def one_thread():
             yield
         finally:
             torch.set_num_threads(before)
+
+
+def fresh_cache_root(path: Path) -> Path:
+    """`path` made a fresh SONAR_CACHE_ROOT that shares this machine's built native CPU kernels
+    (its `native` folder links to the current cache root's): a process started on it loads the
+    library instead of compiling cpu_ops.cpp again (over a minute on 2 cores); everything else in
+    it (compile artifacts, converted weights) starts empty. Call it before pointing
+    SONAR_CACHE_ROOT at `path`."""
+    from sonar import paths
+
+    native = paths.cache_root() / "native"
+    native.mkdir(parents=True, exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "native").symlink_to(native, target_is_directory=True)
+    return path

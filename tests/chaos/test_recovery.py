@@ -2,15 +2,16 @@
 complete, with the text a run without the fault gives (the scheduler recomputes what was in
 flight on the restarted worker), and the restart is counted.
 
-The servers are real `python -m sonar serve` processes; the worker runs in its own process
-(serve's default placement), so a SIGKILL takes only the worker down."""
+The servers are real `python -m sonar serve` processes (`plain`, the package's, has no fault
+injected); the worker runs in its own process (serve's default placement), so a SIGKILL takes
+only the worker down."""
 
 from __future__ import annotations
 
 import os
 import signal
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import anyio
 import pytest
@@ -20,12 +21,6 @@ from tests.chaos.helpers import ENGINE_ARGS, PROMPTS, actor, metrics, stream_fle
 from tests.http.conftest import ServerProcess, serving
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with serving(tmp_path_factory.mktemp("plain"), *ENGINE_ARGS) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,7 @@ from sonar.kernels.attention_op import MissingStepMetadataError
 from sonar.kernels.linear import prepack_linears
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.registry import model_class
+from tests.conftest import fresh_cache_root
 from tests.engine.conftest import spread_weights
 from tests.models.conftest import _tiny_configs
 from tests.models.driver import GreedyDriver
@@ -69,12 +70,13 @@ def warm_up(compiled: CompiledForward, model: DecoderForCausalLM) -> dict[str, A
 
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A fresh SONAR_CACHE_ROOT; the process's inductor cache directory is restored afterwards."""
+    """A fresh SONAR_CACHE_ROOT (the native kernels shared); the process's inductor cache
+    directory is restored afterwards."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""))
         mp.delenv("TORCHINDUCTOR_CACHE_DIR")
         mp.delenv("SONAR_FORCE_AOT_LOAD", raising=False)
-        yield tmp_path_factory.mktemp("sonar_cache")
+        yield fresh_cache_root(tmp_path_factory.mktemp("sonar_cache"))
 
 
 @pytest.fixture(scope="module")

@@ -43,32 +43,43 @@ def everything(llm: sonar.LLM) -> list[int]:
     return list(range(llm.info.vocab_size))
 
 
-async def test_a_request_that_leaves_no_token_is_refused_naming_the_parameter(one_thread) -> None:
-    # the stop-id cap (--max-stop-token-ids) raised past the vocabulary: the no-token check refuses
-    async with sonar.open(**ENGINE, max_stop_token_ids=1 << 16) as llm:
-        for params in (
-            SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=everything(llm)),
-            SamplingParams(temperature=0, min_tokens=3, max_tokens=4, stop_token_ids=everything(llm), ignore_eos=True),
-            # every id but the EOS ones: EOS is blocked too while min_tokens are not out
-            SamplingParams(
-                temperature=1.0,
-                min_tokens=1,
-                stop_token_ids=[t for t in everything(llm) if t not in llm.info.eos_token_ids],
-            ),
-        ):
-            with pytest.raises(InvalidRequestError, match="no token is left") as caught:
-                await llm.generate(PROMPTS[0], params)
-            assert caught.value.param == "stop_token_ids"
-        # the same ids without min_tokens, or with ignore_eos leaving an EOS id free, are fine
-        ok = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, stop_token_ids=everything(llm)))
-        assert ok.finish_reason == "stop" and len(ok.token_ids) == 1
-        free_eos = [t for t in everything(llm) if t not in llm.info.eos_token_ids]
-        ok = await llm.generate(
-            PROMPTS[0],
-            SamplingParams(temperature=0, max_tokens=2, min_tokens=1, stop_token_ids=free_eos, ignore_eos=True),
-        )
-        assert len(ok.token_ids) >= 1
-        assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def llm(one_thread):
+    """The engine of the tests that crash nothing, its stop-id cap (--max-stop-token-ids) raised
+    past the vocabulary so that the no-token check, not the cap, refuses."""
+    async with sonar.open(**ENGINE, max_stop_token_ids=1 << 16) as engine:
+        yield engine
+
+
+async def test_a_request_that_leaves_no_token_is_refused_naming_the_parameter(llm) -> None:
+    for params in (
+        SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=everything(llm)),
+        SamplingParams(temperature=0, min_tokens=3, max_tokens=4, stop_token_ids=everything(llm), ignore_eos=True),
+        # every id but the EOS ones: EOS is blocked too while min_tokens are not out
+        SamplingParams(
+            temperature=1.0,
+            min_tokens=1,
+            stop_token_ids=[t for t in everything(llm) if t not in llm.info.eos_token_ids],
+        ),
+    ):
+        with pytest.raises(InvalidRequestError, match="no token is left") as caught:
+            await llm.generate(PROMPTS[0], params)
+        assert caught.value.param == "stop_token_ids"
+    # the same ids without min_tokens, or with ignore_eos leaving an EOS id free, are fine
+    ok = await llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=2, stop_token_ids=everything(llm)))
+    assert ok.finish_reason == "stop" and len(ok.token_ids) == 1
+    free_eos = [t for t in everything(llm) if t not in llm.info.eos_token_ids]
+    ok = await llm.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_tokens=2, min_tokens=1, stop_token_ids=free_eos, ignore_eos=True),
+    )
+    assert len(ok.token_ids) >= 1
+    assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
 
 def test_the_no_token_left_check_is_its_own_function() -> None:
@@ -83,60 +94,61 @@ def test_the_no_token_left_check_is_its_own_function() -> None:
     SamplingParams(min_tokens=0, stop_token_ids=[0, 1, 2, 3]).check_token_left(vocab_size=4)
 
 
-async def test_a_row_with_no_token_fails_its_request_alone(one_thread) -> None:
+async def test_a_row_with_no_token_fails_its_request_alone(llm) -> None:
     """Past admission (its check bypassed here), a fully masked row ends its own request with an
     error; the greedy request beside it gets the text it gets alone, and the engine goes on."""
-    async with sonar.open(**ENGINE) as llm:
-        alone = (await llm.generate(PROMPTS[1], GREEDY)).text
-        masked = SamplingParams(temperature=1.0, min_tokens=1, max_tokens=4, stop_token_ids=everything(llm))
-        failures: list[BaseException] = []
-        texts: list[str] = []
+    alone = (await llm.generate(PROMPTS[1], GREEDY)).text
+    masked = SamplingParams(temperature=1.0, min_tokens=1, max_tokens=4, stop_token_ids=everything(llm))
+    failures: list[BaseException] = []
+    texts: list[str] = []
 
-        async def doomed() -> None:
-            ids, _ = await llm._prepare(PROMPTS[0], SamplingParams())  # tokenized, not checked with `masked`
-            try:
-                async for _ in llm._run("masked-row", ids, masked, 0, None):
-                    pass
-            except SonarError as exc:
-                failures.append(exc)
+    async def doomed() -> None:
+        ids, _ = await llm._prepare(PROMPTS[0], SamplingParams())  # tokenized, not checked with `masked`
+        try:
+            async for _ in llm._run("masked-row", ids, masked, 0, None):
+                pass
+        except SonarError as exc:
+            failures.append(exc)
 
-        async def greedy() -> None:
-            texts.append((await llm.generate(PROMPTS[1], GREEDY)).text)
+    async def greedy() -> None:
+        texts.append((await llm.generate(PROMPTS[1], GREEDY)).text)
 
-        with anyio.fail_after(60):
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(doomed)
-                tg.start_soon(greedy)
-        assert len(failures) == 1 and isinstance(failures[0], SamplingFailedError)
-        assert "no token could be sampled" in str(failures[0])
-        assert "masked-row" in str(failures[0])
-        assert texts == [alone]
-        assert llm.dead is None
-        worker = next(c for c in llm.tree().children if c.name == "worker")
-        assert worker.restarts == 0
-        assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(doomed)
+            tg.start_soon(greedy)
+    assert len(failures) == 1 and isinstance(failures[0], SamplingFailedError)
+    assert "no token could be sampled" in str(failures[0])
+    assert "masked-row" in str(failures[0])
+    assert texts == [alone]
+    assert llm.dead is None
+    worker = next(c for c in llm.tree().children if c.name == "worker")
+    assert worker.restarts == 0
+    assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-async def test_a_poison_request_is_quarantined_and_the_others_finish_unchanged(one_thread, async_scheduling) -> None:
-    async with sonar.open(**ENGINE, async_scheduling=async_scheduling) as llm:
-        reference = [o.text for o in await llm.generate_many(PROMPTS, GREEDY)]
-        for prompt, out in zip(PROMPTS, await llm.generate_many(PROMPTS, GREEDY)):
-            assert POISON not in llm.tokenizer(prompt).input_ids + out.token_ids
+async def test_a_poison_request_is_quarantined_and_the_others_finish_unchanged(llm, async_scheduling) -> None:
+    """The reference texts come from the module's synchronous engine (async scheduling gives the
+    same tokens: tests/engine/test_async_scheduling.py)."""
+    outs = await llm.generate_many(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        assert POISON not in llm.tokenizer(prompt).input_ids + out.token_ids
+    reference = [o.text for o in outs]
     engine = dict(ENGINE, async_scheduling=async_scheduling, fault_injection=f"raise@token={POISON}")
-    async with sonar.open(**engine) as llm:
-        poisoned = llm.tokenizer("A poisoned prompt").input_ids + [POISON] + llm.tokenizer(" it is").input_ids
+    async with sonar.open(**engine) as crashing:
+        poisoned = crashing.tokenizer("A poisoned prompt").input_ids + [POISON] + crashing.tokenizer(" it is").input_ids
         quarantined: list[BaseException] = []
         texts: dict[int, str] = {}
 
         async def poison() -> None:
             try:
-                await llm.generate(poisoned, GREEDY, request_id="poison-1")
+                await crashing.generate(poisoned, GREEDY, request_id="poison-1")
             except RequestQuarantinedError as exc:
                 quarantined.append(exc)
 
         async def normal(i: int) -> None:
-            texts[i] = (await llm.generate(PROMPTS[i], GREEDY)).text
+            texts[i] = (await crashing.generate(PROMPTS[i], GREEDY)).text
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
@@ -145,11 +157,11 @@ async def test_a_poison_request_is_quarantined_and_the_others_finish_unchanged(o
                     tg.start_soon(normal, i)
         assert len(quarantined) == 1 and "poison-1" in str(quarantined[0])
         assert [texts[i] for i in range(len(PROMPTS))] == reference
-        assert llm.dead is None
-        worker = next(c for c in llm.tree().children if c.name == "worker")
+        assert crashing.dead is None
+        worker = next(c for c in crashing.tree().children if c.name == "worker")
         assert 2 <= worker.restarts <= 3 and worker.state == "running"
-        assert (await llm.generate(PROMPTS[0], GREEDY)).text == reference[0]  # and it serves on
-        assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+        assert (await crashing.generate(PROMPTS[0], GREEDY)).text == reference[0]  # and it serves on
+        assert await crashing.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
 
 async def test_requests_beyond_max_waiting_seqs_are_refused_as_overloaded(one_thread) -> None:

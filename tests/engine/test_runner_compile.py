@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import sonar
+from tests.conftest import fresh_cache_root
 from tests.engine.conftest import TinyCheckpoint
 from tests.engine.test_correctness import (
     TINY_LOGPROB_ATOL,
@@ -34,9 +35,10 @@ LOGPROBS = 3
 
 @pytest.fixture
 def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh SONAR_CACHE_ROOT; compiling points the process's inductor cache into it, which
-    setting the variable here first lets monkeypatch restore afterwards."""
-    monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path))
+    """A fresh SONAR_CACHE_ROOT (the native kernels shared); compiling points the process's
+    inductor cache into it, which setting the variable here first lets monkeypatch restore
+    afterwards."""
+    monkeypatch.setenv("SONAR_CACHE_ROOT", str(fresh_cache_root(tmp_path)))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
     monkeypatch.delenv("SONAR_FORCE_AOT_LOAD", raising=False)
     return tmp_path

@@ -367,26 +367,38 @@ async def test_n_logprobs_stop_strings_and_the_prefix_cache(llm) -> None:
     check_json(second.text, second.finish_reason, SCHEMAS["nested_address"])
 
 
+#: What a worker crash interrupts mid-JSON: three requests at once.
+CRASHED = ("person", "array_of_objects", "nested_address")
+
+
+@pytest.fixture(scope="module")
+async def preempted(one_thread) -> tuple[list[str], int]:
+    """The JSON of the three CRASHED requests in a KV cache too small for them at once (some are
+    preempted and recomputed), and the engine's preemption count: the reference that both
+    worker-crash runs must match."""
+    tight = dict(ENGINE, max_model_len=256, num_gpu_blocks_override=16, enable_prefix_caching=False)
+    chunked = dict(long_prefill_token_threshold=32, scheduler_reserve_full_isl=False)  # all three admitted
+    async with sonar.open(**tight, **chunked, async_scheduling=False) as llm:
+        texts = []
+
+        async def one(schema: dict[str, Any]) -> None:
+            texts.append((await llm.chat(ask(schema), constrained(json=schema))).text)
+
+        async with anyio.create_task_group() as tg:
+            for name in CRASHED:
+                tg.start_soon(one, SCHEMAS[name])
+        return texts, (await llm.stats()).num_preemptions
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread, async_scheduling: bool) -> None:
+async def test_a_worker_crash_mid_json_still_ends_in_valid_json(preempted, async_scheduling: bool) -> None:
     """First in a KV cache too small for the three requests at once (some are preempted), then
     with the worker raising in step 12 (the JSON half written; with async scheduling the step sent
     behind it, waiting for its bitmask, goes down with it): each time a request is recomputed
     from the tokens it keeps, and its matcher, which holds exactly those tokens, goes on from
     there; both runs give the same valid JSON."""
-    schemas = [SCHEMAS["person"], SCHEMAS["array_of_objects"], SCHEMAS["nested_address"]]
-    tight = dict(ENGINE, max_model_len=256, num_gpu_blocks_override=16, enable_prefix_caching=False)
-    chunked = dict(long_prefill_token_threshold=32, scheduler_reserve_full_isl=False)  # all three admitted
-    async with sonar.open(**tight, **chunked, async_scheduling=False) as llm:
-        reference = []
-
-        async def preempted(schema: dict[str, Any]) -> None:
-            reference.append((await llm.chat(ask(schema), constrained(json=schema))).text)
-
-        async with anyio.create_task_group() as tg:
-            for schema in schemas:
-                tg.start_soon(preempted, schema)
-        assert (await llm.stats()).num_preemptions > 0
+    reference, preemptions = preempted
+    assert preemptions > 0
     async with sonar.open(**ENGINE, async_scheduling=async_scheduling, fault_injection="raise@step=12") as llm:
         outs = []
 
@@ -394,8 +406,8 @@ async def test_a_worker_crash_mid_json_still_ends_in_valid_json(one_thread, asyn
             outs.append((schema, await llm.chat(ask(schema), constrained(json=schema))))
 
         async with anyio.create_task_group() as tg:
-            for schema in schemas:
-                tg.start_soon(one, schema)
+            for name in CRASHED:
+                tg.start_soon(one, SCHEMAS[name])
         worker = next(c for c in llm.tree().children if c.name == "worker")
         assert worker.restarts == 1
         for schema, out in outs:

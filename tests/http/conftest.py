@@ -87,6 +87,27 @@ def serving(tmp: Path, *args: str) -> Iterator[ServerProcess]:
     assert code == 0, f"the server exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
 
 
+#: The flags of `plain_server`: float32, a small KV cache, greedy sampling seeded, prompt token
+#: details in the usage, no cap on logprobs, and each request logged (its `user` too).
+PLAIN_SERVER_ARGS = (
+    *("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "96", "--seed", "0"),
+    *("--served-model-name", "smol", "--enable-prompt-tokens-details", "--max-logprobs", "-1"),
+    *("--enable-log-requests", "--disable-uvicorn-access-log"),
+)
+
+
+@pytest.fixture(scope="package")
+def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server for the modules that need no other flags (test_bench_payloads, test_cache_salt,
+    test_metrics, test_request_fields): starting one costs seconds. Their tests change no server
+    state that another reads: counters are compared before and after a test's own requests,
+    prefix-cache hits asked of prompts no other test sends, log lines found by their own request
+    ids or users. It must stop on SIGTERM with exit code 0, without logging a fault."""
+    srv = start_server(tmp_path_factory.mktemp("plain"), *PLAIN_SERVER_ARGS)
+    yield srv
+    stop_server_cleanly(srv)
+
+
 def sse_events(response: httpx.Response) -> list[Any]:
     """The `data:` payloads of an SSE response, JSON-decoded, `[DONE]` kept as the string."""
     events = []

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.http.conftest import serving
+from tests.http.conftest import ServerProcess
 
 MODEL = "smol"
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
@@ -33,21 +33,8 @@ HEADERS = {"Content-Type": "application/json", "Authorization": "Bearer None"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with serving(
-        tmp_path_factory.mktemp("bench"),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--num-gpu-blocks-override",
-        "96",
-        "--seed",
-        "0",
-        "--served-model-name",
-        MODEL,
-    ) as srv:
-        yield srv
+def server(plain_server: ServerProcess) -> ServerProcess:
+    return plain_server
 
 
 def read_like_bench(response: httpx.Response, chat: bool) -> tuple[str, int | None, list[dict[str, Any]]]:

@@ -8,8 +8,9 @@
 * `--max-logprobs -1` is no cap: a completion may ask for more than the default 20 logprobs, up
   to the vocabulary.
 
-One server serves the module (with `--enable-prompt-tokens-details`, which reports the cached
-tokens, and `--max-logprobs -1`).
+The package's plain server serves the module (tests/http/conftest.py: with
+`--enable-prompt-tokens-details`, which reports the cached tokens, and `--max-logprobs -1`); each
+test's prompts are its own.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from sonar.core.request import MAX_CACHE_SALT_LENGTH
-from tests.http.conftest import sse_events, start_server, stop_server
+from tests.http.conftest import ServerProcess, sse_events
 
 #: Several 16-token blocks long, so a repeat can be served from the prefix cache.
 LONG_PROMPT = (
@@ -30,25 +31,9 @@ LONG_PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def http(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    server = start_server(
-        tmp_path_factory.mktemp("server"),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--num-gpu-blocks-override",
-        "96",
-        "--seed",
-        "0",
-        "--enable-prompt-tokens-details",
-        "--max-logprobs",
-        "-1",
-    )
-    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+def http(plain_server: ServerProcess) -> Any:
+    with httpx.Client(base_url=plain_server.base_url, timeout=60) as client:
         yield client
-    code = stop_server(server)
-    assert code == 0, f"the server exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
 
 
 def complete(http: httpx.Client, salt: str | None = None, prompt: str = LONG_PROMPT, **extra: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The observability endpoints of a real `python -m sonar serve`: /metrics, /actors, /load.
 
-One server serves the module. The counters are cumulative over the module, so each test compares
-a scrape after its requests with one taken before them.
+The package's plain server (tests/http/conftest.py) serves the module. The counters are cumulative
+over its life, so each test compares a scrape after its requests with one taken before them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sonar.core.outputs import SchedulerStats
 from sonar.http.metrics import stats_line
-from tests.http.conftest import ServerProcess, serving, sse_events
+from tests.http.conftest import ServerProcess, sse_events
 
 MODEL = "smol"
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -25,21 +25,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with serving(
-        tmp_path_factory.mktemp("server"),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "256",
-        "--num-gpu-blocks-override",
-        "96",
-        "--seed",
-        "0",
-        "--served-model-name",
-        MODEL,
-    ) as srv:
-        yield srv
+def server(plain_server: ServerProcess) -> ServerProcess:
+    return plain_server
 
 
 @pytest.fixture(scope="module")

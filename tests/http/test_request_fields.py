@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from sonar.http.protocol import CHAT_REFUSED, COMPLETION_REFUSED
-from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
+from tests.http.conftest import ServerProcess
 
 MODEL = "smol"
 STORY = "Once upon a time,"
@@ -24,22 +24,9 @@ MESSAGES = [{"role": "user", "content": "Name a color."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    srv = start_server(
-        tmp_path_factory.mktemp("fields"),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--kv-cache-memory-bytes",
-        "32M",
-        "--served-model-name",
-        MODEL,
-        "--enable-log-requests",
-        "--disable-uvicorn-access-log",
-    )
-    yield srv
-    stop_server_cleanly(srv)
+def server(plain_server: ServerProcess) -> ServerProcess:
+    """The package's plain server (tests/http/conftest.py): no tool parser, requests logged."""
+    return plain_server
 
 
 @pytest.fixture(scope="module")

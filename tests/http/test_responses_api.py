@@ -1,9 +1,11 @@
 """The Responses API of a real `python -m sonar serve`, through the official `openai` SDK and httpx.
 
 One server serves the module, with a small response store (--max-stored-responses 3,
---max-stored-response-bytes 8000) so that eviction shows in a few requests. SmolLM2 at
-temperature 0 is deterministic: a response must say what the chat completion of the same
-conversation says.
+--max-stored-response-bytes 8000) so that eviction shows in a few requests, and tool_choice
+"auto" (--enable-auto-tool-choice, the hermes parser). SmolLM2 at temperature 0 is
+deterministic: a response must say what the chat completion of the same conversation says. A
+second server parses thinking (--reasoning-parser, which the first must not have: it refuses
+output logprobs), has no tool_choice "auto", and its worker fails mid-stream on one token.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
         str(MAX_STORED),
         "--max-stored-response-bytes",
         str(MAX_STORED_BYTES),
+        *("--enable-auto-tool-choice", "--tool-call-parser", "hermes"),
     )
     yield srv
     stop_server_cleanly(srv)
@@ -379,18 +382,9 @@ def few_shot(answer: str, question: str) -> list[dict[str, str]]:
     return [*turns, {"role": "user", "content": question}]
 
 
-@pytest.fixture(scope="module")
-def parsing(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A server that parses tool calls (hermes) and thinking (qwen3) out of the output."""
-    args = ("--dtype", "float32", "--max-model-len", "512", "--num-gpu-blocks-override", "48")
-    parsers = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
-    with serving(tmp_path_factory.mktemp("parsing"), *args, *parsers, "--served-model-name", MODEL) as srv:
-        yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-
-
-def test_auto_parses_the_models_call_whole_and_streamed(parsing):
+def test_auto_parses_the_models_call_whole_and_streamed(client):
     kw = dict(model=MODEL, input=few_shot(CALL, WEATHER_QUESTION), tools=[WEATHER], temperature=0)
-    whole = parsing.responses.create(max_output_tokens=40, **kw)
+    whole = client.responses.create(max_output_tokens=40, **kw)
     assert whole.status == "completed" and whole.tool_choice == "auto"
     [call] = whole.output
     assert (call.type, call.name, json.loads(call.arguments), call.status) == (
@@ -399,25 +393,26 @@ def test_auto_parses_the_models_call_whole_and_streamed(parsing):
         {"city": "Paris"},
         "completed",
     )
-    with parsing.responses.stream(max_output_tokens=40, **kw) as stream:
+    with client.responses.stream(max_output_tokens=40, **kw) as stream:
         types = [e.type for e in stream]
         final = stream.get_final_response()
     assert "response.output_text.delta" not in types  # the call's markup never shows as text
     assert [(i.type, i.name, i.arguments) for i in final.output] == [(call.type, call.name, call.arguments)]
     # Without tools the same output is text.
-    plain = parsing.responses.create(max_output_tokens=40, **{**kw, "tools": None})
+    plain = client.responses.create(max_output_tokens=40, **{**kw, "tools": None})
     assert plain.output_text.startswith("<tool_call>")
 
 
-def test_thinking_becomes_a_reasoning_item_whole_and_streamed(parsing):
+def test_thinking_becomes_a_reasoning_item_whole_and_streamed(poisoned):
+    client = openai.OpenAI(base_url=f"{poisoned.base_url}/v1", api_key="none", max_retries=0, timeout=60)
     kw = dict(model=MODEL, input=few_shot(THOUGHT, "hello"), temperature=0, max_output_tokens=30)
-    whole = parsing.responses.create(**kw)
+    whole = client.responses.create(**kw)
     reasoning, message = whole.output
     assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_") and reasoning.summary == []
     assert [(c.type, c.text) for c in reasoning.content] == [("reasoning_text", "They greet me.")]
     assert message.type == "message" and whole.output_text == "Hello there!"
     assert whole.usage.output_tokens_details.reasoning_tokens == 4  # "They greet me."
-    with parsing.responses.stream(**kw) as stream:
+    with client.responses.stream(**kw) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
@@ -432,8 +427,8 @@ def test_thinking_becomes_a_reasoning_item_whole_and_streamed(parsing):
 
     assert shape(final.output) == shape(whole.output)
     # The thinking goes back to the template with the turn (reasoning_content), as it does sent whole.
-    after = parsing.responses.create(**{**kw, "input": "hello", "previous_response_id": whole.id})
-    again = parsing.responses.create(
+    after = client.responses.create(**{**kw, "input": "hello", "previous_response_id": whole.id})
+    again = client.responses.create(
         **{**kw, "input": [*few_shot(THOUGHT, "hello"), *whole.output, {"role": "user", "content": "hello"}]}
     )
     assert after.usage.input_tokens == again.usage.input_tokens
@@ -471,8 +466,6 @@ REFUSALS = [
     ("tools[0].type", {"tools": [{"type": "web_search"}]}),
     ("tools[1].name", {"tools": [FUNCTION, FUNCTION], "tool_choice": "required"}),
     ("tools[0].parameter", {"tools": [{**FUNCTION, "parameter": {}}], "tool_choice": "required"}),
-    ("tool_choice", {"tools": [FUNCTION]}),  # "auto" needs --enable-auto-tool-choice
-    ("tool_choice", {"tools": [FUNCTION], "tool_choice": "auto"}),
     ("tool_choice", {"tool_choice": "required"}),
     ("tool_choice", {"tool_choice": {"type": "function", "name": "f"}}),
     ("tool_choice.name", {"tools": [FUNCTION], "tool_choice": {"type": "function", "name": "g"}}),
@@ -500,6 +493,14 @@ def test_refused_fields_are_400s_naming_them(http, param, body):
     status = 404 if param == "model" else 400
     message = expect_error(http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **body}), status, param)
     assert param.split(".")[-1].split("[")[0] in message or param in ("input", "model")
+
+
+def test_auto_tool_choice_is_refused_without_enable_auto_tool_choice(poisoned):
+    """tool_choice "auto", asked or the default with tools, on the server started without
+    --enable-auto-tool-choice (the module's server has it)."""
+    for body in ({"tools": [FUNCTION]}, {"tools": [FUNCTION], "tool_choice": "auto"}):
+        r = httpx.post(f"{poisoned.base_url}/v1/responses", json={"model": MODEL, "input": "Hi", **body}, timeout=60)
+        assert "--enable-auto-tool-choice" in expect_error(r, 400, "tool_choice")
 
 
 # -- structured output ----------------------------------------------------------------------------
@@ -544,8 +545,8 @@ PARIS = 7042
 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A second server whose worker fails every step that computes " Paris" (a request that
-    generates it is quarantined mid-stream)."""
+    """A second server: thinking parsed (qwen3), no tool_choice "auto", and a worker that fails
+    every step that computes " Paris" (a request that generates it is quarantined mid-stream)."""
     args = (
         "--dtype",
         "float32",
@@ -555,6 +556,10 @@ def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "32",
         "--placement",
         "worker=inprocess",
+        "--served-model-name",
+        MODEL,
+        "--reasoning-parser",
+        "qwen3",
     )
     with serving(tmp_path_factory.mktemp("poisoned"), *args, "--fault-injection", f"raise@token={PARIS}") as srv:
         yield srv
