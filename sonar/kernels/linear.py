@@ -45,6 +45,12 @@ def pack_generation() -> int:
     return _generation
 
 
+def count_packing() -> None:
+    """Record a packing made elsewhere (a quantized layer's, `sonar.kernels.quant_linear`)."""
+    global _generation
+    _generation += 1
+
+
 def can_pack(weight: Tensor) -> bool:
     """Whether oneDNN can prepack this weight here (a CPU half-precision matrix)."""
     return (
@@ -116,8 +122,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", self._pack(), persistent=False)
 
     def _pack(self) -> Tensor:
-        global _generation
-        _generation += 1
+        count_packing()
         if self.native_layout:
             return pack_native(self.weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from sonar.kernels import quant
+from sonar.kernels import linear, quant
 from sonar.kernels.quant import QuantizedWeight
 
 
@@ -183,6 +183,7 @@ class QuantLinear(nn.Module):
         for name, tensor in self.backend.pack(qw).items():
             self.register_buffer(f"q_{name}", tensor, persistent=False)
             self.packed_names.append(name)
+        linear.count_packing()  # the fused decode path rereads the layers' weights
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
