@@ -1059,10 +1059,11 @@ bool has_linear_bf16() {
 // linear_bf16's order (32-bit lane j: column j's weights at k and k + 1), fed to the same
 // `vdpbf16ps`, accumulated in float32 one group at a time and scaled at the group's end:
 // y += scale * sum_k(v x) + offset * sum_k(x), the sums of x per row and group computed once per
-// call. The unpacking is exact: every int4 and e4m3 value is a bfloat16. (int4 through the int8
-// path measured 1.1-1.3x faster at 16-64 rows, but quantizing x for every layer moved the
-// embedded SmolLM2's perplexity by 1.1 %, past the 1 % bar of tests/models/test_gguf_quant.py;
-// the lm_head alone, int8, stays within it.)
+// call. The unpacking is exact: every int4 and e4m3 value is a bfloat16. (int4 through the integer
+// path, 4 k per lane as low and high nibbles, measured on SmolLM2's shapes, 1 thread, 1.1-1.4x
+// faster at 16 rows and up to 1.3x at 64, no faster at 1 row; but quantizing x for every layer
+// moved the embedded SmolLM2's perplexity by 1.1 %, past the 1 % bar of
+// tests/models/test_gguf_quant.py, where the int8 lm_head alone moves it by 0.1 %.)
 //   int4: 16 columns x 8 k; each 16-bit lane holds the four nibbles of one (column, k parity) at
 //     four consecutive k pairs. (nibble | 0x4300) read as bfloat16 is 128 + q exactly (one
 //     vpternlogd per 32 values), so the dot product carries 128 * sum(x), taken back out with the
