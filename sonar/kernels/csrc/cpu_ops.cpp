@@ -1371,9 +1371,9 @@ inline void quant_tail(int64_t rows, int64_t tiles, const QuantX& x, const uint8
 
 // From this many blocks of rows on, a group of fp8 tiles is unpacked once into a scratch buffer of
 // bfloat16 pairs (linear_bf16's tile layout, in L2) that every block of rows reads, instead of each
-// block unpacking it again (measured on int8 when it took this path: SmolLM2's lm_head, 1 thread,
-// 64 rows: 0.77 -> 0.93x bf16's time; at 16 rows slower; for int4, whose unpacking is cheap,
-// slower at every count).
+// block unpacking it again (measured with SmolLM2's lm_head shape unpacked from int8 bytes the same
+// way, 1 thread, 64 rows: 0.77 -> 0.93x bf16's time; at 16 rows slower; for int4, whose unpacking
+// is cheap, slower at every count).
 constexpr int64_t kFp8ScratchBlocks = 4;
 
 // `tiles` fp8 tiles unpacked into `scratch` (per tile K / 2 pairs of 16 lanes), prefetching `pf`.
