@@ -5,15 +5,18 @@ The packing (``sonar/kernels/csrc/cpu_ops.cpp`` reads it; its comment there says
 out so) is one uint8 tensor ``[ceil(N / 16), G, B]``: per tile of 16 output rows and per group of
 `group` input columns, the group's values in 64-byte lines (16 rows x 8 columns of int4, or 16 x 4
 of int8 / fp8), then the 16 rows' float32 scales, then their float32 offsets when the weight has
-any. A tile is one contiguous run of bytes, so a GEMV streams the weight front to back. It holds
-the logical layout's numbers unchanged: `rows` dequantizes out of it exactly as
+any. In an int8 line each row's 4 bytes are 4 consecutive columns, stored as v + 128, as
+AVX512-VNNI's byte dot product reads them; int4 and fp8 lines hold bfloat16-style column pairs. A
+tile is one contiguous run of bytes, so a GEMV streams the weight front to back. It holds the
+logical layout's numbers unchanged: `rows` dequantizes out of it exactly as
 `sonar.kernels.quant.dequantize` does.
 
-x stays bfloat16 (the model's dtype); the weights are unpacked to bfloat16 in registers (exact)
-and multiplied with the same AVX512-BF16 dot products as Sonar's bf16 kernel; without AVX512-BF16
-the same library runs a portable loop over the same packing. Other activation dtypes (float32
-models) get the reference arithmetic on the weight dequantized from the packing. An act-order
-permutation gathers x's columns before the kernel.
+For int8 the kernel quantizes each bfloat16 row of x to int8 per group (as llama.cpp does; the
+output carries that error, at most scale_x / 2 * sum |w| per group) and multiplies in integers;
+int4 and fp8 keep x bfloat16, their weights unpacked to bfloat16 in registers (exact). Without
+AVX512-VNNI and AVX512-BF16 the same library runs a portable loop over the same packing. Other
+activation dtypes (float32 models) get the reference arithmetic on the weight dequantized from the
+packing. An act-order permutation gathers x's columns before the kernel.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ def pack(qw: QuantizedWeight) -> Tensor:
         v = values.to(torch.int32).reshape(tiles, TILE, groups, lines, 4, 2).permute(0, 2, 3, 1, 5, 4)
         words = v[..., 0] | v[..., 1] << 4 | v[..., 2] << 8 | v[..., 3] << 12
         body = torch.stack((words & 0xFF, words >> 8), dim=-1).to(torch.uint8)
+    elif qw.format == "int8":
+        # k = g * group + line * 4 + j: bytes in (row, j) order, v + 128 (unsigned)
+        body = values.reshape(tiles, TILE, groups, lines, 4).permute(0, 2, 3, 1, 4) ^ 0x80
     else:
         # k = g * group + line * 4 + 2 * pair + parity; bytes in (pair, row, parity) order
         body = values.reshape(tiles, TILE, groups, lines, 2, 2).permute(0, 2, 3, 4, 1, 5)
@@ -80,6 +86,9 @@ def unpack_rows(packed: Tensor, meta: QuantMeta, index: Tensor, perm: Tensor | N
         words = b[..., 0] | b[..., 1] << 8
         nibbles = (words.unsqueeze(-1) >> torch.arange(0, 16, 4, dtype=torch.int32)) & 0xF  # [.., parity, pair]
         values = nibbles.transpose(-1, -2).reshape(n, -1).to(torch.uint8)
+    elif meta.format == "int8":
+        b = body.reshape(n, groups, lines, TILE, 4)[who, :, :, columns]
+        values = (b ^ 0x80).reshape(n, -1).view(torch.int8)
     else:
         b = body.reshape(n, groups, lines, 2, TILE, 2)[who, :, :, :, columns]  # [n, G, lines, pair, parity]
         values = b.reshape(n, -1).view(quant.VALUE_DTYPES[meta.format])

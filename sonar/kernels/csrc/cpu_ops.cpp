@@ -1046,23 +1046,35 @@ bool has_linear_bf16() {
 // float32 scales (one line), then their float32 offsets (one line, when the weight has offsets).
 // One tile is one contiguous run of bytes, read front to back, like linear_bf16's tiles.
 //
-// A line holds 16 columns x 8 k of int4 or 16 columns x 4 k of int8 / fp8, arranged so that
-// unpacking it in registers gives bfloat16 vectors in linear_bf16's order (32-bit lane j: column
-// j's weights at k and k + 1), fed to the same `vdpbf16ps`, accumulated in float32 one group at a
-// time and scaled at the group's end: y += scale * sum_k(v x) + offset * sum_k(x), the sums of x
-// per row and group computed once per call. The unpacking is exact: every int4, int8 and e4m3
-// value is a bfloat16.
-//   int4: each 16-bit lane of a line holds the four nibbles of one (column, k parity) at four
-//     consecutive k pairs. (nibble | 0x4300) read as bfloat16 is 128 + q exactly (one vpternlogd
-//     per 32 values), so the dot product carries 128 * sum(x), taken back out with the offset term:
-//     y += scale * dot + (offset - 128 scale) * sum(x).
-//   int8: bytes in linear_bf16's pair order, sign-extended to int32, converted to float, rounded
-//     (exactly) to bfloat16 pairs by vcvtne2ps2bf16.
-//   fp8 (e4m3): with b sign-extended to 32 bits, ((b << 20) & 0x87f00000) read as float32 is the
-//     value times 2^-120, subnormals included (as float32 subnormals); times 2^120, then as int8.
-//     (A bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
-//     encoding, which no weight holds, reads as 480.)
-// Without AVX512-BF16 a portable loop reads the same packing (same results up to summation order).
+// int8 takes llama.cpp's integer path: each row of x is quantized once per call to int8 per group
+// (symmetric, scale_x = max |x| / 127, rounded to nearest even), and one AVX512-VNNI `vpdpbusd`
+// multiplies 4 unsigned weight bytes by 4 signed activation bytes and adds them to a 32-bit lane,
+// 16 output columns per instruction, exact in int32. A line holds 16 columns x 4 k, each column's
+// 4 consecutive k in one 32-bit lane, stored as v + 128 (unsigned). Per group:
+// y += scale scale_x sum((v + 128) xq) + (offset - 128 scale) scale_x sum(xq), sum(xq) the group's
+// sum of the quantized x, so offsets stay exact relative to it. The output carries x's
+// quantization error, at most scale_x / 2 sum |w| per group (as llama.cpp's does).
+//
+// int4 and fp8 keep bfloat16 x: their lines are unpacked in registers to bfloat16 vectors in
+// linear_bf16's order (32-bit lane j: column j's weights at k and k + 1), fed to the same
+// `vdpbf16ps`, accumulated in float32 one group at a time and scaled at the group's end:
+// y += scale * sum_k(v x) + offset * sum_k(x), the sums of x per row and group computed once per
+// call. The unpacking is exact: every int4 and e4m3 value is a bfloat16. (int4 through the integer
+// path, 4 k per lane as low and high nibbles, measured on SmolLM2's shapes, 1 thread, 1.1-1.4x
+// faster at 16 rows and up to 1.3x at 64, no faster at 1 row; but quantizing x for every layer
+// moved the embedded SmolLM2's perplexity by 1.1 %, past the 1 % bar of
+// tests/models/test_gguf_quant.py, where the int8 lm_head alone moves it by 0.1 %.)
+//   int4: 16 columns x 8 k; each 16-bit lane holds the four nibbles of one (column, k parity) at
+//     four consecutive k pairs. (nibble | 0x4300) read as bfloat16 is 128 + q exactly (one
+//     vpternlogd per 32 values), so the dot product carries 128 * sum(x), taken back out with the
+//     offset term: y += scale * dot + (offset - 128 scale) * sum(x).
+//   fp8 (e4m3): 16 columns x 4 k, bytes in linear_bf16's pair order; with b sign-extended to 32
+//     bits, ((b << 20) & 0x87f00000) read as float32 is the value times 2^-120, subnormals included
+//     (as float32 subnormals); times 2^120, rounded (exactly) to bfloat16 by vcvtne2ps2bf16 (a
+//     bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
+//     encoding, which no weight holds, reads as 480).
+// Without AVX512-VNNI and AVX512-BF16 a portable loop reads the same packing with the same
+// quantized x for int8 (same results up to float rounding of the per-group terms).
 
 enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
 
@@ -1092,6 +1104,21 @@ struct QuantGeometry {
   }
 };
 
+// x as the kernels read it: per row `stride` 32-bit words (int8: the quantized x, 4 k per word;
+// int4 / fp8: the bfloat16 x, 2 k per word) and per row and group `groups` floats of `sums`
+// (int8: scale_x sum(xq); int4 / fp8: sum(x)) and of `scales` (int8: scale_x).
+struct QuantX {
+  const int32_t* x;
+  int64_t stride;
+  const float* sums;
+  const float* scales;
+  int64_t groups;
+
+  QuantX from(int64_t row) const {
+    return {x + row * stride, stride, sums + row * groups, scales ? scales + row * groups : nullptr, groups};
+  }
+};
+
 // Per row of x and group: the sum of the row's values in the group, float32.
 std::vector<float> group_sums(const Bf16* x, int64_t rows, int64_t k, int64_t group) {
   const int64_t groups = k / group;
@@ -1105,14 +1132,36 @@ std::vector<float> group_sums(const Bf16* x, int64_t rows, int64_t k, int64_t gr
   return sums;
 }
 
-#ifdef SONAR_LINEAR_BF16
+// x quantized per row and group to int8 (`xq`, rows x k bytes): scale_x = max |x| / 127 (zero for
+// an all-zero group), xq = x / scale_x rounded to nearest even; `sums` and `scales` as in QuantX.
+void quantize_rows(const Bf16* x, int64_t rows, int64_t k, int64_t group, int8_t* xq, float* sums, float* scales) {
+  const int64_t groups = k / group;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const Bf16* xg = x + r * k + g * group;
+      int8_t* qg = xq + r * k + g * group;
+      float amax = 0.f;
+      for (int64_t i = 0; i < group; ++i) amax = std::max(amax, std::fabs(to_float(xg[i])));
+      const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(to_float(xg[i]) * inverse));
+        qg[i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      scales[r * groups + g] = scale;
+      sums[r * groups + g] = scale * static_cast<float>(sum);
+    }
+}
+
+#if defined(SONAR_LINEAR_BF16) && defined(__AVX512VNNI__)
 #define SONAR_LINEAR_QUANT 1
 
-// One 64-byte line of a tile, unpacked one k pair at a time into bfloat16 pair vectors.
+// One 64-byte int4 or fp8 line of a tile, unpacked one k pair at a time into bfloat16 pair vectors.
 template <int FORMAT>
 struct QuantLine {
   static constexpr int kPairs = FORMAT == kInt4 ? 4 : 2;
-  __m512i w;  // int4: the line; int8 / fp8: unused (each pair is loaded from memory, widened)
+  __m512i w;  // int4: the line; fp8: unused (each pair is loaded from memory, widened)
   const uint8_t* line;
 
   QuantLine() = default;
@@ -1130,12 +1179,8 @@ struct QuantLine {
       __m512 half[2];
       for (int h = 0; h < 2; ++h) {
         const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + p * 32 + h * 16)));
-        if constexpr (FORMAT == kInt8) {
-          half[h] = _mm512_cvtepi32_ps(b);
-        } else {
-          const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87f00000u)));
-          half[h] = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
-        }
+        const __m512i bits = _mm512_and_si512(_mm512_slli_epi32(b, 20), _mm512_set1_epi32(int32_t(0x87f00000u)));
+        half[h] = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
       }
       return _mm512_cvtne2ps_pbh(half[1], half[0]);
     }
@@ -1147,16 +1192,75 @@ struct QuantLine {
 // (measured, 1 thread, SmolLM2's gate_up: 512 bytes ahead ~10 % faster, 0 / 1024 / 2048 within noise).
 constexpr int64_t kQuantAhead = 512;
 
-// ROWS rows of x against TILES tiles (`columns` output columns from the first tile's first). The
-// group's dot products go to SPLIT interleaved accumulators per row and tile, so that a small
-// block still has about 8 independent `vdpbf16ps` chains in flight.
-template <int FORMAT, int ROWS, int TILES, bool SCRATCH>
-inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
-                        const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                        Prefetch pf, const int32_t* scratch) {
-  constexpr int P = QuantLine<FORMAT>::kPairs;
-  constexpr int SPLIT = ROWS * TILES >= 8 ? 1 : 8 / (ROWS * TILES);
+// Independent accumulator chains a block keeps in flight: a small block splits each group's sums
+// over interleaved accumulators.
+template <int ROWS, int TILES>
+constexpr int kQuantSplit = ROWS * TILES >= 8 ? 1 : 8 / (ROWS * TILES);
+
+// ROWS rows of x against TILES int8 tiles (`columns` output columns from the first tile's first):
+// per group, int32 sums by `vpdpbusd`, then scaled into float32.
+template <int ROWS, int TILES>
+inline void int8_block(const QuantX& x, const uint8_t* w, const QuantGeometry& geo, const Bf16* bias, Bf16* y,
+                       int64_t y_stride, int64_t columns, Prefetch pf) {
+  constexpr int SPLIT = kQuantSplit<ROWS, TILES>;
   const int64_t lines = geo.group_bytes / 64;
+  __m512 out[ROWS][TILES];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) out[r][t] = _mm512_setzero_ps();
+  const int64_t per_line = pf.count > 0 ? (pf.count + geo.groups * lines - 1) / (geo.groups * lines) : 0;
+  int64_t fetched = 0;
+  for (int64_t g = 0; g < geo.groups; ++g) {
+    const uint8_t* wg = w + g * geo.stride_g;
+    __m512i acc[SPLIT][ROWS][TILES];
+    for (int i = 0; i < SPLIT; ++i)
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < TILES; ++t) acc[i][r][t] = _mm512_setzero_si512();
+    for (int64_t l = 0; l < lines; ++l) {
+      for (const int64_t stop = std::min(pf.count, fetched + per_line); fetched < stop; ++fetched)
+        _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
+      __m512i v[TILES];
+      for (int t = 0; t < TILES; ++t) {
+        const uint8_t* line = wg + t * geo.tile_bytes + l * 64;
+        v[t] = _mm512_loadu_si512(line);
+        _mm_prefetch(line + kQuantAhead, _MM_HINT_T0);
+      }
+      const int i = static_cast<int>(l % SPLIT);
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512i xb = _mm512_set1_epi32(x.x[r * x.stride + g * lines + l]);
+        for (int t = 0; t < TILES; ++t) acc[i][r][t] = _mm512_dpbusd_epi32(acc[i][r][t], v[t], xb);
+      }
+    }
+    for (int i = 1; i < SPLIT; ++i)
+      for (int r = 0; r < ROWS; ++r)
+        for (int t = 0; t < TILES; ++t) acc[0][r][t] = _mm512_add_epi32(acc[0][r][t], acc[i][r][t]);
+    for (int t = 0; t < TILES; ++t) {
+      const float* meta = reinterpret_cast<const float*>(wg + t * geo.tile_bytes + geo.group_bytes);
+      const __m512 scale = _mm512_loadu_ps(meta);
+      const __m512 given = geo.offsets ? _mm512_loadu_ps(meta + 16) : _mm512_setzero_ps();
+      const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.f), given);  // offset - 128 scale
+      for (int r = 0; r < ROWS; ++r) {
+        const __m512 scaled = _mm512_mul_ps(scale, _mm512_set1_ps(x.scales[r * geo.groups + g]));
+        out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.sums[r * geo.groups + g]),
+                                    _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][r][t]), scaled, out[r][t]));
+      }
+    }
+  }
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = columns - t * 16;
+    if (n <= 0) break;
+    const __m512 b = bias ? loadn(bias + t * 16, n) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) storen(y + r * y_stride + t * 16, _mm512_add_ps(out[r][t], b), n);
+  }
+}
+
+// ROWS rows of x against TILES int4 / fp8 tiles, unpacked line by line or read from `scratch`
+// (SCRATCH).
+template <int FORMAT, int ROWS, int TILES, bool SCRATCH>
+inline void bf16_block(const QuantX& x, const uint8_t* w, const QuantGeometry& geo, const Bf16* bias, Bf16* y,
+                      int64_t y_stride, int64_t columns, Prefetch pf, const int32_t* scratch) {
+  constexpr int P = QuantLine<FORMAT>::kPairs;
+  constexpr int SPLIT = kQuantSplit<ROWS, TILES>;
+  const int64_t lines = geo.group_bytes / 64, kp_count = x.stride;
   __m512 out[ROWS][TILES];
   for (int r = 0; r < ROWS; ++r)
     for (int t = 0; t < TILES; ++t) out[r][t] = _mm512_setzero_ps();
@@ -1171,7 +1275,7 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
     for (int64_t l = 0; l < lines; ++l) {
       for (const int64_t stop = std::min(pf.count, fetched + per_line); fetched < stop; ++fetched)
         _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
-      const int32_t* xl = x + (g * lines + l) * P;
+      const int32_t* xl = x.x + (g * lines + l) * P;
       QuantLine<FORMAT> raw[TILES];
       if constexpr (!SCRATCH) {
         for (int t = 0; t < TILES; ++t) {
@@ -1200,16 +1304,11 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
     for (int t = 0; t < TILES; ++t) {
       const float* meta = reinterpret_cast<const float*>(wg + t * geo.tile_bytes + geo.group_bytes);
       const __m512 scale = _mm512_loadu_ps(meta);
-      if constexpr (FORMAT == kInt4) {
+      if (FORMAT == kInt4 || geo.offsets) {
         const __m512 given = geo.offsets ? _mm512_loadu_ps(meta + 16) : _mm512_setzero_ps();
-        const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.f), given);  // offset - 128 scale
+        const __m512 offset = FORMAT == kInt4 ? _mm512_fnmadd_ps(scale, _mm512_set1_ps(128.f), given) : given;
         for (int r = 0; r < ROWS; ++r)
-          out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * geo.groups + g]),
-                                      _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]));
-      } else if (geo.offsets) {
-        const __m512 offset = _mm512_loadu_ps(meta + 16);
-        for (int r = 0; r < ROWS; ++r)
-          out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sums[r * geo.groups + g]),
+          out[r][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.sums[r * geo.groups + g]),
                                       _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]));
       } else {
         for (int r = 0; r < ROWS; ++r) out[r][t] = _mm512_fmadd_ps(acc[0][r][t], scale, out[r][t]);
@@ -1225,69 +1324,61 @@ inline void quant_block(const int32_t* x, int64_t kp_count, const float* sums, c
 }
 
 // The work of one thread, a group of kQuantTiles tiles at a time: blocks of kQuantRows rows, two
-// tiles each (2 x 8 x 2 float32 accumulators, the group's and the running sums, and the unpacked
-// weights stay near the 32 registers); the last rows % kQuantRows rows in blocks of up to 3 rows
-// and 4 tiles (a decode at batch 1 gets 4 tiles x 2 split accumulators in flight). Measured on
-// SmolLM2's shapes, 1 thread, CPU time, weights streamed from memory, against linear_bf16: batch 1
-// int4 1.4-2.0x faster, int8 lm_head 1.4x (both bound by the unpacking, ~11-15 GB/s of packed
-// weights, not by memory); batch 16 0.84-1.02x bf16's speed; batch 64 0.73-0.95x. (4 x 2 and 4 x 4
-// blocks measured no faster at batch 1 and up to 10 % slower at 16.)
+// tiles each; the last rows % kQuantRows rows in blocks of up to 3 rows and 4 tiles (a decode at
+// batch 1 gets 4 tiles x 2 split accumulators in flight).
 constexpr int kQuantRows = 8;
 constexpr int kQuantTiles = 4;
 constexpr int kQuantBlockTiles = 2;
 
 template <int FORMAT, int ROWS, int TILES>
-inline void quant_rows(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
-                       const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                       Prefetch pf, const int32_t* scratch) {
+inline void quant_rows(int64_t tiles, const QuantX& x, const uint8_t* w, const QuantGeometry& geo, const Bf16* bias,
+                       Bf16* y, int64_t y_stride, int64_t columns, Prefetch pf, const int32_t* scratch) {
   if constexpr (TILES > 1) {
     if (tiles < TILES)
-      return quant_rows<FORMAT, ROWS, TILES - 1>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf,
-                                                 scratch);
+      return quant_rows<FORMAT, ROWS, TILES - 1>(tiles, x, w, geo, bias, y, y_stride, columns, pf, scratch);
   }
-  if (scratch != nullptr)
-    quant_block<FORMAT, ROWS, TILES, true>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf, scratch);
-  else
-    quant_block<FORMAT, ROWS, TILES, false>(x, kp_count, sums, w, geo, bias, y, y_stride, columns, pf, nullptr);
+  if constexpr (FORMAT == kInt8) {
+    int8_block<ROWS, TILES>(x, w, geo, bias, y, y_stride, columns, pf);
+  } else if (scratch != nullptr) {
+    bf16_block<FORMAT, ROWS, TILES, true>(x, w, geo, bias, y, y_stride, columns, pf, scratch);
+  } else {
+    bf16_block<FORMAT, ROWS, TILES, false>(x, w, geo, bias, y, y_stride, columns, pf, nullptr);
+  }
 }
 
 // `tiles` tiles (at most kQuantTiles) for ROWS rows, TILES tiles per block.
 template <int FORMAT, int ROWS, int TILES>
-inline void quant_tiles(int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums, const uint8_t* w,
-                        const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns,
-                        Prefetch pf, const int32_t* scratch) {
+inline void quant_tiles(int64_t tiles, const QuantX& x, const uint8_t* w, const QuantGeometry& geo, const Bf16* bias,
+                        Bf16* y, int64_t y_stride, int64_t columns, Prefetch pf, const int32_t* scratch) {
   for (int64_t t = 0; t < tiles; t += TILES) {
-    quant_rows<FORMAT, ROWS, TILES>(std::min<int64_t>(TILES, tiles - t), x, kp_count, sums, w + t * geo.tile_bytes,
-                                    geo, bias ? bias + t * 16 : nullptr, y + t * 16, y_stride, columns - t * 16,
-                                    t == 0 ? pf : Prefetch{}, scratch ? scratch + t * kp_count * 16 : nullptr);
+    quant_rows<FORMAT, ROWS, TILES>(std::min<int64_t>(TILES, tiles - t), x, w + t * geo.tile_bytes, geo,
+                                    bias ? bias + t * 16 : nullptr, y + t * 16, y_stride, columns - t * 16,
+                                    t == 0 ? pf : Prefetch{}, scratch ? scratch + t * (geo.k / 2) * 16 : nullptr);
   }
 }
 
 template <int FORMAT, int ROWS = kQuantRows - 1>
-inline void quant_tail(int64_t rows, int64_t tiles, const int32_t* x, int64_t kp_count, const float* sums,
-                       const uint8_t* w, const QuantGeometry& geo, const Bf16* bias, Bf16* y, int64_t y_stride,
-                       int64_t columns, const int32_t* scratch) {
+inline void quant_tail(int64_t rows, int64_t tiles, const QuantX& x, const uint8_t* w, const QuantGeometry& geo,
+                       const Bf16* bias, Bf16* y, int64_t y_stride, int64_t columns, const int32_t* scratch) {
   if constexpr (ROWS > 0) {
     if (rows == ROWS) {
       constexpr int tiles_per_block = ROWS <= 3 ? kQuantTiles : kQuantBlockTiles;
-      return quant_tiles<FORMAT, ROWS, tiles_per_block>(tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns,
-                                                        {}, scratch);
+      return quant_tiles<FORMAT, ROWS, tiles_per_block>(tiles, x, w, geo, bias, y, y_stride, columns, {}, scratch);
     }
-    quant_tail<FORMAT, ROWS - 1>(rows, tiles, x, kp_count, sums, w, geo, bias, y, y_stride, columns, scratch);
+    quant_tail<FORMAT, ROWS - 1>(rows, tiles, x, w, geo, bias, y, y_stride, columns, scratch);
   }
 }
 
-// From this many blocks of rows on, a group of int8 / fp8 tiles is unpacked once into a scratch
-// buffer of bfloat16 pairs (linear_bf16's tile layout, in L2) that every block of rows reads,
-// instead of each block unpacking it again (SmolLM2's int8 lm_head, 1 thread, 64 rows: 0.77 -> 0.93x
-// bf16's time; at 16 rows it measured slower, and for int4, whose unpacking is cheap, at every count).
-template <int FORMAT>
-constexpr int64_t kQuantScratchBlocks = FORMAT == kInt4 ? std::numeric_limits<int64_t>::max() : 4;
+// From this many blocks of rows on, a group of fp8 tiles is unpacked once into a scratch buffer of
+// bfloat16 pairs (linear_bf16's tile layout, in L2) that every block of rows reads, instead of each
+// block unpacking it again (measured with SmolLM2's lm_head shape unpacked from int8 bytes the same
+// way, 1 thread, 64 rows: 0.77 -> 0.93x bf16's time; at 16 rows slower; for int4, whose unpacking
+// is cheap, slower at every count).
+constexpr int64_t kFp8ScratchBlocks = 4;
 
-// `tiles` tiles unpacked into `scratch` (per tile K / 2 pairs of 16 lanes), prefetching `pf`.
-template <int FORMAT>
+// `tiles` fp8 tiles unpacked into `scratch` (per tile K / 2 pairs of 16 lanes), prefetching `pf`.
 void unpack_tiles(const uint8_t* w, int64_t tiles, const QuantGeometry& geo, int32_t* scratch, Prefetch pf) {
-  constexpr int P = QuantLine<FORMAT>::kPairs;
+  constexpr int P = QuantLine<kFp8>::kPairs;
   const int64_t lines = geo.group_bytes / 64, kp_count = geo.k / 2;
   const int64_t per_line = pf.count > 0 ? (pf.count + tiles * geo.groups * lines - 1) / (tiles * geo.groups * lines) : 0;
   int64_t fetched = 0;
@@ -1298,19 +1389,19 @@ void unpack_tiles(const uint8_t* w, int64_t tiles, const QuantGeometry& geo, int
           _mm_prefetch(pf.lines + fetched * 64, _MM_HINT_T1);
         const uint8_t* line = w + t * geo.tile_bytes + g * geo.stride_g + l * 64;
         _mm_prefetch(line + kQuantAhead, _MM_HINT_T0);
-        const QuantLine<FORMAT> raw(line);
+        const QuantLine<kFp8> raw(line);
         int32_t* out = scratch + t * kp_count * 16 + (g * lines + l) * P * 16;
         for (int p = 0; p < P; ++p) _mm512_storeu_si512(out + p * 16, (__m512i)raw.pair(p));
       }
 }
 
 template <int FORMAT>
-void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
-                         const Bf16* bs, Bf16* ys, int64_t out_features, const at::Tensor* next) {
-  const int64_t kp_count = geo.k / 2, blocks = rows / kQuantRows, groups = geo.groups;
-  const int32_t* x = reinterpret_cast<const int32_t*>(xs);
+void linear_quant_avx512(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const Bf16* bs,
+                         Bf16* ys, int64_t out_features, const at::Tensor* next) {
+  const int64_t blocks = rows / kQuantRows;
+  const bool unpacked = FORMAT == kFp8 && blocks >= kFp8ScratchBlocks;
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> scratch(blocks >= kQuantScratchBlocks<FORMAT> ? kQuantTiles * kp_count * 16 : 0);
+    std::vector<int32_t> scratch(unpacked ? kQuantTiles * (geo.k / 2) * 16 : 0);
     for (int64_t t = begin; t < end; t += kQuantTiles) {
       const int64_t count = std::min<int64_t>(kQuantTiles, end - t);
       const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
@@ -1325,8 +1416,8 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
       }
       const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
       const int32_t* from_scratch = nullptr;
-      if (blocks >= kQuantScratchBlocks<FORMAT>) {
-        unpack_tiles<FORMAT>(w, count, geo, scratch.data(), group);
+      if (unpacked) {
+        unpack_tiles(w, count, geo, scratch.data(), group);
         group = {};  // prefetched while unpacking
         from_scratch = scratch.data();
       }
@@ -1334,23 +1425,25 @@ void linear_quant_avx512(const Bf16* xs, int64_t rows, const float* sums, const 
       for (int64_t i = 0; r + kQuantRows <= rows; r += kQuantRows, ++i) {
         const int64_t from = std::min(group.count, i * share);
         const Prefetch part{group.lines + from * 64, std::min(share, group.count - from)};
-        quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, x + r * kp_count, kp_count, sums + r * groups, w, geo,
-                                                          b, ys + r * out_features + t * 16, out_features, columns,
-                                                          part, from_scratch);
+        quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, xs.from(r), w, geo, b,
+                                                          ys + r * out_features + t * 16, out_features, columns, part,
+                                                          from_scratch);
       }
-      quant_tail<FORMAT>(rows - r, count, x + r * kp_count, kp_count, sums + r * groups, w, geo, b,
-                         ys + r * out_features + t * 16, out_features, columns, from_scratch);
+      quant_tail<FORMAT>(rows - r, count, xs.from(r), w, geo, b, ys + r * out_features + t * 16, out_features, columns,
+                         from_scratch);
     }
   });
 }
 #endif
 
-// The portable loop: per tile and group, the group's weights unpacked to float32 once, then every
-// row's 16 column sums over them.
-void linear_quant_portable(const Bf16* xs, int64_t rows, const float* sums, const uint8_t* ws, const QuantGeometry& geo,
-                           const Bf16* bs, Bf16* ys, int64_t out_features) {
+// The portable loop: per tile and group, the group's weights unpacked once (int8: as the stored
+// unsigned bytes; int4 / fp8: to float32), then every row's 16 column sums over them.
+void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const Bf16* bs,
+                           Bf16* ys, int64_t out_features) {
+  const bool integer = geo.format == kInt8;
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(geo.group * 16), out(rows * 16);
+    std::vector<int32_t> wi(geo.group * 16);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(out.begin(), out.end(), 0.f);
       for (int64_t g = 0; g < geo.groups; ++g) {
@@ -1358,37 +1451,47 @@ void linear_quant_portable(const Bf16* xs, int64_t rows, const float* sums, cons
         for (int64_t i = 0; i < geo.group; ++i) {  // k = g * group + i
           const int64_t line = i / QuantGeometry::k_per_line(geo.format), within = i % QuantGeometry::k_per_line(geo.format);
           for (int64_t c = 0; c < 16; ++c) {
-            float v;
             if (geo.format == kInt4) {
               const uint8_t* lane = wg + line * 64 + (c * 2 + within % 2) * 2;
               const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
-              v = static_cast<float>((word >> (4 * (within / 2))) & 0xf);
+              wf[i * 16 + c] = static_cast<float>((word >> (4 * (within / 2))) & 0xf);
+            } else if (geo.format == kInt8) {
+              wi[i * 16 + c] = wg[line * 64 + c * 4 + within];
             } else {
               const uint8_t byte = wg[line * 64 + (within / 2) * 32 + c * 2 + within % 2];
-              if (geo.format == kInt8) {
-                v = static_cast<float>(static_cast<int8_t>(byte));
-              } else {
-                const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << 20) &
-                                      0x87f00000u;
-                std::memcpy(&v, &bits, sizeof v);
-                v *= 0x1p120f;
-              }
+              const uint32_t bits =
+                  (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << 20) & 0x87f00000u;
+              float v;
+              std::memcpy(&v, &bits, sizeof v);
+              wf[i * 16 + c] = v * 0x1p120f;
             }
-            wf[i * 16 + c] = v;
           }
         }
         const float* scale = reinterpret_cast<const float*>(wg + geo.group_bytes);
         const float* offset = geo.offsets ? scale + 16 : nullptr;
         for (int64_t r = 0; r < rows; ++r) {
-          const Bf16* xr = xs + r * geo.k + g * geo.group;
-          float acc[16] = {};
-          for (int64_t i = 0; i < geo.group; ++i) {
-            const float xi = to_float(xr[i]);
+          const QuantX xr = xs.from(r);
+          const float s = xr.sums[g];
+          float* o = out.data() + r * 16;
+          if (integer) {
+            const int8_t* xq = reinterpret_cast<const int8_t*>(xr.x) + g * geo.group;
+            int32_t acc[16] = {};
+            for (int64_t i = 0; i < geo.group; ++i)
+              for (int64_t c = 0; c < 16; ++c) acc[c] += xq[i] * wi[i * 16 + c];
+            for (int64_t c = 0; c < 16; ++c) {
+              const float off = (offset ? offset[c] : 0.f) - 128.f * scale[c];
+              o[c] += static_cast<float>(acc[c]) * (scale[c] * xr.scales[g]) + off * s;
+            }
+          } else {
+            const Bf16* xb = reinterpret_cast<const Bf16*>(xr.x) + g * geo.group;
+            float acc[16] = {};
+            for (int64_t i = 0; i < geo.group; ++i) {
+              const float xi = to_float(xb[i]);
 #pragma omp simd
-            for (int64_t c = 0; c < 16; ++c) acc[c] += xi * wf[i * 16 + c];
+              for (int64_t c = 0; c < 16; ++c) acc[c] += xi * wf[i * 16 + c];
+            }
+            for (int64_t c = 0; c < 16; ++c) o[c] += acc[c] * scale[c] + (offset ? offset[c] * s : 0.f);
           }
-          const float s = sums[r * geo.groups + g];
-          for (int64_t c = 0; c < 16; ++c) out[r * 16 + c] += acc[c] * scale[c] + (offset ? offset[c] * s : 0.f);
         }
       }
       const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
@@ -1417,17 +1520,29 @@ at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, cons
   }
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
-  const Bf16* xs = data<const Bf16>(x);
-  const std::vector<float> sums = group_sums(xs, rows, geo.k, group);
+  const Bf16* xb = data<const Bf16>(x);
+  std::vector<float> sums, scales;
+  std::vector<int32_t> xq;  // int8: the quantized x, 4 bytes per word
+  QuantX xs{reinterpret_cast<const int32_t*>(xb), geo.k / 2, nullptr, nullptr, geo.groups};
+  if (format != kInt8) {
+    sums = group_sums(xb, rows, geo.k, group);
+  } else {
+    sums.resize(rows * geo.groups);
+    scales.resize(rows * geo.groups);
+    xq.resize(rows * geo.k / 4);
+    quantize_rows(xb, rows, geo.k, group, reinterpret_cast<int8_t*>(xq.data()), sums.data(), scales.data());
+    xs = {xq.data(), geo.k / 4, nullptr, scales.data(), geo.groups};
+  }
+  xs.sums = sums.data();
   const uint8_t* ws = data<const uint8_t>(packed);
   const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
   Bf16* ys = data<Bf16>(y);
 #ifdef SONAR_LINEAR_QUANT
-  if (format == kInt4) linear_quant_avx512<kInt4>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
-  else if (format == kInt8) linear_quant_avx512<kInt8>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
-  else linear_quant_avx512<kFp8>(xs, rows, sums.data(), ws, geo, bs, ys, out_features, next);
+  if (format == kInt4) linear_quant_avx512<kInt4>(xs, rows, ws, geo, bs, ys, out_features, next);
+  else if (format == kInt8) linear_quant_avx512<kInt8>(xs, rows, ws, geo, bs, ys, out_features, next);
+  else linear_quant_avx512<kFp8>(xs, rows, ws, geo, bs, ys, out_features, next);
 #else
-  linear_quant_portable(xs, rows, sums.data(), ws, geo, bs, ys, out_features);
+  linear_quant_portable(xs, rows, ws, geo, bs, ys, out_features);
 #endif
   return y;
 }
