@@ -88,13 +88,26 @@ def test_tiny_architectures_equal_the_per_op_path(
 
 def test_smollm2_packed_bf16_equals_the_per_op_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The serving configuration: SmolLM2's weights in bf16, linears packed for Sonar's kernel."""
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None, dtype="bfloat16", dequantize_weights=True)
     linear.prepack_linears(loaded.model)
     weights = layer_weights(loaded.model)
     if not linear.can_pack_native(loaded.model.lm_head.weight):  # oneDNN's packing: the per-op path
         assert weights is None
         return
     assert weights is not None and set(weights.kinds) == {PACKED_BF16}
+    fused, per_op, a, b, calls = _both(loaded.model, torch.bfloat16, _prompts(1000)[:4], 6, monkeypatch)
+    assert calls == 5
+    _assert_same(fused, per_op, a, b)
+
+
+def test_smollm2_served_quantized_equals_the_per_op_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default serving configuration: the embedded GGUF's quants (int4 layers, the int8 tied
+    output layer) through the native loop, bit for bit the per-op path."""
+    loaded = load_model(None, dtype="bfloat16")
+    if not native.available():
+        return
+    weights = layer_weights(loaded.model)
+    assert weights is not None and all(kind >= QUANTIZED for kind in weights.kinds)
     fused, per_op, a, b, calls = _both(loaded.model, torch.bfloat16, _prompts(1000)[:4], 6, monkeypatch)
     assert calls == 5
     _assert_same(fused, per_op, a, b)
@@ -122,7 +135,7 @@ def test_what_the_loop_does_not_serve(tiny_checkpoints: dict[str, Any], monkeypa
 
 def test_repacked_weights_are_picked_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """`PackedLinear.repack` after a weight change: the loop reads the new packing, not the old."""
-    loaded = load_model(None, dtype="bfloat16")
+    loaded = load_model(None, dtype="bfloat16", dequantize_weights=True)
     linear.prepack_linears(loaded.model)
     model = loaded.model
     before = model.fused_decode.weights()
