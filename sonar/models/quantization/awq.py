@@ -21,13 +21,13 @@ from torch import Tensor
 
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError
-from sonar.models.quantization.method import Method, check_shape, from_unsigned, listed, need
+from sonar.models.quantization.method import PackedIntMethod, check_shape, from_unsigned, need
 from sonar.models.quantization.packing import awq_columns, unpack_int32
 
 GROUP_SIZES = (32, 64, 128, -1)
 
 
-class AWQ(Method):
+class AWQ(PackedIntMethod):
     name = "awq"
     parts = frozenset({"qweight", "qzeros", "scales"})
 
@@ -51,13 +51,6 @@ class AWQ(Method):
         if qc.get("zero_point", True) is not True:
             raise ModelLoadError("AWQ zero_point false is not supported (Sonar reads AWQ's asymmetric layout)")
         return cls(group, list(qc.get("modules_to_not_convert") or []))
-
-    def quantized(self, module: str, parts: set[str]) -> bool:
-        if "qweight" not in parts:
-            return False
-        if listed(module, self.skip):
-            raise ModelLoadError(f"{module} is in modules_to_not_convert, but the checkpoint stores it quantized")
-        return True
 
     def convert(self, module: str, tensors: dict[str, Tensor]) -> QuantizedWeight:
         qweight, qzeros, scales = (need(tensors, module, p) for p in ("qweight", "qzeros", "scales"))

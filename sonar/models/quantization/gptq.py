@@ -24,7 +24,7 @@ from torch import Tensor
 
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError
-from sonar.models.quantization.method import Method, act_order, check_shape, from_unsigned, listed, need
+from sonar.models.quantization.method import PackedIntMethod, act_order, check_shape, from_unsigned, need
 from sonar.models.quantization.packing import unpack_int32
 
 BITS = (4, 8)
@@ -32,7 +32,7 @@ GROUP_SIZES = (32, 64, 128, -1)
 FORMATS = ("gptq", "gptq_v2")
 
 
-class GPTQ(Method):
+class GPTQ(PackedIntMethod):
     name = "gptq"
     parts = frozenset({"qweight", "qzeros", "scales", "g_idx"})
 
@@ -66,13 +66,6 @@ class GPTQ(Method):
             raise ModelLoadError("GPTQ per-module overrides (quantization_config.dynamic) are not supported")
         skip = list(qc.get("modules_to_not_convert") or [])
         return cls(bits, group, bool(qc.get("desc_act", False)), fmt == "gptq", skip)
-
-    def quantized(self, module: str, parts: set[str]) -> bool:
-        if "qweight" not in parts:
-            return False
-        if listed(module, self.skip):
-            raise ModelLoadError(f"{module} is in modules_to_not_convert, but the checkpoint stores it quantized")
-        return True
 
     def convert(self, module: str, tensors: dict[str, Tensor]) -> QuantizedWeight:
         qweight, qzeros, scales = (need(tensors, module, p) for p in ("qweight", "qzeros", "scales"))

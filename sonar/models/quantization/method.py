@@ -51,6 +51,20 @@ class Method(ABC):
         """The settings in force, for the load log."""
 
 
+class PackedIntMethod(Method):
+    """GPTQ and AWQ: a module is quantized when it stores a ``qweight``, and its config's
+    ``modules_to_not_convert`` (in `skip`) must not name it."""
+
+    skip: list[str]
+
+    def quantized(self, module: str, parts: set[str]) -> bool:
+        if "qweight" not in parts:
+            return False
+        if listed(module, self.skip):
+            raise ModelLoadError(f"{module} is in modules_to_not_convert, but the checkpoint stores it quantized")
+        return True
+
+
 def need(tensors: dict[str, Tensor], module: str, part: str) -> Tensor:
     """``<module>.<part>``, or a ModelLoadError naming it."""
     tensor = tensors.get(part)

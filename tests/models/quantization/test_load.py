@@ -220,9 +220,10 @@ def test_logits_equal_transformers_on_the_dequantized_weights(
 @pytest.mark.parametrize("case", ["gptq-int4-act-order-v1", "awq", "fp8-block", "ct-w8a8-int8"])
 def test_served_in_bfloat16(case: str, tiny: tuple[Any, Path], tmp_path: Path) -> None:
     """The serving dtype, on whichever backend serves the layers: the prompt logits within 0.5 of
-    transformers' float32 on the dequantized weights. bfloat16 activations through two layers
-    move these logits (magnitude about 7) by up to about 0.25; a layer read in the wrong column
-    or group order moves them by whole units."""
+    transformers' float32 on the dequantized weights (0.75 for int8 weights, whose CPU kernel also
+    rounds the activations to int8 per group, llama.cpp's way: measured up to 0.52). bfloat16
+    activations through two layers move these logits (magnitude about 7) by up to about 0.25; a
+    layer read in the wrong column or group order moves them by whole units."""
     hf, _ = tiny
     quantize, qc, with_lm_head = CASES[case]
     dequantized = _write(hf, tmp_path, quantize, qc, with_lm_head)
@@ -234,7 +235,8 @@ def test_served_in_bfloat16(case: str, tiny: tuple[Any, Path], tmp_path: Path) -
     for i, prompt in enumerate(prompts):
         with torch.inference_mode():
             full = ref(torch.tensor([prompt])).logits[0].float()
-        torch.testing.assert_close(out.prompt_logits[i].float(), full, atol=0.5, rtol=0)
+        atol = 0.75 if case == "ct-w8a8-int8" else 0.5
+        torch.testing.assert_close(out.prompt_logits[i].float(), full, atol=atol, rtol=0)
 
 
 def test_biases_and_tied_embeddings(tmp_path_factory: pytest.TempPathFactory, tmp_path: Path) -> None:
