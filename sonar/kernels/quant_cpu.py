@@ -54,9 +54,8 @@ def pack(qw: QuantizedWeight) -> Tensor:
     if qw.format == "int4":
         # k = g * group + line * 8 + 2 * pair + parity; one 16-bit word per (row, parity) holds the
         # four pairs' nibbles
-        v = values.to(torch.int32).reshape(tiles, TILE, groups, lines, 4, 2).permute(0, 2, 3, 1, 5, 4)
-        words = v[..., 0] | v[..., 1] << 4 | v[..., 2] << 8 | v[..., 3] << 12
-        body = torch.stack((words & 0xFF, words >> 8), dim=-1).to(torch.uint8)
+        v = values.reshape(tiles, TILE, groups, lines, 4, 2).permute(0, 2, 3, 1, 5, 4)
+        body = torch.stack((v[..., 0] | v[..., 1] << 4, v[..., 2] | v[..., 3] << 4), dim=-1)
     elif qw.format == "int8":
         # k = g * group + line * 4 + j: bytes in (row, j) order, v + 128 (unsigned)
         body = values.reshape(tiles, TILE, groups, lines, 4).permute(0, 2, 3, 1, 4) ^ 0x80
