@@ -348,7 +348,7 @@ def _model_folder(config: ServeConfig) -> str | None:
     if not _REPO_ID.match(model):
         return None
     try:
-        return str(_resolve_hub_cache(model, engine.revision, engine.download_dir))
+        return str(_resolve_hub_cache(model, engine.revision, engine.download_dir)[0])
     except ModelLoadError:
         return None  # loading the model reports it
 
