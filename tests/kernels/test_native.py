@@ -307,16 +307,22 @@ print("ok")
 def test_portable_build_matches_the_references(tmp_path: Path) -> None:
     """The kernels as a CPU without AVX-512 gets them (``-mno-avx512f``: the plain C++ loops), in a
     fresh process (one process can load one ``sonar_cpu`` library)."""
-    import os
-    import subprocess
-    import sys
-
     library = native.build(tmp_path, flags=("-mno-avx512f",))
     compiler = native._compiler()
     assert compiler is not None and library.parent.name == native.build_key(compiler, ("-mno-avx512f",))
     assert library.parent.name != native.build_key(compiler)  # not the default build's key
+    assert_portable_check_passes(PORTABLE_CHECK, library)
+
+
+def assert_portable_check_passes(script: str, library: Path) -> None:
+    """Run `script` (a check that prints ``ok``) with `library` as its argument in a fresh process:
+    one process can load one ``sonar_cpu`` library, and this one loaded the default build."""
+    import os
+    import subprocess
+    import sys
+
     proc = subprocess.run(
-        [sys.executable, "-c", PORTABLE_CHECK, str(library)],
+        [sys.executable, "-c", script, str(library)],
         capture_output=True,
         text=True,
         timeout=300,

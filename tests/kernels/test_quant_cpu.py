@@ -11,9 +11,6 @@ scale_x / 2 * sum |w| over the group, and the output by the sum of that over the
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -22,6 +19,7 @@ import torch
 from sonar.kernels import native, quant, quant_cpu
 from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
+from tests.kernels.test_native import assert_portable_check_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -240,14 +238,7 @@ def test_portable_build_matches_the_reference() -> None:
     same packing), in a fresh process (one process can load one ``sonar_cpu`` library). Built
     into the usual cache, so it compiles once per source."""
     library = native.build(flags=("-mno-avx512f",))
-    proc = subprocess.run(
-        [sys.executable, "-c", PORTABLE_CHECK, str(library)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "SONAR_NATIVE_KERNELS": "0"},
-    )
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    assert_portable_check_passes(PORTABLE_CHECK, library)
 
 
 def test_replace_keeps_perm_semantics() -> None:
