@@ -89,8 +89,10 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 600.0,
     name: str = "server",
+    new_session: bool = False,
 ) -> LaunchedServer:
-    """Start the server and wait until ``GET /health`` answers 200; raises `ServerFailed`."""
+    """Start the server and wait until ``GET /health`` answers 200; raises `ServerFailed`.
+    `new_session` makes it lead a process group of its own (to pause or stop it with its children)."""
     port = free_port()
     argv = server_command(port, server_args, command)
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,7 @@ def launch(
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(env or {}))
     started = time.perf_counter()
     with out.open("wb") as fout, err.open("wb") as ferr:
-        proc = subprocess.Popen(argv, env=full_env, stdout=fout, stderr=ferr)
+        proc = subprocess.Popen(argv, env=full_env, stdout=fout, stderr=ferr, start_new_session=new_session)
     server = LaunchedServer(proc, f"http://127.0.0.1:{port}", out, err, started, argv=argv)
     with httpx.Client(timeout=2.0) as client:
         while time.perf_counter() - started < timeout:

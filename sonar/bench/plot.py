@@ -78,3 +78,32 @@ def plot_sweep(points: Sequence[dict[str, Any]], path: str | Path, title: str = 
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
     return _save(plt, fig, path, title)
+
+
+def plot_compare(cells: Sequence[dict[str, Any]], servers: Sequence[str], path: str | Path, title: str = "") -> Path:
+    """One workload of `bench compare`: a column per input length, output tokens/s (top) and mean
+    TTFT (bottom) against concurrency, a line per server (mean over rounds)."""
+    plt = _pyplot()
+    lengths = list(dict.fromkeys(c["input_len"] for c in cells))
+    fig, axes = plt.subplots(2, len(lengths), figsize=(5 * len(lengths), 8), squeeze=False, constrained_layout=True)
+    for col, length in enumerate(lengths):
+        row_cells = sorted((c for c in cells if c["input_len"] == length), key=lambda c: c["concurrency"])
+        for row, (key, label) in enumerate(
+            (("output_throughput", "output tokens/s"), ("mean_ttft_ms", "mean TTFT (ms)"))
+        ):
+            ax = axes[row][col]
+            for name in servers:
+                points = [
+                    (c["concurrency"], float(np.mean(values)))
+                    for c in row_cells
+                    if (values := [r[key] for r in c.get("runs", {}).get(name, []) if r.get(key) is not None])
+                ]
+                if points:
+                    ax.plot(*zip(*points), "o-", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(label)
+            ax.set_title(f"input {length} tokens")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    return _save(plt, fig, path, title or cells[0]["workload"])
