@@ -86,10 +86,13 @@ class AttentionMetadata:
                 raise ValueError(f"need 0 < query_len <= seq_len, got {q} and {s}")
             if len(blocks) * block_size < s:
                 raise ValueError(f"{len(blocks)} blocks of {block_size} cannot hold {s} tokens")
-        max_blocks = max((len(b) for b in block_tables), default=0)
-        table = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
-        for i, blocks in enumerate(block_tables):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        width = max(max((len(b) for b in block_tables), default=0), 1)
+        # one tensor from one padded list: a tensor per row costs ~6 us a row, 1.5 ms at 256 rows
+        padded: list[int] = []
+        for blocks in block_tables:
+            padded += blocks
+            padded += [0] * (width - len(blocks))
+        table = torch.tensor(padded, dtype=torch.int32).view(len(block_tables), width)
         q_lens = torch.tensor(list(query_lens), dtype=torch.int64)
         s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)
