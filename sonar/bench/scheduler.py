@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import anyio
-import anyio.lowlevel
 
 from sonar.core import BlockManager, Request, Scheduler, SchedulerConfig
 from sonar.core.detokenize import IncrementalDetokenizer
@@ -74,12 +73,17 @@ async def measure(n: int, prompt_len: int, steps: int, vocab: int, tokenizer: ob
     streams = {rid: DeltaStream() for rid in detoks}
     times: dict[str, list[float]] = {part: [] for part in PARTS}
     received = 0
+    step_done = anyio.Event()
+    step_target = 0
 
     async def read(stream: DeltaStream) -> None:
+        # like the `LLM` handle's readers: the last one to get its delta of a step ends the step
         nonlocal received
         for _ in range(steps):
             await stream.receive()
             received += 1
+            if received == step_target:
+                step_done.set()
 
     clock: Callable[[], float] = time.thread_time
     async with anyio.create_task_group() as tg:
@@ -101,11 +105,10 @@ async def measure(n: int, prompt_len: int, steps: int, vocab: int, tokenizer: ob
             t2 = clock()
             texts = [(u.req_id, detoks[u.req_id].update(u.new_token_ids).text) for u in updates]
             t3 = clock()
+            step_done, step_target = anyio.Event(), (step + 1) * n
             for rid, text in texts:
                 streams[rid].send_nowait(text)
-            target = (step + 1) * n
-            while received < target:
-                await anyio.lowlevel.checkpoint()
+            await step_done.wait()
             t4 = clock()
             for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
                 times[part].append(seconds)
