@@ -199,16 +199,38 @@ class Scheduler:
         status: RequestStatus,
         stop_reason: int | str | None = None,
     ) -> list[str]:
-        """Finish requests from outside (abort, a stop string found by the detokenizer).
+        """Finish requests from outside (abort, say).
 
         Their blocks are freed at once and their ids reach the runner with the next step.
         Unknown or already finished ids are ignored; the found ones are returned.
         """
+        return self._finish(((request_id, stop_reason) for request_id in request_ids), status)
+
+    def finish_stopped(self, hits: Mapping[str, int | str | None]) -> list[str]:
+        """Finish requests that hit a stop string (found downstream, by the detokenizer), each
+        with its own stop reason; as `finish_requests` otherwise."""
+        return self._finish(hits.items(), RequestStatus.FINISHED_STOPPED)
+
+    def fail_requests(self, errors: Mapping[str, RequestError]) -> list[RequestUpdate]:
+        """End requests with ``FINISHED_ERROR`` and the given error, wherever they are (their
+        blocks are freed, the runner drops them with the next step); one update each. Unknown
+        or already finished ids are ignored."""
+        found = [request for request_id in errors if (request := self.requests.get(request_id)) is not None]
+        self._finish(((request.request_id, None) for request in found), RequestStatus.FINISHED_ERROR)
+        updates = []
+        for request in found:
+            request.error = errors[request.request_id]
+            updates.append(self._update(request, []))
+        return updates
+
+    def _finish(self, items: Iterable[tuple[str, int | str | None]], status: RequestStatus) -> list[str]:
+        """Finish each ``(request id, stop reason)`` found; the running list is rebuilt once for
+        the lot, so finishing k of n running requests costs O(n + k), not O(n * k)."""
         if not status.is_finished:
             raise ValueError(f"{status.name} is not a finished status")
         found = []
         finished_running = False
-        for request_id in request_ids:
+        for request_id, stop_reason in items:
             request = self.requests.get(request_id)
             if request is None:
                 continue
@@ -226,20 +248,6 @@ class Scheduler:
         if finished_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return found
-
-    def fail_requests(self, errors: Mapping[str, RequestError]) -> list[RequestUpdate]:
-        """End requests with ``FINISHED_ERROR`` and the given error, wherever they are (their
-        blocks are freed, the runner drops them with the next step); one update each. Unknown
-        or already finished ids are ignored."""
-        updates = []
-        for request_id, error in errors.items():
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            self.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-            request.error = error
-            updates.append(self._update(request, []))
-        return updates
 
     def _retire(self, request: Request) -> None:
         del self.requests[request.request_id]

@@ -18,7 +18,7 @@ import anyio.to_thread
 
 from sonar.actors import Supervisor, supervise
 from sonar.actors.actor import launch
-from sonar.engine.client_actor import ClientActor, Failed
+from sonar.engine.client_actor import ClientActor, DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
 from sonar.engine.tree import engine_spec
@@ -43,7 +43,7 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
 async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
     """An `LLM` on the running engine tree `sup` (built from `engine_spec(config)`): starts the
     client actor that receives outputs and loads the tokenizer."""
-    streams: dict[str, Any] = {}
+    streams: dict[str, DeltaStream] = {}
     async with anyio.create_task_group() as tg:
         client_name = f"client-{secrets.token_hex(4)}"
         inc = await launch(tg, ClientActor(streams), client_name, 4096)

@@ -109,7 +109,7 @@ class DecodeBuffers:
         self._host_seq_lens[n:size] = 0
         table = self._host_tables
         width = table.shape[1]
-        table[:size] = 0
+        padded: list[int] = []  # rows 0 .. n - 1 as one list: one tensor, not one per row
         for i, blocks in enumerate(tables):
             if len(blocks) * bs <= positions[i] or positions[i] >= self.max_model_len:
                 raise ValueError(
@@ -117,7 +117,10 @@ class DecodeBuffers:
                     f"cannot hold position {positions[i]}"
                 )
             blocks = blocks[:width]  # blocks past the max model length are never read
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            padded += blocks
+            padded += [0] * (width - len(blocks))
+        table[:n] = torch.tensor(padded, dtype=torch.int32).view(n, width)
+        table[n:size] = 0
         rows = torch.arange(n)
         self._host_slots[:n] = table[rows, pos // bs].to(torch.int64) * bs + pos % bs
         self._host_slots[n:size] = -1

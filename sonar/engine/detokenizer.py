@@ -100,6 +100,7 @@ class DetokenizerActor(Actor):
             )
         by_sink: dict[ActorRef, list[OutputDelta]] = defaultdict(list)
         hits: dict[str, str] = {}
+        delivered: set[str] = set()  # requests with a delta in this step
         for u in msg.updates:
             tracked = self.requests.get(u.req_id)
             if tracked is None:
@@ -127,16 +128,13 @@ class DetokenizerActor(Actor):
             if plps is not None and (plps := tracked.fresh_prompt_logprobs(plps)):
                 delta.prompt_logprobs = [self._position(lp) if lp is not None else None for lp in plps]
             by_sink[tracked.sink].append(delta)
+            delivered.add(u.req_id)
             if finish is not None:
                 del self.requests[u.req_id]
         # prompt logprobs of prefill chunks that sampled nothing yet
         for rid, plps in msg.prompt_logprobs.items():
             tracked = self.requests.get(rid)
-            if (
-                tracked is not None
-                and not any(d.req_id == rid for d in by_sink.get(tracked.sink, ()))
-                and (plps := tracked.fresh_prompt_logprobs(plps))
-            ):
+            if tracked is not None and rid not in delivered and (plps := tracked.fresh_prompt_logprobs(plps)):
                 by_sink[tracked.sink].append(
                     OutputDelta(
                         req_id=rid,

@@ -11,7 +11,6 @@ client actor fills (`sonar.engine.client_actor`).
 from __future__ import annotations
 
 import itertools
-import math
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import msgspec
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
 from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
-from sonar.engine.client_actor import Failed
+from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.errors import (
     EngineDeadError,
@@ -143,7 +142,7 @@ class LLM:
         config: EngineConfig,
         supervisor: Supervisor,
         client: Any,
-        streams: dict[str, Any],
+        streams: dict[str, DeltaStream],
         info: WorkerInfo,
         tokenizer: Any,
     ) -> None:
@@ -344,10 +343,7 @@ class LLM:
         for rid in ids:
             stream = self._streams.get(rid)
             if stream is not None:
-                try:
-                    stream.send_nowait(OutputDelta(rid, "", [], finish_reason="abort"))
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    pass
+                stream.send_nowait(OutputDelta(rid, "", [], finish_reason="abort"))
         if ids:
             await self.supervisor.child("scheduler").ref.send(Abort(ids))
         return ids
@@ -449,9 +445,9 @@ class LLM:
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
-        send, receive = anyio.create_memory_object_stream[Any](max_buffer_size=math.inf)
+        stream = DeltaStream()
         for cid in ids:
-            self._streams[cid] = send
+            self._streams[cid] = stream
         scheduler = self.supervisor.child("scheduler").ref
         pending = set(ids)
         try:
@@ -469,7 +465,7 @@ class LLM:
                     ),
                 )
             while pending:
-                item = await receive.receive()
+                item = await stream.receive()
                 if isinstance(item, Failed):
                     raise EngineDeadError(item.reason)
                 delta: OutputDelta = item

@@ -51,7 +51,6 @@ from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, S
 from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
-from sonar.core.request import RequestStatus
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
@@ -179,8 +178,7 @@ class SchedulerActor(Actor):
                 await self.detokenizer.send(Forget(found))
             return None
         if isinstance(msg, StopStringHit):
-            for rid, stop in msg.hits.items():
-                self.core.finish_requests([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop)
+            self.core.finish_stopped(msg.hits)
             return None
         if isinstance(msg, GetStats):
             return self.core.stats()

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestUpdate, SchedulerOutput
-from sonar.core.request import Request, RequestStatus
+from sonar.core.request import Request
 from sonar.core.schedule import Scheduler
 
 Fingerprint = int
@@ -152,10 +152,10 @@ class FakeRunner:
             assert self.tokens[update.req_id] == self.seq[update.req_id][: len(self.tokens[update.req_id])]
             if update.finish_reason is not None:
                 self.forget(update.req_id)
-        for request_id, reason in (stopped or {}).items():  # a stop string the detokenizer found
-            if scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED, reason):
+        if stopped:  # stop strings the detokenizer found
+            for request_id in scheduler.finish_stopped(stopped):
                 self.forget(request_id)
-                scheduler.check_invariants()
+            scheduler.check_invariants()
         return updates
 
     def forget(self, request_id: str) -> None:

@@ -1,4 +1,5 @@
 import itertools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -6,7 +7,7 @@ import msgspec
 import pytest
 
 from sonar.core.blocks import BlockManager
-from sonar.core.outputs import PLACEHOLDER_TOKEN, SchedulerOutput
+from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestError, SchedulerOutput
 from sonar.core.request import (
     DuplicateRequestError,
     PromptTooLongError,
@@ -600,3 +601,64 @@ def test_async_preempted_in_flight_keeps_its_token() -> None:
     assert b.status == RequestStatus.PREEMPTED and b.output_token_ids == [31] and b.num_placeholders == 0
     runner.drain()
     assert_all_free(scheduler)
+
+
+# Cost per step as the number of running requests grows.
+
+
+def traced_lines(fn: Any) -> int:
+    """Python lines run by ``fn()`` and its callees: a measure of work that, unlike a clock, a
+    busy machine does not change (loops and comprehensions count a line per iteration)."""
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def decoding(n: int) -> Scheduler:
+    """A scheduler with ``n`` requests past their prefill, each decoding."""
+    scheduler, _ = make_runner(num_blocks=n * 8, max_model_len=32, max_num_batched_tokens=16 * n, max_num_seqs=n)
+    for i in range(n):
+        scheduler.add_request(req(f"r{i}", 8, max_tokens=20))
+    out = scheduler.schedule()
+    scheduler.update_from_output({r.req_id: [1] for r in out.requests})
+    assert scheduler.num_running == n
+    return scheduler
+
+
+def decode_step(scheduler: Scheduler) -> None:
+    out = scheduler.schedule()
+    assert len(out.requests) == scheduler.num_running
+    scheduler.update_from_output({r.req_id: [2] for r in out.requests})
+
+
+@pytest.mark.parametrize(
+    "work",
+    [
+        pytest.param(decode_step, id="decode_step"),
+        pytest.param(lambda s: s.finish_stopped({f"r{i}": "\n" for i in range(0, s.num_running, 2)}), id="stop_half"),
+        pytest.param(lambda s: s.abort([f"r{i}" for i in range(1, s.num_running, 2)]), id="abort_half"),
+        pytest.param(
+            lambda s: s.fail_requests(
+                {f"r{i}": RequestError("sampling", "no token") for i in range(0, s.num_running, 3)}
+            ),
+            id="fail_third",
+        ),
+    ],
+)
+def test_work_per_step_grows_linearly_with_running_requests(work: Any) -> None:
+    """Four times the running requests cost about four times the work, not sixteen: nothing in a
+    step (or in finishing many requests at once) scans every request for each request."""
+    small, large = (traced_lines(lambda s=decoding(n): work(s)) for n in (64, 256))
+    assert large < 5 * small, (small, large)

@@ -11,6 +11,7 @@ from sonar.kernels.attention import (
     AttentionMetadata,
     allocate_kv_caches,
     paged_attention,
+    seq_of_tokens,
     write_kv_cache,
 )
 from tests.kernels.blocks import scattered_block_tables
@@ -115,3 +116,12 @@ def test_metadata_build() -> None:
     assert (meta.max_query_len, meta.max_seq_len, meta.num_seqs, meta.num_tokens) == (3, 9, 2, 4)
     with pytest.raises(ValueError, match="cannot hold"):
         AttentionMetadata.build([1], [9], [[1, 2]], block_size=4)
+
+
+@pytest.mark.parametrize("q_lens", [[1] * 64, [1, 1, 5, 1, 128, 2], [2048], [3]])
+def test_seq_of_tokens(q_lens: list[int]) -> None:
+    lens = torch.tensor(q_lens)
+    start = torch.zeros(len(q_lens) + 1, dtype=torch.int64)
+    torch.cumsum(lens, 0, out=start[1:])
+    got = seq_of_tokens(start, sum(q_lens))
+    assert got.tolist() == torch.repeat_interleave(torch.arange(len(q_lens)), lens).tolist()
