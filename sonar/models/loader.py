@@ -28,7 +28,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from sonar.models import embedded
+from sonar.models import config_cache, embedded
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import (
@@ -322,18 +322,25 @@ def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Pat
 
 def _read_config(model_dir: Path, source: str) -> Any:
     """The transformers config, after checking from the raw JSON that Sonar serves the architecture
-    (so an architecture transformers does not know either gets the same clear error)."""
-    from transformers import AutoConfig
-
+    (so an architecture transformers does not know either gets the same clear error); from the
+    cache of resolved configs when it holds these exact bytes (`sonar.models.config_cache`)."""
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        text = (model_dir / "config.json").read_bytes()
+        raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{source}: cannot read config.json: {exc}") from exc
     model_class(raw)
+    cached = config_cache.read(text)
+    if cached is not None:
+        return cached
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+    config_cache.write(text, config)
+    return config
 
 
 def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | None, source: str) -> bool:
