@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 from sonar.engine.config import EngineConfig
 from sonar.log import get_logger
+from sonar.models import config_cache
 
 log = get_logger("sonar.tokenizers")
 
@@ -26,9 +28,17 @@ _prefetched: dict[str, list[Future[Any]]] = {}
 
 
 def _from_pretrained(path: str) -> Any:
+    """transformers' tokenizer for `path`; given the model config when the cache of resolved
+    configs holds it (`sonar.models.config_cache`), so transformers does not read it again
+    (importing its config modules takes seconds)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    config = None
+    try:
+        config = config_cache.read((Path(path) / "config.json").read_bytes())
+    except OSError:
+        pass
+    return AutoTokenizer.from_pretrained(path, **({} if config is None else {"config": config}))
 
 
 def prefetch(path: str, copies: int = 2) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from sonar.engine import tokenizers
 from sonar.engine.config import EngineConfig
-from sonar.models import embedded
+from sonar.models import config_cache, embedded
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +45,31 @@ def test_prefetch_for_an_explicit_tokenizer(tokenizer_dir: str) -> None:
     assert tokenizers.load(tokenizer_dir)("Hi").input_ids
     assert tokenizers.load(tokenizer_dir)("Hi").input_ids  # the detokenizer's copy (in this process)
     assert tokenizer_dir not in tokenizers._prefetched
+
+
+def test_a_cached_model_config_is_handed_over(tokenizer_dir: str, tmp_path: Path) -> None:
+    """With the model's resolved config cached, the tokenizer is the one transformers builds
+    reading the config itself, and no transformers config module is imported for it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig
+
+    model = tmp_path / "model"
+    shutil.copytree(tokenizer_dir, model)
+    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=49152).save_pretrained(str(model))
+    config_cache.write((model / "config.json").read_bytes(), AutoConfig.from_pretrained(str(model)))
+    ours, theirs = tokenizers.load(str(model)), AutoTokenizer.from_pretrained(str(model))
+    chat = [{"role": "user", "content": "Hi there"}]
+    for tok in (ours, theirs):
+        assert type(tok) is type(theirs) and tok.special_tokens_map == theirs.special_tokens_map
+        assert tok("Hello wörld").input_ids == theirs("Hello wörld").input_ids
+        assert tok.apply_chat_template(chat, tokenize=False) == theirs.apply_chat_template(chat, tokenize=False)
+    code = (
+        "import sys\n"
+        "from sonar.engine import tokenizers\n"
+        f"tokenizers.load({str(model)!r})\n"
+        "assert 'transformers.models.llama.configuration_llama' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
