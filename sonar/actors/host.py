@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import ipaddress
 import os
 import signal
@@ -240,6 +241,23 @@ def keygen_main(argv: list[str]) -> int:
     return 0
 
 
+def preload(module: str) -> bool:
+    """Import `module` when an allowed actor class lives there (whether it was imported).
+
+    A child imports its actor's module before it says hello: the parent gets on with its own
+    start meanwhile, and the spawn that follows finds the module loaded. A failure is left for
+    that spawn to report."""
+    if not any(path.partition(":")[0] == module for path in allow.allowed_actors()):
+        log.warning("actor.preload_refused", module=module, detail="no allowed actor class lives there")
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        log.warning("actor.preload_failed", module=module, error=repr(exc))
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["keygen"]:
@@ -271,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--hello", default="", help="the id to say hello with (child mode)")
     ap.add_argument("--bind", help="address to bind in child mode")
+    ap.add_argument(
+        "--preload",
+        metavar="MODULE",
+        help="import the module of the actor about to be spawned before saying hello (child mode)",
+    )
     args = ap.parse_args(argv)
     if (args.listen is None) == (args.parent is None):
         ap.error("give exactly one of --listen or --parent")
@@ -295,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     except (keys.KeysError, ValueError) as exc:
         print(f"sonar actor: {exc}", file=sys.stderr)
         return 2
+    if args.parent is not None and args.preload:
+        preload(args.preload)
     try:
         return anyio.run(_host_main, args, backend="asyncio")
     except KeyboardInterrupt:

@@ -7,6 +7,7 @@ within a deadline and how to force it down: cancel a task, or SIGTERM then SIGKI
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import signal
@@ -159,8 +160,24 @@ def _actor_class(spec: ChildSpec) -> type:
     return allow.load_actor(path, Actor) if isinstance(spec.actor, str) else spec.actor
 
 
+def _protocol(spec: ChildSpec) -> Any:
+    """The child's protocol: the spec's own (its module left unimported), else its class's."""
+    if spec.protocol is None:
+        return _actor_class(spec).protocol
+    allow.allow_actor(spec.actor)
+    try:
+        allow.protocol_path(spec.protocol)
+    except TypeError:  # not a module-level name: no ref of it can cross processes anyway
+        pass
+    return spec.protocol
+
+
 def _target(spec: ChildSpec) -> str:
     return spec.actor if isinstance(spec.actor, str) else allow.import_path(spec.actor)
+
+
+def _module(spec: ChildSpec) -> str:
+    return _target(spec).partition(":")[0]
 
 
 class InProcessRunner(Runner):
@@ -168,9 +185,12 @@ class InProcessRunner(Runner):
 
     def __init__(self, spec: ChildSpec, sup: "Supervisor") -> None:
         super().__init__(spec, sup)
-        self.cls = _actor_class(spec)
-        self.ref = ActorRef(self.mailbox_name, self.cls.protocol)
+        self.ref = ActorRef(self.mailbox_name, _protocol(spec))
         self.inc: Incarnation | None = None
+
+    @functools.cached_property
+    def cls(self) -> type:
+        return _actor_class(self.spec)
 
     def planned_ref(self) -> ActorRef:
         return self.ref
@@ -227,10 +247,10 @@ class _HostedRunner(Runner):
 
     def planned_ref(self) -> ActorRef:
         """The reference this child has once it runs, from its spec alone."""
-        return ActorRef(self.mailbox_name, _actor_class(self.spec).protocol, self.planned_address())
+        return ActorRef(self.mailbox_name, _protocol(self.spec), self.planned_address())
 
     async def _spawn(self, incarnation: int, timeout: float) -> None:
-        cls = _actor_class(self.spec)
+        protocol = _protocol(self.spec)
         spawned = await self.host.ask(
             Spawn(
                 name=self.mailbox_name,
@@ -242,7 +262,7 @@ class _HostedRunner(Runner):
             timeout=timeout,
         )
         self.pid = spawned.pid
-        self.ref = ActorRef(self.mailbox_name, cls.protocol, self.address)
+        self.ref = ActorRef(self.mailbox_name, protocol, self.address)
 
     async def _monitor(self, incarnation: int, out: list[ExitInfo]) -> None:
         """Wait for the host to tell how this run ended."""
@@ -294,6 +314,8 @@ class ChildProcessRunner(_HostedRunner):
             hello_id,
             "--bind",
             self.address,
+            "--preload",
+            _module(self.spec),
         ]
         proc = await anyio.open_process(
             cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env, start_new_session=True

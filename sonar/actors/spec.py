@@ -68,6 +68,10 @@ class ChildSpec:
     `actor` is the Actor subclass (or its `module:Class` path); it is built as `actor(**kwargs)`,
     in another process when placed there, so kwargs must then be msgspec-encodable.
     `shutdown` is the polite-stop deadline in seconds; `ping_interval=None` turns liveness off.
+    `protocol`: the message type the actor takes (its class's `protocol`); given with a path,
+    the supervisor makes refs to the child without importing its module, which then happens only
+    where and when the actor starts (an actor in another process: there, at once, while this
+    process gets on with its own start).
     """
 
     name: str
@@ -79,6 +83,7 @@ class ChildSpec:
     ping_interval: float | None = 1.0
     ping_timeout: float = 5.0
     mailbox_size: int = 1024
+    protocol: Any = None
 
 
 @dataclass

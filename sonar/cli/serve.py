@@ -8,9 +8,11 @@ the engine stop and the process exits 0. A second signal aborts at once; a third
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any, Sequence
 
@@ -78,7 +80,7 @@ def server_engine_config(config: ServeConfig) -> Any:
     return msgspec.structs.replace(engine, placement={**engine.placement, "worker": "process"})
 
 
-def root_spec(config: ServeConfig) -> Any:
+def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> Any:
     """The server's supervision tree: the frontend (uvicorn), then the engine.
 
     Restart intensity 0: the engine's own supervisor restarts what crashed inside it; when it
@@ -102,6 +104,7 @@ def root_spec(config: ServeConfig) -> Any:
             "quiet_paths": tuple(config.disable_access_log_for_endpoints),
             "header_timeout": config.header_read_timeout,
             "max_connections": config.max_connections,
+            "listening": listening,
         },
     )
     return SupervisorSpec(
@@ -117,15 +120,15 @@ async def serve(config: ServeConfig) -> int:
     """Start the root supervisor (frontend, engine), serve HTTP until SIGTERM/SIGINT, shut down;
     the exit code."""
     import anyio
+    import anyio.to_thread
 
     from sonar.actors import supervise
     from sonar.actors.supervisor import SupervisorGaveUp
-    from sonar.engine.client import connect
-    from sonar.http.app import build_app
     from sonar.http.frontend import ServeApp, SetPhase
-    from sonar.http.metrics import stats_logging
 
     started_at = time.monotonic()
+    listening = threading.Event()
+    importing = import_behind(config, listening)
     for line in describe(config):
         _say(line)
     warning = exposure_warning(config)
@@ -170,9 +173,14 @@ async def serve(config: ServeConfig) -> int:
             holder: dict[str, Any] = {}
             tg.start_soon(watch_signals)
             try:
-                async with supervise(root_spec(config)) as root:
+                async with supervise(root_spec(config, listening)) as root:
                     frontend = holder["frontend"] = root.child("frontend").ref
                     engine = root.child("engine").child
+                    await anyio.to_thread.run_sync(importing.join)
+                    from sonar.engine.client import connect
+                    from sonar.http.app import build_app
+                    from sonar.http.metrics import stats_logging
+
                     async with connect(engine, server_engine_config(config)) as llm:
                         llm.root = root
                         holder["llm"] = llm
@@ -205,6 +213,40 @@ async def serve(config: ServeConfig) -> int:
             tg.cancel_scope.cancel()
     _say("stopped" if code == 0 else f"exiting with code {code}")
     return code
+
+
+SERVING_MODULES = (
+    "sonar.engine.client",
+    "sonar.engine.detokenizer",
+    "sonar.engine.scheduler",
+    "sonar.http.app",
+    "sonar.http.metrics",
+)
+"""What this process imports to serve besides the supervision tree's spec (torch, the HTTP app,
+the engine's in-process actors)."""
+
+
+def import_behind(config: ServeConfig, listening: threading.Event, patience: float = 10.0) -> threading.Thread:
+    """Import `SERVING_MODULES`, then prefetch the tokenizers, in a thread that starts once the
+    frontend is `listening` (or after `patience` seconds): the supervision tree starts the worker
+    process next, so its imports and model load run beside these instead of after them (and the
+    frontend's own start does not wait on them). A failed import is left for the importer in the
+    main thread to raise."""
+
+    def run() -> None:
+        listening.wait(patience)
+        try:
+            for module in SERVING_MODULES:
+                importlib.import_module(module)
+            from sonar.engine import tokenizers
+
+            tokenizers.prefetch_for(server_engine_config(config))
+        except Exception as exc:
+            _say(f"warning: importing ahead failed: {type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=run, name="import-behind", daemon=True)
+    thread.start()
+    return thread
 
 
 async def _tell(frontend: Any, msg: Any) -> Any:

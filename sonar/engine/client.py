@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from sonar.actors import Supervisor, supervise
 from sonar.actors.actor import launch
+from sonar.engine import tokenizers
 from sonar.engine.client_actor import ClientActor, DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
@@ -34,6 +35,7 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
     `block_size`, `kv_cache_memory_bytes`, `dtype`, `seed`, `placement`, ...).
     """
     config = EngineConfig.from_args(model, **engine_args)
+    tokenizers.prefetch_for(config)
     async with supervise(engine_spec(config)) as sup:
         async with connect(sup, config) as llm:
             yield llm
@@ -51,9 +53,7 @@ async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
         tokenizer_path = config.tokenizer or info.tokenizer_path
         if tokenizer_path is None:
             raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
-        from transformers import AutoTokenizer
-
-        tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, tokenizer_path)
+        tokenizer = await anyio.to_thread.run_sync(tokenizers.load, tokenizer_path)
         llm = LLM(config, sup, inc.ref, streams, info, tokenizer)
 
         def fail_all(reason: str) -> None:

@@ -156,9 +156,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from sonar.engine.cudagraph import capture_sizes
-        from sonar.engine.device import parse_device_ids
-        from sonar.engine.memory import check_kv_cache_dtype
+        from sonar.engine.settings import capture_sizes, check_kv_cache_dtype, parse_device_ids
 
         check_kv_cache_dtype(self.kv_cache_dtype)
         capture_sizes(self)

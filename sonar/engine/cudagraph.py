@@ -34,34 +34,6 @@ from sonar.log import get_logger
 log = get_logger("sonar.cudagraph")
 
 
-def default_capture_sizes(max_size: int) -> list[int]:
-    pattern = [1, 2, 4, *range(8, 256, 8), *range(256, max_size + 1, 16)]
-    return [s for s in pattern if s <= max_size]
-
-
-def capture_sizes(config: Any) -> list[int]:
-    """The decode batch sizes to capture for an `EngineConfig` (empty with ``enforce_eager`` or ``-O0``);
-    raises ValueError, naming the flag, for invalid settings."""
-    given = config.cudagraph_capture_sizes
-    max_size = config.max_cudagraph_capture_size
-    if max_size is not None and max_size <= 0:
-        raise ValueError(f"max_cudagraph_capture_size must be positive, got {max_size}")
-    if given is not None:
-        if any(s <= 0 for s in given):
-            raise ValueError(f"cudagraph_capture_sizes must be positive integers, got {list(given)}")
-        sizes = sorted(set(given))
-        if max_size is not None and sizes and max_size != sizes[-1]:
-            raise ValueError(
-                f"max_cudagraph_capture_size {max_size} must equal the largest of "
-                f"cudagraph_capture_sizes ({sizes[-1]}) when both are given"
-            )
-    else:
-        sizes = default_capture_sizes(max_size if max_size is not None else min(config.max_num_seqs * 2, 512))
-    if config.enforce_eager or config.optimization_level == 0:
-        return []
-    return [s for s in sizes if s <= config.max_num_batched_tokens]
-
-
 def padded_size(sizes: Sequence[int], n: int) -> int | None:
     """The smallest capture size that holds ``n`` rows (None: more rows than any graph)."""
     for size in sizes:

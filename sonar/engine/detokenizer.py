@@ -15,6 +15,7 @@ import anyio.to_thread
 
 from sonar.actors import Actor, ActorRef
 from sonar.core.detokenize import IncrementalDetokenizer
+from sonar.engine import tokenizers
 from sonar.log import get_logger
 from sonar.protocol.engine import (
     CountRequests,
@@ -77,9 +78,7 @@ class DetokenizerActor(Actor):
             path = info.tokenizer_path
         if path is None:
             raise RuntimeError("the model has no tokenizer; pass tokenizer=...")
-        from transformers import AutoTokenizer
-
-        self.tokenizer = await anyio.to_thread.run_sync(AutoTokenizer.from_pretrained, path)
+        self.tokenizer = await anyio.to_thread.run_sync(tokenizers.load, path)
 
     async def handle(self, msg: DetokenizerMsg) -> Any:
         if isinstance(msg, StepOutputs):

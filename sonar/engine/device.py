@@ -11,20 +11,9 @@ import os
 
 import torch
 
+from sonar.engine.settings import parse_device_ids
+
 DEVICE_ENV = "SONAR_DEVICE"
-
-
-def parse_device_ids(device_ids: str | None) -> int | None:
-    """The one CUDA index of ``--device-ids`` (None when unset); ValueError for anything else."""
-    if device_ids is None or not device_ids.strip():
-        return None
-    ids = [part.strip() for part in device_ids.split(",") if part.strip()]
-    if len(ids) != 1 or not ids[0].isdigit():
-        raise ValueError(
-            f"device_ids {device_ids!r}: Sonar serves from one device; give one CUDA index such as 0 "
-            "(or select devices with CUDA_VISIBLE_DEVICES)"
-        )
-    return int(ids[0])
 
 
 def select_device(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar.engine.settings import check_kv_cache_dtype
 from sonar.errors import SonarError
 from sonar.units import format_memory_size
 
@@ -37,15 +38,6 @@ KV_CACHE_DTYPES = {
 
 class DeviceMemoryError(SonarError, ValueError):
     """The memory settings cannot be met on this device; the message names the flag to change."""
-
-
-def check_kv_cache_dtype(name: str) -> None:
-    """Raise ValueError for a ``--kv-cache-dtype`` Sonar does not implement."""
-    if name == "auto" or name in KV_CACHE_DTYPES:
-        return
-    if name == "fp8_e5m2":
-        raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Sonar's fp8 KV cache is e4m3 (use fp8 or fp8_e4m3)")
-    raise ValueError(f"kv_cache_dtype {name!r} is not supported yet (auto, {', '.join(KV_CACHE_DTYPES)})")
 
 
 def kv_cache_torch_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:

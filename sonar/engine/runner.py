@@ -27,8 +27,9 @@ from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
 from sonar.engine import memory
 from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
-from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers, capture_sizes
+from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
+from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
 from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches

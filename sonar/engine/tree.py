@@ -8,10 +8,15 @@ import msgspec
 
 from sonar.actors import ChildProcess, ChildSpec, Remote, SiblingRef, SupervisorSpec
 from sonar.engine.config import EngineConfig
-from sonar.engine.detokenizer import DetokenizerActor
-from sonar.engine.scheduler import SchedulerActor
-from sonar.engine.worker import WorkerActor
-from sonar.offload.manager import OffloadManagerActor
+from sonar.protocol.engine import DetokenizerMsg, SchedulerMsg, WorkerMsg
+from sonar.protocol.offload import OffloadMsg
+
+# The actors by path, with their protocols: building the tree imports none of them (torch among
+# their imports), so a worker in its own process starts before this process has loaded them.
+WORKER = "sonar.engine.worker:WorkerActor"
+SCHEDULER = "sonar.engine.scheduler:SchedulerActor"
+DETOKENIZER = "sonar.engine.detokenizer:DetokenizerActor"
+OFFLOAD_MANAGER = "sonar.offload.manager:OffloadManagerActor"
 
 WORKER_START_TIMEOUT = 900.0
 """Seconds a worker in its own process may take to become ready (load, compile, capture)."""
@@ -54,7 +59,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
         offload.append(
             ChildSpec(
                 "offload",
-                OffloadManagerActor,
+                OFFLOAD_MANAGER,
+                protocol=OffloadMsg,
                 kwargs={
                     "config": None if tiers is None else msgspec.to_builtins(tiers),
                     "events": None if events is None else msgspec.to_builtins(events),
@@ -75,7 +81,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
             # deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
             ChildSpec(
                 "worker",
-                WorkerActor,
+                WORKER,
+                protocol=WorkerMsg,
                 kwargs=worker_kwargs,
                 placement=worker_at,
                 ping_interval=2.0,
@@ -85,7 +92,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
             *offload,
             ChildSpec(
                 "detokenizer",
-                DetokenizerActor,
+                DETOKENIZER,
+                protocol=DetokenizerMsg,
                 kwargs={
                     "worker": SiblingRef("worker"),
                     "tokenizer": config.tokenizer,
@@ -97,7 +105,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
             ),
             ChildSpec(
                 "scheduler",
-                SchedulerActor,
+                SCHEDULER,
+                protocol=SchedulerMsg,
                 kwargs=scheduler_kwargs,
                 placement=config.placement_of("scheduler"),
                 ping_interval=2.0,

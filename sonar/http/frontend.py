@@ -12,6 +12,7 @@ guarded (`sonar.http.connection`): a header read timeout and a cap on open conne
 from __future__ import annotations
 
 import os
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Sequence, Union
 
@@ -76,7 +77,9 @@ class FrontendActor(Actor):
         linger: float = 3.0,
         header_timeout: float = 10.0,
         max_connections: int = 2048,
+        listening: threading.Event | None = None,
     ) -> None:
+        """`listening`: set once the server listens (the process may load what it serves then)."""
         import uvicorn
 
         from sonar.http.connection import guarded_protocol
@@ -90,6 +93,7 @@ class FrontendActor(Actor):
         )
         _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
         self.uds = uvicorn_args.get("uds")
+        self.listening = listening
         self.linger = linger
         self.done = anyio.Event()
 
@@ -101,6 +105,8 @@ class FrontendActor(Actor):
         if not self.server.started:
             reason = failure[0] if failure else "uvicorn stopped"
             raise FrontendStartError(f"the HTTP server did not start: {reason}")
+        if self.listening is not None:
+            self.listening.set()
 
     async def _serve(self, failure: list[BaseException]) -> None:
         try:

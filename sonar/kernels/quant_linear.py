@@ -56,7 +56,7 @@ class Backend(Protocol):
         ...
 
 
-def _meta(qw: QuantizedWeight) -> QuantMeta:
+def quant_meta(qw: QuantizedWeight) -> QuantMeta:
     return QuantMeta(qw.format, qw.out_features, qw.in_features, qw.group, qw.offsets is not None, qw.perm is not None)
 
 
@@ -173,14 +173,21 @@ class QuantLinear(nn.Module):
     """``y = x @ w.T + bias`` over a quantized weight (module names as ``nn.Linear``'s, so
     checkpoints and the fused decode path find it where they look)."""
 
-    def __init__(self, qw: QuantizedWeight, bias: Tensor | None, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        qw: QuantizedWeight,
+        bias: Tensor | None,
+        backend: Backend | None = None,
+        packed: dict[str, Tensor] | None = None,
+    ) -> None:
+        """`packed`: what `backend` packed `qw` to before (a cache's copy), taken as it is."""
         super().__init__()
         self.in_features = qw.in_features
         self.out_features = qw.out_features
-        self.meta = _meta(qw)
+        self.meta = quant_meta(qw)
         self.backend = backend or backend_for(qw)
         self.packed_names: list[str] = []
-        for name, tensor in self.backend.pack(qw).items():
+        for name, tensor in (packed if packed is not None else self.backend.pack(qw)).items():
             self.register_buffer(f"q_{name}", tensor, persistent=False)
             self.packed_names.append(name)
         linear.count_packing()  # the fused decode path rereads the layers' weights

@@ -33,6 +33,7 @@ import torch
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
 from sonar.models.gguf_quant import block_weight, served_quantized
+from sonar.models.pack_cache import PackCache
 from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
@@ -270,6 +271,18 @@ def gguf_quantized_weights(
     if cache.parent.is_dir():
         _write_quantized(cache, quantized, plain)
     return quantized, plain
+
+
+PACKED_FILE = "packed.safetensors"
+"""In a converted directory: the quantized layers as the CPU kernels read them (`PackCache`)."""
+
+
+def gguf_pack_cache(path: Path) -> PackCache | None:
+    """The cache of the packed CPU weights of GGUF file `path`, derived from (and stamped with)
+    its quants cache; None while there is none."""
+    out = converted_dir(path)
+    source = out / QUANTIZED_FILE
+    return PackCache(out / PACKED_FILE, source) if source.is_file() else None
 
 
 def _write_quantized(cache: Path, quantized: dict[str, QuantizedWeight], plain: list[tuple[str, torch.Tensor]]) -> None:

@@ -28,10 +28,16 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from sonar.models import embedded
+from sonar.models import config_cache, embedded
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
-from sonar.models.gguf_file import convert_gguf, converted_dir, gguf_quantized_weights, is_converted
+from sonar.models.gguf_file import (
+    convert_gguf,
+    converted_dir,
+    gguf_pack_cache,
+    gguf_quantized_weights,
+    is_converted,
+)
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
 from sonar.models.registry import model_class
@@ -161,7 +167,8 @@ def load_model(
         init_dummy_weights(module, std=float(getattr(config, "initializer_range", 0.02) or 0.02))
     elif gguf is not None and not dequantize_weights:
         quantized, plain = gguf_quantized_weights(gguf, config)
-        installed, method_name = install_quantized(module, quantized), "gguf"
+        pack_cache = gguf_pack_cache(gguf) if device.type == "cpu" else None
+        installed, method_name = install_quantized(module, quantized, pack_cache=pack_cache), "gguf"
         _check_complete(module, module.load_weights(plain) | _written(installed), source)
     elif method is not None:
         installed = load_quantized_checkpoint(module, model_dir, method, source, dequantize_weights=dequantize_weights)
@@ -197,6 +204,23 @@ def load_model(
         quantization=method_name,
         quantized=installed if method_name is not None else None,
     )
+
+
+def cached_tokenizer_dir(model: str | None) -> Path | None:
+    """The tokenizer directory `load_model(model)` will report, when that is known without loading
+    it: the embedded model's once converted, a local model directory's own; None otherwise."""
+    if model is None:
+        try:
+            out = converted_dir(embedded.gguf_path())
+        except (embedded.EmbeddedModelMissing, OSError):
+            return None
+        found = out if is_converted(out) else None
+    else:
+        path = Path(model).expanduser()
+        found = path if path.is_dir() and (path / "config.json").is_file() else None
+    if found is None or not any((found / m).is_file() for m in TOKENIZER_MARKERS):
+        return None
+    return found
 
 
 def checkpoint_dtype(config: Any) -> torch.dtype | None:
@@ -298,18 +322,25 @@ def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Pat
 
 def _read_config(model_dir: Path, source: str) -> Any:
     """The transformers config, after checking from the raw JSON that Sonar serves the architecture
-    (so an architecture transformers does not know either gets the same clear error)."""
-    from transformers import AutoConfig
-
+    (so an architecture transformers does not know either gets the same clear error); from the
+    cache of resolved configs when it holds these exact bytes (`sonar.models.config_cache`)."""
     try:
-        raw = json.loads((model_dir / "config.json").read_text())
+        text = (model_dir / "config.json").read_bytes()
+        raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{source}: cannot read config.json: {exc}") from exc
     model_class(raw)
+    cached = config_cache.read(text)
+    if cached is not None:
+        return cached
+    from transformers import AutoConfig
+
     try:
-        return AutoConfig.from_pretrained(str(model_dir))
+        config = AutoConfig.from_pretrained(str(model_dir))
     except Exception as exc:
         raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+    config_cache.write(text, config)
+    return config
 
 
 def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | None, source: str) -> bool:

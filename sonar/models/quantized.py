@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, dequantize, stack_rows
-from sonar.kernels.quant_linear import Backend, QuantEmbedding, QuantLinear, ReferenceBackend
+from sonar.kernels.quant_linear import Backend, QuantEmbedding, QuantLinear, ReferenceBackend, backend_for, quant_meta
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
+from sonar.models.pack_cache import PackCache
 
 log = structlog.get_logger(__name__)
 
@@ -48,12 +49,17 @@ def _fused_parts(model: DecoderForCausalLM) -> dict[str, list[tuple[str, int, in
 
 
 def install_quantized(
-    model: DecoderForCausalLM, weights: dict[str, QuantizedWeight], *, reference: bool = False
+    model: DecoderForCausalLM,
+    weights: dict[str, QuantizedWeight],
+    *,
+    reference: bool = False,
+    pack_cache: PackCache | None = None,
 ) -> Installed:
     """Replace, in place, the linear layers (and the embedding) that `weights` holds.
 
     Call it after the model's other weights are in place on their device (a linear's bias is
     kept). `reference`: use the torch reference backend (tests, and platforms without kernels).
+    `pack_cache`: where the layers' packed weights are looked up first, and saved to after.
     Returns what was installed; a weight whose shape does not match its layer, or a name the
     model has no layer for, is a `ModelLoadError`.
     """
@@ -64,6 +70,15 @@ def install_quantized(
     done = Installed()
     modules = dict(model.named_modules())
 
+    def build(name: str, qw: QuantizedWeight, bias: torch.Tensor | None) -> QuantLinear:
+        qw = qw.to(device)
+        chosen = backend or backend_for(qw)
+        cached = None if pack_cache is None else pack_cache.get(name, quant_meta(qw), chosen)
+        layer = QuantLinear(qw, bias, chosen, packed=cached)
+        if pack_cache is not None:
+            pack_cache.put(name, layer.meta, chosen, layer.packed)
+        return layer
+
     def place(name: str, qw: QuantizedWeight) -> None:
         linear = modules.get(name)
         if not isinstance(linear, nn.Linear):
@@ -73,7 +88,7 @@ def install_quantized(
                 f"quantized weight {name} is {qw.out_features}x{qw.in_features}, "
                 f"the layer expects {tuple(linear.weight.shape)}"
             )
-        layer = QuantLinear(qw.to(device), linear.bias, backend)
+        layer = build(name, qw, linear.bias)
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, layer)
         done.quantized.append(name)
@@ -125,8 +140,10 @@ def install_quantized(
             place("lm_head", embedding)
             source = model.lm_head
         else:
-            source = QuantLinear(embedding.to(device), None, backend)
+            source = build(EMBEDDING, embedding, None)
             done.nbytes += source.nbytes
         model.model.embed_tokens = QuantEmbedding(source, dtype)
         done.quantized.append(EMBEDDING)
+    if pack_cache is not None:
+        pack_cache.save()
     return done

@@ -4,28 +4,34 @@
 out of the primary cache (the worker's side), ``tiers`` / ``disk`` / ``policy`` hold the pools,
 ``manager`` is the actor, ``events`` the KV events publisher; the messages are
 ``sonar.protocol.offload``. See ``docs/kv_offload.md``.
+
+The names below are imported on first use: the flags' parser reads ``config`` without
+importing torch (the layout's) on the way.
 """
 
-from sonar.offload.config import (
-    KVEventsConfig,
-    OffloadConfig,
-    TierConfig,
-    kv_events_config_from_flags,
-    offload_config_from_flags,
-)
-from sonar.offload.layout import KV_FORMAT_VERSION, KVLayout
-from sonar.offload.transfer import gather_chunks, scatter_chunks
-from sonar.protocol.offload import ChunkMeta
+from __future__ import annotations
 
-__all__ = [
-    "KV_FORMAT_VERSION",
-    "ChunkMeta",
-    "KVEventsConfig",
-    "KVLayout",
-    "OffloadConfig",
-    "TierConfig",
-    "gather_chunks",
-    "kv_events_config_from_flags",
-    "offload_config_from_flags",
-    "scatter_chunks",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KV_FORMAT_VERSION": "sonar.offload.layout",
+    "ChunkMeta": "sonar.protocol.offload",
+    "KVEventsConfig": "sonar.offload.config",
+    "KVLayout": "sonar.offload.layout",
+    "OffloadConfig": "sonar.offload.config",
+    "TierConfig": "sonar.offload.config",
+    "gather_chunks": "sonar.offload.transfer",
+    "kv_events_config_from_flags": "sonar.offload.config",
+    "offload_config_from_flags": "sonar.offload.config",
+    "scatter_chunks": "sonar.offload.transfer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

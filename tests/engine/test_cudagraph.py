@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from sonar.engine.config import EngineConfig
-from sonar.engine.cudagraph import DecodeBuffers, capture_sizes, default_capture_sizes, padded_size
+from sonar.engine.cudagraph import DecodeBuffers, padded_size
 from sonar.engine.runner import ModelRunner
+from sonar.engine.settings import capture_sizes, default_capture_sizes
 from sonar.kernels.attention import AttentionMetadata
 
 BLOCK = 16

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
-from sonar.models.loader import load_model, resolve_dtype
+from sonar.models.loader import cached_tokenizer_dir, load_model, resolve_dtype
 
 
 @pytest.fixture
@@ -155,3 +155,16 @@ def test_embedded_default(smollm2_fp32: Any) -> None:
     tok = loaded.load_tokenizer()
     assert tok.chat_template
     assert tok.decode(tok("Hello world").input_ids) == "Hello world"
+
+
+def test_tokenizer_dir_told_before_loading(smollm2_fp32: Any, tiny_checkpoints: dict[str, Any], tmp_path: Path) -> None:
+    """What the engine prefetches is the directory the load reports; unknown ones are None."""
+    assert cached_tokenizer_dir(None) == smollm2_fp32.tokenizer_path
+    qwen2 = tiny_checkpoints["qwen2"].path
+    assert cached_tokenizer_dir(str(qwen2)) is None and load_model(str(qwen2)).tokenizer_path is None
+    with_tokenizer = tmp_path / "qwen2"
+    shutil.copytree(qwen2, with_tokenizer)
+    shutil.copy(smollm2_fp32.tokenizer_path / "tokenizer.json", with_tokenizer)
+    assert cached_tokenizer_dir(str(with_tokenizer)) == load_model(str(with_tokenizer)).tokenizer_path
+    assert cached_tokenizer_dir(str(tmp_path / "absent")) is None
+    assert cached_tokenizer_dir("HuggingFaceTB/SmolLM2-135M-Instruct") is None

@@ -1,0 +1,26 @@
+"""The engine settings checked without torch: the KV cache dtypes they accept are the ones the
+worker maps to torch dtypes, and the server's flags and supervision tree import no torch."""
+
+import subprocess
+import sys
+
+from sonar.engine import memory
+from sonar.engine.settings import KV_CACHE_DTYPE_NAMES
+
+
+def test_kv_cache_dtype_names_are_the_workers() -> None:
+    assert set(KV_CACHE_DTYPE_NAMES) == set(memory.KV_CACHE_DTYPES)
+
+
+def test_flags_and_tree_need_no_torch() -> None:
+    """What `sonar serve` runs before it starts the worker process: parsing every default and
+    building the supervision tree (the worker's torch import then runs beside this process's)."""
+    code = (
+        "import sys\n"
+        "from sonar.cli.parse import parse_serve_args\n"
+        "from sonar.cli.serve import root_spec\n"
+        "root_spec(parse_serve_args(['--kv-cache-dtype', 'fp8']))\n"
+        "root_spec(parse_serve_args(['--kv-offloading-size', '1']))\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
