@@ -112,8 +112,10 @@ def sources_digest() -> str:
 def model_identity(model: nn.Module) -> dict[str, str]:
     """The model's class, its config (as JSON where it has one), and its parameters' dtype."""
     config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
-        text = config.to_json_string(use_diff=False)
+    if config is not None and hasattr(config, "to_dict"):
+        # Its stored attributes: the same whether transformers read config.json or a warm start
+        # read them from the cache of resolved configs (sonar.models.config_cache).
+        text = json.dumps(config.to_dict(), sort_keys=True, default=str)
     else:
         text = repr(config)
     param = next(model.parameters(), None)
