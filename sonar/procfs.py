@@ -5,16 +5,21 @@ from __future__ import annotations
 import os
 
 
-def resident_bytes(pid: int) -> int | None:
-    """The resident set size of process `pid` in bytes (VmRSS)."""
+def _kib_field(path: str, name: str) -> int | None:
+    """The ``name: N kB`` line of a /proc file, in bytes."""
     try:
-        with open(f"/proc/{pid}/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(name):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None
     return None
+
+
+def resident_bytes(pid: int) -> int | None:
+    """The resident set size of process `pid` in bytes (VmRSS)."""
+    return _kib_field(f"/proc/{pid}/status", "VmRSS:")
 
 
 def children_map() -> dict[int, list[int]]:
@@ -50,14 +55,7 @@ def process_tree(pid: int) -> list[int]:
 def proportional_bytes(pid: int) -> int | None:
     """The proportional set size of process `pid` in bytes (Pss: each shared page divided among
     the processes that map it, so a tree's sum counts shared weights once)."""
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
+    return _kib_field(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def tree_proportional_bytes(pid: int) -> int | None:
