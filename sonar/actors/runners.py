@@ -139,18 +139,36 @@ class Runner:
 
 
 def _kwargs(runner: Runner) -> dict[str, Any]:
-    """The child's constructor arguments, with each `SiblingRef` replaced by that sibling's ref
-    (the one a later sibling will have, see `SiblingRef`)."""
+    """The child's constructor arguments, with each `SiblingRef` (alone or in a list) replaced by
+    that sibling's ref (the one a later sibling will have, see `SiblingRef`)."""
     out = {}
     for key, value in runner.spec.kwargs.items():
         if isinstance(value, SiblingRef):
-            sibling = runner.sup.child(value.name)
-            planned = getattr(sibling, "planned_ref", None)
-            value = sibling.ref if sibling.ref is not None or planned is None else planned()
-            if value is None:
-                raise RuntimeError(f"{runner.name}: sibling {key!r} has no reference yet (start it first)")
+            value = _sibling_ref(runner, key, value)
+        elif isinstance(value, list) and any(isinstance(v, SiblingRef) for v in value):
+            value = [_sibling_ref(runner, key, v) if isinstance(v, SiblingRef) else v for v in value]
         out[key] = value
     return out
+
+
+def _sibling_ref(runner: Runner, key: str, sibling_ref: SiblingRef) -> ActorRef:
+    """The ref `sibling_ref` names, from `runner`'s supervisor along its path."""
+    sup: Any = runner.sup
+    *path, name = sibling_ref.name.split("/")
+    for part in path:
+        if part == "..":
+            sup = sup.parent
+        else:
+            nested = sup.child(part)
+            sup = getattr(nested, "child", None)
+        if sup is None:
+            raise RuntimeError(f"{runner.name}: {key!r} names {sibling_ref.name!r}, which does not run yet")
+    sibling = sup.child(name)
+    planned = getattr(sibling, "planned_ref", None)
+    value = sibling.ref if sibling.ref is not None or planned is None else planned()
+    if value is None:
+        raise RuntimeError(f"{runner.name}: sibling {key!r} has no reference yet (start it first)")
+    return value
 
 
 def _actor_class(spec: ChildSpec) -> type:
@@ -474,10 +492,12 @@ class SupervisorRunner(Runner):
     def __init__(self, spec: SupervisorSpec, sup: "Supervisor") -> None:
         super().__init__(spec, sup)
         self.child: "Supervisor | None" = None
+        self.child_uid = secrets.token_hex(3)
+        """The nested supervisor's uid, the same in every run (its children's refs outlive a restart)."""
 
     async def _start(self, incarnation: int) -> None:
         self.pid = os.getpid()
-        self.child = type(self.sup)(self.spec, parent=self.sup)
+        self.child = type(self.sup)(self.spec, parent=self.sup, uid=self.child_uid)
         done = anyio.Event()
         ready = anyio.Event()
         box: list[BaseException] = []

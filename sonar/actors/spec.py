@@ -56,7 +56,10 @@ class SiblingRef:
     """A kwarg placeholder: replaced, when the child starts, by the reference to the sibling named
     `name` under the same supervisor. A sibling started later is named by the reference it will
     have (its mailbox name and address do not change across runs); until it runs, a message to it
-    fails with `ActorNotFound` in-process or waits in its queue across processes."""
+    fails with `ActorNotFound` in-process or waits in its queue across processes.
+
+    `name` may be a path: ``group/child`` a child of the sibling supervisor ``group`` (started
+    already), ``../name`` a sibling of this supervisor's own."""
 
     name: str
 

@@ -44,10 +44,12 @@ class Event(msgspec.Struct, frozen=True):
 
 
 class Supervisor:
-    def __init__(self, spec: SupervisorSpec, parent: "Supervisor | None" = None) -> None:
+    def __init__(self, spec: SupervisorSpec, parent: "Supervisor | None" = None, uid: str | None = None) -> None:
+        """`uid` qualifies the children's mailbox names: a nested supervisor keeps its parent's
+        choice across restarts, so references to its children stay valid (random by default)."""
         self.spec = spec
         self.name = spec.name
-        self.uid = secrets.token_hex(3)
+        self.uid = uid or secrets.token_hex(3)
         self.parent = parent
         self.runners: list[Runner] = []
         self.ready = False

@@ -39,8 +39,6 @@ TOOL_CALL_PARSER_NAMES = (
 ONE_ENGINE = "Sonar runs a single engine (no data parallelism), so there is nothing to aggregate or coordinate"
 MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
 MULTI_NODE = "only used when several nodes run together (--nnodes > 1), which Sonar does not support yet"
-NO_DIST = "Sonar serves from one device and creates no torch.distributed process groups"
-NO_TP = "only used with --tensor-parallel-size > 1, which Sonar does not support yet"
 NO_DCP = "only used with decode context parallelism (--decode-context-parallel-size > 1), not supported yet"
 NO_MOE = "only affects mixture-of-experts layers; Sonar serves no MoE models yet"
 NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
@@ -402,10 +400,10 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "ParallelConfig", "Spreading one model over several devices, processes or nodes.",
         _f("--distributed-executor-backend", S_, None,
-           "How model workers are started: 'uni' (one worker in the engine process), 'mp' (worker "
-           "processes), 'ray' (a Ray cluster) or 'external_launcher' (e.g. torchrun). Sonar has one worker "
-           "per engine; where it runs is chosen with --placement.",
-           choices=("external_launcher", "mp", "ray", "uni"), accepts=("uni", "mp"),
+           "How model workers are started: 'uni' (one worker, placed by --placement), 'mp' (one process "
+           "per tensor-parallel rank on this machine), 'ray' (a Ray cluster) or 'external_launcher' (e.g. "
+           "torchrun); Sonar starts 'uni' and 'mp' so far.",
+           choices=("external_launcher", "mp", "ray", "uni"), to=E, default_note="'uni' for one rank, 'mp' for several",
            metavar="{external_launcher,mp,ray,uni}"),
         _f("--pipeline-parallel-size -pp", I, 1, "Number of pipeline stages the layers are split into.",
            accepts=()),
@@ -416,9 +414,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--nnodes -n", I, 1, "Number of nodes in a multi-node 'mp' deployment."),
         _f("--node-rank -r", I, 0, "Rank of this node in a multi-node 'mp' deployment."),
         _f("--distributed-timeout-seconds", I, None,
-           "Timeout of torch.distributed operations such as creating the process groups.", noop=NO_DIST),
-        _f("--cpu-distributed-timeout-seconds", I, None, "Timeout of the CPU (gloo) process groups.",
-           noop=NO_DIST),
+           "Timeout of torch.distributed operations such as creating the process groups (the "
+           "tensor-parallel group's rendezvous and collectives).", to=E, default_note="torch's default"),
+        _f("--cpu-distributed-timeout-seconds", I, None,
+           "Timeout of the CPU (gloo) process groups; unset: --distributed-timeout-seconds.", to=E,
+           default_note="torch's default"),
         _f("--numa-bind", B, False, "Pin each GPU worker to the CPUs and memory of its GPU's NUMA node."),
         _f("--numa-bind-nodes", Kind.INT_LIST, None, "NUMA node for each visible GPU, e.g. 0 0 1 1.",
            noop="only used with --numa-bind, which Sonar does not support yet"),
@@ -428,7 +428,11 @@ GROUPS: tuple[Group, ...] = (
            "Comma-separated GPU indices or UUIDs to use, instead of setting CUDA_VISIBLE_DEVICES. Sonar "
            "serves from one device: it takes one index (SONAR_DEVICE=cpu|cuda|cuda:N overrides the choice).",
            to=E, default_note="CUDA device 0 when torch sees one, else the CPU"),
-        _f("--tensor-parallel-size -tp", I, 1, "Number of GPUs each layer's weights are split across."),
+        _f("--tensor-parallel-size -tp", I, 1,
+           "Number of ranks each layer's weights are split across: one worker process per rank (a GPU "
+           "each, or on the CPU a share of the cores), in a torch.distributed group (NCCL, gloo on the CPU). "
+           "Attention heads, the intermediate size and KV heads (or ranks, when there are fewer KV heads) "
+           "must divide evenly; quantized checkpoints need --dequantize-weights.", to=E),
         _f("--decode-context-parallel-size -dcp", I, 1,
            "Number of ranks sharing the decode KV cache (reusing tensor-parallel ranks)."),
         _f("--dcp-comm-backend", S_, "ag_rs",
@@ -488,11 +492,11 @@ GROUPS: tuple[Group, ...] = (
            choices=("linear", "round_robin"), noop=NO_MOE),
         _f("--max-parallel-loading-workers", I, None,
            "Load weights in rounds of at most this many workers, to limit host memory.",
-           noop="Sonar loads the weights of a single worker, so there are no parallel loaders to limit"),
+           noop="each tensor-parallel rank reads only its own shards, all ranks at once; Sonar does not load in rounds"),
         _f("--ray-workers-use-nsight", B, False, "Profile Ray workers with Nsight.",
            noop="only used with the Ray executor, which Sonar does not support"),
         _f("--disable-custom-all-reduce", B, False, "Use NCCL's all-reduce instead of the custom kernel.",
-           noop=NO_TP),
+           noop="Sonar's all-reduce is always torch.distributed's (NCCL on GPUs): there is no custom kernel"),
         _f("--worker-cls", S_, "auto", "Fully qualified worker class; 'auto' picks the platform's."),
         _f("--worker-extension-cls", S_, "",
            "Class mixed into the worker class to add methods callable through collective RPC."),

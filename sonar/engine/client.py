@@ -22,7 +22,7 @@ from sonar.engine import tokenizers
 from sonar.engine.client_actor import ClientActor, DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
-from sonar.engine.tree import engine_spec
+from sonar.engine.tree import engine_spec, worker_ref
 from sonar.errors import InvalidRequestError
 from sonar.protocol.engine import DescribeWorker
 
@@ -49,7 +49,7 @@ async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
     async with anyio.create_task_group() as tg:
         client_name = f"client-{secrets.token_hex(4)}"
         inc = await launch(tg, ClientActor(streams), client_name, 4096)
-        info = await sup.child("worker").ref.ask(DescribeWorker(), timeout=60)
+        info = await worker_ref(sup).ask(DescribeWorker(), timeout=60)
         tokenizer_path = config.tokenizer or info.tokenizer_path
         if tokenizer_path is None:
             raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")

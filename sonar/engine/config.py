@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from sonar.actors.spec import parse_placement, placement_name
+from sonar.actors.spec import ChildProcess, InProcess, parse_placement, placement_name
 from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
@@ -82,6 +82,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """One CUDA device index to run on (``--device-ids 1``); None: device 0. ``SONAR_DEVICE``
     (cpu, cuda, cuda:N) overrides the choice of device."""
     placement: dict[str, str] = {}
+    tensor_parallel_size: int = 1
+    """Ranks each layer's weights split over (`sonar.models.parallel`): one worker process per rank,
+    under a one-for-all supervisor (`sonar.engine.tree`)."""
+    distributed_executor_backend: str | None = None
+    """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
+    machine); None: ``uni`` for one rank, ``mp`` for several."""
+    distributed_timeout_seconds: float | None = None
+    """Bound on the group's rendezvous and collectives (NCCL); None: torch's default."""
+    cpu_distributed_timeout_seconds: float | None = None
+    """The same for gloo groups (the CPU); None: `distributed_timeout_seconds`, else torch's default."""
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""
     hang_margin: float = 10.0
@@ -183,6 +193,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             if actor not in ACTORS:
                 raise ValueError(f"placement: unknown actor {actor!r} (one of {', '.join(ACTORS)})")
             parse_placement(where)
+        self.check_parallel()
         offload = self.offload_config()
         self.kv_events()
         if offload is not None and self.kv_cache_dtype != "auto":
@@ -195,6 +206,44 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
                 "drop --no-enable-prefix-caching"
             )
+
+    def check_parallel(self) -> None:
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        backend = self.distributed_executor_backend
+        if backend not in (None, "uni", "mp"):
+            raise ValueError(
+                f"distributed_executor_backend {backend!r} is not supported yet (Sonar starts ranks with 'uni' or 'mp')"
+            )
+        for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if tp == 1:
+            return
+        if backend == "uni":
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one worker; tensor_parallel_size {tp} needs 'mp' "
+                "(a process per rank)"
+            )
+        if not isinstance(self.placement_of("worker"), (InProcess, ChildProcess)):
+            raise ValueError(
+                f"tensor_parallel_size {tp} starts its ranks on this machine; a remote worker placement "
+                f"({self.placement['worker']}) is not supported with it yet"
+            )
+        if self.offload_config() is not None:
+            raise ValueError(
+                f"KV offloading with tensor_parallel_size {tp} is not supported yet (each rank caches its "
+                "own heads); drop one of the two"
+            )
+
+    def collective_timeout(self, device_type: str) -> float | None:
+        """Seconds the tensor-parallel group's rendezvous and collectives may take (None: torch's
+        default): NCCL's on a GPU, gloo's on the CPU."""
+        if device_type == "cuda":
+            return self.distributed_timeout_seconds
+        return self.cpu_distributed_timeout_seconds or self.distributed_timeout_seconds
 
     def offload_config(self) -> Any:
         """The `OffloadConfig` the offload flags ask for, or None (raises ValueError naming the rule)."""

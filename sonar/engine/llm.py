@@ -25,6 +25,7 @@ from sonar.core.outputs import RequestError
 from sonar.core.request import cache_salt_problem
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
+from sonar.engine.tree import worker_ref
 from sonar.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -372,7 +373,7 @@ class LLM:
             raise EngineDeadError(self.dead)
         with anyio.fail_after(timeout):
             await self.supervisor.child("scheduler").ref.ask(GetStats())
-            await self.supervisor.child("worker").ref.ask(DescribeWorker())
+            await worker_ref(self.supervisor).ask(DescribeWorker())
 
     # -- internals --------------------------------------------------------------------------
     def _new_id(self) -> str:

@@ -36,6 +36,7 @@ from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.models.loader import LoadedModel, load_model
+from sonar.models.parallel import SINGLE, TensorParallel
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.sampling_params import SamplingParams
@@ -71,11 +72,17 @@ def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
 
 
 def plan_kv_cache(
-    config: EngineConfig, loaded: LoadedModel, kv_bytes: int | None = None, kv_dtype: torch.dtype | None = None
+    config: EngineConfig,
+    loaded: LoadedModel,
+    kv_bytes: int | None = None,
+    kv_dtype: torch.dtype | None = None,
+    parallel: TensorParallel = SINGLE,
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
-    ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes``, else ``kv_bytes`` (what
-    profiling left on a GPU), else the CPU default (`sonar.engine.memory`)."""
+    ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes`` (per rank), else ``kv_bytes``
+    (what profiling left on a GPU), else the CPU default (`sonar.engine.memory`), which the ranks
+    of a tensor-parallel group share. The ranks of a group take the smallest count any of them
+    can hold: every rank caches the same blocks, each its own heads of them."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
     per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
     if config.num_gpu_blocks_override is not None:
@@ -84,8 +91,10 @@ def plan_kv_cache(
         if config.kv_cache_memory_bytes is not None:
             kv_bytes = config.kv_cache_memory_bytes
         elif kv_bytes is None:
-            kv_bytes = memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-        num_blocks = memory.num_blocks_for(kv_bytes, per_block)
+            kv_bytes = (
+                memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // parallel.size
+            )
+        num_blocks = parallel.smallest(memory.num_blocks_for(kv_bytes, per_block))
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
         log.warning(
@@ -98,11 +107,18 @@ def plan_kv_cache(
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
-        """Load the weights, size and allocate the KV cache, capture the CUDA graphs (slow: seconds)."""
+    def __init__(
+        self, config: EngineConfig, parallel: TensorParallel = SINGLE, device: torch.device | None = None
+    ) -> None:
+        """Load the weights, size and allocate the KV cache, capture the CUDA graphs (slow: seconds).
+
+        `parallel`: this runner's rank in a tensor-parallel group (`sonar.engine.ranks` joined it);
+        every rank runs every step, rank 0 alone samples and tells the others what it sampled.
+        `device`: where to run (None: `select_device`)."""
         self.config = cfg = config
+        self.parallel = parallel
         self.requests: dict[str, _RequestState] = {}
-        self.device = device = select_device(cfg.device_ids)
+        self.device = device = device or select_device(cfg.device_ids)
         self.graphs: CudaGraphs | None = None
         self._decode_buffers: DecodeBuffers | None = None
         cuda = device.type == "cuda"
@@ -128,6 +144,7 @@ class ModelRunner:
             device=device,
             quantization=cfg.quantization,
             dequantize_weights=cfg.dequantize_weights,
+            parallel=parallel,
         )
         self.model = self.loaded.model
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
@@ -155,7 +172,7 @@ class ModelRunner:
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
-        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype)
+        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype, parallel)
         self.kv_caches = allocate_kv_caches(
             self.model.num_layers,
             self.num_blocks,
@@ -386,6 +403,10 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=hidden.device)]
             )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
+            if not self.parallel.leader:
+                self._follow_sampling(sample_ids)
+                result.seconds = time.perf_counter() - started
+                return result
             if msg.grammar_rows:
                 if wait_bitmask is None:
                     raise ValueError(f"step {out.step_id} has grammar rows but no bitmask to wait for")
@@ -406,6 +427,8 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             # one copy to the host for both: ids and whether each row failed
             tokens, failed = torch.stack((sampled.sampled_token_ids, sampled.failed.long())).tolist()
+            if self.parallel.size > 1:  # the other ranks feed these tokens to later steps too
+                self.parallel.broadcast(sampled.sampled_token_ids.to(torch.int64))
             for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
                 # a failed row's id is 0, a valid token: a step already sent behind this one can
                 # feed it before the scheduler drops the request
@@ -421,6 +444,12 @@ class ModelRunner:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
         result.seconds = time.perf_counter() - started
         return result
+
+    def _follow_sampling(self, sample_ids: list[str]) -> None:
+        """A rank other than 0: take the tokens rank 0 sampled for this step's rows."""
+        tokens = self.parallel.broadcast(torch.empty(len(sample_ids), dtype=torch.int64, device=self.device))
+        for rid, token in zip(sample_ids, tokens.tolist()):
+            self.requests[rid].output.append(token)
 
     def _fill_placeholders(self, sched: ScheduledRequest) -> list[int]:
         """The step's tokens with each `PLACEHOLDER_TOKEN` replaced by the token this runner

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from sonar.actors import ChildProcess, ChildSpec, Remote, SiblingRef, SupervisorSpec
+from sonar.actors import ActorRef, ChildProcess, ChildSpec, Remote, SiblingRef, Supervisor, SupervisorSpec
 from sonar.engine.config import EngineConfig
 from sonar.protocol.engine import DetokenizerMsg, SchedulerMsg, WorkerMsg
 from sonar.protocol.offload import OffloadMsg
@@ -22,9 +22,23 @@ WORKER_START_TIMEOUT = 900.0
 """Seconds a worker in its own process may take to become ready (load, compile, capture)."""
 
 
+def worker_path(config: EngineConfig) -> str:
+    """Where the worker the scheduler talks to sits below the engine's supervisor: ``worker``, or
+    rank 0 of the tensor-parallel group ``worker`` (`SiblingRef` paths)."""
+    return "worker/rank0" if config.tensor_parallel_size > 1 else "worker"
+
+
+def worker_ref(engine: Supervisor) -> ActorRef[WorkerMsg]:
+    """The running engine's worker that the scheduler talks to (rank 0 of a tensor-parallel group)."""
+    runner: Any = engine.child("worker")
+    if runner.kind == "supervisor":
+        runner = runner.child.child("rank0")
+    return runner.ref
+
+
 def engine_spec(config: EngineConfig) -> SupervisorSpec:
-    """The engine's supervision tree: worker, the KV offload manager (only with offloading or KV
-    events), detokenizer, scheduler (started in that order).
+    """The engine's supervision tree: worker (or its tensor-parallel group), the KV offload manager
+    (only with offloading or KV events), detokenizer, scheduler (started in that order).
 
     one_for_one: a restarted worker is caught up by the scheduler (it recomputes the requests in
     flight); a restarted scheduler or detokenizer starts empty and the frontend fails the requests
@@ -32,10 +46,13 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     """
     raw = msgspec.to_builtins(config)
     worker_at = config.placement_of("worker")
+    if config.tensor_parallel_size > 1:  # torch.distributed takes one process per rank
+        worker_at = ChildProcess()
     if isinstance(worker_at, (ChildProcess, Remote)):
         # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
         # graphs captured: a cold compile alone takes minutes on a small CPU
         worker_at = msgspec.structs.replace(worker_at, start_timeout=max(worker_at.start_timeout, WORKER_START_TIMEOUT))
+    worker = SiblingRef(worker_path(config))
     # The KV offload manager (second tiers, KV events) runs only when a flag asks for it. Restarted
     # alone, it starts with an empty CPU tier and re-indexes its disk directory; the scheduler's
     # mirror of the tiers resynchronizes, and requests meanwhile just miss the tiers.
@@ -50,7 +67,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     }
     scheduler_kwargs: dict[str, Any] = {
         "config": raw,
-        "worker": SiblingRef("worker"),
+        "worker": worker,
         "detokenizer": SiblingRef("detokenizer"),
     }
     if config.offload_manager_needed:
@@ -64,7 +81,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
                 kwargs={
                     "config": None if tiers is None else msgspec.to_builtins(tiers),
                     "events": None if events is None else msgspec.to_builtins(events),
-                    "worker": SiblingRef("worker"),
+                    "worker": worker,
                     "hash_algo": config.prefix_caching_hash_algo,
                 },
                 placement=config.placement_of("offload"),
@@ -77,25 +94,14 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     return SupervisorSpec(
         "engine",
         [
-            # The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
-            # deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
-            ChildSpec(
-                "worker",
-                WORKER,
-                protocol=WorkerMsg,
-                kwargs=worker_kwargs,
-                placement=worker_at,
-                ping_interval=2.0,
-                ping_timeout=15.0,
-                shutdown=5.0,
-            ),
+            _worker_spec(config, worker_kwargs, worker_at),
             *offload,
             ChildSpec(
                 "detokenizer",
                 DETOKENIZER,
                 protocol=DetokenizerMsg,
                 kwargs={
-                    "worker": SiblingRef("worker"),
+                    "worker": worker,
                     "tokenizer": config.tokenizer,
                     "scheduler": SiblingRef("scheduler"),
                 },
@@ -116,4 +122,37 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
         strategy="one_for_one",
         max_restarts=5,
         period=60,
+    )
+
+
+def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -> ChildSpec | SupervisorSpec:
+    """The worker; with tensor parallelism, a one-for-all group of one worker per rank (rank 0,
+    the one the others follow, started last: it opens the group's rendezvous and calls them in).
+
+    The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
+    deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
+    """
+    size = config.tensor_parallel_size
+
+    def rank(name: str, kwargs: dict[str, Any]) -> ChildSpec:
+        return ChildSpec(
+            name,
+            WORKER,
+            protocol=WorkerMsg,
+            kwargs=kwargs,
+            placement=placement,
+            ping_interval=2.0,
+            ping_timeout=15.0,
+            shutdown=5.0,
+        )
+
+    if size == 1:
+        return rank("worker", kwargs)
+    # rank 0 names its engine siblings from inside the group
+    leader = {k: SiblingRef(f"../{v.name}") if isinstance(v, SiblingRef) else v for k, v in kwargs.items()}
+    leader["followers"] = [SiblingRef(f"rank{r}") for r in range(1, size)]
+    followers = [rank(f"rank{r}", {"config": kwargs["config"], "own_process": True, "rank": r}) for r in range(1, size)]
+    # A rank lost is the group lost (its peers' collectives fail or hang): restart all of them.
+    return SupervisorSpec(
+        "worker", [*followers, rank("rank0", leader)], strategy="one_for_all", max_restarts=5, period=60
     )

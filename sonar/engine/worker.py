@@ -14,6 +14,14 @@ KV offloading: a step's `kv_stores` are copied out of the cache first, before it
 the cache, `KVLoaded` to the scheduler) that runs beside the forward pass, off the step's
 critical path. A failed store is dropped and a failed load reports 0 blocks (they are recomputed).
 
+Tensor parallelism (`sonar.models.parallel`): each rank of a group is a worker actor in its own
+process, under a one-for-all supervisor (`sonar.engine.tree`). Rank 0 is the one the scheduler
+talks to: when it starts it opens the group's rendezvous (`sonar.engine.ranks`) and sends each
+other rank a `JoinGroup`; every rank then joins the torch.distributed group and loads its shards.
+Rank 0 forwards every step to the other ranks before it runs it itself (no reply wanted: the
+collectives keep the ranks in step), samples alone, and answers the scheduler. Any rank that fails
+takes the group down with it: its peers' collectives fail or hang, and the supervisor restarts all.
+
 Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
 samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
 previous step's tokens); past `BITMASK_TIMEOUT` the step fails like any other crash.
@@ -37,7 +45,9 @@ from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
+from sonar.engine import ranks
 from sonar.engine.config import EngineConfig
+from sonar.engine.device import select_device
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.errors import SonarError
 from sonar.log import get_logger
@@ -45,6 +55,7 @@ from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.engine import (
     DescribeWorker,
     ExecuteStep,
+    JoinGroup,
     KVLoaded,
     SchedulerMsg,
     StepBitmask,
@@ -90,9 +101,16 @@ class WorkerActor(Actor):
         own_process: bool = False,
         scheduler: ActorRef[SchedulerMsg] | None = None,
         offload: ActorRef[OffloadMsg] | None = None,
+        rank: int = 0,
+        followers: list[ActorRef[WorkerMsg]] | None = None,
     ) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.own_process = own_process
+        self.rank = rank
+        """This worker's tensor-parallel rank (0 without tensor parallelism)."""
+        self.followers = followers or []
+        """Rank 0 of a tensor-parallel group: the other ranks, in rank order."""
+        self.runner: ModelRunner | None = None
         self.scheduler = scheduler
         """Where finished KV loads are reported (`KVLoaded`)."""
         self.offload = offload
@@ -107,9 +125,65 @@ class WorkerActor(Actor):
         thread would otherwise outlive the actor and keep the interpreter from exiting)."""
 
     async def started(self) -> None:
-        self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
-        self.info = msgspec.structs.replace(self.runner.info, instance=secrets.token_hex(8))
         self.lock = anyio.Lock()
+        if self.config.tensor_parallel_size == 1:
+            self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
+        elif self.rank == 0:
+            self.runner = await self._lead_group()
+        else:
+            return  # its runner comes with rank 0's `JoinGroup`
+        self.info = msgspec.structs.replace(
+            self.runner.info, instance=secrets.token_hex(8), tensor_parallel_size=self.config.tensor_parallel_size
+        )
+
+    # -- tensor parallelism ----------------------------------------------------------------------
+    async def _lead_group(self) -> ModelRunner:
+        """Rank 0: open this incarnation's rendezvous, tell the other ranks, join and load with them."""
+        size, host = self.config.tensor_parallel_size, ranks.LOOPBACK
+        timeout = self.config.collective_timeout(select_device(self.config.device_ids).type)
+        store = await anyio.to_thread.run_sync(ranks.open_store, host, size, timeout)
+        join = JoinGroup(host, store.port)
+        runner: list[ModelRunner] = []
+
+        async def load() -> None:
+            runner.append(
+                await anyio.to_thread.run_sync(self._join_and_load, store, host, store.port, abandon_on_cancel=True)
+            )
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for ref in self.followers:  # a rank that fails to join cancels the wait for the others
+                    tg.start_soon(partial(ref.ask, join, timeout=self.config.step_timeout))
+                tg.start_soon(load)
+        except BaseExceptionGroup as group:
+            raise group.exceptions[0] from None
+        return runner[0]
+
+    def _join_and_load(self, store: Any, host: str, port: int) -> ModelRunner:
+        """Join the group as this worker's rank and load its shards (in a thread)."""
+        size = self.config.tensor_parallel_size
+        device = select_device(self.config.device_ids)
+        if device.type == "cuda":
+            device = ranks.rank_device(device, self.rank)
+        else:
+            ranks.pin_to_cores(self.rank, size)
+        parallel = ranks.join(store, host, port, self.rank, size, device, self.config.collective_timeout(device.type))
+        return ModelRunner(self.config, parallel, device)
+
+    async def _join(self, msg: JoinGroup) -> None:
+        """A rank other than 0: join, load, and answer rank 0."""
+        node = get_node()
+        try:
+            self.runner = await anyio.to_thread.run_sync(
+                self._join_and_load, None, msg.host, msg.port, abandon_on_cancel=True
+            )
+        except Exception as exc:
+            if msg.reply_to is not None:
+                with anyio.CancelScope(shield=True):
+                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            raise
+        if msg.reply_to is not None:
+            await node.reply(msg.reply_to, None)
 
     async def handle(self, msg: WorkerMsg) -> Any:
         if isinstance(msg, ExecuteStep):
@@ -124,6 +198,9 @@ class WorkerActor(Actor):
             return None
         if isinstance(msg, DescribeWorker):
             return self.info
+        if isinstance(msg, JoinGroup):
+            self.task_group.start_soon(self._join, msg)
+            return NO_REPLY
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     def _bitmask_slot(self, step_id: int) -> _BitmaskSlot:
@@ -188,6 +265,10 @@ class WorkerActor(Actor):
             self.step_tokens = msg.output.num_scheduled_tokens
             self.step_started = time.monotonic()
             try:
+                if self.followers:  # the same step on every rank, in the same order
+                    forwarded = msgspec.structs.replace(msg, reply_to=None, fault=None, grammar_rows=[])
+                    for ref in self.followers:
+                        await ref.send(forwarded)
                 if msg.output.kv_stores or msg.output.kv_loads:
                     await self._kv_transfers(msg)
                 # Abandoned on cancel: a crash (or a stop) must not wait for a step that may never

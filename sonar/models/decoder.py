@@ -28,6 +28,7 @@ from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import attention, step_metadata
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
+from sonar.models.parallel import SINGLE, TensorParallel, shard_rows
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -58,10 +59,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, layer: int, head_dim: int) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
+    def __init__(
+        self, config: Any, variant: DecoderVariant, layer: int, head_dim: int, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.parallel = parallel
+        self.num_heads = parallel.split(config.num_attention_heads, "number of attention heads")
+        self.num_kv_heads, self.first_kv_head = parallel.kv_heads(
+            config.num_key_value_heads or config.num_attention_heads
+        )
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -87,30 +95,35 @@ class Attention(nn.Module):
             qk = ops.apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attention(q, k, v, kv_cache, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(n, self.q_size))
+        return self.parallel.all_reduce(self.o_proj(o.reshape(n, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant) -> None:
+    """The gated SiLU MLP over this rank's slice of the intermediate size."""
+
+    def __init__(self, config: Any, variant: DecoderVariant, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ModelLoadError(f"hidden_act {act!r} is not supported (only silu)")
-        self.intermediate = config.intermediate_size
+        self.parallel = parallel
+        self.intermediate = parallel.split(config.intermediate_size, "intermediate size")
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=variant.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.parallel.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, layer: int, head_dim: int) -> None:
+    def __init__(
+        self, config: Any, variant: DecoderVariant, layer: int, head_dim: int, parallel: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, variant, layer, head_dim)
+        self.self_attn = Attention(config, variant, layer, head_dim, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, variant)
+        self.mlp = MLP(config, variant, parallel)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor
@@ -128,14 +141,36 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows ``first .. first + rows`` of a vocabulary split over a tensor-parallel
+    group: ids outside them look up zeros, and the all-reduce fills every row from its owner."""
+
+    def __init__(self, rows: int, hidden: int, first: int, parallel: TensorParallel) -> None:
+        super().__init__(rows, hidden, _weight=torch.empty(rows, hidden))
+        self.first = first
+        self.parallel = parallel
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.parallel.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, head_dim: int) -> None:
+    def __init__(self, config: Any, variant: DecoderVariant, head_dim: int, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
-        # the weight given: no random init, whose meta-device kernel would import torch._dynamo (seconds)
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        if parallel.size == 1:
+            # the weight given: no random init, whose meta-device kernel would import torch._dynamo (seconds)
+            self.embed_tokens = nn.Embedding(
+                config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+            )
+        else:
+            rows, first = parallel.vocab_rows(config.vocab_size)
+            self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, first, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, variant, i, head_dim, parallel) for i in range(config.num_hidden_layers)
         )
-        self.layers = nn.ModuleList(DecoderLayer(config, variant, i, head_dim) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -149,16 +184,19 @@ class DecoderForCausalLM(nn.Module):
 
     architectures: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, parallel: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        """This rank's place in its tensor-parallel group (`sonar.models.parallel`): the layers
+        hold its shards, and `num_kv_heads` counts the KV heads its cache holds."""
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
         self.vocab_size = config.vocab_size
         self.variant = self.make_variant(config)
-        self.model = DecoderModel(config, self.variant, self.head_dim)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DecoderModel(config, self.variant, self.head_dim, parallel)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -202,13 +240,37 @@ class DecoderForCausalLM(nn.Module):
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """``[n, hidden_size]`` selected hidden states to float32 logits ``[n, vocab_size]``."""
-        return self.lm_head(hidden).float()
+        """``[n, hidden_size]`` selected hidden states to float32 logits ``[n, vocab_size]`` (with
+        tensor parallelism, on every rank, padded to a multiple of the group's size)."""
+        return self.parallel.gather_last(self.lm_head(hidden)).float()
+
+    def shard_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's part of the checkpoint tensor `name` (see `sonar.models.parallel`)."""
+        tp = self.parallel
+        if tp.size == 1:
+            return tensor
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        if ".q_proj." in name:
+            return tensor.narrow(0, tp.rank * attn.q_size, attn.q_size)
+        if ".k_proj." in name or ".v_proj." in name:
+            return tensor.narrow(0, attn.first_kv_head * self.head_dim, attn.kv_size)
+        if ".gate_proj." in name or ".up_proj." in name:
+            return tensor.narrow(0, tp.rank * mlp.intermediate, mlp.intermediate)
+        if name.endswith(".o_proj.weight"):
+            return tensor.narrow(1, tp.rank * attn.q_size, attn.q_size)
+        if name.endswith(".down_proj.weight"):
+            return tensor.narrow(1, tp.rank * mlp.intermediate, mlp.intermediate)
+        if name.endswith((".o_proj.bias", ".down_proj.bias")):  # added once, after the all-reduce
+            return tensor if tp.leader else torch.zeros_like(tensor)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows, first = tp.vocab_rows(self.vocab_size)
+            return shard_rows(tensor, first, rows)
+        return tensor
 
     def stacked_params(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name fragment -> (fused fragment, first row, rows) of the fused matrices."""
         q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
-        inter = self.config.intermediate_size
+        inter = self.model.layers[0].mlp.intermediate
         return {
             ".q_proj.": (".qkv_proj.", 0, q),
             ".k_proj.": (".qkv_proj.", q, kv),
@@ -230,6 +292,7 @@ class DecoderForCausalLM(nn.Module):
         for name, tensor in weights:
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
+            tensor = self.shard_checkpoint(name, tensor)
             target_name, first, rows = name, 0, None
             for part, (fused, offset, size) in stacked.items():
                 if part in name:

@@ -38,6 +38,8 @@ class WorkerInfo(msgspec.Struct):
     """The device type the model runs on ("cpu", "cuda")."""
     instance: str = ""
     """Random id of this run of the worker: a restarted worker answers with another."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over; this answer is rank 0's (its pid, its share of the KV cache)."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -94,7 +96,16 @@ class StepBitmask(msgspec.Struct, tag="worker.bitmask"):
     bitmask: Any
 
 
-WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask]
+class JoinGroup(Ask, tag="worker.join"):
+    """To a tensor-parallel rank other than 0, from rank 0: join this incarnation of the group at
+    the rendezvous store ``host:port`` and load the model's shards; answered once it has (no value).
+    From then on the rank runs every `ExecuteStep` rank 0 forwards to it, and answers none."""
+
+    host: str
+    port: int
+
+
+WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask, JoinGroup]
 
 
 # -- scheduler -----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from typing import Any, Union
 import anyio
 import msgspec
 
-from sonar.actors import Actor, Ask
+from sonar.actors import Actor, ActorRef, Ask
 
 
 class Echo(Ask, tag=True):
@@ -67,7 +67,13 @@ class Whoami(Ask, tag=True):
     reply_type = dict[str, Any]
 
 
-SampleMsg = Union[Echo, Add, Note, Notes, Crash, FailAsk, Hang, Freeze, Quit, Tensors, Whoami]
+class AskPeers(Ask, tag=True):
+    """Ask each of the actor's `peers` `Whoami`; the answers, in order."""
+
+    reply_type = list[dict[str, Any]]
+
+
+SampleMsg = Union[Echo, Add, Note, Notes, Crash, FailAsk, Hang, Freeze, Quit, Tensors, Whoami, AskPeers]
 
 
 class Other(msgspec.Struct, tag=True):
@@ -84,8 +90,10 @@ class Sample(Actor):
         ignore_sigterm: bool = False,
         fail_start: bool = False,
         start_delay: float = 0.0,
+        peers: list[ActorRef] | None = None,
     ) -> None:
         self.values: list[int] = []
+        self.peers = peers or []
         self.delay = delay
         self.ignore_stop = ignore_stop
         self.ignore_sigterm = ignore_sigterm
@@ -136,6 +144,8 @@ class Sample(Actor):
             return {"sums": sums, "first": first}
         if isinstance(msg, Whoami):
             return {"pid": os.getpid(), "name": self.name}
+        if isinstance(msg, AskPeers):
+            return [await peer.ask(Whoami(), timeout=10) for peer in self.peers]
         raise TypeError(msg)
 
 

@@ -5,9 +5,9 @@ import os
 import anyio
 import pytest
 
-from sonar.actors import ChildSpec, SupervisorGaveUp, SupervisorSpec, supervise
+from sonar.actors import ChildSpec, SiblingRef, SupervisorGaveUp, SupervisorSpec, supervise
 from tests.actors.helpers import alive, wait_for
-from tests.actors.sample import Add, Crash, Echo, Quit, Sample
+from tests.actors.sample import Add, AskPeers, Crash, Echo, Quit, Sample, Whoami
 
 pytestmark = pytest.mark.anyio
 
@@ -205,3 +205,45 @@ async def test_two_trees_can_each_have_a_child_of_the_same_name(placement):
         assert await a1.ask(Add(1), timeout=5) == [1]
         assert await a2.ask(Add(2), timeout=5) == [2]
         assert await a1.ask(Add(3), timeout=5) == [1, 3]
+
+
+async def test_sibling_paths_reach_into_and_out_of_a_nested_supervisor_across_its_restarts(placement):
+    """A nested group's child names its parent's later sibling (``../``) and a list of siblings; a
+    later sibling of the group names a child inside it (``group/child``). The group's children keep
+    their references when it restarts them all, so the outside sibling reaches the new run."""
+    group = SupervisorSpec(
+        "group",
+        [
+            ChildSpec("a", Sample, placement=placement, ping_interval=None),
+            ChildSpec(
+                "lead",
+                Sample,
+                kwargs={"peers": [SiblingRef("a"), SiblingRef("../c")]},
+                placement=placement,
+                ping_interval=None,
+            ),
+        ],
+        strategy="one_for_all",
+    )
+    spec = SupervisorSpec(
+        "root",
+        [
+            group,
+            ChildSpec("c", Sample, placement=placement, ping_interval=None),
+            ChildSpec(
+                "d", Sample, kwargs={"peers": [SiblingRef("group/lead")]}, placement=placement, ping_interval=None
+            ),
+        ],
+    )
+    async with supervise(spec) as sup:
+        inner = sup.child("group").child
+        peers = await inner.child("lead").ref.ask(AskPeers(), timeout=10)
+        assert [p["pid"] for p in peers] == [inner.child("a").pid, sup.child("c").pid]
+        (before,) = await sup.child("d").ref.ask(AskPeers(), timeout=10)
+        assert before["pid"] == inner.child("lead").pid
+        await inner.child("a").ref.send(Crash())
+        await wait_for(lambda: inner.child("lead").restarts == 1 and inner.child("lead").state == "running")
+        assert sup.child("group").child is inner
+        (after,) = await sup.child("d").ref.ask(AskPeers(), timeout=10)
+        assert after["pid"] == inner.child("lead").pid
+        assert await inner.child("lead").ref.ask(Whoami(), timeout=10) == after

@@ -1,0 +1,128 @@
+"""Tensor parallelism through the whole engine (`sonar.open(tensor_parallel_size=2)`): a group of
+real worker processes on gloo, under its one-for-all supervisor.
+
+* Greedy tokens equal transformers' and the tp = 1 engine's, logprobs within float32 noise, seeded
+  random sampling the same (rank 0 samples once, from the same logits).
+* SIGKILL of a rank mid-stream: the group is rebuilt (a new rendezvous, every rank restarted) and
+  all 16 requests complete with the text they have without the kill.
+* What tensor parallelism cannot take yet is refused by name (quantized weights, KV offloading,
+  the 'uni' backend), and shapes that do not split fail the start with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import anyio
+import pytest
+
+import sonar
+from sonar.sampling_params import SamplingParams
+from tests.engine.conftest import TinyCheckpoint
+from tests.models.conftest import hf_generate_batch
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
+
+TEXTS = ["w5 w17 w33 w2 w9", "w100 w250 w7", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13", "w42"]
+NEW_TOKENS = 12
+#: Logprobs of the same float32 weights, summed in another order across ranks (measured ~1e-6).
+LOGPROB_ATOL = 1e-4
+BASE: dict[str, Any] = {"dtype": "float32", "num_gpu_blocks_override": 64}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
+
+
+async def _run(llm: Any, params: SamplingParams) -> list[Any]:
+    return [await llm.generate(text, params) for text in TEXTS]
+
+
+async def test_tp2_equals_transformers_and_tp1(llama: TinyCheckpoint) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+    async with sonar.open(str(llama.path), **BASE) as llm:
+        one, one_seeded = await _run(llm, greedy), await _run(llm, seeded)
+    async with sonar.open(str(llama.path), tensor_parallel_size=2, **BASE) as llm:
+        assert llm.info.tensor_parallel_size == 2
+        two, two_seeded = await _run(llm, greedy), await _run(llm, seeded)
+        tree = llm.tree()
+    group = next(c for c in tree.children if c.name == "worker")
+    assert group.kind == "supervisor" and [c.name for c in group.children] == ["rank1", "rank0"]
+    assert len({c.pid for c in group.children}) == 2 and all(c.placement == "process" for c in group.children)
+
+    from transformers import AutoTokenizer
+
+    expected, _ = hf_generate_batch(llama.hf, AutoTokenizer.from_pretrained(str(llama.path)), TEXTS, NEW_TOKENS)
+    for text, want, a, b in zip(TEXTS, expected, one, two):
+        assert b.token_ids == a.token_ids == want, text
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la.logprob - lb.logprob) < LOGPROB_ATOL
+            assert [t.token_id for t in la.top] == [t.token_id for t in lb.top]
+            assert all(abs(x.logprob - y.logprob) < LOGPROB_ATOL for x, y in zip(la.top, lb.top))
+    assert [o.token_ids for o in two_seeded] == [o.token_ids for o in one_seeded]
+
+
+async def test_a_killed_rank_restarts_the_group_and_no_request_fails(llama: TinyCheckpoint) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [f"w{i} w{i + 7} w{2 * i + 1} w{i + 50}" for i in range(16)]
+    # a cache too small for all 16 at once: requests are preempted and recomputed as well
+    args = {**BASE, "num_gpu_blocks_override": 24, "tensor_parallel_size": 2}
+    async with sonar.open(str(llama.path), **args) as llm:
+        undisturbed = [o.text for o in await llm.generate_many(prompts, params)]
+        group = llm.supervisor.child("worker").child
+        victim = group.child("rank1")
+        before = {r.name: r.pid for r in group.runners}
+        results: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await llm.generate(prompts[i], params)).text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(one, i)
+            async for _ in llm.stream(prompts[0], params):  # the batch is decoding
+                break
+            os.kill(victim.pid, signal.SIGKILL)
+        assert [results[i] for i in range(16)] == undisturbed
+        after = {r.name: r.pid for r in llm.supervisor.child("worker").child.runners}
+        assert all(after[name] != pid for name, pid in before.items()), "one-for-all restarts every rank"
+        assert any(e.kind == "restart" for e in group.events)
+        assert (await llm.generate(prompts[1], params)).text == undisturbed[1]
+
+
+async def test_quantized_weights_are_refused_by_name() -> None:
+    with pytest.raises(Exception, match="dequantize-weights") as info:
+        async with sonar.open(None, tensor_parallel_size=3):  # 9 heads, 3 KV heads: they split
+            pass
+    assert "--tensor-parallel-size 3" in str(info.value) and "quantized (gguf)" in str(info.value)
+
+
+async def test_heads_that_do_not_split_fail_the_start(llama: TinyCheckpoint) -> None:
+    with pytest.raises(Exception, match="tensor-parallel-size 3 does not divide the model's number of attention"):
+        async with sonar.open(str(llama.path), tensor_parallel_size=3, **BASE):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"distributed_executor_backend": "uni"}, "'uni' runs one worker"),
+        ({"kv_offloading_size": 1.0}, "KV offloading with tensor_parallel_size 2"),
+        ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
+        ({"placement": "worker=tcp://10.0.0.1:5000"}, "remote worker placement"),
+    ],
+)
+def test_what_tensor_parallelism_cannot_take_is_refused(args: dict[str, Any], message: str) -> None:
+    from sonar.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_args(None, tensor_parallel_size=2, **args)

@@ -1,0 +1,147 @@
+"""Tensor-parallel shards of the decoder (`sonar.models.parallel`): how shapes split, and logits of
+real gloo groups (one process per rank, `tests/models/parallel_rank.py`) against one rank.
+
+The tiny checkpoints cover the layouts: KV heads split (Llama), a single KV head replicated on
+every rank (Qwen2, with q/k/v biases), per-head q/k norms with tied, vocab-parallel embeddings
+(Qwen3); a vocabulary of 301 rows pads the last rank's slice at both 2 and 3 ranks. The embedded
+SmolLM2-135M (9 heads, 3 KV heads) runs at 3 ranks, one KV head each.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from sonar.models.parallel import ParallelLayoutError, TensorParallel, shard_rows
+from tests.models import parallel_rank
+
+REPO = Path(__file__).resolve().parents[2]
+#: Float32 logits of the same weights summed in another order across ranks (measured: ~3e-7 on
+#: the tiny models, logits O(1); ~7e-5 on SmolLM2, logits up to ~35).
+ATOL = 1e-4
+
+
+def test_heads_split_evenly_or_fail_naming_the_shape() -> None:
+    tp = TensorParallel(rank=1, size=3)
+    assert tp.split(9, "number of attention heads") == 3
+    with pytest.raises(
+        ParallelLayoutError, match=r"--tensor-parallel-size 3 does not divide the model's intermediate size \(128\)"
+    ):
+        tp.split(128, "intermediate size")
+
+
+def test_kv_heads_split_or_replicate() -> None:
+    assert [TensorParallel(r, 2).kv_heads(4) for r in range(2)] == [(2, 0), (2, 2)]
+    # fewer KV heads than ranks: each serves the consecutive ranks whose query heads read it
+    assert [TensorParallel(r, 4).kv_heads(2) for r in range(4)] == [(1, 0), (1, 0), (1, 1), (1, 1)]
+    assert [TensorParallel(r, 3).kv_heads(1) for r in range(3)] == [(1, 0)] * 3
+    with pytest.raises(ParallelLayoutError, match="neither a divisor nor a multiple .* KV heads \\(2\\)"):
+        TensorParallel(0, 3).kv_heads(2)
+
+
+def test_vocab_rows_pad_the_last_rank() -> None:
+    assert [TensorParallel(r, 3).vocab_rows(301) for r in range(3)] == [(101, 0), (101, 101), (101, 202)]
+    weight = torch.arange(301 * 2, dtype=torch.float32).view(301, 2)
+    last = shard_rows(weight, 202, 101)
+    assert last.shape == (101, 2) and torch.equal(last[:99], weight[202:]) and not last[99:].any()
+    assert shard_rows(weight, 0, 101).data_ptr() == weight.data_ptr()  # a view where nothing pads
+
+
+def test_a_model_that_does_not_split_fails_at_construction() -> None:
+    from transformers import LlamaConfig
+
+    from sonar.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+    )
+    with torch.device("meta"), pytest.raises(ParallelLayoutError, match="KV heads \\(2\\)"):
+        LlamaForCausalLM(config, TensorParallel(0, 3))
+
+
+def _tiny(kind: str, path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=301, hidden_size=96, intermediate_size=192, num_hidden_layers=2, max_position_embeddings=256
+    )
+    config = {
+        "llama": LlamaConfig(**common, num_attention_heads=6, num_key_value_heads=6),
+        "qwen2": Qwen2Config(**common, num_attention_heads=6, num_key_value_heads=1),
+        "qwen3": Qwen3Config(
+            **common, num_attention_heads=12, num_key_value_heads=6, head_dim=16, tie_word_embeddings=True
+        ),
+    }[kind]
+    torch.manual_seed(len(kind))
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # biases and norms too, so every shard matters
+        for name, param in hf.named_parameters():
+            param.copy_(
+                1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.15 * torch.randn_like(param)
+            )
+    hf.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    out = []
+    for kind in ("llama", "qwen2", "qwen3"):
+        path = tmp_path_factory.mktemp(f"tp-{kind}")
+        _tiny(kind, path)
+        out.append(str(path))
+    return out
+
+
+def _group_logits(size: int, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
+    """Run `size` rank processes on a gloo group whose store this process holds."""
+    store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.models.parallel_rank",
+                str(store.port),
+                str(rank),
+                str(size),
+                str(out),
+                *sources,
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for rank in range(size)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()[-3000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tiny_models_split_over_ranks_give_the_logits_of_one(size: int, sources: list[str], tmp_path: Path) -> None:
+    got = _group_logits(size, sources, tmp_path / "logits.pt")
+    for source, ranked in zip(sources, got):
+        for want, have in zip(parallel_rank.logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < ATOL, (source, size)
+
+
+def test_smollm2_at_three_ranks_gives_the_logits_of_one(smollm2_fp32: Any, tmp_path: Path) -> None:
+    """The session fixture converted the embedded GGUF already: the ranks only read it."""
+    (ranked,) = _group_logits(3, ["embedded"], tmp_path / "logits.pt")
+    for want, have in zip(parallel_rank.logits("embedded"), ranked):
+        assert (have - want).abs().max() < ATOL
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
