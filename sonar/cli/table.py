@@ -405,8 +405,11 @@ GROUPS: tuple[Group, ...] = (
            "torchrun); Sonar starts 'uni' and 'mp' so far.",
            choices=("external_launcher", "mp", "ray", "uni"), to=E, default_note="'uni' for one rank, 'mp' for several",
            metavar="{external_launcher,mp,ray,uni}"),
-        _f("--pipeline-parallel-size -pp", I, 1, "Number of pipeline stages the layers are split into.",
-           accepts=()),
+        _f("--pipeline-parallel-size -pp", I, 1,
+           "Number of pipeline stages the layers are split into: consecutive layers per stage (an even "
+           "split; SONAR_PP_LAYER_PARTITION=8,8,7,7 sets the counts), each stage its own worker processes "
+           "(--tensor-parallel-size of them), hidden states passed on point to point. Quantized "
+           "checkpoints need --dequantize-weights.", to=E),
         _f("--master-addr", S_, "127.0.0.1", "Address of the first node in a multi-node 'mp' deployment.",
            noop=MULTI_NODE),
         _f("--master-port", I, 29501, "Port of the first node in a multi-node 'mp' deployment.",

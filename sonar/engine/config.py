@@ -85,6 +85,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     tensor_parallel_size: int = 1
     """Ranks each layer's weights split over (`sonar.models.parallel`): one worker process per rank,
     under a one-for-all supervisor (`sonar.engine.tree`)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are partitioned into, each its own tensor-parallel group of ranks
+    (``SONAR_PP_LAYER_PARTITION``, layers per stage, overrides the even partition)."""
     distributed_executor_backend: str | None = None
     """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
     machine); None: ``uni`` for one rank, ``mp`` for several."""
@@ -207,10 +210,22 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "drop --no-enable-prefix-caching"
             )
 
+    @property
+    def world_size(self) -> int:
+        """The worker processes: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def check_parallel(self) -> None:
-        tp = self.tensor_parallel_size
-        if tp < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if pp == 1:
+            what = f"tensor_parallel_size {tp}"
+        elif tp == 1:
+            what = f"pipeline_parallel_size {pp}"
+        else:
+            what = f"{tp} x {pp} ranks (tensor x pipeline)"
         backend = self.distributed_executor_backend
         if backend not in (None, "uni", "mp"):
             raise ValueError(
@@ -220,22 +235,21 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
-        if tp == 1:
+        if self.world_size == 1:
             return
         if backend == "uni":
             raise ValueError(
-                f"distributed_executor_backend 'uni' runs one worker; tensor_parallel_size {tp} needs 'mp' "
-                "(a process per rank)"
+                f"distributed_executor_backend 'uni' runs one worker; {what} need 'mp' (a process per rank)"
             )
         if not isinstance(self.placement_of("worker"), (InProcess, ChildProcess)):
             raise ValueError(
-                f"tensor_parallel_size {tp} starts its ranks on this machine; a remote worker placement "
-                f"({self.placement['worker']}) is not supported with it yet"
+                f"{what} start their ranks on this machine; a remote worker placement "
+                f"({self.placement['worker']}) is not supported with them yet"
             )
         if self.offload_config() is not None:
             raise ValueError(
-                f"KV offloading with tensor_parallel_size {tp} is not supported yet (each rank caches its "
-                "own heads); drop one of the two"
+                f"KV offloading with {what} is not supported yet (each rank caches its own heads and layers); "
+                "drop one of the two"
             )
 
     def collective_timeout(self, device_type: str) -> float | None:

@@ -1,4 +1,10 @@
-"""The processes of a tensor-parallel group: their torch.distributed rendezvous and their CPU cores.
+"""The processes of a parallel group (tensor x pipeline): where each sits, how they meet, what they
+pass between stages, and their CPU cores.
+
+World rank ``r`` runs pipeline stage ``r // tp`` as tensor-parallel rank ``r % tp`` of that stage's
+group (Megatron's order). Rank 0 (stage 0) takes the scheduler's steps; the *sampler*, tensor rank 0
+of the last stage, which alone has the logits, samples, shares the sampled ids with every rank and
+hands the step's result back to rank 0.
 
 Every incarnation of a group meets anew: its leader (rank 0) opens a `TCPStore` on a port the
 system picks and tells the other ranks where it is (`JoinGroup`, over Sonar's own transport), so a
@@ -11,12 +17,15 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+from dataclasses import dataclass
+from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from sonar.log import get_logger
-from sonar.models.parallel import TensorParallel
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 
 log = get_logger("sonar.ranks")
 
@@ -33,26 +42,123 @@ def open_store(host: str, size: int, timeout: float | None) -> dist.TCPStore:
     return dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, **kwargs)
 
 
+@dataclass(frozen=True)
+class Topology:
+    """This process's place among the world's ranks, and what passes between them."""
+
+    rank: int = 0
+    tp: TensorParallel = SINGLE
+    stage: PipelineStage = WHOLE
+    device: str = "cpu"
+
+    @property
+    def size(self) -> int:
+        return self.tp.size * self.stage.size
+
+    @property
+    def sampler(self) -> int:
+        """The world rank that samples: tensor rank 0 of the last stage."""
+        return (self.stage.size - 1) * self.tp.size
+
+    @property
+    def samples(self) -> bool:
+        return self.rank == self.sampler
+
+    def smallest(self, value: int) -> int:
+        """The smallest of every rank's `value`."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The sampler's `tokens` (int64, one per sampled row), on every rank (in place)."""
+        if self.size > 1:
+            dist.broadcast(tokens, src=self.sampler)
+        return tokens
+
+    def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        """To the next stage's rank of the same tensor rank: this stage's output and residual."""
+        dst = self.rank + self.tp.size
+        dist.send(hidden.contiguous(), dst=dst)
+        dist.send(residual.contiguous(), dst=dst)
+
+    def recv_hidden(self, rows: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the previous stage: its output and residual, ``[rows, width]`` each."""
+        src = self.rank - self.tp.size
+        hidden = torch.empty(rows, width, dtype=dtype, device=self.device)
+        residual = torch.empty(rows, width, dtype=dtype, device=self.device)
+        dist.recv(hidden, src=src)
+        dist.recv(residual, src=src)
+        return hidden, residual
+
+    def hand_result(self, result: Any, reply_type: type) -> Any:
+        """The step's result where rank 0 answers from it: the sampler sends it (msgpack), rank 0
+        returns the sampler's, every other rank its own (unused)."""
+        if self.sampler == 0 or not (self.samples or self.rank == 0):
+            return result
+        if self.samples:
+            data = torch.frombuffer(bytearray(msgspec.msgpack.encode(result)), dtype=torch.uint8).to(self.device)
+            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst=0)
+            dist.send(data, dst=0)
+            return result
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, src=self.sampler)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, src=self.sampler)
+        return msgspec.msgpack.decode(data.cpu().numpy().tobytes(), type=reply_type)
+
+
+SOLO = Topology()
+
+
 def join(
     store: dist.TCPStore | None,
     host: str,
     port: int,
     rank: int,
-    size: int,
+    tp_size: int,
+    pp_size: int,
     device: torch.device,
     timeout: float | None,
-) -> TensorParallel:
-    """Join the group whose store listens at host:port (`store`: the leader's own), as `rank`:
-    NCCL on CUDA, gloo on the CPU. Returns this process's `TensorParallel`."""
+    layer_counts: tuple[int, ...] | None = None,
+) -> Topology:
+    """Join the world whose store listens at host:port (`store`: rank 0's own) as `rank`: NCCL on
+    CUDA, gloo on the CPU; then every stage's tensor-parallel group (each rank takes part in making
+    all of them). `layer_counts`: layers per stage, else an even partition."""
     if _is_loopback(host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    size = tp_size * pp_size
     if store is None:
         kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
         store = dist.TCPStore(host, port, size, is_master=False, **kwargs)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_timeout(timeout))
-    log.info("tp.joined", rank=rank, size=size, backend=backend, rendezvous=f"{host}:{port}")
-    return TensorParallel(rank=rank, size=size, device=str(device))
+    stage, tp_rank = divmod(rank, tp_size)
+    group = None  # one stage: its group is the world
+    if pp_size > 1 and tp_size > 1:
+        groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        group = groups[stage]
+    log.info(
+        "ranks.joined", rank=rank, tp=tp_size, pp=pp_size, stage=stage, backend=backend, rendezvous=f"{host}:{port}"
+    )
+    return Topology(
+        rank=rank,
+        tp=TensorParallel(rank=tp_rank, size=tp_size, group=group),
+        stage=PipelineStage(index=stage, size=pp_size, counts=layer_counts),
+        device=str(device),
+    )
+
+
+def layer_counts_from_env(value: str | None) -> tuple[int, ...] | None:
+    """``SONAR_PP_LAYER_PARTITION`` (layers per stage, comma-separated) as counts, or None."""
+    if not value:
+        return None
+    try:
+        return tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(f"SONAR_PP_LAYER_PARTITION={value!r}: expected layer counts such as 8,8,7,7") from None
 
 
 def leave() -> None:
@@ -62,8 +168,15 @@ def leave() -> None:
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """The CUDA device of `rank`: the rank-th from the one chosen for rank 0."""
-    return torch.device("cuda", (device.index or 0) + rank)
+    """The CUDA device of `rank`: the rank-th from the one chosen for rank 0 (NCCL takes one
+    rank per GPU)."""
+    index = (device.index or 0) + rank
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"tensor-parallel rank {rank} needs CUDA device {index}, but torch sees {torch.cuda.device_count()}: "
+            "one GPU per rank"
+        )
+    return torch.device("cuda", index)
 
 
 def core_share(rank: int, size: int, cores: list[int]) -> list[int]:

@@ -29,14 +29,15 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
+from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
 from sonar.kernels import native, ops
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
+from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.models.loader import LoadedModel, load_model
-from sonar.models.parallel import SINGLE, TensorParallel
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.sampling_params import SamplingParams
@@ -76,13 +77,13 @@ def plan_kv_cache(
     loaded: LoadedModel,
     kv_bytes: int | None = None,
     kv_dtype: torch.dtype | None = None,
-    parallel: TensorParallel = SINGLE,
+    topology: Topology = SOLO,
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes`` (per rank), else ``kv_bytes``
     (what profiling left on a GPU), else the CPU default (`sonar.engine.memory`), which the ranks
-    of a tensor-parallel group share. The ranks of a group take the smallest count any of them
-    can hold: every rank caches the same blocks, each its own heads of them."""
+    of a parallel group share. The ranks of a group take the smallest count any of them can hold:
+    every rank caches the same blocks, each its own heads and layers of them."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
     per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
     if config.num_gpu_blocks_override is not None:
@@ -92,9 +93,9 @@ def plan_kv_cache(
             kv_bytes = config.kv_cache_memory_bytes
         elif kv_bytes is None:
             kv_bytes = (
-                memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // parallel.size
+                memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // topology.size
             )
-        num_blocks = parallel.smallest(memory.num_blocks_for(kv_bytes, per_block))
+        num_blocks = topology.smallest(memory.num_blocks_for(kv_bytes, per_block))
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
         log.warning(
@@ -107,16 +108,15 @@ def plan_kv_cache(
 
 
 class ModelRunner:
-    def __init__(
-        self, config: EngineConfig, parallel: TensorParallel = SINGLE, device: torch.device | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, topology: Topology = SOLO, device: torch.device | None = None) -> None:
         """Load the weights, size and allocate the KV cache, capture the CUDA graphs (slow: seconds).
 
-        `parallel`: this runner's rank in a tensor-parallel group (`sonar.engine.ranks` joined it);
-        every rank runs every step, rank 0 alone samples and tells the others what it sampled.
-        `device`: where to run (None: `select_device`)."""
+        `topology`: this runner's rank among tensor-parallel and pipeline ranks (`sonar.engine.ranks`
+        joined them): every rank runs every step, its shards of its stage's layers; the sampler
+        alone samples, shares the sampled ids and hands rank 0 the result. `device`: where to run
+        (None: `select_device`)."""
         self.config = cfg = config
-        self.parallel = parallel
+        self.topology = topology
         self.requests: dict[str, _RequestState] = {}
         self.device = device = device or select_device(cfg.device_ids)
         self.graphs: CudaGraphs | None = None
@@ -144,9 +144,11 @@ class ModelRunner:
             device=device,
             quantization=cfg.quantization,
             dequantize_weights=cfg.dequantize_weights,
-            parallel=parallel,
+            parallel=topology.tp,
+            stage=topology.stage,
         )
         self.model = self.loaded.model
+        self.hidden_size = int(self.loaded.config.hidden_size)
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
         t_pack = time.perf_counter()
         if not cuda:
@@ -157,12 +159,22 @@ class ModelRunner:
         self.forward: Callable[..., torch.Tensor] = self.model
         """The forward pass steps run: the model, or its compiled form (`sonar.engine.compile`)."""
         self.compiled: CompiledForward | None = None
-        if compile_wanted(cfg, device):
+        pipelined = topology.stage.size > 1
+        if compile_wanted(cfg, device) and pipelined:
+            log.warning(
+                "compile.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
+            )
+        elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         t1 = time.perf_counter()
         kv_bytes = None
         profile = None
         sizes = capture_sizes(cfg) if cuda else []
+        if sizes and pipelined:
+            log.warning(
+                "cudagraph.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
+            )
+            sizes = []
         if sizes and not ops.use_triton(torch.empty(0, device=device)):
             log.warning(
                 "cudagraph.disabled",
@@ -172,7 +184,7 @@ class ModelRunner:
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
-        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype, parallel)
+        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype, topology)
         self.kv_caches = allocate_kv_caches(
             self.model.num_layers,
             self.num_blocks,
@@ -250,6 +262,24 @@ class ModelRunner:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.forward(ids, positions, self.kv_caches, meta)
 
+    def _forward_stage(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor | None:
+        """This stage's part of a forward pass: the final hidden states on the last stage, None on
+        the others (they send theirs on to the next stage)."""
+        stage = self.topology.stage
+        if stage.size == 1:
+            return self.forward(ids, positions, kv_caches, meta)
+        with step_metadata(meta):
+            received = (
+                () if stage.first else self.topology.recv_hidden(ids.shape[0], self.hidden_size, self.loaded.dtype)
+            )
+            out = self.model.forward_tensors(ids, positions, kv_caches, *received)
+        if stage.last:
+            return out
+        self.topology.send_hidden(*out)
+        return None
+
     def _compile(self) -> CompiledForward:
         """The model's forward pass compiled, its artifacts cached under ``SONAR_CACHE_ROOT``
         for this model and the settings that shape the code (nothing compiles until a first call)."""
@@ -302,9 +332,10 @@ class ModelRunner:
         ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
-        hidden = self.forward(ids, positions, scratch, meta)
+        hidden = self._forward_stage(ids, positions, scratch, meta)
         rows = min(cfg.max_num_seqs, tokens)
-        torch.softmax(model.compute_logits(hidden[-rows:]), dim=-1)
+        if hidden is not None:
+            torch.softmax(model.compute_logits(hidden[-rows:]), dim=-1)
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         del hidden
@@ -390,9 +421,13 @@ class ModelRunner:
         if hidden is None:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
-            hidden = self.forward(
+            hidden = self._forward_stage(
                 torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.kv_caches, meta
             )
+        if hidden is None:  # a stage before the last: the sampler has the logits
+            if sample_rows:
+                self._follow_sampling(sample_ids)
+            return self.topology.hand_result(result, StepResult)
         for rid, first, rows, start in prompt_rows:
             result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first : first + rows], rid, start)
         if sample_rows:
@@ -403,9 +438,8 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=hidden.device)]
             )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
-            if not self.parallel.leader:
+            if not self.topology.samples:
                 self._follow_sampling(sample_ids)
-                result.seconds = time.perf_counter() - started
                 return result
             if msg.grammar_rows:
                 if wait_bitmask is None:
@@ -427,8 +461,8 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             # one copy to the host for both: ids and whether each row failed
             tokens, failed = torch.stack((sampled.sampled_token_ids, sampled.failed.long())).tolist()
-            if self.parallel.size > 1:  # the other ranks feed these tokens to later steps too
-                self.parallel.broadcast(sampled.sampled_token_ids.to(torch.int64))
+            if self.topology.size > 1:  # the other ranks feed these tokens to later steps too
+                self.topology.share_tokens(sampled.sampled_token_ids.to(torch.int64))
             for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
                 # a failed row's id is 0, a valid token: a step already sent behind this one can
                 # feed it before the scheduler drops the request
@@ -443,11 +477,11 @@ class ModelRunner:
                 if state.params.logprobs is not None and sampled.logprobs is not None:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
         result.seconds = time.perf_counter() - started
-        return result
+        return self.topology.hand_result(result, StepResult)
 
     def _follow_sampling(self, sample_ids: list[str]) -> None:
-        """A rank other than 0: take the tokens rank 0 sampled for this step's rows."""
-        tokens = self.parallel.broadcast(torch.empty(len(sample_ids), dtype=torch.int64, device=self.device))
+        """A rank other than the sampler: take the tokens it sampled for this step's rows."""
+        tokens = self.topology.share_tokens(torch.empty(len(sample_ids), dtype=torch.int64, device=self.device))
         for rid, token in zip(sample_ids, tokens.tolist()):
             self.requests[rid].output.append(token)
 
@@ -491,8 +525,9 @@ class ModelRunner:
             meta = AttentionMetadata.build([q_len], [s_len], [[0]], block, device=self.device)
             ids = torch.zeros(q_len, dtype=torch.int64, device=self.device)
             positions = torch.arange(s_len - q_len, s_len, device=self.device)
-            hidden = self.forward(ids, positions, self.kv_caches, meta)
-            self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+            hidden = self._forward_stage(ids, positions, self.kv_caches, meta)
+            if hidden is not None:
+                self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+rows (row t predicts token t+1)."""

@@ -25,7 +25,7 @@ WORKER_START_TIMEOUT = 900.0
 def worker_path(config: EngineConfig) -> str:
     """Where the worker the scheduler talks to sits below the engine's supervisor: ``worker``, or
     rank 0 of the tensor-parallel group ``worker`` (`SiblingRef` paths)."""
-    return "worker/rank0" if config.tensor_parallel_size > 1 else "worker"
+    return "worker/rank0" if config.world_size > 1 else "worker"
 
 
 def worker_ref(engine: Supervisor) -> ActorRef[WorkerMsg]:
@@ -46,7 +46,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     """
     raw = msgspec.to_builtins(config)
     worker_at = config.placement_of("worker")
-    if config.tensor_parallel_size > 1:  # torch.distributed takes one process per rank
+    if config.world_size > 1:  # torch.distributed takes one process per rank
         worker_at = ChildProcess()
     if isinstance(worker_at, (ChildProcess, Remote)):
         # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
@@ -126,13 +126,14 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
 
 
 def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -> ChildSpec | SupervisorSpec:
-    """The worker; with tensor parallelism, a one-for-all group of one worker per rank (rank 0,
-    the one the others follow, started last: it opens the group's rendezvous and calls them in).
+    """The worker; with tensor or pipeline parallelism, a one-for-all group of one worker per rank
+    (rank 0, the one the others follow, started last: it opens the group's rendezvous and calls
+    them in).
 
     The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
     deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
     """
-    size = config.tensor_parallel_size
+    size = config.world_size
 
     def rank(name: str, kwargs: dict[str, Any]) -> ChildSpec:
         return ChildSpec(

@@ -14,13 +14,15 @@ KV offloading: a step's `kv_stores` are copied out of the cache first, before it
 the cache, `KVLoaded` to the scheduler) that runs beside the forward pass, off the step's
 critical path. A failed store is dropped and a failed load reports 0 blocks (they are recomputed).
 
-Tensor parallelism (`sonar.models.parallel`): each rank of a group is a worker actor in its own
-process, under a one-for-all supervisor (`sonar.engine.tree`). Rank 0 is the one the scheduler
-talks to: when it starts it opens the group's rendezvous (`sonar.engine.ranks`) and sends each
-other rank a `JoinGroup`; every rank then joins the torch.distributed group and loads its shards.
-Rank 0 forwards every step to the other ranks before it runs it itself (no reply wanted: the
-collectives keep the ranks in step), samples alone, and answers the scheduler. Any rank that fails
-takes the group down with it: its peers' collectives fail or hang, and the supervisor restarts all.
+Tensor and pipeline parallelism (`sonar.models.parallel`, `sonar.engine.ranks`): each rank of a
+group is a worker actor in its own process, under a one-for-all supervisor (`sonar.engine.tree`).
+Rank 0 is the one the scheduler talks to: when it starts it opens the group's rendezvous and sends
+each other rank a `JoinGroup`; every rank then joins the torch.distributed group and loads its
+shards. Rank 0 forwards every step to the other ranks before it runs it itself (no reply wanted:
+the collectives keep the ranks in step) and passes grammar bitmasks on to the sampler (tensor rank
+0 of the last stage), which samples and hands rank 0 the result it answers the scheduler with. Any
+rank that fails takes the group down with it: its peers' collectives fail or hang, and the
+supervisor restarts all.
 
 Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
 samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
@@ -126,22 +128,25 @@ class WorkerActor(Actor):
 
     async def started(self) -> None:
         self.lock = anyio.Lock()
-        if self.config.tensor_parallel_size == 1:
+        if self.config.world_size == 1:
             self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
         elif self.rank == 0:
             self.runner = await self._lead_group()
         else:
             return  # its runner comes with rank 0's `JoinGroup`
         self.info = msgspec.structs.replace(
-            self.runner.info, instance=secrets.token_hex(8), tensor_parallel_size=self.config.tensor_parallel_size
+            self.runner.info,
+            instance=secrets.token_hex(8),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
         )
 
-    # -- tensor parallelism ----------------------------------------------------------------------
+    # -- parallel groups -------------------------------------------------------------------------
     async def _lead_group(self) -> ModelRunner:
         """Rank 0: open this incarnation's rendezvous, tell the other ranks, join and load with them."""
-        size, host = self.config.tensor_parallel_size, ranks.LOOPBACK
+        host = ranks.LOOPBACK
         timeout = self.config.collective_timeout(select_device(self.config.device_ids).type)
-        store = await anyio.to_thread.run_sync(ranks.open_store, host, size, timeout)
+        store = await anyio.to_thread.run_sync(ranks.open_store, host, self.config.world_size, timeout)
         join = JoinGroup(host, store.port)
         runner: list[ModelRunner] = []
 
@@ -160,15 +165,30 @@ class WorkerActor(Actor):
         return runner[0]
 
     def _join_and_load(self, store: Any, host: str, port: int) -> ModelRunner:
-        """Join the group as this worker's rank and load its shards (in a thread)."""
-        size = self.config.tensor_parallel_size
-        device = select_device(self.config.device_ids)
+        """Join the world as this worker's rank and load its shards of its stage (in a thread)."""
+        cfg = self.config
+        device = select_device(cfg.device_ids)
         if device.type == "cuda":
             device = ranks.rank_device(device, self.rank)
         else:
-            ranks.pin_to_cores(self.rank, size)
-        parallel = ranks.join(store, host, port, self.rank, size, device, self.config.collective_timeout(device.type))
-        return ModelRunner(self.config, parallel, device)
+            ranks.pin_to_cores(self.rank, cfg.world_size)
+        topology = ranks.join(
+            store,
+            host,
+            port,
+            self.rank,
+            cfg.tensor_parallel_size,
+            cfg.pipeline_parallel_size,
+            device,
+            cfg.collective_timeout(device.type),
+            ranks.layer_counts_from_env(os.environ.get("SONAR_PP_LAYER_PARTITION")),
+        )
+        return ModelRunner(cfg, topology, device)
+
+    @property
+    def sampler(self) -> int:
+        """The world rank that samples (`sonar.engine.ranks.Topology.sampler`)."""
+        return (self.config.pipeline_parallel_size - 1) * self.config.tensor_parallel_size
 
     async def _join(self, msg: JoinGroup) -> None:
         """A rank other than 0: join, load, and answer rank 0."""
@@ -187,11 +207,14 @@ class WorkerActor(Actor):
 
     async def handle(self, msg: WorkerMsg) -> Any:
         if isinstance(msg, ExecuteStep):
-            if msg.grammar_rows:
+            if msg.grammar_rows and self.sampler == self.rank:
                 self._bitmask_slot(msg.output.step_id)
             self.task_group.start_soon(self._step, msg)
             return NO_REPLY
         if isinstance(msg, StepBitmask):
+            if self.followers and self.sampler != 0:  # the sampler, at the last stage, applies it
+                await self.followers[self.sampler - 1].send(msg)
+                return None
             slot = self._bitmask_slot(msg.step_id)
             slot.bitmask = msg.bitmask
             slot.ready.set()
@@ -267,8 +290,13 @@ class WorkerActor(Actor):
             try:
                 if self.followers:  # the same step on every rank, in the same order
                     forwarded = msgspec.structs.replace(msg, reply_to=None, fault=None, grammar_rows=[])
-                    for ref in self.followers:
-                        await ref.send(forwarded)
+                    for rank, ref in enumerate(self.followers, start=1):
+                        # the sampler waits for the grammar rows' bitmask, which rank 0 passes on
+                        await ref.send(
+                            msgspec.structs.replace(msg, reply_to=None, fault=None)
+                            if rank == self.sampler
+                            else forwarded
+                        )
                 if msg.output.kv_stores or msg.output.kv_loads:
                     await self._kv_transfers(msg)
                 # Abandoned on cancel: a crash (or a stop) must not wait for a step that may never
@@ -348,7 +376,7 @@ class WorkerActor(Actor):
     def _execute(self, msg: ExecuteStep) -> StepResult:
         if msg.fault is not None:
             self._inject(msg.fault, msg.output.step_id)
-        if not msg.grammar_rows:
+        if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks
             return self.runner.execute(msg)
         step_id = msg.output.step_id
         slot = self._bitmasks.get(step_id) or _BitmaskSlot()  # gone: dropped as too old

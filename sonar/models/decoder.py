@@ -28,7 +28,7 @@ from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import attention, step_metadata
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
-from sonar.models.parallel import SINGLE, TensorParallel, shard_rows
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel, shard_rows
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -157,9 +157,21 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.parallel.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage holds: no weights here, never called."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, config: Any, variant: DecoderVariant, head_dim: int, parallel: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        config: Any,
+        variant: DecoderVariant,
+        head_dim: int,
+        parallel: TensorParallel = SINGLE,
+        owned: range | None = None,
+    ) -> None:
         super().__init__()
+        owned = range(config.num_hidden_layers) if owned is None else owned
         if parallel.size == 1:
             # the weight given: no random init, whose meta-device kernel would import torch._dynamo (seconds)
             self.embed_tokens = nn.Embedding(
@@ -168,8 +180,10 @@ class DecoderModel(nn.Module):
         else:
             rows, first = parallel.vocab_rows(config.vocab_size)
             self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, first, parallel)
+        # layer i keeps its index (and its checkpoint names) on every stage
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, head_dim, parallel) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, variant, i, head_dim, parallel) if i in owned else MissingLayer()
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -184,18 +198,22 @@ class DecoderForCausalLM(nn.Module):
 
     architectures: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: Any, parallel: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel
         """This rank's place in its tensor-parallel group (`sonar.models.parallel`): the layers
         hold its shards, and `num_kv_heads` counts the KV heads its cache holds."""
+        self.stage = stage
+        """The pipeline stage this process runs: `num_layers` counts its layers (its KV caches)."""
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.num_layers = config.num_hidden_layers
+        owned = stage.owned(config.num_hidden_layers)
+        self.num_layers = len(owned)
         self.vocab_size = config.vocab_size
         self.variant = self.make_variant(config)
-        self.model = DecoderModel(config, self.variant, self.head_dim, parallel)
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.model = DecoderModel(config, self.variant, self.head_dim, parallel, owned)
+        self.own_layers: list[DecoderLayer] = [self.model.layers[i] for i in owned]
+        self.num_kv_heads = self.own_layers[0].self_attn.num_kv_heads
         self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -229,14 +247,25 @@ class DecoderForCausalLM(nn.Module):
         with step_metadata(attn_metadata):
             return self.forward_tensors(input_ids, positions, kv_caches)
 
-    def forward_tensors(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor]) -> Tensor:
+    def forward_tensors(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        hidden: Tensor | None = None,
+        residual: Tensor | None = None,
+    ) -> Any:
         """`forward` on tensors alone, what ``torch.compile`` takes (`sonar.engine.compile`): the
-        layers' attention reads the step's metadata that `step_metadata` made current."""
-        x = self.model.embed_tokens(input_ids)
+        layers' attention reads the step's metadata that `step_metadata` made current.
+
+        A pipeline stage after the first takes the previous stage's `hidden` and `residual`
+        instead of embedding `input_ids`; a stage before the last returns its own pair."""
+        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.own_layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache)
+        if not self.stage.last:
+            return x, residual
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
@@ -249,7 +278,7 @@ class DecoderForCausalLM(nn.Module):
         tp = self.parallel
         if tp.size == 1:
             return tensor
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        attn, mlp = self.own_layers[0].self_attn, self.own_layers[0].mlp
         if ".q_proj." in name:
             return tensor.narrow(0, tp.rank * attn.q_size, attn.q_size)
         if ".k_proj." in name or ".v_proj." in name:
@@ -269,8 +298,8 @@ class DecoderForCausalLM(nn.Module):
 
     def stacked_params(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name fragment -> (fused fragment, first row, rows) of the fused matrices."""
-        q, kv = self.model.layers[0].self_attn.q_size, self.model.layers[0].self_attn.kv_size
-        inter = self.model.layers[0].mlp.intermediate
+        q, kv = self.own_layers[0].self_attn.q_size, self.own_layers[0].self_attn.kv_size
+        inter = self.own_layers[0].mlp.intermediate
         return {
             ".q_proj.": (".qkv_proj.", 0, q),
             ".k_proj.": (".qkv_proj.", q, kv),

@@ -7,7 +7,7 @@ SmolLM2-135M on 2 cores. `FusedDecode` hands the whole layer loop of a step whos
 decodes to one C++ function that calls the same native kernels in the same order, so the result is
 bit for bit the per-op path's (`tests/models/test_fused.py` checks it).
 
-It serves only what those kernels serve (and one rank: the loop makes no collective calls): CPU tensors in one of `ops.NATIVE_DTYPES`, a KV cache of
+It serves only what those kernels serve (and one whole model: the loop makes no collective calls): CPU tensors in one of `ops.NATIVE_DTYPES`, a KV cache of
 the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear packed for
 Sonar's bf16 kernel, a plain ``nn.Linear``, or (bfloat16 models) a `QuantLinear` on the native
 quantized backend without an act-order permutation; the kinds and quantized formats may differ from
@@ -71,7 +71,7 @@ def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
-    if model.variant.qk_norm or model.parallel.size > 1:  # the layer loop has no all-reduce
+    if model.variant.qk_norm or model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
         return None
     lists: dict[str, list[Tensor]] = {
         k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias", "post_norms", "gate_up", "mlp_bias", "down")

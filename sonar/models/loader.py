@@ -38,7 +38,7 @@ from sonar.models.gguf_file import (
     gguf_quantized_weights,
     is_converted,
 )
-from sonar.models.parallel import SINGLE, TensorParallel
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
 from sonar.models.registry import model_class
@@ -123,6 +123,7 @@ def load_model(
     quantization: str | None = None,
     dequantize_weights: bool = False,
     parallel: TensorParallel = SINGLE,
+    stage: PipelineStage = WHOLE,
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
@@ -132,7 +133,7 @@ def load_model(
     `quantization`: the method the weights are in (None: what the checkpoint says; a GGUF file
     is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
-    whose shards this process loads (`sonar.models.parallel`).
+    whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`).
     """
     started = time.perf_counter()
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
@@ -153,7 +154,7 @@ def load_model(
     cls = model_class(config)
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
-        module = cls(config, parallel)
+        module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
     module = module.to(dtype=resolved).to_empty(device=device)
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
@@ -161,9 +162,10 @@ def load_model(
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
         dequantize_weights = _float32_on_cpu(resolved, device, quantization, source)
-        if parallel.size > 1 and not dequantize_weights:
+        if (parallel.size > 1 or stage.size > 1) and not dequantize_weights:
+            flag = "--tensor-parallel-size" if parallel.size > 1 else "--pipeline-parallel-size"
             raise ModelLoadError(
-                f"--tensor-parallel-size {parallel.size}: Sonar splits unquantized weights only, and {source} is "
+                f"{flag} {max(parallel.size, stage.size)}: Sonar splits unquantized weights only, and {source} is "
                 f"quantized ({'gguf' if from_gguf else method.name}); serve it with --dequantize-weights"
             )
     if load_format == "dummy":

@@ -1,4 +1,4 @@
-"""Tensor parallelism: how a decoder's weights split over the ranks of a group, and its collectives.
+"""Tensor and pipeline parallelism: how a decoder's weights split over ranks, and its collectives.
 
 Megatron's layout, with torch.distributed for every collective (gloo on the CPU, NCCL on GPUs):
 
@@ -11,6 +11,11 @@ Megatron's layout, with torch.distributed for every collective (gloo on the CPU,
   (the last one zero-padded); an embedding lookup zeroes the ids outside the rank's rows and
   all-reduces, the LM head's logits are all-gathered along the vocabulary.
 
+Pipeline parallelism partitions the layers into consecutive stages (`partition_layers`); a stage
+holds only its layers' weights and KV cache (every stage keeps the embedding and the LM head, the
+first and the last use them), and passes the hidden states and the residual stream on to the next
+stage point to point.
+
 KV heads split like query heads; with fewer KV heads than ranks each KV head is replicated on
 ``size / num_kv_heads`` consecutive ranks (the ones whose query heads read it), so the KV cache of
 a rank always holds whole heads. Norms, rotary tables and per-head q/k norms are replicated.
@@ -18,7 +23,7 @@ a rank always holds whole heads. Norms, rotary tables and per-head q/k norms are
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -35,13 +40,11 @@ class ParallelLayoutError(ModelLoadError):
 class TensorParallel:
     """This process's place in a tensor-parallel group; ``size`` 1 (`SINGLE`) is no parallelism.
 
-    `group` is the torch.distributed process group (None: the default one); `device` where its
-    collectives take their tensors (CUDA for NCCL)."""
+    `group` is the torch.distributed process group (None: the default one)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
-    device: str = "cpu"
 
     @property
     def leader(self) -> bool:
@@ -87,20 +90,6 @@ class TensorParallel:
         torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
-    def smallest(self, value: int) -> int:
-        """The smallest of the ranks' `value`s."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.group)
-        return int(t.item())
-
-    def broadcast(self, x: Tensor) -> Tensor:
-        """Rank 0's `x`, on every rank (in place)."""
-        if self.size > 1:
-            torch.distributed.broadcast(x, src=0, group=self.group)
-        return x
-
 
 SINGLE = TensorParallel()
 
@@ -116,3 +105,51 @@ def shard_rows(tensor: Tensor, first: int, rows: int, dim: int = 0) -> Tensor:
     padded = tensor.new_zeros(shape)
     padded.narrow(dim, 0, available).copy_(part)
     return padded
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The layers this process runs, ``layers`` of the model's, as stage ``index`` of ``size``."""
+
+    index: int = 0
+    size: int = 1
+    layers: range | None = None
+    """None: all of them, or (several stages) the `partition_layers` share, by `resolve`."""
+    counts: tuple[int, ...] | None = None
+    """Layers per stage, overriding the even partition (``SONAR_PP_LAYER_PARTITION``)."""
+
+    def resolve(self, num_layers: int) -> "PipelineStage":
+        """This stage with its `layers` set, for a model of `num_layers`."""
+        if self.layers is not None or self.size == 1:
+            return self
+        counts = list(self.counts) if self.counts is not None else None
+        return replace(self, layers=partition_layers(num_layers, self.size, counts)[self.index])
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    def owned(self, num_layers: int) -> range:
+        return range(num_layers) if self.layers is None else self.layers
+
+
+WHOLE = PipelineStage()
+
+
+def partition_layers(num_layers: int, size: int, counts: list[int] | None = None) -> list[range]:
+    """The layers of each of `size` stages: `counts` when given (``SONAR_PP_LAYER_PARTITION``),
+    else as even as they come, the first stages taking one more where they do not divide."""
+    if counts is None:
+        base, extra = divmod(num_layers, size)
+        counts = [base + (1 if i < extra else 0) for i in range(size)]
+    if len(counts) != size or sum(counts) != num_layers or min(counts) < 1:
+        raise ParallelLayoutError(
+            f"--pipeline-parallel-size {size}: a partition of the model's {num_layers} layers needs {size} "
+            f"positive counts summing to {num_layers}, got {counts}"
+        )
+    starts = [sum(counts[:i]) for i in range(size)]
+    return [range(start, start + n) for start, n in zip(starts, counts)]

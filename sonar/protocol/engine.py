@@ -39,7 +39,9 @@ class WorkerInfo(msgspec.Struct):
     instance: str = ""
     """Random id of this run of the worker: a restarted worker answers with another."""
     tensor_parallel_size: int = 1
-    """Ranks the model is split over; this answer is rank 0's (its pid, its share of the KV cache)."""
+    """Ranks each layer is split over; this answer is rank 0's (its pid, its share of the KV cache)."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are partitioned into (`num_layers` counts rank 0's)."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

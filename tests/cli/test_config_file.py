@@ -71,9 +71,9 @@ def test_bad_values_and_unsupported_flags_in_the_file(config_file, usage_error) 
     assert usage_error("--config", path) == (
         f"sonar serve: error: config file {path}: key 'max-num-seqs': expected an integer, got 'lots'"
     )
-    path = config_file("pipeline-parallel-size: 2\n")
+    path = config_file("decode-context-parallel-size: 2\n")
     assert usage_error("--config", path) == (
-        f"sonar serve: --pipeline-parallel-size is not supported yet (got 2; Sonar accepts only 1; set in {path})"
+        f"sonar serve: --decode-context-parallel-size is not supported yet (got 2; Sonar accepts only 1; set in {path})"
     )
     path = config_file("dtype: fp7\n")
     assert "key 'dtype': invalid choice: 'fp7'" in usage_error("--config", path)

@@ -68,7 +68,7 @@ def test_help_all_has_every_flag() -> None:
 
 
 def test_help_shows_status_choices_and_default() -> None:
-    text = render_help("pipeline-parallel-size")
+    text = render_help("decode-context-parallel-size")
     assert "Default: 1." in text and "Sonar: not supported yet; accepted only as 1." in text
     text = render_help("trust-remote-code")
     assert "Sonar: accepted, has no effect:" in text

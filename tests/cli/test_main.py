@@ -28,7 +28,7 @@ RUNS = {
         "--trust-remote-code",
     ],
     "bad-value": ["--max-num-seqs", "abc"],
-    "unsupported": ["--pipeline-parallel-size", "2"],
+    "unsupported": ["--decode-context-parallel-size", "2"],
     "kv-dtype": ["--kv-cache-dtype", "fp8_e5m2"],
     "capture-sizes": ["--cudagraph-capture-sizes", "1", "8", "--max-cudagraph-capture-size", "16"],
 }
@@ -81,7 +81,9 @@ def test_bad_value_is_one_line_and_exit_2(runs) -> None:
 def test_unsupported_flag_is_one_line_and_exit_2(runs) -> None:
     run = runs["unsupported"]
     assert run.returncode == 2
-    assert run.stderr == "sonar serve: --pipeline-parallel-size is not supported yet (got 2; Sonar accepts only 1)\n"
+    assert (
+        run.stderr == "sonar serve: --decode-context-parallel-size is not supported yet (got 2; Sonar accepts only 1)\n"
+    )
 
 
 def test_gpu_flag_errors_are_one_line_and_exit_2(runs) -> None:

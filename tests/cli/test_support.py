@@ -11,10 +11,13 @@ from sonar.cli import FLAGS, Status, parse_serve_args
     ("argv", "expected"),
     [
         (
-            ["--pipeline-parallel-size", "2"],
-            "sonar serve: --pipeline-parallel-size is not supported yet (got 2; Sonar accepts only 1)",
+            ["--decode-context-parallel-size", "2"],
+            "sonar serve: --decode-context-parallel-size is not supported yet (got 2; Sonar accepts only 1)",
         ),
-        (["-pp", "4"], "sonar serve: --pipeline-parallel-size is not supported yet (got 4; Sonar accepts only 1)"),
+        (
+            ["-dcp", "4"],
+            "sonar serve: --decode-context-parallel-size is not supported yet (got 4; Sonar accepts only 1)",
+        ),
         (["--lora-modules", "a=/x"], "sonar serve: --lora-modules is not supported yet (got a=/x)"),
         (["--enable-lora"], "sonar serve: --enable-lora is not supported yet (Sonar accepts only --no-enable-lora)"),
         (["--grpc"], "sonar serve: --grpc is not supported yet"),
@@ -47,8 +50,8 @@ def test_unsupported_values_fail_clearly(usage_error, argv: list[str], expected:
 
 
 def test_unsupported_still_checks_the_value_first(usage_error) -> None:
-    assert usage_error("--pipeline-parallel-size", "two").startswith(
-        "sonar serve: error: argument --pipeline-parallel-size/-pp: expected an integer"
+    assert usage_error("--decode-context-parallel-size", "two").startswith(
+        "sonar serve: error: argument --decode-context-parallel-size/-dcp: expected an integer"
     )
 
 

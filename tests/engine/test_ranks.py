@@ -1,9 +1,164 @@
-"""The CPU cores of a tensor-parallel group's ranks (`sonar.engine.ranks.core_share`); joining the
-group itself is exercised by tests/models/test_parallel.py and tests/engine/test_tensor_parallel.py."""
+"""The ranks of a parallel group through the whole engine (`sonar.open(tensor_parallel_size=...,
+pipeline_parallel_size=...)`): real worker processes on gloo under their one-for-all supervisor,
+and how ranks share the CPU cores (`sonar.engine.ranks`).
+
+* Greedy tokens equal transformers' and the single worker's for tp = 2, pp = 2 and tp x pp = 2 x 2,
+  logprobs and prompt logprobs within float32 noise, seeded random sampling the same (the sampler
+  samples once, from the same logits).
+* Structured outputs at pp = 2: rank 0 passes the grammar bitmask on to the sampler, on the last stage.
+* SIGKILL of a rank mid-stream: the group is rebuilt (a new rendezvous, every rank restarted) and
+  all 16 requests complete with the text they have without the kill.
+* What the groups cannot take yet is refused by name (quantized weights, KV offloading, the 'uni'
+  backend), and shapes that do not split fail the start with the reason.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
+from typing import Any
+
+import anyio
+import pytest
+
+import sonar
 from sonar.engine.ranks import core_share
+from sonar.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.engine.conftest import TinyCheckpoint
+from tests.models.conftest import hf_generate_batch
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
+
+TEXTS = ["w5 w17 w33 w2 w9", "w100 w250 w7", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13", "w42"]
+NEW_TOKENS = 12
+#: Logprobs of the same float32 weights, summed in another order across ranks (measured ~1e-6).
+LOGPROB_ATOL = 1e-4
+BASE: dict[str, Any] = {"dtype": "float32", "num_gpu_blocks_override": 64}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+async def _run(path: Any, **args: Any) -> tuple[list[Any], list[Any], Any]:
+    """Greedy and seeded outputs of `TEXTS`, and the engine's tree."""
+    async with sonar.open(str(path), **BASE, **args) as llm:
+        greedy = [await llm.generate(text, GREEDY) for text in TEXTS]
+        seeded = [await llm.generate(text, SEEDED) for text in TEXTS]
+        return greedy, seeded, llm.tree()
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Two positions' logprobs: the same top tokens, logprobs within `LOGPROB_ATOL`."""
+    return (
+        abs(a.logprob - b.logprob) < LOGPROB_ATOL
+        and [t.token_id for t in a.top] == [t.token_id for t in b.top]
+        and all(abs(x.logprob - y.logprob) < LOGPROB_ATOL for x, y in zip(a.top, b.top))
+    )
+
+
+@pytest.fixture(scope="module")
+async def single(llama: TinyCheckpoint) -> tuple[list[Any], list[Any]]:
+    """The single worker's outputs, checked against transformers' greedy tokens."""
+    from transformers import AutoTokenizer
+
+    greedy, seeded, _ = await _run(llama.path)
+    expected, _ = hf_generate_batch(llama.hf, AutoTokenizer.from_pretrained(str(llama.path)), TEXTS, NEW_TOKENS)
+    assert [o.token_ids for o in greedy] == expected
+    return greedy, seeded
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+async def test_a_group_equals_the_single_worker(llama: TinyCheckpoint, single: Any, tp: int, pp: int) -> None:
+    greedy, seeded, tree = await _run(llama.path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    group = next(c for c in tree.children if c.name == "worker")
+    assert group.kind == "supervisor"
+    assert [c.name for c in group.children] == [f"rank{r}" for r in range(1, tp * pp)] + ["rank0"]
+    assert len({c.pid for c in group.children}) == tp * pp and all(c.placement == "process" for c in group.children)
+    want_greedy, want_seeded = single
+    for text, a, b in zip(TEXTS, want_greedy, greedy):
+        assert b.token_ids == a.token_ids, text
+        assert all(_close(x, y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
+        assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+        assert all(_close(x, y) for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+    assert [o.token_ids for o in seeded] == [o.token_ids for o in want_seeded]
+
+
+async def test_structured_outputs_through_a_pipeline() -> None:
+    """The embedded SmolLM2 (30 layers: 15 a stage), a choice: the sampler applies the bitmask."""
+    choices = ["Paris", "London", "Rome"]
+    params = SamplingParams(max_tokens=8, temperature=0, structured_outputs=StructuredOutputsParams(choice=choices))
+    async with sonar.open(None, pipeline_parallel_size=2, dequantize_weights=True) as llm:
+        assert llm.info.pipeline_parallel_size == 2 and llm.info.num_layers == 15
+        out = await llm.generate("The capital of France is", params)
+    assert out.text == "Paris"
+
+
+async def test_a_killed_rank_restarts_the_group_and_no_request_fails(llama: TinyCheckpoint) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [f"w{i} w{i + 7} w{2 * i + 1} w{i + 50}" for i in range(16)]
+    # a cache too small for all 16 at once: requests are preempted and recomputed as well
+    args = {**BASE, "num_gpu_blocks_override": 24, "tensor_parallel_size": 2}
+    async with sonar.open(str(llama.path), **args) as llm:
+        undisturbed = [o.text for o in await llm.generate_many(prompts, params)]
+        group = llm.supervisor.child("worker").child
+        victim = group.child("rank1")
+        before = {r.name: r.pid for r in group.runners}
+        results: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            results[i] = (await llm.generate(prompts[i], params)).text
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(one, i)
+            async for _ in llm.stream(prompts[0], params):  # the batch is decoding
+                break
+            os.kill(victim.pid, signal.SIGKILL)
+        assert [results[i] for i in range(16)] == undisturbed
+        after = {r.name: r.pid for r in llm.supervisor.child("worker").child.runners}
+        assert all(after[name] != pid for name, pid in before.items()), "one-for-all restarts every rank"
+        assert any(e.kind == "restart" for e in group.events)
+        assert (await llm.generate(prompts[1], params)).text == undisturbed[1]
+
+
+async def test_quantized_weights_are_refused_by_name() -> None:
+    with pytest.raises(Exception, match="dequantize-weights") as info:
+        async with sonar.open(None, tensor_parallel_size=3):  # 9 heads, 3 KV heads: they split
+            pass
+    assert "--tensor-parallel-size 3" in str(info.value) and "quantized (gguf)" in str(info.value)
+
+
+async def test_heads_that_do_not_split_fail_the_start(llama: TinyCheckpoint) -> None:
+    with pytest.raises(Exception, match="tensor-parallel-size 3 does not divide the model's number of attention"):
+        async with sonar.open(str(llama.path), tensor_parallel_size=3, **BASE):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"distributed_executor_backend": "uni"}, "'uni' runs one worker"),
+        ({"kv_offloading_size": 1.0}, "KV offloading with tensor_parallel_size 2"),
+        ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
+        ({"placement": "worker=tcp://10.0.0.1:5000"}, "remote worker placement"),
+    ],
+)
+def test_what_tensor_parallelism_cannot_take_is_refused(args: dict[str, Any], message: str) -> None:
+    from sonar.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_args(None, tensor_parallel_size=2, **args)
 
 
 def test_ranks_share_the_cores_without_overlap_while_there_are_enough() -> None:

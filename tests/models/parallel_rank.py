@@ -1,9 +1,11 @@
 """One rank of a tensor-parallel forward pass, run as its own process by tests/models/test_parallel.py:
 
-    python -m tests.models.parallel_rank PORT RANK SIZE OUT MODEL...
+    python -m tests.models.parallel_rank PORT RANK TP PP OUT MODEL...
 
-joins the gloo group whose store listens on 127.0.0.1:PORT and, for each MODEL (a checkpoint
-directory, or ``embedded`` for SmolLM2 in float32), writes rank 0's `logits` to OUT (a list).
+joins the gloo world of TP x PP ranks whose store listens on 127.0.0.1:PORT and, for each MODEL (a
+checkpoint directory, or ``embedded`` for SmolLM2 in float32), writes the last stage's `logits`
+(from its tensor rank 0) to OUT (a list). Every stage passes its hidden states on as the runner's
+stages do (`sonar.engine.ranks.Topology`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ import sys
 
 import torch
 
+from sonar.engine.ranks import SOLO, Topology
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
+from sonar.kernels.attention_op import step_metadata
 from sonar.models.loader import load_model
-from sonar.models.parallel import SINGLE, TensorParallel
 
 #: Two prompts prefilled together, then one decode step of each.
 PREFILL_IDS = [5, 17, 33, 2, 9, 100, 250, 7, 8]
@@ -23,32 +26,46 @@ DECODE_IDS = [3, 4]
 
 
 @torch.inference_mode()
-def logits(model_source: str, parallel: TensorParallel = SINGLE) -> list[torch.Tensor]:
-    """Float32 logits of the prefill rows and of the decode rows of `model_source`."""
+def logits(model_source: str, topology: Topology = SOLO) -> list[torch.Tensor] | None:
+    """Float32 logits of the prefill rows and of the decode rows of `model_source` (None on a
+    stage before the last)."""
+    args: dict = {"dtype": "float32", "parallel": topology.tp, "stage": topology.stage}
     if model_source == "embedded":
-        loaded = load_model(None, dtype="float32", dequantize_weights=True, parallel=parallel)
+        loaded = load_model(None, dequantize_weights=True, **args)
     else:
-        loaded = load_model(model_source, dtype="float32", parallel=parallel)
+        loaded = load_model(model_source, **args)
     model = loaded.model
     caches = allocate_kv_caches(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
-    meta = AttentionMetadata.build(PREFILL_LENS, PREFILL_LENS, [[0], [1]], 16)
-    positions = torch.cat([torch.arange(n) for n in PREFILL_LENS])
-    prefill = model.compute_logits(model(torch.tensor(PREFILL_IDS), positions, caches, meta))
-    meta = AttentionMetadata.build([1, 1], [n + 1 for n in PREFILL_LENS], [[0], [1]], 16)
-    decode = model.compute_logits(model(torch.tensor(DECODE_IDS), torch.tensor(PREFILL_LENS), caches, meta))
-    return [prefill[:, : model.vocab_size], decode[:, : model.vocab_size]]
+    width = loaded.config.hidden_size
+
+    def run(ids: list[int], positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        with step_metadata(meta):
+            received = () if model.stage.first else topology.recv_hidden(len(ids), width, torch.float32)
+            out = model.forward_tensors(torch.tensor(ids), positions, caches, *received)
+        if not model.stage.last:
+            topology.send_hidden(*out)
+            return None
+        return model.compute_logits(out)[:, : model.vocab_size]
+
+    prefill = run(PREFILL_IDS, torch.cat([torch.arange(n) for n in PREFILL_LENS]), _meta(PREFILL_LENS, PREFILL_LENS))
+    decode = run(DECODE_IDS, torch.tensor(PREFILL_LENS), _meta([1, 1], [n + 1 for n in PREFILL_LENS]))
+    return None if prefill is None else [prefill, decode]
 
 
-def main(port: int, rank: int, size: int, out: str, sources: list[str]) -> None:
+def _meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    return AttentionMetadata.build(q_lens, seq_lens, [[0], [1]], 16)
+
+
+def main(port: int, rank: int, tp: int, pp: int, out: str, sources: list[str]) -> None:
     from sonar.engine import ranks
 
     torch.set_num_threads(1)
-    parallel = ranks.join(None, ranks.LOOPBACK, port, rank, size, torch.device("cpu"), 120)
-    results = [logits(source, parallel) for source in sources]
-    if rank == 0:
+    topology = ranks.join(None, ranks.LOOPBACK, port, rank, tp, pp, torch.device("cpu"), 120)
+    results = [logits(source, topology) for source in sources]
+    if topology.samples:
         torch.save(results, out)
 
 
 if __name__ == "__main__":
-    port, rank, size, out, *sources = sys.argv[1:]
-    main(int(port), int(rank), int(size), out, sources)
+    port, rank, tp, pp, out, *sources = sys.argv[1:]
+    main(int(port), int(rank), int(tp), int(pp), out, sources)

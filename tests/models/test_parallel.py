@@ -103,8 +103,9 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return out
 
 
-def _group_logits(size: int, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
-    """Run `size` rank processes on a gloo group whose store this process holds."""
+def _group_logits(tp: int, pp: int, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
+    """Run tp x pp rank processes on a gloo world whose store this process holds."""
+    size = tp * pp
     store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
     procs = [
         subprocess.Popen(
@@ -114,7 +115,8 @@ def _group_logits(size: int, sources: list[str], out: Path) -> list[list[torch.T
                 "tests.models.parallel_rank",
                 str(store.port),
                 str(rank),
-                str(size),
+                str(tp),
+                str(pp),
                 str(out),
                 *sources,
             ],
@@ -130,18 +132,20 @@ def _group_logits(size: int, sources: list[str], out: Path) -> list[list[torch.T
     return torch.load(out)
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_tiny_models_split_over_ranks_give_the_logits_of_one(size: int, sources: list[str], tmp_path: Path) -> None:
-    got = _group_logits(size, sources, tmp_path / "logits.pt")
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2), (2, 2)], ids=["tp2", "tp3", "pp2", "tp2xpp2"])
+def test_tiny_models_split_over_ranks_give_the_logits_of_one(
+    tp: int, pp: int, sources: list[str], tmp_path: Path
+) -> None:
+    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
         for want, have in zip(parallel_rank.logits(source), ranked):
             assert have.shape == want.shape
-            assert (have - want).abs().max() < ATOL, (source, size)
+            assert (have - want).abs().max() < ATOL, (source, tp, pp)
 
 
 def test_smollm2_at_three_ranks_gives_the_logits_of_one(smollm2_fp32: Any, tmp_path: Path) -> None:
     """The session fixture converted the embedded GGUF already: the ranks only read it."""
-    (ranked,) = _group_logits(3, ["embedded"], tmp_path / "logits.pt")
+    (ranked,) = _group_logits(3, 1, ["embedded"], tmp_path / "logits.pt")
     for want, have in zip(parallel_rank.logits("embedded"), ranked):
         assert (have - want).abs().max() < ATOL
         assert torch.equal(have.argmax(-1), want.argmax(-1))
