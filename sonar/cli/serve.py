@@ -87,7 +87,7 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
     gives up, or the frontend dies, the root gives up too and the process exits 1 (so an
     orchestrator restarts the server rather than believing it ended well)."""
     from sonar.actors import ChildSpec, InProcess, SupervisorSpec
-    from sonar.engine.tree import engine_spec
+    from sonar.engine.replicas import data_parallel_spec
     from sonar.http.frontend import FrontendActor
 
     frontend = ChildSpec(
@@ -109,7 +109,7 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
     )
     return SupervisorSpec(
         "sonar",
-        [frontend, engine_spec(server_engine_config(config))],
+        [frontend, data_parallel_spec(server_engine_config(config))],
         strategy="one_for_one",
         max_restarts=0,
         period=60,

@@ -75,7 +75,8 @@ def plan_kv_cache(
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes``, else ``kv_bytes`` (what
-    profiling left on a GPU), else the CPU default (`sonar.engine.memory`)."""
+    profiling left on a GPU), else the CPU default (`sonar.engine.memory`), divided between the
+    data-parallel replicas."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
     per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
     if config.num_gpu_blocks_override is not None:
@@ -84,7 +85,9 @@ def plan_kv_cache(
         if config.kv_cache_memory_bytes is not None:
             kv_bytes = config.kv_cache_memory_bytes
         elif kv_bytes is None:
-            kv_bytes = memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+            # data-parallel replicas share the default, so N of them hold no more than one
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            kv_bytes = memory.default_cpu_kv_bytes(physical) // config.data_parallel_size
         num_blocks = memory.num_blocks_for(kv_bytes, per_block)
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:

@@ -38,6 +38,7 @@ from sonar.actors.messages import RemoteError
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.engine.config import EngineConfig
+from sonar.engine.replicas import pin_to_cpu_share
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.errors import SonarError
 from sonar.log import get_logger
@@ -107,6 +108,8 @@ class WorkerActor(Actor):
         thread would otherwise outlive the actor and keep the interpreter from exiting)."""
 
     async def started(self) -> None:
+        if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
+            pin_to_cpu_share(self.config)
         self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
         self.info = msgspec.structs.replace(self.runner.info, instance=secrets.token_hex(8))
         self.lock = anyio.Lock()

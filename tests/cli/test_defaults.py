@@ -47,7 +47,7 @@ REFERENCE_DEFAULTS = [
     ("--scheduler-reserve-full-isl", True, lambda c: c.engine.scheduler_reserve_full_isl),
     ("--tensor-parallel-size", 1, None),
     ("--pipeline-parallel-size", 1, None),
-    ("--data-parallel-size", 1, None),
+    ("--data-parallel-size", 1, lambda c: c.engine.data_parallel_size),
     ("--kv-cache-dtype", "auto", None),
     ("--tokenizer-mode", "auto", None),
     ("--max-lora-rank", 16, None),
@@ -85,6 +85,7 @@ def test_every_documented_flag_is_known() -> None:
         "--actor-keys",
         "--actor-max-frame-bytes",
         "--dequantize-weights",
+        "--data-parallel-routing",
     }
     limits = {
         "--metrics-public",
