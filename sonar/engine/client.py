@@ -110,7 +110,13 @@ def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any
         index = replicas.index_of(event.child)
         if event.kind == "give_up":
             on_engine_event(None, event)
-        elif index is not None and event.kind == "start":  # a replica restarted: a new supervisor
+        elif index is None:
+            return
+        elif event.kind in ("crash", "exit"):  # the replica's engine stopped: its requests are lost
+            if router is not None:
+                router.set_available(index, False)
+            llm.fail_replica(index, f"replica {index} stopped ({event.detail}); request lost")
+        elif event.kind == "start":  # the replica restarted: a new supervisor
             watch(replicas.engine(index), index)
             if router is not None:
                 router.set_available(index, True)

@@ -137,6 +137,35 @@ async def test_a_killed_worker_costs_its_replica_a_restart_and_no_request_fails(
     assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
 
+async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_again(llm, reference) -> None:
+    results: dict[int, object] = {}
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await llm.generate(PROMPTS[i], LONG)
+        except sonar.EngineDeadError as exc:
+            results[i] = exc
+
+    old = llm.replicas.engine(1)
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(one, i)
+        with anyio.fail_after(60):
+            while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 4:
+                await anyio.sleep(0.05)
+        await llm.supervisor.child("replica1").fail("stopped by the test")
+    failed = sorted(i for i, r in results.items() if isinstance(r, sonar.EngineDeadError))
+    assert len(failed) == 2 and all("replica 1" in str(results[i]) for i in failed)
+    assert all(results[i].text == reference["long"][i] for i in results if i not in failed)
+    with anyio.fail_after(120):  # the engine supervisor starts the replica again, a new supervisor
+        while not llm.router.available[1]:
+            await anyio.sleep(0.1)
+    assert llm.replicas.engine(1) is not old
+    outs = await llm.generate_many(PROMPTS, PARAMS)
+    assert [o.text for o in outs] == reference["short"]
+    assert llm.router.in_flight == [0, 0]
+
+
 async def test_a_crashed_scheduler_fails_only_its_replicas_requests(llm, reference) -> None:
     results: dict[int, object] = {}
 
@@ -152,16 +181,17 @@ async def test_a_crashed_scheduler_fails_only_its_replicas_requests(llm, referen
         with anyio.fail_after(60):
             while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 4:
                 await anyio.sleep(0.05)
-        on_first = [rid for rid, replica in llm._routes.items() if replica == 0]
-        assert len(on_first) == 2
-        await llm.replicas.engine(0).child("scheduler").fail("killed by the test")
+        on_second = [rid for rid, replica in llm._routes.items() if replica == 1]
+        assert len(on_second) == 2
+        # replica 1 was restarted whole by the test before: the listener follows its new supervisor
+        await llm.replicas.engine(1).child("scheduler").fail("killed by the test")
     failed = [i for i, r in results.items() if isinstance(r, sonar.EngineDeadError)]
-    assert len(failed) == 2 and all("replica 0" in str(results[i]) for i in failed)
+    assert len(failed) == 2 and all("replica 1" in str(results[i]) for i in failed)
     for i, r in results.items():
         if i not in failed:
             assert r.text == reference["long"][i]
     with anyio.fail_after(30):  # the replica's scheduler is back and the engine serves both again
-        while llm.replicas.engine(0).child("scheduler").state != "running":
+        while llm.replicas.engine(1).child("scheduler").state != "running":
             await anyio.sleep(0.05)
     outs = await llm.generate_many(PROMPTS, PARAMS)
     assert [o.text for o in outs] == reference["short"]
