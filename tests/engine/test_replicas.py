@@ -113,6 +113,33 @@ async def test_a_shared_prefix_stays_on_one_replica_and_hits_its_cache(llm) -> N
     assert hits[1 - home] == 0
 
 
+async def test_aborts_reach_the_replica_each_request_runs_on(llm) -> None:
+    endless = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    results: list = []
+
+    async def one(prompt: str) -> None:
+        results.append(await llm.generate(prompt, endless))
+
+    async with anyio.create_task_group() as tg:
+        for prompt in PROMPTS[:2]:
+            tg.start_soon(one, prompt)
+        stream = llm.stream(PROMPTS[2], endless)
+        async for _ in stream:  # a third request, then the caller walks away from it
+            break
+        await stream.aclose()
+        with anyio.fail_after(60):
+            while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 2:
+                await anyio.sleep(0.05)
+        assert sorted(set(llm._routes.values())) == [0, 1]
+        assert sorted(await llm.abort_all()) == sorted(llm._routes)
+    assert [r.finish_reason for r in results] == ["abort", "abort"]
+    with anyio.fail_after(10):
+        while await llm.tracked_requests() != {"frontend": 0, "scheduler": 0, "detokenizer": 0}:
+            await anyio.sleep(0.05)
+    assert (await llm.stats()).num_free_blocks == 2 * llm.info.num_blocks
+    assert llm.router.in_flight == [0, 0]
+
+
 async def test_a_killed_worker_costs_its_replica_a_restart_and_no_request_fails(llm, reference) -> None:
     nodes = replica_nodes(llm)
     victim = worker_of(nodes[0])
