@@ -160,3 +160,12 @@ def test_every_flag_accepts_its_default_explicitly() -> None:
         parse_serve_args(words)
         checked += 1
     assert checked > 150
+
+
+def test_data_parallel_flags_take_effect(usage_error) -> None:
+    config = parse_serve_args(["-dp", "2", "--data-parallel-routing", "load"])
+    assert (config.engine.data_parallel_size, config.engine.data_parallel_routing) == (2, "load")
+    assert config.accepted_noops == ()
+    assert "must be positive, got 0" in usage_error("-dp", "0")
+    assert "invalid choice: 'random'" in usage_error("--data-parallel-routing", "random")
+    assert "KV offloading or KV events is not supported" in usage_error("-dp", "2", "--kv-offloading-size", "1")
