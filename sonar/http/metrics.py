@@ -13,12 +13,14 @@ prefix:
 - engine-side, read from `llm.stats()` when `/metrics` is scraped (a custom collector: the engine
   keeps the counts, nothing here increments them): `sonar:num_requests_running`,
   `sonar:num_requests_waiting`, `sonar:kv_cache_usage_perc`, `sonar:num_preemptions_total`,
-  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`;
+  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`; with data parallelism, one
+  series per replica, labelled `engine` with its index as vLLM labels its engines
+  (`llm.replica_stats()`);
 - `sonar:requests_tracked{actor}`: requests the frontend, the scheduler and the detokenizer hold
   state for (`llm.tracked_requests()`; all 0 when idle, anything else is a leak);
 - from the supervision tree (`llm.tree()`): `sonar:actor_restarts_total{actor}`,
   `sonar:actor_mailbox_depth{actor}` and `sonar:actor_resident_memory_bytes{actor}` (actors in
-  other processes); the server process's own `process_resident_memory_bytes` and friends come
+  other processes; a data-parallel replica's actors are named under it, `replica1/worker`); the server process's own `process_resident_memory_bytes` and friends come
   from prometheus_client's `ProcessCollector`;
 - with KV offloading, from the scheduler's stats: `sonar:num_requests_waiting_for_kv`,
   `sonar:external_prefix_cache_queries_total` / `sonar:external_prefix_cache_hits_total` (prompt
