@@ -454,7 +454,9 @@ GROUPS: tuple[Group, ...] = (
            "This instance's data-parallel rank; setting it selects external load balancing."),
         _f("--data-parallel-start-rank -dpr", I, None, "First data-parallel rank on this node (secondary nodes).",
            accepts=(0,)),
-        _f("--data-parallel-size-local -dpl", I, None, "Data-parallel replicas on this node.", accepts=(1,)),
+        _f("--data-parallel-size-local -dpl", I, None, "Data-parallel replicas on this node.",
+           noop="Sonar runs every data-parallel replica on this machine, so the local count is always "
+           "--data-parallel-size (any other value is refused)"),
         _f("--data-parallel-address -dpa", S_, None, "Address of the data-parallel head node.", noop=ONE_ENGINE),
         _f("--data-parallel-rpc-port -dpp", I, None, "Port for data-parallel RPC.", noop=ONE_ENGINE),
         _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
