@@ -1,9 +1,14 @@
 """`sonar serve -dp 2`: completions are served by two engine replicas, `/metrics` labels the engine
 series per replica (``engine="0"``, ``engine="1"``) and names each replica's actors, `/actors`
-shows both replicas' engines, and the server stops cleanly."""
+shows both replicas' engines, a replica's worker killed mid-stream costs no request, and the
+server stops cleanly."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from typing import Iterator
 
 import httpx
@@ -77,3 +82,40 @@ def test_the_startup_lines_say_how_many_replicas_serve(server: ServerProcess) ->
     out = server.out()
     assert "data parallel: 2 replicas, requests routed by prefix" in out
     assert "blocks of 16 tokens (1024 tokens) in each of 2 replicas" in out
+
+
+def test_a_worker_killed_mid_stream_costs_no_request(server: ServerProcess) -> None:
+    body = {"model": "smol", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = {}
+    for prompt in PROMPTS:
+        r = httpx.post(f"{server.base_url}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+        expected[prompt] = r.json()["choices"][0]["text"]
+    tree = httpx.get(f"{server.base_url}/actors", timeout=10).json()
+    engine = next(c for c in tree["children"] if c["name"] == "engine")
+    victim = next(c for c in engine["children"][0]["children"] if c["name"] == "worker")
+
+    results: dict[int, httpx.Response] = {}
+
+    def one(i: int) -> None:
+        payload = {**body, "prompt": PROMPTS[i % len(PROMPTS)]}
+        results[i] = httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=120)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # both replicas are generating
+        m = samples(server.base_url)
+        if all(m.get(("sonar:num_requests_running", (("engine", e),)), 0) > 0 for e in ("0", "1")):
+            break
+        time.sleep(0.05)
+    os.kill(victim["pid"], signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=180)
+    assert sorted(results) == list(range(8))
+    for i, r in results.items():
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == expected[PROMPTS[i % len(PROMPTS)]]
+    m = samples(server.base_url)
+    assert m[("sonar:actor_restarts_total", (("actor", "replica0/worker"),))] == 1
+    assert m[("sonar:actor_restarts_total", (("actor", "replica1/worker"),))] == 0
