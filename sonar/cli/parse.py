@@ -138,7 +138,20 @@ def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
     source.update({key.flag.name: "" for key in cli_keys})
 
     noops = _check_support(explicit, source)
+    _check_local_replicas(explicit)
     return _build(explicit, noops)
+
+
+def _check_local_replicas(explicit: dict[str, Any]) -> None:
+    """--data-parallel-size-local counts the replicas on this machine; Sonar runs them all here,
+    so another count than --data-parallel-size would ask for replicas elsewhere."""
+    local = explicit.get("--data-parallel-size-local")
+    size = explicit.get("--data-parallel-size", FLAGS["--data-parallel-size"].default)
+    if local is not None and local != size:
+        raise UsageError.unsupported(
+            "--data-parallel-size-local",
+            f"got {local}; Sonar runs all {size} data-parallel replica(s) on this machine, so it accepts only {size}",
+        )
 
 
 def _merge_keys(values: dict[str, Any], keys: list[DottedKey]) -> None:

@@ -87,7 +87,7 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
     gives up, or the frontend dies, the root gives up too and the process exits 1 (so an
     orchestrator restarts the server rather than believing it ended well)."""
     from sonar.actors import ChildSpec, InProcess, SupervisorSpec
-    from sonar.engine.tree import engine_spec
+    from sonar.engine.replicas import data_parallel_spec
     from sonar.http.frontend import FrontendActor
 
     frontend = ChildSpec(
@@ -109,7 +109,7 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
     )
     return SupervisorSpec(
         "sonar",
-        [frontend, engine_spec(server_engine_config(config))],
+        [frontend, data_parallel_spec(server_engine_config(config))],
         strategy="one_for_one",
         max_restarts=0,
         period=60,
@@ -448,6 +448,8 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
     """What was loaded, how big its KV cache is (and the flag that reproduces it), where to call it."""
     info = llm.info
     tokens = info.num_blocks * info.block_size
+    replicas = config.engine.data_parallel_size
+    each = f" in each of {replicas} replicas" if replicas > 1 else ""
     offload, events = config.engine.offload_config(), config.engine.kv_events()
     kv_lines = []
     if offload is not None:
@@ -465,8 +467,8 @@ def startup_summary(config: ServeConfig, llm: Any, seconds: float) -> list[str]:
     return kv_lines + [
         f"engine ready in {seconds:.1f} s: {info.model} ({info.architecture}), dtype {info.dtype}",
         f"max model len: {info.max_model_len}",
-        f"KV cache: {info.num_blocks} blocks of {info.block_size} tokens ({tokens} tokens); "
-        f"reproduce with --kv-cache-memory-bytes {info.kv_cache_memory_bytes}",
+        f"KV cache: {info.num_blocks} blocks of {info.block_size} tokens ({tokens} tokens){each}; "
+        f"reproduce with --kv-cache-memory-bytes {info.kv_cache_memory_bytes * replicas}",
         f"serving {', '.join(config.served_model_name)} at {_address(config)}",
         "startup: "
         + " ".join(f"{phase}={secs:.2f}" for phase, secs in [*info.startup_seconds.items(), ("ready", seconds)]),
@@ -522,6 +524,10 @@ def describe(config: ServeConfig) -> list[str]:
     placed = server_engine_config(config).describe_placement()  # where the actors run, not the flag
     placement = ", ".join(f"{actor}={where}" for actor, where in placed.items())
     lines.append(f"placement: {placement}")
+    if engine.data_parallel_size > 1:
+        lines.append(
+            f"data parallel: {engine.data_parallel_size} replicas, requests routed by {engine.data_parallel_routing}"
+        )
     if config.enable_auto_tool_choice:
         lines.append(f"tool calls: tool_choice 'auto' parsed with {config.tool_call_parser}")
     if config.reasoning_parser:

@@ -36,7 +36,10 @@ TOOL_CALL_PARSER_NAMES = (
 )  # fmt: skip
 
 # Why a no-op flag changes nothing in Sonar.
-ONE_ENGINE = "Sonar runs a single engine (no data parallelism), so there is nothing to aggregate or coordinate"
+ONE_ENGINE = (
+    "Sonar's data-parallel replicas all run on this machine and step independently, with one statistics "
+    "line summed over them, so there is nothing to coordinate or aggregate"
+)
 MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
 MULTI_NODE = "only used when several nodes run together (--nnodes > 1), which Sonar does not support yet"
 NO_DCP = "only used with decode context parallelism (--decode-context-parallel-size > 1), not supported yet"
@@ -447,12 +450,20 @@ GROUPS: tuple[Group, ...] = (
            "Tokens stored on one context-parallel rank before moving to the next (1: token by token; the "
            "block size: block by block).", noop=NO_DCP),
         _f("--prefill-context-parallel-size -pcp", I, 1, "Number of ranks that split the work of one prefill."),
-        _f("--data-parallel-size -dp", I, 1, "Number of engine replicas (data-parallel ranks)."),
+        _f("--data-parallel-size -dp", I, 1,
+           "Number of engine replicas (data-parallel ranks) on this machine, each with its own worker process, "
+           "scheduler and KV cache; a request goes to the replica holding the longest cached prefix of its "
+           "prompt, else the least loaded (see --data-parallel-routing). On a CPU each replica computes on its "
+           "share of the cores. The replicas share the KV memory budget (--kv-cache-memory-bytes, "
+           "--gpu-memory-utilization, or the CPU default), so N replicas use no more KV memory than one.",
+           to=E, check=positive),
         _f("--data-parallel-rank -dpn", I, None,
            "This instance's data-parallel rank; setting it selects external load balancing."),
         _f("--data-parallel-start-rank -dpr", I, None, "First data-parallel rank on this node (secondary nodes).",
            accepts=(0,)),
-        _f("--data-parallel-size-local -dpl", I, None, "Data-parallel replicas on this node.", accepts=(1,)),
+        _f("--data-parallel-size-local -dpl", I, None, "Data-parallel replicas on this node.",
+           noop="Sonar runs every data-parallel replica on this machine, so the local count is always "
+           "--data-parallel-size (any other value is refused)"),
         _f("--data-parallel-address -dpa", S_, None, "Address of the data-parallel head node.", noop=ONE_ENGINE),
         _f("--data-parallel-rpc-port -dpp", I, None, "Port for data-parallel RPC.", noop=ONE_ENGINE),
         _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
@@ -866,6 +877,11 @@ GROUPS: tuple[Group, ...] = (
            "error naming this flag). The largest legitimate frame is a KV offload load of a whole cached "
            "prefix when the worker runs in its own process: raise it for long contexts of large models. "
            "Default: 4 GiB.", to=S, check=positive, metavar="BYTES"),
+        _f("--data-parallel-routing", S_, "prefix",
+           "How a request picks its data-parallel replica: 'prefix' sends it to the replica that holds the "
+           "longest cached prefix of its prompt, unless that one is far busier than the least loaded; "
+           "'load' always to the least loaded (fewest requests in flight, then KV usage).",
+           choices=("prefix", "load"), to=E),
         _f("--step-timeout", F, 600.0,
            "Seconds the scheduler waits for one model step before it counts the worker as failed.",
            to=E, check=positive),

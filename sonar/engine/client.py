@@ -1,7 +1,8 @@
 """The in-process library API: `async with sonar.open(...) as llm`.
 
 `open()` starts the engine's supervision tree (`sonar.engine.tree.engine_spec`: worker,
-detokenizer, scheduler) inside the caller's event loop; `connect()` adds a small client actor
+detokenizer, scheduler; with data parallelism one such engine per replica,
+`sonar.engine.replicas`) inside the caller's event loop; `connect()` adds a small client actor
 (`sonar.engine.client_actor`) that receives the detokenizer's outputs and hands each request's
 deltas to the task waiting for them, and yields the `LLM` handle (`sonar.engine.llm`).
 Everything it started is stopped when the block ends.
@@ -9,9 +10,10 @@ Everything it started is stopped when the block ends.
 
 from __future__ import annotations
 
+import functools
 import secrets
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
@@ -19,10 +21,11 @@ import anyio.to_thread
 from sonar.actors import Supervisor, supervise
 from sonar.actors.actor import launch
 from sonar.engine import tokenizers
-from sonar.engine.client_actor import ClientActor, DeltaStream, Failed
+from sonar.engine.client_actor import ClientActor, DeltaStream
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
-from sonar.engine.tree import engine_spec, worker_ref
+from sonar.engine.replicas import Replicas, data_parallel_spec
+from sonar.engine.tree import worker_ref
 from sonar.errors import InvalidRequestError
 from sonar.protocol.engine import DescribeWorker
 
@@ -36,46 +39,91 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
     """
     config = EngineConfig.from_args(model, **engine_args)
     tokenizers.prefetch_for(config)
-    async with supervise(engine_spec(config)) as sup:
+    async with supervise(data_parallel_spec(config)) as sup:
         async with connect(sup, config) as llm:
             yield llm
 
 
 @asynccontextmanager
 async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
-    """An `LLM` on the running engine tree `sup` (built from `engine_spec(config)`): starts the
-    client actor that receives outputs and loads the tokenizer."""
+    """An `LLM` on the running engine tree `sup` (built from `data_parallel_spec(config)`): starts
+    the client actor that receives outputs and loads the tokenizer."""
     streams: dict[str, DeltaStream] = {}
     async with anyio.create_task_group() as tg:
         client_name = f"client-{secrets.token_hex(4)}"
         inc = await launch(tg, ClientActor(streams), client_name, 4096)
-        info = await worker_ref(sup).ask(DescribeWorker(), timeout=60)
+        replicas = Replicas(sup, config.data_parallel_size)
+        info = await worker_ref(replicas.engine(0)).ask(DescribeWorker(), timeout=60)
         tokenizer_path = config.tokenizer or info.tokenizer_path
         if tokenizer_path is None:
             raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
         tokenizer = await anyio.to_thread.run_sync(tokenizers.load, tokenizer_path)
         llm = LLM(config, sup, inc.ref, streams, info, tokenizer)
 
-        def fail_all(reason: str) -> None:
-            for stream in list(streams.values()):
-                stream.send_nowait(Failed(reason))
-
-        def on_event(event: Any) -> None:
-            # The worker can be restarted under running requests (the scheduler recomputes
-            # them); the scheduler and the detokenizer hold request state that a restart
-            # loses, so the requests they held end with an error rather than hang. When the
-            # tree gives up, everything in flight ends with an error and new requests fail.
-            if event.kind == "crash" and event.child in ("scheduler", "detokenizer"):
-                fail_all(f"the {event.child} crashed ({event.detail}); request lost")
-            elif event.kind == "give_up":
-                llm.dead = f"the engine gave up after repeated crashes ({event.detail})"
-                fail_all(llm.dead)
-
-        sup.listeners.append(on_event)
+        watched = _watch(llm, replicas)
         try:
             yield llm
         finally:
-            sup.listeners.remove(on_event)
+            for engine, listener in watched:
+                if listener in engine.listeners:
+                    engine.listeners.remove(listener)
             llm._closed = True
-            fail_all("the engine is shutting down")
+            llm.fail_replica(None, "the engine is shutting down")
             tg.cancel_scope.cancel()
+
+
+def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any], None]]]:
+    """Listen to the engine tree's events: end the requests a crash lost, keep the router's view
+    of the replicas current. Returns the (supervisor, listener) pairs added."""
+    watched: list[tuple[Supervisor, Callable[[Any], None]]] = []
+    router = llm.router
+
+    def on_engine_event(index: int | None, event: Any) -> None:
+        # The worker can be restarted under running requests (the scheduler recomputes
+        # them); the scheduler and the detokenizer hold request state that a restart
+        # loses, so the requests they held end with an error rather than hang. When the
+        # tree gives up, everything in flight ends with an error and new requests fail;
+        # when one replica's engine gives up, only its requests do (its parent restarts it).
+        where = "the engine" if index is None else f"replica {index}"
+        if event.kind == "crash" and event.child in ("scheduler", "detokenizer"):
+            llm.fail_replica(index, f"the {event.child} of {where} crashed ({event.detail}); request lost")
+        elif event.kind == "give_up" and index is None:
+            llm.dead = f"the engine gave up after repeated crashes ({event.detail})"
+            llm.fail_replica(None, llm.dead)
+        elif event.kind == "give_up":
+            llm.fail_replica(index, f"{where} gave up after repeated crashes ({event.detail}); request lost")
+        if router is not None and index is not None:
+            if event.kind == "give_up":
+                router.set_available(index, False)
+            elif event.kind == "crash" and event.child == "worker":
+                router.forget(index)  # the restarted worker's cache starts empty
+
+    def watch(engine: Supervisor, index: int | None) -> None:
+        listener = functools.partial(on_engine_event, index)
+        engine.listeners.append(listener)
+        watched.append((engine, listener))
+
+    if replicas.count == 1:
+        watch(replicas.top, None)
+        return watched
+
+    def on_top_event(event: Any) -> None:
+        index = replicas.index_of(event.child)
+        if event.kind == "give_up":
+            on_engine_event(None, event)
+        elif index is None:
+            return
+        elif event.kind in ("crash", "exit"):  # the replica's engine stopped: its requests are lost
+            if router is not None:
+                router.set_available(index, False)
+            llm.fail_replica(index, f"replica {index} stopped ({event.detail}); request lost")
+        elif event.kind == "start":  # the replica restarted: a new supervisor
+            watch(replicas.engine(index), index)
+            if router is not None:
+                router.set_available(index, True)
+
+    replicas.top.listeners.append(on_top_event)
+    watched.append((replicas.top, on_top_event))
+    for index in range(replicas.count):
+        watch(replicas.engine(index), index)
+    return watched

@@ -10,10 +10,12 @@ from typing import Any
 
 import msgspec
 
-from sonar.actors.spec import ChildProcess, InProcess, parse_placement, placement_name
+from sonar.actors.spec import ChildProcess, InProcess, Remote, parse_placement, placement_name
 from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
+
+DATA_PARALLEL_ROUTING = ("prefix", "load")
 
 #: The request-size limits, each a `serve` flag of the same name (dashes for underscores).
 LIMITS = (
@@ -95,6 +97,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Bound on the group's rendezvous and collectives (NCCL); None: torch's default."""
     cpu_distributed_timeout_seconds: float | None = None
     """The same for gloo groups (the CPU); None: `distributed_timeout_seconds`, else torch's default."""
+    data_parallel_size: int = 1
+    """Engine replicas (`sonar.engine.replicas`): each a whole engine with its own worker,
+    scheduler, detokenizer and KV cache; requests go to the one holding the longest cached prefix
+    of their prompt, else the least loaded (`sonar.core.routing`). They share the KV memory budget."""
+    data_parallel_routing: str = "prefix"
+    """How requests pick a replica: "prefix" (the longest cached prefix first, then load) or
+    "load" (load only)."""
+    data_parallel_index: int = 0
+    """Which replica this engine is; set by the engine tree for each replica, not a flag."""
     step_timeout: float = 600.0
     """Seconds the scheduler waits for one step before it counts the worker as failed."""
     hang_margin: float = 10.0
@@ -197,6 +208,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 raise ValueError(f"placement: unknown actor {actor!r} (one of {', '.join(ACTORS)})")
             parse_placement(where)
         self.check_parallel()
+        self._check_data_parallel()
         offload = self.offload_config()
         self.kv_events()
         if offload is not None and self.kv_cache_dtype != "auto":
@@ -258,6 +270,31 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if device_type == "cuda":
             return self.distributed_timeout_seconds
         return self.cpu_distributed_timeout_seconds or self.distributed_timeout_seconds
+
+    def _check_data_parallel(self) -> None:
+        size = self.data_parallel_size
+        if size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, got {size}")
+        if not 0 <= self.data_parallel_index < size:
+            raise ValueError(f"data_parallel_index must be in 0..{size - 1}, got {self.data_parallel_index}")
+        if self.data_parallel_routing not in DATA_PARALLEL_ROUTING:
+            raise ValueError(
+                f"data_parallel_routing must be one of {', '.join(DATA_PARALLEL_ROUTING)}, "
+                f"got {self.data_parallel_routing!r}"
+            )
+        if size == 1:
+            return
+        remote = sorted(a for a, where in self.placement.items() if isinstance(parse_placement(where), Remote))
+        if remote:
+            raise ValueError(
+                f"data_parallel_size {size} with {remote[0]} placed on another machine is not supported: "
+                "every replica would use the same actor host"
+            )
+        if self.offload_manager_needed:
+            raise ValueError(
+                f"data_parallel_size {size} with KV offloading or KV events is not supported yet "
+                "(the replicas would share one offload directory and one event endpoint)"
+            )
 
     def offload_config(self) -> Any:
         """The `OffloadConfig` the offload flags ask for, or None (raises ValueError naming the rule)."""

@@ -6,6 +6,11 @@ spec compiled through the process's grammar cache), tokenizes off the
 event loop, asks the scheduler to take it (`AddRequest`; a refusal comes back as a typed
 `Rejection` and is raised as its exception) and reads the request's outputs from the stream the
 client actor fills (`sonar.engine.client_actor`).
+
+With data parallelism (`sonar.engine.replicas`) the handle is also where a request is routed: the
+router core (`sonar.core.routing`) picks the replica from the prompt's prefix-cache block hashes and
+the replicas' load, and the request's messages (add, abort) go to that replica's scheduler; stats,
+request counts and health are read from every replica.
 """
 
 from __future__ import annotations
@@ -21,10 +26,13 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
-from sonar.core.outputs import RequestError
+from sonar.core.outputs import RequestError, SchedulerStats
+from sonar.core.prefix import PrefixHasher
 from sonar.core.request import cache_salt_problem
+from sonar.core.routing import Router
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
+from sonar.engine.replicas import Replicas
 from sonar.engine.tree import worker_ref
 from sonar.errors import (
     EngineDeadError,
@@ -149,6 +157,22 @@ class LLM:
     ) -> None:
         self.config = config
         self.supervisor = supervisor
+        """The engine tree's supervisor (with data parallelism, the one above the replicas)."""
+        self.replicas = Replicas(supervisor, config.data_parallel_size)
+        self.router: Router | None = None
+        """Picks each request's replica (None: one replica)."""
+        self._hasher: PrefixHasher | None = None
+        if self.replicas.count > 1:
+            self.router = Router(
+                self.replicas.count,
+                capacity=info.num_blocks,
+                prefix_affinity=config.data_parallel_routing == "prefix",
+                balance_slack=max(4, config.max_num_seqs // 16),
+            )
+            if config.enable_prefix_caching:
+                self._hasher = PrefixHasher(config.block_size, config.prefix_caching_hash_algo)
+        self._routes: dict[str, int] = {}
+        """The replica of each engine request in flight."""
         self.info = info
         self.tokenizer = tokenizer
         self._client = client
@@ -341,16 +365,47 @@ class LLM:
         is kept: `generate` returns it, `stream` yields a last delta) and free their blocks.
         Returns the engine request ids."""
         ids = sorted(self._streams)
+        by_replica: dict[int, list[str]] = {}
         for rid in ids:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream.send_nowait(OutputDelta(rid, "", [], finish_reason="abort"))
-        if ids:
-            await self.supervisor.child("scheduler").ref.send(Abort(ids))
+            by_replica.setdefault(self._routes.get(rid, 0), []).append(rid)
+        for index, replica_ids in sorted(by_replica.items()):
+            try:
+                await self._scheduler(index).send(Abort(replica_ids))
+            except (ActorError, ActorNotFound):
+                if self.replicas.count == 1:
+                    raise
         return ids
 
-    async def stats(self):
-        return await self.supervisor.child("scheduler").ref.ask(GetStats(), timeout=10)
+    async def stats(self) -> SchedulerStats:
+        """The scheduler's stats; with data parallelism, summed over the replicas that answer
+        (KV usage: their mean)."""
+        if self.replicas.count == 1:
+            return await self._scheduler(0).ask(GetStats(), timeout=10)
+        answered = [s for s in await self.replica_stats() if s is not None]
+        if not answered:
+            raise EngineDeadError(self.dead or "no engine replica answers")
+        return _sum_stats(answered)
+
+    async def replica_stats(self, timeout: float = 10.0) -> list[SchedulerStats | None]:
+        """Each replica's scheduler stats, in replica order (None: that replica did not answer)."""
+        out: list[SchedulerStats | None] = [None] * self.replicas.count
+
+        async def one(index: int) -> None:
+            try:
+                with anyio.fail_after(timeout):
+                    out[index] = await self._scheduler(index).ask(GetStats())
+            except (ActorError, ActorNotFound, AskTimeout, TimeoutError):
+                return
+            if self.router is not None:
+                self.router.set_kv_usage(index, out[index].kv_usage)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(self.replicas.count):
+                tg.start_soon(one, index)
+        return out
 
     def tree(self) -> ActorInfo:
         """The live supervision tree: the whole server's when the engine runs under a root
@@ -360,24 +415,69 @@ class LLM:
     async def tracked_requests(self, timeout: float = 5.0) -> dict[str, int]:
         """How many requests each part holds state for: this frontend, the scheduler, the
         detokenizer (all zero when nothing runs: anything else is a leak)."""
+        counts = {"frontend": len(self._streams), "scheduler": 0, "detokenizer": 0}
         with anyio.fail_after(timeout):
-            return {
-                "frontend": len(self._streams),
-                "scheduler": await self.supervisor.child("scheduler").ref.ask(CountRequests()),
-                "detokenizer": await self.supervisor.child("detokenizer").ref.ask(CountRequests()),
-            }
+            for index in range(self.replicas.count):
+                engine = self.replicas.engine(index)
+                for actor in ("scheduler", "detokenizer"):
+                    counts[actor] += await engine.child(actor).ref.ask(CountRequests())
+        return counts
 
     async def ping(self, timeout: float = 5.0) -> None:
-        """One round trip through the scheduler's and the worker's mailboxes, or an exception."""
+        """One round trip through the scheduler's and the worker's mailboxes, or an exception; with
+        data parallelism, of at least one replica (the others may be restarting)."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
+        if self.replicas.count == 1:
+            with anyio.fail_after(timeout):
+                await self._ping_replica(0)
+            return
+        answered: list[int] = []
+        errors: list[BaseException] = []
+
+        async def one(index: int) -> None:
+            try:
+                await self._ping_replica(index)
+            except Exception as exc:
+                errors.append(exc)
+                return
+            answered.append(index)
+            tg.cancel_scope.cancel()
+
         with anyio.fail_after(timeout):
-            await self.supervisor.child("scheduler").ref.ask(GetStats())
-            await worker_ref(self.supervisor).ask(DescribeWorker())
+            async with anyio.create_task_group() as tg:
+                for index in range(self.replicas.count):
+                    tg.start_soon(one, index)
+        if not answered:
+            raise EngineDeadError(f"no engine replica answers ({errors[0] if errors else 'none'})")
+
+    async def _ping_replica(self, index: int) -> None:
+        engine = self.replicas.engine(index)
+        await engine.child("scheduler").ref.ask(GetStats())
+        await worker_ref(engine).ask(DescribeWorker())
+
+    def fail_replica(self, index: int | None, reason: str) -> None:
+        """End the requests in flight on replica `index` (None: on every replica) with an error."""
+        for cid, stream in list(self._streams.items()):
+            if index is None or self._routes.get(cid, 0) == index:
+                stream.send_nowait(Failed(reason))
 
     # -- internals --------------------------------------------------------------------------
     def _new_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
+
+    def _scheduler(self, index: int) -> Any:
+        return self.replicas.engine(index).child("scheduler").ref
+
+    def _route(self, prompt_ids: list[int], cache_salt: str | None, requests: int) -> int:
+        """The replica for a request (0 without data parallelism), counted in flight there."""
+        if self.router is None:
+            return 0
+        hashes = self._hasher.chain(prompt_ids, cache_salt) if self._hasher is not None else []
+        index = self.router.route(hashes, requests)
+        if index is None:
+            raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
+        return index
 
     async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
         if self.dead is not None:
@@ -446,12 +546,14 @@ class LLM:
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
+        replica = self._route(prompt_ids, cache_salt, len(ids))
         stream = DeltaStream()
         for cid in ids:
             self._streams[cid] = stream
-        scheduler = self.supervisor.child("scheduler").ref
+            self._routes[cid] = replica
         pending = set(ids)
         try:
+            scheduler = self._scheduler(replica)
             for cid, child in zip(ids, children):
                 await self._add(
                     scheduler,
@@ -490,6 +592,9 @@ class LLM:
         finally:
             for cid in ids:
                 self._streams.pop(cid, None)
+                self._routes.pop(cid, None)
+            if self.router is not None:
+                self.router.finished(replica, len(ids))
             if pending:  # cancelled, failed, or the caller stopped iterating: free the engine's work
                 with anyio.CancelScope(shield=True):
                     try:
@@ -527,6 +632,14 @@ def check_context_length(prompt_tokens: int, max_tokens: int | None, max_model_l
             param="prompt",
             code="context_length_exceeded",
         )
+
+
+def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The stats of several replicas as one engine's: counts summed, KV usage their mean (the
+    replicas' caches are the same size)."""
+    total = SchedulerStats(**{f: sum(getattr(s, f) for s in stats) for f in SchedulerStats.__struct_fields__})
+    total.kv_usage = total.kv_usage / len(stats)
+    return total
 
 
 def _request_error(error: RequestError) -> SonarError:

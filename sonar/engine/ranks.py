@@ -24,6 +24,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from sonar.engine import cores
 from sonar.log import get_logger
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 
@@ -179,19 +180,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def core_share(rank: int, size: int, cores: list[int]) -> list[int]:
-    """The CPU cores of `rank` in a group of `size` sharing `cores`: every size-th core from its
-    rank, or (more ranks than cores) one core, shared with the ranks that wrap onto it."""
-    own = cores[rank::size]
-    return own or [cores[rank % len(cores)]]
-
-
 def pin_to_cores(rank: int, size: int) -> list[int]:
-    """Pin this process (and torch's thread pool) to its share of the cores it may run on."""
-    cores = core_share(rank, size, sorted(os.sched_getaffinity(0)))
-    os.sched_setaffinity(0, cores)
-    torch.set_num_threads(len(cores))
-    return cores
+    """Bind this process to rank `rank` of `size`'s share of the cores it may run on (its
+    replica's, with data parallelism)."""
+    return cores.share_of_mine(rank, size)
 
 
 def _is_loopback(host: str) -> bool:

@@ -81,9 +81,10 @@ def plan_kv_cache(
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes`` (per rank), else ``kv_bytes``
-    (what profiling left on a GPU), else the CPU default (`sonar.engine.memory`), which the ranks
-    of a parallel group share. The ranks of a group take the smallest count any of them can hold:
-    every rank caches the same blocks, each its own heads and layers of them."""
+    (what profiling left on a GPU), else the CPU default (`sonar.engine.memory`), which the
+    data-parallel replicas and the ranks of a parallel group share. The ranks of a group take the
+    smallest count any of them can hold: every rank caches the same blocks, each its own heads and
+    layers of them."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
     per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
     if config.num_gpu_blocks_override is not None:
@@ -92,9 +93,9 @@ def plan_kv_cache(
         if config.kv_cache_memory_bytes is not None:
             kv_bytes = config.kv_cache_memory_bytes
         elif kv_bytes is None:
-            kv_bytes = (
-                memory.default_cpu_kv_bytes(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // topology.size
-            )
+            # the replicas' ranks share the default, so they hold no more than one worker would
+            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            kv_bytes = memory.default_cpu_kv_bytes(physical) // (config.data_parallel_size * topology.size)
         num_blocks = topology.smallest(memory.num_blocks_for(kv_bytes, per_block))
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:

@@ -50,6 +50,7 @@ from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.engine import ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
+from sonar.engine.replicas import pin_to_cpu_share
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.errors import SonarError
 from sonar.log import get_logger
@@ -127,6 +128,8 @@ class WorkerActor(Actor):
         thread would otherwise outlive the actor and keep the interpreter from exiting)."""
 
     async def started(self) -> None:
+        if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
+            pin_to_cpu_share(self.config)
         self.lock = anyio.Lock()
         if self.config.world_size == 1:
             self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)

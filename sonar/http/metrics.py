@@ -13,12 +13,14 @@ prefix:
 - engine-side, read from `llm.stats()` when `/metrics` is scraped (a custom collector: the engine
   keeps the counts, nothing here increments them): `sonar:num_requests_running`,
   `sonar:num_requests_waiting`, `sonar:kv_cache_usage_perc`, `sonar:num_preemptions_total`,
-  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`;
+  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`; with data parallelism, one
+  series per replica, labelled `engine` with its index as vLLM labels its engines
+  (`llm.replica_stats()`);
 - `sonar:requests_tracked{actor}`: requests the frontend, the scheduler and the detokenizer hold
   state for (`llm.tracked_requests()`; all 0 when idle, anything else is a leak);
 - from the supervision tree (`llm.tree()`): `sonar:actor_restarts_total{actor}`,
   `sonar:actor_mailbox_depth{actor}` and `sonar:actor_resident_memory_bytes{actor}` (actors in
-  other processes); the server process's own `process_resident_memory_bytes` and friends come
+  other processes; a data-parallel replica's actors are named under it, `replica1/worker`); the server process's own `process_resident_memory_bytes` and friends come
   from prometheus_client's `ProcessCollector`;
 - with KV offloading, from the scheduler's stats: `sonar:num_requests_waiting_for_kv`,
   `sonar:external_prefix_cache_queries_total` / `sonar:external_prefix_cache_hits_total` (prompt
@@ -139,7 +141,9 @@ class _EngineCollector(Collector):
     and then renders; a scrape whose stats ask failed leaves the engine metrics out."""
 
     def __init__(self) -> None:
-        self.stats: Any = None
+        self.stats: list[Any] | None = None
+        """The scheduler's stats: one engine's, or each data-parallel replica's (None: it did not
+        answer), whose series then carry an ``engine`` label (the replica's index)."""
         self.tree: ActorInfo | None = None
         self.tracked: dict[str, int] | None = None
         self.offload: Any = None
@@ -148,42 +152,8 @@ class _EngineCollector(Collector):
         """The engine offloads KV (the external prefix cache metrics apply)."""
 
     def collect(self) -> Iterator[Any]:
-        s = self.stats
-        if s is not None:
-            yield GaugeMetricFamily(
-                "sonar:num_requests_running", "Requests in the engine's running batch.", value=s.num_running
-            )
-            yield GaugeMetricFamily(
-                "sonar:num_requests_waiting", "Requests waiting to be scheduled.", value=s.num_waiting
-            )
-            yield GaugeMetricFamily(
-                "sonar:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", value=s.kv_usage
-            )
-            yield CounterMetricFamily(
-                "sonar:num_preemptions", "Preemptions since the engine started.", value=s.num_preemptions
-            )
-            yield CounterMetricFamily(
-                "sonar:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", value=s.prefix_queries
-            )
-            yield CounterMetricFamily(
-                "sonar:prefix_cache_hits", "Prompt tokens served from the prefix cache.", value=s.prefix_hits
-            )
-            if self.offloading:
-                yield GaugeMetricFamily(
-                    "sonar:num_requests_waiting_for_kv",
-                    "Requests waiting for their prefix to be loaded from the offload tiers.",
-                    value=s.num_loading,
-                )
-                yield CounterMetricFamily(
-                    "sonar:external_prefix_cache_queries",
-                    "Prompt tokens looked up in the prefix cache (and the offload tiers).",
-                    value=s.prefix_queries,
-                )
-                yield CounterMetricFamily(
-                    "sonar:external_prefix_cache_hits",
-                    "Prompt tokens loaded back from the offload tiers instead of recomputed.",
-                    value=s.offload_hits,
-                )
+        if self.stats is not None:
+            yield from self._engine_metrics(self.stats)
         if self.offload is not None:
             yield from _offload_metrics(self.offload)
         if self.tracked is not None:
@@ -207,17 +177,70 @@ class _EngineCollector(Collector):
                 "Resident memory of each actor process other than the server's own.",
                 labels=["actor"],
             )
-            for node in _walk(self.tree):
-                restarts.add_metric([node.name], node.restarts)
+            for name, node in _walk(self.tree):
+                restarts.add_metric([name], node.restarts)
                 if node.mailbox_depth is not None:
-                    depth.add_metric([node.name], node.mailbox_depth)
+                    depth.add_metric([name], node.mailbox_depth)
                 if node.kind == "actor" and node.pid and node.pid != os.getpid():
                     rss = resident_bytes(node.pid)
                     if rss is not None:
-                        memory.add_metric([node.name], rss)
+                        memory.add_metric([name], rss)
             yield restarts
             yield depth
             yield memory
+
+    def _engine_metrics(self, stats: list[Any]) -> Iterator[Any]:
+        """The scheduler's gauges and counters: unlabelled for one engine, else one series per
+        replica that answered, labelled ``engine`` as vLLM labels its engines."""
+        labelled = len(stats) > 1
+        series = [(str(i), s) for i, s in enumerate(stats) if s is not None]
+        families = [
+            (GaugeMetricFamily, "sonar:num_requests_running", "Requests in the engine's running batch.", "num_running"),
+            (GaugeMetricFamily, "sonar:num_requests_waiting", "Requests waiting to be scheduled.", "num_waiting"),
+            (GaugeMetricFamily, "sonar:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", "kv_usage"),
+            (CounterMetricFamily, "sonar:num_preemptions", "Preemptions since the engine started.", "num_preemptions"),
+            (
+                CounterMetricFamily,
+                "sonar:prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache.",
+                "prefix_queries",
+            ),
+            (
+                CounterMetricFamily,
+                "sonar:prefix_cache_hits",
+                "Prompt tokens served from the prefix cache.",
+                "prefix_hits",
+            ),
+        ]
+        if self.offloading:
+            families += [
+                (
+                    GaugeMetricFamily,
+                    "sonar:num_requests_waiting_for_kv",
+                    "Requests waiting for their prefix to be loaded from the offload tiers.",
+                    "num_loading",
+                ),
+                (
+                    CounterMetricFamily,
+                    "sonar:external_prefix_cache_queries",
+                    "Prompt tokens looked up in the prefix cache (and the offload tiers).",
+                    "prefix_queries",
+                ),
+                (
+                    CounterMetricFamily,
+                    "sonar:external_prefix_cache_hits",
+                    "Prompt tokens loaded back from the offload tiers instead of recomputed.",
+                    "offload_hits",
+                ),
+            ]
+        for kind, name, doc, field in families:
+            if not labelled:
+                yield kind(name, doc, value=getattr(series[0][1], field))
+                continue
+            family = kind(name, doc, labels=["engine"])
+            for engine, s in series:
+                family.add_metric([engine], getattr(s, field))
+            yield family
 
 
 _TIER_GAUGES = (
@@ -287,10 +310,17 @@ async def _offload_stats(llm: LLM, timeout: float) -> Any:
         return None
 
 
-def _walk(node: ActorInfo) -> Iterable[ActorInfo]:
-    yield node
+def _walk(node: ActorInfo, prefix: str = "") -> Iterable[tuple[str, ActorInfo]]:
+    """Every node of the tree with the name it has in the metrics: the actors of a data-parallel
+    replica are named under it ("replica1/worker"), the others by their own name."""
+    yield prefix + node.name, node
+    inner = f"{prefix}{node.name}/" if node.kind == "supervisor" and _is_replica(node.name) else prefix
     for child in node.children:
-        yield from _walk(child)
+        yield from _walk(child, inner)
+
+
+def _is_replica(name: str) -> bool:
+    return name.startswith("replica") and name[len("replica") :].isdigit()
 
 
 class ServerMetrics:
@@ -342,7 +372,10 @@ class ServerMetrics:
         """The Prometheus text exposition, with the engine's stats asked for now."""
         try:
             with anyio.fail_after(timeout):
-                self.engine.stats = await llm.stats()
+                if llm.replicas.count == 1:
+                    self.engine.stats = [await llm.stats()]
+                else:
+                    self.engine.stats = await llm.replica_stats(timeout)
                 self.engine.tracked = await llm.tracked_requests()
         except Exception as exc:  # the engine's metrics are left out of this scrape
             log.warning("metrics.stats_failed", error=f"{type(exc).__name__}: {exc}")

@@ -47,7 +47,7 @@ REFERENCE_DEFAULTS = [
     ("--scheduler-reserve-full-isl", True, lambda c: c.engine.scheduler_reserve_full_isl),
     ("--tensor-parallel-size", 1, None),
     ("--pipeline-parallel-size", 1, None),
-    ("--data-parallel-size", 1, None),
+    ("--data-parallel-size", 1, lambda c: c.engine.data_parallel_size),
     ("--kv-cache-dtype", "auto", None),
     ("--tokenizer-mode", "auto", None),
     ("--max-lora-rank", 16, None),
@@ -85,6 +85,7 @@ def test_every_documented_flag_is_known() -> None:
         "--actor-keys",
         "--actor-max-frame-bytes",
         "--dequantize-weights",
+        "--data-parallel-routing",
     }
     limits = {
         "--metrics-public",
@@ -159,3 +160,18 @@ def test_every_flag_accepts_its_default_explicitly() -> None:
         parse_serve_args(words)
         checked += 1
     assert checked > 150
+
+
+def test_data_parallel_flags_take_effect(usage_error) -> None:
+    config = parse_serve_args(["-dp", "2", "--data-parallel-routing", "load"])
+    assert (config.engine.data_parallel_size, config.engine.data_parallel_routing) == (2, "load")
+    assert config.accepted_noops == ()
+    assert "must be positive, got 0" in usage_error("-dp", "0")
+    assert "invalid choice: 'random'" in usage_error("--data-parallel-routing", "random")
+    assert "KV offloading or KV events is not supported" in usage_error("-dp", "2", "--kv-offloading-size", "1")
+    assert parse_serve_args(["-dp", "2", "-dpl", "2"]).accepted_noops == ("--data-parallel-size-local",)
+    assert usage_error("-dp", "2", "-dpl", "1") == (
+        "sonar serve: --data-parallel-size-local is not supported yet (got 1; Sonar runs all 2 data-parallel "
+        "replica(s) on this machine, so it accepts only 2)"
+    )
+    assert "accepts only 1" in usage_error("-dpl", "2")

@@ -1,6 +1,6 @@
-"""The ranks of a parallel group through the whole engine (`sonar.open(tensor_parallel_size=...,
-pipeline_parallel_size=...)`): real worker processes on gloo under their one-for-all supervisor,
-and how ranks share the CPU cores (`sonar.engine.ranks`).
+"""The ranks of a parallel group (`sonar.engine.ranks`) through the whole engine
+(`sonar.open(tensor_parallel_size=..., pipeline_parallel_size=...)`): real worker processes on
+gloo under their one-for-all supervisor.
 
 * Greedy tokens equal transformers' and the single worker's for tp = 2, pp = 2 and tp x pp = 2 x 2,
   logprobs and prompt logprobs within float32 noise, seeded random sampling the same (the sampler
@@ -22,7 +22,6 @@ import anyio
 import pytest
 
 import sonar
-from sonar.engine.ranks import core_share
 from sonar.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.engine.conftest import TinyCheckpoint
 from tests.models.conftest import hf_generate_batch
@@ -159,14 +158,3 @@ def test_what_tensor_parallelism_cannot_take_is_refused(args: dict[str, Any], me
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_args(None, tensor_parallel_size=2, **args)
-
-
-def test_ranks_share_the_cores_without_overlap_while_there_are_enough() -> None:
-    cores = [0, 1, 2, 3, 4, 5]
-    shares = [core_share(rank, 2, cores) for rank in range(2)]
-    assert shares == [[0, 2, 4], [1, 3, 5]]
-    assert [core_share(rank, 3, [4, 5, 6]) for rank in range(3)] == [[4], [5], [6]]
-
-
-def test_more_ranks_than_cores_wrap_around_one_core_each() -> None:
-    assert [core_share(rank, 3, [0, 1]) for rank in range(3)] == [[0], [1], [0]]

@@ -1,0 +1,110 @@
+"""Data parallelism: N engine replicas under one supervisor, and how the frontend reaches them.
+
+With ``data_parallel_size`` N > 1 the engine tree (`data_parallel_spec`) is a supervisor
+``engine`` over ``replica0`` .. ``replica{N-1}``, each a whole engine (`sonar.engine.tree.engine_spec`:
+its own worker, detokenizer, scheduler and KV cache), strategy one_for_one: a replica whose own
+supervisor gives up is restarted alone while the others keep serving; only repeated give-ups
+(`REPLICA_RESTARTS`) end the engine. With N = 1 the tree is the single engine itself.
+
+Each replica runs `replica_config`: its index, its worker in its own process unless ``--placement``
+says otherwise (so the replicas compute in parallel, each on its share of the CPU cores, and one
+crashing takes only its process down), and its share of the memory budget (``--kv-cache-memory-bytes``
+and ``--gpu-memory-utilization`` are divided between the replicas; the CPU default KV size is divided
+by the worker, `sonar.engine.runner.plan_kv_cache`), so N replicas use no more memory than one.
+
+The frontend (`sonar.engine.llm.LLM`) picks a replica per request with the router core
+(`sonar.core.routing`) and reaches it through `Replicas`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from sonar.actors import SupervisorSpec
+from sonar.engine import cores
+from sonar.engine.config import EngineConfig
+from sonar.engine.tree import engine_spec
+
+if TYPE_CHECKING:
+    from sonar.actors import Supervisor
+
+REPLICA_RESTARTS = 2
+"""Give-ups of one replica, per replica and `REPLICA_PERIOD`, that the engine tolerates."""
+REPLICA_PERIOD = 600.0
+
+
+def replica_name(index: int) -> str:
+    return f"replica{index}"
+
+
+def replica_config(config: EngineConfig, index: int) -> EngineConfig:
+    """The configuration replica `index` of `config.data_parallel_size` runs (see the module docstring)."""
+    size = config.data_parallel_size
+    placement = dict(config.placement)
+    placement.setdefault("worker", "process")
+    kv_bytes = config.kv_cache_memory_bytes
+    return msgspec.structs.replace(
+        config,
+        data_parallel_index=index,
+        placement=placement,
+        kv_cache_memory_bytes=None if kv_bytes is None else max(1, kv_bytes // size),
+        gpu_memory_utilization=config.gpu_memory_utilization / size,
+    )
+
+
+def data_parallel_spec(config: EngineConfig) -> SupervisorSpec:
+    """The engine's supervision tree: the single engine, or with data parallelism a supervisor
+    over the replicas' engines (see the module docstring)."""
+    size = config.data_parallel_size
+    if size == 1:
+        return engine_spec(config)
+    replicas = []
+    for index in range(size):
+        spec = engine_spec(replica_config(config, index))
+        spec.name = replica_name(index)
+        replicas.append(spec)
+    return SupervisorSpec(
+        "engine", replicas, strategy="one_for_one", max_restarts=REPLICA_RESTARTS * size, period=REPLICA_PERIOD
+    )
+
+
+class Replicas:
+    """The replicas' engine supervisors, looked up live: a restarted replica is a new supervisor."""
+
+    def __init__(self, top: "Supervisor", count: int) -> None:
+        self.top = top
+        """The engine tree's supervisor: the engine itself when `count` is 1."""
+        self.count = count
+
+    def engine(self, index: int) -> "Supervisor":
+        """Replica `index`'s engine supervisor (the one that last started, even if it has stopped
+        since: asking its actors then fails as for any stopped actor)."""
+        if self.count == 1:
+            return self.top
+        sup = self.top.child(replica_name(index)).child
+        assert sup is not None, "the tree is running"
+        return sup
+
+    def index_of(self, name: str) -> int | None:
+        """The replica index of a child name of the top supervisor ("replica3" -> 3), else None."""
+        if self.count == 1 or not name.startswith("replica"):
+            return None
+        tail = name[len("replica") :]
+        return int(tail) if tail.isdigit() and int(tail) < self.count else None
+
+
+def pin_to_cpu_share(config: EngineConfig) -> list[int] | None:
+    """In a replica's worker process: bind every thread of this process to the replica's share of
+    the cores and size torch's intra-op pool to it (at most ``OMP_NUM_THREADS`` when set), so N
+    replicas compute side by side instead of each spreading over every core. Returns the cores,
+    or None where there is nothing to do (one replica, a CUDA device, no affinity control)."""
+    if config.data_parallel_size == 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    from sonar.engine.device import select_device
+
+    if select_device(config.device_ids).type != "cpu":
+        return None
+    return cores.share_of_mine(config.data_parallel_index, config.data_parallel_size)
