@@ -411,8 +411,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--pipeline-parallel-size -pp", I, 1,
            "Number of pipeline stages the layers are split into: consecutive layers per stage (an even "
            "split; SONAR_PP_LAYER_PARTITION=8,8,7,7 sets the counts), each stage its own worker processes "
-           "(--tensor-parallel-size of them), hidden states passed on point to point. Quantized "
-           "checkpoints need --dequantize-weights.", to=E),
+           "(--tensor-parallel-size of them), hidden states passed on point to point.", to=E),
         _f("--master-addr", S_, "127.0.0.1", "Address of the first node in a multi-node 'mp' deployment.",
            noop=MULTI_NODE),
         _f("--master-port", I, 29501, "Port of the first node in a multi-node 'mp' deployment.",
@@ -438,7 +437,8 @@ GROUPS: tuple[Group, ...] = (
            "Number of ranks each layer's weights are split across: one worker process per rank (a GPU "
            "each, or on the CPU a share of the cores), in a torch.distributed group (NCCL, gloo on the CPU). "
            "Attention heads, the intermediate size and KV heads (or ranks, when there are fewer KV heads) "
-           "must divide evenly; quantized checkpoints need --dequantize-weights.", to=E),
+           "must divide evenly; quantized weights split as they are (act-order GPTQ needs --dequantize-weights).",
+           to=E),
         _f("--decode-context-parallel-size -dcp", I, 1,
            "Number of ranks sharing the decode KV cache (reusing tensor-parallel ranks)."),
         _f("--dcp-comm-backend", S_, "ag_rs",

@@ -26,9 +26,10 @@ from torch import Tensor, nn
 from sonar.kernels import ops
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import attention, step_metadata
+from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
-from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel, shard_rows
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, Shard, TensorParallel
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 
 
@@ -141,9 +142,18 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def vocab_parallel_lookup(ids: Tensor, first: int, rows: int, lookup: Any, parallel: TensorParallel) -> Tensor:
+    """Embeddings of `ids` when this rank holds the vocabulary rows ``first .. first + rows``
+    (`lookup` of local row indices): ids outside them look up zeros, and the all-reduce fills every
+    row from its owner."""
+    local = ids - first
+    outside = (local < 0) | (local >= rows)
+    x = lookup(local.masked_fill(outside, 0))
+    return parallel.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+
+
 class VocabParallelEmbedding(nn.Embedding):
-    """The embedding rows ``first .. first + rows`` of a vocabulary split over a tensor-parallel
-    group: ids outside them look up zeros, and the all-reduce fills every row from its owner."""
+    """The embedding rows ``first .. first + rows`` of a vocabulary split over a tensor-parallel group."""
 
     def __init__(self, rows: int, hidden: int, first: int, parallel: TensorParallel) -> None:
         super().__init__(rows, hidden, _weight=torch.empty(rows, hidden))
@@ -151,10 +161,23 @@ class VocabParallelEmbedding(nn.Embedding):
         self.parallel = parallel
 
     def forward(self, ids: Tensor) -> Tensor:
-        local = ids - self.first
-        outside = (local < 0) | (local >= self.num_embeddings)
-        x = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
-        return self.parallel.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
+        return vocab_parallel_lookup(ids, self.first, self.num_embeddings, super().forward, self.parallel)
+
+
+class VocabParallelLookup(nn.Module):
+    """A quantized embedding (`QuantEmbedding`) of this rank's vocabulary rows, looked up as
+    `VocabParallelEmbedding` looks up its own."""
+
+    def __init__(self, inner: nn.Module, first: int, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.inner = inner
+        self.first = first
+        self.parallel = parallel
+        self.num_embeddings = inner.num_embeddings
+        self.embedding_dim = inner.embedding_dim
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return vocab_parallel_lookup(ids, self.first, self.num_embeddings, self.inner, self.parallel)
 
 
 class MissingLayer(nn.Module):
@@ -273,28 +296,49 @@ class DecoderForCausalLM(nn.Module):
         tensor parallelism, on every rank, padded to a multiple of the group's size)."""
         return self.parallel.gather_last(self.lm_head(hidden)).float()
 
-    def shard_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
-        """This rank's part of the checkpoint tensor `name` (see `sonar.models.parallel`)."""
+    def checkpoint_shard(self, name: str) -> Shard | None:
+        """This rank's part of the checkpoint tensor `name` (None: all of it; `sonar.models.parallel`)."""
         tp = self.parallel
         if tp.size == 1:
-            return tensor
+            return None
         attn, mlp = self.own_layers[0].self_attn, self.own_layers[0].mlp
         if ".q_proj." in name:
-            return tensor.narrow(0, tp.rank * attn.q_size, attn.q_size)
+            return Shard(0, tp.rank * attn.q_size, attn.q_size)
         if ".k_proj." in name or ".v_proj." in name:
-            return tensor.narrow(0, attn.first_kv_head * self.head_dim, attn.kv_size)
+            return Shard(0, attn.first_kv_head * self.head_dim, attn.kv_size)
         if ".gate_proj." in name or ".up_proj." in name:
-            return tensor.narrow(0, tp.rank * mlp.intermediate, mlp.intermediate)
+            return Shard(0, tp.rank * mlp.intermediate, mlp.intermediate)
         if name.endswith(".o_proj.weight"):
-            return tensor.narrow(1, tp.rank * attn.q_size, attn.q_size)
+            return Shard(1, tp.rank * attn.q_size, attn.q_size)
         if name.endswith(".down_proj.weight"):
-            return tensor.narrow(1, tp.rank * mlp.intermediate, mlp.intermediate)
+            return Shard(1, tp.rank * mlp.intermediate, mlp.intermediate)
         if name.endswith((".o_proj.bias", ".down_proj.bias")):  # added once, after the all-reduce
-            return tensor if tp.leader else torch.zeros_like(tensor)
+            return Shard(leader_only=True, leader=tp.leader)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             rows, first = tp.vocab_rows(self.vocab_size)
-            return shard_rows(tensor, first, rows)
-        return tensor
+            return Shard(0, first, rows)
+        return None
+
+    def shard_checkpoint(self, name: str, tensor: Tensor) -> Tensor:
+        """This rank's part of the checkpoint tensor `name`."""
+        shard = self.checkpoint_shard(name)
+        return tensor if shard is None else shard.tensor(tensor)
+
+    def owns(self, name: str) -> bool:
+        """Whether this pipeline stage holds the checkpoint tensor (or module) `name`."""
+        if not name.startswith("model.layers."):
+            return True
+        index = name.split(".", 3)[2]
+        return not index.isdigit() or int(index) in self.stage.owned(self.config.num_hidden_layers)
+
+    def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """Quantized weights by module name, cut to this rank's parts of this stage's modules."""
+        out = {}
+        for name, qw in weights.items():
+            if self.owns(name):
+                shard = self.checkpoint_shard(f"{name}.weight")
+                out[name] = qw if shard is None else shard.quantized(qw, name)
+        return out
 
     def stacked_params(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name fragment -> (fused fragment, first row, rows) of the fused matrices."""

@@ -162,12 +162,6 @@ def load_model(
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
         dequantize_weights = _float32_on_cpu(resolved, device, quantization, source)
-        if (parallel.size > 1 or stage.size > 1) and not dequantize_weights:
-            flag = "--tensor-parallel-size" if parallel.size > 1 else "--pipeline-parallel-size"
-            raise ModelLoadError(
-                f"{flag} {max(parallel.size, stage.size)}: Sonar splits unquantized weights only, and {source} is "
-                f"quantized ({'gguf' if from_gguf else method.name}); serve it with --dequantize-weights"
-            )
     if load_format == "dummy":
         if quantization is not None or method is not None:
             raise ModelLoadError(
@@ -177,7 +171,10 @@ def load_model(
         init_dummy_weights(module, std=float(getattr(config, "initializer_range", 0.02) or 0.02))
     elif gguf is not None and not dequantize_weights:
         quantized, plain = gguf_quantized_weights(gguf, config)
-        pack_cache = gguf_pack_cache(gguf) if device.type == "cpu" else None
+        quantized = module.shard_quantized(quantized)
+        # packed layers are cached by name: another rank's or stage's would be found under the same
+        split = parallel.size > 1 or stage.size > 1
+        pack_cache = gguf_pack_cache(gguf) if device.type == "cpu" and not split else None
         installed, method_name = install_quantized(module, quantized, pack_cache=pack_cache), "gguf"
         _check_complete(module, module.load_weights(plain) | _written(installed), source)
     elif method is not None:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError
 
 
@@ -92,6 +93,51 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A rank's part of a checkpoint tensor: ``size`` slices along ``dim`` from ``first`` (zero past
+    the tensor's end), or with ``leader_only`` the whole tensor on rank 0 and zeros elsewhere (a
+    row-parallel layer's bias, added once after the all-reduce)."""
+
+    dim: int = 0
+    first: int = 0
+    size: int = 0
+    leader_only: bool = False
+    leader: bool = True
+
+    def tensor(self, t: Tensor) -> Tensor:
+        if self.leader_only:
+            return t if self.leader else torch.zeros_like(t)
+        return shard_rows(t, self.first, self.size, self.dim)
+
+    def quantized(self, qw: QuantizedWeight, name: str) -> QuantizedWeight:
+        """The same part of a quantized weight (``[N, K]`` values, ``[N, K / group]`` scales): rows as
+        they come; input columns in whole groups, and only without an act-order permutation."""
+        if self.dim == 0:
+            return replace(
+                qw,
+                values=shard_rows(qw.values, self.first, self.size),
+                scales=shard_rows(qw.scales, self.first, self.size),
+                offsets=None if qw.offsets is None else shard_rows(qw.offsets, self.first, self.size),
+            )
+        if qw.perm is not None:
+            raise ParallelLayoutError(
+                f"{name}: its input columns are permuted (act-order), so they cannot be split between "
+                "tensor-parallel ranks; serve it with --dequantize-weights"
+            )
+        if self.first % qw.group or self.size % qw.group:
+            raise ParallelLayoutError(
+                f"{name}: a rank's {self.size} input columns do not fall on the weight's groups of {qw.group}"
+            )
+        g0, gs = self.first // qw.group, self.size // qw.group
+        return replace(
+            qw,
+            values=qw.values.narrow(1, self.first, self.size),
+            scales=qw.scales.narrow(1, g0, gs),
+            offsets=None if qw.offsets is None else qw.offsets.narrow(1, g0, gs),
+        )
 
 
 def shard_rows(tensor: Tensor, first: int, rows: int, dim: int = 0) -> Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, dequantize, stack_rows
 from sonar.kernels.quant_linear import Backend, QuantEmbedding, QuantLinear, ReferenceBackend, backend_for, quant_meta
-from sonar.models.decoder import DecoderForCausalLM
+from sonar.models.decoder import DecoderForCausalLM, VocabParallelLookup
 from sonar.models.errors import ModelLoadError
 from sonar.models.pack_cache import PackCache
 
@@ -142,7 +142,10 @@ def install_quantized(
         else:
             source = build(EMBEDDING, embedding, None)
             done.nbytes += source.nbytes
-        model.model.embed_tokens = QuantEmbedding(source, dtype)
+        lookup: nn.Module = QuantEmbedding(source, dtype)
+        if model.parallel.size > 1:  # this rank's rows of the vocabulary
+            lookup = VocabParallelLookup(lookup, model.model.embed_tokens.first, model.parallel)
+        model.model.embed_tokens = lookup
         done.quantized.append(EMBEDDING)
     if pack_cache is not None:
         pack_cache.save()

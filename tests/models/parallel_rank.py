@@ -3,7 +3,8 @@
     python -m tests.models.parallel_rank PORT RANK TP PP OUT MODEL...
 
 joins the gloo world of TP x PP ranks whose store listens on 127.0.0.1:PORT and, for each MODEL (a
-checkpoint directory, or ``embedded`` for SmolLM2 in float32), writes the last stage's `logits`
+checkpoint directory, ``embedded`` for SmolLM2 in float32, ``embedded-quantized`` for its Q4_1 GGUF as
+served, on bfloat16), writes the last stage's `logits`
 (from its tensor rank 0) to OUT (a list). Every stage passes its hidden states on as the runner's
 stages do (`sonar.engine.ranks.Topology`).
 """
@@ -29,18 +30,20 @@ DECODE_IDS = [3, 4]
 def logits(model_source: str, topology: Topology = SOLO) -> list[torch.Tensor] | None:
     """Float32 logits of the prefill rows and of the decode rows of `model_source` (None on a
     stage before the last)."""
-    args: dict = {"dtype": "float32", "parallel": topology.tp, "stage": topology.stage}
+    args: dict = {"parallel": topology.tp, "stage": topology.stage}
     if model_source == "embedded":
-        loaded = load_model(None, dequantize_weights=True, **args)
+        loaded = load_model(None, dtype="float32", dequantize_weights=True, **args)
+    elif model_source == "embedded-quantized":  # the GGUF's own quants, on bfloat16 activations
+        loaded = load_model(None, dtype="bfloat16", **args)
     else:
-        loaded = load_model(model_source, **args)
+        loaded = load_model(model_source, dtype="float32", **args)
     model = loaded.model
-    caches = allocate_kv_caches(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32, "cpu")
+    caches = allocate_kv_caches(model.num_layers, 4, 16, model.num_kv_heads, model.head_dim, loaded.dtype, "cpu")
     width = loaded.config.hidden_size
 
     def run(ids: list[int], positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         with step_metadata(meta):
-            received = () if model.stage.first else topology.recv_hidden(len(ids), width, torch.float32)
+            received = () if model.stage.first else topology.recv_hidden(len(ids), width, loaded.dtype)
             out = model.forward_tensors(torch.tensor(ids), positions, caches, *received)
         if not model.stage.last:
             topology.send_hidden(*out)

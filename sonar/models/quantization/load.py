@@ -102,7 +102,7 @@ def _load(model: DecoderForCausalLM, model_dir: Path, method: Method, dequantize
             yield name, tensor
 
     loaded = model.load_weights(plain_tensors())
-    installed = install_quantized(model, converted)
+    installed = install_quantized(model, model.shard_quantized(converted))
     loaded |= _dequantized_complete(model, installed.dequantized, plain, set(converted))
     expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
