@@ -156,3 +156,6 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """Prompt tokens loaded back from the offload tiers instead of being recomputed (cumulative)."""
     num_loading: int = 0
     """Requests waiting for their prefix to be loaded from the offload tiers."""
+    steps_overlapped: int = 0
+    """Steps sent while an earlier one was still running (async scheduling, pipeline stages),
+    since start; the scheduler's shell counts them."""

@@ -23,7 +23,9 @@ of step N. Each token a scheduled step will sample counts as a placeholder of it
 whose tokens in flight are sure to end it (``max_tokens``, ``max_model_len``) is not scheduled
 again. One that ends on a stop token computes one token more, which is dropped; one preempted
 while in flight still gets the token it was computing. In the synchronous loop every
-placeholder is resolved before the next ``schedule``, and nothing changes.
+placeholder is resolved before the next ``schedule``, and nothing changes. With
+``pipeline_stages`` > 1 a request with a placeholder is not scheduled at all until its token is
+back, so no step carries a placeholder and several steps (micro-batches) may be in flight.
 
 KV offloading (``lower_tier_lookup`` given, and a block manager with
 ``offload_blocks_per_chunk``): a waiting request whose prefix continues, past its prefix-cache
@@ -86,6 +88,12 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     """Admit a request only if its whole input fits in the free KV blocks, not just the
     first chunk (the rest is checked, not reserved)."""
+    pipeline_stages: int = 1
+    """With more than one, steps are micro-batches for pipeline stages that run several at once:
+    steps in flight share no decoding request (one with a token in flight is not scheduled again
+    until that token is back: only the last stage knows it; a prefill continues in the next step
+    as usual), and a step takes at most its share, ``1 / pipeline_stages``, of the requests
+    running and waiting, so that the next step has requests of its own."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -267,16 +275,19 @@ class Scheduler:
         preempted: list[str] = []
         running = self.running
 
+        stages = config.pipeline_stages
+        # a micro-batch's share of the requests (no cap without pipeline stages)
+        cap = -(-(len(running) + len(self.waiting)) // stages) if stages > 1 else len(running) + len(self.waiting)
         for decodes in (True, False):
             i = 0
-            while i < len(running) and budget > 0:
+            while i < len(running) and budget > 0 and len(scheduled) < cap:
                 request = running[i]
                 remaining = len(request.all_token_ids) + request.num_placeholders - request.num_computed_tokens
                 if (
                     remaining <= 0
                     or (remaining == 1) != decodes
                     or request.request_id in scheduled
-                    or (request.num_placeholders and self._ends_in_flight(request))
+                    or (request.num_placeholders and (stages > 1 or self._ends_in_flight(request)))
                 ):
                     i += 1
                     continue
@@ -298,7 +309,7 @@ class Scheduler:
                     i += 1
 
         if not preempted:
-            budget = self._admit(budget, threshold, scheduled, admitted)
+            budget = self._admit(budget, threshold, scheduled, admitted, cap)
 
         step = []
         total = 0
@@ -340,7 +351,7 @@ class Scheduler:
             and request.num_output_tokens + request.num_placeholders >= request.max_tokens
         )
 
-    def _admit(self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str]) -> int:
+    def _admit(self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str], cap: int) -> int:
         config = self.config
         waiting = self.waiting
         quarantine = self.quarantine
@@ -348,7 +359,12 @@ class Scheduler:
         suspect_in, unproven_in, any_suspect, proven_first = self._isolation()
         skipped: list[Request] = []
         try:
-            while len(waiting) and budget > 0 and len(self.running) + len(self.loading) < config.max_num_seqs:
+            while (
+                len(waiting)
+                and budget > 0
+                and len(self.running) + len(self.loading) < config.max_num_seqs
+                and len(scheduled) < cap
+            ):
                 request = waiting.peek()
                 if request.num_placeholders:
                     break  # preempted while a step in flight samples for it: resumed once that is back

@@ -18,9 +18,7 @@ import datetime
 import ipaddress
 import os
 from dataclasses import dataclass
-from typing import Any
 
-import msgspec
 import torch
 import torch.distributed as dist
 
@@ -93,22 +91,6 @@ class Topology:
         dist.recv(hidden, src=src)
         dist.recv(residual, src=src)
         return hidden, residual
-
-    def hand_result(self, result: Any, reply_type: type) -> Any:
-        """The step's result where rank 0 answers from it: the sampler sends it (msgpack), rank 0
-        returns the sampler's, every other rank its own (unused)."""
-        if self.sampler == 0 or not (self.samples or self.rank == 0):
-            return result
-        if self.samples:
-            data = torch.frombuffer(bytearray(msgspec.msgpack.encode(result)), dtype=torch.uint8).to(self.device)
-            dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst=0)
-            dist.send(data, dst=0)
-            return result
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, src=self.sampler)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(data, src=self.sampler)
-        return msgspec.msgpack.decode(data.cpu().numpy().tobytes(), type=reply_type)
 
 
 SOLO = Topology()

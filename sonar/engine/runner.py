@@ -425,10 +425,8 @@ class ModelRunner:
             hidden = self._forward_stage(
                 torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.kv_caches, meta
             )
-        if hidden is None:  # a stage before the last: the sampler has the logits
-            if sample_rows:
-                self._follow_sampling(sample_ids)
-            return self.topology.hand_result(result, StepResult)
+        if hidden is None:  # a stage before the last: the sampler has the logits, and answers
+            return result
         for rid, first, rows, start in prompt_rows:
             result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first : first + rows], rid, start)
         if sample_rows:
@@ -440,7 +438,8 @@ class ModelRunner:
             )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
             if not self.topology.samples:
-                self._follow_sampling(sample_ids)
+                if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
+                    self._follow_sampling(sample_ids)
                 return result
             if msg.grammar_rows:
                 if wait_bitmask is None:
@@ -462,7 +461,9 @@ class ModelRunner:
                 sampled = self.sampler(logits, batch)
             # one copy to the host for both: ids and whether each row failed
             tokens, failed = torch.stack((sampled.sampled_token_ids, sampled.failed.long())).tolist()
-            if self.topology.size > 1:  # the other ranks feed these tokens to later steps too
+            if self.topology.tp.size > 1 and self.topology.stage.size == 1:
+                # the other tensor ranks feed these tokens to later steps too (with several stages
+                # no step carries a token still in flight: `SchedulerConfig.pipeline_stages`)
                 self.topology.share_tokens(sampled.sampled_token_ids.to(torch.int64))
             for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
                 # a failed row's id is 0, a valid token: a step already sent behind this one can
@@ -478,7 +479,7 @@ class ModelRunner:
                 if state.params.logprobs is not None and sampled.logprobs is not None:
                     result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
         result.seconds = time.perf_counter() - started
-        return self.topology.hand_result(result, StepResult)
+        return result
 
     def _follow_sampling(self, sample_ids: list[str]) -> None:
         """A rank other than the sampler: take the tokens it sampled for this step's rows."""

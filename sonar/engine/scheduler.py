@@ -27,6 +27,9 @@ finishes one instead of waiting for the round trip through this actor; then step
 fed back. At most one step is in flight besides the one running. A failed step takes the one
 sent after it down too. Off with KV offloading.
 
+Pipeline stages (``--pipeline-parallel-size``): up to one step per stage in flight, each of
+requests no other step in flight holds (`_run_stages`), so the stages overlap.
+
 With the KV offload manager (`offload`): the core's lookups of the lower tiers read a mirror of
 what they hold (`KVBlockIndex`), kept by a long poll of the manager's tier events (`WatchTiers`;
 a restart of either side resynchronizes it from a snapshot); chunks the tiers drop are offered
@@ -39,6 +42,7 @@ them with its own.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import anyio
@@ -121,6 +125,11 @@ class SchedulerActor(Actor):
         self.tier_seq = 0
         self.pipelined = False
         """Async scheduling: send the next step before the current one's result is back."""
+        self.steps_overlapped = 0
+        """Steps sent while an earlier one was still running (`SchedulerStats.steps_overlapped`)."""
+        self.stages = 1
+        """Pipeline stages of the worker: with more than one, `_run_stages` keeps that many steps
+        in flight."""
         self._bitmasks: list[Any] = []
         """Two preallocated bitmask buffers (structured outputs), used in turn."""
         self._bitmask_turn = 0
@@ -132,7 +141,8 @@ class SchedulerActor(Actor):
         self.info = info
         cfg = self.config
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
-        self.pipelined = wanted and self.offload_bpc == 0
+        self.stages = info.pipeline_parallel_size
+        self.pipelined = wanted and self.offload_bpc == 0 and self.stages == 1
         blocks = BlockManager(
             info.num_blocks,
             info.block_size,
@@ -151,6 +161,7 @@ class SchedulerActor(Actor):
                 scheduling_policy=cfg.scheduling_policy,
                 watermark=cfg.watermark,
                 scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
+                pipeline_stages=self.stages,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,
@@ -181,7 +192,9 @@ class SchedulerActor(Actor):
             self.core.finish_stopped(msg.hits)
             return None
         if isinstance(msg, GetStats):
-            return self.core.stats()
+            stats = self.core.stats()
+            stats.steps_overlapped = self.steps_overlapped
+            return stats
         if isinstance(msg, CountRequests):
             return len(self.core.requests) + len(self.pending)
         if isinstance(msg, DescribeCache):
@@ -269,39 +282,28 @@ class SchedulerActor(Actor):
         return Accepted()
 
     async def run(self) -> None:
+        if self.stages > 1:
+            await self._run_stages()
+            return
         in_flight: PendingReply | None = None
         """Async scheduling: the step sent before the last one, its result not fed back yet."""
         in_flight_output: SchedulerOutput | None = None
         while True:
-            idle = not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers()
-            if idle and in_flight is None:
-                self.wake = anyio.Event()
-                if self.pending:  # requests admitted and already finished (aborted) still need no step
-                    self.pending = []
-                await self._publish_kv_events()
-                await self.wake.wait()
+            if self._idle() and in_flight is None:
+                await self._wait_for_work()
                 continue
-            self.kicked = False
-            output = self.core.schedule()
-            await self._publish_kv_events()
-            if output.is_empty and not output.finished_req_ids and not output.has_kv_transfers:
+            output = await self._schedule()
+            if _nothing_to_run(output):
                 if in_flight is not None:  # what is left waits for the tokens in flight
                     ok = await self._complete(in_flight)
                     in_flight = None
                     if not ok:
                         await self._recover(in_flight_output)
                     continue
-                # Nothing could be scheduled this step (the core guarantees progress once blocks
-                # free up); yield so that aborts and new requests get handled meanwhile.
-                if self.core.loading and not self.kicked:
-                    # only requests waiting for their KV: a `KVLoaded` (or a new request) wakes us
-                    self.wake = anyio.Event()
-                    with anyio.move_on_after(0.05):
-                        await self.wake.wait()
-                else:
-                    await anyio.sleep(0.001)
+                await self._pause()
                 continue
             step = await self._send(output)
+            self.steps_overlapped += step is not None and in_flight is not None
             if in_flight is not None:
                 # the one token the new step's grammar rows did not know is fed now: its bitmask
                 # goes out as soon as it is (and after a failure, for the voided step to end)
@@ -323,6 +325,69 @@ class SchedulerActor(Actor):
                 in_flight, in_flight_output = step, output
             elif not await self._complete(step):
                 await self._recover(output)
+
+    async def _run_stages(self) -> None:
+        """The loop with pipeline stages: up to one step per stage in flight, each of requests
+        that no other step in flight holds (`SchedulerConfig.pipeline_stages`), so stage 0 starts
+        a step while the later stages still run the ones before; results come back in order. A
+        failed step voids the ones sent after it."""
+        in_flight: deque[tuple[PendingReply, SchedulerOutput]] = deque()
+        while True:
+            if self._idle() and not in_flight:
+                await self._wait_for_work()
+                continue
+            output = await self._schedule()
+            if _nothing_to_run(output):
+                if not in_flight:
+                    await self._pause()
+                    continue
+            else:
+                step = await self._send(output)
+                if step is None:  # the worker could not be reached: this step never ran
+                    await self._void(in_flight)
+                    await self._recover(None)
+                    continue
+                await self._send_bitmask(output)  # its requests have no token in flight
+                self.steps_overlapped += bool(in_flight)
+                in_flight.append((step, output))
+                if len(in_flight) < self.stages:
+                    continue
+            step, sent = in_flight.popleft()
+            if not await self._complete(step):
+                await self._void(in_flight)
+                await self._recover(sent)
+
+    async def _void(self, in_flight: deque[tuple[PendingReply, SchedulerOutput]]) -> None:
+        """Wait out the steps sent after a failed one, without applying them."""
+        while in_flight:
+            await self._complete(in_flight.popleft()[0], apply=False)
+
+    def _idle(self) -> bool:
+        return not self.core.has_unfinished_requests() and not self.core.has_pending_kv_transfers()
+
+    async def _wait_for_work(self) -> None:
+        self.wake = anyio.Event()
+        if self.pending:  # requests admitted and already finished (aborted) still need no step
+            self.pending = []
+        await self._publish_kv_events()
+        await self.wake.wait()
+
+    async def _schedule(self) -> SchedulerOutput:
+        self.kicked = False
+        output = self.core.schedule()
+        await self._publish_kv_events()
+        return output
+
+    async def _pause(self) -> None:
+        """Nothing could be scheduled this step (the core guarantees progress once blocks free
+        up): yield so that aborts and new requests get handled meanwhile."""
+        if self.core.loading and not self.kicked:
+            # only requests waiting for their KV: a `KVLoaded` (or a new request) wakes us
+            self.wake = anyio.Event()
+            with anyio.move_on_after(0.05):
+                await self.wake.wait()
+        else:
+            await anyio.sleep(0.001)
 
     async def _send(self, output: SchedulerOutput) -> PendingReply | None:
         """Send a step to the worker; None when it cannot be delivered."""
@@ -516,6 +581,10 @@ class SchedulerActor(Actor):
             raise RuntimeError("the restarted worker has a different KV cache layout")
         self.info = info
         log.info("scheduler.worker_back", requests=len(ids))
+
+
+def _nothing_to_run(output: SchedulerOutput) -> bool:
+    return output.is_empty and not output.finished_req_ids and not output.has_kv_transfers
 
 
 def _never_ran(failure: Exception | None) -> bool:

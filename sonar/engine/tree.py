@@ -152,7 +152,10 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
     # rank 0 names its engine siblings from inside the group
     leader = {k: SiblingRef(f"../{v.name}") if isinstance(v, SiblingRef) else v for k, v in kwargs.items()}
     leader["followers"] = [SiblingRef(f"rank{r}") for r in range(1, size)]
-    followers = [rank(f"rank{r}", {"config": kwargs["config"], "own_process": True, "rank": r}) for r in range(1, size)]
+    followers = [
+        rank(f"rank{r}", {"config": kwargs["config"], "own_process": True, "rank": r, "leader": SiblingRef("rank0")})
+        for r in range(1, size)
+    ]
     # A rank lost is the group lost (its peers' collectives fail or hang): restart all of them.
     return SupervisorSpec(
         "worker", [*followers, rank("rank0", leader)], strategy="one_for_all", max_restarts=5, period=60

@@ -20,7 +20,9 @@ Rank 0 is the one the scheduler talks to: when it starts it opens the group's re
 each other rank a `JoinGroup`; every rank then joins the torch.distributed group and loads its
 shards. Rank 0 forwards every step to the other ranks before it runs it itself (no reply wanted:
 the collectives keep the ranks in step) and passes grammar bitmasks on to the sampler (tensor rank
-0 of the last stage), which samples and hands rank 0 the result it answers the scheduler with. Any
+0 of the last stage), which samples. With one stage that is rank 0 itself; with several, the
+sampler sends rank 0 the result (`StepDone`), which rank 0 answers the scheduler with while its own
+stage already runs the next step. Any
 rank that fails takes the group down with it: its peers' collectives fail or hang, and the
 supervisor restarts all.
 
@@ -44,7 +46,7 @@ import msgspec
 
 from sonar.actors import Actor, ActorNotFound, ActorRef
 from sonar.actors.actor import NO_REPLY
-from sonar.actors.messages import RemoteError
+from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.engine import ranks
@@ -62,6 +64,7 @@ from sonar.protocol.engine import (
     KVLoaded,
     SchedulerMsg,
     StepBitmask,
+    StepDone,
     StepResult,
     WorkerMsg,
 )
@@ -106,13 +109,19 @@ class WorkerActor(Actor):
         offload: ActorRef[OffloadMsg] | None = None,
         rank: int = 0,
         followers: list[ActorRef[WorkerMsg]] | None = None,
+        leader: ActorRef[WorkerMsg] | None = None,
     ) -> None:
         self.config = msgspec.convert(config, EngineConfig)
         self.own_process = own_process
         self.rank = rank
         """This worker's tensor-parallel rank (0 without tensor parallelism)."""
         self.followers = followers or []
-        """Rank 0 of a tensor-parallel group: the other ranks, in rank order."""
+        """Rank 0 of a group: the other ranks, in rank order."""
+        self.leader = leader
+        """A rank other than 0: rank 0, which the sampler of several stages answers (`StepDone`)."""
+        self.stages = self.config.pipeline_parallel_size
+        self._awaiting: dict[int, ReplyTo] = {}
+        """Rank 0 of several stages: where to answer each step in flight once the sampler has."""
         self.runner: ModelRunner | None = None
         self.scheduler = scheduler
         """Where finished KV loads are reported (`KVLoaded`)."""
@@ -227,6 +236,11 @@ class WorkerActor(Actor):
         if isinstance(msg, JoinGroup):
             self.task_group.start_soon(self._join, msg)
             return NO_REPLY
+        if isinstance(msg, StepDone):
+            reply_to = self._awaiting.pop(msg.step_id, None)
+            if reply_to is not None:
+                await get_node().reply(reply_to, msg.result, error=msg.error)
+            return None
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     def _bitmask_slot(self, step_id: int) -> _BitmaskSlot:
@@ -286,8 +300,9 @@ class WorkerActor(Actor):
                 raise WorkerHung(f"a step has run {elapsed:.1f} s, past the liveness deadline of {limit:.1f} s")
 
     async def _step(self, msg: ExecuteStep) -> None:
-        node = get_node()
         async with self.lock:  # steps run one at a time, in the order they came
+            if self.stages > 1 and self.rank == 0 and msg.reply_to is not None:
+                self._awaiting[msg.output.step_id] = msg.reply_to
             self.step_tokens = msg.output.num_scheduled_tokens
             self.step_started = time.monotonic()
             try:
@@ -307,13 +322,11 @@ class WorkerActor(Actor):
                 result = await anyio.to_thread.run_sync(self._execute, msg, abandon_on_cancel=True)
             except UnknownRequestError as exc:
                 # A step sent to this worker's predecessor: answer with an error, stay up.
-                if msg.reply_to is not None:
-                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+                await self._answer(msg, error=RemoteError.from_exception(exc))
                 return
             except Exception as exc:
-                if msg.reply_to is not None:
-                    with anyio.CancelScope(shield=True):
-                        await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+                with anyio.CancelScope(shield=True):
+                    await self._answer(msg, error=RemoteError.from_exception(exc))
                 raise
             finally:
                 if self.step_started is not None:
@@ -322,8 +335,28 @@ class WorkerActor(Actor):
                     if self.step_tokens:
                         self.worst_per_token = max(self.worst_per_token, took / self.step_tokens)
                 self.step_started = None
+        await self._answer(msg, result)
+
+    async def _answer(
+        self, msg: ExecuteStep, result: StepResult | None = None, error: RemoteError | None = None
+    ) -> None:
+        """Answer a step: to the scheduler, as a rule. With pipeline stages the sampler has the
+        result: it sends it to rank 0 (`StepDone`), which answers then; rank 0 answers at once
+        only when its own part failed."""
+        step_id = msg.output.step_id
+        if self.stages > 1 and self.rank == 0:
+            if error is not None and self._awaiting.pop(step_id, None) is not None and msg.reply_to is not None:
+                await get_node().reply(msg.reply_to, error=error)
+            return
+        if self.stages > 1 and self.rank == self.sampler:
+            if self.leader is not None:
+                try:
+                    await self.leader.send(StepDone(step_id, result, error))
+                except ActorNotFound:  # rank 0 is gone: the group restarts without this answer
+                    log.warning("worker.step_done_lost", step=step_id)
+            return
         if msg.reply_to is not None:
-            await node.reply(msg.reply_to, result)
+            await get_node().reply(msg.reply_to, result, error=error)
 
     # -- KV offloading -------------------------------------------------------------------------
     async def _kv_transfers(self, msg: ExecuteStep) -> None:

@@ -7,6 +7,7 @@ from typing import Any, Union
 import msgspec
 
 from sonar.actors import ActorRef, Ask
+from sonar.actors.messages import RemoteError
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.errors import Rejection
 from sonar.sampling_params import SamplingParams
@@ -107,7 +108,17 @@ class JoinGroup(Ask, tag="worker.join"):
     port: int
 
 
-WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask, JoinGroup]
+class StepDone(msgspec.Struct, tag="worker.done"):
+    """From the sampler (the last pipeline stage) to rank 0: the result of step ``step_id``, or
+    the error it failed with, which rank 0 answers the scheduler's `ExecuteStep` with."""
+
+    step_id: int
+    result: StepResult | None = None
+    error: RemoteError | None = None
+    """Set when the step failed on the sampler."""
+
+
+WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask, JoinGroup, StepDone]
 
 
 # -- scheduler -----------------------------------------------------------------------------------

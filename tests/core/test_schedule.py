@@ -662,3 +662,37 @@ def test_work_per_step_grows_linearly_with_running_requests(work: Any) -> None:
     step (or in finishing many requests at once) scans every request for each request."""
     small, large = (traced_lines(lambda s=decoding(n): work(s)) for n in (64, 256))
     assert large < 5 * small, (small, large)
+
+
+# Pipeline stages: several steps in flight at once, of different requests.
+
+
+def test_pipeline_stages_make_micro_batches_of_different_requests() -> None:
+    scheduler, _ = make_runner(pipeline_stages=2)
+    for rid in "abcd":
+        scheduler.add_request(req(rid, 5, max_tokens=3))
+    first = scheduler.schedule()
+    assert chunks(first) == {"a": (0, 5), "b": (0, 5)}  # its share: half of the four
+    second = scheduler.schedule()  # the first is still in flight
+    assert chunks(second) == {"c": (0, 5), "d": (0, 5)}
+    assert scheduler.schedule().is_empty  # every request has a token in flight
+    scheduler.update_from_output({"a": [1], "b": [2]})
+    third = scheduler.schedule()
+    assert chunks(third) == {"a": (5, 1), "b": (5, 1)}
+    assert [r.token_ids for r in third.requests] == [[1], [2]]  # known tokens, never a placeholder
+    scheduler.update_from_output({"c": [3], "d": [4]})
+    fourth = scheduler.schedule()
+    assert chunks(fourth) == {"c": (5, 1), "d": (5, 1)}
+    scheduler.check_invariants()
+
+
+def test_pipeline_stages_let_a_prefill_continue_in_the_next_step() -> None:
+    """A chunk that samples nothing leaves no token in flight: every stage runs steps in order,
+    so the next chunk can follow at once."""
+    scheduler, _ = make_runner(pipeline_stages=2, max_num_batched_tokens=8)
+    scheduler.add_request(req("a", 20, max_tokens=2))
+    assert chunks(scheduler.schedule()) == {"a": (0, 8)}
+    assert chunks(scheduler.schedule()) == {"a": (8, 8)}
+    last = scheduler.schedule()
+    assert chunks(last) == {"a": (16, 4)} and last.requests[0].sample
+    assert scheduler.schedule().is_empty  # its first token is in flight

@@ -4,7 +4,7 @@ gloo under their one-for-all supervisor.
 
 * Greedy tokens equal transformers' and the single worker's for tp = 2, pp = 2 and tp x pp = 2 x 2,
   logprobs and prompt logprobs within float32 noise, seeded random sampling the same (the sampler
-  samples once, from the same logits).
+  samples once, from the same logits); with stages, steps of different requests overlap.
 * Structured outputs at pp = 2: rank 0 passes the grammar bitmask on to the sampler, on the last stage.
 * SIGKILL of a rank mid-stream: the group is rebuilt (a new rendezvous, every rank restarted) and
   all 16 requests complete with the text they have without the kill.
@@ -49,12 +49,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, l
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-async def _run(path: Any, **args: Any) -> tuple[list[Any], list[Any], Any]:
-    """Greedy and seeded outputs of `TEXTS`, and the engine's tree."""
+async def _run(path: Any, **args: Any) -> tuple[list[Any], list[Any], Any, Any]:
+    """Greedy outputs of `TEXTS` all at once and seeded ones one by one, the engine's tree and its
+    scheduler's stats."""
     async with sonar.open(str(path), **BASE, **args) as llm:
-        greedy = [await llm.generate(text, GREEDY) for text in TEXTS]
+        greedy = await llm.generate_many(TEXTS, GREEDY)
         seeded = [await llm.generate(text, SEEDED) for text in TEXTS]
-        return greedy, seeded, llm.tree()
+        return greedy, seeded, llm.tree(), await llm.stats()
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -71,7 +72,7 @@ async def single(llama: TinyCheckpoint) -> tuple[list[Any], list[Any]]:
     """The single worker's outputs, checked against transformers' greedy tokens."""
     from transformers import AutoTokenizer
 
-    greedy, seeded, _ = await _run(llama.path)
+    greedy, seeded, _, _ = await _run(llama.path)
     expected, _ = hf_generate_batch(llama.hf, AutoTokenizer.from_pretrained(str(llama.path)), TEXTS, NEW_TOKENS)
     assert [o.token_ids for o in greedy] == expected
     return greedy, seeded
@@ -79,7 +80,9 @@ async def single(llama: TinyCheckpoint) -> tuple[list[Any], list[Any]]:
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 async def test_a_group_equals_the_single_worker(llama: TinyCheckpoint, single: Any, tp: int, pp: int) -> None:
-    greedy, seeded, tree = await _run(llama.path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    greedy, seeded, tree, stats = await _run(llama.path, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    if pp > 1:  # stage 0 started steps while the last stage still ran earlier ones
+        assert stats.steps_overlapped > 0
     group = next(c for c in tree.children if c.name == "worker")
     assert group.kind == "supervisor"
     assert [c.name for c in group.children] == [f"rank{r}" for r in range(1, tp * pp)] + ["rank0"]
