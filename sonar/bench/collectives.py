@@ -87,6 +87,7 @@ def rank_main(args: argparse.Namespace) -> None:
         if tp.leader:
             medians = {k: statistics.median(v) * 1e3 for k, v in timings.items()}
             print(json.dumps({"rows": rows, "cores_per_rank": len(cores), **medians}), flush=True)
+    ranks.leave()  # before exiting: gloo's threads must not outlive the interpreter
 
 
 def main(argv: list[str] | None = None) -> int:

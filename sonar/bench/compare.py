@@ -221,6 +221,7 @@ def run_cell(args: argparse.Namespace, server: LaunchedServer, cell: dict[str, A
 
     result, _, _ = asyncio.run(run_serve(serve_args(args, cell, seed, server.proc.pid), server.base_url, log=_quiet))
     kept = {k: result.get(k) for k in RUN_KEYS}
+    kept["errors"] = sorted({e for e in result.get("errors") or [] if e})
     kept["prefix_cache_hit_rate"] = (result.get("server") or {}).get("prefix_cache_hit_rate")
     return kept
 

@@ -145,8 +145,10 @@ def layer_counts_from_env(value: str | None) -> tuple[int, ...] | None:
 
 
 def leave() -> None:
-    """Tear down this process's group (a stopping rank; a crashed one just exits)."""
+    """Wait for every rank, then tear down this process's group (a process that ends on purpose;
+    a crashed one just exits)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 

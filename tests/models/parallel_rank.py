@@ -67,6 +67,7 @@ def main(port: int, rank: int, tp: int, pp: int, out: str, sources: list[str]) -
     results = [logits(source, topology) for source in sources]
     if topology.samples:
         torch.save(results, out)
+    ranks.leave()
 
 
 if __name__ == "__main__":
