@@ -192,7 +192,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         if self.fault_injection:
             from sonar.engine.faults import FaultPlan
 
-            FaultPlan.parse(self.fault_injection)
+            plan = FaultPlan.parse(self.fault_injection)
+            ranks = sorted({f.rank for f in plan.faults} if plan is not None else ())
+            if ranks and ranks[-1] >= self.tensor_parallel_size * self.pipeline_parallel_size:
+                raise ValueError(
+                    f"fault_injection names rank {ranks[-1]}, but the worker has "
+                    f"{self.tensor_parallel_size * self.pipeline_parallel_size} rank(s)"
+                )
         for name in LIMITS:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -398,12 +398,13 @@ class SchedulerActor(Actor):
                 new.append(
                     NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids, list(req.output_token_ids))
                 )
-        fault = self.faults.next_step(s.token_ids for s in output.requests) if self.faults is not None else None
+        fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None
         try:
             rows = self._grammar_rows(output)
             if rows:
                 self._step_rows[output.step_id] = rows
-            return await self.worker.ask_soon(ExecuteStep(output, new, fault, rows))
+            action, rank = (fault.action, fault.rank) if fault is not None else (None, 0)
+            return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self.failure = exc

@@ -307,13 +307,15 @@ class WorkerActor(Actor):
             self.step_started = time.monotonic()
             try:
                 if self.followers:  # the same step on every rank, in the same order
-                    forwarded = msgspec.structs.replace(msg, reply_to=None, fault=None, grammar_rows=[])
                     for rank, ref in enumerate(self.followers, start=1):
-                        # the sampler waits for the grammar rows' bitmask, which rank 0 passes on
                         await ref.send(
-                            msgspec.structs.replace(msg, reply_to=None, fault=None)
-                            if rank == self.sampler
-                            else forwarded
+                            msgspec.structs.replace(
+                                msg,
+                                reply_to=None,
+                                fault=msg.fault if msg.fault_rank == rank else None,
+                                # the sampler waits for the grammar rows' bitmask, which rank 0 passes on
+                                grammar_rows=msg.grammar_rows if rank == self.sampler else [],
+                            )
                         )
                 if msg.output.kv_stores or msg.output.kv_loads:
                     await self._kv_transfers(msg)
@@ -410,7 +412,7 @@ class WorkerActor(Actor):
                 log.warning("worker.kv_loaded_lost", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")
 
     def _execute(self, msg: ExecuteStep) -> StepResult:
-        if msg.fault is not None:
+        if msg.fault is not None and msg.fault_rank == self.rank:
             self._inject(msg.fault, msg.output.step_id)
         if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks
             return self.runner.execute(msg)

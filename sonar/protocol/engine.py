@@ -86,6 +86,8 @@ class ExecuteStep(Ask, tag="worker.step"):
     """Structured outputs: the requests of this step that sample under a grammar, in step order.
     Their bitmask follows in a `StepBitmask` of the same step id, which the step waits for (after
     its forward pass) before it samples."""
+    fault_rank: int = 0
+    """The rank of a tensor/pipeline group that carries `fault` out."""
     reply_type = StepResult
 
 

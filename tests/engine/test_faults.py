@@ -89,3 +89,15 @@ async def test_a_crash_of_a_stateful_actor_ends_its_requests_with_an_error_then_
                 await anyio.sleep(0.05)
         out = await llm.generate(PROMPTS[2], PARAMS)  # the restarted engine serves
         assert len(out.token_ids) == PARAMS.max_tokens and runner.restarts == 1
+
+
+def test_a_fault_can_name_the_rank_that_carries_it_out() -> None:
+    plan = FaultPlan.parse("hang@step=2@rank=1,raise@token=9")
+    assert plan is not None and [f.rank for f in plan.faults] == [1, 0]
+    assert plan.next_fault() is None
+    fault = plan.next_fault()
+    assert fault is not None and (fault.action, fault.rank) == ("hang", 1)
+    with pytest.raises(FaultSpecError, match="only @rank=R"):
+        FaultPlan.parse("exit@p=0.5@node=1")
+    with pytest.raises(ValueError, match="names rank 1, but the worker has 1 rank"):
+        EngineConfig.from_args(None, fault_injection="exit@step=1@rank=1")

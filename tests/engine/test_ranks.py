@@ -7,7 +7,8 @@ gloo under their one-for-all supervisor.
   samples once, from the same logits); with stages, steps of different requests overlap.
 * Structured outputs at pp = 2: rank 0 passes the grammar bitmask on to the sampler, on the last stage.
 * SIGKILL of a rank mid-stream: the group is rebuilt (a new rendezvous, every rank restarted) and
-  all 16 requests complete with the text they have without the kill.
+  all 16 requests complete with the text they have without the kill; a rank that hangs instead is
+  found by a step watchdog, with the same outcome.
 * What the groups cannot take yet is refused by name (KV offloading, the 'uni' backend, a remote
   placement), and shapes that do not split fail the start with the reason.
 """
@@ -133,6 +134,18 @@ async def test_a_killed_rank_restarts_the_group_and_no_request_fails(llama: Tiny
         assert all(after[name] != pid for name, pid in before.items()), "one-for-all restarts every rank"
         assert any(e.kind == "restart" for e in group.events)
         assert (await llm.generate(prompts[1], params)).text == undisturbed[1]
+
+
+async def test_a_hung_rank_is_found_by_the_watchdog_and_the_group_restarts(llama: TinyCheckpoint, single: Any) -> None:
+    """Rank 1 stops answering in step 3 while rank 0 waits on it in a collective: a step watchdog
+    ends the group's process, the group restarts whole, and the requests complete unchanged."""
+    args = {**BASE, "tensor_parallel_size": 2, "fault_injection": "hang@step=3@rank=1", "hang_margin": 2.0}
+    async with sonar.open(str(llama.path), **args) as llm:
+        greedy = await llm.generate_many(TEXTS, GREEDY)
+        group = llm.supervisor.child("worker").child
+        assert any(e.kind == "hung" or e.kind == "crash" for e in group.events)
+        assert any(e.kind == "restart" for e in group.events)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in single[0]]
 
 
 async def test_heads_that_do_not_split_fail_the_start(llama: TinyCheckpoint) -> None:

@@ -165,7 +165,9 @@ async def test_a_killed_worker_costs_its_replica_a_restart_and_no_request_fails(
     assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
 
 
-async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_again(llm, reference) -> None:
+async def _four_running_then(llm, disrupt) -> dict[int, object]:
+    """Run the first four prompts (two a replica), call `disrupt` once all four are running; each
+    one's output, or the `EngineDeadError` it ended with."""
     results: dict[int, object] = {}
 
     async def one(i: int) -> None:
@@ -174,14 +176,19 @@ async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_agai
         except sonar.EngineDeadError as exc:
             results[i] = exc
 
-    old = llm.replicas.engine(1)
     async with anyio.create_task_group() as tg:
         for i in range(4):
             tg.start_soon(one, i)
         with anyio.fail_after(60):
             while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 4:
                 await anyio.sleep(0.05)
-        await llm.supervisor.child("replica1").fail("stopped by the test")
+        await disrupt()
+    return results
+
+
+async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_again(llm, reference) -> None:
+    old = llm.replicas.engine(1)
+    results = await _four_running_then(llm, lambda: llm.supervisor.child("replica1").fail("stopped by the test"))
     failed = sorted(i for i, r in results.items() if isinstance(r, sonar.EngineDeadError))
     assert len(failed) == 2 and all("replica 1" in str(results[i]) for i in failed)
     assert all(results[i].text == reference["long"][i] for i in results if i not in failed)
@@ -195,24 +202,13 @@ async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_agai
 
 
 async def test_a_crashed_scheduler_fails_only_its_replicas_requests(llm, reference) -> None:
-    results: dict[int, object] = {}
-
-    async def one(i: int) -> None:
-        try:
-            results[i] = await llm.generate(PROMPTS[i], LONG)
-        except sonar.EngineDeadError as exc:
-            results[i] = exc
-
-    async with anyio.create_task_group() as tg:
-        for i in range(4):
-            tg.start_soon(one, i)
-        with anyio.fail_after(60):
-            while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 4:
-                await anyio.sleep(0.05)
+    async def crash_second() -> None:
         on_second = [rid for rid, replica in llm._routes.items() if replica == 1]
         assert len(on_second) == 2
         # replica 1 was restarted whole by the test before: the listener follows its new supervisor
         await llm.replicas.engine(1).child("scheduler").fail("killed by the test")
+
+    results = await _four_running_then(llm, crash_second)
     failed = [i for i, r in results.items() if isinstance(r, sonar.EngineDeadError)]
     assert len(failed) == 2 and all("replica 1" in str(results[i]) for i in failed)
     for i, r in results.items():
