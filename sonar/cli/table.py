@@ -895,7 +895,8 @@ GROUPS: tuple[Group, ...] = (
            "the N-th model step), ACTION@p=P (each step with probability P) or ACTION@token=ID (each step "
            "whose input holds token ID: a request with ID in its prompt fails every step that computes it, "
            "like a poison request, until it is quarantined); ACTION is raise (an exception in the forward "
-           "pass), hang (a step that never returns) or exit (the worker process dies). Off by default.",
+           "pass), hang (a step that never returns) or exit (the worker process dies). A trailing @rank=R "
+           "makes rank R of a tensor/pipeline group fail instead of rank 0. Off by default.",
            to=E, metavar="ACTION@step=N|ACTION@p=P|ACTION@token=ID[,...]"),
     ),
 )
