@@ -103,5 +103,9 @@ class SupervisorSpec:
     strategy: Strategy = "one_for_one"
     max_restarts: int = 3
     period: float = 5.0
+    start_together: bool = False
+    """Start (and restart) the children at once rather than in order: for children that do not
+    need each other ready (a message to a sibling still starting waits in its queue across
+    processes). Stopping stays in reverse order."""
     restart: Restart = "permanent"
     shutdown: float | None = None

@@ -76,14 +76,11 @@ class Supervisor:
             async with anyio.create_task_group() as tg:
                 self.tg = tg
                 self.runners = [make_runner(c, self) for c in self.spec.children]
-                started: list[Runner] = []
                 try:
-                    for runner in self.runners:
-                        await self._start(runner)
-                        started.append(runner)
+                    await self._start_group(self.runners)
                 except BaseException:
                     with anyio.CancelScope(shield=True):
-                        await self._stop_all(started)
+                        await self._stop_all([r for r in self.runners if r.running])
                     raise
                 for runner in self.runners:
                     interval = getattr(runner.spec, "ping_interval", None)
@@ -144,14 +141,40 @@ class Supervisor:
             except Exception as exc:  # a listener must not break supervision
                 log.error("supervisor.listener_failed", error=repr(exc))
 
-    async def _start(self, runner: Runner) -> None:
+    async def _start(self, runner: Runner, timed: bool = True) -> None:
         log.info("actor.start", supervisor=self.name, actor=runner.name, placement=runner.placement)
         began = time.monotonic()
         try:
             await runner.start()
         finally:
-            self._starting_seconds += time.monotonic() - began
+            if timed:
+                self._starting_seconds += time.monotonic() - began
         self._event("start", runner.name)
+
+    async def _start_group(self, runners: list[Runner]) -> None:
+        """Start `runners`: in order, or all at once with `start_together` (the time spent counted
+        once); raises the first start failure once every start has ended."""
+        if not self.spec.start_together or len(runners) < 2:
+            for runner in runners:
+                await self._start(runner)
+            return
+        failures: list[BaseException] = []
+
+        async def one(runner: Runner) -> None:
+            try:
+                await self._start(runner, timed=False)
+            except Exception as exc:
+                failures.append(exc)
+
+        began = time.monotonic()
+        try:
+            async with anyio.create_task_group() as tg:
+                for runner in runners:
+                    tg.start_soon(one, runner)
+        finally:
+            self._starting_seconds += time.monotonic() - began
+        if failures:
+            raise failures[0]
 
     def _clock(self) -> float:
         """The restart-intensity clock: monotonic time, less the time spent starting children. A
@@ -218,6 +241,18 @@ class Supervisor:
         else:  # rest_for_one
             group = [runner] + [r for r in self.runners[index + 1 :] if r.running]
         await self._stop_all([r for r in group if r is not runner])
+        if self.spec.start_together:
+            for r in group:
+                r.restarts += 1
+                log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts, cause=runner.name)
+                self._event("restart", r.name, f"after {runner.name}: {info.reason}")
+            try:
+                await self._start_group(group)
+            except Exception as exc:
+                failed = next(r for r in group if not r.running)
+                log.error("actor.restart_failed", actor=failed.name, error=repr(exc))
+                self.child_exited(failed, failed.incarnation, ExitInfo(False, "failed to restart"))
+            return
         for r in group:
             r.restarts += 1
             log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts, cause=runner.name)

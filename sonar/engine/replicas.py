@@ -67,7 +67,12 @@ def data_parallel_spec(config: EngineConfig) -> SupervisorSpec:
         spec.name = replica_name(index)
         replicas.append(spec)
     return SupervisorSpec(
-        "engine", replicas, strategy="one_for_one", max_restarts=REPLICA_RESTARTS * size, period=REPLICA_PERIOD
+        "engine",
+        replicas,
+        strategy="one_for_one",
+        max_restarts=REPLICA_RESTARTS * size,
+        period=REPLICA_PERIOD,
+        start_together=True,  # independent engines: their workers load side by side
     )
 
 

@@ -126,8 +126,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
 
 
 def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -> ChildSpec | SupervisorSpec:
-    """The worker; with tensor or pipeline parallelism, a one-for-all group of one worker per rank
-    (rank 0, the one the others follow, started last: it opens the group's rendezvous and calls
+    """The worker; with tensor or pipeline parallelism, a one-for-all group of one worker per rank,
+    started together (rank 0, the one the others follow, opens the group's rendezvous and calls
     them in).
 
     The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
@@ -157,6 +157,12 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
         for r in range(1, size)
     ]
     # A rank lost is the group lost (its peers' collectives fail or hang): restart all of them.
+    # All at once: rank 0's `JoinGroup` waits in the queue of a rank whose process still starts.
     return SupervisorSpec(
-        "worker", [*followers, rank("rank0", leader)], strategy="one_for_all", max_restarts=5, period=60
+        "worker",
+        [*followers, rank("rank0", leader)],
+        strategy="one_for_all",
+        max_restarts=5,
+        period=60,
+        start_together=True,
     )

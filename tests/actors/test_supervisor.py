@@ -1,6 +1,7 @@
 """Restart strategies, restart types and restart intensity, checked event by event."""
 
 import os
+import time
 
 import anyio
 import pytest
@@ -247,3 +248,30 @@ async def test_sibling_paths_reach_into_and_out_of_a_nested_supervisor_across_it
         (after,) = await sup.child("d").ref.ask(AskPeers(), timeout=10)
         assert after["pid"] == inner.child("lead").pid
         assert await inner.child("lead").ref.ask(Whoami(), timeout=10) == after
+
+
+async def test_children_started_together_start_at_once_and_restart_at_once(placement):
+    """Two children that each take 2 s to start become ready within a moment of each other (in
+    order, the second would be ready 2 s after the first), and the intensity clock counts their start
+    once; under one_for_all a crash restarts both at once."""
+    children = [
+        ChildSpec(n, Sample, kwargs={"start_delay": 2.0}, placement=placement, ping_interval=None) for n in "ab"
+    ]
+    spec = SupervisorSpec("root", children, strategy="one_for_all", start_together=True)
+
+    def ready_gap(sup) -> float:
+        ready = {e.child: e.time for e in sup.events if e.kind == "start"}
+        return abs(ready["a"] - ready["b"])
+
+    began = time.monotonic()
+    async with supervise(spec) as sup:
+        assert ready_gap(sup) < 1.5
+        first_start = sup._starting_seconds
+        assert first_start <= time.monotonic() - began  # the two starts' time, counted once
+        await sup.child("a").ref.send(Crash())
+        await wait_for(
+            lambda: all(sup.child(n).restarts == 1 and sup.child(n).state == "running" for n in "ab"), timeout=30
+        )
+        assert ready_gap(sup) < 1.5
+        for n in "ab":
+            assert await sup.child(n).ref.ask(Echo(n), timeout=5) == n
