@@ -114,8 +114,9 @@ class ModelRunner:
 
         `topology`: this runner's rank among tensor-parallel and pipeline ranks (`sonar.engine.ranks`
         joined them): every rank runs every step, its shards of its stage's layers; the sampler
-        alone samples, shares the sampled ids and hands rank 0 the result. `device`: where to run
-        (None: `select_device`)."""
+        alone samples (and with one stage shares the sampled ids with the other tensor ranks) and
+        returns the step's result, the other ranks an empty one. `device`: where to run (None:
+        `select_device`)."""
         self.config = cfg = config
         self.topology = topology
         self.requests: dict[str, _RequestState] = {}
