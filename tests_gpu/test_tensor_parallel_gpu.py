@@ -1,6 +1,6 @@
 """Tensor parallelism on GPUs: NCCL's all-reduce and all-gather between ranks, eagerly, with CUDA
-graphs (-O1) and with torch.compile + graphs (-O2): greedy tokens and logprobs of tp = 2 equal
-tp = 1's on the same GPU kind, in float32. Needs two GPUs (NCCL takes one rank per device); on a
+graphs (-O1) and with torch.compile + graphs (-O2), and two pipeline stages (eager, as stages
+run): greedy tokens and logprobs equal one GPU's, in float32. Needs two GPUs (NCCL takes one rank per device); on a
 machine with one, these tests are skipped and the CPU tests (gloo) stand for the shared code."""
 
 from __future__ import annotations
@@ -50,12 +50,14 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, **args) -> list[t
     return [(o.token_ids, [p.logprob for p in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"optimization_level": 1}, {}],
-                         ids=["eager", "graphs", "compiled"])
+@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"optimization_level": 1}, {},
+                                  {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}],
+                         ids=["eager", "graphs", "compiled", "pp2"])
 async def test_tp2_on_two_gpus_equals_one(monkeypatch: pytest.MonkeyPatch, checkpoint: Path, mode: dict) -> None:
+    """Two ranks (two stages for pp2: NCCL's point-to-point sends) against one."""
     graphs = {} if mode.get("enforce_eager") else {"cudagraph_capture_sizes": [1, 2, 4]}
     one = await _greedy(monkeypatch, checkpoint, enforce_eager=True)
-    two = await _greedy(monkeypatch, checkpoint, tensor_parallel_size=2, **mode, **graphs)
+    two = await _greedy(monkeypatch, checkpoint, **{"tensor_parallel_size": 2, **mode, **graphs})
     for (tokens_one, lp_one), (tokens_two, lp_two) in zip(one, two):
         assert tokens_two == tokens_one
         assert max(abs(a - b) for a, b in zip(lp_one, lp_two)) < 1e-3
