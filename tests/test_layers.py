@@ -5,9 +5,9 @@ Every ``import`` statement of ``sonar/`` counts, at any depth (a lazy import hid
 does not remove it), except those under ``if TYPE_CHECKING:`` for the cycle check (they never
 run). The floors, lowest first; packages on one floor import nothing of each other:
 
-0. ``errors`` (the one exception hierarchy every floor raises from) and the package ``sonar``
-   itself, whose ``__init__`` imports nothing (its ``__version__``; the public names load on
-   first use).
+0. ``errors`` (the one exception hierarchy every floor raises from), ``lazy`` (names a package
+   imports on first use) and the package ``sonar`` itself, whose ``__init__`` imports nothing
+   (its ``__version__``; the public names load on first use, by its own ``__getattr__``).
 1. ``units``, ``log``, ``paths``, ``procfs``, ``sampling_params``, ``parsers`` (tool-call and
    reasoning parsers of generated text): leaves.
 2. ``core`` (pure cores) and ``actors`` (the runtime): nothing above them.
@@ -34,6 +34,7 @@ PACKAGE = ROOT / "sonar"
 FLOORS: dict[str, int] = {
     "": 0,
     "errors": 0,
+    "lazy": 0,
     "units": 1,
     "log": 1,
     "paths": 1,

@@ -241,28 +241,27 @@ class Supervisor:
         else:  # rest_for_one
             group = [runner] + [r for r in self.runners[index + 1 :] if r.running]
         await self._stop_all([r for r in group if r is not runner])
-        if self.spec.start_together:
-            for r in group:
-                r.restarts += 1
-                log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts, cause=runner.name)
-                self._event("restart", r.name, f"after {runner.name}: {info.reason}")
-            try:
-                await self._start_group(group)
-            except Exception as exc:
-                failed = next(r for r in group if not r.running)
-                log.error("actor.restart_failed", actor=failed.name, error=repr(exc))
-                self.child_exited(failed, failed.incarnation, ExitInfo(False, "failed to restart"))
-            return
+        together = self.spec.start_together
         for r in group:
             r.restarts += 1
             log.info("actor.restart", supervisor=self.name, actor=r.name, restarts=r.restarts, cause=runner.name)
             self._event("restart", r.name, f"after {runner.name}: {info.reason}")
+            if not together:  # each one started before the next restarts
+                try:
+                    await self._start(r)
+                except Exception as exc:
+                    self._restart_failed(r, exc)
+                    return
+        if together:
             try:
-                await self._start(r)
+                await self._start_group(group)
             except Exception as exc:
-                log.error("actor.restart_failed", actor=r.name, error=repr(exc))
-                self.child_exited(r, r.incarnation, ExitInfo(False, "failed to restart"))
-                return
+                self._restart_failed(next(r for r in group if not r.running), exc)
+
+    def _restart_failed(self, runner: Runner, exc: Exception) -> None:
+        """A restart that failed counts as one more crash of `runner`."""
+        log.error("actor.restart_failed", actor=runner.name, error=repr(exc))
+        self.child_exited(runner, runner.incarnation, ExitInfo(False, "failed to restart"))
 
     async def _ping_loop(self, runner: Runner, interval: float, timeout: float) -> None:
         while True:

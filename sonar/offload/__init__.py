@@ -11,8 +11,7 @@ importing torch (the layout's) on the way.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sonar.lazy import lazy_exports
 
 _EXPORTS = {
     "KV_FORMAT_VERSION": "sonar.offload.layout",
@@ -30,8 +29,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -7,29 +7,24 @@ without importing torch (the bitmask's) on the way."""
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sonar.lazy import lazy_exports
 
 _EXPORTS = {
-    "BACKENDS": "config",
-    "CompiledGrammar": "backends",
-    "GrammarCompiler": "compiler",
-    "GrammarError": "backends",
-    "StructuredOutputsConfig": "config",
-    "allocate_bitmask": "bitmask",
-    "apply_token_bitmask": "bitmask",
-    "bitmask_words": "bitmask",
-    "compiler_for": "compiler",
-    "fill_bitmasks": "backends",
-    "pack_allowed": "bitmask",
-    "unpack_allowed": "bitmask",
+    "BACKENDS": "sonar.structured.config",
+    "CompiledGrammar": "sonar.structured.backends",
+    "GrammarCompiler": "sonar.structured.compiler",
+    "GrammarError": "sonar.structured.backends",
+    "StructuredOutputsConfig": "sonar.structured.config",
+    "allocate_bitmask": "sonar.structured.bitmask",
+    "apply_token_bitmask": "sonar.structured.bitmask",
+    "bitmask_words": "sonar.structured.bitmask",
+    "compiler_for": "sonar.structured.compiler",
+    "fill_bitmasks": "sonar.structured.backends",
+    "pack_allowed": "sonar.structured.bitmask",
+    "unpack_allowed": "sonar.structured.bitmask",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())
