@@ -71,6 +71,20 @@ def test_vocab_rows_pad_the_last_rank() -> None:
     assert shard_rows(weight, 0, 101).data_ptr() == weight.data_ptr()  # a view where nothing pads
 
 
+def test_layers_partition_evenly_or_as_counted() -> None:
+    from sonar.engine.ranks import layer_counts_from_env
+    from sonar.models.parallel import PipelineStage, partition_layers
+
+    assert partition_layers(30, 4) == [range(0, 8), range(8, 16), range(16, 23), range(23, 30)]
+    assert partition_layers(30, 2, [20, 10]) == [range(0, 20), range(20, 30)]
+    assert PipelineStage(1, 2, counts=(20, 10)).resolve(30).layers == range(20, 30)
+    with pytest.raises(ParallelLayoutError, match="2 positive counts summing to 30, got \\[20, 9\\]"):
+        partition_layers(30, 2, [20, 9])
+    assert layer_counts_from_env("8,8,7,7") == (8, 8, 7, 7) and layer_counts_from_env("") is None
+    with pytest.raises(ValueError, match="SONAR_PP_LAYER_PARTITION='8,x'"):
+        layer_counts_from_env("8,x")
+
+
 def test_a_model_that_does_not_split_fails_at_construction() -> None:
     from transformers import LlamaConfig
 
