@@ -404,11 +404,17 @@ class KVEventConsumer:
         if self.replay_endpoint is None:
             raise ValueError("no replay endpoint to replay from")
         dealer = self._socket(zmq.DEALER)
+        # the request itself counts against the timeout: a send to a publisher that refuses this
+        # consumer's handshake finds no peer to take it and would wait for one without end
+        dealer.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))
         out: list[tuple[int, KVEvent]] = []
+        deadline = time.monotonic() + timeout
         try:
             dealer.connect(self.replay_endpoint)
-            dealer.send_multipart([b"", _seq_bytes(from_seq)])
-            deadline = time.monotonic() + timeout
+            try:
+                dealer.send_multipart([b"", _seq_bytes(from_seq)])
+            except zmq.Again:
+                raise TimeoutError(f"{self.replay_endpoint} took no replay request within {timeout} s") from None
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0 or not dealer.poll(int(left * 1000)):
