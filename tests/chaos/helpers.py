@@ -128,9 +128,9 @@ def actor(base_url: str, name: str) -> dict[str, Any]:
     return found
 
 
-def metrics(base_url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def metrics(base_url: str, timeout: float = 10) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """`/metrics` parsed by prometheus_client: {(sample name, sorted labels): value}."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{base_url}/metrics", timeout=timeout).text
     out = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

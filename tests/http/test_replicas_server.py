@@ -13,8 +13,8 @@ from typing import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.chaos.helpers import metrics
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
 
 PROMPTS = [
@@ -37,12 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def samples(base_url: str) -> dict[tuple[str, tuple], float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+    return metrics(base_url, timeout=30)
 
 
 def test_completions_are_served_and_both_replicas_show_in_metrics(server: ServerProcess) -> None:
