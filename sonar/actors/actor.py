@@ -200,11 +200,8 @@ class _ReadyStatus:
 async def launch(tg: TaskGroup, actor: Actor, name: str, size: int, display: str | None = None) -> Incarnation:
     """Start `actor` in `tg` on a new mailbox named `name`; return once it is ready.
 
-    `display` is the name the actor sees as `self.name` and logs use (default: `name`)."""
-    """
-
-    Raises the actor's own exception when it fails before it is ready.
-    """
+    `display` is the name the actor sees as `self.name` and logs use (default: `name`). Raises the
+    actor's own exception when it fails before it is ready."""
     node = get_node()
     if name in node.mailboxes:
         raise RuntimeError(f"an actor named {name!r} is already running in this process")

@@ -187,6 +187,8 @@ async def _watch_parent(parent_pid: int) -> None:
 
 async def _host_main(args: argparse.Namespace) -> int:
     node = get_node()
+    if args.expect:
+        node.await_mailbox(args.expect)
     address = node.ensure_bound(args.bind or args.listen)
     host = HostActor(exit_with_actor=args.parent is not None)
     try:
@@ -289,6 +291,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0)
     ap.add_argument("--hello", default="", help="the id to say hello with (child mode)")
     ap.add_argument("--bind", help="address to bind in child mode")
+    ap.add_argument(
+        "--expect",
+        metavar="NAME",
+        help="the name of the actor about to be spawned: messages for it that arrive first wait for it (child mode)",
+    )
     ap.add_argument(
         "--preload",
         metavar="MODULE",

@@ -71,6 +71,8 @@ larger models."""
 HOLD_PROBE = 1.0
 """Seconds a sender told to hold waits for `go` before it sends again (and is told to hold again
 if the mailbox is still full)."""
+AWAITED_LIMIT = 1024
+"""Messages held for one mailbox that does not exist yet (`ActorNode.await_mailbox`)."""
 
 HOLD, GO = b"hold", b"go"
 
@@ -193,6 +195,7 @@ class Node:
         self._peer_address: dict[bytes, str] = {}  # a child's routing id -> its address (from its hello)
         self._held: dict[tuple[str, str], asyncio.Event] = {}  # (address, mailbox) told to hold
         self._overflowing = 0  # messages in all mailboxes' overflow queues
+        self._awaited: dict[str, list[tuple[bytes, list[Any]]]] = {}  # see `await_mailbox`
         self._router_paused = False
         self._ipc_path: str | None = None
         self._ipc_dir: str | None = None
@@ -213,7 +216,16 @@ class Node:
             mb = self.mailboxes[name] = Mailbox(
                 name, protocol, display or name, decode_type, types + SYSTEM_MESSAGES, send, receive, size
             )
+            for peer, frames in self._awaited.pop(name, ()):
+                self._incoming(peer, name, frames)
         return mb
+
+    def await_mailbox(self, name: str) -> None:
+        """Hold messages for `name` that arrive before its mailbox exists, and deliver them when it
+        does (a child host between its bind and the spawn of its one actor: a sibling started at the
+        same time may already be sending to it). At most `AWAITED_LIMIT` are held; more are refused."""
+        if name not in self.mailboxes:
+            self._awaited.setdefault(name, [])
 
     def remove_mailbox(self, name: str) -> None:
         mb = self.mailboxes.pop(name, None)
@@ -526,6 +538,10 @@ class Node:
         (only when the overflow queues are past their bound)."""
         mb = self.mailboxes.get(name)
         if mb is None:
+            awaited = self._awaited.get(name)
+            if awaited is not None and len(awaited) < AWAITED_LIMIT:
+                awaited.append((peer, frames))
+                return None
             self._spawn(self._refuse(frames, ActorNotFound(f"no actor named {name!r} at {self.address}"), name))
             return None
         try:

@@ -334,6 +334,8 @@ class ChildProcessRunner(_HostedRunner):
             self.address,
             "--preload",
             _module(self.spec),
+            "--expect",
+            self.mailbox_name,
         ]
         proc = await anyio.open_process(
             cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env, start_new_session=True

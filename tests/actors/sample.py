@@ -91,6 +91,7 @@ class Sample(Actor):
         fail_start: bool = False,
         start_delay: float = 0.0,
         peers: list[ActorRef] | None = None,
+        greet_peers: bool = False,
     ) -> None:
         self.values: list[int] = []
         self.peers = peers or []
@@ -99,8 +100,12 @@ class Sample(Actor):
         self.ignore_sigterm = ignore_sigterm
         self.fail_start = fail_start
         self.start_delay = start_delay
+        self.greet_peers = greet_peers
 
     async def started(self) -> None:
+        if self.greet_peers:  # the start fails unless every peer answers
+            for peer in self.peers:
+                await peer.ask(Whoami(), timeout=10)
         if self.fail_start:
             raise RuntimeError("refusing to start")
         if self.ignore_sigterm:

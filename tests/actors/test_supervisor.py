@@ -6,7 +6,7 @@ import time
 import anyio
 import pytest
 
-from sonar.actors import ChildSpec, SiblingRef, SupervisorGaveUp, SupervisorSpec, supervise
+from sonar.actors import ChildSpec, SiblingRef, SupervisorGaveUp, SupervisorSpec, parse_placement, runners, supervise
 from tests.actors.helpers import alive, wait_for
 from tests.actors.sample import Add, AskPeers, Crash, Echo, Quit, Sample, Whoami
 
@@ -275,3 +275,30 @@ async def test_children_started_together_start_at_once_and_restart_at_once(place
         assert ready_gap(sup) < 1.5
         for n in "ab":
             assert await sup.child(n).ref.ask(Echo(n), timeout=5) == n
+
+
+async def test_a_child_started_together_may_ask_a_sibling_whose_process_is_up_before_its_actor(monkeypatch):
+    """`b`'s process binds its address before the actor in it is spawned; `a`, started at the same
+    time, asks `b` in its own start. The message waits in `b`'s process for `b` (it was refused
+    with `ActorNotFound` when it arrived in that gap, a failure seen in CI with tensor-parallel ranks)."""
+    spawn = runners._HostedRunner._spawn
+
+    async def late_for_b(self, incarnation: int, timeout: float) -> None:
+        if self.name == "b":
+            await anyio.sleep(3.0)
+        await spawn(self, incarnation, timeout)
+
+    monkeypatch.setattr(runners._HostedRunner, "_spawn", late_for_b)
+    children = [
+        ChildSpec("b", Sample, placement=parse_placement("process"), ping_interval=None),
+        ChildSpec(
+            "a",
+            Sample,
+            kwargs={"peers": [SiblingRef("b")], "greet_peers": True},
+            placement=parse_placement("process"),
+            ping_interval=None,
+        ),
+    ]
+    async with supervise(SupervisorSpec("root", children, start_together=True)) as sup:
+        [b] = await sup.child("a").ref.ask(AskPeers(), timeout=10)
+        assert b == {"pid": sup.child("b").pid, "name": "b"}
