@@ -141,6 +141,16 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = [self.stop]
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # the same keys, as a plain mapping
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise SamplingParamsError("structured_outputs", str(exc)) from None
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError(
+                "structured_outputs",
+                f"must be a StructuredOutputsParams or a dict of its fields, got {type(self.structured_outputs).__name__}",
+            )
         self._check()
 
     def _check(self) -> None:

@@ -7,7 +7,7 @@ import math
 import msgspec
 import pytest
 
-from sonar.sampling_params import SamplingParams, SamplingParamsError
+from sonar.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 
 
 def test_defaults_follow_vllm() -> None:
@@ -111,3 +111,12 @@ def test_children_get_consecutive_seeds() -> None:
     assert [c.seed for c in children] == [10, 11, 12]
     assert all(c.n == 1 and c.temperature == 0.5 for c in children)
     assert SamplingParams(n=2).for_child(1).seed is None
+
+
+def test_structured_outputs_may_be_given_as_a_dict_of_its_fields() -> None:
+    params = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
+    with pytest.raises(SamplingParamsError, match="structured_outputs: .*'chioce'"):
+        SamplingParams(structured_outputs={"chioce": ["yes"]})
+    with pytest.raises(SamplingParamsError, match="structured_outputs: must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs="yes|no")

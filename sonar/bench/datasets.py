@@ -7,6 +7,10 @@
   ``num_prompts / num_prefixes`` prompts that differ in a random suffix (exercises the prefix cache).
 * ``json-schema``: each request asks for JSON under a JSON schema (sent as ``response_format``):
   see `sonar.bench.json_schemas` for the schemas and their options.
+* ``edit``: outputs that repeat the input, where speculative decoding pays: each prompt asks to
+  rewrite a generated passage (English prose, or Python code) with one word changed, and asks for
+  about as many tokens as the passage has (``--edit-input-len`` tokens of passage; the output
+  length is the passage's, unless ``--edit-output-len`` is given).
 * ``sharegpt``: a local JSON file in the ShareGPT format (a list of ``{"conversations": [{"from":
   "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}``); the first human turn is the
   prompt and the reply's token count the output length, unless an output length is given.
@@ -24,7 +28,7 @@ import numpy as np
 
 from sonar.bench.json_schemas import schema_request
 
-DATASETS = ("random", "prefix-repetition", "json-schema", "sharegpt")
+DATASETS = ("random", "prefix-repetition", "json-schema", "sharegpt", "edit")
 
 
 @dataclass
@@ -59,6 +63,8 @@ class DatasetArgs:
     json_schema_unique: bool = False
     json_schema_min_chars: int = 0
     json_schema_off: bool = False
+    edit_input_len: int = 256
+    edit_output_len: int | None = None
 
 
 def add_dataset_arguments(parser: Any) -> None:
@@ -107,6 +113,13 @@ def add_dataset_arguments(parser: Any) -> None:
     g.add_argument(
         "--json-schema-off", action="store_true", help="json-schema: the same prompts and lengths, no schema sent"
     )
+    g.add_argument("--edit-input-len", type=int, default=256, help="edit: tokens of the passage to rewrite")
+    g.add_argument(
+        "--edit-output-len",
+        type=int,
+        default=None,
+        help="edit: tokens to generate (default: as many as the passage has)",
+    )
 
 
 def dataset_args(ns: Any) -> DatasetArgs:
@@ -127,6 +140,8 @@ def sample_requests(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
         return _json_schema(args, tokenizer)
     if args.dataset_name == "sharegpt":
         return _sharegpt(args, tokenizer)
+    if args.dataset_name == "edit":
+        return _edit(args, tokenizer)
     raise ValueError(f"unknown dataset {args.dataset_name!r} (expected one of {', '.join(DATASETS)})")
 
 
@@ -235,4 +250,48 @@ def _sharegpt(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
     usable = len(out)
     while len(out) < args.num_prompts:  # a small file is cycled through
         out.append(out[len(out) % usable])
+    return out
+
+
+_PEOPLE = ("the old sailor", "the baker", "my neighbour", "the young doctor", "a quiet student", "the mayor")
+_PLACES = ("the harbour", "the market", "the library", "the station", "the garden", "the river bank")
+_ACTS = ("walked to", "painted a picture of", "told a story about", "spent the morning at", "wrote a letter from")
+_AFTER = ("before the rain came", "while the bells rang", "as the sun went down", "after a long week")
+_SWAPS = (("morning", "evening"), ("the", "a"), ("old", "new"), ("quiet", "busy"), ("long", "short"))
+
+
+def _prose(rng: random.Random) -> str:
+    return (
+        f"{rng.choice(_PEOPLE).capitalize()} {rng.choice(_ACTS)} {rng.choice(_PLACES)} {rng.choice(_AFTER)}. "
+        f"Everyone said it was the best {rng.choice(('day', 'week', 'morning', 'evening'))} of the year."
+    )
+
+
+def _function(rng: random.Random, i: int) -> str:
+    a, b = rng.sample(("width", "height", "count", "total", "price", "rate", "size", "offset"), 2)
+    op = rng.choice(("+", "-", "*"))
+    return f"def step_{i}({a}, {b}):\n    result = {a} {op} {b}\n    return result\n\n"
+
+
+def _edit(args: DatasetArgs, tokenizer: Any) -> list[SampleRequest]:
+    """Rewrite-with-one-change prompts (see the module doc), half prose and half code."""
+    rng = random.Random(args.seed)
+    out = []
+    for n in range(args.num_prompts):
+        code = n % 2 == 1
+        parts: list[str] = []
+        length = 0
+        while length < args.edit_input_len:
+            parts.append(_function(rng, len(parts)) if code else _prose(rng) + " ")
+            length = len(tokenizer.encode("".join(parts), add_special_tokens=False))
+        passage = "".join(parts).strip()
+        if code:
+            old, new = "result", rng.choice(("value", "answer", "out"))
+            ask = f"Rename the variable `{old}` to `{new}` in this code and return the whole code"
+        else:
+            old, new = rng.choice(_SWAPS)
+            ask = f"Rewrite the following text, replacing the word '{old}' with '{new}'; keep everything else"
+        prompt = f"{ask}:\n\n{passage}\n\nResult:\n"
+        prompt_len = len(tokenizer.encode(prompt, add_special_tokens=False))
+        out.append(SampleRequest(prompt, prompt_len, args.edit_output_len or length))
     return out

@@ -49,6 +49,10 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     num_prompt_tokens: int
     """Tokens of the original prompt; positions past it are earlier outputs (after a
     preemption they are recomputed with the prompt)."""
+    num_drafts: int = 0
+    """Speculative decoding: the last ``num_drafts`` of ``token_ids`` are guesses, not known
+    tokens. The runner samples at each of the last ``1 + num_drafts`` positions and returns the
+    drafts its samples agree with, up to the first that differs, plus one sampled token."""
 
 
 class KVStoreSpec(msgspec.Struct, array_like=True, gc=False):
@@ -159,3 +163,11 @@ class SchedulerStats(msgspec.Struct, gc=False):
     steps_overlapped: int = 0
     """Steps sent while an earlier one was still running (async scheduling, pipeline stages),
     since start; the scheduler's shell counts them."""
+    spec_num_drafts: int = 0
+    """Speculative decoding, since start: steps of a request that carried drafts,"""
+    spec_num_draft_tokens: int = 0
+    """the drafts they carried,"""
+    spec_num_accepted_tokens: int = 0
+    """the drafts accepted,"""
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    """and those accepted at each position of a step's drafts (0-based)."""

@@ -147,6 +147,7 @@ class Request:
         "status",
         "num_computed_tokens",
         "num_placeholders",
+        "spec_token_ids",
         "num_cached_tokens",
         "num_offloaded_tokens",
         "num_preemptions",
@@ -210,6 +211,9 @@ class Request:
         scheduling a step is scheduled before the previous one's tokens are back: the request's
         sequence then runs this many tokens past ``all_token_ids``, and a decode of it feeds
         `PLACEHOLDER_TOKEN`, which the runner replaces with the token it sampled itself."""
+        self.spec_token_ids: list[int] = []
+        """Speculative decoding: the drafts the step in flight verifies after the request's last
+        token (`sonar.core.speculative`); empty otherwise."""
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
         self.num_offloaded_tokens = 0

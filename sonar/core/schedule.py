@@ -27,6 +27,13 @@ placeholder is resolved before the next ``schedule``, and nothing changes. With
 ``pipeline_stages`` > 1 a request with a placeholder is not scheduled at all until its token is
 back, so no step carries a placeholder and several steps (micro-batches) may be in flight.
 
+Speculative decoding (``SchedulerConfig.speculative``): a decoding request may carry drafts from
+the proposer (`sonar.core.speculative`) after its last token; they take budget and KV slots like
+any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
+moves the request's computed tokens back to the last of them, so the KV of rejected drafts is
+overwritten by the tokens that follow (their slots stay the request's). A request with a token in
+flight (async scheduling) or a grammar gets no drafts.
+
 KV offloading (``lower_tier_lookup`` given, and a block manager with
 ``offload_blocks_per_chunk``): a waiting request whose prefix continues, past its prefix-cache
 hits, in the offload tiers is admitted with blocks for that part and parked as
@@ -68,6 +75,7 @@ from sonar.core.request import (
     Request,
     RequestStatus,
 )
+from sonar.core.speculative import Proposer, SpecDecodeStats, SpeculativeConfig, make_proposer
 
 __all__ = ["Recovery", "Scheduler", "SchedulerConfig"]
 
@@ -94,6 +102,12 @@ class SchedulerConfig:
     until that token is back: only the last stage knows it; a prefill continues in the next step
     as usual), and a step takes at most its share, ``1 / pipeline_stages``, of the requests
     running and waiting, so that the next step has requests of its own."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding with a proposer that needs no model (`sonar.core.speculative`): a
+    decoding request without a token in flight or a grammar gets up to ``num_speculative_tokens``
+    drafts after its last token, within the step's token budget and its ``max_tokens`` and
+    ``max_model_len``; a request whose drafts are in flight is not scheduled again until they are
+    back."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -182,6 +196,9 @@ class Scheduler:
         self.offload_hits = 0
         self.quarantine = Quarantine()
         """Requests that were in a failed step and have not sampled since (see the module doc)."""
+        spec = config.speculative
+        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        self.spec_stats = SpecDecodeStats()
 
     # Requests in and out.
 
@@ -258,6 +275,10 @@ class Scheduler:
         return found
 
     def _retire(self, request: Request) -> None:
+        if self.proposer is not None:
+            if request.output_token_ids:  # the proposer learns the last tokens (suffix keeps outputs)
+                self.proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, 0)
+            self.proposer.finish(request.request_id)
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
         self.quarantine.discard(request.request_id)
@@ -278,6 +299,10 @@ class Scheduler:
         stages = config.pipeline_stages
         # a micro-batch's share of the requests (no cap without pipeline stages)
         cap = -(-(len(running) + len(self.waiting)) // stages) if stages > 1 else len(running) + len(self.waiting)
+        spec = config.speculative
+        speculating = spec is not None and (
+            spec.disable_by_batch_size is None or len(running) < spec.disable_by_batch_size
+        )
         for decodes in (True, False):
             i = 0
             while i < len(running) and budget > 0 and len(scheduled) < cap:
@@ -287,10 +312,21 @@ class Scheduler:
                     remaining <= 0
                     or (remaining == 1) != decodes
                     or request.request_id in scheduled
-                    or (request.num_placeholders and (stages > 1 or self._ends_in_flight(request)))
+                    or (
+                        request.num_placeholders
+                        and (stages > 1 or request.spec_token_ids or self._ends_in_flight(request))
+                    )
                 ):
                     i += 1
                     continue
+                if decodes and speculating and not request.num_placeholders and request.grammar is None:
+                    drafts = self._propose(request, budget - 1)
+                    if drafts and bm.allocate_slots(request, 1 + len(drafts)):
+                        request.spec_token_ids = drafts
+                        scheduled[request.request_id] = 1 + len(drafts)
+                        budget -= 1 + len(drafts)
+                        i += 1
+                        continue
                 num_new = remaining
                 if threshold and num_new > threshold:
                     num_new = threshold
@@ -319,9 +355,12 @@ class Scheduler:
             end = start + num_new
             known = len(request.all_token_ids)
             token_ids = request.all_token_ids[start:end]
-            if end > known:  # tokens the step in flight samples
+            drafts = request.spec_token_ids
+            if drafts:
+                token_ids += drafts
+            elif end > known:  # tokens the step in flight samples
                 token_ids += [PLACEHOLDER_TOKEN] * (end - max(start, known))
-            sample = end == known + request.num_placeholders
+            sample = end - len(drafts) == known + request.num_placeholders
             step.append(
                 ScheduledRequest(
                     request_id,
@@ -331,6 +370,7 @@ class Scheduler:
                     sample,
                     request_id in admitted or request_id in self._fresh,
                     request.num_prompt_tokens,
+                    len(drafts),
                 )
             )
             request.num_computed_tokens = end
@@ -342,6 +382,24 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, []
         loads, self._kv_loads = self._kv_loads, []
         return SchedulerOutput(next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads)
+
+    def _propose(self, request: Request, room: int) -> list[int]:
+        """Drafts for a decoding request: at most ``room`` (the step's budget after its own
+        token), and none that its step could not keep (past ``max_tokens`` or ``max_model_len``,
+        counting the token sampled after the last draft)."""
+        assert self.proposer is not None and self.config.speculative is not None
+        limit = min(
+            self.config.speculative.num_speculative_tokens,
+            room,
+            self.config.max_model_len - request.num_tokens - 1,
+        )
+        if request.max_tokens is not None:
+            limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
+        if limit <= 0:
+            return []
+        return self.proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, limit)[
+            :limit
+        ]
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The tokens the steps in flight sample for ``request`` are sure to finish it."""
@@ -538,6 +596,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         """Send a running request (already off the running list) back to the waiting queue."""
         self._fresh.discard(request.request_id)
+        request.spec_token_ids = []
         self.block_manager.free(request.request_id, num_computed_tokens=request.num_computed_tokens, request=request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -574,6 +633,19 @@ class Scheduler:
             in_flight = request.num_placeholders > 0
             if in_flight:
                 request.num_placeholders -= 1
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                accepted = 0
+                while accepted < min(len(drafts), len(token_ids)) and token_ids[accepted] == drafts[accepted]:
+                    accepted += 1
+                self.spec_stats.record(len(drafts), accepted, self.config.speculative.num_speculative_tokens)
+                if request.status == _RUNNING:
+                    # the KV of the rejected drafts is overwritten by the tokens that follow; the
+                    # last token kept has no KV yet, as after any decode
+                    request.num_computed_tokens = min(
+                        request.num_computed_tokens, len(request.all_token_ids) + len(token_ids) - 1
+                    )
             status = request.status
             if status != _RUNNING and not (status == _PREEMPTED and in_flight):
                 continue
@@ -713,6 +785,10 @@ class Scheduler:
             prefix_hits=bm.prefix_hits,
             offload_hits=self.offload_hits,
             num_loading=sum(1 for r in self.loading.values() if r.status == _LOADING),
+            spec_num_drafts=self.spec_stats.num_drafts,
+            spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_position=list(self.spec_stats.accepted_per_position or ()),
         )
 
     def check_invariants(self) -> None:
@@ -743,7 +819,9 @@ class Scheduler:
             if request.num_computed_tokens:
                 raise AssertionError(f"{request!r} waits with computed tokens")
         for request in self.requests.values():
-            if request.num_computed_tokens > request.num_tokens + request.num_placeholders:
+            if request.num_computed_tokens > request.num_tokens + request.num_placeholders + len(
+                request.spec_token_ids
+            ):
                 raise AssertionError(f"{request!r} computed more tokens than it has")
         suspects = list(self.quarantine.suspects)
         if not set(suspects) <= set(self.requests):

@@ -121,6 +121,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--kv-transfer-config`: the OffloadingConnector with a CPU or a CPU-then-disk spec."""
     kv_events_config: dict[str, Any] | None = None
     """`--kv-events-config`: publish KV cache events over ZMQ."""
+    speculative_config: dict[str, Any] | None = None
+    """`--speculative-config` (`sonar.core.speculative.SpeculativeConfig`); None: no speculation."""
+    spec_method: str | None = None
+    """`--spec-method`: the ``method`` of the speculative config."""
+    spec_tokens: int | None = None
+    """`--spec-tokens`: its ``num_speculative_tokens``."""
+    spec_model: str | None = None
+    """`--spec-model`: its ``model`` (a draft model: refused until the worker runs one)."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000
@@ -147,7 +155,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         unknown = sorted(set(args) - fields)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        for name in ("kv_transfer_config", "kv_events_config", "structured_outputs_config"):
+        for name in ("kv_transfer_config", "kv_events_config", "structured_outputs_config", "speculative_config"):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
         if "max_model_len" in args and args["max_model_len"] is not None:
@@ -215,6 +223,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             parse_placement(where)
         self.check_parallel()
         self._check_data_parallel()
+        self._check_speculative()
         offload = self.offload_config()
         self.kv_events()
         if offload is not None and self.kv_cache_dtype != "auto":
@@ -300,6 +309,45 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"data_parallel_size {size} with KV offloading or KV events is not supported yet "
                 "(the replicas would share one offload directory and one event endpoint)"
+            )
+
+    def speculative(self) -> Any:
+        """The `SpeculativeConfig` of ``--speculative-config`` and the ``--spec-*`` flags, or None
+        (ValueError naming what is wrong; a flag and the JSON key it stands for must agree)."""
+        from sonar.core.speculative import SpeculativeConfig
+
+        raw = dict(self.speculative_config or {})
+        for flag, key in (
+            ("spec_method", "method"),
+            ("spec_tokens", "num_speculative_tokens"),
+            ("spec_model", "model"),
+        ):
+            value = getattr(self, flag)
+            if value is None:
+                continue
+            if raw.get(key) is not None and raw[key] != value:
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} {value!r} differs from --speculative-config.{key} {raw[key]!r} "
+                    "(they are one setting: give one, or the same in both)"
+                )
+            raw[key] = value
+        if not raw or (set(raw) == {"method"} and raw["method"] is None):
+            return None
+        return SpeculativeConfig.parse(raw)
+
+    def _check_speculative(self) -> None:
+        spec = self.speculative()
+        if spec is None:
+            return
+        if self.world_size > 1:
+            raise ValueError(
+                f"speculative decoding with tensor_parallel_size {self.tensor_parallel_size} / "
+                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet; drop one of the two"
+            )
+        if self.async_scheduling:
+            raise ValueError(
+                "speculative decoding with --async-scheduling is not supported yet (a request's drafts come "
+                "from its last token, which an overlapped step does not have yet); drop one of the two"
             )
 
     def offload_config(self) -> Any:

@@ -15,6 +15,7 @@ and every step runs eagerly and unpadded.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -398,6 +399,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_ids: list[str] = []
+        drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -414,9 +416,10 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None and sched.start_pos < sched.num_prompt_tokens:
                 rows = min(n, sched.num_prompt_tokens - sched.start_pos)
                 prompt_rows.append((sched.req_id, first, rows, sched.start_pos))
-            if sched.sample:
-                sample_rows.append(len(ids) - 1)
+            if sched.sample:  # the last position, and each draft's before it (speculative decoding)
+                sample_rows += range(len(ids) - 1 - sched.num_drafts, len(ids))
                 sample_ids.append(sched.req_id)
+                drafts.append(sched.token_ids[n - sched.num_drafts :])
         hidden = None
         if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows:
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -442,19 +445,26 @@ class ModelRunner:
                 if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
                     self._follow_sampling(sample_ids)
                 return result
+            first_rows = list(itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0))
             if msg.grammar_rows:
                 if wait_bitmask is None:
                     raise ValueError(f"step {out.step_id} has grammar rows but no bitmask to wait for")
-                where = {rid: i for i, rid in enumerate(sample_ids)}
+                where = dict(zip(sample_ids, first_rows))
                 apply_token_bitmask(logits, wait_bitmask(), [where[rid] for rid in msg.grammar_rows])
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)
             else:
+                params, outputs, prompts = [], [], []
+                for state, guesses in zip(states, drafts):
+                    for j in range(1 + len(guesses)):  # each row sees the drafts before it as output
+                        params.append(state.params)
+                        outputs.append(state.output + guesses[:j] if j else state.output)
+                        prompts.append(state.prompt)
                 batch = SamplingBatch.build(
-                    [s.params for s in states],
-                    [s.output for s in states],
-                    [s.prompt for s in states],
+                    params,
+                    outputs,
+                    prompts,
                     vocab_size=self.vocab_size,
                     eos_token_ids=self.eos_token_ids,
                     device=logits.device,
@@ -466,19 +476,23 @@ class ModelRunner:
                 # the other tensor ranks feed these tokens to later steps too (with several stages
                 # no step carries a token still in flight: `SchedulerConfig.pipeline_stages`)
                 self.topology.share_tokens(sampled.sampled_token_ids.to(torch.int64))
-            for i, (rid, state, token) in enumerate(zip(sample_ids, states, tokens)):
-                # a failed row's id is 0, a valid token: a step already sent behind this one can
-                # feed it before the scheduler drops the request
-                state.output.append(token)
-                if failed[i]:
+            for rid, state, guesses, row in zip(sample_ids, states, drafts, first_rows):
+                kept = _verify(tokens, failed, row, guesses)
+                if not kept:
+                    # a failed row's id is 0, a valid token: a step already sent behind this one can
+                    # feed it before the scheduler drops the request
+                    state.output.append(0)
                     result.failed[rid] = (
                         "no token could be sampled: every logit was -inf or NaN after the "
                         "request's penalties, logit_bias and min_tokens"
                     )
                     continue
-                result.sampled[rid] = [token]
+                state.output += kept
+                result.sampled[rid] = kept
                 if state.params.logprobs is not None and sampled.logprobs is not None:
-                    result.logprobs[rid] = [_row(sampled.logprobs, i, state.params.logprobs)]
+                    result.logprobs[rid] = [
+                        _row(sampled.logprobs, row + j, state.params.logprobs) for j in range(len(kept))
+                    ]
         result.seconds = time.perf_counter() - started
         return result
 
@@ -546,6 +560,22 @@ class ModelRunner:
             lp = compute_prompt_logprobs(logits, targets, n)
             out += [_row(lp, i, n) for i in range(last - start)]
         return out
+
+
+def _verify(tokens: list[int], failed: list[int], row: int, drafts: list[int]) -> list[int]:
+    """The tokens a request keeps from its rows ``row ..``: each row's sample while the one
+    before it equals its draft (the drafts the samples agree with, then the first sample that
+    differs, or the one after the last draft), stopping before a row that failed. Exact
+    rejection sampling for drafts that are one token each (`sonar.core.speculative`)."""
+    kept = []
+    for j in range(1 + len(drafts)):
+        if failed[row + j]:
+            break
+        token = tokens[row + j]
+        kept.append(token)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return kept
 
 
 def _row(lp: LogprobsTensors, i: int, n: int) -> TokenLogprobs:

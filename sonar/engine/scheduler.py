@@ -25,7 +25,10 @@ N+1 is scheduled and sent while step N runs, before its tokens are back (the cor
 placeholders, the worker puts them in), so the worker starts the next step as soon as it
 finishes one instead of waiting for the round trip through this actor; then step N's result is
 fed back. At most one step is in flight besides the one running. A failed step takes the one
-sent after it down too. Off with KV offloading.
+sent after it down too. Off with KV offloading and with speculative decoding.
+
+Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
+(`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.
 
 Pipeline stages (``--pipeline-parallel-size``): up to one step per stage in flight, each of
 requests no other step in flight holds (`_run_stages`), so the stages overlap.
@@ -142,7 +145,9 @@ class SchedulerActor(Actor):
         cfg = self.config
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.stages = info.pipeline_parallel_size
-        self.pipelined = wanted and self.offload_bpc == 0 and self.stages == 1
+        speculative = cfg.speculative()
+        # a request's drafts follow its last token, which an overlapped step would not have yet
+        self.pipelined = wanted and self.offload_bpc == 0 and self.stages == 1 and speculative is None
         blocks = BlockManager(
             info.num_blocks,
             info.block_size,
@@ -162,6 +167,7 @@ class SchedulerActor(Actor):
                 watermark=cfg.watermark,
                 scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
                 pipeline_stages=self.stages,
+                speculative=speculative,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,

@@ -150,6 +150,8 @@ class _EngineCollector(Collector):
         """The offload manager's `OffloadStats` (None: no manager, or its ask failed)."""
         self.offloading = False
         """The engine offloads KV (the external prefix cache metrics apply)."""
+        self.speculating = False
+        """The engine decodes speculatively (the ``spec_decode`` metrics apply)."""
 
     def collect(self) -> Iterator[Any]:
         if self.stats is not None:
@@ -233,6 +235,27 @@ class _EngineCollector(Collector):
                     "offload_hits",
                 ),
             ]
+        if self.speculating:
+            families += [
+                (
+                    CounterMetricFamily,
+                    "sonar:spec_decode_num_drafts",
+                    "Steps of a request that carried speculative drafts.",
+                    "spec_num_drafts",
+                ),
+                (
+                    CounterMetricFamily,
+                    "sonar:spec_decode_num_draft_tokens",
+                    "Draft tokens proposed.",
+                    "spec_num_draft_tokens",
+                ),
+                (
+                    CounterMetricFamily,
+                    "sonar:spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted.",
+                    "spec_num_accepted_tokens",
+                ),
+            ]
         for kind, name, doc, field in families:
             if not labelled:
                 yield kind(name, doc, value=getattr(series[0][1], field))
@@ -241,6 +264,17 @@ class _EngineCollector(Collector):
             for engine, s in series:
                 family.add_metric([engine], getattr(s, field))
             yield family
+        if self.speculating:
+            positions = CounterMetricFamily(
+                "sonar:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each position of a step's drafts (0-based).",
+                labels=["engine", "position"] if labelled else ["position"],
+            )
+            for engine, s in series:
+                for position, count in enumerate(s.spec_accepted_per_position):
+                    labels = [engine, str(position)] if labelled else [str(position)]
+                    positions.add_metric(labels, count)
+            yield positions
 
 
 _TIER_GAUGES = (
@@ -381,6 +415,7 @@ class ServerMetrics:
             log.warning("metrics.stats_failed", error=f"{type(exc).__name__}: {exc}")
             self.engine.stats = self.engine.tracked = None
         self.engine.offloading = llm.config.offload_config() is not None
+        self.engine.speculating = llm.config.speculative() is not None
         self.engine.offload = await _offload_stats(llm, timeout) if llm.config.offload_manager_needed else None
         try:
             self.engine.tree = llm.tree()
@@ -486,9 +521,17 @@ def _path(scope: Scope) -> str:
 
 
 # -- the periodic stats log line -------------------------------------------------------------------
-def stats_line(stats: Any, prompt_tps: float, generation_tps: float, hit_rate: float | None) -> dict[str, Any]:
-    """The fields of one stats log line (vLLM's "Avg prompt throughput ..." line)."""
-    return {
+def stats_line(
+    stats: Any,
+    prompt_tps: float,
+    generation_tps: float,
+    hit_rate: float | None,
+    acceptance_length: float | None = None,
+) -> dict[str, Any]:
+    """The fields of one stats log line (vLLM's "Avg prompt throughput ..." line); with speculative
+    decoding, the mean acceptance length over the interval (tokens per step of a request that
+    carried drafts: 1 + accepted drafts; n/a when none did)."""
+    fields = {
         "running": stats.num_running,
         "waiting": stats.num_waiting,
         "kv_cache_usage": f"{stats.kv_usage * 100:.1f}%",
@@ -496,6 +539,9 @@ def stats_line(stats: Any, prompt_tps: float, generation_tps: float, hit_rate: f
         "generation_tokens_per_s": round(generation_tps, 1),
         "prefix_cache_hit_rate": "n/a" if hit_rate is None else f"{hit_rate * 100:.1f}%",
     }
+    if acceptance_length is not None:
+        fields["mean_acceptance_length"] = "n/a" if acceptance_length < 1 else round(acceptance_length, 2)
+    return fields
 
 
 async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 10.0) -> None:
@@ -505,6 +551,8 @@ async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 
     last_time = time.monotonic()
     last_prompt, last_gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
     last_queries = last_hits = None
+    last_drafts = last_accepted = 0
+    speculating = llm.config.speculative() is not None
     while True:
         await anyio.sleep(interval)
         try:
@@ -518,8 +566,17 @@ async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 
         prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
         queries = stats.prefix_queries - (last_queries or 0)
         hits = stats.prefix_hits - (last_hits or 0)
+        acceptance = None
+        if speculating:
+            drafts = stats.spec_num_drafts - last_drafts
+            acceptance = 1 + (stats.spec_num_accepted_tokens - last_accepted) / drafts if drafts else 0.0
+            last_drafts, last_accepted = stats.spec_num_drafts, stats.spec_num_accepted_tokens
         fields = stats_line(
-            stats, (prompt - last_prompt) / elapsed, (gen - last_gen) / elapsed, hits / queries if queries > 0 else None
+            stats,
+            (prompt - last_prompt) / elapsed,
+            (gen - last_gen) / elapsed,
+            hits / queries if queries > 0 else None,
+            acceptance,
         )
         log.info("engine.stats", **fields)
         last_time, last_prompt, last_gen = now, prompt, gen

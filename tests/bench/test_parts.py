@@ -99,6 +99,22 @@ def test_sharegpt_file(tokenizer, tmp_path: Path) -> None:
         sample_requests(DatasetArgs(dataset_name="sharegpt"), tokenizer)
 
 
+def test_edit_dataset_asks_to_repeat_its_passage(tokenizer) -> None:
+    args = DatasetArgs(dataset_name="edit", num_prompts=4, edit_input_len=64, seed=3)
+    samples = sample_requests(args, tokenizer)
+    assert samples == sample_requests(args, tokenizer)
+    for i, sample in enumerate(samples):
+        ask, passage = sample.prompt.split(":\n\n", 1)
+        passage = passage.removesuffix("\n\nResult:\n")
+        assert ("Rename the variable" in ask) == (i % 2 == 1)  # prose and code in turn
+        assert ("def step_0(" in passage) == (i % 2 == 1)
+        passage_len = len(tokenizer.encode(passage, add_special_tokens=False))
+        assert 64 <= passage_len < 64 + 48 and sample.expected_output_len >= 64
+        assert sample.prompt_len == len(tokenizer.encode(sample.prompt, add_special_tokens=False))
+    fixed = sample_requests(DatasetArgs(dataset_name="edit", num_prompts=1, edit_output_len=20), tokenizer)
+    assert fixed[0].expected_output_len == 20
+
+
 def test_arrivals() -> None:
     assert arrival_delays(5, float("inf"), 1.0, 0) == [0.0] * 5
     gaps = arrival_delays(4000, 10.0, 1.0, 0)

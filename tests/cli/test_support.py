@@ -23,7 +23,12 @@ from sonar.cli import FLAGS, Status, parse_serve_args
         (["--grpc"], "sonar serve: --grpc is not supported yet"),
         (
             ["--speculative-config.method", "ngram"],
-            'sonar serve: --speculative-config is not supported yet (got {"method": "ngram"})',
+            "sonar serve: error: --speculative-config needs num_speculative_tokens (or --spec-tokens)",
+        ),
+        (
+            ["--spec-method", "eagle3", "--spec-tokens", "3"],
+            "sonar serve: error: --speculative-config method 'eagle3' needs a draft model or head, which Sonar "
+            "does not run yet; the methods that work are ngram, suffix",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2"],

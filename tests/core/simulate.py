@@ -76,47 +76,69 @@ class FakeRunner:
             tokens = self.seq[r.req_id]
             end = r.start_pos + len(r.token_ids)
             assert r.token_ids, r
+            assert not r.num_drafts or r.sample, r
+            end -= r.num_drafts  # the drafts follow the known tokens
             assert end <= len(tokens), f"{r.req_id}: a placeholder the runner never sampled"
-            known = [t if t != PLACEHOLDER_TOKEN else tokens[r.start_pos + i] for i, t in enumerate(r.token_ids)]
+            given = r.token_ids[: len(r.token_ids) - r.num_drafts]
+            known = [t if t != PLACEHOLDER_TOKEN else tokens[r.start_pos + i] for i, t in enumerate(given)]
             assert known == tokens[r.start_pos : end], r
-            assert all(t == PLACEHOLDER_TOKEN for t in r.token_ids[len(self.tokens[r.req_id]) - r.start_pos :]), r
+            assert all(t == PLACEHOLDER_TOKEN for t in given[len(self.tokens[r.req_id]) - r.start_pos :]), r
             assert r.sample == (end == len(tokens)), r
+            end += r.num_drafts
             assert len(r.block_ids) * self.block_size >= end, r
             assert r.num_prompt_tokens <= len(tokens)
 
     def execute(
-        self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7
+        self,
+        out: SchedulerOutput,
+        sample: Callable[[str], int] = lambda request_id: 7,
+        model: Callable[[list[int]], int] | None = None,
     ) -> dict[str, list[int]]:
-        """Write the step's KV in batch order, check every read of the step, sample."""
+        """Write the step's KV in batch order, check every read of the step, sample.
+
+        `model`: the next token of a sequence (else `sample` gives it by request). A request with
+        drafts (speculative decoding) gets a token at each of its last ``1 + num_drafts``
+        positions and keeps the drafts its tokens agree with, then the first that differs."""
         for r in out.requests:
             salt = self.salts[r.req_id]
             seq = self.seq[r.req_id]
             for i in range(len(r.token_ids)):
                 pos = r.start_pos + i
-                token = seq[pos]
+                token = seq[pos] if pos < len(seq) else r.token_ids[i]  # a draft past the known tokens
                 prev = self.kv[self._slot(r.block_ids, pos - 1)] if pos else None
                 self.kv[self._slot(r.block_ids, pos)] = fingerprint(prev, token, salt)
         for r in out.requests:
             end = r.start_pos + len(r.token_ids)
-            chain = self._expected(r.req_id, end)
+            known = min(end, len(self.seq[r.req_id]))
+            chain = self._expected(r.req_id, known)[:known]
+            for i in range(len(r.token_ids) - (end - known), len(r.token_ids)):  # the drafts' own KV
+                chain.append(fingerprint(chain[-1] if chain else None, r.token_ids[i], self.salts[r.req_id]))
             for pos in range(end):
                 got = self.kv.get(self._slot(r.block_ids, pos))
                 assert got == chain[pos], f"{r.req_id}: stale KV at position {pos}"
         sampled = {}
         for r in out.requests:
             if r.sample:
-                token = sample(r.req_id)
-                self.seq[r.req_id].append(token)
-                sampled[r.req_id] = [token]
+                seq = self.seq[r.req_id]
+                drafts = r.token_ids[len(r.token_ids) - r.num_drafts :]
+                kept: list[int] = []
+                for j in range(1 + len(drafts)):
+                    token = model(seq + kept) if model is not None else sample(r.req_id)
+                    kept.append(token)
+                    if j == len(drafts) or token != drafts[j]:
+                        break
+                seq += kept
+                sampled[r.req_id] = kept
         return sampled
 
     def step(
         self,
         sample: Callable[[str], int] = lambda request_id: 7,
         stopped: Mapping[str, int | str | None] | None = None,
+        model: Callable[[list[int]], int] | None = None,
     ) -> tuple[SchedulerOutput, list[RequestUpdate]]:
         """One full step: schedule, check, execute, feed the sampled tokens back."""
-        out = self._run(sample)
+        out = self._run(sample, model)
         return out, self._feed_back(self.in_flight or {}, stopped)
 
     def step_async(
@@ -132,12 +154,12 @@ class FakeRunner:
         self.in_flight = current
         return out, updates
 
-    def _run(self, sample: Callable[[str], int]) -> SchedulerOutput:
+    def _run(self, sample: Callable[[str], int], model: Callable[[list[int]], int] | None = None) -> SchedulerOutput:
         scheduler = self.scheduler
         out = scheduler.schedule()
         scheduler.check_invariants()
         self.check_output(out)
-        self.in_flight = self.execute(out, sample)
+        self.in_flight = self.execute(out, sample, model)
         return out
 
     def _feed_back(

@@ -62,7 +62,10 @@ class OffloadRunner(FakeRunner):
         self.loaded_blocks = 0
 
     def execute(
-        self, out: SchedulerOutput, sample: Callable[[str], int] = lambda request_id: 7
+        self,
+        out: SchedulerOutput,
+        sample: Callable[[str], int] = lambda request_id: 7,
+        model: Callable[[list[int]], int] | None = None,
     ) -> dict[str, list[int]]:
         bm = self.scheduler.block_manager
         bs, bpc = self.block_size, self.tier.bpc
@@ -73,7 +76,7 @@ class OffloadRunner(FakeRunner):
             assert None not in values, "offered a block that was never computed"
             bm.forget_offloaded(self.tier.put(spec.block_hashes[-1], values))
             self.stored += 1
-        sampled = super().execute(out, sample)
+        sampled = super().execute(out, sample, model)
         delay = 0 if self.rng is None else self.rng.choice([0, 0, 1, 3])
         self.pending += [(delay, spec) for spec in out.kv_loads]
         return sampled

@@ -166,3 +166,6 @@ def test_stats_line_fields() -> None:
         "prefix_cache_hit_rate": "25.0%",
     }
     assert stats_line(stats, 0.0, 0.0, None)["prefix_cache_hit_rate"] == "n/a"
+    assert "mean_acceptance_length" not in stats_line(stats, 0.0, 0.0, None)
+    assert stats_line(stats, 0.0, 0.0, None, 2.456)["mean_acceptance_length"] == 2.46  # speculating
+    assert stats_line(stats, 0.0, 0.0, None, 0.0)["mean_acceptance_length"] == "n/a"  # no drafts
