@@ -148,6 +148,7 @@ class Request:
         "num_computed_tokens",
         "num_placeholders",
         "spec_token_ids",
+        "proposed",
         "num_cached_tokens",
         "num_offloaded_tokens",
         "num_preemptions",
@@ -214,6 +215,8 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Speculative decoding: the drafts the step in flight verifies after the request's last
         token (`sonar.core.speculative`); empty otherwise."""
+        self.proposed: list[int] = []
+        """Drafts the worker's draft model proposed with the request's last step, for its next."""
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
         self.num_offloaded_tokens = 0

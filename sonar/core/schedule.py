@@ -321,7 +321,9 @@ class Scheduler:
                     continue
                 if decodes and speculating and not request.num_placeholders and request.grammar is None:
                     drafts = self._propose(request, budget - 1)
-                    if drafts and bm.allocate_slots(request, 1 + len(drafts)):
+                    if drafts and bm.allocate_slots(
+                        request, 1 + len(drafts) + self._lookahead(request, 1 + len(drafts))
+                    ):
                         request.spec_token_ids = drafts
                         scheduled[request.request_id] = 1 + len(drafts)
                         budget -= 1 + len(drafts)
@@ -332,7 +334,8 @@ class Scheduler:
                     num_new = threshold
                 if num_new > budget:
                     num_new = budget
-                while not bm.allocate_slots(request, num_new):
+                ahead = self._lookahead(request, num_new) if num_new == remaining else 0
+                while not bm.allocate_slots(request, num_new + ahead):
                     victim = running.pop()
                     budget += scheduled.pop(victim.request_id, 0)
                     self._preempt(victim)
@@ -383,11 +386,19 @@ class Scheduler:
         loads, self._kv_loads = self._kv_loads, []
         return SchedulerOutput(next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads)
 
+    def _lookahead(self, request: Request, num_new: int) -> int:
+        """KV slots past a sampling step's ``num_new`` tokens that a draft model writes
+        (`SpeculativeConfig.lookahead`), within ``max_model_len``."""
+        spec = self.config.speculative
+        if spec is None or not spec.lookahead:
+            return 0
+        return max(0, min(spec.lookahead, self.config.max_model_len - request.num_computed_tokens - num_new))
+
     def _propose(self, request: Request, room: int) -> list[int]:
         """Drafts for a decoding request: at most ``room`` (the step's budget after its own
         token), and none that its step could not keep (past ``max_tokens`` or ``max_model_len``,
         counting the token sampled after the last draft)."""
-        assert self.proposer is not None and self.config.speculative is not None
+        assert self.config.speculative is not None
         limit = min(
             self.config.speculative.num_speculative_tokens,
             room,
@@ -395,6 +406,9 @@ class Scheduler:
         )
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
+        if self.proposer is None:  # a draft model's, from the request's last step
+            proposed, request.proposed = request.proposed, []
+            return proposed[: max(limit, 0)]
         if limit <= 0:
             return []
         return self.proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, limit)[
@@ -514,7 +528,12 @@ class Scheduler:
         # whole cache is still admitted once it is alone.
         if not bm.allocate_slots(
             request,
-            num_new,
+            num_new
+            + (
+                self._lookahead(request, num_hit_tokens + num_new)
+                if num_new == request.num_tokens - num_hit_tokens
+                else 0
+            ),
             new_computed_blocks=hits,
             reserve_tokens=request.num_tokens if reserve_full else 0,
             keep_free_blocks=self._watermark_blocks if self.running else 0,
@@ -597,6 +616,7 @@ class Scheduler:
         """Send a running request (already off the running list) back to the waiting queue."""
         self._fresh.discard(request.request_id)
         request.spec_token_ids = []
+        request.proposed = []
         self.block_manager.free(request.request_id, num_computed_tokens=request.num_computed_tokens, request=request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -609,6 +629,7 @@ class Scheduler:
     def update_from_output(
         self,
         sampled: Mapping[str, Sequence[int]],
+        proposed: Mapping[str, list[int]] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a step's results: append sampled tokens, finish what ended, free its blocks.
 
@@ -620,7 +641,8 @@ class Scheduler:
         `finish_requests`). Ids no longer running (aborted or
         finished meanwhile) are ignored, except a request preempted while this step was in
         flight, which keeps the token it computed. Returns one update per request that got
-        tokens or ended.
+        tokens or ended. ``proposed``: a draft model's drafts for the next step of requests of this
+        one (`SchedulerConfig.speculative`).
         """
         max_model_len = self.config.max_model_len
         bm = self.block_manager
@@ -677,6 +699,8 @@ class Scheduler:
                     break
             if request.status == status:
                 bm.update_hashes(request)
+                if proposed and status == _RUNNING:
+                    request.proposed = proposed.get(request_id, [])
             elif status == _PREEMPTED:  # ended by the token it computed before it was preempted
                 self.waiting.remove(request)
                 self._retire(request)

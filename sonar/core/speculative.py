@@ -14,8 +14,10 @@ without ``d``, renormalised. The output follows the target model's distribution 
 sampling setting, and a seeded request gives the same text with and without speculation (its
 noise depends on the output position only, `sonar.models.sampler`).
 
-`SpeculativeConfig` is ``--speculative-config`` validated; methods that need a model of their own
-(draft models, EAGLE and MTP heads) are refused by name until the worker can run them.
+With a draft model (``draft_model``, `sonar.engine.drafter`) the worker proposes instead: each
+step's result carries the next drafts of the requests it sampled, which the core schedules with
+their next step. `SpeculativeConfig` is ``--speculative-config`` validated; the methods that need a
+head on the target (EAGLE, MTP, Medusa) are refused by name until the worker can run them.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from typing import Any, Protocol
 
 __all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SpeculativeConfig", "make_proposer"]
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 """The methods Sonar runs."""
 
-_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+_MODEL_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 
 _KEYS = {
     "method",
@@ -42,6 +44,10 @@ _KEYS = {
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
+    "model",
+    "quantization",
+    "revision",
+    "draft_tensor_parallel_size",
 }
 
 
@@ -73,27 +79,35 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    model: str | None = None
+    """draft_model: the draft model (any model Sonar loads, with the target's tokenizer)."""
+    quantization: str | None = None
+    """draft_model: the method its weights are in (None: what its checkpoint says)."""
+    revision: str | None = None
+
+    @property
+    def lookahead(self) -> int:
+        """KV slots a sampling step needs past its own tokens: a draft model writes the KV of the
+        token it starts from and of its drafts but the last (`sonar.engine.drafter`)."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
         """From the JSON object of ``--speculative-config``; ValueError naming what is wrong."""
         if not isinstance(raw, Mapping):
             raise ValueError(f"--speculative-config must be a JSON object, got {raw!r}")
-        if raw.get("model") is not None:
-            raise ValueError(
-                f"--speculative-config model {raw['model']!r} (--spec-model): Sonar does not run draft models, "
-                f"EAGLE or MTP heads yet; the methods that work are {', '.join(METHODS)}, which need no model"
-            )
-        unknown = sorted(set(raw) - _KEYS - {"model"})
+        method = raw.get("method")
+        if method is None and raw.get("model") is not None:
+            method = "draft_model"  # a model alone names a draft model, as in vLLM
+        unknown = sorted(set(raw) - _KEYS)
         if unknown:
             raise ValueError(
                 f"--speculative-config: unknown or unsupported key(s) {', '.join(unknown)}; "
                 f"Sonar reads {', '.join(sorted(_KEYS))}"
             )
-        method = raw.get("method")
         if method in _MODEL_METHODS:
             raise ValueError(
-                f"--speculative-config method {method!r} needs a draft model or head, which Sonar does not "
+                f"--speculative-config method {method!r} needs an EAGLE, MTP or Medusa head, which Sonar does not "
                 f"run yet; the methods that work are {', '.join(METHODS)}"
             )
         if method not in METHODS:
@@ -101,6 +115,19 @@ class SpeculativeConfig:
         if "num_speculative_tokens" not in raw:
             raise ValueError("--speculative-config needs num_speculative_tokens (or --spec-tokens)")
         values = {key: raw[key] for key in _KEYS if key in raw and raw[key] is not None}
+        values["method"] = method
+        if method == "draft_model":
+            if values.get("model") is None:
+                raise ValueError("--speculative-config method draft_model needs a model (--spec-model)")
+            if values.pop("draft_tensor_parallel_size", 1) != 1:
+                raise ValueError(
+                    "--speculative-config draft_tensor_parallel_size must be 1: a draft model runs on one worker"
+                )
+        else:
+            given = sorted(key for key in ("model", "quantization", "revision") if key in values)
+            if given:
+                raise ValueError(f"--speculative-config {', '.join(given)}: only for method draft_model, not {method}")
+            values.pop("draft_tensor_parallel_size", None)
         if "prompt_lookup_min" not in values and "prompt_lookup_max" not in values:
             values["prompt_lookup_min"] = values["prompt_lookup_max"] = 5
         else:  # one given: the other is the same
@@ -195,7 +222,10 @@ class NgramProposer:
         self._tokens.pop(request_id, None)
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The core's proposer; None for a draft model, whose drafts come back with each step."""
+    if config.method == "draft_model":
+        return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     from sonar.core.suffix import SuffixProposer

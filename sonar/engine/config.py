@@ -128,7 +128,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     spec_tokens: int | None = None
     """`--spec-tokens`: its ``num_speculative_tokens``."""
     spec_model: str | None = None
-    """`--spec-model`: its ``model`` (a draft model: refused until the worker runs one)."""
+    """`--spec-model`: its ``model`` (a draft model)."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000
@@ -343,6 +343,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"speculative decoding with tensor_parallel_size {self.tensor_parallel_size} / "
                 f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet; drop one of the two"
+            )
+        if spec.method == "draft_model" and self.offload_config() is not None:
+            raise ValueError(
+                "a draft model with KV offloading is not supported yet (the tiers keep the target's KV only); "
+                "drop one of the two"
             )
         if self.async_scheduling:
             raise ValueError(

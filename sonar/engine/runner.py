@@ -30,6 +30,7 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
+from sonar.engine.drafter import Drafter, DraftStart
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
@@ -79,15 +80,17 @@ def plan_kv_cache(
     kv_bytes: int | None = None,
     kv_dtype: torch.dtype | None = None,
     topology: Topology = SOLO,
+    extra_block_bytes: int = 0,
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes`` (per rank), else ``kv_bytes``
     (what profiling left on a GPU), else the CPU default (`sonar.engine.memory`), which the
     data-parallel replicas and the ranks of a parallel group share. The ranks of a group take the
     smallest count any of them can hold: every rank caches the same blocks, each its own heads and
-    layers of them."""
+    layers of them. `extra_block_bytes`: what another cache of as many blocks takes per block (a
+    draft model's)."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
-    per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype)
+    per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype) + extra_block_bytes
     if config.num_gpu_blocks_override is not None:
         num_blocks = config.num_gpu_blocks_override
     else:
@@ -169,6 +172,16 @@ class ModelRunner:
             )
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
+        spec = cfg.speculative()
+        self.drafter: Drafter | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = Drafter(
+                spec,
+                dtype=cfg.dtype,
+                device=device,
+                vocab_size=int(self.loaded.config.vocab_size),
+                block_size=cfg.block_size,
+            )
         t1 = time.perf_counter()
         kv_bytes = None
         profile = None
@@ -187,7 +200,16 @@ class ModelRunner:
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
-        self.num_blocks, self.max_model_len = plan_kv_cache(cfg, self.loaded, kv_bytes, self.kv_dtype, topology)
+        draft_kv_dtype = None
+        extra = 0
+        if self.drafter is not None:  # its KV cache has as many blocks: they share the budget
+            draft_kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.drafter.loaded.dtype)
+            extra = self.drafter.kv_bytes_per_block(draft_kv_dtype)
+        self.num_blocks, self.max_model_len = plan_kv_cache(
+            cfg, self.loaded, kv_bytes, self.kv_dtype, topology, extra_block_bytes=extra
+        )
+        if self.drafter is not None:
+            self.drafter.allocate(self.num_blocks, draft_kv_dtype, self.max_model_len)
         self.kv_caches = allocate_kv_caches(
             self.model.num_layers,
             self.num_blocks,
@@ -400,6 +422,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
+        last_known: list[tuple[int, list[int]]] = []  # per sampled request: its last known position, blocks
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -409,9 +432,17 @@ class ModelRunner:
             else:
                 ids += sched.token_ids
             positions += range(sched.start_pos, sched.start_pos + n)
-            q_lens.append(n)
-            s_lens.append(sched.start_pos + n)
-            tables.append(sched.block_ids)
+            if sched.num_drafts:
+                # a decode row per token, each attending up to itself: the step stays a decode
+                # step (the fused CPU path, CUDA graphs), and a step writes every row's KV before
+                # any row attends, so each draft sees the ones before it
+                q_lens += [1] * n
+                s_lens += range(sched.start_pos + 1, sched.start_pos + n + 1)
+                tables += [sched.block_ids] * n
+            else:
+                q_lens.append(n)
+                s_lens.append(sched.start_pos + n)
+                tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
             if state.params.prompt_logprobs is not None and sched.start_pos < sched.num_prompt_tokens:
                 rows = min(n, sched.num_prompt_tokens - sched.start_pos)
@@ -420,15 +451,17 @@ class ModelRunner:
                 sample_rows += range(len(ids) - 1 - sched.num_drafts, len(ids))
                 sample_ids.append(sched.req_id)
                 drafts.append(sched.token_ids[n - sched.num_drafts :])
+                last_known.append((sched.start_pos + n - 1 - sched.num_drafts, sched.block_ids))
         hidden = None
-        if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows:
+        if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows and self.drafter is None:
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
         if hidden is None:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
-            hidden = self._forward_stage(
-                torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.kv_caches, meta
-            )
+            ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+            if self.drafter is not None:  # the draft's KV of the same positions
+                self.drafter.observe(ids_t, positions_t, meta)
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -493,8 +526,23 @@ class ModelRunner:
                     result.logprobs[rid] = [
                         _row(sampled.logprobs, row + j, state.params.logprobs) for j in range(len(kept))
                     ]
+            if self.drafter is not None:
+                self._draft(result, sample_ids, last_known)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _draft(self, result: StepResult, sample_ids: list[str], last_known: list[tuple[int, list[int]]]) -> None:
+        """The draft model's guesses for the next step of each request that kept tokens."""
+        assert self.drafter is not None
+        ids, starts = [], []
+        for rid, (position, block_ids) in zip(sample_ids, last_known):
+            kept = result.sampled.get(rid)
+            if kept:
+                ids.append(rid)
+                starts.append(DraftStart(kept[-1], position + len(kept), block_ids))
+        for rid, guesses in zip(ids, self.drafter.propose(starts)):
+            if guesses:
+                result.proposed[rid] = guesses
 
     def _follow_sampling(self, sample_ids: list[str]) -> None:
         """A rank other than the sampler: take the tokens it sampled for this step's rows."""

@@ -466,7 +466,7 @@ class SchedulerActor(Actor):
         if not apply:
             return True
         self.steps += 1
-        updates = self.core.update_from_output(result.sampled)
+        updates = self.core.update_from_output(result.sampled, result.proposed)
         if bitmask_of is not None:
             await self._send_bitmask(bitmask_of)
         if result.failed:

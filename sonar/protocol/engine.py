@@ -75,6 +75,8 @@ class StepResult(msgspec.Struct):
     failed: dict[str, str] = {}
     """Requests for which no token could be sampled (not in `sampled`), with why: the
     scheduler fails them alone."""
+    proposed: dict[str, list[int]] = {}
+    """Speculative decoding with a draft model: the drafts for each sampled request's next step."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):

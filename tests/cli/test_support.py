@@ -27,8 +27,8 @@ from sonar.cli import FLAGS, Status, parse_serve_args
         ),
         (
             ["--spec-method", "eagle3", "--spec-tokens", "3"],
-            "sonar serve: error: --speculative-config method 'eagle3' needs a draft model or head, which Sonar "
-            "does not run yet; the methods that work are ngram, suffix",
+            "sonar serve: error: --speculative-config method 'eagle3' needs an EAGLE, MTP or Medusa head, which "
+            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2"],

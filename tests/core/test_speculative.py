@@ -50,8 +50,13 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"method": "draft_model", "num_speculative_tokens": 3}, "needs a draft model"),
-        ({"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"}, "does not run draft models"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, r"needs a model \(--spec-model\)"),
+        ({"method": "eagle3", "model": "head", "num_speculative_tokens": 3}, "needs an EAGLE, MTP or Medusa head"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"}, "only for method draft_model"),
+        (
+            {"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size must be 1",
+        ),
         ({"method": "ngram", "num_speculative_tokens": 3, "frobnicate": 1}, "unknown or unsupported key"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive"),
@@ -79,8 +84,9 @@ def test_engine_flags_merge_into_the_config_and_conflicts_are_refused() -> None:
         EngineConfig.from_args(spec_method="ngram", spec_tokens=2, async_scheduling=True)
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
         EngineConfig.from_args(spec_method="ngram", spec_tokens=2, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="does not run draft models"):
-        EngineConfig.from_args(spec_method="draft_model", spec_tokens=2, spec_model="tiny")
+    assert EngineConfig.from_args(spec_tokens=2, spec_model="tiny").speculative().method == "draft_model"
+    with pytest.raises(ValueError, match="a draft model with KV offloading"):
+        EngineConfig.from_args(spec_tokens=2, spec_model="tiny", kv_offloading_size=1)
     assert EngineConfig.from_args().speculative() is None
 
 
@@ -227,3 +233,40 @@ def test_preemption_and_a_worker_crash_with_drafts_lose_no_token() -> None:
         assert outputs[name] == seq[len(prompt) :], name
     assert runner.scheduler.num_preemptions > 0
     assert runner.scheduler.stats().spec_num_accepted_tokens > 0
+
+
+def test_a_draft_models_proposals_run_in_the_next_step_with_room_for_its_lookahead() -> None:
+    """With a draft model the worker proposes: its drafts come back with a step's tokens and ride
+    in the request's next step, whose blocks hold ``k`` more slots for the draft's own KV."""
+    draft = SpeculativeConfig.parse({"method": "draft_model", "model": "draft", "num_speculative_tokens": 3})
+    assert draft.lookahead == 3
+    runner = make(speculative=draft, max_model_len=40)
+    scheduler = runner.scheduler
+    runner.add(Request("r", CYCLE * 2, max_tokens=30))
+    seq = list(CYCLE * 2)
+    proposals = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        scheduler.check_invariants()
+        runner.check_output(out)
+        for sched in out.requests:
+            end = sched.start_pos + len(sched.token_ids)
+            if sched.sample:  # room for the draft's lookahead, within max_model_len
+                assert len(sched.block_ids) * BS >= min(end + 3, 40)
+        sampled = runner.execute(out, model=cyclic)
+        seq += sampled.get("r", [])
+        guess = [cyclic(seq)]
+        while len(guess) < 3:
+            guess.append(cyclic(seq + guess))
+        if proposals % 3 == 2:
+            guess[1] = 99  # a wrong guess now and then
+        proposals += 1
+        for update in scheduler.update_from_output(sampled, {"r": guess}):
+            runner.tokens[update.req_id] += update.new_token_ids
+    expected = list(CYCLE * 2)
+    while len(expected) < 12 + 28:  # max_model_len ends it
+        expected.append(cyclic(expected))
+    assert seq == expected
+    stats = scheduler.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert scheduler.block_manager.num_free_blocks == 64

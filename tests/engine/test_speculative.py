@@ -18,6 +18,7 @@ import torch
 import sonar
 from sonar import SamplingParams
 from sonar.engine.runner import _verify
+from sonar.models.embedded import gguf_path
 from sonar.models.sampler import Sampler, SamplingBatch
 
 pytestmark = pytest.mark.anyio
@@ -86,6 +87,55 @@ async def test_suffix_decoding_gives_the_same_greedy_text(engines, one_thread) -
                 assert (await suffix.generate(prompt, params)).outputs[0].token_ids == expected
         stats = await suffix.stats()
         assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2 > 0
+
+
+async def test_a_draft_model_the_target_itself_is_always_right(engines, one_thread) -> None:
+    """The embedded model as its own draft (a separate copy in the worker, its own KV cache over the
+    target's block tables): greedy text unchanged, and every draft accepted but for rounding."""
+    plain = engines[0]
+    config = {"method": "draft_model", "model": str(gguf_path()), "num_speculative_tokens": 3}
+    params = SamplingParams(max_tokens=24, temperature=0)
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
+    async with sonar.open(
+        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=48, speculative_config=config
+    ) as draft:
+        for prompt in (STORY, CODE):
+            expected = (await plain.generate(prompt, params)).outputs[0].token_ids
+            assert (await draft.generate(prompt, params)).outputs[0].token_ids == expected
+        greedy = await draft.stats()
+        assert greedy.spec_num_accepted_tokens >= 0.9 * greedy.spec_num_draft_tokens > 0
+        # sampled text is the target's too (the drafts, the draft's argmax, are simply kept less often)
+        expected = (await plain.generate(STORY, seeded)).outputs[0].token_ids
+        assert (await draft.generate(STORY, seeded)).outputs[0].token_ids == expected
+
+
+async def test_a_tiny_random_draft_model_is_mostly_wrong_and_changes_nothing(engines, one_thread, tmp_path) -> None:
+    """A two-layer random Llama with the embedded model's vocabulary: few drafts accepted, the same text."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    tiny = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(tiny).save_pretrained(tmp_path, safe_serialization=True)
+    plain = engines[0]
+    config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    params = SamplingParams(max_tokens=24, temperature=0)
+    async with sonar.open(
+        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=48, speculative_config=config
+    ) as draft:
+        for prompt in (EDIT, STORY):
+            expected = (await plain.generate(prompt, params)).outputs[0].token_ids
+            assert (await draft.generate(prompt, params)).outputs[0].token_ids == expected
+        stats = await draft.stats()
+        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
 
 
 async def test_seeded_sampling_with_penalties_is_identical(engines) -> None:
