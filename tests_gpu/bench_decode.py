@@ -78,8 +78,9 @@ def decode_step_seconds(runner: ModelRunner, steps: int, graphs: bool) -> float:
             out = runner.graphs.run([token], [pos], [table]) if graphs and runner.graphs is not None else None
             if out is None:
                 meta = AttentionMetadata.build([1], [pos + 1], [table], block, device=device)
-                out = runner.model(torch.tensor([token], device=device), torch.tensor([pos], device=device),
-                                   runner.kv_caches, meta)
+                out = runner.model(
+                    torch.tensor([token], device=device), torch.tensor([pos], device=device), runner.kv_caches, meta
+                )
             token = int(runner.model.compute_logits(out).argmax(-1))  # the host read synchronizes
             times.append(time.perf_counter() - started)
     times.sort()
@@ -96,8 +97,14 @@ and the default, graphs over the ``torch.compile``d model (fewer, fused kernels 
 
 
 def dummy_runner(directory: Path, enforce_eager: bool = False, **engine_args) -> ModelRunner:
-    args = dict(load_format="dummy", dtype="bfloat16", kv_cache_memory_bytes=2**30, max_model_len=4096,
-                cudagraph_capture_sizes=[1, 2, 4], enforce_eager=enforce_eager)
+    args = dict(
+        load_format="dummy",
+        dtype="bfloat16",
+        kv_cache_memory_bytes=2**30,
+        max_model_len=4096,
+        cudagraph_capture_sizes=[1, 2, 4],
+        enforce_eager=enforce_eager,
+    )
     args.update(engine_args)
     return ModelRunner(EngineConfig.from_args(str(directory), **args))
 
@@ -126,9 +133,29 @@ def model_decode_rows(hbm_gbps: float, quick: bool, directory: Path) -> list[dic
             note += f"; graph capture {startup.get('graphs', 0):.1f}s"
         if "compile" in startup:
             note += f"; compile {startup['compile']:.1f}s"
-        rows.append(dict(kernel=f"Qwen3-0.6B decode, {mode}", shape="batch 1, ctx 128+, bf16, dummy weights",
-                         ms=ms, rate=nbytes / (ms * 1e-3) / 1e9, unit="GB/s", pct=floor_ms / ms, ok=ok, note=note))
+        rows.append(
+            dict(
+                kernel=f"Qwen3-0.6B decode, {mode}",
+                shape="batch 1, ctx 128+, bf16, dummy weights",
+                ms=ms,
+                rate=nbytes / (ms * 1e-3) / 1e9,
+                unit="GB/s",
+                pct=floor_ms / ms,
+                ok=ok,
+                note=note,
+            )
+        )
     for mode in list(MODES)[1:]:
-        rows.append(dict(kernel=f"Qwen3-0.6B decode speedup, {mode}", shape="batch 1", ms=None, rate=None,
-                         unit="", pct=None, ok=True, note=f"{results['eager'] / results[mode]:.2f}x eager"))
+        rows.append(
+            dict(
+                kernel=f"Qwen3-0.6B decode speedup, {mode}",
+                shape="batch 1",
+                ms=None,
+                rate=None,
+                unit="",
+                pct=None,
+                ok=True,
+                note=f"{results['eager'] / results[mode]:.2f}x eager",
+            )
+        )
     return rows

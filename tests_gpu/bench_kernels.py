@@ -110,14 +110,28 @@ def decode_rows(hbm: float, quick: bool) -> list[Row]:
 
         def run() -> torch.Tensor:
             return da.paged_decode_attention(
-                b.query, b.cache, b.meta.block_tables, b.meta.seq_lens, b.scale, ctx,
-                k_scale=b.k_scale, v_scale=b.v_scale, num_splits=chosen,
+                b.query,
+                b.cache,
+                b.meta.block_tables,
+                b.meta.seq_lens,
+                b.scale,
+                ctx,
+                k_scale=b.k_scale,
+                v_scale=b.v_scale,
+                num_splits=chosen,
             )
 
         ok = close(run(), reference_attention(b))
         ms = bench(run, quick)
-        nbytes = da.bytes_moved(batch, ctx, shape.num_heads, shape.num_kv_heads, shape.head_dim,
-                                b.cache.element_size(), b.query.element_size())
+        nbytes = da.bytes_moved(
+            batch,
+            ctx,
+            shape.num_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            b.cache.element_size(),
+            b.query.element_size(),
+        )
         rate = gbps(nbytes, ms)
         note = f"splits={chosen}" + ("" if splits is None else " (fixed)")
         if headline:
@@ -147,8 +161,16 @@ def sweep_decode(b: PagedBatch, ctx: int, nbytes: int, hbm: float, shape_s: str)
     def measure(tile_n: int, stages: int, warps: int, splits: int) -> None:
         def run() -> torch.Tensor:
             return da.paged_decode_attention(
-                b.query, b.cache, b.meta.block_tables, b.meta.seq_lens, b.scale, ctx,
-                num_splits=splits, tile_n=tile_n, num_warps=warps, num_stages=stages,
+                b.query,
+                b.cache,
+                b.meta.block_tables,
+                b.meta.seq_lens,
+                b.scale,
+                ctx,
+                num_splits=splits,
+                tile_n=tile_n,
+                num_warps=warps,
+                num_stages=stages,
             )
 
         config = f"tile_n={tile_n} stages={stages} warps={warps} splits={splits}"
@@ -195,14 +217,21 @@ def prefill_rows(peak: float, quick: bool) -> list[Row]:
 
         def run() -> torch.Tensor:
             return pa.paged_prefill_attention(
-                b.query, b.cache, b.meta.query_start_loc, b.meta.seq_lens, b.meta.block_tables, b.scale,
+                b.query,
+                b.cache,
+                b.meta.query_start_loc,
+                b.meta.seq_lens,
+                b.meta.block_tables,
+                b.scale,
                 b.meta.max_query_len,
             )
 
         ok = close(run(), reference_attention(b))
         ms = bench(run, quick)
         rate = tflops(pa.flops(q_lens, s_lens, LLAMA_8B.num_heads, LLAMA_8B.head_dim), ms)
-        rows.append(Row("prefill attention", f"{label}, llama-3-8b", ms, rate, "TFLOP/s", rate / peak, ok, "causal FLOPs"))
+        rows.append(
+            Row("prefill attention", f"{label}, llama-3-8b", ms, rate, "TFLOP/s", rate / peak, ok, "causal FLOPs")
+        )
         torch.cuda.empty_cache()
     return rows
 
@@ -277,7 +306,16 @@ def junit_row(path: str) -> Row:
     seconds = sum(float(s.get("time", 0)) for s in suites)
     passed = total - failed - skipped
     note = f"{passed} passed, {failed} failed" + (f", {skipped} skipped" if skipped else "")
-    return Row("tests_gpu (pytest)", f"{total} tests", seconds * 1e3, None, "", None, failed == 0 and skipped == 0 and total > 0, note)
+    return Row(
+        "tests_gpu (pytest)",
+        f"{total} tests",
+        seconds * 1e3,
+        None,
+        "",
+        None,
+        failed == 0 and skipped == 0 and total > 0,
+        note,
+    )
 
 
 # --- output --------------------------------------------------------------------------------------------
@@ -297,7 +335,12 @@ def table(rows: list[Row]) -> str:
 
 
 def markdown(rows: list[Row], header: str) -> str:
-    out = [header, "", "| kernel | shape | time (ms) | achieved | % of ceiling | check | note |", "|---|---|---|---|---|---|---|"]
+    out = [
+        header,
+        "",
+        "| kernel | shape | time (ms) | achieved | % of ceiling | check | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         rate = "" if r.rate is None else f"{r.rate:,.1f} {r.unit}"
         pct = "" if r.pct is None else f"{r.pct:.0%}"

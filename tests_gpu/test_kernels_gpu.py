@@ -41,8 +41,14 @@ def test_decode_batch64_up_to_4k(shape: AttnShape, num_splits: int | None) -> No
     seq_lens[0], seq_lens[1] = 4096, 1
     b = paged_batch(shape, [1] * 64, seq_lens)
     got = paged_decode_attention(
-        b.query, b.cache, b.meta.block_tables, b.meta.seq_lens, b.scale, b.meta.max_seq_len,
-        num_splits=num_splits, out=nan_like(b.query),
+        b.query,
+        b.cache,
+        b.meta.block_tables,
+        b.meta.seq_lens,
+        b.scale,
+        b.meta.max_seq_len,
+        num_splits=num_splits,
+        out=nan_like(b.query),
     )
     close(got, reference_attention(b), TOL[torch.bfloat16])
 
@@ -61,8 +67,15 @@ def test_decode_fp8_cache(per_head: bool) -> None:
     seq_lens = torch.randint(1, 4097, (32,)).tolist()
     b = paged_batch(LLAMA_8B, [1] * 32, seq_lens, kv_dtype=torch.float8_e4m3fn, per_head_scale=per_head)
     got = paged_decode_attention(
-        b.query, b.cache, b.meta.block_tables, b.meta.seq_lens, b.scale, b.meta.max_seq_len,
-        k_scale=b.k_scale, v_scale=b.v_scale, out=nan_like(b.query),
+        b.query,
+        b.cache,
+        b.meta.block_tables,
+        b.meta.seq_lens,
+        b.scale,
+        b.meta.max_seq_len,
+        k_scale=b.k_scale,
+        v_scale=b.v_scale,
+        out=nan_like(b.query),
     )
     close(got, reference_attention(b), TOL[torch.bfloat16])
 
@@ -70,8 +83,15 @@ def test_decode_fp8_cache(per_head: bool) -> None:
 def test_decode_sliding_window() -> None:
     b = paged_batch(QWEN3_06B, [1] * 16, torch.randint(1, 4097, (16,)).tolist())
     got = paged_decode_attention(
-        b.query, b.cache, b.meta.block_tables, b.meta.seq_lens, b.scale, b.meta.max_seq_len, 1000,
-        num_splits=4, out=nan_like(b.query),
+        b.query,
+        b.cache,
+        b.meta.block_tables,
+        b.meta.seq_lens,
+        b.scale,
+        b.meta.max_seq_len,
+        1000,
+        num_splits=4,
+        out=nan_like(b.query),
     )
     close(got, reference_attention(b, 1000), TOL[torch.bfloat16])
 
@@ -85,8 +105,16 @@ def test_prefill_chunked_mixed_batch(shape: AttnShape, kv_dtype: torch.dtype) ->
     seq_lens = [2048, 2012, 4000, 9, 301]
     b = paged_batch(shape, query_lens, seq_lens, kv_dtype=kv_dtype)
     got = paged_prefill_attention(
-        b.query, b.cache, b.meta.query_start_loc, b.meta.seq_lens, b.meta.block_tables, b.scale,
-        b.meta.max_query_len, k_scale=b.k_scale, v_scale=b.v_scale, out=nan_like(b.query),
+        b.query,
+        b.cache,
+        b.meta.query_start_loc,
+        b.meta.seq_lens,
+        b.meta.block_tables,
+        b.scale,
+        b.meta.max_query_len,
+        k_scale=b.k_scale,
+        v_scale=b.v_scale,
+        out=nan_like(b.query),
     )
     close(got, reference_attention(b), TOL[torch.bfloat16])
 
@@ -94,8 +122,15 @@ def test_prefill_chunked_mixed_batch(shape: AttnShape, kv_dtype: torch.dtype) ->
 def test_prefill_sliding_window() -> None:
     b = paged_batch(QWEN3_06B, [1000, 300], [1000, 2500])
     got = paged_prefill_attention(
-        b.query, b.cache, b.meta.query_start_loc, b.meta.seq_lens, b.meta.block_tables, b.scale,
-        b.meta.max_query_len, 256, out=nan_like(b.query),
+        b.query,
+        b.cache,
+        b.meta.query_start_loc,
+        b.meta.seq_lens,
+        b.meta.block_tables,
+        b.scale,
+        b.meta.max_query_len,
+        256,
+        out=nan_like(b.query),
     )
     close(got, reference_attention(b, 256), TOL[torch.bfloat16])
 

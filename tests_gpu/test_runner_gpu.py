@@ -9,8 +9,12 @@ import sonar
 
 pytestmark = pytest.mark.anyio
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
-           "List three colors:"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village by the sea,",
+    "List three colors:",
+]
 NEW_TOKENS = 32
 
 
@@ -38,15 +42,17 @@ async def test_smollm2_greedy_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch)
 
 
 async def test_fp8_kv_cache_on_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    out = await _greedy(monkeypatch, "cuda", kv_cache_dtype="fp8", cudagraph_capture_sizes=[1, 2, 4],
-                        optimization_level=1)
+    out = await _greedy(
+        monkeypatch, "cuda", kv_cache_dtype="fp8", cudagraph_capture_sizes=[1, 2, 4], optimization_level=1
+    )
     assert all(len(tokens) == NEW_TOKENS for tokens in out)
 
 
 async def test_memory_profiling_sizes_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SONAR_DEVICE", "cuda")
-    async with sonar.open(dtype="bfloat16", gpu_memory_utilization=0.5, cudagraph_capture_sizes=[1, 2],
-                          optimization_level=1) as llm:
+    async with sonar.open(
+        dtype="bfloat16", gpu_memory_utilization=0.5, cudagraph_capture_sizes=[1, 2], optimization_level=1
+    ) as llm:
         info = llm.info
     assert info.num_blocks > 1000
     assert {"weights", "kv_cache", "graphs", "warmup"} <= set(info.startup_seconds)

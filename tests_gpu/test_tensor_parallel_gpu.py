@@ -31,8 +31,15 @@ def anyio_backend() -> str:
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(vocab_size=301, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    config = LlamaConfig(
+        vocab_size=301,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     spread_weights(hf)
@@ -50,9 +57,11 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, **args) -> list[t
     return [(o.token_ids, [p.logprob for p in o.outputs[0].logprobs]) for o in outs]
 
 
-@pytest.mark.parametrize("mode", [{"enforce_eager": True}, {"optimization_level": 1}, {},
-                                  {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}],
-                         ids=["eager", "graphs", "compiled", "pp2"])
+@pytest.mark.parametrize(
+    "mode",
+    [{"enforce_eager": True}, {"optimization_level": 1}, {}, {"pipeline_parallel_size": 2, "tensor_parallel_size": 1}],
+    ids=["eager", "graphs", "compiled", "pp2"],
+)
 async def test_tp2_on_two_gpus_equals_one(monkeypatch: pytest.MonkeyPatch, checkpoint: Path, mode: dict) -> None:
     """Two ranks (two stages for pp2: NCCL's point-to-point sends) against one."""
     graphs = {} if mode.get("enforce_eager") else {"cudagraph_capture_sizes": [1, 2, 4]}

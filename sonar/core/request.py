@@ -149,6 +149,8 @@ class Request:
         "num_placeholders",
         "spec_token_ids",
         "proposed",
+        "spec_misses",
+        "spec_skip",
         "num_cached_tokens",
         "num_offloaded_tokens",
         "num_preemptions",
@@ -217,6 +219,10 @@ class Request:
         token (`sonar.core.speculative`); empty otherwise."""
         self.proposed: list[int] = []
         """Drafts the worker's draft model proposed with the request's last step, for its next."""
+        self.spec_misses = 0
+        """Steps in a row whose drafts were all rejected."""
+        self.spec_skip = 0
+        """Decode steps to run without drafts before proposing again (after misses)."""
         self.num_cached_tokens = -1
         """Prompt tokens served from the prefix cache at first admission; -1 until admitted."""
         self.num_offloaded_tokens = 0

@@ -32,7 +32,10 @@ the proposer (`sonar.core.speculative`) after its last token; they take budget a
 any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
 moves the request's computed tokens back to the last of them, so the KV of rejected drafts is
 overwritten by the tokens that follow (their slots stay the request's). A request with a token in
-flight (async scheduling) or a grammar gets no drafts.
+flight (async scheduling) gets no drafts; a request's grammar cuts its drafts to what it allows
+(`GrammarMatcher.valid_prefix`). Speculation backs off where it does not
+pay: a request whose drafts were all rejected runs 1, 2, 4 .. `MAX_SPEC_SKIP` decode steps without
+drafts before it proposes again (one accepted draft resets it).
 
 KV offloading (``lower_tier_lookup`` given, and a block manager with
 ``offload_blocks_per_chunk``): a waiting request whose prefix continues, past its prefix-cache
@@ -104,7 +107,7 @@ class SchedulerConfig:
     running and waiting, so that the next step has requests of its own."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding with a proposer that needs no model (`sonar.core.speculative`): a
-    decoding request without a token in flight or a grammar gets up to ``num_speculative_tokens``
+    decoding request without a token in flight gets up to ``num_speculative_tokens``
     drafts after its last token, within the step's token budget and its ``max_tokens`` and
     ``max_model_len``; a request whose drafts are in flight is not scheduled again until they are
     back."""
@@ -145,6 +148,9 @@ class Recovery:
     quarantined: list[RequestUpdate]
     """Requests failed alone (``finish_reason`` ``error``), one update each."""
 
+
+MAX_SPEC_SKIP = 16
+"""Most decode steps a request runs without drafts after its drafts missed again and again."""
 
 _RUNNING = RequestStatus.RUNNING
 _LOADING = RequestStatus.WAITING_FOR_KV
@@ -319,7 +325,7 @@ class Scheduler:
                 ):
                     i += 1
                     continue
-                if decodes and speculating and not request.num_placeholders and request.grammar is None:
+                if decodes and speculating and not request.num_placeholders:
                     drafts = self._propose(request, budget - 1)
                     if drafts and bm.allocate_slots(
                         request, 1 + len(drafts) + self._lookahead(request, 1 + len(drafts))
@@ -408,12 +414,20 @@ class Scheduler:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
         if self.proposer is None:  # a draft model's, from the request's last step
             proposed, request.proposed = request.proposed, []
-            return proposed[: max(limit, 0)]
+        if request.spec_skip:
+            request.spec_skip -= 1
+            return []
         if limit <= 0:
             return []
-        return self.proposer.propose(request.request_id, request.prompt_token_ids, request.output_token_ids, limit)[
-            :limit
-        ]
+        if self.proposer is None:
+            drafts = proposed[:limit]
+        else:
+            drafts = self.proposer.propose(
+                request.request_id, request.prompt_token_ids, request.output_token_ids, limit
+            )[:limit]
+        if drafts and request.grammar is not None:  # only what the grammar allows
+            drafts = drafts[: request.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The tokens the steps in flight sample for ``request`` are sure to finish it."""
@@ -662,6 +676,11 @@ class Scheduler:
                 while accepted < min(len(drafts), len(token_ids)) and token_ids[accepted] == drafts[accepted]:
                     accepted += 1
                 self.spec_stats.record(len(drafts), accepted, self.config.speculative.num_speculative_tokens)
+                if accepted:
+                    request.spec_misses = 0
+                else:  # a request whose guesses miss proposes less often: 1, 2, 4 .. 16 steps without
+                    request.spec_misses += 1
+                    request.spec_skip = min(1 << (request.spec_misses - 1), MAX_SPEC_SKIP)
                 if request.status == _RUNNING:
                     # the KV of the rejected drafts is overwritten by the tokens that follow; the
                     # last token kept has no KV yet, as after any decode

@@ -127,6 +127,16 @@ class ThinkingGate:
     def is_terminated(self) -> bool:
         return not self.thinking and not self.undecided and self.matcher.is_terminated()
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """Drafts only under the grammar: none while the thinking runs or may start (the gate's
+        own state does not roll back)."""
+        if self.thinking or self.undecided:
+            return 0
+        return self.matcher.valid_prefix(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         if self.thinking:
             bitmask[row].fill_(-1)

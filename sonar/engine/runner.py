@@ -483,7 +483,11 @@ class ModelRunner:
                 if wait_bitmask is None:
                     raise ValueError(f"step {out.step_id} has grammar rows but no bitmask to wait for")
                 where = dict(zip(sample_ids, first_rows))
-                apply_token_bitmask(logits, wait_bitmask(), [where[rid] for rid in msg.grammar_rows])
+                rows: list[int] = []
+                for rid in msg.grammar_rows:  # a request with drafts is named once per row
+                    rows.append(where[rid])
+                    where[rid] += 1
+                apply_token_bitmask(logits, wait_bitmask(), rows)
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)

@@ -86,7 +86,7 @@ from sonar.protocol.engine import (
     WorkerMsg,
 )
 from sonar.protocol.offload import OffloadMsg, PublishEvents, TierUpdate, WatchTiers
-from sonar.structured import allocate_bitmask, compiler_for, fill_bitmasks
+from sonar.structured import allocate_bitmask, compiler_for, fill_bitmasks, fill_draft_bitmasks
 
 TIER_MEDIA = ("CPU", "DISK")
 
@@ -417,13 +417,14 @@ class SchedulerActor(Actor):
             return None
 
     def _grammar_rows(self, output: SchedulerOutput) -> list[str]:
-        """The requests of a step that sample under a grammar, in step order."""
+        """The requests of a step that sample under a grammar, in step order, once per row they
+        sample (with drafts, ``1 + num_drafts``)."""
         rows = []
         for sched in output.requests:
             if sched.sample:
                 request = self.core.get_request(sched.req_id)
                 if request is not None and request.grammar is not None:
-                    rows.append(sched.req_id)
+                    rows += [sched.req_id] * (1 + sched.num_drafts)
         return rows
 
     async def _send_bitmask(self, output: SchedulerOutput) -> None:
@@ -433,19 +434,32 @@ class SchedulerActor(Actor):
         rows = self._step_rows.pop(output.step_id, None)
         if rows is None:
             return
-        if not self._bitmasks:
+        if not self._bitmasks or self._bitmasks[0].shape[0] < len(rows):  # drafts add rows
             size = max(self.config.max_num_seqs, len(rows))
             self._bitmasks = [allocate_bitmask(size, self.info.vocab_size) for _ in range(2)]
         buffer = self._bitmasks[self._bitmask_turn]
         self._bitmask_turn ^= 1
         matchers = []
-        for rid in rows:
-            request = self.core.get_request(rid)
+        drafted = []  # (first row, matcher, drafts) of requests whose step carries drafts
+        i = 0
+        while i < len(rows):
+            request = self.core.get_request(rows[i])
             grammar = None if request is None or request.is_finished else request.grammar
-            matchers.append(None if grammar is None or grammar.is_terminated() else grammar)
+            matcher = None if grammar is None or grammar.is_terminated() else grammar
+            drafts = request.spec_token_ids if request is not None else []
+            if matcher is not None and drafts:
+                drafted.append((i, matcher, drafts))
+            matchers += [None if drafts else matcher] * (1 + len(drafts))  # drafted rows: filled below
+            i += 1 + len(drafts)
+
+        def fill() -> None:
+            fill_bitmasks(matchers, buffer)
+            for row, matcher, drafts in drafted:
+                fill_draft_bitmasks(matcher, drafts, buffer, row)
+
         # in a thread: a grammar whose masks are slow to compute (a long bounded repetition costs
         # xgrammar ~10 ms a row) must not hold up the mailbox and, in `serve`, the HTTP server
-        await anyio.to_thread.run_sync(fill_bitmasks, matchers, buffer)
+        await anyio.to_thread.run_sync(fill)
         try:
             await self.worker.send(StepBitmask(output.step_id, buffer[: len(rows)]))
         except (ActorError, ActorNotFound):

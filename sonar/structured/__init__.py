@@ -20,6 +20,7 @@ _EXPORTS = {
     "bitmask_words": "sonar.structured.bitmask",
     "compiler_for": "sonar.structured.compiler",
     "fill_bitmasks": "sonar.structured.backends",
+    "fill_draft_bitmasks": "sonar.structured.backends",
     "pack_allowed": "sonar.structured.bitmask",
     "unpack_allowed": "sonar.structured.bitmask",
 }

@@ -128,6 +128,20 @@ class _XgrMatcher:
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        for token in tokens:  # a token xgrammar refuses leaves its state as it was
+            if self._m.is_terminated() or not self._m.accept_token(token):
+                break
+            n += 1
+        if n:
+            self._m.rollback(n)
+        return n
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+
 
 def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
     """Fill row ``i`` of `bitmask` from ``matchers[i]`` (None, or a request still thinking: every
@@ -152,6 +166,16 @@ def fill_bitmasks(matchers: list[GrammarMatcher | None], bitmask: Any) -> None:
         _batch_matcher().batch_fill_next_token_bitmask(batch, bitmask, rows)
     for i, allowed in extra:
         bitmask[i] |= allowed
+
+
+def fill_draft_bitmasks(matcher: GrammarMatcher, drafts: list[int], bitmask: Any, row: int) -> None:
+    """Rows ``row .. row + len(drafts)`` of `bitmask`: the tokens `matcher` allows after each prefix
+    of `drafts` (all of them allowed: `GrammarMatcher.valid_prefix` cut them), its state restored."""
+    for j in range(len(drafts) + 1):
+        fill_bitmasks([matcher], bitmask[row + j : row + j + 1])
+        if j < len(drafts):
+            matcher.accept_token(drafts[j])
+    matcher.rollback(len(drafts))
 
 
 _BATCH: list[Any] = []
@@ -267,6 +291,13 @@ class _GuidanceMatcher:
 
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self._fill(self._m, bitmask, row)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return self._m.validate_tokens(tokens)  # without consuming them
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
 
 
 class GuidanceGrammar(CompiledGrammar):

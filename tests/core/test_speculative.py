@@ -3,6 +3,7 @@ drafts checked by the fake runner's KV fingerprints (a rejected draft's KV must 
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -185,19 +186,26 @@ def test_drafts_stay_within_max_tokens_max_model_len_and_the_budget() -> None:
     assert tokens == {"short": 3, "long": 24 - 19}
 
 
-def test_no_drafts_for_grammar_requests_nor_above_disable_by_batch_size() -> None:
-    class AnyToken:
+def test_a_grammar_cuts_drafts_and_none_run_above_disable_by_batch_size() -> None:
+    class OneAhead:
+        """Allows any token, but drafts only one token ahead."""
+
         def accept_token(self, token: int) -> bool:
             return True
 
         def is_terminated(self) -> bool:
             return False
 
+        def valid_prefix(self, tokens: list[int]) -> int:
+            return min(1, len(tokens))
+
     runner = make()
-    runner.add(Request("g", CYCLE * 2, max_tokens=4, grammar=AnyToken()))
+    runner.add(Request("g", CYCLE * 2, max_tokens=8, grammar=OneAhead()))
+    drafts = []
     while runner.scheduler.has_unfinished_requests():
         out, _ = runner.step(model=cyclic)
-        assert all(r.num_drafts == 0 for r in out.requests)
+        drafts += [r.num_drafts for r in out.requests if r.sample]
+    assert set(drafts) == {0, 1} and drafts.count(1) >= 2
 
     runner = make(speculative=spec(disable_by_batch_size=2))
     for name in "ab":
@@ -270,3 +278,27 @@ def test_a_draft_models_proposals_run_in_the_next_step_with_room_for_its_lookahe
     stats = scheduler.stats()
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert scheduler.block_manager.num_free_blocks == 64
+
+
+def test_a_request_whose_drafts_miss_proposes_less_and_less_often() -> None:
+    """A model that never follows the cycle: after each all-rejected step the request waits 1, 2, 4
+    .. 16 decode steps before drafting again; once the model follows the cycle, drafts run each step."""
+    runner = make()
+    runner.add(Request("r", CYCLE * 3, max_tokens=100))
+    drafted: list[bool] = []
+
+    def model(tokens: list[int]) -> int:
+        if len(tokens) >= len(CYCLE) * 3 + 60:
+            return cyclic(tokens)
+        guess = reference_ngram(tokens, 1, 2, 2)  # what the proposer drafts first: never that
+        return guess[0] % 7 + 1 if guess else 1
+
+    while runner.scheduler.has_unfinished_requests():
+        out, _ = runner.step(model=model)
+        drafted += [r.num_drafts > 0 for r in out.requests if r.sample]
+    misses = drafted[:60]
+    gaps = [b - a - 1 for a, b in itertools.pairwise([i for i, d in enumerate(misses) if d])]
+    # (a gap may be longer: a step where nothing matches proposes nothing)
+    assert len(gaps) >= 4 and all(gap >= wait for gap, wait in zip(gaps, [1, 2, 4, 8, 16, 16]))
+    assert sum(misses) <= 8
+    assert all(drafted[-5:]), "".join(".d"[d] for d in drafted)  # agreeing again: drafts every step
