@@ -14,10 +14,10 @@ without ``d``, renormalised. The output follows the target model's distribution 
 sampling setting, and a seeded request gives the same text with and without speculation (its
 noise depends on the output position only, `sonar.models.sampler`).
 
-With a draft model (``draft_model``, `sonar.engine.drafter`) the worker proposes instead: each
-step's result carries the next drafts of the requests it sampled, which the core schedules with
-their next step. `SpeculativeConfig` is ``--speculative-config`` validated; the methods that need a
-head on the target (EAGLE, MTP, Medusa) are refused by name until the worker can run them.
+With a draft model or an EAGLE head (``draft_model``, ``eagle``: `sonar.engine.drafter`) the
+worker proposes instead: each step's result carries the next drafts of the requests it sampled,
+which the core schedules with their next step. `SpeculativeConfig` is ``--speculative-config``
+validated; the methods whose heads Sonar does not run (EAGLE-3, MTP, Medusa) are refused by name.
 """
 
 from __future__ import annotations
@@ -29,10 +29,13 @@ from typing import Any, Protocol
 
 __all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SpeculativeConfig", "make_proposer"]
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("ngram", "suffix", "draft_model", "eagle")
 """The methods Sonar runs."""
 
-_MODEL_METHODS = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+WORKER_METHODS = ("draft_model", "eagle")
+"""Methods whose drafts the worker makes (`sonar.engine.drafter`)."""
+
+_MODEL_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator")
 
 _KEYS = {
     "method",
@@ -80,7 +83,8 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None
-    """draft_model: the draft model (any model Sonar loads, with the target's tokenizer)."""
+    """draft_model: the draft model (any model Sonar loads, with the target's tokenizer); eagle: the
+    head's directory."""
     quantization: str | None = None
     """draft_model: the method its weights are in (None: what its checkpoint says)."""
     revision: str | None = None
@@ -89,7 +93,7 @@ class SpeculativeConfig:
     def lookahead(self) -> int:
         """KV slots a sampling step needs past its own tokens: a draft model writes the KV of the
         token it starts from and of its drafts but the last (`sonar.engine.drafter`)."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        return self.num_speculative_tokens if self.method in WORKER_METHODS else 0
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any]) -> SpeculativeConfig:
@@ -107,8 +111,8 @@ class SpeculativeConfig:
             )
         if method in _MODEL_METHODS:
             raise ValueError(
-                f"--speculative-config method {method!r} needs an EAGLE, MTP or Medusa head, which Sonar does not "
-                f"run yet; the methods that work are {', '.join(METHODS)}"
+                f"--speculative-config method {method!r} needs an EAGLE-3, MTP or Medusa head, which Sonar does "
+                f"not run yet; the methods that work are {', '.join(METHODS)}"
             )
         if method not in METHODS:
             raise ValueError(f"--speculative-config method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -116,9 +120,9 @@ class SpeculativeConfig:
             raise ValueError("--speculative-config needs num_speculative_tokens (or --spec-tokens)")
         values = {key: raw[key] for key in _KEYS if key in raw and raw[key] is not None}
         values["method"] = method
-        if method == "draft_model":
+        if method in WORKER_METHODS:
             if values.get("model") is None:
-                raise ValueError("--speculative-config method draft_model needs a model (--spec-model)")
+                raise ValueError(f"--speculative-config method {method} needs a model (--spec-model)")
             if values.pop("draft_tensor_parallel_size", 1) != 1:
                 raise ValueError(
                     "--speculative-config draft_tensor_parallel_size must be 1: a draft model runs on one worker"
@@ -126,7 +130,9 @@ class SpeculativeConfig:
         else:
             given = sorted(key for key in ("model", "quantization", "revision") if key in values)
             if given:
-                raise ValueError(f"--speculative-config {', '.join(given)}: only for method draft_model, not {method}")
+                raise ValueError(
+                    f"--speculative-config {', '.join(given)}: only for methods draft_model and eagle, not {method}"
+                )
             values.pop("draft_tensor_parallel_size", None)
         if "prompt_lookup_min" not in values and "prompt_lookup_max" not in values:
             values["prompt_lookup_min"] = values["prompt_lookup_max"] = 5
@@ -224,7 +230,7 @@ class NgramProposer:
 
 def make_proposer(config: SpeculativeConfig) -> Proposer | None:
     """The core's proposer; None for a draft model, whose drafts come back with each step."""
-    if config.method == "draft_model":
+    if config.method in WORKER_METHODS:
         return None
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)

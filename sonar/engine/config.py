@@ -344,10 +344,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"speculative decoding with tensor_parallel_size {self.tensor_parallel_size} / "
                 f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet; drop one of the two"
             )
-        if spec.method == "draft_model" and self.offload_config() is not None:
+        if spec.lookahead and self.offload_config() is not None:
             raise ValueError(
-                "a draft model with KV offloading is not supported yet (the tiers keep the target's KV only); "
-                "drop one of the two"
+                f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "
+                "target's KV only, not the draft's); drop one of the two"
             )
         if self.async_scheduling:
             raise ValueError(

@@ -30,7 +30,7 @@ from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
-from sonar.engine.drafter import Drafter, DraftStart
+from sonar.engine.drafter import Drafter, EagleDrafter, StepView
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
@@ -173,7 +173,7 @@ class ModelRunner:
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         spec = cfg.speculative()
-        self.drafter: Drafter | None = None
+        self.drafter: Drafter | EagleDrafter | None = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = Drafter(
                 spec,
@@ -181,6 +181,10 @@ class ModelRunner:
                 device=device,
                 vocab_size=int(self.loaded.config.vocab_size),
                 block_size=cfg.block_size,
+            )
+        elif spec is not None and spec.method == "eagle":
+            self.drafter = EagleDrafter(
+                spec, target=self.model, dtype=self.loaded.dtype, device=device, block_size=cfg.block_size
             )
         t1 = time.perf_counter()
         kv_bytes = None
@@ -203,7 +207,8 @@ class ModelRunner:
         draft_kv_dtype = None
         extra = 0
         if self.drafter is not None:  # its KV cache has as many blocks: they share the budget
-            draft_kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.drafter.loaded.dtype)
+            draft_dtype = self.drafter.loaded.dtype if isinstance(self.drafter, Drafter) else self.loaded.dtype
+            draft_kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, draft_dtype)
             extra = self.drafter.kv_bytes_per_block(draft_kv_dtype)
         self.num_blocks, self.max_model_len = plan_kv_cache(
             cfg, self.loaded, kv_bytes, self.kv_dtype, topology, extra_block_bytes=extra
@@ -422,7 +427,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
-        last_known: list[tuple[int, list[int]]] = []  # per sampled request: its last known position, blocks
+        first_rows_all: list[int] = []  # per request: the row of its first token (for a drafter)
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -451,7 +456,7 @@ class ModelRunner:
                 sample_rows += range(len(ids) - 1 - sched.num_drafts, len(ids))
                 sample_ids.append(sched.req_id)
                 drafts.append(sched.token_ids[n - sched.num_drafts :])
-                last_known.append((sched.start_pos + n - 1 - sched.num_drafts, sched.block_ids))
+            first_rows_all.append(first)
         hidden = None
         if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows and self.drafter is None:
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -460,8 +465,7 @@ class ModelRunner:
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
             hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
-            if self.drafter is not None:  # the draft's KV of the same positions
-                self.drafter.observe(ids_t, positions_t, meta)
+
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -530,23 +534,28 @@ class ModelRunner:
                     result.logprobs[rid] = [
                         _row(sampled.logprobs, row + j, state.params.logprobs) for j in range(len(kept))
                     ]
-            if self.drafter is not None:
-                self._draft(result, sample_ids, last_known)
+        if self.drafter is not None:  # every step: a draft's KV follows every position computed
+            view = StepView(
+                out.requests,
+                first_rows_all,
+                ids_t,
+                positions_t,
+                meta,
+                hidden,
+                result.sampled,
+                {s.req_id: self._next_token(s) for s in out.requests if not s.sample},
+            )
+            result.proposed = self.drafter.draft(view)
         result.seconds = time.perf_counter() - started
         return result
 
-    def _draft(self, result: StepResult, sample_ids: list[str], last_known: list[tuple[int, list[int]]]) -> None:
-        """The draft model's guesses for the next step of each request that kept tokens."""
-        assert self.drafter is not None
-        ids, starts = [], []
-        for rid, (position, block_ids) in zip(sample_ids, last_known):
-            kept = result.sampled.get(rid)
-            if kept:
-                ids.append(rid)
-                starts.append(DraftStart(kept[-1], position + len(kept), block_ids))
-        for rid, guesses in zip(ids, self.drafter.propose(starts)):
-            if guesses:
-                result.proposed[rid] = guesses
+    def _next_token(self, sched: ScheduledRequest) -> int:
+        """The known token after a chunk that samples nothing (a prompt, or the outputs of a
+        request recomputed after a preemption)."""
+        state = self.requests[sched.req_id]
+        position = sched.start_pos + len(sched.token_ids)
+        prompt = state.prompt
+        return prompt[position] if position < len(prompt) else state.output[position - len(prompt)]
 
     def _follow_sampling(self, sample_ids: list[str]) -> None:
         """A rank other than the sampler: take the tokens it sampled for this step's rows."""

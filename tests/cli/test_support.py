@@ -27,8 +27,8 @@ from sonar.cli import FLAGS, Status, parse_serve_args
         ),
         (
             ["--spec-method", "eagle3", "--spec-tokens", "3"],
-            "sonar serve: error: --speculative-config method 'eagle3' needs an EAGLE, MTP or Medusa head, which "
-            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model",
+            "sonar serve: error: --speculative-config method 'eagle3' needs an EAGLE-3, MTP or Medusa head, which "
+            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model, eagle",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2"],

@@ -52,8 +52,11 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
     ("raw", "message"),
     [
         ({"method": "draft_model", "num_speculative_tokens": 3}, r"needs a model \(--spec-model\)"),
-        ({"method": "eagle3", "model": "head", "num_speculative_tokens": 3}, "needs an EAGLE, MTP or Medusa head"),
-        ({"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"}, "only for method draft_model"),
+        ({"method": "eagle3", "model": "head", "num_speculative_tokens": 3}, "needs an EAGLE-3, MTP or Medusa head"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"},
+            "only for methods draft_model and eagle",
+        ),
         (
             {"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
             "draft_tensor_parallel_size must be 1",
@@ -86,7 +89,7 @@ def test_engine_flags_merge_into_the_config_and_conflicts_are_refused() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size 2"):
         EngineConfig.from_args(spec_method="ngram", spec_tokens=2, tensor_parallel_size=2)
     assert EngineConfig.from_args(spec_tokens=2, spec_model="tiny").speculative().method == "draft_model"
-    with pytest.raises(ValueError, match="a draft model with KV offloading"):
+    with pytest.raises(ValueError, match="speculative method draft_model with KV offloading"):
         EngineConfig.from_args(spec_tokens=2, spec_model="tiny", kv_offloading_size=1)
     assert EngineConfig.from_args().speculative() is None
 

@@ -252,3 +252,14 @@ def test_replicas_share_the_memory_budget_and_run_their_workers_in_processes() -
 def test_what_data_parallelism_cannot_do_is_refused(args: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_args(None, **args)
+
+
+def test_replica_stats_add_up_position_by_position() -> None:
+    from sonar.core.outputs import SchedulerStats
+    from sonar.engine.llm import _sum_stats
+
+    def stats(running: int, usage: float, per_position: list[int]) -> SchedulerStats:
+        return SchedulerStats(running, 0, 0, usage, 10, 0, 0, spec_accepted_per_position=per_position)
+
+    total = _sum_stats([stats(2, 0.5, [4, 2, 1]), stats(1, 0.25, []), stats(0, 0.0, [1])])
+    assert (total.num_running, total.kv_usage, total.spec_accepted_per_position) == (3, 0.25, [5, 2, 1])
