@@ -339,10 +339,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
-        if self.world_size > 1:
+        if self.world_size > 1 and spec.lookahead:
             raise ValueError(
-                f"speculative decoding with tensor_parallel_size {self.tensor_parallel_size} / "
-                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet; drop one of the two"
+                f"speculative method {spec.method} with tensor_parallel_size {self.tensor_parallel_size} / "
+                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet (the draft runs on one "
+                "worker); ngram and suffix work with them"
             )
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(

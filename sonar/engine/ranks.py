@@ -72,7 +72,8 @@ class Topology:
         return int(t.item())
 
     def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The sampler's `tokens` (int64, one per sampled row), on every rank (in place)."""
+        """The sampler's `tokens` (int64: the sampled ids of the step's rows, and whether each row
+        failed), on every rank (in place)."""
         if self.size > 1:
             dist.broadcast(tokens, src=self.sampler)
         return tokens

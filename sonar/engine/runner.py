@@ -427,7 +427,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_ids: list[str] = []
         drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
-        first_rows_all: list[int] = []  # per request: the row of its first token (for a drafter)
+        request_rows: list[int] = []  # per request: the row of its first token (for a drafter)
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -456,7 +456,7 @@ class ModelRunner:
                 sample_rows += range(len(ids) - 1 - sched.num_drafts, len(ids))
                 sample_ids.append(sched.req_id)
                 drafts.append(sched.token_ids[n - sched.num_drafts :])
-            first_rows_all.append(first)
+            request_rows.append(first)
         hidden = None
         if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows and self.drafter is None:
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -465,7 +465,6 @@ class ModelRunner:
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
             hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
-
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -478,20 +477,20 @@ class ModelRunner:
                 else hidden[torch.tensor(sample_rows, device=hidden.device)]
             )
             logits = self.model.compute_logits(rows)[:, : self.vocab_size]
+            first_rows = list(itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0))
             if not self.topology.samples:
                 if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
-                    self._follow_sampling(sample_ids)
+                    self._follow_sampling(sample_ids, drafts, first_rows, len(sample_rows))
                 return result
-            first_rows = list(itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0))
             if msg.grammar_rows:
                 if wait_bitmask is None:
                     raise ValueError(f"step {out.step_id} has grammar rows but no bitmask to wait for")
                 where = dict(zip(sample_ids, first_rows))
-                rows: list[int] = []
+                masked: list[int] = []
                 for rid in msg.grammar_rows:  # a request with drafts is named once per row
-                    rows.append(where[rid])
+                    masked.append(where[rid])
                     where[rid] += 1
-                apply_token_bitmask(logits, wait_bitmask(), rows)
+                apply_token_bitmask(logits, wait_bitmask(), masked)
             states = [self.requests[rid] for rid in sample_ids]
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)
@@ -512,11 +511,13 @@ class ModelRunner:
                 )
                 sampled = self.sampler(logits, batch)
             # one copy to the host for both: ids and whether each row failed
-            tokens, failed = torch.stack((sampled.sampled_token_ids, sampled.failed.long())).tolist()
+            shared = torch.stack((sampled.sampled_token_ids, sampled.failed.long()))
+            tokens, failed = shared.tolist()
             if self.topology.tp.size > 1 and self.topology.stage.size == 1:
-                # the other tensor ranks feed these tokens to later steps too (with several stages
-                # no step carries a token still in flight: `SchedulerConfig.pipeline_stages`)
-                self.topology.share_tokens(sampled.sampled_token_ids.to(torch.int64))
+                # the other tensor ranks feed these tokens to later steps too and keep the same
+                # drafts (with several stages no step carries a token still in flight:
+                # `SchedulerConfig.pipeline_stages`)
+                self.topology.share_tokens(shared.to(torch.int64))
             for rid, state, guesses, row in zip(sample_ids, states, drafts, first_rows):
                 kept = _verify(tokens, failed, row, guesses)
                 if not kept:
@@ -537,7 +538,7 @@ class ModelRunner:
         if self.drafter is not None:  # every step: a draft's KV follows every position computed
             view = StepView(
                 out.requests,
-                first_rows_all,
+                request_rows,
                 ids_t,
                 positions_t,
                 meta,
@@ -557,11 +558,15 @@ class ModelRunner:
         prompt = state.prompt
         return prompt[position] if position < len(prompt) else state.output[position - len(prompt)]
 
-    def _follow_sampling(self, sample_ids: list[str]) -> None:
-        """A rank other than the sampler: take the tokens it sampled for this step's rows."""
-        tokens = self.topology.share_tokens(torch.empty(len(sample_ids), dtype=torch.int64, device=self.device))
-        for rid, token in zip(sample_ids, tokens.tolist()):
-            self.requests[rid].output.append(token)
+    def _follow_sampling(
+        self, sample_ids: list[str], drafts: list[list[int]], first_rows: list[int], num_rows: int
+    ) -> None:
+        """A rank other than the sampler: take the tokens it sampled for this step's rows (and
+        whether each failed), and keep what it keeps of each request's drafts."""
+        shared = self.topology.share_tokens(torch.empty(2, num_rows, dtype=torch.int64, device=self.device))
+        tokens, failed = shared.tolist()
+        for rid, guesses, row in zip(sample_ids, drafts, first_rows):
+            self.requests[rid].output += _verify(tokens, failed, row, guesses) or [0]
 
     def _fill_placeholders(self, sched: ScheduledRequest) -> list[int]:
         """The step's tokens with each `PLACEHOLDER_TOKEN` replaced by the token this runner

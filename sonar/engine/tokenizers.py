@@ -25,20 +25,25 @@ log = get_logger("sonar.tokenizers")
 
 _lock = threading.Lock()
 _prefetched: dict[str, list[Future[Any]]] = {}
+_loading = threading.Lock()
+"""One tokenizer loads at a time in a process: transformers imports its modules lazily, and two
+threads importing the same one at once can fail (``cannot import name 'AutoTokenizer'``: seen
+when two data-parallel replicas started together)."""
 
 
 def _from_pretrained(path: str) -> Any:
     """transformers' tokenizer for `path`; given the model config when the cache of resolved
     configs holds it (`sonar.models.config_cache`), so transformers does not read it again
     (importing its config modules takes seconds)."""
-    from transformers import AutoTokenizer
-
     config = None
     try:
         config = config_cache.read((Path(path) / "config.json").read_bytes())
     except OSError:
         pass
-    return AutoTokenizer.from_pretrained(path, **({} if config is None else {"config": config}))
+    with _loading:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path, **({} if config is None else {"config": config}))
 
 
 def prefetch(path: str, copies: int = 2) -> None:

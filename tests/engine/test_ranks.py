@@ -97,6 +97,21 @@ async def test_a_group_equals_the_single_worker(llama: TinyCheckpoint, single: A
     assert [o.token_ids for o in seeded] == [o.token_ids for o in want_seeded]
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_speculation_in_a_group_keeps_the_single_workers_text(
+    llama: TinyCheckpoint, single: Any, tp: int, pp: int
+) -> None:
+    """n-gram drafts through tensor ranks (each follower keeps what the sampler keeps) and stages."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    greedy, seeded, _, stats = await _run(
+        llama.path, tensor_parallel_size=tp, pipeline_parallel_size=pp, speculative_config=ngram
+    )
+    want_greedy, want_seeded = single
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in want_greedy]
+    assert [o.token_ids for o in seeded] == [o.token_ids for o in want_seeded]
+    assert stats.spec_num_draft_tokens > 0
+
+
 async def test_structured_outputs_through_a_pipeline() -> None:
     """The embedded SmolLM2 as served (its Q4_1 quants; 30 layers: 15 a stage), a choice: the
     sampler applies the bitmask."""

@@ -4,6 +4,8 @@ a plain load does."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,35 @@ def test_a_cached_model_config_is_handed_over(tokenizer_dir: str, tmp_path: Path
         "assert 'transformers.models.llama.configuration_llama' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+RACE = """
+import threading
+import sonar.engine.tokenizers as tokenizers
+from sonar.models.embedded import tokenizer_dir
+
+path, errors, start = str(tokenizer_dir()), [], threading.Barrier(4)
+
+def load():
+    start.wait()
+    try:
+        tokenizers._from_pretrained(path)
+    except Exception as exc:
+        errors.append(repr(exc))
+
+threads = [threading.Thread(target=load) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(errors)
+"""
+
+
+def test_tokenizers_loading_at_once_in_a_fresh_process_all_load() -> None:
+    """Four threads load the first tokenizers of a process at the same moment (two data-parallel
+    replicas' prefetches): transformers' lazy import failed one in three such runs unguarded."""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == "[]"
