@@ -5,7 +5,8 @@ It starts before the engine, so the port answers from the first second: every ro
 ("starting") until `serve` hands it the app on the engine (`ServeApp`); `serve` drains it or
 marks it dead with `SetPhase` and reads its requests in flight with `GetFrontendStatus`. On a
 polite stop (the root stopping, after a drain or because the engine gave up) it lets the
-responses in flight go out, up to its shutdown deadline, then stops uvicorn. Its connections are
+responses in flight go out, up to its shutdown deadline (after the engine gave up, for at least
+`DEAD_GRACE`), then stops uvicorn. Its connections are
 guarded (`sonar.http.connection`): a header read timeout and a cap on open connections.
 """
 
@@ -25,6 +26,11 @@ from sonar.http.lifecycle import Drain, FrontDoor
 from sonar.log import get_logger
 
 log = get_logger("sonar.frontend")
+
+DEAD_GRACE = 1.0
+"""Seconds the port keeps answering (503) after the engine gave up, before the process exits: a
+load balancer or orchestrator polling `/health` sees the engine down rather than only a refused
+connection."""
 
 
 class FrontendStatus(msgspec.Struct):
@@ -96,6 +102,8 @@ class FrontendActor(Actor):
         self.listening = listening
         self.linger = linger
         self.done = anyio.Event()
+        self.dead_at: float | None = None
+        """When the engine gave up (`SetPhase` "dead")."""
 
     async def started(self) -> None:
         failure: list[BaseException] = []
@@ -128,6 +136,8 @@ class FrontendActor(Actor):
                 drain.phase = "serving"
         elif isinstance(msg, SetPhase):
             drain.phase, drain.reason = msg.phase, msg.reason or drain.reason
+            if msg.phase == "dead" and self.dead_at is None:
+                self.dead_at = anyio.current_time()
         return FrontendStatus(drain.phase, drain.in_flight)
 
     async def stopping(self) -> None:
@@ -135,6 +145,8 @@ class FrontendActor(Actor):
             self.drain.phase = "draining"
         with anyio.move_on_after(self.linger):
             await self.drain.wait_idle(0.01)
+            if self.dead_at is not None:  # health checks get to see the 503 before the port closes
+                await anyio.sleep_until(self.dead_at + DEAD_GRACE)
         self.server.should_exit = True
         await self.done.wait()
 

@@ -342,15 +342,7 @@ class DecoderForCausalLM(nn.Module):
 
     def stacked_params(self) -> dict[str, tuple[str, int, int]]:
         """Checkpoint name fragment -> (fused fragment, first row, rows) of the fused matrices."""
-        q, kv = self.own_layers[0].self_attn.q_size, self.own_layers[0].self_attn.kv_size
-        inter = self.own_layers[0].mlp.intermediate
-        return {
-            ".q_proj.": (".qkv_proj.", 0, q),
-            ".k_proj.": (".qkv_proj.", q, kv),
-            ".v_proj.": (".qkv_proj.", q + kv, kv),
-            ".gate_proj.": (".gate_up_proj.", 0, inter),
-            ".up_proj.": (".gate_up_proj.", inter, inter),
-        }
+        return stacked_params(self.own_layers[0])
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names) into the parameters, casting to their dtype.
@@ -366,11 +358,7 @@ class DecoderForCausalLM(nn.Module):
             if self.tie_word_embeddings and name == "lm_head.weight":
                 continue
             tensor = self.shard_checkpoint(name, tensor)
-            target_name, first, rows = name, 0, None
-            for part, (fused, offset, size) in stacked.items():
-                if part in name:
-                    target_name, first, rows = name.replace(part, fused), offset, size
-                    break
+            target_name, first, rows = fused_name(name, stacked)
             target = params.get(target_name)
             if target is None:
                 continue
@@ -393,6 +381,26 @@ class DecoderForCausalLM(nn.Module):
         if self.tie_word_embeddings and "model.embed_tokens.weight" in done:
             done.add("lm_head.weight")
         return done
+
+
+def stacked_params(layer: DecoderLayer) -> dict[str, tuple[str, int, int]]:
+    """Checkpoint name fragment -> (fused fragment, first row, rows) of `layer`'s fused matrices."""
+    q, kv, inter = layer.self_attn.q_size, layer.self_attn.kv_size, layer.mlp.intermediate
+    return {
+        ".q_proj.": (".qkv_proj.", 0, q),
+        ".k_proj.": (".qkv_proj.", q, kv),
+        ".v_proj.": (".qkv_proj.", q + kv, kv),
+        ".gate_proj.": (".gate_up_proj.", 0, inter),
+        ".up_proj.": (".gate_up_proj.", inter, inter),
+    }
+
+
+def fused_name(name: str, stacked: dict[str, tuple[str, int, int]]) -> tuple[str, int, int | None]:
+    """Where checkpoint tensor `name` goes: (parameter name, first row, rows; None: all of it)."""
+    for part, (fused, offset, size) in stacked.items():
+        if part in name:
+            return name.replace(part, fused), offset, size
+    return name, 0, None
 
 
 def sliding_windows(config: Any) -> tuple[int | None, ...]:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
-from sonar.models.decoder import DecoderForCausalLM, DecoderLayer, sliding_windows
+from sonar.models.decoder import DecoderForCausalLM, DecoderLayer, fused_name, sliding_windows, stacked_params
 from sonar.models.errors import ModelLoadError
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
@@ -111,14 +111,10 @@ def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, d
         )
     head = EagleHead(config, target, "fc.bias" in tensors, "embed_tokens.weight" in tensors)
     params = dict(head.named_parameters())
-    stacked = _stacked(head)
+    stacked = stacked_params(head.layers[0])
     rows_written = dict.fromkeys(params, 0)
     for name, tensor in tensors.items():
-        target_name, first, rows = name, 0, None
-        for part, (fused, offset, size) in stacked.items():
-            if part in name:
-                target_name, first, rows = name.replace(part, fused), offset, size
-                break
+        target_name, first, rows = fused_name(name, stacked)
         param = params.get(target_name)
         if param is None:
             raise ModelLoadError(f"EAGLE head {path}: unexpected weight {name}")
@@ -133,15 +129,3 @@ def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, d
     if missing:
         raise ModelLoadError(f"EAGLE head {path}: missing weights {sorted(missing)[:4]}")
     return head.to(device=device, dtype=dtype)
-
-
-def _stacked(head: EagleHead) -> dict[str, tuple[str, int, int]]:
-    attn, mlp = head.layers[0].self_attn, head.layers[0].mlp
-    q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate
-    return {
-        ".q_proj.": (".qkv_proj.", 0, q),
-        ".k_proj.": (".qkv_proj.", q, kv),
-        ".v_proj.": (".qkv_proj.", q + kv, kv),
-        ".gate_proj.": (".gate_up_proj.", 0, inter),
-        ".up_proj.": (".gate_up_proj.", inter, inter),
-    }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import anyio
 import pytest
@@ -73,41 +74,40 @@ async def test_greedy_text_is_identical_and_drafts_are_accepted(engines) -> None
     assert len(after.spec_accepted_per_position) == 4
 
 
+async def speculating(plain: sonar.LLM, config: dict, prompts: list[str], *rounds: SamplingParams) -> list[Any]:
+    """An engine with speculative `config`: each round's params on each prompt give the plain
+    engine's tokens. Its stats after each round."""
+    stats = []
+    async with sonar.open(
+        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=64, speculative_config=config
+    ) as spec:
+        for params in rounds:
+            for prompt in prompts:
+                expected = (await plain.generate(prompt, params)).outputs[0].token_ids
+                assert (await spec.generate(prompt, params)).outputs[0].token_ids == expected, (prompt, params)
+            stats.append(await spec.stats())
+    return stats
+
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0)
+
+
 async def test_suffix_decoding_gives_the_same_greedy_text(engines, one_thread) -> None:
     """The suffix method on the same prompts, then a second round that its global index of
     finished outputs answers too."""
-    plain = engines[0]
-    params = SamplingParams(max_tokens=32, temperature=0)
     config = {"method": "suffix", "num_speculative_tokens": 4}
-    async with sonar.open(
-        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=64, speculative_config=config
-    ) as suffix:
-        for _ in range(2):
-            for prompt in (EDIT, CODE):
-                expected = (await plain.generate(prompt, params)).outputs[0].token_ids
-                assert (await suffix.generate(prompt, params)).outputs[0].token_ids == expected
-        stats = await suffix.stats()
-        assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2 > 0
+    *_, stats = await speculating(engines[0], config, [EDIT, CODE], GREEDY, GREEDY)
+    assert stats.spec_num_accepted_tokens > stats.spec_num_draft_tokens / 2 > 0
 
 
 async def test_a_draft_model_the_target_itself_is_always_right(engines, one_thread) -> None:
     """The embedded model as its own draft (a separate copy in the worker, its own KV cache over the
-    target's block tables): greedy text unchanged, and every draft accepted but for rounding."""
-    plain = engines[0]
+    target's block tables): greedy text unchanged, and every draft accepted but for rounding; seeded
+    sampling unchanged too (the drafts, the draft's argmax, are simply kept less often)."""
     config = {"method": "draft_model", "model": str(gguf_path()), "num_speculative_tokens": 3}
-    params = SamplingParams(max_tokens=24, temperature=0)
     seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7)
-    async with sonar.open(
-        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=48, speculative_config=config
-    ) as draft:
-        for prompt in (STORY, CODE):
-            expected = (await plain.generate(prompt, params)).outputs[0].token_ids
-            assert (await draft.generate(prompt, params)).outputs[0].token_ids == expected
-        greedy = await draft.stats()
-        assert greedy.spec_num_accepted_tokens >= 0.9 * greedy.spec_num_draft_tokens > 0
-        # sampled text is the target's too (the drafts, the draft's argmax, are simply kept less often)
-        expected = (await plain.generate(STORY, seeded)).outputs[0].token_ids
-        assert (await draft.generate(STORY, seeded)).outputs[0].token_ids == expected
+    greedy, _ = await speculating(engines[0], config, [STORY, CODE], GREEDY, seeded)
+    assert greedy.spec_num_accepted_tokens >= 0.9 * greedy.spec_num_draft_tokens > 0
 
 
 async def test_a_tiny_random_draft_model_is_mostly_wrong_and_changes_nothing(engines, one_thread, tmp_path) -> None:
@@ -126,17 +126,9 @@ async def test_a_tiny_random_draft_model_is_mostly_wrong_and_changes_nothing(eng
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(tiny).save_pretrained(tmp_path, safe_serialization=True)
-    plain = engines[0]
     config = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
-    params = SamplingParams(max_tokens=24, temperature=0)
-    async with sonar.open(
-        dtype="float32", max_model_len=256, seed=0, num_gpu_blocks_override=48, speculative_config=config
-    ) as draft:
-        for prompt in (EDIT, STORY):
-            expected = (await plain.generate(prompt, params)).outputs[0].token_ids
-            assert (await draft.generate(prompt, params)).outputs[0].token_ids == expected
-        stats = await draft.stats()
-        assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
+    [stats] = await speculating(engines[0], config, [EDIT, STORY], GREEDY)
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens / 4
 
 
 async def test_seeded_sampling_with_penalties_is_identical(engines) -> None:
