@@ -24,24 +24,18 @@ from sonar.models.errors import ModelLoadError
 from sonar.protocol.engine import ExecuteStep, NewRequestData
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint, save_word_tokenizer, spread_weights
+from tests.models.conftest import _tiny_configs
 
 K = 3
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tiny Llama of the model tests (Llama 3 rope scaling: the head inherits it)."""
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(5)
-    config = LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
+    config = _tiny_configs()["llama3"]
     hf = LlamaForCausalLM(config).eval()
     spread_weights(hf)
     path = tmp_path_factory.mktemp("eagle-target")
