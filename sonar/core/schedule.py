@@ -28,8 +28,9 @@ placeholder is resolved before the next ``schedule``, and nothing changes. With
 back, so no step carries a placeholder and several steps (micro-batches) may be in flight.
 
 Speculative decoding (``SchedulerConfig.speculative``): a decoding request may carry drafts from
-the proposer (`sonar.core.speculative`) after its last token; they take budget and KV slots like
-any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
+the proposer (`sonar.core.speculative`), or from the worker's draft model or EAGLE head (with the
+step before, plus ``lookahead`` KV slots for the draft's own KV), after its last token; they take
+budget and KV slots like any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
 moves the request's computed tokens back to the last of them, so the KV of rejected drafts is
 overwritten by the tokens that follow (their slots stay the request's). A request with a token in
 flight (async scheduling) gets no drafts; a request's grammar cuts its drafts to what it allows
@@ -106,11 +107,11 @@ class SchedulerConfig:
     as usual), and a step takes at most its share, ``1 / pipeline_stages``, of the requests
     running and waiting, so that the next step has requests of its own."""
     speculative: SpeculativeConfig | None = None
-    """Speculative decoding with a proposer that needs no model (`sonar.core.speculative`): a
-    decoding request without a token in flight gets up to ``num_speculative_tokens``
-    drafts after its last token, within the step's token budget and its ``max_tokens`` and
-    ``max_model_len``; a request whose drafts are in flight is not scheduled again until they are
-    back."""
+    """Speculative decoding (`sonar.core.speculative`): a decoding request without a token in
+    flight gets up to ``num_speculative_tokens`` drafts after its last token (from the core's
+    proposer, or those the worker's draft proposed with its last step), within the step's token
+    budget and its ``max_tokens`` and ``max_model_len``; a request whose drafts are in flight is
+    not scheduled again until they are back."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -412,8 +413,7 @@ class Scheduler:
         )
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
-        if self.proposer is None:  # a draft model's, from the request's last step
-            proposed, request.proposed = request.proposed, []
+        proposed, request.proposed = request.proposed, []  # a draft model's, from the request's last step
         if request.spec_skip:
             request.spec_skip -= 1
             return []
@@ -538,16 +538,13 @@ class Scheduler:
                 num_new = budget
         elif num_new > budget:
             return None
+        completes = num_hit_tokens + num_new == request.num_tokens  # it samples: room for a draft's KV
+        ahead = self._lookahead(request, num_hit_tokens + num_new) if completes else 0
         # The watermark is waived while nothing runs, so a request that needs nearly the
         # whole cache is still admitted once it is alone.
         if not bm.allocate_slots(
             request,
-            num_new
-            + (
-                self._lookahead(request, num_hit_tokens + num_new)
-                if num_new == request.num_tokens - num_hit_tokens
-                else 0
-            ),
+            num_new + ahead,
             new_computed_blocks=hits,
             reserve_tokens=request.num_tokens if reserve_full else 0,
             keep_free_blocks=self._watermark_blocks if self.running else 0,
