@@ -1,6 +1,6 @@
 """Speculative decoding on the GPU: a step's drafts run as decode rows, so the CUDA graphs serve the
 verification; greedy output with n-gram, suffix and draft-model speculation equals the plain
-engine's, eager and with graphs (-O1)."""
+engine's (four engine starts: the device's minutes are few)."""
 
 from __future__ import annotations
 
@@ -33,22 +33,18 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, **engine_args) -> tuple[list[
         return outs, await llm.stats()
 
 
-@pytest.mark.parametrize(
-    "compile_args",
-    [{"enforce_eager": True}, {"cudagraph_capture_sizes": [1, 2, 4, 8, 16], "optimization_level": 1}],
-    ids=["eager", "graphs"],
-)
-async def test_ngram_and_suffix_keep_greedy_output(monkeypatch: pytest.MonkeyPatch, compile_args: dict) -> None:
-    plain, _ = await _greedy(monkeypatch, **compile_args)
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16], "optimization_level": 1}
+
+
+async def test_speculation_keeps_greedy_output_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ngram and suffix with CUDA graphs (a drafted step is all decode rows: a graph replays it),
+    and the embedded model drafting for itself (eager: a draft model turns graphs off), against the
+    plain engine with graphs (equal to eager and to the CPU: tests_gpu/test_runner_gpu.py)."""
+    plain, _ = await _greedy(monkeypatch, **GRAPHS)
     for config in (NGRAM, {"method": "suffix", "num_speculative_tokens": 8}):
-        spec, stats = await _greedy(monkeypatch, speculative_config=config, **compile_args)
+        spec, stats = await _greedy(monkeypatch, speculative_config=config, **GRAPHS)
         assert spec == plain, config
         assert stats.spec_num_accepted_tokens > 0
-
-
-async def test_a_draft_model_keeps_greedy_output(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The embedded model drafting for itself (nearly every draft accepted), eager."""
-    plain, _ = await _greedy(monkeypatch, enforce_eager=True)
     config = {"method": "draft_model", "model": str(gguf_path()), "num_speculative_tokens": 3}
     spec, stats = await _greedy(monkeypatch, enforce_eager=True, speculative_config=config)
     assert spec == plain
