@@ -27,6 +27,7 @@ import torch
 
 from sonar.core.outputs import ScheduledRequest
 from sonar.core.speculative import SpeculativeConfig
+from sonar.engine import memory
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.log import get_logger
 from sonar.models.eagle import load_eagle_head
@@ -77,8 +78,7 @@ class _DraftKV:
         self.kv_caches: list[torch.Tensor] = []
 
     def kv_bytes_per_block(self, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return memory.kv_bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, dtype)
 
     def allocate(self, num_blocks: int, dtype: torch.dtype, max_model_len: int) -> None:
         """`num_blocks` blocks, as many as the target's, of `dtype` (what ``--kv-cache-dtype``
