@@ -181,7 +181,7 @@ async def serve(config: ServeConfig) -> int:
                     from sonar.http.app import build_app
                     from sonar.http.metrics import stats_logging
 
-                    async with connect(engine, server_engine_config(config)) as llm:
+                    async with connect(engine, server_engine_config(config), config.served_model_name[0]) as llm:
                         llm.root = root
                         holder["llm"] = llm
 

@@ -48,7 +48,6 @@ NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
 NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
 NO_MM = "only affects multimodal inputs; Sonar serves text-only models"
 NO_MEDIA = "Sonar never loads images, audio or video, so this permission is never used"
-NO_LORA = "only used with LoRA adapters (--enable-lora), which Sonar does not support yet"
 NO_POOLING = "only affects pooling (embedding / scoring) models; Sonar serves generative models"
 NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
 NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
@@ -109,7 +108,7 @@ GROUPS: tuple[Group, ...] = (
         "Frontend", "The OpenAI-compatible HTTP server: address, TLS, CORS, auth, logging and response extras.",
         _f("--lora-modules", L, None,
            "LoRA adapters to serve, each as name=path or as a JSON object with name, path and "
-           "base_model_name."),
+           "base_model_name (needs --enable-lora).", extend=True, to=E),
         _f("--chat-template", S_, None,
            "Chat template to render conversations with: a file path, or the template itself on one "
            "line. Unset: the tokenizer's own template.", to=S),
@@ -647,26 +646,32 @@ GROUPS: tuple[Group, ...] = (
     ),
     _group(
         "LoRAConfig", "Serving LoRA adapters.",
-        _f("--enable-lora", B, None, "Serve LoRA adapters.", accepts=(False,)),
-        _f("--max-loras", I, 1, "Most LoRA adapters used in one batch.", noop=NO_LORA),
-        _f("--max-lora-rank", I, 16, "Highest LoRA rank supported.",
-           choices=(1, 8, 16, 32, 64, 128, 256, 320, 512), noop=NO_LORA),
+        _f("--enable-lora", B, None, "Serve LoRA adapters (docs/lora.md).", to=E),
+        _f("--max-loras", I, 1, "Most distinct LoRA adapters used in one batch (device slots).", to=E,
+           check=positive),
+        _f("--max-lora-rank", I, 16, "Highest LoRA rank served; adapters of a higher rank are refused.",
+           choices=(1, 8, 16, 32, 64, 128, 256, 320, 512), to=E),
         _f("--lora-dtype", S_, "auto", "Dtype of LoRA weights ('auto': the model's).",
-           choices=("auto", "bfloat16", "float16"), noop=NO_LORA),
+           choices=("auto", "bfloat16", "float16"), to=E),
         _f("--enable-tower-connector-lora", B, False,
-           "Also apply LoRA to a multimodal model's vision tower and connector.", noop=NO_LORA),
-        _f("--max-cpu-loras", I, None, "Most LoRA adapters kept in CPU memory.", noop=NO_LORA),
+           "Also apply LoRA to a multimodal model's vision tower and connector.", noop=NO_MM),
+        _f("--max-cpu-loras", I, None,
+           "Most LoRA adapters kept in host memory (at least --max-loras; unset: --max-loras).", to=E,
+           check=positive),
         _f("--fully-sharded-loras", B, False,
-           "Shard all of the LoRA computation over tensor-parallel ranks, not only half of it.", noop=NO_LORA),
-        _f("--lora-target-modules", L, None, "Apply LoRA only to modules with these name suffixes.", noop=NO_LORA),
+           "Shard all of the LoRA computation over tensor-parallel ranks, not only half of it."),
+        _f("--lora-target-modules", L, None,
+           "Apply LoRA only to these projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+           "down_proj, or qkv_proj / gate_up_proj for all of theirs); unset: all of them.", to=E),
         _f("--default-mm-loras", J, None, "LoRA adapter to use whenever a request contains a given modality.",
-           dotted=True, noop=NO_LORA),
+           dotted=True, noop=NO_MM),
         _f("--specialize-active-lora", B, False,
-           "Capture separate CUDA graphs for each number of active LoRA adapters.", noop=NO_LORA),
+           "Capture separate CUDA graphs for each number of active LoRA adapters.",
+           noop="Sonar captures no CUDA graphs while LoRA adapters are enabled (their steps run eagerly)"),
         _f("--enable-mixed-moe-lora-format", B, False,
-           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", noop=NO_LORA),
+           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", noop=NO_MOE),
         _f("--enable-moe-shared-loras", B, False,
-           "Load MoE LoRA adapters whose factors are shared by all experts.", noop=NO_LORA),
+           "Load MoE LoRA adapters whose factors are shared by all experts.", noop=NO_MOE),
     ),
     _group(
         "ObservabilityConfig", "Metrics, tracing and diagnostic logging.",

@@ -30,7 +30,7 @@ from sonar.core.block_pool import BlockPool
 from sonar.core.events import BlockStored, KVEvent
 from sonar.core.free_queue import KVBlock
 from sonar.core.outputs import KVStoreSpec
-from sonar.core.prefix import BlockHash, PrefixHasher
+from sonar.core.prefix import BlockHash, PrefixHasher, first_block_keys
 from sonar.core.request import Request
 
 __all__ = ["BlockManager"]
@@ -97,7 +97,7 @@ class BlockManager:
     def update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over its full blocks; call after tokens are added."""
         if self.hasher is not None:
-            self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt)
+            self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks that can serve ``request``'s leading tokens, and how many tokens.
@@ -249,7 +249,7 @@ class BlockManager:
         assert self._events is not None
         bs = self.block_size
         hashes = request.block_hashes
-        salt = request.cache_salt
+        keys = first_block_keys(request.cache_salt, request.lora_key)
         self._events.append(
             BlockStored(
                 block_hashes=hashes[lo:hi],
@@ -257,8 +257,8 @@ class BlockManager:
                 token_ids=request.all_token_ids[lo * bs : hi * bs],
                 block_size=bs,
                 medium="GPU",
-                extra_keys=[[salt] if i == 0 else None for i in range(lo, hi)]
-                if salt is not None and lo == 0
+                extra_keys=[list(keys) if i == 0 else None for i in range(lo, hi)]
+                if keys is not None and lo == 0
                 else None,
             )
         )

@@ -5,7 +5,9 @@ token ids of block ``i`` and optional extra keys. Two sequences therefore get th
 for block ``i`` only when their first ``i + 1`` blocks hold the same tokens under the same
 extra keys, which is exactly when the KV of that block can be shared. The per-request
 ``cache_salt`` is an extra key of the first block; through the chain it separates every
-later block too, so tenants with different salts never share (or probe) each other's cache.
+later block too, so tenants with different salts never share (or probe) each other's cache. A
+request's LoRA adapter is one too (its digest, `first_block_keys`): its KV differs from the base
+model's and every other adapter's for the same tokens.
 
 ``--prefix-caching-hash-algo`` picks how the ``(parent, tokens, extra)`` tuple becomes bytes
 and how the bytes are hashed:
@@ -28,7 +30,7 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, get_args
 
-__all__ = ["BlockHash", "HASH_ALGOS", "HashAlgo", "PrefixHasher", "make_hash_fn"]
+__all__ = ["BlockHash", "HASH_ALGOS", "HashAlgo", "PrefixHasher", "first_block_keys", "make_hash_fn"]
 
 BlockHash = bytes
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
@@ -106,24 +108,38 @@ class PrefixHasher:
         """Hash one full block given its parent's hash, its tokens and its extra keys."""
         return self._hash((parent, tuple(token_ids), extra_keys))
 
-    def extend(self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None = None) -> None:
+    def extend(
+        self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None = None, lora: str | None = None
+    ) -> None:
         """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
 
         ``hashes`` must already hold the chain of the first ``len(hashes)`` blocks of
-        ``token_ids``; this is how a request's chain grows as it generates tokens.
+        ``token_ids``; this is how a request's chain grows as it generates tokens. ``lora``: the
+        digest of the request's LoRA adapter.
         """
         bs = self.block_size
         num_full = len(token_ids) // bs
         index = len(hashes)
         parent = hashes[-1] if hashes else self.root
         while index < num_full:
-            extra = (cache_salt,) if index == 0 and cache_salt is not None else None
+            extra = first_block_keys(cache_salt, lora) if index == 0 else None
             parent = self._hash((parent, tuple(token_ids[index * bs : (index + 1) * bs]), extra))
             hashes.append(parent)
             index += 1
 
-    def chain(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[BlockHash]:
+    def chain(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora: str | None = None
+    ) -> list[BlockHash]:
         """The hashes of every full block of ``token_ids``."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids, cache_salt)
+        self.extend(hashes, token_ids, cache_salt, lora)
         return hashes
+
+
+def first_block_keys(cache_salt: str | None, lora: str | None) -> tuple[object, ...] | None:
+    """The extra keys of a request's first block: its cache salt, then its LoRA adapter's digest
+    (tagged, so that no salt can equal it); None when it has neither."""
+    keys: tuple[object, ...] = () if cache_salt is None else (cache_salt,)
+    if lora is not None:
+        keys += (("lora", lora),)
+    return keys or None

@@ -11,6 +11,7 @@ from sonar.core.grammar import GrammarMatcher
 from sonar.core.outputs import RequestError
 from sonar.core.prefix import BlockHash
 from sonar.errors import Rejection, RejectKind, SonarError
+from sonar.lora.request import LoRARequest
 
 __all__ = [
     "MAX_CACHE_SALT_LENGTH",
@@ -141,6 +142,7 @@ class Request:
         "priority",
         "arrival_time",
         "cache_salt",
+        "lora",
         "skip_reading_prefix_cache",
         "sampling_params",
         "grammar",
@@ -171,6 +173,7 @@ class Request:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora: LoRARequest | None = None,
         skip_reading_prefix_cache: bool = False,
         sampling_params: Any = None,
         grammar: GrammarMatcher | None = None,
@@ -199,6 +202,9 @@ class Request:
         self.cache_salt = cache_salt
         """Mixed into the hash of the first block (so into every block's): requests share cached
         blocks, in every tier, only with requests of the same salt."""
+        self.lora = lora
+        """The LoRA adapter the request runs with (None: the base model): its digest keys the
+        request's blocks as the salt does, and a step holds at most ``max_loras`` adapters."""
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""
@@ -236,6 +242,11 @@ class Request:
         """Why a ``FINISHED_ERROR`` request failed."""
         self.seq = -1
         """Order of arrival at the scheduler; breaks every tie."""
+
+    @property
+    def lora_key(self) -> str | None:
+        """The digest of the request's adapter, or None."""
+        return None if self.lora is None else self.lora.digest
 
     @property
     def num_tokens(self) -> int:

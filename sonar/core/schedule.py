@@ -112,6 +112,10 @@ class SchedulerConfig:
     proposer, or those the worker's draft proposed with its last step), within the step's token
     budget and its ``max_tokens`` and ``max_model_len``; a request whose drafts are in flight is
     not scheduled again until they are back."""
+    max_loras: int = 0
+    """LoRA: the most distinct adapters among the running requests (the worker's slots); a waiting
+    request of another adapter waits while that many run, and those behind it may go first. 0:
+    no adapters."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -443,6 +447,7 @@ class Scheduler:
         quarantine = self.quarantine
         isolating = bool(quarantine)
         suspect_in, unproven_in, any_suspect, proven_first = self._isolation()
+        adapters = self._adapters() if config.max_loras else set()
         skipped: list[Request] = []
         try:
             while (
@@ -465,12 +470,17 @@ class Scheduler:
                     )
                 else:
                     blocked = unproven and suspect_in
+                lora = request.lora_key
+                if lora is not None and lora not in adapters and len(adapters) >= config.max_loras:
+                    blocked = True  # no slot for its adapter until a request of another finishes
                 if blocked:
                     skipped.append(waiting.pop())
                     continue
                 left = self._admit_first(request, budget, threshold, scheduled, admitted)
                 if left is None:
                     break
+                if lora is not None:
+                    adapters.add(lora)
                 budget = left
                 suspect_in = suspect_in or suspect
                 unproven_in = unproven_in or unproven
@@ -478,6 +488,14 @@ class Scheduler:
             for request in reversed(skipped):  # back to the front, in their order
                 waiting.add_preempted(request)
         return budget
+
+    def _adapters(self) -> set[str]:
+        """The LoRA adapters of the requests that run or load (each holds a worker slot)."""
+        return {
+            key
+            for request in (*self.running, *self.loading.values())
+            if (key := request.lora_key) is not None and request.status in (_RUNNING, _LOADING)
+        }
 
     def _isolation(self) -> tuple[bool, bool, bool, bool]:
         """For ``_admit`` while there are suspects: (a suspect runs or loads, an unproven request

@@ -27,6 +27,7 @@ from sonar.engine.llm import LLM
 from sonar.engine.replicas import Replicas, data_parallel_spec
 from sonar.engine.tree import worker_ref
 from sonar.errors import InvalidRequestError
+from sonar.lora.registry import parse_lora_modules
 from sonar.protocol.engine import DescribeWorker
 
 
@@ -45,9 +46,10 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
 
 
 @asynccontextmanager
-async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
+async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None = None) -> AsyncIterator[LLM]:
     """An `LLM` on the running engine tree `sup` (built from `data_parallel_spec(config)`): starts
-    the client actor that receives outputs and loads the tokenizer."""
+    the client actor that receives outputs, loads the tokenizer and the ``lora_modules``.
+    `model_name`: the name the base model is served as (the adapters' parent)."""
     streams: dict[str, DeltaStream] = {}
     async with anyio.create_task_group() as tg:
         client_name = f"client-{secrets.token_hex(4)}"
@@ -59,6 +61,11 @@ async def connect(sup: Supervisor, config: EngineConfig) -> AsyncIterator[LLM]:
             raise InvalidRequestError("the model has no tokenizer; pass tokenizer=...")
         tokenizer = await anyio.to_thread.run_sync(tokenizers.load, tokenizer_path)
         llm = LLM(config, sup, inc.ref, streams, info, tokenizer)
+        llm.model_name = model_name or llm.model_name
+        if llm.lora_registry is not None:
+            llm.lora_registry.reserved = frozenset([llm.model_name])
+        for module in parse_lora_modules(config.lora_modules or []):
+            await llm.load_lora(module.name, module.path, module.base_model_name)
 
         watched = _watch(llm, replicas)
         try:

@@ -129,6 +129,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--spec-tokens`: its ``num_speculative_tokens``."""
     spec_model: str | None = None
     """`--spec-model`: its ``model`` (a draft model)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (`sonar.lora`): the targeted linears get ``max_loras`` adapter slots."""
+    lora_modules: list[Any] | None = None
+    """Adapters served from the start: ``name=path`` strings or ``{"name", "path", "base_model_name"}``
+    objects (`sonar.lora.registry.parse_lora_modules`)."""
+    max_loras: int = 1
+    """Most distinct adapters in one step (the scheduler holds back requests of others)."""
+    max_lora_rank: int = 16
+    lora_dtype: str = "auto"
+    """The adapters' slots' dtype; auto: the model's."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory once read (an LRU); None: ``max_loras``."""
+    lora_target_modules: list[str] | None = None
+    """Projections adapters apply to (`sonar.lora.adapter.TARGET_NAMES`); None: all."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000
@@ -193,6 +207,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         check_kv_cache_dtype(self.kv_cache_dtype)
         capture_sizes(self)
         parse_device_ids(self.device_ids)
+        self._check_lora()
         if self.max_waiting_seqs <= 0:
             raise ValueError(f"max_waiting_seqs must be positive, got {self.max_waiting_seqs}")
         if self.hang_margin <= 0:
@@ -355,6 +370,51 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "speculative decoding with --async-scheduling is not supported yet (a request's drafts come "
                 "from its last token, which an overlapped step does not have yet); drop one of the two"
             )
+
+    def _check_lora(self) -> None:
+        from sonar.lora.adapter import MAX_RANKS, TARGET_NAMES
+        from sonar.lora.registry import parse_lora_modules
+
+        if not self.enable_lora:
+            given = [
+                name
+                for name, default in (
+                    ("lora_modules", None),
+                    ("max_loras", 1),
+                    ("max_lora_rank", 16),
+                    ("lora_dtype", "auto"),
+                    ("max_cpu_loras", None),
+                    ("lora_target_modules", None),
+                )
+                if getattr(self, name) != default
+            ]
+            if given:
+                raise ValueError(f"{given[0]} is set but LoRA is off: add enable_lora (--enable-lora)")
+            return
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_lora_rank not in MAX_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_RANKS))}, got {self.max_lora_rank}")
+        if self.lora_dtype not in ("auto", "bfloat16", "float16"):
+            raise ValueError(f"lora_dtype must be auto, bfloat16 or float16, got {self.lora_dtype!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        unknown = sorted(set(self.lora_target_modules or ()) - set(TARGET_NAMES))
+        if unknown or self.lora_target_modules == []:
+            raise ValueError(
+                f"lora_target_modules: unknown module {unknown[0] if unknown else '(none given)'}; "
+                f"choose from {', '.join(TARGET_NAMES)}"
+            )
+        parse_lora_modules(self.lora_modules or [])
+
+    def lora_limits(self) -> Any:
+        """The `LoRALimits` of the LoRA flags (None when LoRA is off)."""
+        from sonar.lora.adapter import LoRALimits
+
+        if not self.enable_lora:
+            return None
+        targets = self.lora_target_modules
+        return LoRALimits(self.max_lora_rank, None if targets is None else frozenset(targets))
 
     def offload_config(self) -> Any:
         """The `OffloadConfig` the offload flags ask for, or None (raises ValueError naming the rule)."""

@@ -42,6 +42,9 @@ from sonar.errors import (
     ServerOverloadedError,
     SonarError,
 )
+from sonar.lora.adapter import ModelShapes
+from sonar.lora.registry import LoRARegistry, ServedAdapter
+from sonar.lora.request import LoRAError, LoRARequest
 from sonar.protocol.engine import (
     Abort,
     AddRequest,
@@ -184,6 +187,13 @@ class LLM:
         """Why the engine can serve no more (it gave up), or None."""
         self.root: Supervisor | None = None
         """The supervisor above the engine's, when there is one (`sonar serve`'s root)."""
+        self.model_name = config.model or info.model
+        """The name adapters' ``parent`` defaults to (`sonar serve` sets its first served name)."""
+        self.lora_registry: LoRARegistry | None = None
+        """The LoRA adapters served by name (None: LoRA is off)."""
+        if config.enable_lora:
+            shapes = ModelShapes({k: tuple(v) for k, v in info.projections.items()}, info.num_hidden_layers)
+            self.lora_registry = LoRARegistry(shapes, config.lora_limits())
 
     # -- public API -------------------------------------------------------------------------
     async def generate(
@@ -194,17 +204,20 @@ class LLM:
         priority: int = 0,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
     ) -> RequestOutput:
         """Generate a completion of `prompt` (text or token ids) and return it when finished.
 
+        `lora`: the name of a loaded LoRA adapter to run with (None: the base model).
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
+        adapter = self._adapter(lora)
         prompt_ids, text = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt):
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter):
             if on_delta is not None:
                 on_delta(delta)
             out = outputs[delta.index]
@@ -230,11 +243,13 @@ class LLM:
         priority: int = 0,
         cache_salt: str | None = None,
         request_id: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
+        adapter = self._adapter(lora)
         prompt_ids, _ = await self._prepare(prompt, params)
-        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt):
+        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt, adapter):
             yield delta
 
     async def chat(
@@ -462,6 +477,46 @@ class LLM:
             if index is None or self._routes.get(cid, 0) == index:
                 stream.send_nowait(Failed(reason))
 
+    # -- LoRA adapters ----------------------------------------------------------------------
+    async def load_lora(
+        self, name: str, path: str, base_model_name: str | None = None, *, replace: bool = False
+    ) -> LoRARequest:
+        """Serve the PEFT adapter in folder `path` as `name` (read and checked first: a bad
+        adapter raises `LoRAError` and changes nothing; `replace`: in place of the adapter of
+        that name, requests running with the old one finish with it). Needs ``enable_lora``."""
+        loras = self._loras("load_lora")
+        return await loras.load(name, path, base_model_name or self.model_name, replace=replace)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (requests running with it finish with it); `LoRAError`
+        if no adapter has that name."""
+        loras = self._loras("unload_lora")
+        try:
+            loras.unload(name)
+        except KeyError:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded") from None
+
+    def loras(self) -> list[ServedAdapter]:
+        """The adapters served, in the order they were loaded."""
+        return [] if self.lora_registry is None else self.lora_registry.served()
+
+    def has_model(self, name: str) -> bool:
+        """Whether `name` is a loaded LoRA adapter."""
+        return self.lora_registry is not None and self.lora_registry.get(name) is not None
+
+    def _loras(self, what: str) -> LoRARegistry:
+        if self.lora_registry is None:
+            raise LoRAError(f"{what}: LoRA adapters are off; start the engine with enable_lora (--enable-lora)")
+        return self.lora_registry
+
+    def _adapter(self, name: str | None) -> LoRARequest | None:
+        if name is None:
+            return None
+        adapter = None if self.lora_registry is None else self.lora_registry.get(name)
+        if adapter is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="lora")
+        return adapter
+
     # -- internals --------------------------------------------------------------------------
     def _new_id(self) -> str:
         return f"req-{self._prefix}-{next(self._ids)}"
@@ -469,11 +524,12 @@ class LLM:
     def _scheduler(self, index: int) -> Any:
         return self.replicas.engine(index).child("scheduler").ref
 
-    def _route(self, prompt_ids: list[int], cache_salt: str | None, requests: int) -> int:
+    def _route(self, prompt_ids: list[int], cache_salt: str | None, lora: LoRARequest | None, requests: int) -> int:
         """The replica for a request (0 without data parallelism), counted in flight there."""
         if self.router is None:
             return 0
-        hashes = self._hasher.chain(prompt_ids, cache_salt) if self._hasher is not None else []
+        key = None if lora is None else lora.digest
+        hashes = self._hasher.chain(prompt_ids, cache_salt, key) if self._hasher is not None else []
         index = self.router.route(hashes, requests)
         if index is None:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
@@ -535,7 +591,13 @@ class LLM:
         )
 
     async def _run(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, priority: int, cache_salt: str | None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        priority: int,
+        cache_salt: str | None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
@@ -546,7 +608,7 @@ class LLM:
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
-        replica = self._route(prompt_ids, cache_salt, len(ids))
+        replica = self._route(prompt_ids, cache_salt, lora, len(ids))
         stream = DeltaStream()
         for cid in ids:
             self._streams[cid] = stream
@@ -565,6 +627,7 @@ class LLM:
                         priority=priority,
                         cache_salt=cache_salt,
                         arrival_time=time.monotonic(),
+                        lora=lora,
                     ),
                 )
             while pending:

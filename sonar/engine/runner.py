@@ -15,6 +15,7 @@ and every step runs eagerly and unpadded.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -39,6 +40,9 @@ from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
+from sonar.lora.adapter import ModelShapes
+from sonar.lora.request import LoRARequest
+from sonar.lora.slots import AdapterSlots
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
@@ -68,6 +72,7 @@ class _RequestState:
     output: list[int]
     plain_greedy: bool = False
     """`is_plain_greedy(params)`, computed once: such rows skip building a `SamplingBatch`."""
+    lora: LoRARequest | None = None
 
 
 def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
@@ -161,6 +166,18 @@ class ModelRunner:
             native.available()  # builds the native CPU kernels on a machine's first start, then loads them
         if not cuda and not cfg.enforce_eager:  # enforce_eager: plain eager torch linears
             prepack_linears(self.model)
+        self.lora: AdapterSlots | None = None
+        """LoRA (``--enable-lora``): the adapter slots of the model's wrapped linears."""
+        if cfg.enable_lora:
+            self.lora = AdapterSlots(
+                self.model,
+                max_loras=cfg.max_loras,
+                max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras,
+                limits=cfg.lora_limits(),
+                shapes=ModelShapes.of_config(self.loaded.config),
+                dtype=self.loaded.dtype if cfg.lora_dtype == "auto" else getattr(torch, cfg.lora_dtype),
+                device=device,
+            )
         convert_seconds = self.loaded.convert_seconds + time.perf_counter() - t_pack
         self.forward: Callable[..., torch.Tensor] = self.model
         """The forward pass steps run: the model, or its compiled form (`sonar.engine.compile`)."""
@@ -170,6 +187,8 @@ class ModelRunner:
             log.warning(
                 "compile.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
             )
+        elif compile_wanted(cfg, device) and self.lora is not None:
+            log.warning("compile.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         spec = cfg.speculative()
@@ -194,6 +213,9 @@ class ModelRunner:
             log.warning(
                 "cudagraph.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
             )
+            sizes = []
+        if sizes and self.lora is not None:
+            log.warning("cudagraph.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
             sizes = []
         if sizes and not ops.use_triton(torch.empty(0, device=device)):
             log.warning(
@@ -275,6 +297,8 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             device=device.type,
+            projections=ModelShapes.of_config(self.loaded.config).modules,
+            num_hidden_layers=int(self.loaded.config.num_hidden_layers),
         )
         log.info(
             "kv_cache.allocated",
@@ -411,7 +435,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for new in msg.new_requests:
             self.requests[new.req_id] = _RequestState(
-                new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params)
+                new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
         unknown = [s.req_id for s in out.requests if s.req_id not in self.requests]
         if unknown:
@@ -464,7 +488,8 @@ class ModelRunner:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
-            hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+            with self._adapters(out.requests):
+                hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -549,6 +574,18 @@ class ModelRunner:
             result.proposed = self.drafter.draft(view)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _adapters(self, scheduled: list[ScheduledRequest]) -> contextlib.AbstractContextManager[None]:
+        """Within: forward passes whose rows use the LoRA adapters of their requests (each row of
+        a request, its drafts' too, the request's slot)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        states = [self.requests[s.req_id] for s in scheduled]
+        where = self.lora.activate(s.lora for s in states if s.lora is not None)
+        rows: list[int] = []
+        for sched, state in zip(scheduled, states):
+            rows += [-1 if state.lora is None else where[state.lora.digest]] * len(sched.token_ids)
+        return self.lora.context.step(rows)
 
     def _next_token(self, sched: ScheduledRequest) -> int:
         """The known token after a chunk that samples nothing (a prompt, or the outputs of a

@@ -168,6 +168,7 @@ class SchedulerActor(Actor):
                 scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
                 pipeline_stages=self.stages,
                 speculative=speculative,
+                max_loras=cfg.max_loras if cfg.enable_lora else 0,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,
@@ -275,6 +276,7 @@ class SchedulerActor(Actor):
                 priority=msg.priority,
                 arrival_time=msg.arrival_time or time.monotonic(),
                 cache_salt=msg.cache_salt,
+                lora=msg.lora,
                 sampling_params=params,
                 skip_reading_prefix_cache=params.prompt_logprobs is not None,
                 grammar=grammar,
@@ -402,7 +404,9 @@ class SchedulerActor(Actor):
             if sched.is_new:
                 req = self.core.get_request(sched.req_id)
                 new.append(
-                    NewRequestData(sched.req_id, req.sampling_params, req.prompt_token_ids, list(req.output_token_ids))
+                    NewRequestData(
+                        sched.req_id, req.sampling_params, req.prompt_token_ids, list(req.output_token_ids), req.lora
+                    )
                 )
         fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None
         try:

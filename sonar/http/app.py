@@ -5,7 +5,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and DELETE
 /v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`),
 GET /v1/models, GET /v1/models/{id} (404 with code "model_not_found" for a name the server does
-not serve), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
+not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (only with ``SONAR_ALLOW_RUNTIME_LORA_UPDATING=1``: loading runs the
+server's file reads on a path the client names, a privilege), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
@@ -31,7 +33,7 @@ from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -47,20 +49,26 @@ from sonar.http.openapi import openapi_endpoint
 from sonar.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     decode_request,
 )
 from sonar.http.response_store import ResponseStore
 from sonar.http.responses import json_response
 from sonar.http.responses_api import cancel_response, create_response, delete_response, get_response
 from sonar.http.settings import ServerSettings
+from sonar.log import get_logger
+from sonar.lora.registry import runtime_lora_updating
 
 #: Routes that answer without the API key: the liveness probes (and /metrics with --metrics-public).
 OPEN_PATHS = frozenset({"/health", "/ping"})
+
+log = get_logger("sonar.http")
 
 
 class ApiKeyMiddleware:
@@ -188,9 +196,13 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     names = settings.served_model_names
     metrics = ServerMetrics()
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
+    def check_model(model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for a name not served."""
+        if model is None or model in names:
+            return None
+        if llm.has_model(model):
+            return model
+        raise RequestError(f"The model `{model}` does not exist.", "model", status=404)
 
     async def completions(request: Request) -> Response:
         return await create_completion(request, llm, settings, check_model)
@@ -214,14 +226,46 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     def card(name: str) -> ModelCard:
         return ModelCard(id=name, root=llm.config.model or llm.info.model, max_model_len=llm.info.max_model_len)
 
+    def adapter_cards() -> list[ModelCard]:
+        return [
+            ModelCard(id=a.request.name, root=a.request.path, max_model_len=llm.info.max_model_len, parent=a.parent)
+            for a in llm.loras()
+        ]
+
     async def models(request: Request) -> Response:
-        return json_response(ModelList([card(name) for name in names]))
+        return json_response(ModelList([card(name) for name in names] + adapter_cards()))
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name not in names:
+        if name in names:
+            return json_response(card(name))
+        found = next((c for c in adapter_cards() if c.id == name), None)
+        if found is None:
             raise RequestError(f"The model `{name}` does not exist.", "model", status=404, code="model_not_found")
-        return json_response(card(name))
+        return json_response(found)
+
+    async def load_lora_adapter(request: Request) -> Response:
+        req = decode_request(await request.body(), LoadLoRAAdapterRequest)
+        if req.lora_name in names:
+            raise RequestError(f"`{req.lora_name}` is the base model's name; give the adapter another", "lora_name")
+        if req.load_inplace and llm.has_model(req.lora_name):
+            await llm.load_lora(req.lora_name, req.lora_path, replace=True)
+        else:
+            await llm.load_lora(req.lora_name, req.lora_path)
+        log.info("lora.loaded", name=req.lora_name, path=req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        req = decode_request(await request.body(), UnloadLoRAAdapterRequest)
+        if req.lora_int_id is not None:
+            raise RequestError("lora_int_id is not supported: name the adapter by lora_name", "lora_int_id")
+        if not llm.has_model(req.lora_name):
+            raise RequestError(
+                f"The LoRA adapter `{req.lora_name}` is not loaded.", "lora_name", status=404, code="model_not_found"
+            )
+        llm.unload_lora(req.lora_name)
+        log.info("lora.unloaded", name=req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def health(request: Request) -> Response:
         """200 when the scheduler and the worker answer within the deadline (the engine is serving), else 503."""
@@ -298,6 +342,14 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/actors", actors, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
+        *(
+            [
+                Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
+            ]
+            if runtime_lora_updating()
+            else []
+        ),
     ]
     if settings.enable_tokenizer_info_endpoint:
         routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))

@@ -45,13 +45,13 @@ from sonar.sampling_params import SamplingParams
 
 
 async def create_chat_completion(
-    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], None]
+    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], str | None]
 ) -> Response:
     rid = new_id("chatcmpl")
     request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
     req = decode_request(await request.body(), ChatCompletionRequest)
-    check_model(req.model)
+    lora = check_model(req.model)
     check_user(settings, req.user)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
@@ -85,11 +85,13 @@ async def create_chat_completion(
 
     if req.stream:
         return EventStream(
-            lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec, output), rid
+            lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec, output, lora), rid
         )
     finished, result = await cancel_on_disconnect(
         request,
-        lambda: rec.generate(llm, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid),
+        lambda: rec.generate(
+            llm, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid, lora=lora
+        ),
         rid,
     )
     if not finished:
@@ -146,6 +148,7 @@ async def _stream(
     rid: str,
     rec: RequestRecorder,
     output: Callable[[], ChoiceOutput | None],
+    lora: str | None,
 ) -> None:
     created = int(time.time())
 
@@ -164,7 +167,9 @@ async def _stream(
     finished: dict[int, str | None] = {}
     started = False
     parsers = {i: output() for i in range(params.n)}
-    deltas = rec.track(llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid))
+    deltas = rec.track(
+        llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid, lora=lora)
+    )
     async for d in batched(deltas, settings.stream_interval):
         log_delta(settings, rid, d)
         cached_tokens = max(cached_tokens, d.num_cached_tokens)

@@ -35,13 +35,13 @@ from sonar.sampling_params import SamplingParams
 
 
 async def create_completion(
-    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], None]
+    request: Request, llm: LLM, settings: ServerSettings, check_model: Callable[[str | None], str | None]
 ) -> Response:
     rid = new_id("cmpl")
     request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
     req = decode_request(await request.body(), CompletionRequest)
-    check_model(req.model)
+    lora = check_model(req.model)
     check_user(settings, req.user)
     prompts = req.prompts()
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
@@ -55,14 +55,21 @@ async def create_completion(
             llm.check_prompt_chars(prompt)
     log_request(settings, rid, prompts, params, user=req.user)
     if req.stream:
-        return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec), rid)
+        return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec, lora), rid)
     finished, outputs = await cancel_on_disconnect(
         request,
         lambda: gather(
             [
                 (
                     lambda p=p, i=i: rec.generate(
-                        llm, p, params, i, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{i}"
+                        llm,
+                        p,
+                        params,
+                        i,
+                        priority=req.priority,
+                        cache_salt=req.cache_salt,
+                        request_id=f"{rid}-{i}",
+                        lora=lora,
                     )
                 )
                 for i, p in enumerate(prompts)
@@ -146,6 +153,7 @@ async def _stream(
     params: SamplingParams,
     rid: str,
     rec: RequestRecorder,
+    lora: str | None,
 ) -> None:
     created = int(time.time())
     counts = {"prompt": 0, "completion": 0, "cached": 0}
@@ -169,7 +177,10 @@ async def _stream(
         counted = False
         cached = 0
         deltas = rec.track(
-            llm.stream(prompt, params, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{p}"), p
+            llm.stream(
+                prompt, params, priority=req.priority, cache_salt=req.cache_salt, request_id=f"{rid}-{p}", lora=lora
+            ),
+            p,
         )
         async for d in batched(deltas, settings.stream_interval):
             if req.scores_only:

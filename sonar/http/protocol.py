@@ -491,6 +491,19 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    """Replace the adapter already loaded under `lora_name` (else that name is refused)."""
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    lora_name: str
+    lora_int_id: int | None = None
+    """Accepted for vLLM's clients; Sonar names adapters only by `lora_name`, so it must be unset."""
+
+
 def default_max_tokens(
     given: int | None, defaults: Mapping[str, Any] | None, fallback: int | None = None
 ) -> int | None:

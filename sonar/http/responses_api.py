@@ -227,13 +227,13 @@ async def create_response(
     llm: LLM,
     settings: ServerSettings,
     store: ResponseStore,
-    check_model: Callable[[str | None], None],
+    check_model: Callable[[str | None], str | None],
 ) -> Response:
     rid = new_id("resp")
     request.state.request_id = rid  # the error handler names the request with it
     rec = recorder(request)
     req = decode_responses_request(await request.body())
-    check_model(req.model)
+    lora = check_model(req.model)
     req.check_refused()
     req.check_max_tokens(llm.info.max_model_len)
     plan, tools = _plan(req, settings)
@@ -264,9 +264,9 @@ async def create_response(
     if settings.enable_log_requests:
         log_request(settings, turn.id, [llm.tokenizer.decode(turn.prompt_ids)], turn.params)
     if req.stream:
-        return EventStream(lambda emit: _stream(emit, llm, store, turn, rec), turn.id, done_marker=False)
+        return EventStream(lambda emit: _stream(emit, llm, store, turn, rec, lora), turn.id, done_marker=False)
     finished, result = await cancel_on_disconnect(
-        request, lambda: rec.generate(llm, turn.prompt_ids, turn.params, request_id=turn.id), turn.id
+        request, lambda: rec.generate(llm, turn.prompt_ids, turn.params, request_id=turn.id, lora=lora), turn.id
     )
     if not finished:
         return Response(status_code=499)  # nobody reads it
@@ -284,7 +284,9 @@ async def create_response(
     return json_response(response)
 
 
-async def _stream(emit: Emit, llm: LLM, store: ResponseStore, turn: _Turn, rec: RequestRecorder) -> None:
+async def _stream(
+    emit: Emit, llm: LLM, store: ResponseStore, turn: _Turn, rec: RequestRecorder, lora: str | None
+) -> None:
     settings = turn.settings
     numbers = itertools.count()
 
@@ -306,7 +308,7 @@ async def _stream(emit: Emit, llm: LLM, store: ResponseStore, turn: _Turn, rec: 
     finish_reason: str | None = None
     started = False
     as_ids = settings.return_tokens_as_token_ids
-    deltas = rec.track(llm.stream(turn.prompt_ids, turn.params, request_id=turn.id))
+    deltas = rec.track(llm.stream(turn.prompt_ids, turn.params, request_id=turn.id, lora=lora))
     try:
         async for d in batched(deltas, settings.stream_interval):
             log_delta(settings, turn.id, d)

@@ -10,6 +10,7 @@ from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.errors import Rejection
+from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
 
 
@@ -43,6 +44,11 @@ class WorkerInfo(msgspec.Struct):
     """Ranks each layer is split over; this answer is rank 0's (its pid, its share of the KV cache)."""
     pipeline_parallel_size: int = 1
     """Stages the layers are partitioned into (`num_layers` counts rank 0's)."""
+    projections: dict[str, tuple[int, int]] = {}
+    """The decoder's projections, ``(in_features, out_features)`` by name, whole (not a rank's):
+    what a LoRA adapter is checked against (`sonar.lora.adapter.ModelShapes`)."""
+    num_hidden_layers: int = 0
+    """The model's decoder layers (all stages')."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -56,6 +62,7 @@ class NewRequestData(msgspec.Struct, array_like=True):
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    lora: LoRARequest | None = None
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -141,6 +148,8 @@ class AddRequest(Ask, tag="scheduler.add"):
     priority: int = 0
     cache_salt: str | None = None
     arrival_time: float | None = None
+    lora: LoRARequest | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
     reply_type = Accepted
 
 

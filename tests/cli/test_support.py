@@ -18,8 +18,28 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             ["-dcp", "4"],
             "sonar serve: --decode-context-parallel-size is not supported yet (got 4; Sonar accepts only 1)",
         ),
-        (["--lora-modules", "a=/x"], "sonar serve: --lora-modules is not supported yet (got a=/x)"),
-        (["--enable-lora"], "sonar serve: --enable-lora is not supported yet (Sonar accepts only --no-enable-lora)"),
+        (
+            ["--lora-modules", "a=/x"],
+            "sonar serve: error: lora_modules is set but LoRA is off: add enable_lora (--enable-lora)",
+        ),
+        (["--enable-lora", "--max-loras", "0"], "sonar serve: error: argument --max-loras: must be positive, got 0"),
+        (
+            ["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"],
+            "sonar serve: error: max_cpu_loras (2) must be at least max_loras (4)",
+        ),
+        (
+            ["--enable-lora", "--lora-target-modules", "q_proj", "lm_head"],
+            "sonar serve: error: lora_target_modules: unknown module lm_head; choose from q_proj, k_proj, v_proj, "
+            "o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj",
+        ),
+        (
+            ["--enable-lora", "--lora-modules", "a"],
+            "sonar serve: error: lora_modules: expected name=path or a JSON object, got 'a'",
+        ),
+        (
+            ["--enable-lora", "--fully-sharded-loras"],
+            "sonar serve: --fully-sharded-loras is not supported yet (Sonar accepts only --no-fully-sharded-loras)",
+        ),
         (["--grpc"], "sonar serve: --grpc is not supported yet"),
         (
             ["--speculative-config.method", "ngram"],
@@ -103,3 +123,32 @@ def test_status_counts_are_stable() -> None:
     counts = {status: sum(f.status is status for f in FLAGS.values()) for status in Status}
     assert counts[Status.IMPLEMENTED] >= 60
     assert sum(counts.values()) == len(FLAGS)
+
+
+def test_lora_flags_reach_the_engine() -> None:
+    config = parse_serve_args(
+        [
+            "--enable-lora",
+            "--max-loras",
+            "4",
+            "--max-lora-rank",
+            "32",
+            "--max-cpu-loras",
+            "8",
+            "--lora-dtype",
+            "float16",
+            "--lora-target-modules",
+            "qkv_proj",
+            "down_proj",
+            "--lora-modules",
+            "a=/x",
+            '{"name": "b", "path": "/y", "base_model_name": "m"}',
+        ]
+    )
+    engine = config.engine
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank, engine.max_cpu_loras) == (True, 4, 32, 8)
+    assert engine.lora_dtype == "float16"
+    assert engine.lora_target_modules == ["qkv_proj", "down_proj"]
+    assert engine.lora_modules == ["a=/x", '{"name": "b", "path": "/y", "base_model_name": "m"}']
+    limits = engine.lora_limits()
+    assert limits.targets("q_proj") and limits.targets("down_proj") and not limits.targets("up_proj")

@@ -1,0 +1,149 @@
+"""The worker's adapter table: ``--max-loras`` slots in the model's `LoRALinear` layers, and an LRU
+of adapters read from disk kept in host memory (``--max-cpu-loras``).
+
+The scheduler lets no step use more adapters than there are slots, so `activate` can always give
+each adapter of a step a slot: one it already has, a free one, or the one used least recently by
+earlier steps. An adapter that lost its slot comes back from the host LRU (a copy) or, evicted from
+there too, from its folder (a read, checked against its digest: a folder rewritten since the
+adapter was loaded is refused, never served under the old identity).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from sonar.log import get_logger
+from sonar.lora.adapter import MODULES, LoRALimits, LoRAWeights, ModelShapes, read_adapter
+from sonar.lora.layers import LoRAContext, LoRALinear
+from sonar.lora.request import LoRAError, LoRARequest
+
+log = get_logger("sonar.lora")
+
+#: The fused layers of a decoder layer, where each lives, and its sub-projections in column order.
+_FUSED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+
+
+class AdapterSlots:
+    """Wraps the targeted linears of `model` (a `DecoderForCausalLM`) in `LoRALinear` layers and
+    manages what their slots hold."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        max_loras: int,
+        max_cpu_loras: int,
+        limits: LoRALimits,
+        shapes: ModelShapes,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.limits = limits
+        self.shapes = shapes
+        self.max_cpu_loras = max_cpu_loras
+        self.context = LoRAContext(device)
+        self.linears: list[tuple[int, str, LoRALinear]] = []
+        """(layer index, fused layer name, its wrapper) for every wrapped linear."""
+        owned = {id(layer): i for i, layer in enumerate(model.model.layers)}
+        for layer in model.own_layers:
+            index = owned[id(layer)]
+            for fused, (parent_name, modules) in _FUSED.items():
+                if not any(limits.targets(m) for m in modules):
+                    continue
+                parent = getattr(layer, parent_name)
+                base = getattr(parent, fused)
+                splits, fan_in = _splits(layer, fused)
+                wrapper = LoRALinear(base, fan_in, splits, max_loras, limits.max_rank, dtype, self.context)
+                setattr(parent, fused, wrapper)
+                self.linears.append((index, fused, wrapper))
+        self.slots: list[str | None] = [None] * max_loras
+        """The digest of the adapter each slot holds."""
+        self._last_used = [0] * max_loras
+        self._clock = 0
+        self.host: OrderedDict[str, LoRAWeights] = OrderedDict()
+
+    def activate(self, adapters: Iterable[LoRARequest]) -> dict[str, int]:
+        """A slot for each adapter (by digest) of the next step, loading those without one.
+        Raises `LoRAError` for an adapter that cannot be loaded, and ValueError when the step has
+        more adapters than slots (the scheduler never sends one)."""
+        wanted = {a.digest: a for a in adapters}
+        if len(wanted) > len(self.slots):
+            raise ValueError(f"a step uses {len(wanted)} LoRA adapters; --max-loras is {len(self.slots)}")
+        self._clock += 1
+        where = {digest: i for i, digest in enumerate(self.slots) if digest in wanted}
+        for digest, adapter in wanted.items():
+            if digest not in where:
+                free = [i for i in range(len(self.slots)) if self.slots[i] not in wanted]
+                slot = min(free, key=lambda i: (self.slots[i] is not None, self._last_used[i]))
+                self._write(slot, self._weights(adapter))
+                where[digest] = slot
+            self._last_used[where[digest]] = self._clock
+        return where
+
+    def _weights(self, adapter: LoRARequest) -> LoRAWeights:
+        weights = self.host.get(adapter.digest)
+        if weights is not None:
+            self.host.move_to_end(adapter.digest)
+            return weights
+        weights = read_adapter(adapter.path, self.shapes, self.limits)
+        if weights.digest != adapter.digest:
+            raise LoRAError(
+                f"LoRA adapter {adapter.name!r}: the files in {adapter.path} changed since it was loaded "
+                "(their digest differs); load it again to serve the new files"
+            )
+        self.host[adapter.digest] = weights
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+        log.info("lora.read", adapter=adapter.name, path=adapter.path, rank=weights.rank)
+        return weights
+
+    def _write(self, slot: int, weights: LoRAWeights) -> None:
+        """Copy `weights` into `slot` of every wrapped linear (this rank's share of each)."""
+        rank = self.limits.max_rank
+        for index, fused, linear in self.linears:
+            a, b = linear.a[slot], linear.b[slot]
+            a.zero_()
+            b.zero_()
+            offset = 0
+            for j, (module, split) in enumerate(zip(_FUSED[fused][1], linear.splits)):
+                pair = weights.factors.get((index, module))
+                if pair is not None:
+                    down, up = self._shard(index, module, *pair)
+                    r = down.shape[0]
+                    a[j * rank : j * rank + r].copy_(down)
+                    b[offset : offset + split, :r].copy_(up)
+                offset += split
+        self.slots[slot] = weights.digest
+
+    def _shard(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tensor-parallel rank's part of a module's factors: the rows of B its base layer's
+        output columns hold (column-parallel), or the columns of A its input holds (row-parallel,
+        whose partial deltas the layer's all-reduce sums with the base output)."""
+        parent = _FUSED[MODULES[module][0]][0]
+        shard = self.model.checkpoint_shard(f"model.layers.{layer}.{parent}.{module}.weight")
+        if shard is None:
+            return a, b
+        return (a, shard.tensor(b)) if shard.dim == 0 else (shard.tensor(a), b)
+
+
+def _splits(layer: nn.Module, fused: str) -> tuple[tuple[int, ...], int]:
+    """A fused layer's sub-projection output sizes and its input size, on this rank."""
+    attn, mlp = layer.self_attn, layer.mlp
+    hidden = layer.input_layernorm.weight.shape[0]
+    if fused == "qkv_proj":
+        return (attn.q_size, attn.kv_size, attn.kv_size), hidden
+    if fused == "o_proj":
+        return (hidden,), attn.q_size
+    if fused == "gate_up_proj":
+        return (mlp.intermediate, mlp.intermediate), hidden
+    return (hidden,), mlp.intermediate
