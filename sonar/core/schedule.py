@@ -470,7 +470,7 @@ class Scheduler:
                     )
                 else:
                     blocked = unproven and suspect_in
-                lora = request.lora_key
+                lora = request.lora_key if config.max_loras else None
                 if lora is not None and lora not in adapters and len(adapters) >= config.max_loras:
                     blocked = True  # no slot for its adapter until a request of another finishes
                 if blocked:

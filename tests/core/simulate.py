@@ -23,7 +23,9 @@ from sonar.core.schedule import Scheduler
 Fingerprint = int
 
 
-def fingerprint(prev: Fingerprint | None, token: int, salt: str | None) -> Fingerprint:
+def fingerprint(prev: Fingerprint | None, token: int, salt: object) -> Fingerprint:
+    """The KV of `token` after `prev`; a first token's also depends on `salt` (the request's cache
+    salt and LoRA adapter: KV computed under another adapter is another KV)."""
     return hash((prev, token)) if prev is not None else hash((salt, token))
 
 
@@ -40,7 +42,7 @@ class FakeRunner:
         """The runner's: the prompt, then each token it sampled (one past a stop, in async mode)."""
         self.in_flight: dict[str, list[int]] | None = None
         """step_async: the tokens of the step run but not yet fed back."""
-        self.salts: dict[str, str | None] = {}
+        self.salts: dict[str, tuple[str | None, str | None]] = {}
         self.expected: dict[str, list[Fingerprint]] = {}
 
     def add(self, request: Request) -> None:
@@ -48,7 +50,7 @@ class FakeRunner:
         self.scheduler.add_request(request)
         self.tokens[request.request_id] = list(request.prompt_token_ids)
         self.seq[request.request_id] = list(request.prompt_token_ids)
-        self.salts[request.request_id] = request.cache_salt
+        self.salts[request.request_id] = (request.cache_salt, request.lora_key)
         self.expected[request.request_id] = []
 
     def _expected(self, request_id: str, upto: int) -> list[Fingerprint]:

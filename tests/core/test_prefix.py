@@ -83,3 +83,17 @@ def test_root_is_stable_across_instances() -> None:
 def test_unknown_algorithm() -> None:
     with pytest.raises(ValueError, match="unknown prefix caching hash algorithm 'md5'"):
         PrefixHasher(4, "md5")
+
+
+def test_an_adapter_separates_the_whole_chain_from_the_salt_and_the_base() -> None:
+    hasher = PrefixHasher(4)
+    tokens = list(range(12))
+    base = hasher.chain(tokens)
+    adapter = hasher.chain(tokens, lora="d1")
+    assert hasher.chain(tokens, lora="d1") == adapter
+    other = hasher.chain(tokens, lora="d2")
+    salted = hasher.chain(tokens, cache_salt="d1")  # a salt equal to a digest is still not the adapter
+    both = hasher.chain(tokens, cache_salt="s", lora="d1")
+    for blocks in zip(base, adapter, other, salted, both):
+        assert len(set(blocks)) == 5
+    assert hasher.chain(tokens, cache_salt="s") == hasher.chain(tokens, cache_salt="s", lora=None)

@@ -16,6 +16,7 @@ from sonar.core.request import (
     RequestStatus,
 )
 from sonar.core.schedule import Scheduler, SchedulerConfig
+from sonar.lora.request import LoRARequest
 from tests.core.simulate import FakeRunner
 
 BS = 4
@@ -696,3 +697,41 @@ def test_pipeline_stages_let_a_prefill_continue_in_the_next_step() -> None:
     last = scheduler.schedule()
     assert chunks(last) == {"a": (16, 4)} and last.requests[0].sample
     assert scheduler.schedule().is_empty  # its first token is in flight
+
+
+# LoRA adapters.
+
+
+def _adapter(name: str) -> LoRARequest:
+    return LoRARequest(name, f"/adapters/{name}", digest=name * 8)
+
+
+def test_adapters_do_not_share_cached_blocks() -> None:
+    scheduler, runner = make_runner()
+    runner.add(req("a", range(12), max_tokens=1, lora=_adapter("x")))
+    runner.drain()
+    runner.add(req("base", range(12), max_tokens=1))
+    runner.add(req("other", range(12), max_tokens=1, lora=_adapter("y")))
+    runner.add(req("same", range(12), max_tokens=1, lora=_adapter("x")))
+    out, _ = runner.step()
+    assert chunks(out) == {"base": (0, 12), "other": (0, 12), "same": (8, 4)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn() -> None:
+    scheduler, runner = make_runner(max_loras=2)
+    adapter_of = {"x1": "x", "y1": "y", "z1": "z", "x2": "x", "base": None}
+    for rid, name in adapter_of.items():  # z1, a third adapter, has no slot yet; x2 behind it has
+        runner.add(req(rid, 4, max_tokens=3, lora=None if name is None else _adapter(name)))
+    out, _ = runner.step()
+    assert sorted(chunks(out)) == ["base", "x1", "x2", "y1"]
+    assert [r.request_id for r in scheduler.waiting] == ["z1"]
+    seen = set()
+    while scheduler.running or len(scheduler.waiting):
+        out, _ = runner.step()
+        adapters = {adapter_of[r.req_id] for r in out.requests} - {None}
+        assert len(adapters) <= 2
+        seen |= {r.req_id for r in out.requests}
+    assert "z1" in seen
+    assert_all_free(scheduler)
