@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import random
 import sys
 import time
 from datetime import datetime, timezone
@@ -66,6 +67,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, server: bool = True)
     parser.add_argument("--endpoint", default=None, help="the API path (default: the backend's)")
     parser.add_argument("--model", default=None, help="the model name to request (default: the server's first model)")
     parser.add_argument("--served-model-name", default=None, help="the name sent in requests, if not --model")
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="LoRA adapter names the server serves: each request asks for one of them, picked at random (--seed)",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -197,6 +205,7 @@ async def run_serve(
         "endpoint": endpoint,
         "backend": args.backend,
         "model_id": request_model,
+        "lora_modules": getattr(args, "lora_modules", None),
         "tokenizer": str(files.tokenizer_dir),
         "dataset_name": args.dataset_name,
         "num_prompts": len(samples),
@@ -237,7 +246,11 @@ async def _run_requests(
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = tqdm(total=len(samples), disable=args.disable_tqdm, desc="requests", unit="req")
 
-    async def one(sample: SampleRequest) -> RequestResult:
+    adapters = getattr(args, "lora_modules", None)
+    pick = random.Random(args.seed)
+    models = [pick.choice(adapters) for _ in samples] if adapters else [model] * len(samples)
+
+    async def one(sample: SampleRequest, model: str) -> RequestResult:
         if limit is None:
             result = await send_request(client, url, args.backend, model, sample, args.ignore_eos)
         else:
@@ -249,10 +262,10 @@ async def _run_requests(
     tasks: list[asyncio.Task[RequestResult]] = []
     t0 = time.perf_counter()
     try:
-        for sample, delay in zip(samples, delays):
+        for sample, delay, name in zip(samples, delays, models):
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(sample)))
+            tasks.append(asyncio.create_task(one(sample, name)))
         results = list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
