@@ -171,3 +171,7 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """the drafts accepted,"""
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
     """and those accepted at each position of a step's drafts (0-based)."""
+    running_loras: list[str] = msgspec.field(default_factory=list)
+    """The names of the LoRA adapters of the running requests (sorted),"""
+    waiting_loras: list[str] = msgspec.field(default_factory=list)
+    """and of the waiting ones."""

@@ -847,6 +847,8 @@ class Scheduler:
             spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_position=list(self.spec_stats.accepted_per_position or ()),
+            running_loras=sorted({r.lora.name for r in (*self.running, *self.loading.values()) if r.lora is not None}),
+            waiting_loras=sorted({r.lora.name for r in self.waiting if r.lora is not None}),
         )
 
     def check_invariants(self) -> None:

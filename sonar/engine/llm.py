@@ -700,12 +700,14 @@ def check_context_length(prompt_tokens: int, max_tokens: int | None, max_model_l
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """The stats of several replicas as one engine's: counts summed (per-position counts position
     by position), KV usage their mean (the replicas' caches are the same size)."""
-    lists = {"spec_accepted_per_position"}
+    lists = {"spec_accepted_per_position", "running_loras", "waiting_loras"}
     total = SchedulerStats(
         **{f: sum(getattr(s, f) for s in stats) for f in SchedulerStats.__struct_fields__ if f not in lists},
         spec_accepted_per_position=[
             sum(column) for column in itertools.zip_longest(*(s.spec_accepted_per_position for s in stats), fillvalue=0)
         ],
+        running_loras=sorted({name for s in stats for name in s.running_loras}),
+        waiting_loras=sorted({name for s in stats for name in s.waiting_loras}),
     )
     total.kv_usage = total.kv_usage / len(stats)
     return total

@@ -152,6 +152,8 @@ class _EngineCollector(Collector):
         """The engine offloads KV (the external prefix cache metrics apply)."""
         self.speculating = False
         """The engine decodes speculatively (the ``spec_decode`` metrics apply)."""
+        self.max_loras = 0
+        """The engine's LoRA slots (0: LoRA is off, no ``lora_requests_info``)."""
 
     def collect(self) -> Iterator[Any]:
         if self.stats is not None:
@@ -264,6 +266,20 @@ class _EngineCollector(Collector):
             for engine, s in series:
                 family.add_metric([engine], getattr(s, field))
             yield family
+        if self.max_loras:
+            # vLLM's shape (the adapters as label values, the time as the value): LoRA-aware
+            # routers (the Gateway API inference extension) read it to place requests
+            info = GaugeMetricFamily(
+                "sonar:lora_requests_info",
+                "The LoRA adapters of the running and the waiting requests (comma-separated), and the slots.",
+                labels=(["engine"] if labelled else [])
+                + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            now = time.time()
+            for engine, s in series:
+                labels = [str(self.max_loras), ",".join(s.running_loras), ",".join(s.waiting_loras)]
+                info.add_metric([engine, *labels] if labelled else labels, now)
+            yield info
         if self.speculating:
             positions = CounterMetricFamily(
                 "sonar:spec_decode_num_accepted_tokens_per_pos",
@@ -416,6 +432,7 @@ class ServerMetrics:
             self.engine.stats = self.engine.tracked = None
         self.engine.offloading = llm.config.offload_config() is not None
         self.engine.speculating = llm.config.speculative() is not None
+        self.engine.max_loras = llm.config.max_loras if llm.config.enable_lora else 0
         self.engine.offload = await _offload_stats(llm, timeout) if llm.config.offload_manager_needed else None
         try:
             self.engine.tree = llm.tree()

@@ -727,6 +727,8 @@ def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn() -> None
     out, _ = runner.step()
     assert sorted(chunks(out)) == ["base", "x1", "x2", "y1"]
     assert [r.request_id for r in scheduler.waiting] == ["z1"]
+    stats = scheduler.stats()
+    assert (stats.running_loras, stats.waiting_loras) == (["x", "y"], ["z"])
     seen = set()
     while scheduler.running or len(scheduler.waiting):
         out, _ = runner.step()
