@@ -75,7 +75,7 @@ async def create_chat_completion(
         chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
     if settings.enable_log_requests:
-        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user)
+        log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user, lora=lora)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
     # A reasoning parser needs to know whether the prompt left a thinking block open.
     prompt_tail = llm.tokenizer.decode(prompt_ids[-8:]) if settings.reasoning_parser else ""

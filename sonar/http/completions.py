@@ -53,7 +53,7 @@ async def create_completion(
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if isinstance(prompt, str):
             llm.check_prompt_chars(prompt)
-    log_request(settings, rid, prompts, params, user=req.user)
+    log_request(settings, rid, prompts, params, user=req.user, lora=lora)
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec, lora), rid)
     finished, outputs = await cancel_on_disconnect(

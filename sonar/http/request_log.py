@@ -31,13 +31,20 @@ def check_user(settings: ServerSettings, user: str | None) -> None:
 
 
 def log_request(
-    settings: ServerSettings, request_id: str, prompts: Sequence[Any], params: Any, user: str | None = None
+    settings: ServerSettings,
+    request_id: str,
+    prompts: Sequence[Any],
+    params: Any,
+    user: str | None = None,
+    lora: str | None = None,
 ) -> None:
-    """With --enable-log-requests: one line with the request's id, prompt(s), sampling params and
-    the client's `user` (when it sent one: the field's one effect)."""
+    """With --enable-log-requests: one line with the request's id, prompt(s), sampling params,
+    LoRA adapter and the client's `user` (when it sent one: the field's one effect)."""
     if settings.enable_log_requests:
         clipped = [_clip(p, settings.max_log_len) for p in prompts]
         extra = {} if user is None else {"user": user}
+        if lora is not None:
+            extra["lora"] = lora
         log.info(
             "request.received",
             request_id=request_id,

@@ -262,7 +262,7 @@ async def create_response(
     if settings.reasoning_parser:
         turn.prompt_tail = llm.tokenizer.decode(turn.prompt_ids[-8:])
     if settings.enable_log_requests:
-        log_request(settings, turn.id, [llm.tokenizer.decode(turn.prompt_ids)], turn.params)
+        log_request(settings, turn.id, [llm.tokenizer.decode(turn.prompt_ids)], turn.params, lora=lora)
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, store, turn, rec, lora), turn.id, done_marker=False)
     finished, result = await cancel_on_disconnect(
