@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from sonar.core.blocks import BlockManager
@@ -247,19 +247,22 @@ class Scheduler:
         with its own stop reason; as `finish_requests` otherwise."""
         return self._finish(hits.items(), RequestStatus.FINISHED_STOPPED)
 
-    def fail_requests(self, errors: Mapping[str, RequestError]) -> list[RequestUpdate]:
+    def fail_requests(self, errors: Mapping[str, RequestError], uncache: Set[str] = frozenset()) -> list[RequestUpdate]:
         """End requests with ``FINISHED_ERROR`` and the given error, wherever they are (their
         blocks are freed, the runner drops them with the next step); one update each. Unknown
-        or already finished ids are ignored."""
+        or already finished ids are ignored. The blocks of those in `uncache` also leave the
+        prefix cache (those no other request holds): their KV may not be what their hashes say."""
         found = [request for request_id in errors if (request := self.requests.get(request_id)) is not None]
-        self._finish(((request.request_id, None) for request in found), RequestStatus.FINISHED_ERROR)
+        self._finish(((request.request_id, None) for request in found), RequestStatus.FINISHED_ERROR, uncache)
         updates = []
         for request in found:
             request.error = errors[request.request_id]
             updates.append(self._update(request, []))
         return updates
 
-    def _finish(self, items: Iterable[tuple[str, int | str | None]], status: RequestStatus) -> list[str]:
+    def _finish(
+        self, items: Iterable[tuple[str, int | str | None]], status: RequestStatus, uncache: Set[str] = frozenset()
+    ) -> list[str]:
         """Finish each ``(request id, stop reason)`` found; the running list is rebuilt once for
         the lot, so finishing k of n running requests costs O(n + k), not O(n * k)."""
         if not status.is_finished:
@@ -271,7 +274,10 @@ class Scheduler:
             if request is None:
                 continue
             if request.status == _RUNNING:
-                self.block_manager.free(request_id, request=request)
+                if request_id in uncache:
+                    self.block_manager.free(request_id, num_computed_tokens=0, request=request)
+                else:
+                    self.block_manager.free(request_id, request=request)
                 finished_running = True
             elif request.status == _LOADING:
                 pass  # its blocks are freed when its load ends (the runner may be writing them)

@@ -482,14 +482,18 @@ class ModelRunner:
                 drafts.append(sched.token_ids[n - sched.num_drafts :])
             request_rows.append(first)
         hidden = None
+        lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
         if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows and self.drafter is None:
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
         if hidden is None:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
-            with self._adapters(out.requests):
+            with self._adapters(out.requests, lost):
                 hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+            for rid, reason in lost.items():
+                result.failed[rid] = reason
+                result.uncache.append(rid)
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -545,6 +549,9 @@ class ModelRunner:
                 self.topology.share_tokens(shared.to(torch.int64))
             for rid, state, guesses, row in zip(sample_ids, states, drafts, first_rows):
                 kept = _verify(tokens, failed, row, guesses)
+                if rid in lost:  # computed without its adapter: nothing it sampled is its own
+                    state.output.append(0)
+                    continue
                 if not kept:
                     # a failed row's id is 0, a valid token: a step already sent behind this one can
                     # feed it before the scheduler drops the request
@@ -575,16 +582,22 @@ class ModelRunner:
         result.seconds = time.perf_counter() - started
         return result
 
-    def _adapters(self, scheduled: list[ScheduledRequest]) -> contextlib.AbstractContextManager[None]:
+    def _adapters(
+        self, scheduled: list[ScheduledRequest], lost: dict[str, str]
+    ) -> contextlib.AbstractContextManager[None]:
         """Within: forward passes whose rows use the LoRA adapters of their requests (each row of
-        a request, its drafts' too, the request's slot)."""
+        a request, its drafts' too, the request's slot). A request whose adapter cannot be loaded
+        goes into `lost` with why: its rows run as the base model's, and it must fail."""
         if self.lora is None:
             return contextlib.nullcontext()
         states = [self.requests[s.req_id] for s in scheduled]
-        where = self.lora.activate(s.lora for s in states if s.lora is not None)
+        where, failed = self.lora.activate(s.lora for s in states if s.lora is not None)
         rows: list[int] = []
         for sched, state in zip(scheduled, states):
-            rows += [-1 if state.lora is None else where[state.lora.digest]] * len(sched.token_ids)
+            slot = -1 if state.lora is None else where.get(state.lora.digest, -1)
+            if state.lora is not None and state.lora.digest in failed:
+                lost[sched.req_id] = str(failed[state.lora.digest])
+            rows += [slot] * len(sched.token_ids)
         return self.lora.context.step(rows)
 
     def _next_token(self, sched: ScheduledRequest) -> int:

@@ -491,7 +491,8 @@ class SchedulerActor(Actor):
             for rid, reason in result.failed.items():
                 log.error("request.sampling_failed", request=rid, reason=reason)
             updates += self.core.fail_requests(
-                {rid: RequestError("sampling", f"request {rid!r}: {reason}") for rid, reason in result.failed.items()}
+                {rid: RequestError("sampling", f"request {rid!r}: {reason}") for rid, reason in result.failed.items()},
+                uncache=set(result.uncache),
             )
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs

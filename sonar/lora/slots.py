@@ -72,23 +72,29 @@ class AdapterSlots:
         self._clock = 0
         self.host: OrderedDict[str, LoRAWeights] = OrderedDict()
 
-    def activate(self, adapters: Iterable[LoRARequest]) -> dict[str, int]:
-        """A slot for each adapter (by digest) of the next step, loading those without one.
-        Raises `LoRAError` for an adapter that cannot be loaded, and ValueError when the step has
-        more adapters than slots (the scheduler never sends one)."""
+    def activate(self, adapters: Iterable[LoRARequest]) -> tuple[dict[str, int], dict[str, LoRAError]]:
+        """A slot for each adapter (by digest) of the next step, loading those without one, and
+        why each adapter that could not be loaded was not (its folder gone or rewritten). Raises
+        ValueError when the step has more adapters than slots (the scheduler never sends one)."""
         wanted = {a.digest: a for a in adapters}
         if len(wanted) > len(self.slots):
             raise ValueError(f"a step uses {len(wanted)} LoRA adapters; --max-loras is {len(self.slots)}")
         self._clock += 1
         where = {digest: i for i, digest in enumerate(self.slots) if digest in wanted}
+        failed: dict[str, LoRAError] = {}
         for digest, adapter in wanted.items():
             if digest not in where:
+                try:
+                    weights = self._weights(adapter)
+                except LoRAError as exc:
+                    failed[digest] = exc
+                    continue
                 free = [i for i in range(len(self.slots)) if self.slots[i] not in wanted]
                 slot = min(free, key=lambda i: (self.slots[i] is not None, self._last_used[i]))
-                self._write(slot, self._weights(adapter))
+                self._write(slot, weights)
                 where[digest] = slot
             self._last_used[where[digest]] = self._clock
-        return where
+        return where, failed
 
     def _weights(self, adapter: LoRARequest) -> LoRAWeights:
         weights = self.host.get(adapter.digest)

@@ -11,6 +11,7 @@ transformers + peft on the same weights and adapters (built in the test with pef
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import sonar
+from sonar.errors import SamplingFailedError
 from sonar.lora.request import LoRAError
 from sonar.sampling_params import SamplingParams
 from tests.lora.conftest import Built, Tiny, make_adapter, peft_greedy
@@ -198,3 +200,51 @@ async def test_a_bad_lora_module_fails_the_start(tiny_qwen3: Tiny, tmp_path: Pat
             lora_modules=[f"mlp={tiny_qwen3.adapters['mlp'].path}"],
         ):
             pass
+
+
+async def test_an_adapter_whose_folder_vanished_fails_its_requests_alone(tiny_qwen3: Tiny, tmp_path: Path) -> None:
+    """Evicted from its slot and from host memory, an adapter comes back from its folder; when the
+    folder is gone its requests fail with the reason, the others are served, the worker stays up,
+    and nothing the failed requests computed is served from the cache later."""
+    folder = tmp_path / "gone"
+    shutil.copytree(tiny_qwen3.adapters["all"].path, folder)
+    prompts = _random_prompts((40, 21), seed=5)
+    async with sonar.open(
+        str(tiny_qwen3.path),
+        dtype="float32",
+        block_size=16,
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+        lora_modules=[f"gone={folder}", f"mlp={tiny_qwen3.adapters['mlp'].path}"],
+    ) as llm:
+        first = await llm.generate(prompts[0], GREEDY, lora="gone")
+        await llm.generate(prompts[1], GREEDY, lora="mlp")  # takes the slot and the host memory
+        shutil.rmtree(folder)
+        results: dict[str, Any] = {}
+
+        async def one(name: str | None) -> None:
+            try:
+                results[str(name)] = await llm.generate(prompts[1], GREEDY, lora=name)
+            except SamplingFailedError as exc:
+                results[str(name)] = exc
+
+        async with anyio.create_task_group() as tg:
+            for name in ("gone", None, "mlp"):
+                tg.start_soon(one, name)
+        shutil.copytree(tiny_qwen3.adapters["all"].path, folder)  # back, unchanged
+        again = await llm.generate(prompts[1], GREEDY, lora="gone")
+        restarts = llm.tree().find("worker").restarts
+    assert isinstance(results["gone"], SamplingFailedError) and "is not a directory" in str(results["gone"])
+    reference = {
+        name: peft_greedy(tiny_qwen3.hf, path, prompts, NEW_TOKENS)[0]
+        for name, path in (
+            ("gone", tiny_qwen3.adapters["all"].path),
+            ("None", None),
+            ("mlp", tiny_qwen3.adapters["mlp"].path),
+        )
+    }
+    assert results["None"].token_ids == reference["None"][1] and results["mlp"].token_ids == reference["mlp"][1]
+    assert first.token_ids == reference["gone"][0]
+    assert again.token_ids == reference["gone"][1] and again.num_cached_tokens == 0
+    assert restarts == 0
