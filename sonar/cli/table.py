@@ -662,7 +662,8 @@ GROUPS: tuple[Group, ...] = (
            "Shard all of the LoRA computation over tensor-parallel ranks, not only half of it."),
         _f("--lora-target-modules", L, None,
            "Apply LoRA only to these projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-           "down_proj, or qkv_proj / gate_up_proj for all of theirs); unset: all of them.", to=E),
+           "down_proj, or qkv_proj / gate_up_proj for all of theirs); unset: all of them. Adapters with "
+           "factors for other projections are refused.", to=E),
         _f("--default-mm-loras", J, None, "LoRA adapter to use whenever a request contains a given modality.",
            dotted=True, noop=NO_MM),
         _f("--specialize-active-lora", B, False,

@@ -113,7 +113,7 @@ class ModelShapes:
 class LoRAWeights:
     """An adapter's factors, ready for the slots: ``factors[(layer, module)] = (A, B)`` with A
     ``[r, in]`` and B ``[out, r]`` already multiplied by the module's scaling, both float32 on the
-    CPU. Modules the server does not target (`LoRALimits`) are left out."""
+    CPU."""
 
     factors: dict[tuple[int, str], tuple[Tensor, Tensor]]
     rank: int
@@ -240,7 +240,10 @@ def read_adapter(path: str | Path, shapes: ModelShapes, limits: LoRALimits) -> L
         if rank > limits.max_rank:
             raise LoRAError(f"{where}: rank {rank} exceeds --max-lora-rank {limits.max_rank}")
         if not limits.targets(module):
-            continue
+            raise LoRAError(
+                f"{where}: the server applies adapters only to {', '.join(sorted(limits.target_modules or ()))} "
+                "(--lora-target-modules); serving this adapter without its other factors would change what it does"
+            )
         module_alpha = _pattern_value(alpha_pattern, paths[(layer, module)], alpha)
         scaling = module_alpha / (math.sqrt(rank) if rslora else rank)
         factors[(layer, module)] = (a.float().contiguous(), (b.float() * scaling).contiguous())

@@ -62,12 +62,12 @@ def test_rslora_and_per_module_ranks_and_alphas(smollm2_adapters: dict[str, Buil
         assert torch.allclose(b, _factor(tensors, 0, module, "B") * scaling)
 
 
-def test_server_target_modules_leave_the_others_out(smollm2_adapters: dict[str, Built], shapes: ModelShapes) -> None:
-    built = smollm2_adapters["plain"]
-    weights = read_adapter(built.path, shapes, LoRALimits(16, frozenset({"qkv_proj", "down_proj"})))
-    assert {module for _, module in weights.factors} == {"q_proj", "k_proj", "v_proj", "down_proj"}
-    attention_only = read_adapter(smollm2_adapters["attention"].path, shapes, LoRALimits(16))
-    assert {module for _, module in attention_only.factors} == {"q_proj", "v_proj", "o_proj"}
+def test_an_adapter_must_fit_the_server_target_modules(smollm2_adapters: dict[str, Built], shapes: ModelShapes) -> None:
+    attention = smollm2_adapters["attention"].path  # q, v and o
+    weights = read_adapter(attention, shapes, LoRALimits(16, frozenset({"qkv_proj", "o_proj"})))
+    assert {module for _, module in weights.factors} == {"q_proj", "v_proj", "o_proj"}
+    with pytest.raises(LoRAError, match="layer 0 o_proj: the server applies adapters only to q_proj, v_proj"):
+        read_adapter(attention, shapes, LoRALimits(16, frozenset({"q_proj", "v_proj"})))
 
 
 def _copy(built: Built, tmp_path: Path) -> Path:

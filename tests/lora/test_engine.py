@@ -3,8 +3,9 @@ transformers + peft on the same weights and adapters (built in the test with pef
 
 * the embedded SmolLM2 with three adapters (plain, rsLoRA with per-module ranks and alphas,
   attention-only) and a tiny random Qwen3 with two: each request's greedy tokens equal peft's and
-  its logprobs are close; a batch mixing every adapter and the base model gives each request the
-  tokens it gets alone, with fewer slots than adapters (requests of the others wait their turn);
+  its top-5 logprobs are close; a batch mixing the three adapters and the base model gives each
+  request the tokens it gets alone, and so does one with fewer slots than adapters (requests of
+  the others wait their turn);
 * the prefix cache keys blocks by adapter, and KV offloading keeps them apart in its tiers;
 * adapters loaded and unloaded while requests run lose none of them.
 """
@@ -28,7 +29,7 @@ from tests.lora.conftest import Built, Tiny, make_adapter, peft_greedy
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
 
 NEW_TOKENS = 10
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=5)
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village by the sea,"]
 
 
@@ -55,9 +56,12 @@ def _assert_matches_peft(outputs: dict, reference: dict[str | None, Any], prompt
     for (name, i), result in outputs.items():
         tokens, logits = reference[name]
         assert result.token_ids == tokens[i], (name, i)
-        expected = torch.log_softmax(logits[i], dim=-1)[torch.arange(NEW_TOKENS), torch.tensor(tokens[i])]
+        logprobs = torch.log_softmax(logits[i], dim=-1)
+        expected = logprobs[torch.arange(NEW_TOKENS), torch.tensor(tokens[i])]
         got = torch.tensor([position.logprob for position in result.logprobs])
         torch.testing.assert_close(got, expected, atol=2e-3, rtol=0)
+        top = torch.tensor([[alt.logprob for alt in position.top] for position in result.logprobs])
+        torch.testing.assert_close(top, logprobs.topk(5, dim=-1).values, atol=2e-3, rtol=0)
 
 
 async def test_smollm2_adapters_equal_peft_alone_and_in_one_batch(
@@ -66,7 +70,7 @@ async def test_smollm2_adapters_equal_peft_alone_and_in_one_batch(
     modules = [f"{name}={built.path}" for name, built in smollm2_adapters.items()]
     names: list[str | None] = [None, *smollm2_adapters]
     async with sonar.open(
-        None, dtype="float32", dequantize_weights=True, enable_lora=True, max_loras=2, lora_modules=modules
+        None, dtype="float32", dequantize_weights=True, enable_lora=True, max_loras=3, lora_modules=modules
     ) as llm:
         prompts = [await llm.tokenize(text) for text in TEXTS]
         alone = await _generate_all(llm, prompts, names, mixed=False)

@@ -109,16 +109,19 @@ def test_slots_stay_with_their_adapter_and_the_least_recent_is_replaced(tiny_qwe
     assert third[requests[2].digest] == first[requests[0].digest]
 
 
-def test_target_modules_wrap_only_those_layers(tiny_qwen3: Tiny) -> None:
+def test_target_modules_wrap_only_those_layers(tiny_qwen3: Tiny, tmp_path: Path) -> None:
     table = _table(tiny_qwen3, max_loras=1, max_cpu_loras=1, target_modules=frozenset({"o_proj", "up_proj"}))
     layer = table.model.model.layers[0]
     assert isinstance(layer.self_attn.o_proj, LoRALinear) and isinstance(layer.mlp.gate_up_proj, LoRALinear)
     assert not isinstance(layer.self_attn.qkv_proj, LoRALinear) and not isinstance(layer.mlp.down_proj, LoRALinear)
-    built = tiny_qwen3.adapters["all"]
-    where, _ = table.activate([_request("all", built.path)])
+    make_adapter(tiny_qwen3.hf, tmp_path / "up", seed=8, target_modules=["up_proj", "o_proj"])
+    where, failed = table.activate([_request("up", tmp_path / "up")])
+    assert not failed
     gate_up = layer.mlp.gate_up_proj
-    slot = where[file_digest(built.path)]
+    slot = where[file_digest(tmp_path / "up")]
     assert not gate_up.a[slot, :RANK].any() and gate_up.a[slot, RANK:].any()  # up, not gate
+    _, failed = table.activate([_request("all", tiny_qwen3.adapters["all"].path)])
+    assert "the server applies adapters only to o_proj, up_proj" in str(next(iter(failed.values())))
 
 
 def test_each_row_gets_its_own_slots_delta(tiny_qwen3: Tiny) -> None:
