@@ -659,7 +659,8 @@ GROUPS: tuple[Group, ...] = (
            "Most LoRA adapters kept in host memory (at least --max-loras; unset: --max-loras).", to=E,
            check=positive),
         _f("--fully-sharded-loras", B, False,
-           "Shard all of the LoRA computation over tensor-parallel ranks, not only half of it."),
+           "Shard all of the LoRA computation over tensor-parallel ranks, not only half of it (the "
+           "adapters' rank in column-parallel layers, their output rows in row-parallel ones).", to=E),
         _f("--lora-target-modules", L, None,
            "Apply LoRA only to these projections (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
            "down_proj, or qkv_proj / gate_up_proj for all of theirs); unset: all of them. Adapters with "

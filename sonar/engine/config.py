@@ -143,6 +143,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Adapters kept in host memory once read (an LRU); None: ``max_loras``."""
     lora_target_modules: list[str] | None = None
     """Projections adapters apply to (`sonar.lora.adapter.TARGET_NAMES`); None: all."""
+    fully_sharded_loras: bool = False
+    """With tensor parallelism, shard the adapters' rank (column-parallel layers) and output
+    rows (row-parallel layers) too, exchanging the shrink's result (`sonar.lora.layers`)."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000
@@ -385,6 +388,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                     ("lora_dtype", "auto"),
                     ("max_cpu_loras", None),
                     ("lora_target_modules", None),
+                    ("fully_sharded_loras", False),
                 )
                 if getattr(self, name) != default
             ]

@@ -177,6 +177,7 @@ class ModelRunner:
                 shapes=ModelShapes.of_config(self.loaded.config),
                 dtype=self.loaded.dtype if cfg.lora_dtype == "auto" else getattr(torch, cfg.lora_dtype),
                 device=device,
+                fully_sharded=cfg.fully_sharded_loras,
             )
         convert_seconds = self.loaded.convert_seconds + time.perf_counter() - t_pack
         self.forward: Callable[..., torch.Tensor] = self.model

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from sonar.kernels import lora as lora_kernels
+from sonar.models.parallel import TensorParallel
 
 
 class LoRAContext:
@@ -43,7 +45,10 @@ class LoRAContext:
 
 class LoRALinear(nn.Module):
     """`base` plus the delta of each row's adapter slot; ``splits``: the output sizes of the
-    sub-projections (``[q, kv, kv]`` for ``qkv_proj``), in the order of the base's columns."""
+    sub-projections (``[q, kv, kv]`` for ``qkv_proj``), in the order of the base's columns.
+
+    Each sub-projection has `a_rank` rows of ``a`` (`max_rank` unless a subclass shards them) and
+    ``b`` has `b_rows` rows (the base's output columns unless a subclass shards them)."""
 
     def __init__(
         self,
@@ -54,21 +59,67 @@ class LoRALinear(nn.Module):
         max_rank: int,
         dtype: torch.dtype,
         context: LoRAContext,
+        *,
+        a_rank: int | None = None,
+        b_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.base = base
         self.splits = splits
         self.rank = max_rank
+        self.a_rank = max_rank if a_rank is None else a_rank
         self.context = context
         device = context.device
-        self.register_buffer(
-            "a", torch.zeros(max_loras, len(splits) * max_rank, in_features, dtype=dtype, device=device), False
-        )
-        self.register_buffer("b", torch.zeros(max_loras, sum(splits), max_rank, dtype=dtype, device=device), False)
+        shape_a = (max_loras, len(splits) * self.a_rank, in_features)
+        shape_b = (max_loras, sum(splits) if b_rows is None else b_rows, max_rank)
+        self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device), False)
+        self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device), False)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         rows = self.context.rows
         if rows is not None:
             lora_kernels.lora_add(y, x, self.a, self.b, rows, self.splits)
+        return y
+
+
+class ColumnShardedLoRALinear(LoRALinear):
+    """``--fully-sharded-loras`` on a column-parallel layer (q/k/v, gate/up) of a tensor-parallel
+    group: a rank holds ``1 / size`` of each adapter's rank (rows of A), so the shrink is split over
+    the ranks too; their parts of its result are gathered before the expand, whose B rows are this
+    rank's output columns (as the base layer's are)."""
+
+    def __init__(self, *args: Any, parallel: TensorParallel, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parallel = parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        rows = self.context.rows
+        if rows is not None:
+            part = lora_kernels.shrink(x, self.a, rows)  # [n, subs * a_rank]
+            n, subs = x.shape[0], len(self.splits)
+            gathered = self.parallel.gather_last(part)  # rank by rank, each its subs' rank slices
+            t = gathered.view(n, self.parallel.size, subs, self.a_rank).transpose(1, 2).reshape(n, subs * self.rank)
+            lora_kernels.expand(y, t, self.b, rows, self.splits)
+        return y
+
+
+class RowShardedLoRALinear(LoRALinear):
+    """``--fully-sharded-loras`` on a row-parallel layer (o, down): the shrink of this rank's input
+    columns is summed over the ranks, and the expand computes only this rank's ``1 / size`` of the
+    output columns (rows of B), added to the base layer's partial output there: the layer's
+    all-reduce then sums the whole delta."""
+
+    def __init__(self, *args: Any, parallel: TensorParallel, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.parallel = parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base(x)
+        rows = self.context.rows
+        if rows is not None:
+            t = self.parallel.all_reduce(lora_kernels.shrink(x, self.a, rows))
+            width = self.b.shape[1]
+            lora_kernels.expand(y.narrow(1, self.parallel.rank * width, width), t, self.b, rows, (width,))
         return y

@@ -18,8 +18,9 @@ from torch import nn
 
 from sonar.log import get_logger
 from sonar.lora.adapter import MODULES, LoRALimits, LoRAWeights, ModelShapes, read_adapter
-from sonar.lora.layers import LoRAContext, LoRALinear
+from sonar.lora.layers import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.lora.request import LoRAError, LoRARequest
+from sonar.models.parallel import TensorParallel
 
 log = get_logger("sonar.lora")
 
@@ -46,6 +47,7 @@ class AdapterSlots:
         shapes: ModelShapes,
         dtype: torch.dtype,
         device: torch.device,
+        fully_sharded: bool = False,
     ) -> None:
         self.model = model
         self.limits = limits
@@ -61,9 +63,8 @@ class AdapterSlots:
                 if not any(limits.targets(m) for m in modules):
                     continue
                 parent = getattr(layer, parent_name)
-                base = getattr(parent, fused)
-                splits, fan_in = _splits(layer, fused)
-                wrapper = LoRALinear(base, fan_in, splits, max_loras, limits.max_rank, dtype, self.context)
+                args = (getattr(parent, fused), *_splits(layer, fused), max_loras, limits.max_rank, dtype, self.context)
+                wrapper = _wrapper(model.parallel, fused, args) if fully_sharded else LoRALinear(*args)
                 setattr(parent, fused, wrapper)
                 self.linears.append((index, fused, wrapper))
         self.slots: list[str | None] = [None] * max_loras
@@ -121,35 +122,70 @@ class AdapterSlots:
             a.zero_()
             b.zero_()
             offset = 0
-            for j, (module, split) in enumerate(zip(_FUSED[fused][1], linear.splits)):
+            for j, module in enumerate(_FUSED[fused][1]):
                 pair = weights.factors.get((index, module))
                 if pair is not None:
-                    down, up = self._shard(index, module, *pair)
-                    r = down.shape[0]
-                    a[j * rank : j * rank + r].copy_(down)
-                    b[offset : offset + split, :r].copy_(up)
-                offset += split
+                    down = torch.zeros(rank, pair[0].shape[1])  # padded to the slots' rank
+                    up = torch.zeros(pair[1].shape[0], rank)
+                    down[: pair[0].shape[0]] = pair[0]
+                    up[:, : pair[1].shape[1]] = pair[1]
+                    down, up = self._shard(index, module, linear, down, up)
+                    a[j * linear.a_rank : (j + 1) * linear.a_rank].copy_(down)
+                    b[offset : offset + up.shape[0]].copy_(up)
+                offset += linear.splits[j]
         self.slots[slot] = weights.digest
 
-    def _shard(self, layer: int, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This tensor-parallel rank's part of a module's factors: the rows of B its base layer's
-        output columns hold (column-parallel), or the columns of A its input holds (row-parallel,
-        whose partial deltas the layer's all-reduce sums with the base output)."""
+    def _shard(
+        self, layer: int, module: str, linear: LoRALinear, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This tensor-parallel rank's part of a module's (padded) factors: the rows of B its base
+        layer's output columns hold (column-parallel), or the columns of A its input holds
+        (row-parallel, whose partial deltas the layer's all-reduce sums with the base output).
+        Fully sharded, also its slice of A's rank (column-parallel) or of B's rows (row-parallel)."""
         parent = _FUSED[MODULES[module][0]][0]
         shard = self.model.checkpoint_shard(f"model.layers.{layer}.{parent}.{module}.weight")
         if shard is None:
             return a, b
-        return (a, shard.tensor(b)) if shard.dim == 0 else (shard.tensor(a), b)
+        tp = self.model.parallel
+        if shard.dim == 0:
+            b = shard.tensor(b)
+            if isinstance(linear, ColumnShardedLoRALinear):
+                a = a[tp.rank * linear.a_rank : (tp.rank + 1) * linear.a_rank]
+            return a, b
+        a = shard.tensor(a)
+        if isinstance(linear, RowShardedLoRALinear):
+            rows = linear.b.shape[1]
+            b = b[tp.rank * rows : (tp.rank + 1) * rows]
+        return a, b
 
 
-def _splits(layer: nn.Module, fused: str) -> tuple[tuple[int, ...], int]:
-    """A fused layer's sub-projection output sizes and its input size, on this rank."""
+def _splits(layer: nn.Module, fused: str) -> tuple[int, tuple[int, ...]]:
+    """A fused layer's input size and its sub-projection output sizes, on this rank."""
     attn, mlp = layer.self_attn, layer.mlp
     hidden = layer.input_layernorm.weight.shape[0]
     if fused == "qkv_proj":
-        return (attn.q_size, attn.kv_size, attn.kv_size), hidden
+        return hidden, (attn.q_size, attn.kv_size, attn.kv_size)
     if fused == "o_proj":
-        return (hidden,), attn.q_size
+        return attn.q_size, (hidden,)
     if fused == "gate_up_proj":
-        return (mlp.intermediate, mlp.intermediate), hidden
-    return (hidden,), mlp.intermediate
+        return hidden, (mlp.intermediate, mlp.intermediate)
+    return mlp.intermediate, (hidden,)
+
+
+def _wrapper(parallel: TensorParallel, fused: str, args: tuple) -> LoRALinear:
+    """``--fully-sharded-loras``: the layer that shards the rest of the LoRA work over the ranks."""
+    if parallel.size == 1:
+        return LoRALinear(*args)
+    rank, hidden = args[4], args[2][0]
+    if fused in ("qkv_proj", "gate_up_proj"):
+        if rank % parallel.size:
+            raise LoRAError(
+                f"--fully-sharded-loras: --max-lora-rank {rank} does not split over "
+                f"--tensor-parallel-size {parallel.size}"
+            )
+        return ColumnShardedLoRALinear(*args, a_rank=rank // parallel.size, parallel=parallel)
+    if hidden % parallel.size:
+        raise LoRAError(
+            f"--fully-sharded-loras: the hidden size {hidden} does not split over --tensor-parallel-size {parallel.size}"
+        )
+    return RowShardedLoRALinear(*args, b_rows=hidden // parallel.size, parallel=parallel)

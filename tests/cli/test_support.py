@@ -37,8 +37,8 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             "sonar serve: error: lora_modules: expected name=path or a JSON object, got 'a'",
         ),
         (
-            ["--enable-lora", "--fully-sharded-loras"],
-            "sonar serve: --fully-sharded-loras is not supported yet (Sonar accepts only --no-fully-sharded-loras)",
+            ["--fully-sharded-loras"],
+            "sonar serve: error: fully_sharded_loras is set but LoRA is off: add enable_lora (--enable-lora)",
         ),
         (["--grpc"], "sonar serve: --grpc is not supported yet"),
         (

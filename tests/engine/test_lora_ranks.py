@@ -4,7 +4,8 @@ enable_lora=True)`): real worker processes on gloo.
 Each tensor rank holds its share of an adapter's factors (`AdapterSlots._shard`): the rows of B
 for the column-parallel q/k/v and gate/up projections, the columns of A for the row-parallel o and
 down projections, whose partial deltas the layer's all-reduce sums. Each stage of a pipeline
-holds the factors of its own layers only. The greedy tokens of a batch that mixes two adapters of
+holds the factors of its own layers only. With ``fully_sharded_loras`` the rest of the work is
+split too (`sonar.lora.layers.ColumnShardedLoRALinear`, `RowShardedLoRALinear`). The greedy tokens of a batch that mixes two adapters of
 different ranks with the base model are the single worker's, which are transformers+peft's.
 """
 
@@ -99,9 +100,24 @@ async def single(llama: TinyCheckpoint, adapters: dict[str, tuple[Path, list]]) 
     return tokens
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    ("tp", "pp", "fully_sharded"), [(2, 1, False), (2, 1, True), (1, 2, False)], ids=["tp2", "tp2-fully-sharded", "pp2"]
+)
 async def test_adapters_in_a_group_equal_the_single_worker(
-    llama: TinyCheckpoint, adapters: dict[str, tuple[Path, list]], single: list[list[int]], tp: int, pp: int
+    llama: TinyCheckpoint,
+    adapters: dict[str, tuple[Path, list]],
+    single: list[list[int]],
+    tp: int,
+    pp: int,
+    fully_sharded: bool,
 ) -> None:
-    tokens = await _mixed(llama.path, adapters, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    """--fully-sharded-loras: each rank also holds half of each adapter's rank in q/k/v and gate/up
+    (the shrink's halves gathered) and half of the output rows in o and down (the shrink summed)."""
+    tokens = await _mixed(
+        llama.path,
+        adapters,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        fully_sharded_loras=fully_sharded,
+    )
     assert tokens == single
