@@ -83,15 +83,19 @@ class LoRALinear(nn.Module):
         return y
 
 
-class ColumnShardedLoRALinear(LoRALinear):
-    """``--fully-sharded-loras`` on a column-parallel layer (q/k/v, gate/up) of a tensor-parallel
-    group: a rank holds ``1 / size`` of each adapter's rank (rows of A), so the shrink is split over
-    the ranks too; their parts of its result are gathered before the expand, whose B rows are this
-    rank's output columns (as the base layer's are)."""
+class ShardedLoRALinear(LoRALinear):
+    """``--fully-sharded-loras``: a layer of a tensor-parallel group (`parallel`) whose forward
+    pass exchanges the shrink's result between the ranks."""
 
     def __init__(self, *args: Any, parallel: TensorParallel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.parallel = parallel
+
+
+class ColumnShardedLoRALinear(ShardedLoRALinear):
+    """A column-parallel layer (q/k/v, gate/up): a rank holds ``1 / size`` of each adapter's rank
+    (rows of A), so the shrink is split over the ranks too; their parts of its result are gathered
+    before the expand, whose B rows are this rank's output columns (as the base layer's are)."""
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
@@ -105,15 +109,11 @@ class ColumnShardedLoRALinear(LoRALinear):
         return y
 
 
-class RowShardedLoRALinear(LoRALinear):
-    """``--fully-sharded-loras`` on a row-parallel layer (o, down): the shrink of this rank's input
-    columns is summed over the ranks, and the expand computes only this rank's ``1 / size`` of the
-    output columns (rows of B), added to the base layer's partial output there: the layer's
-    all-reduce then sums the whole delta."""
-
-    def __init__(self, *args: Any, parallel: TensorParallel, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.parallel = parallel
+class RowShardedLoRALinear(ShardedLoRALinear):
+    """A row-parallel layer (o, down): the shrink of this rank's input columns is summed over the
+    ranks, and the expand computes only this rank's ``1 / size`` of the output columns (rows of B),
+    added to the base layer's partial output there: the layer's all-reduce then sums the whole
+    delta."""
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
