@@ -252,3 +252,25 @@ async def test_an_adapter_whose_folder_vanished_fails_its_requests_alone(tiny_qw
     assert first.token_ids == reference["gone"][0]
     assert again.token_ids == reference["gone"][1] and again.num_cached_tokens == 0
     assert restarts == 0
+
+
+async def test_lora_dtype_sets_the_slots_precision(tiny_qwen3: Tiny) -> None:
+    """float16 slots under a float32 model: the same greedy tokens as peft's, logprobs a rounding
+    away from float32 slots' (so the flag took effect)."""
+    prompts = _random_prompts((12, 25), seed=6)
+    built = tiny_qwen3.adapters["all"]
+    logprobs = {}
+    for dtype in ("auto", "float16"):
+        async with sonar.open(
+            str(tiny_qwen3.path),
+            dtype="float32",
+            enable_lora=True,
+            lora_dtype=dtype,
+            lora_modules=[f"all={built.path}"],
+        ) as llm:
+            outs = [await llm.generate(p, GREEDY, lora="all") for p in prompts]
+        reference = peft_greedy(tiny_qwen3.hf, built.path, prompts, NEW_TOKENS)[0]
+        assert [o.token_ids for o in outs] == reference
+        logprobs[dtype] = torch.tensor([[p.logprob for p in o.logprobs] for o in outs])
+    torch.testing.assert_close(logprobs["float16"], logprobs["auto"], atol=5e-3, rtol=0)
+    assert not torch.equal(logprobs["float16"], logprobs["auto"])
