@@ -38,6 +38,11 @@ from tests.http.conftest import (
 )
 
 PROMPT = "Once upon a time, in a small village by the sea,"
+#: Over two KV blocks (16 tokens each): what the prefix cache may share, or must not.
+LONG_PROMPT = (
+    "The harbour master kept a ledger of every ship that came in: its name, its cargo, its captain, "
+    "the day it arrived and the day it left. One winter morning a ship with no name arrived, and"
+)
 MESSAGES = [{"role": "user", "content": "Name a colour and a fruit."}]
 NEW_TOKENS = 10
 API_KEY = "lora-test-key"
@@ -53,6 +58,8 @@ class Adapters:
     folders: dict[str, Path]
     texts: dict[str | None, str]
     """transformers(+peft)'s greedy text for `PROMPT` by adapter (None: the base model)."""
+    long_texts: dict[str | None, str]
+    """The same for `LONG_PROMPT`, for the base model and adapter a."""
     chat_ids: list[int]
     """`MESSAGES` rendered by the tokenizer's chat template."""
     chat: str
@@ -128,7 +135,10 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
     ids = tokenizer(PROMPT).input_ids
     root = tmp_path_factory.mktemp("adapters")
     folders: dict[str, Path] = {}
+    long_ids = tokenizer(LONG_PROMPT).input_ids
+    assert len(long_ids) > 32
     texts: dict[str | None, str] = {None: decode(_greedy(hf, ids))}
+    long_texts: dict[str | None, str] = {None: decode(_greedy(hf, long_ids))}
     rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     chat_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     chat = ""
@@ -139,8 +149,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
         texts[name] = decode(_greedy(model, ids))
         if name == "a":
             chat = decode(_greedy(model, chat_ids))
+            long_texts[name] = decode(_greedy(model, long_ids))
     assert len(set(texts.values())) == len(texts), f"two adapters give the same text: {texts}"
-    return Adapters(folders, texts, chat_ids, chat, _bad_folders(folders["a"], hf, root))
+    return Adapters(folders, texts, long_texts, chat_ids, chat, _bad_folders(folders["a"], hf, root))
 
 
 @pytest.fixture(scope="module")
@@ -217,6 +228,24 @@ def test_an_adapter_gives_peft_text(http: httpx.Client, adapters: Adapters) -> N
     assert "".join(c["choices"][0]["text"] for c in chunks) == adapters.texts["a"]
     assert chunks[0]["model"] == "a"
     expect_error(complete(http, "nope"), 404, "`nope`")
+
+
+def test_the_prefix_cache_keeps_an_adapters_kv_apart(http: httpx.Client, adapters: Adapters) -> None:
+    """Blocks are keyed by the adapter's digest: the base model's blocks of a prompt are not an
+    adapter's, an adapter's are shared with its later requests, also under another name."""
+
+    def run(model: str) -> tuple[str, int]:
+        response = complete(http, model, prompt=LONG_PROMPT)
+        return text_of(response), response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert run("smol")[0] == adapters.long_texts[None]
+    assert run("a") == (adapters.long_texts["a"], 0)
+    text, cached = run("a")
+    assert text == adapters.long_texts["a"] and cached >= 32
+    assert load(http, "a-again", adapters.folders["a"]).status_code == 200
+    text, cached = run("a-again")
+    assert text == adapters.long_texts["a"] and cached >= 32
+    assert unload(http, "a-again").status_code == 200
 
 
 def test_chat_and_responses_with_an_adapter(http: httpx.Client, adapters: Adapters) -> None:
