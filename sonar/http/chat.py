@@ -116,7 +116,7 @@ async def create_chat_completion(
     return json_response(
         ChatCompletionResponse(
             id=rid,
-            model=settings.model_name,
+            model=lora or settings.model_name,
             choices=choices,
             usage=usage,
             system_fingerprint=settings.system_fingerprint,
@@ -155,7 +155,7 @@ async def _stream(
     def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
             id=rid,
-            model=settings.model_name,
+            model=lora or settings.model_name,
             choices=choices,
             created=created,
             usage=usage,

@@ -81,7 +81,7 @@ async def create_completion(
         return Response(status_code=499)  # nobody reads it
     if req.scores_only:
         outputs = [_scored(result) for result in outputs]
-    response = _response(llm, settings, req, rid, outputs, params.n)
+    response = _response(llm, settings, req, rid, outputs, params.n, lora or settings.model_name)
     log_output(
         settings,
         rid,
@@ -108,8 +108,15 @@ def _first_token_text(llm: LLM, prompt_ids: list[int], as_ids: bool = False) -> 
 
 
 def _response(
-    llm: LLM, settings: ServerSettings, req: CompletionRequest, rid: str, outputs: list[RequestOutput], n: int
+    llm: LLM,
+    settings: ServerSettings,
+    req: CompletionRequest,
+    rid: str,
+    outputs: list[RequestOutput],
+    n: int,
+    model: str,
 ) -> CompletionResponse:
+    """`model`: the name the response gives, the adapter's when the request ran with one."""
     choices = []
     prompt_tokens = completion_tokens = cached_tokens = 0
     as_ids = settings.return_tokens_as_token_ids
@@ -140,7 +147,7 @@ def _response(
             )
     usage = make_usage(settings, prompt_tokens, completion_tokens, cached_tokens)
     return CompletionResponse(
-        id=rid, model=settings.model_name, choices=choices, usage=usage, system_fingerprint=settings.system_fingerprint
+        id=rid, model=model, choices=choices, usage=usage, system_fingerprint=settings.system_fingerprint
     )
 
 
@@ -156,6 +163,7 @@ async def _stream(
     lora: str | None,
 ) -> None:
     created = int(time.time())
+    model = lora or settings.model_name
     counts = {"prompt": 0, "completion": 0, "cached": 0}
     texts: dict[int, str] = {}
     finished: dict[int, str | None] = {}
@@ -164,7 +172,7 @@ async def _stream(
     def chunk(choice: CompletionChoice) -> CompletionResponse:
         return CompletionResponse(
             id=rid,
-            model=settings.model_name,
+            model=model,
             choices=[choice],
             created=created,
             system_fingerprint=settings.system_fingerprint,
@@ -224,7 +232,7 @@ async def _stream(
         await emit(
             CompletionResponse(
                 id=rid,
-                model=settings.model_name,
+                model=model,
                 choices=[],
                 usage=usage,
                 created=created,

@@ -86,9 +86,12 @@ class _Turn:
         params: SamplingParams,
         plan: ToolPlan,
         cache_block: int,
+        model: str,
     ) -> None:
-        """`cache_block`: the KV block size when the prefix cache is on, else 0."""
+        """`cache_block`: the KV block size when the prefix cache is on, else 0; `model`: the name
+        the response gives, the LoRA adapter's when the request runs with one."""
         self.req = req
+        self.model = model
         self.cache_block = cache_block
         self.settings = settings
         self.params = params
@@ -115,7 +118,7 @@ class _Turn:
         req, params = self.req, self.params
         return ResponseObject(
             id=self.id,
-            model=self.settings.model_name,
+            model=self.model,
             status=status,
             output=output,
             created_at=self.created_at,
@@ -240,7 +243,7 @@ async def create_response(
     params = req.sampling_params(settings.default_sampling)
     plan.constrain(params)
     cache_block = llm.config.block_size if llm.config.enable_prefix_caching else 0
-    turn = _Turn(rid, req, settings, params, plan, cache_block)
+    turn = _Turn(rid, req, settings, params, plan, cache_block, lora or settings.model_name)
     history: list[dict[str, Any]] = []
     if req.previous_response_id is not None:
         previous = store.get(req.previous_response_id)

@@ -17,7 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import httpx
 import pytest
@@ -47,18 +47,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp: Path, *args: str, timeout: float = 120.0) -> ServerProcess:
-    """Start `python -m sonar serve --port <free> *args` and wait for /health to answer 200."""
+def start_server(tmp: Path, *args: str, timeout: float = 120.0, env: Mapping[str, str] | None = None) -> ServerProcess:
+    """Start `python -m sonar serve --port <free> *args` and wait for /health to answer 200;
+    `env`: variables set for the server beside this process's."""
     port = free_port()
     out, err = tmp / "server.out", tmp / "server.err"
     # One intra-op thread: on a 2-vCPU machine two-thread OpenMP regions stall (see tests/engine).
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     started = time.monotonic()
     with out.open("wb") as fout, err.open("wb") as ferr:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sonar", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
             cwd=ROOT,
-            env=env,
+            env=environ,
             stdout=fout,
             stderr=ferr,
         )
@@ -79,9 +80,9 @@ def start_server(tmp: Path, *args: str, timeout: float = 120.0) -> ServerProcess
 
 
 @contextmanager
-def serving(tmp: Path, *args: str) -> Iterator[ServerProcess]:
+def serving(tmp: Path, *args: str, env: Mapping[str, str] | None = None) -> Iterator[ServerProcess]:
     """A server for the length of the block; it must then stop on SIGTERM with exit code 0."""
-    server = start_server(tmp, *args)
+    server = start_server(tmp, *args, env=env)
     yield server
     code = stop_server(server)
     assert code == 0, f"the server exited with {code} on SIGTERM:\n{server.log()[-4000:]}"
