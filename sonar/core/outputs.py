@@ -124,7 +124,8 @@ class RequestError(msgspec.Struct, frozen=True, gc=False):
     type: str
     """``sampling``: no token could be sampled for it (its row of logits was all -inf or NaN);
     ``quarantined``: it was in flight in worker crashes (`sonar.core.quarantine`); ``grammar``: a
-    sampled token broke its structured output grammar (the bitmask should make that impossible)."""
+    sampled token broke its structured output grammar (the bitmask should make that impossible);
+    ``lora``: its LoRA adapter could not be loaded (its folder gone or rewritten since it was)."""
     message: str
 
 

@@ -44,7 +44,7 @@ from sonar.errors import (
 )
 from sonar.lora.adapter import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
-from sonar.lora.request import LoRAError, LoRARequest
+from sonar.lora.request import LoRAError, LoRANotFoundError, LoRARequest
 from sonar.protocol.engine import (
     Abort,
     AddRequest,
@@ -488,13 +488,13 @@ class LLM:
         return await loras.load(name, path, base_model_name or self.model_name, replace=replace)
 
     def unload_lora(self, name: str) -> None:
-        """Stop serving adapter `name` (requests running with it finish with it); `LoRAError`
+        """Stop serving adapter `name` (requests running with it finish with it); `LoRANotFoundError`
         if no adapter has that name."""
         loras = self._loras("unload_lora")
         try:
             loras.unload(name)
         except KeyError:
-            raise LoRAError(f"no LoRA adapter named {name!r} is loaded") from None
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded") from None
 
     def loras(self) -> list[ServedAdapter]:
         """The adapters served, in the order they were loaded."""
@@ -514,7 +514,7 @@ class LLM:
             return None
         adapter = None if self.lora_registry is None else self.lora_registry.get(name)
         if adapter is None:
-            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", param="lora")
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
         return adapter
 
     # -- internals --------------------------------------------------------------------------
@@ -717,4 +717,6 @@ def _request_error(error: RequestError) -> SonarError:
     """The exception a request that failed alone raises at its caller."""
     if error.type == "quarantined":
         return RequestQuarantinedError(error.message)
+    if error.type == "lora":
+        return LoRAError(error.message)
     return SamplingFailedError(error.message)

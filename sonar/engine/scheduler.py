@@ -490,9 +490,13 @@ class SchedulerActor(Actor):
         if result.failed:
             for rid, reason in result.failed.items():
                 log.error("request.sampling_failed", request=rid, reason=reason)
+            lost = set(result.uncache)
             updates += self.core.fail_requests(
-                {rid: RequestError("sampling", f"request {rid!r}: {reason}") for rid, reason in result.failed.items()},
-                uncache=set(result.uncache),
+                {
+                    rid: RequestError("lora" if rid in lost else "sampling", f"request {rid!r}: {reason}")
+                    for rid, reason in result.failed.items()
+                },
+                uncache=lost,
             )
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs

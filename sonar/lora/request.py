@@ -15,6 +15,12 @@ class LoRAError(SonarError, ValueError):
     status = 400
 
 
+class LoRANotFoundError(LoRAError):
+    """No adapter of that name is loaded."""
+
+    status = 404
+
+
 class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
     """An adapter as requests carry it: its served name, its folder and its digest."""
 

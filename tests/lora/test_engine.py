@@ -21,8 +21,7 @@ import pytest
 import torch
 
 import sonar
-from sonar.errors import SamplingFailedError
-from sonar.lora.request import LoRAError
+from sonar.lora.request import LoRAError, LoRANotFoundError
 from sonar.sampling_params import SamplingParams
 from tests.lora.conftest import Built, Tiny, make_adapter, peft_greedy
 
@@ -181,7 +180,7 @@ async def test_loading_and_unloading_while_requests_run(tiny_qwen3: Tiny, tmp_pa
             with pytest.raises(LoRAError, match="no LoRA adapter named 'all'"):
                 llm.unload_lora("all")
         assert results == expected
-        with pytest.raises(sonar.errors.InvalidRequestError, match="no LoRA adapter named 'all' is loaded"):
+        with pytest.raises(LoRANotFoundError, match="no LoRA adapter named 'all' is loaded"):
             await llm.generate(prompts[0], GREEDY, lora="all")
     assert mid.token_ids == peft_greedy(tiny_qwen3.hf, extra.path, prompts[:1], NEW_TOKENS)[0][0]
 
@@ -190,7 +189,7 @@ async def test_lora_calls_need_enable_lora(tiny_qwen3: Tiny) -> None:
     async with sonar.open(str(tiny_qwen3.path), dtype="float32") as llm:
         with pytest.raises(LoRAError, match="LoRA adapters are off; start the engine with enable_lora"):
             await llm.load_lora("a", str(tiny_qwen3.adapters["all"].path))
-        with pytest.raises(sonar.errors.InvalidRequestError, match="no LoRA adapter named 'a'"):
+        with pytest.raises(LoRANotFoundError, match="no LoRA adapter named 'a'"):
             await llm.generate([1, 2, 3], GREEDY, lora="a")
 
 
@@ -230,7 +229,7 @@ async def test_an_adapter_whose_folder_vanished_fails_its_requests_alone(tiny_qw
         async def one(name: str | None) -> None:
             try:
                 results[str(name)] = await llm.generate(prompts[1], GREEDY, lora=name)
-            except SamplingFailedError as exc:
+            except LoRAError as exc:
                 results[str(name)] = exc
 
         async with anyio.create_task_group() as tg:
@@ -239,7 +238,7 @@ async def test_an_adapter_whose_folder_vanished_fails_its_requests_alone(tiny_qw
         shutil.copytree(tiny_qwen3.adapters["all"].path, folder)  # back, unchanged
         again = await llm.generate(prompts[1], GREEDY, lora="gone")
         restarts = llm.tree().find("worker").restarts
-    assert isinstance(results["gone"], SamplingFailedError) and "is not a directory" in str(results["gone"])
+    assert isinstance(results["gone"], LoRAError) and "is not a directory" in str(results["gone"])
     reference = {
         name: peft_greedy(tiny_qwen3.hf, path, prompts, NEW_TOKENS)[0]
         for name, path in (
