@@ -1,10 +1,11 @@
 """The batched LoRA add (`sonar.kernels.lora`): the native CPU operator (the AVX512-BF16 path and
-the plain loops) and the torch reference, each against a per-row, per-slot float64 computation
-written here; the dispatch between them.
+the plain loops), the Triton kernels under the interpreter and the torch reference, each against a
+per-row, per-slot float64 computation written here; the dispatch between them.
 
 Tolerances: float32 1e-5 (summation order only); float16 2e-3; bfloat16 2e-2 absolute and
 relative — the shrink's result is rounded to bfloat16 (half an ulp, 2^-9 relative) before the
-expand and the sum to bfloat16 once more (up to an ulp, 2^-8 relative of ``|y|`` up to ~4)."""
+expand and the sum to bfloat16 once more, and Triton's interpreter truncates float32 to bfloat16
+(a whole ulp, 2^-8 relative of ``|y|`` up to ~4)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,39 @@ def test_reference_matches_per_row_in_float64_and_mixed_dtypes(monkeypatch: pyte
     reference.lora_add(want, x32, a32, b32, r, splits)
     assert torch.equal(got, want)
     check(got, y32, per_row(y32, x32, a32, b32, rows, splits), rows, torch.float32)
+
+
+# --- Triton, under the interpreter ---------------------------------------------------------------
+
+
+def test_triton_kernels_are_interpreted() -> None:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sonar.kernels.triton import lora as triton_lora
+
+    assert isinstance(triton_lora._lora_shrink_kernel, InterpretedFunction)
+    assert isinstance(triton_lora._lora_expand_kernel, InterpretedFunction)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rank", "splits"), [(16, (40, 8, 8)), (5, (24,)), (3, (9, 7, 7, 5))])
+def test_triton_matches_per_row(dtype: torch.dtype, rank: int, splits: tuple[int, ...]) -> None:
+    from sonar.kernels.triton import lora_add
+
+    rows = [1, -1, 0, 2, 2, -1, 0]
+    y, x, a, b, r = case(rows, 3, rank, 40, splits, dtype)
+    got = y.clone()
+    lora_add(got, x, a, b, r, splits)
+    check(got, y, per_row(y, x, a, b, rows, splits), rows, dtype)
+
+
+def test_triton_refuses_what_it_does_not_take() -> None:
+    from sonar.kernels.triton import LORA_MAX_SPLITS, lora_add
+
+    splits = (4,) * (LORA_MAX_SPLITS + 1)
+    y, x, a, b, r = case([0], 1, 2, 8, splits, torch.float32)
+    with pytest.raises(ValueError, match="sub-projections"):
+        lora_add(y, x, a, b, r, splits)
+    y, x, a, b, r = case([0], 1, 2, 8, (4,), torch.float32)
+    with pytest.raises(ValueError, match="shapes"):
+        lora_add(y, x, a, b, r, (3,))
