@@ -1816,7 +1816,9 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
 // kind (`kinds`, four per layer: qkv, o, gate_up, down): a plain [N, K] matrix for `at::linear`,
 // packed for `linear_bf16`, or packed for `linear_quant` in one of its formats (with `groups` its
 // group size), so layers of different formats mix; biases are optional per kind of layer (empty
-// lists: none). Returns the final norm of the last hidden state.
+// lists: none). With `lora_rows` (each row's adapter slot), lora_add follows every linear layer
+// whose entry of `lora_a` / `lora_b` (four per layer, as `kinds`) is not empty, as each LoRA
+// layer of the per-op path does. Returns the final norm of the last hidden state.
 
 // A linear layer's kind in `decode_layers`: plain, bf16 packed, or 2 + 2 * format + has_offsets.
 enum LinearKind : int64_t { kPlain = 0, kPackedBf16 = 1, kQuantFirst = 2, kQuantLast = 7 };
@@ -1851,7 +1853,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList mlp_bias, at::TensorList down, const at::Tensor& final_norm,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t num_heads, double eps,
-                         double scale, at::IntArrayRef kinds, at::IntArrayRef groups) {
+                         double scale, at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList lora_a,
+                         at::TensorList lora_b, const std::optional<at::Tensor>& lora_rows) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && input_norms.size() == layers && qkv.size() == layers && o.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
@@ -1866,6 +1869,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "sonar_cpu::decode_layers: bias lists empty or one per layer (two for the MLP)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == seq_lens.size(0),
               "sonar_cpu::decode_layers: contiguous x [seqs, hidden], one row per sequence");
+  TORCH_CHECK(!lora_rows || (lora_a.size() == 4 * layers && lora_b.size() == 4 * layers),
+              "sonar_cpu::decode_layers: with lora_rows, an A and a B per linear layer (four per layer)");
   std::vector<AnyLinear> linears;
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* weights[4] = {&qkv[l], &o[l], &gate_up[l], &down[l]};
@@ -1876,21 +1881,31 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t inter = linears[3].in_features();
   const at::Tensor no_rows = at::empty({0}, slot_mapping.options());
+  // lora_add on the output `y` of linear layer i (of the four per layer) from its input `in`
+  const auto lora = [&](at::Tensor& y, const at::Tensor& in, size_t i, at::IntArrayRef splits) {
+    if (lora_rows && lora_a[i].numel() > 0) lora_add(y, in, lora_a[i], lora_b[i], *lora_rows, splits);
+  };
   at::Tensor h = rms_norm(x, input_norms[0], eps), residual = x, out = x;
   for (size_t l = 0; l < layers; ++l) {
     const AnyLinear* w = &linears[4 * l];
     if (l > 0) std::tie(h, residual) = fused_add_rms_norm(out, residual, input_norms[l], eps);
-    const at::Tensor proj = linear_any(h, w[0], nth(qkv_bias, l), q_size + 2 * kv_size, &w[1]);
+    at::Tensor proj = linear_any(h, w[0], nth(qkv_bias, l), q_size + 2 * kv_size, &w[1]);
+    lora(proj, h, 4 * l, {q_size, kv_size, kv_size});
     const at::Tensor qk = rotary(proj.narrow(1, 0, q_size + kv_size).view({n, num_heads + kv_heads, head_dim}), cos, sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, kv_heads);
     const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     at::Tensor attn = at::empty(q.sizes(), q.options());
     decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l]);
-    const at::Tensor attended = linear_any(attn.view({n, q_size}), w[1], nth(o_bias, l), hidden, &w[2]);
+    const at::Tensor attn_rows = attn.view({n, q_size});
+    at::Tensor attended = linear_any(attn_rows, w[1], nth(o_bias, l), hidden, &w[2]);
+    lora(attended, attn_rows, 4 * l + 1, {hidden});
     std::tie(h, residual) = fused_add_rms_norm(attended, residual, post_norms[l], eps);
-    const at::Tensor gated = silu_and_mul(linear_any(h, w[2], nth(mlp_bias, 2 * l), 2 * inter, &w[3]));
+    at::Tensor gate_up_out = linear_any(h, w[2], nth(mlp_bias, 2 * l), 2 * inter, &w[3]);
+    lora(gate_up_out, h, 4 * l + 2, {inter, inter});
+    const at::Tensor gated = silu_and_mul(gate_up_out);
     out = linear_any(gated, w[3], nth(mlp_bias, 2 * l + 1), hidden, l + 1 < layers ? &w[4] : nullptr);
+    lora(out, gated, 4 * l + 3, {hidden});
   }
   return std::get<0>(fused_add_rms_norm(out, residual, final_norm, eps));
 }
@@ -1910,7 +1925,8 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] o, Tensor[] o_bias, Tensor[] post_norms, Tensor[] gate_up, Tensor[] mlp_bias, Tensor[] down, "
         "Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups) -> Tensor");
+        "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups, Tensor[] lora_a, "
+        "Tensor[] lora_b, Tensor? lora_rows) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, Tensor? bias, int format, int out_features, int group, bool offsets) "
         "-> Tensor");
   m.def("has_linear_quant() -> bool", &has_linear_quant);
