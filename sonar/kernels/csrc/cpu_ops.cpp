@@ -1574,7 +1574,8 @@ bool has_linear_quant() {
 // case): the shrink runs 4 rows of x by 4 rows of A per register block, 32 k per `vdpbf16ps`,
 // parallel over A's rows; the expand packs, per tile of 16 output columns and per slot, B's
 // pairs into linear_bf16's layout (lane c: B[o + c, 2p], B[o + c, 2p + 1]) once, then advances
-// 16 columns of a row by two r per `vdpbf16ps`, parallel over the tiles. Anything else (float32,
+// 16 columns of a row by two r per `vdpbf16ps`, parallel over the tiles; each thread prefetches
+// the weights it will read first. Anything else (float32,
 // float16, an odd R, a CPU without AVX512-BF16): plain loops over the rows, in parallel.
 
 // The active rows, slot by slot: slot s's rows are order[starts[s] .. starts[s + 1]).
@@ -1649,6 +1650,20 @@ void lora_portable(T* y, const T* x, const T* a, const T* b, const SlotRows& g, 
 #ifdef SONAR_LINEAR_BF16
 constexpr int kLoraRows = 4;  // rows of x per register block (shrink and expand)
 
+// Asks for `bytes` from `p` on (into L2) ahead of their use, while `budget` (bytes, shared by a
+// thread's calls) lasts: a slot's weights are cold in a decode step (each layer's are read once per
+// step) and the loops below would touch them a block at a time, one miss after another; a prefill
+// with many slots would evict what it fetched before using it. Measured on SmolLM2's decode at 16
+// rows, one thread, 30 layers' adapters: 12-22 ms without, 6 ms with.
+constexpr int64_t kLoraPrefetchBytes = 512 << 10;
+
+inline void prefetch_range(const void* p, int64_t bytes, int64_t& budget) {
+  const char* c = static_cast<const char*>(p);
+  bytes = std::min(bytes, budget);
+  budget -= bytes;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 // at(p) for the kLoraRows positions from p0, the last one before `end` repeated past it (a short
 // block computes that row again rather than branching; only valid rows are stored).
 template <typename P, typename F>
@@ -1662,6 +1677,11 @@ void lora_shrink_bf16(const Bf16* x, const Bf16* a, Bf16* t, const SlotRows& g, 
   const int64_t in = s.in, blocks = (s.shrunk + W - 1) / W;
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.shrunk * in;
   at::parallel_for(0, blocks, lora_grain(blocks, work), [&](int64_t begin, int64_t end) {
+    const int64_t first_row = begin * W, rows = std::min(end * W, s.shrunk) - first_row;
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(a + (slot * s.shrunk + first_row) * in, rows * in * 2, budget);
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const Bf16* as = a + slot * s.shrunk * in;
@@ -1737,6 +1757,12 @@ void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const SlotRows& g, 
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.out * s.rank;
   at::parallel_for(0, tiles, lora_grain(tiles, work), [&](int64_t begin, int64_t end) {
     std::vector<int32_t> packed(pairs * 16);
+    const int64_t first_column = tile_column[begin];
+    const int64_t span = (end < tiles ? tile_column[end] : s.out) - first_column;  // this thread's columns
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(b + (slot * s.out + first_column) * s.rank, span * s.rank * 2, budget);
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const int32_t* bs = reinterpret_cast<const int32_t*>(b + slot * s.out * s.rank);
