@@ -1,29 +1,47 @@
-"""PLACEHOLDER reference until the kernels land."""
+"""The batched LoRA add of `sonar.lora.layers.LoRALinear`: each row of a flat batch gets the delta
+of its own adapter slot (or none), all slots in one call.
+
+``lora_add(y, x, a, b, rows, splits)`` updates ``y`` in place (the contract, with its rounding:
+`sonar.kernels.reference.lora_add`). Dispatch as `sonar.kernels.ops`: the Triton kernels
+(`sonar.kernels.triton.lora`: a per-row shrink, then a per-row and column block expand) for CUDA
+tensors, the native CPU operator ``sonar_cpu::lora_add`` for contiguous CPU tensors, the torch
+reference otherwise — adapters in another dtype than the model (``--lora-dtype``), float64, or more
+sub-projections than the Triton kernel takes.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from sonar.kernels import ops, reference
+
 
 def lora_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, rows: Tensor, splits: tuple[int, ...]) -> None:
-    rank = b.shape[2]
-    for s in rows.unique().tolist():
-        if s < 0:
-            continue
-        sel = (rows == s).nonzero().squeeze(1)
-        xs = x.index_select(0, sel).to(a.dtype)
-        off = 0
-        for j, split in enumerate(splits):
-            t = xs.float() @ a[s, j * rank : (j + 1) * rank].float().T
-            delta = t @ b[s, off : off + split].float().T
-            y[sel, off : off + split] += delta.to(y.dtype)
-            off += split
+    """``y[i] += b[s] @ (a[s] @ x[i])`` per sub-projection for each row ``i`` with slot
+    ``s = rows[i] >= 0``; ``a`` ``[S, len(splits) R, in]``, ``b`` ``[S, sum(splits), R]``."""
+    if x.dtype == y.dtype == a.dtype == b.dtype:
+        if ops.use_triton(y, x, a, b, rows):
+            from sonar.kernels import triton as kernels  # importable: use_triton checked it
+
+            if len(splits) <= kernels.LORA_MAX_SPLITS:
+                kernels.lora_add(y, x, a, b, rows, splits)
+                return
+        elif ops.use_native(y, x, a, b) and rows.device.type == "cpu" and _contiguous(y, x, a, b, rows):
+            torch.ops.sonar_cpu.lora_add(y, x, a, b, rows, list(splits))
+            return
+    reference.lora_add(y, x, a, b, rows, splits)
+
+
+def _contiguous(*tensors: Tensor) -> bool:
+    return all(t.is_contiguous() for t in tensors)
 
 
 def shrink(x: Tensor, a: Tensor, rows: Tensor) -> Tensor:
     """Per row, ``a[rows[i]] @ x[i]`` in float32 (``[n, a.shape[1]]``; zero for rows -1): the first
-    half of `lora_add`, for layers that exchange it between tensor-parallel ranks."""
+    half of `lora_add`, for the layers that exchange it between tensor-parallel ranks
+    (``--fully-sharded-loras``, `sonar.lora.layers`). A gather of each row's factors: tensor
+    parallelism's shapes are a rank's share, and its collectives cost more than this."""
     t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     valid = (rows >= 0).nonzero().squeeze(1)
     if valid.numel():

@@ -4,7 +4,8 @@ Attention and the plain KV-cache write have their references in :mod:`sonar.kern
 (the layouts are documented there); this module adds what the kernels do beyond them: an FP8
 (e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, the
 halves-layout rotary embedding (the native CPU kernel's contract; on CUDA Inductor fuses it),
-SiLU-and-mul and the block copy between cache tensors. Each function states the contract its kernel follows.
+SiLU-and-mul, the block copy between cache tensors and the batched LoRA add. Each function states the
+contract its kernel follows.
 """
 
 from __future__ import annotations
@@ -151,3 +152,30 @@ def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: 
         src, dst = src.view(torch.uint8), dst.view(torch.uint8)
     # asynchronous only towards a GPU: a GPU -> CPU copy must land before index_copy_ reads it
     dst.index_copy_(1, dst_ids, src.index_select(1, src_ids).to(dst.device, non_blocking=dst.is_cuda))
+
+
+# --- LoRA adapters ------------------------------------------------------------------------------
+
+
+def lora_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, rows: Tensor, splits: tuple[int, ...]) -> None:
+    """Add to each row ``y[i]`` the delta of its adapter slot ``s = rows[i]`` (rows of -1: none),
+    in place: for each sub-projection ``j`` (the output columns ``off_j .. off_j + splits[j]``),
+    ``t = a[s, j R:(j + 1) R] @ x[i]`` then ``y[i, off_j:off_j + splits[j]] += b[s, off_j:...] @ t``.
+
+    ``a`` ``[S, len(splits) R, in]``, ``b`` ``[S, sum(splits), R]``: zero-padded to the rank ``R``,
+    the scaling folded into ``b`` (`sonar.lora.layers.LoRALinear`). The arithmetic the kernels
+    follow: ``x`` in the adapters' dtype, the shrink ``t`` accumulated in float32 (float64 for
+    float64 adapters) and rounded to that dtype, the expand accumulated the same way, and
+    ``y + delta`` rounded once to ``y``'s dtype. One pass per slot in use."""
+    rank = a.shape[1] // len(splits)
+    acc = torch.promote_types(a.dtype, torch.float32)
+    active = (rows >= 0).nonzero().flatten()
+    slots = rows[active]
+    for s in torch.unique(slots).tolist():
+        index = active[slots == s]
+        t = (x[index].to(a.dtype).to(acc) @ a[s].to(acc).T).to(a.dtype).to(acc)
+        deltas, off = [], 0
+        for j, size in enumerate(splits):
+            deltas.append(t[:, j * rank : (j + 1) * rank] @ b[s, off : off + size].to(acc).T)
+            off += size
+        y[index] = (y[index].to(acc) + torch.cat(deltas, dim=1)).to(y.dtype)

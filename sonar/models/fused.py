@@ -11,7 +11,9 @@ It serves only what those kernels serve (and one whole model: the loop makes no 
 the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear packed for
 Sonar's bf16 kernel, a plain ``nn.Linear``, or (bfloat16 models) a `QuantLinear` on the native
 quantized backend without an act-order permutation; the kinds and quantized formats may differ from
-one linear to the next (a GGUF Q4_K_M file mixes int4 and int8 layers). Anything else — prefills,
+one linear to the next (a GGUF Q4_K_M file mixes int4 and int8 layers). A `LoRALinear` serves as its
+base layer does, its adapters in the model's dtype added after it by the same native ``lora_add``
+the per-op path calls, for the rows of the step's `LoRAContext`. Anything else — prefills,
 mixed steps, CUDA, code that ``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`` — takes the per-op path.
 """
 
@@ -26,6 +28,7 @@ from sonar.kernels import linear as packed_linear
 from sonar.kernels import ops, quant_cpu
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.quant_linear import QuantLinear
+from sonar.lora.layers import LoRAContext, LoRALinear
 
 #: How ``decode_layers`` runs a linear layer (its ``kinds``): a plain matrix through ``at::linear``,
 #: packed for ``linear_bf16``, or packed for ``linear_quant``: `QUANTIZED` + 2 * format code + offsets.
@@ -49,12 +52,16 @@ class LayerWeights:
     windows: list[int]
     kinds: list[int]  # four per layer: qkv, o, gate_up, down
     groups: list[int]  # the quantized layers' group sizes (0 for the others)
+    lora_a: list[Tensor]  # four per layer as `kinds` (an empty tensor: no adapters); [] without LoRA
+    lora_b: list[Tensor]
+    lora_context: LoRAContext | None  # the adapters' rows of each step; None without LoRA
 
 
 def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
-    """A linear layer's weight as the native call reads it, its kind and its group size; None
-    when the layer is something else (oneDNN's packing, another quantized backend, act-order, a
-    wrapper)."""
+    """A linear layer's weight as the native call reads it, its kind and its group size (a
+    `LoRALinear`'s base layer's); None when the layer is something else (oneDNN's packing, another
+    quantized backend, act-order, another wrapper)."""
+    layer = _base(layer)
     if isinstance(layer, packed_linear.PackedLinear):
         return (layer.packed, PACKED_BF16, 0) if layer.native_layout else None
     if type(layer) is nn.Linear:
@@ -79,12 +86,21 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     kinds: list[int] = []
     groups: list[int] = []
     quantized: set[int] = set()  # ids of the packed quantized weights: bytes, not the model's dtype
+    adapters = _Adapters()
+    hidden = model.config.hidden_size
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
+        inter = mlp.intermediate
+        splits = {
+            "qkv": (attn.q_size, attn.kv_size, attn.kv_size),
+            "o": (hidden,),
+            "gate_up": (inter, inter),
+            "down": (hidden,),
+        }
         for name, module in linears.items():
             found = _weight(module)
-            if found is None:
+            if found is None or not adapters.add(module, splits[name]):
                 return None
             weight, kind, group = found
             lists[name].append(weight)
@@ -97,13 +113,13 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
             ("o_bias", (attn.o_proj,)),
             ("mlp_bias", (mlp.gate_up_proj, mlp.down_proj)),
         ):
-            lists[name].extend(m.bias for m in biases if m.bias is not None)
+            lists[name].extend(m.bias for m in map(_base, biases) if m.bias is not None)
         lists["input_norms"].append(layer.input_layernorm.weight)
         lists["post_norms"].append(layer.post_attention_layernorm.weight)
     final_norm = model.model.norm.weight
     # the quantized weights are bytes, on the CPU (where their backend serves them)
     typed = [t for values in lists.values() for t in values if id(t) not in quantized]
-    if not ops.use_native(final_norm, *typed):
+    if not ops.use_native(final_norm, *typed, *adapters.tensors()):
         return None
     if quantized and final_norm.dtype != torch.bfloat16:  # the quantized kernel takes bfloat16 x
         return None
@@ -113,7 +129,40 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         windows=[layer.self_attn.sliding_window or -1 for layer in model.model.layers],
         kinds=kinds,
         groups=groups,
+        lora_a=adapters.a if adapters.context else [],
+        lora_b=adapters.b if adapters.context else [],
+        lora_context=adapters.context,
     )
+
+
+def _base(layer: nn.Module) -> nn.Module:
+    return layer.base if isinstance(layer, LoRALinear) else layer
+
+
+class _Adapters:
+    """The LoRA tensors of a model's linear layers, four per layer, and the one context they share."""
+
+    def __init__(self) -> None:
+        self.a: list[Tensor] = []
+        self.b: list[Tensor] = []
+        self.context: LoRAContext | None = None
+
+    def add(self, layer: nn.Module, splits: tuple[int, ...]) -> bool:
+        """Record `layer`'s adapters (empty tensors for a layer without); False when the native
+        call cannot serve them: sub-projections other than the model's, or another context."""
+        if not isinstance(layer, LoRALinear):
+            self.a.append(torch.empty(0))
+            self.b.append(torch.empty(0))
+            return True
+        if tuple(layer.splits) != splits or (self.context is not None and layer.context is not self.context):
+            return False
+        self.context = layer.context
+        self.a.append(layer.a)
+        self.b.append(layer.b)
+        return True
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (*self.a, *self.b) if t.numel()]
 
 
 class FusedDecode:
@@ -170,4 +219,7 @@ class FusedDecode:
             attn.scale,
             w.kinds,
             w.groups,
+            w.lora_a,
+            w.lora_b,
+            w.lora_context.rows if w.lora_context else None,
         )

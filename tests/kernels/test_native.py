@@ -1,7 +1,8 @@
 """The native CPU kernels (``sonar/kernels/csrc/cpu_ops.cpp``) against their torch references: the
 build and its cache, decode attention over the paged cache (mixed batches, GQA, sliding windows,
 poisoned unused slots, both work splits, the AVX-512 and portable paths), RMSNorm, SiLU-and-mul,
-rotary, the bf16 linear kernel, and the typed errors on bad input."""
+rotary, the bf16 linear kernel, and the typed errors on bad input. (``lora_add`` has its own
+module, ``test_lora.py``; the portable build's check here covers it too.)"""
 
 from __future__ import annotations
 
@@ -300,6 +301,15 @@ for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
                                              torch.empty(0, dtype=torch.int64), 0.2, -1)
         torch.testing.assert_close(out.float(), attention.paged_attention(q, cache, meta, 0.2).float(),
                                    atol=tol, rtol=tol)
+    y, x = torch.randn(5, 24, generator=gen).to(dtype), torch.randn(5, 40, generator=gen).to(dtype)
+    a = (torch.randn(3, 32, 40, generator=gen) / 6).to(dtype)
+    b = (torch.randn(3, 24, 16, generator=gen) / 4).to(dtype)
+    rows = torch.tensor([2, -1, 0, 1, 2])
+    got, want = y.clone(), y.clone()
+    torch.ops.sonar_cpu.lora_add(got, x, a, b, rows, [16, 8])
+    reference.lora_add(want, x, a, b, rows, (16, 8))
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(got[1], y[1]) and not torch.equal(got[0], y[0])
 print("ok")
 """
 

@@ -1,6 +1,7 @@
 """The native layer loop for decode steps (`sonar.models.fused`) against the per-op path it replaces:
 the same logits bit for bit and the same KV cache, on the real SmolLM2 weights with packed bf16
-linears and on the tiny architectures (biases, sliding windows, float32, bfloat16)."""
+linears and on the tiny architectures (biases, sliding windows, float32, bfloat16), with LoRA
+adapters on the linear layers."""
 
 from __future__ import annotations
 
@@ -9,11 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor
 
 from sonar.kernels import linear, native
 from sonar.kernels.attention import AttentionMetadata
+from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
+from sonar.lora.layers import LoRAContext, LoRALinear
 from sonar.models.fused import PACKED_BF16, QUANTIZED, FusedDecode, layer_weights
 from sonar.models.loader import load_model
 from tests.models.driver import GreedyDriver
@@ -243,3 +247,99 @@ def test_quantized_layers_the_loop_does_not_serve(tiny_checkpoints: dict[str, An
     model32 = load_model(str(path), dtype="float32").model
     model32.model.layers[0].mlp.down_proj = QuantLinear(qw, None)
     assert layer_weights(model32) is None
+
+
+# --- LoRA adapters -------------------------------------------------------------------------------
+
+
+def _with_adapters(model: Any, slots: int, rank: int, dtype: torch.dtype, seed: int) -> LoRAContext:
+    """Wrap every linear layer of the decoder in a `LoRALinear` whose slots hold random adapters
+    (deltas a tenth of the base outputs' size), all sharing the returned context."""
+    gen = torch.Generator().manual_seed(seed)
+    context = LoRAContext(torch.device("cpu"))
+    hidden = model.config.hidden_size
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        plan = {
+            (attn, "qkv_proj"): (hidden, (attn.q_size, attn.kv_size, attn.kv_size)),
+            (attn, "o_proj"): (attn.q_size, (hidden,)),
+            (mlp, "gate_up_proj"): (hidden, (mlp.intermediate, mlp.intermediate)),
+            (mlp, "down_proj"): (mlp.intermediate, (hidden,)),
+        }
+        for (parent, name), (in_features, splits) in plan.items():
+            wrapped = LoRALinear(getattr(parent, name), in_features, splits, slots, rank, dtype, context)
+            wrapped.a.copy_(torch.randn(wrapped.a.shape, generator=gen) / in_features**0.5)
+            wrapped.b.copy_(0.1 * torch.randn(wrapped.b.shape, generator=gen) / rank**0.5)
+            setattr(parent, name, wrapped)
+    return context
+
+
+def _decode_step(model: Any, dtype: torch.dtype, seqs: int) -> tuple[Tensor, Tensor, list[Tensor], AttentionMetadata]:
+    """One decode step of `seqs` sequences over a cache of random keys and values."""
+    gen = torch.Generator().manual_seed(3)
+    caches = GreedyDriver(model, dtype, num_blocks=32, block_size=4).kv_caches
+    for cache in caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    lens = [5 + 3 * i for i in range(seqs)]
+    tables = [list(range(6 * i, 6 * i + -(-n // 4))) for i, n in enumerate(lens)]
+    meta = AttentionMetadata.build([1] * seqs, lens, tables, 4)
+    ids = torch.randint(1, model.config.vocab_size, (seqs,), generator=gen)
+    return ids, torch.tensor([n - 1 for n in lens]), caches, meta
+
+
+@pytest.mark.parametrize(("name", "dtype", "packed"), [("llama3", "float32", False), ("qwen2", "bfloat16", True)])
+def test_lora_layers_equal_the_per_op_path(
+    name: str, dtype: str, packed: bool, tiny_checkpoints: dict[str, Any]
+) -> None:
+    """Every linear wrapped in a `LoRALinear` (plain ``nn.Linear`` bases in float32; bf16 bases
+    packed for ``linear_bf16``, with Qwen2's biases): the native loop adds the adapters of each
+    row's slot (rows of the base model mixed in) bit for bit as the per-op path does."""
+    loaded = load_model(str(tiny_checkpoints[name].path), dtype=dtype)
+    model = loaded.model
+    if packed:
+        linear.prepack_linears(model)
+    context = _with_adapters(model, slots=3, rank=8, dtype=loaded.dtype, seed=4)
+    weights = layer_weights(model)
+    assert weights is not None and weights.lora_context is context
+    assert len(weights.lora_a) == 4 * model.num_layers and all(a.numel() for a in weights.lora_a)
+    if packed:
+        assert set(weights.kinds) == {PACKED_BF16} or not linear.can_pack_native(model.lm_head.weight)
+    ids, positions, caches, meta = _decode_step(model, loaded.dtype, 5)
+    fused = model.fused_decode
+    outputs = {}
+    for slots in ([2, -1, 0, 1, 0], [-1] * 5):
+        with torch.inference_mode(), context.step(slots):
+            assert fused.serves(caches, meta)
+            fused_caches = [c.clone() for c in caches]
+            got = fused.run(ids, positions, fused_caches, meta)
+            per_op_caches = [c.clone() for c in caches]
+            with step_metadata(meta):
+                want = model.forward_tensors(ids, positions, per_op_caches)
+        assert torch.equal(got, want)
+        for x, y in zip(fused_caches, per_op_caches, strict=True):
+            assert torch.equal(x, y)
+        outputs[tuple(slots)] = got
+    with_adapters, without = outputs.values()
+    assert torch.equal(with_adapters[1], without[1])  # the row of the base model: no delta
+    for row in (0, 2, 3, 4):
+        assert not torch.equal(with_adapters[row], without[row])
+
+
+def test_lora_layers_the_loop_does_not_serve(tiny_checkpoints: dict[str, Any]) -> None:
+    """Adapters in another dtype than the model's (``--lora-dtype``) or sub-projections other
+    than the model's take the per-op path; one layer wrapped of four is served."""
+    path = str(tiny_checkpoints["llama3"].path)
+    model = load_model(path, dtype="bfloat16").model
+    _with_adapters(model, slots=2, rank=4, dtype=torch.float32, seed=1)
+    assert layer_weights(model) is None
+    model = load_model(path, dtype="float32").model
+    context = _with_adapters(model, slots=2, rank=4, dtype=torch.float32, seed=1)
+    attn = model.model.layers[0].self_attn
+    attn.qkv_proj.splits = (attn.q_size + attn.kv_size, attn.kv_size)
+    assert layer_weights(model) is None
+    model = load_model(path, dtype="float32").model
+    mlp = model.model.layers[1].mlp
+    hidden = (model.config.hidden_size,)
+    mlp.down_proj = LoRALinear(mlp.down_proj, mlp.intermediate, hidden, 2, 4, torch.float32, context)
+    weights = layer_weights(model)
+    assert weights is not None and [a.numel() > 0 for a in weights.lora_a] == [False] * 7 + [True]

@@ -1560,6 +1560,279 @@ bool has_linear_quant() {
 #endif
 }
 
+// --- batched LoRA adapters -----------------------------------------------------------------------
+//
+// y[i] += B[s] (A[s] x[i]) for each row i whose adapter slot s = rows[i] is not negative, for each
+// sub-projection j of the layer (`splits`): its output columns off_j .. off_j + splits[j] take
+// rows j R .. (j + 1) R of A[s] [J R, in] and the same columns' rows of B[s] [out, R] (ranks
+// zero-padded to R, the scaling folded into B). The contract of sonar.kernels.reference.lora_add:
+// the shrink t = A[s] x[i] accumulates in float32 and is rounded to the dtype, the expand
+// accumulates in float32 and its sum with y is rounded once.
+//
+// Rows are grouped by slot first (a counting sort), so a slot's weights are read from memory once
+// per call and from cache for its other rows. bfloat16 with an even R on AVX512-BF16 (serving's
+// case): the shrink runs 4 rows of x by 4 rows of A per register block, 32 k per `vdpbf16ps`,
+// parallel over A's rows; the expand packs, per tile of 16 output columns and per slot, B's
+// pairs into linear_bf16's layout (lane c: B[o + c, 2p], B[o + c, 2p + 1]) once, then advances
+// 16 columns of a row by two r per `vdpbf16ps`, parallel over the tiles; each thread prefetches
+// the weights it will read first. Anything else (float32,
+// float16, an odd R, a CPU without AVX512-BF16): plain loops over the rows, in parallel.
+
+// The active rows, slot by slot: slot s's rows are order[starts[s] .. starts[s + 1]).
+struct SlotRows {
+  std::vector<int64_t> order, starts;
+
+  int64_t slots() const { return static_cast<int64_t>(starts.size()) - 1; }
+};
+
+SlotRows group_by_slot(const at::Tensor& rows, int64_t slots) {
+  const int64_t n = rows.size(0);
+  const int64_t* slot = rows.data_ptr<int64_t>();
+  SlotRows g;
+  g.starts.assign(slots + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] < slots, "sonar_cpu::lora_add: row ", i, " names slot ", slot[i], " of ", slots);
+    if (slot[i] >= 0) ++g.starts[slot[i] + 1];
+  }
+  for (int64_t s = 0; s < slots; ++s) g.starts[s + 1] += g.starts[s];
+  g.order.resize(g.starts[slots]);
+  std::vector<int64_t> next(g.starts.begin(), g.starts.end() - 1);
+  for (int64_t i = 0; i < n; ++i)
+    if (slot[i] >= 0) g.order[next[slot[i]]++] = i;
+  return g;
+}
+
+struct LoraShape {
+  int64_t in, out, rank, shrunk;  // shrunk: A's rows per slot, J R
+  std::vector<int64_t> offsets;   // the sub-projections' first columns, then out
+};
+
+template <typename T>
+inline float dot_float(const T* __restrict w, const float* __restrict x, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += to_float(w[i]) * x[i];
+  return acc;
+}
+
+// The grain for at::parallel_for over `units` units of `work` multiply-adds in all: a thread's share
+// is at least kLoraThreadWork, so a decode step's small layers run on the calling thread (waking
+// the others costs more than their share of the work).
+constexpr int64_t kLoraThreadWork = 1 << 18;
+
+int64_t lora_grain(int64_t units, int64_t work) {
+  return std::max<int64_t>(1, units * kLoraThreadWork / std::max<int64_t>(work, 1));
+}
+
+template <typename T>
+void lora_portable(T* y, const T* x, const T* a, const T* b, const SlotRows& g, const LoraShape& s) {
+  const int64_t active = static_cast<int64_t>(g.order.size());
+  std::vector<int64_t> slot_at(active);
+  for (int64_t slot = 0; slot < g.slots(); ++slot)
+    std::fill(slot_at.begin() + g.starts[slot], slot_at.begin() + g.starts[slot + 1], slot);
+  const int64_t work = active * (s.shrunk * s.in + s.out * s.rank);
+  at::parallel_for(0, active, lora_grain(active, work), [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(s.in), t(s.shrunk);
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t row = g.order[p];
+      const T* as = a + slot_at[p] * s.shrunk * s.in;
+      const T* bs = b + slot_at[p] * s.out * s.rank;
+      load_row(xf.data(), x + row * s.in, s.in);
+      for (int64_t r = 0; r < s.shrunk; ++r) t[r] = to_float(from_float<T>(dot_float(as + r * s.in, xf.data(), s.in)));
+      T* yr = y + row * s.out;
+      for (size_t j = 0; j + 1 < s.offsets.size(); ++j)
+        for (int64_t o = s.offsets[j]; o < s.offsets[j + 1]; ++o)
+          yr[o] = from_float<T>(to_float(yr[o]) + dot_float(bs + o * s.rank, t.data() + j * s.rank, s.rank));
+    }
+  });
+}
+
+#ifdef SONAR_LINEAR_BF16
+constexpr int kLoraRows = 4;  // rows of x per register block (shrink and expand)
+
+// Asks for `bytes` from `p` on (into L2) ahead of their use, while `budget` (bytes, shared by a
+// thread's calls) lasts: a slot's weights are cold in a decode step (each layer's are read once per
+// step) and the loops below would touch them a block at a time, one miss after another; a prefill
+// with many slots would evict what it fetched before using it. Measured on SmolLM2's decode at 16
+// rows, one thread, 30 layers' adapters: 12-22 ms without, 6 ms with.
+constexpr int64_t kLoraPrefetchBytes = 512 << 10;
+
+inline void prefetch_range(const void* p, int64_t bytes, int64_t& budget) {
+  const char* c = static_cast<const char*>(p);
+  bytes = std::min(bytes, budget);
+  budget -= bytes;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
+// at(p) for the kLoraRows positions from p0, the last one before `end` repeated past it (a short
+// block computes that row again rather than branching; only valid rows are stored).
+template <typename P, typename F>
+inline void block_rows(const P** out, int64_t p0, int64_t end, F&& at) {
+  for (int i = 0; i < kLoraRows; ++i) out[i] = at(std::min(p0 + i, end - 1));
+}
+
+// t[p, r] = bf16(A[slot(p)][r] . x[order[p]]) for every active position p.
+void lora_shrink_bf16(const Bf16* x, const Bf16* a, Bf16* t, const SlotRows& g, const LoraShape& s) {
+  constexpr int W = 4;  // rows of A per register block
+  const int64_t in = s.in, blocks = (s.shrunk + W - 1) / W;
+  const int64_t work = static_cast<int64_t>(g.order.size()) * s.shrunk * in;
+  at::parallel_for(0, blocks, lora_grain(blocks, work), [&](int64_t begin, int64_t end) {
+    const int64_t first_row = begin * W, rows = std::min(end * W, s.shrunk) - first_row;
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(a + (slot * s.shrunk + first_row) * in, rows * in * 2, budget);
+    for (int64_t slot = 0; slot < g.slots(); ++slot) {
+      const int64_t from = g.starts[slot], to = g.starts[slot + 1];
+      const Bf16* as = a + slot * s.shrunk * in;
+      for (int64_t wb = begin; wb < end && from < to; ++wb) {
+        const int64_t r0 = wb * W, wrows = std::min<int64_t>(W, s.shrunk - r0);
+        const Bf16* w[W];
+        for (int q = 0; q < W; ++q) w[q] = as + (r0 + std::min<int64_t>(q, wrows - 1)) * in;
+        for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
+          const Bf16* xr[kLoraRows];
+          block_rows(xr, p0, to, [&](int64_t p) { return x + g.order[p] * in; });
+          __m512 acc[kLoraRows][W];
+          for (int i = 0; i < kLoraRows; ++i)
+            for (int q = 0; q < W; ++q) acc[i][q] = _mm512_setzero_ps();
+          for (int64_t k = 0; k < in; k += 32) {
+            const __mmask32 mask = in - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
+            __m512bh wv[W];
+            for (int q = 0; q < W; ++q) wv[q] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w[q] + k);
+            for (int i = 0; i < kLoraRows; ++i) {
+              const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, xr[i] + k);
+              for (int q = 0; q < W; ++q) acc[i][q] = _mm512_dpbf16_ps(acc[i][q], wv[q], xv);
+            }
+          }
+          for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, to - p0); ++i)
+            for (int64_t q = 0; q < wrows; ++q)
+              t[(p0 + i) * s.shrunk + r0 + q] = from_float<Bf16>(_mm512_reduce_add_ps(acc[i][q]));
+        }
+      }
+    }
+  });
+}
+
+// linear_bf16's packing of 16 rows of B (`rows`: int32 pairs, `stride` apart, the first `columns`
+// present, the others read as zeros): packed[p * 16 + c] = rows[c * stride + p], p < pairs. Eight
+// pairs at a time, rows c and c + 8 side by side in one register: two 8 x 8 transposes at once.
+// (Gathering each lane instead made the whole call ~1.5x slower on SmolLM2's gate_up at 16 rows.)
+inline void pack_tile(const int32_t* rows, int64_t stride, int64_t columns, int64_t pairs, int32_t* packed) {
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
+    const int64_t width = std::min<int64_t>(8, pairs - p0);
+    const __mmask8 mask = static_cast<__mmask8>((1u << width) - 1u);
+    const auto row = [&](int64_t c) {
+      return c < columns ? _mm256_maskz_loadu_epi32(mask, rows + c * stride + p0) : _mm256_setzero_si256();
+    };
+    __m512i z[8], t[8], u[8];
+    for (int c = 0; c < 8; ++c) z[c] = _mm512_inserti64x4(_mm512_castsi256_si512(row(c)), row(c + 8), 1);
+    for (int i = 0; i < 4; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // u[4 i + q]: pair q (low 128-bit lanes) and q + 4 (high) of four rows
+      u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int q = 0; q < 4; ++q) {
+      if (q < width) _mm512_storeu_si512(packed + (p0 + q) * 16, _mm512_permutex2var_epi64(u[q], low, u[q + 4]));
+      if (q + 4 < width) _mm512_storeu_si512(packed + (p0 + q + 4) * 16, _mm512_permutex2var_epi64(u[q], high, u[q + 4]));
+    }
+  }
+}
+
+// y[order[p], o] += B[slot(p)][o] . t[p, j R ..] for every active position p and column o.
+void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const SlotRows& g, const LoraShape& s) {
+  std::vector<int64_t> tile_split, tile_column;  // each tile's sub-projection and first column
+  for (size_t j = 0; j + 1 < s.offsets.size(); ++j)
+    for (int64_t c = s.offsets[j]; c < s.offsets[j + 1]; c += 16) {
+      tile_split.push_back(static_cast<int64_t>(j));
+      tile_column.push_back(c);
+    }
+  const int64_t pairs = s.rank / 2;
+  const int64_t tiles = static_cast<int64_t>(tile_split.size());
+  const int64_t work = static_cast<int64_t>(g.order.size()) * s.out * s.rank;
+  at::parallel_for(0, tiles, lora_grain(tiles, work), [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> packed(pairs * 16);
+    const int64_t first_column = tile_column[begin];
+    const int64_t span = (end < tiles ? tile_column[end] : s.out) - first_column;  // this thread's columns
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(b + (slot * s.out + first_column) * s.rank, span * s.rank * 2, budget);
+    for (int64_t slot = 0; slot < g.slots(); ++slot) {
+      const int64_t from = g.starts[slot], to = g.starts[slot + 1];
+      const int32_t* bs = reinterpret_cast<const int32_t*>(b + slot * s.out * s.rank);
+      for (int64_t tile = begin; tile < end && from < to; ++tile) {
+        const int64_t j = tile_split[tile], c0 = tile_column[tile];
+        const int64_t columns = std::min<int64_t>(16, s.offsets[j + 1] - c0);
+        pack_tile(bs + c0 * pairs, pairs, columns, pairs, packed.data());
+        for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
+          const int32_t* tr[kLoraRows];
+          block_rows(tr, p0, to,
+                     [&](int64_t p) { return reinterpret_cast<const int32_t*>(t + p * s.shrunk + j * s.rank); });
+          __m512 acc[kLoraRows];
+          for (int i = 0; i < kLoraRows; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t p = 0; p < pairs; ++p) {
+            const __m512bh w = (__m512bh)_mm512_loadu_si512(packed.data() + p * 16);
+            for (int i = 0; i < kLoraRows; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_set1_epi32(tr[i][p]));
+          }
+          for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, to - p0); ++i) {
+            Bf16* yr = y + g.order[p0 + i] * s.out + c0;
+            storen(yr, _mm512_add_ps(loadn(yr, columns), acc[i]), columns);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& rows,
+              at::IntArrayRef splits) {
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &x, &a, &b, &rows}) check_cpu(*t, "every tensor");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 3 && b.dim() == 3,
+              "sonar_cpu::lora_add: x [n, in], y [n, out], a [S, J R, in] and b [S, out, R]");
+  TORCH_CHECK(x.is_contiguous() && y.is_contiguous() && a.is_contiguous() && b.is_contiguous() && rows.is_contiguous(),
+              "sonar_cpu::lora_add: contiguous tensors");
+  TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
+                  b.scalar_type() == x.scalar_type(),
+              "sonar_cpu::lora_add: y, x, a and b share one dtype");
+  TORCH_CHECK(!splits.empty(), "sonar_cpu::lora_add: at least one sub-projection");
+  std::vector<int64_t> offsets{0};
+  for (const int64_t size : splits) {
+    TORCH_CHECK(size > 0, "sonar_cpu::lora_add: sub-projections of positive sizes");
+    offsets.push_back(offsets.back() + size);
+  }
+  const int64_t n = x.size(0), in = x.size(1), parts = static_cast<int64_t>(splits.size());
+  TORCH_CHECK(y.size(0) == n && y.size(1) == offsets.back(), "sonar_cpu::lora_add: y [", n, ", ", offsets.back(), "]");
+  TORCH_CHECK(a.size(2) == in && a.size(1) > 0 && a.size(1) % parts == 0,
+              "sonar_cpu::lora_add: a [S, ", parts, " R, ", in, "]");
+  const int64_t rank = a.size(1) / parts;
+  TORCH_CHECK(b.size(0) == a.size(0) && b.size(1) == offsets.back() && b.size(2) == rank,
+              "sonar_cpu::lora_add: b [", a.size(0), ", ", offsets.back(), ", ", rank, "]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == n,
+              "sonar_cpu::lora_add: int64 rows [", n, "]");
+  const SlotRows groups = group_by_slot(rows, a.size(0));
+  if (groups.order.empty()) return;
+  const LoraShape shape{in, offsets.back(), rank, a.size(1), std::move(offsets)};
+#ifdef SONAR_LINEAR_BF16
+  if (x.scalar_type() == at::kBFloat16 && rank % 2 == 0) {
+    std::vector<Bf16> t(groups.order.size() * shape.shrunk);
+    lora_shrink_bf16(data<const Bf16>(x), data<const Bf16>(a), t.data(), groups, shape);
+    lora_expand_bf16(data<Bf16>(y), t.data(), data<const Bf16>(b), groups, shape);
+    return;
+  }
+#endif
+  SONAR_DISPATCH(x.scalar_type(), "lora_add", [&] {
+    lora_portable<scalar_t>(data<scalar_t>(y), data<const scalar_t>(x), data<const scalar_t>(a),
+                            data<const scalar_t>(b), groups, shape);
+  });
+}
+
 // --- a decode step's decoder layers in one call ------------------------------------------------
 //
 // The layer loop of sonar/models/decoder.py for a step whose rows are all decodes (one new token
@@ -1569,7 +1842,9 @@ bool has_linear_quant() {
 // kind (`kinds`, four per layer: qkv, o, gate_up, down): a plain [N, K] matrix for `at::linear`,
 // packed for `linear_bf16`, or packed for `linear_quant` in one of its formats (with `groups` its
 // group size), so layers of different formats mix; biases are optional per kind of layer (empty
-// lists: none). Returns the final norm of the last hidden state.
+// lists: none). With `lora_rows` (each row's adapter slot), lora_add follows every linear layer
+// whose entry of `lora_a` / `lora_b` (four per layer, as `kinds`) is not empty, as each LoRA
+// layer of the per-op path does. Returns the final norm of the last hidden state.
 
 // A linear layer's kind in `decode_layers`: plain, bf16 packed, or 2 + 2 * format + has_offsets.
 enum LinearKind : int64_t { kPlain = 0, kPackedBf16 = 1, kQuantFirst = 2, kQuantLast = 7 };
@@ -1604,7 +1879,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList mlp_bias, at::TensorList down, const at::Tensor& final_norm,
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t num_heads, double eps,
-                         double scale, at::IntArrayRef kinds, at::IntArrayRef groups) {
+                         double scale, at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList lora_a,
+                         at::TensorList lora_b, const std::optional<at::Tensor>& lora_rows) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && input_norms.size() == layers && qkv.size() == layers && o.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
@@ -1619,6 +1895,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "sonar_cpu::decode_layers: bias lists empty or one per layer (two for the MLP)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) == seq_lens.size(0),
               "sonar_cpu::decode_layers: contiguous x [seqs, hidden], one row per sequence");
+  TORCH_CHECK(!lora_rows || (lora_a.size() == 4 * layers && lora_b.size() == 4 * layers),
+              "sonar_cpu::decode_layers: with lora_rows, an A and a B per linear layer (four per layer)");
   std::vector<AnyLinear> linears;
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* weights[4] = {&qkv[l], &o[l], &gate_up[l], &down[l]};
@@ -1629,21 +1907,31 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   const int64_t q_size = num_heads * head_dim, kv_size = kv_heads * head_dim;
   const int64_t inter = linears[3].in_features();
   const at::Tensor no_rows = at::empty({0}, slot_mapping.options());
+  // lora_add on the output `y` of linear layer i (of the four per layer) from its input `in`
+  const auto lora = [&](at::Tensor& y, const at::Tensor& in, size_t i, at::IntArrayRef splits) {
+    if (lora_rows && lora_a[i].numel() > 0) lora_add(y, in, lora_a[i], lora_b[i], *lora_rows, splits);
+  };
   at::Tensor h = rms_norm(x, input_norms[0], eps), residual = x, out = x;
   for (size_t l = 0; l < layers; ++l) {
     const AnyLinear* w = &linears[4 * l];
     if (l > 0) std::tie(h, residual) = fused_add_rms_norm(out, residual, input_norms[l], eps);
-    const at::Tensor proj = linear_any(h, w[0], nth(qkv_bias, l), q_size + 2 * kv_size, &w[1]);
+    at::Tensor proj = linear_any(h, w[0], nth(qkv_bias, l), q_size + 2 * kv_size, &w[1]);
+    lora(proj, h, 4 * l, {q_size, kv_size, kv_size});
     const at::Tensor qk = rotary(proj.narrow(1, 0, q_size + kv_size).view({n, num_heads + kv_heads, head_dim}), cos, sin);
     const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, kv_heads);
     const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     at::Tensor attn = at::empty(q.sizes(), q.options());
     decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l]);
-    const at::Tensor attended = linear_any(attn.view({n, q_size}), w[1], nth(o_bias, l), hidden, &w[2]);
+    const at::Tensor attn_rows = attn.view({n, q_size});
+    at::Tensor attended = linear_any(attn_rows, w[1], nth(o_bias, l), hidden, &w[2]);
+    lora(attended, attn_rows, 4 * l + 1, {hidden});
     std::tie(h, residual) = fused_add_rms_norm(attended, residual, post_norms[l], eps);
-    const at::Tensor gated = silu_and_mul(linear_any(h, w[2], nth(mlp_bias, 2 * l), 2 * inter, &w[3]));
+    at::Tensor gate_up_out = linear_any(h, w[2], nth(mlp_bias, 2 * l), 2 * inter, &w[3]);
+    lora(gate_up_out, h, 4 * l + 2, {inter, inter});
+    const at::Tensor gated = silu_and_mul(gate_up_out);
     out = linear_any(gated, w[3], nth(mlp_bias, 2 * l + 1), hidden, l + 1 < layers ? &w[4] : nullptr);
+    lora(out, gated, 4 * l + 3, {hidden});
   }
   return std::get<0>(fused_add_rms_norm(out, residual, final_norm, eps));
 }
@@ -1663,10 +1951,12 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] o, Tensor[] o_bias, Tensor[] post_norms, Tensor[] gate_up, Tensor[] mlp_bias, Tensor[] down, "
         "Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups) -> Tensor");
+        "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups, Tensor[] lora_a, "
+        "Tensor[] lora_b, Tensor? lora_rows) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, Tensor? bias, int format, int out_features, int group, bool offsets) "
         "-> Tensor");
   m.def("has_linear_quant() -> bool", &has_linear_quant);
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor rows, int[] splits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
@@ -1679,4 +1969,5 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_quant", &linear_quant);
   m.impl("decode_layers", &decode_layers);
+  m.impl("lora_add", &lora_add);
 }
