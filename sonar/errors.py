@@ -85,3 +85,16 @@ class Rejection(msgspec.Struct, frozen=True):
         return InvalidRequestError(
             self.message, param="prompt" if self.kind is RejectKind.TOO_LONG else None, code=self.kind.value
         )
+
+
+class LoRAError(SonarError, ValueError):
+    """A LoRA adapter cannot be served: a bad or missing file, or what it asks for is not supported
+    or exceeds the server's limits (the message says which)."""
+
+    status = 400
+
+
+class LoRANotFoundError(LoRAError):
+    """No LoRA adapter of that name is loaded."""
+
+    status = 404

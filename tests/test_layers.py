@@ -15,7 +15,8 @@ run). The floors, lowest first; packages on one floor import nothing of each oth
    them) and ``kernels``.
 4. ``models``.
 5. ``offload`` (the KV offload manager and its events publisher), ``structured`` (grammar
-   backends, their compile cache, the token bitmask).
+   backends, their compile cache, the token bitmask), ``lora`` (LoRA adapter files, names, the
+   worker's slots).
 6. ``engine`` (the actor shells, the runner, the library client).
 7. ``http`` (the OpenAI frontend).
 8. ``cli``, ``bench``; 9. ``__main__``.
@@ -48,6 +49,7 @@ FLOORS: dict[str, int] = {
     "models": 4,
     "offload": 5,
     "structured": 5,
+    "lora": 5,
     "engine": 6,
     "http": 7,
     "cli": 8,

@@ -7,11 +7,12 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
+
 from sonar.core.grammar import GrammarMatcher
 from sonar.core.outputs import RequestError
 from sonar.core.prefix import BlockHash
 from sonar.errors import Rejection, RejectKind, SonarError
-from sonar.lora.request import LoRARequest
 
 __all__ = [
     "MAX_CACHE_SALT_LENGTH",
@@ -40,6 +41,17 @@ def cache_salt_problem(cache_salt: object) -> str | None:
     if len(cache_salt) > MAX_CACHE_SALT_LENGTH:
         return f"cache_salt may have at most {MAX_CACHE_SALT_LENGTH} characters, got {len(cache_salt)}"
     return None
+
+
+class LoRARequest(msgspec.Struct, frozen=True, array_like=True):
+    """The LoRA adapter a request runs with, as the engine's messages carry it: its served name,
+    its folder and its digest (hex SHA-256 over its config and weights files,
+    `sonar.lora.adapter.file_digest`): the worker reads the folder when it needs the weights, and
+    the digest keys the request's blocks."""
+
+    name: str
+    path: str
+    digest: str
 
 
 class RequestStatus(enum.IntEnum):

@@ -145,7 +145,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Projections adapters apply to (`sonar.lora.adapter.TARGET_NAMES`); None: all."""
     fully_sharded_loras: bool = False
     """With tensor parallelism, shard the adapters' rank (column-parallel layers) and output
-    rows (row-parallel layers) too, exchanging the shrink's result (`sonar.lora.layers`)."""
+    rows (row-parallel layers) too, exchanging the shrink's result (`sonar.models.lora`)."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000

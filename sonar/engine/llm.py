@@ -28,7 +28,7 @@ import msgspec
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
 from sonar.core.outputs import RequestError, SchedulerStats
 from sonar.core.prefix import PrefixHasher
-from sonar.core.request import cache_salt_problem
+from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
@@ -37,6 +37,8 @@ from sonar.engine.tree import worker_ref
 from sonar.errors import (
     EngineDeadError,
     InvalidRequestError,
+    LoRAError,
+    LoRANotFoundError,
     RequestQuarantinedError,
     SamplingFailedError,
     ServerOverloadedError,
@@ -44,7 +46,6 @@ from sonar.errors import (
 )
 from sonar.lora.adapter import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
-from sonar.lora.request import LoRAError, LoRANotFoundError, LoRARequest
 from sonar.protocol.engine import (
     Abort,
     AddRequest,

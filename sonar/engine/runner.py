@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
+from sonar.core.request import LoRARequest
 from sonar.engine import memory
 from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
@@ -41,7 +42,6 @@ from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.lora.adapter import ModelShapes
-from sonar.lora.request import LoRARequest
 from sonar.lora.slots import AdapterSlots
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy

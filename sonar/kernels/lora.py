@@ -1,4 +1,4 @@
-"""The batched LoRA add of `sonar.lora.layers.LoRALinear`: each row of a flat batch gets the delta
+"""The batched LoRA add of `sonar.models.lora.LoRALinear`: each row of a flat batch gets the delta
 of its own adapter slot (or none), all slots in one call.
 
 ``lora_add(y, x, a, b, rows, splits)`` updates ``y`` in place (the contract, with its rounding:
@@ -40,7 +40,7 @@ def _contiguous(*tensors: Tensor) -> bool:
 def shrink(x: Tensor, a: Tensor, rows: Tensor) -> Tensor:
     """Per row, ``a[rows[i]] @ x[i]`` in float32 (``[n, a.shape[1]]``; zero for rows -1): the first
     half of `lora_add`, for the layers that exchange it between tensor-parallel ranks
-    (``--fully-sharded-loras``, `sonar.lora.layers`). A gather of each row's factors: tensor
+    (``--fully-sharded-loras``, `sonar.models.lora`). A gather of each row's factors: tensor
     parallelism's shapes are a rank's share, and its collectives cost more than this."""
     t = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
     valid = (rows >= 0).nonzero().squeeze(1)

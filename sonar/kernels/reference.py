@@ -163,7 +163,7 @@ def lora_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, rows: Tensor, splits: t
     ``t = a[s, j R:(j + 1) R] @ x[i]`` then ``y[i, off_j:off_j + splits[j]] += b[s, off_j:...] @ t``.
 
     ``a`` ``[S, len(splits) R, in]``, ``b`` ``[S, sum(splits), R]``: zero-padded to the rank ``R``,
-    the scaling folded into ``b`` (`sonar.lora.layers.LoRALinear`). The arithmetic the kernels
+    the scaling folded into ``b`` (`sonar.models.lora.LoRALinear`). The arithmetic the kernels
     follow: ``x`` in the adapters' dtype, the shrink ``t`` accumulated in float32 (float64 for
     float64 adapters) and rounded to that dtype, the expand accumulated the same way, and
     ``y + delta`` rounded once to ``y``'s dtype. One pass per slot in use."""

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from sonar.lora.request import LoRAError
+from sonar.errors import LoRAError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
-from sonar.lora.request import LoRAError, LoRARequest
+from sonar.core.request import LoRARequest
+from sonar.errors import LoRAError
 
 if TYPE_CHECKING:
     from sonar.lora.adapter import LoRALimits, ModelShapes

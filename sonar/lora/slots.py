@@ -16,10 +16,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from sonar.core.request import LoRARequest
+from sonar.errors import LoRAError
 from sonar.log import get_logger
 from sonar.lora.adapter import MODULES, LoRALimits, LoRAWeights, ModelShapes, read_adapter
-from sonar.lora.layers import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
-from sonar.lora.request import LoRAError, LoRARequest
+from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.models.parallel import TensorParallel
 
 log = get_logger("sonar.lora")

@@ -28,7 +28,7 @@ from sonar.kernels import linear as packed_linear
 from sonar.kernels import ops, quant_cpu
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.quant_linear import QuantLinear
-from sonar.lora.layers import LoRAContext, LoRALinear
+from sonar.models.lora import LoRAContext, LoRALinear
 
 #: How ``decode_layers`` runs a linear layer (its ``kinds``): a plain matrix through ``at::linear``,
 #: packed for ``linear_bf16``, or packed for ``linear_quant``: `QUANTIZED` + 2 * format code + offsets.

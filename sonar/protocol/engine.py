@@ -9,8 +9,8 @@ import msgspec
 from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.request import LoRARequest
 from sonar.errors import Rejection
-from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
 
 

@@ -10,13 +10,13 @@ from sonar.core.blocks import BlockManager
 from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestError, SchedulerOutput
 from sonar.core.request import (
     DuplicateRequestError,
+    LoRARequest,
     PromptTooLongError,
     Request,
     RequestRejectedError,
     RequestStatus,
 )
 from sonar.core.schedule import Scheduler, SchedulerConfig
-from sonar.lora.request import LoRARequest
 from tests.core.simulate import FakeRunner
 
 BS = 4

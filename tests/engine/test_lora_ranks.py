@@ -5,7 +5,7 @@ Each tensor rank holds its share of an adapter's factors (`AdapterSlots._shard`)
 for the column-parallel q/k/v and gate/up projections, the columns of A for the row-parallel o and
 down projections, whose partial deltas the layer's all-reduce sums. Each stage of a pipeline
 holds the factors of its own layers only. With ``fully_sharded_loras`` the rest of the work is
-split too (`sonar.lora.layers.ColumnShardedLoRALinear`, `RowShardedLoRALinear`). The greedy tokens of a batch that mixes two adapters of
+split too (`sonar.models.lora.ColumnShardedLoRALinear`, `RowShardedLoRALinear`). The greedy tokens of a batch that mixes two adapters of
 different ranks with the base model are the single worker's, which are transformers+peft's.
 """
 

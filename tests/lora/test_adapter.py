@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sonar.errors import LoRAError
 from sonar.lora.adapter import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -21,7 +22,6 @@ from sonar.lora.adapter import (
     file_digest,
     read_adapter,
 )
-from sonar.lora.request import LoRAError
 from tests.lora.conftest import Built
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sonar
-from sonar.lora.request import LoRAError, LoRANotFoundError
+from sonar.errors import LoRAError, LoRANotFoundError
 from sonar.sampling_params import SamplingParams
 from tests.lora.conftest import Built, Tiny, make_adapter, peft_greedy
 

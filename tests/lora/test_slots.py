@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 import torch
 
+from sonar.core.request import LoRARequest
+from sonar.errors import LoRAError
 from sonar.lora.adapter import LoRALimits, ModelShapes, file_digest, read_adapter
-from sonar.lora.layers import LoRALinear
-from sonar.lora.request import LoRAError, LoRARequest
 from sonar.lora.slots import AdapterSlots
 from sonar.models.loader import load_model
+from sonar.models.lora import LoRALinear
 from tests.lora.conftest import Tiny, make_adapter
 
 RANK = 16

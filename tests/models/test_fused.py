@@ -17,9 +17,9 @@ from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
-from sonar.lora.layers import LoRAContext, LoRALinear
 from sonar.models.fused import PACKED_BF16, QUANTIZED, FusedDecode, layer_weights
 from sonar.models.loader import load_model
+from sonar.models.lora import LoRAContext, LoRALinear
 from tests.models.driver import GreedyDriver
 
 
