@@ -375,7 +375,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
 
     def _check_lora(self) -> None:
-        from sonar.lora.adapter import MAX_RANKS, TARGET_NAMES
+        from sonar.lora.limits import MAX_RANKS, TARGET_NAMES
         from sonar.lora.registry import parse_lora_modules
 
         if not self.enable_lora:
@@ -413,7 +413,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def lora_limits(self) -> Any:
         """The `LoRALimits` of the LoRA flags (None when LoRA is off)."""
-        from sonar.lora.adapter import LoRALimits
+        from sonar.lora.limits import LoRALimits
 
         if not self.enable_lora:
             return None

@@ -44,7 +44,7 @@ from sonar.errors import (
     ServerOverloadedError,
     SonarError,
 )
-from sonar.lora.adapter import ModelShapes
+from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
 from sonar.protocol.engine import (
     Abort,

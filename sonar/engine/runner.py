@@ -41,7 +41,7 @@ from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.kernels.attention_op import step_metadata
 from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
-from sonar.lora.adapter import ModelShapes
+from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy

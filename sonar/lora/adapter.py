@@ -29,25 +29,10 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from sonar.errors import LoRAError
+from sonar.lora.limits import MODULES, LoRALimits, ModelShapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-
-#: The projections an adapter may target, with the fused layer each belongs to in Sonar's
-#: decoder and its place among that layer's sub-projections.
-MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
-}
-#: ``--lora-target-modules`` names: the projections, or the fused layers (all their projections).
-TARGET_NAMES = (*MODULES, "qkv_proj", "gate_up_proj")
-
-MAX_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 _TENSOR_NAME = re.compile(
     r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(" + "|".join(MODULES) + r")\.lora_([AB])(?:\.default)?\.weight$"
@@ -64,49 +49,6 @@ _REFUSED_KEYS: dict[str, str] = {
     "use_qalora": "QALoRA adapters (use_qalora) are not supported",
     "lora_bias": "lora_bias (a trained bias on lora_B) is not supported",
 }
-
-
-@dataclass(frozen=True)
-class LoRALimits:
-    """What the server accepts: ``--max-lora-rank`` and ``--lora-target-modules`` (None: all)."""
-
-    max_rank: int = 16
-    target_modules: frozenset[str] | None = None
-
-    def targets(self, module: str) -> bool:
-        """Whether the server applies adapters to projection `module` (a key of `MODULES`)."""
-        allowed = self.target_modules
-        return allowed is None or module in allowed or MODULES[module][0] in allowed
-
-
-@dataclass(frozen=True)
-class ModelShapes:
-    """The base model's projections: ``(in_features, out_features)`` by `MODULES` name (whole,
-    not a tensor-parallel rank's share), and its number of decoder layers."""
-
-    modules: dict[str, tuple[int, int]]
-    num_layers: int
-
-    @classmethod
-    def of_config(cls, config: Any) -> "ModelShapes":
-        """From a decoder's Hugging Face config (`sonar.models.decoder` serves those)."""
-        hidden = config.hidden_size
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = (config.num_key_value_heads or heads) * head_dim
-        inter = config.intermediate_size
-        return cls(
-            modules={
-                "q_proj": (hidden, heads * head_dim),
-                "k_proj": (hidden, kv),
-                "v_proj": (hidden, kv),
-                "o_proj": (heads * head_dim, hidden),
-                "gate_proj": (hidden, inter),
-                "up_proj": (hidden, inter),
-                "down_proj": (inter, hidden),
-            },
-            num_layers=config.num_hidden_layers,
-        )
 
 
 @dataclass(frozen=True)

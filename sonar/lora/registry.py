@@ -21,7 +21,7 @@ from sonar.core.request import LoRARequest
 from sonar.errors import LoRAError
 
 if TYPE_CHECKING:
-    from sonar.lora.adapter import LoRALimits, ModelShapes
+    from sonar.lora.limits import LoRALimits, ModelShapes
 
 MAX_ADAPTERS = 1024
 """Most adapters one server has loaded at once (each costs a table entry and, once used, host memory)."""

@@ -19,7 +19,8 @@ from torch import nn
 from sonar.core.request import LoRARequest
 from sonar.errors import LoRAError
 from sonar.log import get_logger
-from sonar.lora.adapter import MODULES, LoRALimits, LoRAWeights, ModelShapes, read_adapter
+from sonar.lora.adapter import LoRAWeights, read_adapter
+from sonar.lora.limits import MODULES, LoRALimits, ModelShapes
 from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.models.parallel import TensorParallel
 

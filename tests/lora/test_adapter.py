@@ -14,14 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sonar.errors import LoRAError
-from sonar.lora.adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    LoRALimits,
-    ModelShapes,
-    file_digest,
-    read_adapter,
-)
+from sonar.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, file_digest, read_adapter
+from sonar.lora.limits import LoRALimits, ModelShapes
 from tests.lora.conftest import Built
 
 

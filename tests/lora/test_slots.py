@@ -13,7 +13,8 @@ import torch
 
 from sonar.core.request import LoRARequest
 from sonar.errors import LoRAError
-from sonar.lora.adapter import LoRALimits, ModelShapes, file_digest, read_adapter
+from sonar.lora.adapter import file_digest, read_adapter
+from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.loader import load_model
 from sonar.models.lora import LoRALinear
