@@ -62,10 +62,6 @@ class LoRAWeights:
     """The largest rank of any module."""
     digest: str
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.factors.values())
-
 
 def file_digest(path: str | Path) -> str:
     """The identity of the adapter in folder `path`: SHA-256 over its config, then its weights."""

@@ -7,17 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-#: The projections an adapter may target, with the fused layer each belongs to in Sonar's
-#: decoder and its place among that layer's sub-projections.
-MODULES: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "o_proj": ("o_proj", 0),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-    "down_proj": ("down_proj", 0),
+#: Sonar's fused linear layers of a decoder layer: the module each lives in and the projections
+#: an adapter may target in it, in the order of its output columns.
+FUSED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
 }
+#: The projections an adapter may target, with the fused layer each belongs to.
+MODULES: dict[str, str] = {module: fused for fused, (_, modules) in FUSED.items() for module in modules}
 #: ``--lora-target-modules`` names: the projections, or the fused layers (all their projections).
 TARGET_NAMES = (*MODULES, "qkv_proj", "gate_up_proj")
 
@@ -34,7 +33,7 @@ class LoRALimits:
     def targets(self, module: str) -> bool:
         """Whether the server applies adapters to projection `module` (a key of `MODULES`)."""
         allowed = self.target_modules
-        return allowed is None or module in allowed or MODULES[module][0] in allowed
+        return allowed is None or module in allowed or MODULES[module] in allowed
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,3 @@ class LoRARegistry:
     def unload(self, name: str) -> None:
         """Stop serving `name` (requests already running keep their adapter). KeyError if unknown."""
         del self._adapters[name]
-
-
-__all__ = ["LoRAError", "LoRAModule", "LoRARegistry", "ServedAdapter", "parse_lora_modules"]

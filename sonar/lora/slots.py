@@ -20,19 +20,11 @@ from sonar.core.request import LoRARequest
 from sonar.errors import LoRAError
 from sonar.log import get_logger
 from sonar.lora.adapter import LoRAWeights, read_adapter
-from sonar.lora.limits import MODULES, LoRALimits, ModelShapes
+from sonar.lora.limits import FUSED, MODULES, LoRALimits, ModelShapes
 from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.models.parallel import TensorParallel
 
 log = get_logger("sonar.lora")
-
-#: The fused layers of a decoder layer, where each lives, and its sub-projections in column order.
-_FUSED: dict[str, tuple[str, tuple[str, ...]]] = {
-    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
-    "o_proj": ("self_attn", ("o_proj",)),
-    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
-    "down_proj": ("mlp", ("down_proj",)),
-}
 
 
 class AdapterSlots:
@@ -61,7 +53,7 @@ class AdapterSlots:
         owned = {id(layer): i for i, layer in enumerate(model.model.layers)}
         for layer in model.own_layers:
             index = owned[id(layer)]
-            for fused, (parent_name, modules) in _FUSED.items():
+            for fused, (parent_name, modules) in FUSED.items():
                 if not any(limits.targets(m) for m in modules):
                     continue
                 parent = getattr(layer, parent_name)
@@ -124,7 +116,7 @@ class AdapterSlots:
             a.zero_()
             b.zero_()
             offset = 0
-            for j, module in enumerate(_FUSED[fused][1]):
+            for j, module in enumerate(FUSED[fused][1]):
                 pair = weights.factors.get((index, module))
                 if pair is not None:
                     down = torch.zeros(rank, pair[0].shape[1])  # padded to the slots' rank
@@ -144,7 +136,7 @@ class AdapterSlots:
         layer's output columns hold (column-parallel), or the columns of A its input holds
         (row-parallel, whose partial deltas the layer's all-reduce sums with the base output).
         Fully sharded, also its slice of A's rank (column-parallel) or of B's rows (row-parallel)."""
-        parent = _FUSED[MODULES[module][0]][0]
+        parent = FUSED[MODULES[module]][0]
         shard = self.model.checkpoint_shard(f"model.layers.{layer}.{parent}.{module}.weight")
         if shard is None:
             return a, b

@@ -22,6 +22,7 @@ import torch
 import sonar
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint
+from tests.lora.conftest import ALL_MODULES
 from tests.models.conftest import hf_generate_batch
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
@@ -35,7 +36,6 @@ ADAPTERS = {"a": (8, 1), "b": (4, 2)}
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 LORA: dict[str, Any] = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 BASE: dict[str, Any] = {"dtype": "float32", "num_gpu_blocks_override": 64}
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def adapters(llama: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) ->
     out = {}
     for name, (rank, seed) in ADAPTERS.items():
         torch.manual_seed(seed)
-        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, init_lora_weights=False)
+        config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=ALL_MODULES, init_lora_weights=False)
         peft = get_peft_model(copy.deepcopy(llama.hf), config).eval()  # it wraps the model it is given
         with torch.no_grad():
             for param_name, param in peft.named_parameters():
