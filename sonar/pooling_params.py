@@ -58,6 +58,9 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     """``embed`` / ``token_embed``: L2-normalize the vector(s)."""
     use_activation: bool | None = None
     """``classify`` / ``token_classify``: softmax over the labels (sigmoid for a single label)."""
+    pair_start: int | None = None
+    """A text pair (a cross-encoder's query and document): the position of the second text's first
+    token. Models with token type embeddings (BERT) embed it and what follows as type 1."""
 
     def check(self, info: PoolingInfo) -> None:
         """Raise `PoolingParamsError` naming the field the model cannot serve."""
