@@ -36,18 +36,19 @@ def test_matches_per_sequence_softmax(lens: list[int]) -> None:
     torch.testing.assert_close(out, reference(q, k, v, lens, 8**-0.5), atol=1e-5, rtol=1e-5)
 
 
-def test_sequences_do_not_see_each_other() -> None:
+@pytest.mark.parametrize("lens", [[6, 3, 5], [4, 4, 4]], ids=["mixed", "equal"])
+def test_sequences_do_not_see_each_other(lens: list[int]) -> None:
     torch.manual_seed(1)
-    lens = [6, 3, 5]
-    q, k, v = (torch.randn(14, 2, 8) for _ in range(3))
+    q, k, v = (torch.randn(sum(lens), 2, 8) for _ in range(3))
     starts = sequence_starts(metadata(lens))
     before = encoder_attention(q, k, v, starts, 0.3)
+    middle = slice(starts[1], starts[2])  # only the middle sequence's keys and values change
     k2, v2 = k.clone(), v.clone()
-    k2[6:9], v2[6:9] = torch.randn(3, 2, 8), torch.randn(3, 2, 8)  # only the middle sequence changes
+    k2[middle], v2[middle] = torch.randn(lens[1], 2, 8), torch.randn(lens[1], 2, 8)
     after = encoder_attention(q, k2, v2, starts, 0.3)
-    torch.testing.assert_close(after[:6], before[:6])
-    torch.testing.assert_close(after[9:], before[9:])
-    assert not torch.allclose(after[6:9], before[6:9])
+    torch.testing.assert_close(after[: starts[1]], before[: starts[1]])
+    torch.testing.assert_close(after[starts[2] :], before[starts[2] :])
+    assert not torch.allclose(after[middle], before[middle])
 
 
 def test_bfloat16() -> None:

@@ -92,6 +92,16 @@ def test_classifier_logits_match_transformers(kind: str, encoders: dict[str, tup
         assert (ours - expected).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_pytorch_tanh", "relu"])
+def test_activations(act: str, tmp_path: Path) -> None:
+    hf = save_tiny_bert(tmp_path, "bert", hidden_act=act)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    seq = loaded.load_tokenizer()(TEXTS[0]).input_ids
+    with torch.inference_mode():
+        expected = hf(input_ids=torch.tensor([seq])).last_hidden_state[0]
+    assert (run(loaded, [seq])[0] - expected).abs().max() < 1e-4
+
+
 def test_bfloat16(encoders: dict[str, tuple[Path, Any]]) -> None:
     path, hf = encoders["xlm-roberta-cls"]
     loaded = load_model(str(path), dtype="bfloat16")

@@ -90,18 +90,28 @@ def save_word_tokenizer(path: Path) -> int:
     return len(vocab)
 
 
-def save_tiny_bert(path: Path, kind: EncoderKind = "bert", num_labels: int | None = None, seed: int = 0) -> Any:
+def save_tiny_bert(
+    path: Path, kind: EncoderKind = "bert", num_labels: int | None = None, seed: int = 0, **config: Any
+) -> Any:
     """A tiny ``BertModel`` / ``RobertaModel`` / ``XLMRobertaModel`` (hidden 64, 2 layers, 4
-    heads, 128 positions), or with `num_labels` its ``*ForSequenceClassification``; saved with its
-    tokenizer under `path`. Returns the transformers model (eval mode)."""
+    heads, 128 positions; `config` sets other fields), or with `num_labels` its
+    ``*ForSequenceClassification``; saved with its tokenizer under `path`. Returns the
+    transformers model (eval mode)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
-    common = dict(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, max_position_embeddings=128
+    common = (
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=128,
+        )
+        | config
     )
     if kind == "bert":
-        config = transformers.BertConfig(vocab_size=save_bert_tokenizer(path), **common)
+        hf_config = transformers.BertConfig(vocab_size=save_bert_tokenizer(path), **common)
         prefix = "Bert"
     else:
         vocab_size = save_roberta_tokenizer(path)
@@ -109,13 +119,13 @@ def save_tiny_bert(path: Path, kind: EncoderKind = "bert", num_labels: int | Non
         extra = dict(vocab_size=vocab_size, pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
         common["max_position_embeddings"] += 2  # positions start at pad_token_id + 1
         prefix = "Roberta" if kind == "roberta" else "XLMRoberta"
-        config = getattr(transformers, f"{prefix}Config")(**extra, **common)
+        hf_config = getattr(transformers, f"{prefix}Config")(**extra, **common)
     head = "Model" if num_labels is None else "ForSequenceClassification"
     if num_labels is not None:
-        config.num_labels = num_labels
-    config.architectures = [f"{prefix}{head}"]
+        hf_config.num_labels = num_labels
+    hf_config.architectures = [f"{prefix}{head}"]
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}{head}")(config).eval()
+    model = getattr(transformers, f"{prefix}{head}")(hf_config).eval()
     spread_weights(model)
     model.save_pretrained(str(path))
     return model
