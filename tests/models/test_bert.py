@@ -162,3 +162,10 @@ def test_refusals(encoders: dict[str, tuple[Path, Any]]) -> None:
     config = type(config).from_dict({**config.to_dict(), "hidden_act": "swish"})
     with pytest.raises(ModelLoadError, match="hidden_act 'swish' is not supported"):
         BertModel(config)
+
+
+def test_dummy_weights(encoders: dict[str, tuple[Path, Any]]) -> None:
+    loaded = load_model(str(encoders["xlm-roberta-cls"][0]), dtype="float32", load_format="dummy")
+    hidden = run(loaded, [[0, 5, 6, 2], [0, 7, 2]])
+    logits = loaded.model.classify(torch.stack([h[0] for h in hidden]))
+    assert logits.shape == (2, 3) and torch.isfinite(logits).all()

@@ -141,3 +141,12 @@ def test_refusals(reranker: tuple[Path, Any]) -> None:
         load_model(str(path), hf_overrides={**RERANKER_OVERRIDES, "classifier_from_token": ["no", "zebra"]})
     with pytest.raises(ModelLoadError, match="needs classifier_from_token of two tokens"):
         load_model(str(path), hf_overrides={**RERANKER_OVERRIDES, "classifier_from_token": ["yes"]})
+
+
+def test_dummy_weights_need_no_tokenizer(reranker: tuple[Path, Any], tmp_path: Path) -> None:
+    path, _ = reranker
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    loaded = load_model(str(tmp_path), dtype="float32", load_format="dummy", hf_overrides=RERANKER_OVERRIDES)
+    assert loaded.tokenizer_path is None
+    assert torch.isfinite(loaded.model.classify(last_hidden(loaded, [[3, 4, 5], [6]]))).all()
