@@ -15,7 +15,7 @@ converted once into a safetensors directory under the cache root (`sonar.models.
 
 Besides causal LMs, `load_model` loads pooling models (no LM head; `LoadedModel.is_pooling_model`):
 encoders (`sonar.models.bert`), decoder classifiers (`sonar.models.classifier`), and causal LMs
-with ``convert="embed"``, their LM head dropped. Pooling models load unquantized weights.
+with ``convert="embed"`` (their LM head dropped) or ``convert="classify"``. Pooling models load unquantized weights.
 
 Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
 """
@@ -45,7 +45,7 @@ from sonar.models.gguf_file import (
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
-from sonar.models.registry import model_class
+from sonar.models.registry import model_class, sequence_classifier
 from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
 
 log = structlog.get_logger(__name__)
@@ -58,6 +58,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
+CONVERTS = ("auto", "none", "embed", "classify")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -151,16 +152,18 @@ def load_model(
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
     whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`).
     `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
-    (``--hf-overrides``; not ``model_type``). `convert` ``embed`` loads a causal LM without its LM
-    head, to be pooled.
+    (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
+    without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
+    (a ``score.weight`` in the checkpoint, or ``classifier_from_token`` in the overrides);
+    ``auto`` and ``none`` load the class the config names.
     """
     started = time.perf_counter()
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ModelLoadError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
     if dtype not in ("auto", *DTYPES):
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
-    if convert not in ("none", "embed"):
-        raise ModelLoadError(f"unknown convert {convert!r} (none, embed)")
+    if convert not in CONVERTS:
+        raise ModelLoadError(f"unknown convert {convert!r} ({', '.join(CONVERTS)})")
     device = torch.device(device)
     resolving = time.perf_counter()
     model_dir, source, gguf = _resolve(model, load_format, revision, download_dir)
@@ -173,6 +176,8 @@ def load_model(
     convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
     config = _read_config(model_dir, source, hf_overrides or {})
     cls = model_class(config)
+    if convert == "classify":
+        cls = sequence_classifier(cls)
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))

@@ -65,3 +65,15 @@ def model_class(config: Any) -> type[nn.Module]:
         f"unsupported model architecture: {shown} (model_type {get('model_type')!r}); "
         f"Sonar implements {', '.join(supported_architectures())}"
     )
+
+
+def sequence_classifier(cls: type[nn.Module]) -> type[nn.Module]:
+    """The ``*ForSequenceClassification`` class of a causal LM's class (``--convert classify``);
+    a class that classifies already, or an encoder, as it is."""
+    if hasattr(cls, "classify") or not getattr(cls, "is_causal", True):
+        return cls
+    for name in cls.architectures:
+        found = MODEL_CLASSES.get(name.replace("ForCausalLM", "ForSequenceClassification"))
+        if found is not None:
+            return found
+    raise UnsupportedArchitectureError(f"{cls.__name__} has no sequence-classification counterpart in Sonar")

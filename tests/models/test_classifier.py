@@ -107,6 +107,21 @@ def test_classifier_from_tokens_takes_their_lm_head_rows(reranker: tuple[Path, A
     assert (logits - expected).abs().max() < 1e-4
 
 
+def test_convert_classify(reranker: tuple[Path, Any]) -> None:
+    """``convert="classify"`` makes the causal LM its sequence classifier: the head from the
+    overrides' tokens, or from a ``score.weight`` the checkpoint must then have."""
+    path, hf = reranker
+    overrides = {"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": True}
+    loaded = load_model(str(path), dtype="float32", convert="classify", hf_overrides=overrides)
+    assert loaded.architecture == "Qwen3ForSequenceClassification" and loaded.model.num_labels == 1
+    seqs = token_ids(loaded)
+    scores = torch.sigmoid(loaded.model.classify(last_hidden(loaded, seqs))[:, 0])
+    expected = causal_logits(hf, seqs, loaded.load_tokenizer().convert_tokens_to_ids(["no", "yes"]))
+    assert (scores - expected.softmax(-1)[:, 1]).abs().max() < 1e-5
+    with pytest.raises(ModelLoadError, match="checkpoint lacks weights for score.weight"):
+        load_model(str(path), dtype="float32", convert="classify")
+
+
 def test_overrides_are_cached_apart(reranker: tuple[Path, Any]) -> None:
     """A warm load reads the overridden config back from the cache, and the plain one stays plain."""
     path, _ = reranker
@@ -135,8 +150,8 @@ def test_refusals(reranker: tuple[Path, Any]) -> None:
     path, _ = reranker
     with pytest.raises(ModelLoadError, match="hf_overrides cannot change model_type"):
         load_model(str(path), hf_overrides={"model_type": "llama"})
-    with pytest.raises(ModelLoadError, match="unknown convert 'classify'"):
-        load_model(str(path), convert="classify")
+    with pytest.raises(ModelLoadError, match="unknown convert 'reward'"):
+        load_model(str(path), convert="reward")
     with pytest.raises(ModelLoadError, match=r"classifier_from_token \['zebra'\] are not tokens"):
         load_model(str(path), hf_overrides={**RERANKER_OVERRIDES, "classifier_from_token": ["no", "zebra"]})
     with pytest.raises(ModelLoadError, match="needs classifier_from_token of two tokens"):
