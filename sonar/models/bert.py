@@ -39,10 +39,10 @@ ACTIVATIONS = {
 PREFIXES = ("bert.", "roberta.")
 
 
-def num_labels(config: Any) -> int:
-    """The label count from ``id2label`` (a cached config keeps that, not transformers' derived
-    ``num_labels``)."""
-    return len(getattr(config, "id2label", None) or {})
+def config_labels(config: Any) -> dict[int, str]:
+    """A classifier's labels by index, from ``id2label`` (a cached config keeps that, with string
+    keys, and not transformers' derived ``num_labels``)."""
+    return {int(i): label for i, label in (getattr(config, "id2label", None) or {}).items()}
 
 
 def embedding(rows: int, hidden: int) -> nn.Embedding:
@@ -129,11 +129,11 @@ class Encoder(nn.Module):
 
 
 class BertModel(nn.Module):
-    """The encoder alone (embedding models): `forward` returns the last hidden states.
+    """The encoder alone (embedding models).
 
     The runner's contract: `forward` over a flat batch of whole sequences (positions from 0)
-    returns the last hidden states; the classifiers (`num_labels` > 0) add `classify`, which
-    turns pooled first-token states into float32 logits.
+    returns the last hidden states; the classifiers (`num_labels` > 0, `id2label`) add
+    `classify`, which turns pooled first-token states into float32 logits.
     """
 
     architectures: ClassVar[tuple[str, ...]] = ("BertModel",)
@@ -160,7 +160,7 @@ class BertModel(nn.Module):
         self.position_offset = config.pad_token_id + 1 if self.roberta_positions else 0
         self.max_positions = config.max_position_embeddings - self.position_offset
         """How many tokens a sequence may hold."""
-        self.id2label = {int(i): label for i, label in (getattr(config, "id2label", None) or {}).items()}
+        self.id2label: dict[int, str] = {}
         self.num_labels = 0
         self.embeddings = Embeddings(config)
         self.encoder = Encoder(config)
@@ -238,7 +238,8 @@ class BertForSequenceClassification(BertModel):
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__(config, parallel, stage)
-        self.num_labels = num_labels(config)
+        self.id2label = config_labels(config)
+        self.num_labels = len(self.id2label)
         self.pooler = Pooler(config.hidden_size)
         self.classifier = nn.Linear(config.hidden_size, self.num_labels)
 
@@ -264,7 +265,8 @@ class RobertaForSequenceClassification(RobertaModel):
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__(config, parallel, stage)
-        self.num_labels = num_labels(config)
+        self.id2label = config_labels(config)
+        self.num_labels = len(self.id2label)
         self.classifier = RobertaClassificationHead(config.hidden_size, self.num_labels)
 
     def classify(self, pooled: Tensor) -> Tensor:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from sonar.models.bert import num_labels
+from sonar.models.bert import config_labels
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -50,13 +50,14 @@ class DecoderForSequenceClassification(DecoderForCausalLM):
             )
         self.classifier_token_ids: list[int] | None = None
         """The ids of `classifier_from_token`, which the loader reads from the tokenizer."""
+        labels = config_labels(config)
         if self.two_way:
             self.num_labels = 1
         elif self.classifier_from_token:
             self.num_labels = len(self.classifier_from_token)
         else:
-            self.num_labels = num_labels(config)
-        labels = {int(i): label for i, label in (getattr(config, "id2label", None) or {}).items()}
+            self.num_labels = len(labels)
+        # a converted causal LM's config keeps transformers' default two labels
         self.id2label = labels if len(labels) == self.num_labels else {i: f"LABEL_{i}" for i in range(self.num_labels)}
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
 

@@ -49,7 +49,8 @@ def test_hidden_states_match_transformers(kind: str, encoders: dict[str, tuple[P
     loaded = load_model(str(path), dtype="float32")
     assert loaded.architecture == hf.config.architectures[0]
     assert loaded.is_pooling_model and not loaded.model.is_causal
-    assert loaded.model.num_labels == 0 and loaded.model.default_pooling_type == "cls"
+    assert loaded.model.num_labels == 0 and loaded.model.id2label == {}
+    assert loaded.model.default_pooling_type == "cls"
     assert loaded.max_model_len == 128  # RoBERTa's 130 positions less pad_token_id + 1
     tokenizer = loaded.load_tokenizer()
     seqs = [tokenizer(t).input_ids for t in TEXTS]
