@@ -15,7 +15,8 @@ converted once into a safetensors directory under the cache root (`sonar.models.
 
 Besides causal LMs, `load_model` loads pooling models (no LM head; `LoadedModel.is_pooling_model`):
 encoders (`sonar.models.bert`), decoder classifiers (`sonar.models.classifier`), and causal LMs
-with ``convert="embed"`` (their LM head dropped) or ``convert="classify"``. Pooling models load unquantized weights.
+with ``convert="embed"`` (an LM head not tied to the embeddings dropped) or ``convert="classify"``.
+Models without an LM head load unquantized weights only.
 
 Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
 """
@@ -81,6 +82,8 @@ class LoadedModel:
     quantization: str | None = None
     """The quantization method the weights are served in (``gguf``, ``gptq``, ...), None for none."""
     quantized: Installed | None = None
+    is_pooling_model: bool = False
+    """An encoder, a classifier or a causal LM converted to embed: only pooled, never sampled from."""
     _tokenizer: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -93,12 +96,6 @@ class LoadedModel:
         (RoBERTa's positions start past its padding index), else the config's positions."""
         value = getattr(self.model, "max_positions", None)
         return int(self.config.max_position_embeddings if value is None else value)
-
-    @property
-    def is_pooling_model(self) -> bool:
-        """Whether the model has no LM head (an encoder, a classifier, a converted causal LM):
-        it is only pooled, never sampled from."""
-        return not hasattr(self.model, "lm_head")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -182,15 +179,17 @@ def load_model(
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
     module = module.to(dtype=resolved).to_empty(device=device)
-    if convert == "embed" and hasattr(module, "lm_head"):
+    # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
+    # so a quantized checkpoint's embedding can still read its rows from the packed output layer
+    if convert == "embed" and hasattr(module, "lm_head") and not module.tie_word_embeddings:
         del module.lm_head
         module.tie_word_embeddings = False
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
-    pooling = not hasattr(module, "lm_head")
-    if pooling and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
+    headless = not hasattr(module, "lm_head")
+    if headless and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
         raise ModelLoadError(
             f"{source}: {cls.__name__} is served for pooling, which loads unquantized weights only "
             "(a GGUF file with --dequantize-weights)"
@@ -247,6 +246,7 @@ def load_model(
         convert_seconds=convert_seconds,
         quantization=method_name,
         quantized=installed if method_name is not None else None,
+        is_pooling_model=convert == "embed" or not hasattr(module, "lm_head"),
     )
 
 
