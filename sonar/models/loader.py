@@ -118,9 +118,10 @@ class LoadedModel:
         if self._tokenizer is None:
             if self.tokenizer_path is None:
                 raise ModelLoadError(f"{self.source} comes without a tokenizer")
-            from transformers import AutoTokenizer
+            with config_cache.TRANSFORMERS_LOCK:
+                from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
         return self._tokenizer
 
 
@@ -383,12 +384,13 @@ def _read_config(model_dir: Path, source: str, overrides: dict[str, Any]) -> Any
     cached = config_cache.read(text)
     if cached is not None:
         return cached
-    from transformers import AutoConfig
+    with config_cache.TRANSFORMERS_LOCK:
+        from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+        try:
+            config = AutoConfig.from_pretrained(str(model_dir))
+        except Exception as exc:
+            raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
     config.update(overrides)
     config_cache.write(text, config)
     return config
@@ -398,9 +400,10 @@ def _token_ids(tokens: tuple[str, ...], tokenizer_path: Path | None, source: str
     """The ids of `tokens` (whole tokens of the vocabulary) in the model's tokenizer."""
     if tokenizer_path is None:
         raise ModelLoadError(f"{source}: classifier_from_token needs the model's tokenizer, and it has none")
-    from transformers import AutoTokenizer
+    with config_cache.TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
     ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
     unknown = [t for t, i in zip(tokens, ids) if i is None or tokenizer.convert_ids_to_tokens(i) != t]
     if unknown:
