@@ -438,3 +438,32 @@ def test_score_with_a_cross_encoder_tokenizes_pairs():
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
     r = client_for(llm).post("/score", json={"queries": "q" * 20, "documents": "d", "truncate_prompt_tokens": -1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
+
+
+def test_openapi_declares_the_pooling_routes_for_a_pooling_model_only():
+    from sonar.http.openapi import Limits, build_openapi
+
+    generative = build_openapi(Limits(max_model_len=16, max_logprobs=5, vocab_size=100))
+    assert "/v1/embeddings" not in generative["paths"]
+    doc = build_openapi(
+        Limits(max_model_len=16, max_logprobs=5, vocab_size=100, served_model_names=("m",), pooling_tasks=("embed",))
+    )
+    for path in (
+        "/v1/embeddings",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/v1/score",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+    ):
+        assert {"200", "400", "404"} <= set(doc["paths"][path]["post"]["responses"]), path
+    schemas = doc["components"]["schemas"]
+    embedding = schemas["EmbeddingRequest"]["properties"]
+    assert embedding["input"]["anyOf"][2]["items"]["maximum"] == 99
+    assert embedding["request_id"]["description"].startswith("Refused: request_id is not supported")
+    assert embedding["model"]["anyOf"][0]["enum"] == ["m"]
+    assert schemas["PoolingRequest"]["properties"]["task"]["anyOf"][0] == {"enum": ["embed"]}
+    assert schemas["EmbeddingRequest"]["additionalProperties"] is False
+    msgspec.json.encode(doc)
