@@ -1,0 +1,79 @@
+"""`sonar.engine.scoring`: text pairs, how a model scores them, a cross-encoder's pair tokens, the
+cosine path; and through the library (`sonar.open`) on the embedded model as an embedding model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sonar.engine.scoring import cosine, pair_tokens, pair_up, scoring_kind
+from sonar.errors import InvalidRequestError
+from sonar.pooling_params import PoolingInfo
+
+
+def test_pairs_are_one_against_each_or_n_against_n():
+    assert pair_up("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert pair_up(["q"], "a") == [("q", "a")]
+    assert pair_up(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]
+    for queries, documents, param in [(["q", "r"], ["a"], "documents"), ([], ["a"], "queries"), ("q", [], "documents")]:
+        with pytest.raises(InvalidRequestError) as info:
+            pair_up(queries, documents)
+        assert info.value.param == param
+
+
+def test_how_a_model_scores():
+    assert scoring_kind(PoolingInfo(tasks=["classify"], pooling_type="cls", hidden_size=8, num_labels=1)) == (
+        "cross-encoder"
+    )
+    assert scoring_kind(PoolingInfo(tasks=["embed", "token_embed"], pooling_type="last", hidden_size=8)) == "embedding"
+    # A classifier with one label that also embeds is a cross-encoder first.
+    both = PoolingInfo(tasks=["embed", "classify"], pooling_type="cls", hidden_size=8, num_labels=1)
+    assert scoring_kind(both) == "cross-encoder"
+    for info, words in [
+        (None, "--runner pooling"),
+        (PoolingInfo(tasks=["classify"], pooling_type="cls", hidden_size=8, num_labels=3), "one label"),
+    ]:
+        with pytest.raises(InvalidRequestError) as exc:
+            scoring_kind(info)
+        assert words in str(exc.value) and exc.value.param == "model"
+
+
+def test_cosine():
+    assert cosine([1, 0], [0, 1]) == 0.0
+    assert cosine([1, 2], [2, 4]) == pytest.approx(1.0)
+    assert cosine([1, 1], [-1, -1]) == pytest.approx(-1.0)
+    assert cosine([0, 0], [1, 1]) == 0.0
+    assert cosine([3, 4], [4, 3]) == pytest.approx(24 / 25)
+
+
+@pytest.fixture(scope="module")
+def bert_tokenizer():
+    from transformers import BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "what", "is", "a", "cat", "small", "feline", "tree", "?"]
+    return BertTokenizerFast(vocab={w: i for i, w in enumerate(words)})
+
+
+def test_a_pair_is_tokenized_as_the_tokenizer_joins_pairs(bert_tokenizer):
+    ids, start = pair_tokens(bert_tokenizer, "what is a cat ?", "a small feline", None)
+    assert bert_tokenizer.convert_ids_to_tokens(ids) == [
+        *("[CLS]", "what", "is", "a", "cat", "?", "[SEP]"),
+        *("a", "small", "feline", "[SEP]"),
+    ]
+    assert start == 7  # the document's first token: where token type 1 begins
+    cut, start = pair_tokens(bert_tokenizer, "what is a cat ?", "a small feline", 8)
+    assert len(cut) == 8 and start is not None and start < 8
+
+
+def test_without_token_types_there_is_no_pair_start():
+    class NoTypes:
+        def __call__(self, text: str, text_pair: str, **kwargs: object) -> dict:
+            return {"input_ids": [1, 2, 3]}
+
+    assert pair_tokens(NoTypes(), "q", "d", None) == ([1, 2, 3], None)
+
+
+def test_cosine_of_a_vector_with_itself_is_one():
+    v = [math.sin(i) for i in range(64)]
+    assert cosine(v, v) == pytest.approx(1.0)
