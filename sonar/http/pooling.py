@@ -12,8 +12,9 @@ the shapes.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -70,6 +71,11 @@ def check_inputs(llm: LLM, inputs: list[str | list[int]], param: str = "input") 
             llm.check_prompt_chars(x, param)
         else:
             llm.check_token_ids(x, param)
+
+
+def _fields(params: PoolingParams) -> dict[str, Any]:
+    """The set pooling fields by name, for the request log line."""
+    return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
 
 
 def _as_param(exc: InvalidRequestError, param: str) -> InvalidRequestError:
@@ -133,7 +139,7 @@ async def create_embedding(request: Request, llm: LLM, settings: ServerSettings,
     params = req.pooling_params()
     check_pooling_params(params, info)
     check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, params, user=req.user, lora=lora)
+    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
     outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
     if outputs is None:
         return Response(status_code=499)  # nobody reads it
@@ -148,7 +154,7 @@ async def create_pooling(request: Request, llm: LLM, settings: ServerSettings, c
     params = req.pooling_params(info)
     check_pooling_params(params, info)
     check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, params, user=req.user, lora=lora)
+    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
     outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
     if outputs is None:
         return Response(status_code=499)
@@ -165,7 +171,7 @@ async def create_classification(
     params = req.pooling_params()
     check_pooling_params(params, info)
     check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, params, user=req.user, lora=lora)
+    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
     outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
     if outputs is None:
         return Response(status_code=499)
