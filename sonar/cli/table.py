@@ -48,7 +48,7 @@ NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
 NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
 NO_MM = "only affects multimodal inputs; Sonar serves text-only models"
 NO_MEDIA = "Sonar never loads images, audio or video, so this permission is never used"
-NO_POOLING = "only affects pooling (embedding / scoring) models; Sonar serves generative models"
+NO_POOLING = "only affects late-interaction (multi-vector, ColBERT-style) models, which Sonar does not serve yet"
 NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
 NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
 
@@ -235,11 +235,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--runner", S_, "auto",
            "Kind of model runner: 'generate' (text generation), 'pooling' (embeddings, scores), 'draft' "
            "(a speculative draft model), or 'auto' to decide from the model.",
-           choices=("auto", "draft", "generate", "pooling"), accepts=("generate",)),
+           choices=("auto", "draft", "generate", "pooling"), to=E),
         _f("--convert", S_, "auto",
            "Adapt the model to another task, e.g. serve a generative model as an embedding ('embed') or "
            "classification ('classify') model; 'none' keeps it as is.",
-           choices=("auto", "classify", "embed", "none"), accepts=("none",)),
+           choices=("auto", "classify", "embed", "none"), to=E),
         _f("--tokenizer", S_, None, "Tokenizer to use (repo id or path); unset uses the model's own.", to=E),
         _f("--tokenizer-mode", S_, "auto",
            "Tokenizer implementation: 'hf' (fast Hugging Face tokenizer), 'slow', 'mistral' "
@@ -313,11 +313,15 @@ GROUPS: tuple[Group, ...] = (
            "Format of the model config: 'hf' (config.json), 'mistral' (params.json) or 'auto'.",
            choices=("auto", "hf", "mistral"), accepts=("hf",), metavar="{auto,hf,mistral}"),
         _f("--hf-token", S_, None, "Token used for downloads from the Hugging Face Hub."),
-        _f("--hf-overrides", J, {}, "JSON object of values that replace fields of the model's Hugging Face config."),
+        _f("--hf-overrides", J, {}, "JSON object of values that replace fields of the model's Hugging Face config.",
+           to=E),
         _f("--model-class-overrides", J, {},
            "Map architecture names to 'module:Class' implementations to use instead (for development).",
            dotted=True),
-        _f("--pooler-config", J, None, "How a pooling model pools its outputs.", dotted=True, noop=NO_POOLING),
+        _f("--pooler-config", J, None,
+           "How a pooling model pools: JSON with pooling_type (LAST, MEAN, CLS), normalize, dimensions "
+           "(the default of embedding requests) and use_activation (softmax / sigmoid of classifiers).",
+           dotted=True, to=E),
         _f("--generation-config", S_, "auto",
            "Where default sampling settings come from: 'auto' reads generation_config.json of the model, a "
            "folder path reads it from there, 'sonar' (also spelled 'aphrodite') uses none. A max_new_tokens "

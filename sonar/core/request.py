@@ -157,6 +157,7 @@ class Request:
         "lora",
         "skip_reading_prefix_cache",
         "sampling_params",
+        "pooling_params",
         "grammar",
         "status",
         "num_computed_tokens",
@@ -188,6 +189,7 @@ class Request:
         lora: LoRARequest | None = None,
         skip_reading_prefix_cache: bool = False,
         sampling_params: Any = None,
+        pooling_params: Any = None,
         grammar: GrammarMatcher | None = None,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
@@ -221,6 +223,9 @@ class Request:
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
+        """A pooling request's (opaque here too): it ends with its prompt (``max_tokens`` 1, and
+        `Scheduler.finish_pooled` when its result is back)."""
         self.grammar = grammar
         """Structured outputs: the matcher of the request's grammar, advanced with every token the
         request keeps (`sonar.core.grammar`); None for free text."""

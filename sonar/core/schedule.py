@@ -758,6 +758,42 @@ class Scheduler:
             )
         return updates
 
+    def finish_pooled(self, request_ids: Iterable[str]) -> list[RequestUpdate]:
+        """Finish pooling requests whose prompt a step computed through (their result travels
+        beside the updates): ``FINISHED_STOPPED``, no tokens, blocks freed. A pooling request is
+        admitted with ``max_tokens`` 1, so its last prompt chunk is its one sampling step and it
+        is never scheduled again while that step is in flight; one preempted meanwhile is done
+        all the same. Ids no longer known are ignored; one update each."""
+        updates: list[RequestUpdate] = []
+        done: list[str] = []
+        any_running = False
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            in_flight = request.num_placeholders > 0
+            if in_flight:
+                request.num_placeholders -= 1
+            if request.status == _RUNNING:
+                self.block_manager.free(request_id, request=request)
+                any_running = True
+            elif request.status == _PREEMPTED and in_flight:
+                self.waiting.remove(request)
+            else:
+                continue
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._retire(request)
+            done.append(request_id)
+            updates.append(self._update(request, []))
+        if any_running:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        if self.quarantine and done:
+            busy = (_RUNNING, _LOADING)
+            self.quarantine.passed(
+                done, [rid for rid in self.quarantine.suspects if self.requests[rid].status not in busy]
+            )
+        return updates
+
     @staticmethod
     def _update(request: Request, new_token_ids: list[int]) -> RequestUpdate:
         return RequestUpdate(

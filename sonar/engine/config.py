@@ -146,6 +146,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     fully_sharded_loras: bool = False
     """With tensor parallelism, shard the adapters' rank (column-parallel layers) and output
     rows (row-parallel layers) too, exchanging the shrink's result (`sonar.models.lora`)."""
+    runner: str = "auto"
+    """``generate``, ``pooling`` (embeddings, classification, scores: `sonar.models.pooler`), or
+    ``auto``: pooling for a model that can only pool (an encoder, a classifier)."""
+    convert: str = "auto"
+    """``embed`` / ``classify``: serve the model as an embedding model / a classifier; ``none`` as it is."""
+    pooler_config: dict[str, Any] | None = None
+    """`--pooler-config` (`sonar.pooling_params.PoolerConfig`): pooling type, normalize, dimensions,
+    use_activation."""
+    hf_overrides: dict[str, Any] = {}
+    """Fields that replace those of the model's Hugging Face config (a reranker's
+    ``classifier_from_token``, say)."""
     # What one request may ask for (`LIMITS`): going over one is an InvalidRequestError naming the
     # parameter and the limit, checked where the request enters the engine (`LLM`).
     max_prompt_chars: int = 1_000_000
@@ -172,7 +183,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         unknown = sorted(set(args) - fields)
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
-        for name in ("kv_transfer_config", "kv_events_config", "structured_outputs_config", "speculative_config"):
+        for name in (
+            "kv_transfer_config",
+            "kv_events_config",
+            "structured_outputs_config",
+            "speculative_config",
+            "pooler_config",
+            "hf_overrides",
+        ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
         if "max_model_len" in args and args["max_model_len"] is not None:
@@ -211,6 +229,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         capture_sizes(self)
         parse_device_ids(self.device_ids)
         self._check_lora()
+        self._check_pooling()
         if self.max_waiting_seqs <= 0:
             raise ValueError(f"max_waiting_seqs must be positive, got {self.max_waiting_seqs}")
         if self.hang_margin <= 0:
@@ -410,6 +429,44 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"choose from {', '.join(TARGET_NAMES)}"
             )
         parse_lora_modules(self.lora_modules or [])
+
+    def pooling_requested(self) -> bool:
+        """Whether the flags make this a pooling model whatever the checkpoint (``auto`` may too)."""
+        return self.runner == "pooling" or self.convert in ("embed", "classify")
+
+    def pooler(self) -> Any:
+        """The `PoolerConfig` of ``--pooler-config``."""
+        from sonar.pooling_params import PoolerConfig
+
+        return PoolerConfig.parse(self.pooler_config)
+
+    def _check_pooling(self) -> None:
+        runners, converts = ("auto", "generate", "pooling"), ("auto", "none", "embed", "classify")
+        if self.runner not in runners:
+            hint = " (a draft model is given with --speculative-config)" if self.runner == "draft" else ""
+            raise ValueError(f"runner {self.runner!r} is not supported; choose one of {', '.join(runners)}{hint}")
+        if self.convert not in converts:
+            raise ValueError(f"convert {self.convert!r} is not supported; choose one of {', '.join(converts)}")
+        if self.runner == "generate" and self.convert in ("embed", "classify"):
+            raise ValueError(f"convert {self.convert} makes a pooling model: it cannot run with runner generate")
+        self.pooler()  # a PoolingParamsError is a ValueError naming the field
+        if self.pooler_config is not None and self.runner == "generate":
+            raise ValueError("pooler_config only applies to pooling models, not with runner generate")
+        if "model_type" in self.hf_overrides:
+            raise ValueError("hf_overrides may not change model_type (it decides how the checkpoint is read)")
+        if self.pooling_requested():
+            self.check_pooling_model()
+
+    def check_pooling_model(self) -> None:
+        """Refuse what a pooling model cannot be served with (also checked by the worker once it
+        knows a model pools by itself)."""
+        for name, on in (
+            ("enable_lora", self.enable_lora),
+            ("speculative_config", self.speculative() is not None),
+            ("pipeline_parallel_size > 1", self.pipeline_parallel_size > 1),
+        ):
+            if on:
+                raise ValueError(f"{name} is not supported with a pooling model (embeddings, classification, scores)")
 
     def lora_limits(self) -> Any:
         """The `LoRALimits` of the LoRA flags (None when LoRA is off)."""

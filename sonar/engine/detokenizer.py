@@ -119,6 +119,7 @@ class DetokenizerActor(Actor):
                 num_prompt_tokens=u.num_prompt_tokens,
                 num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
+                pooled=msg.pooled.get(u.req_id),
             )
             lps = msg.logprobs.get(u.req_id)
             if lps:

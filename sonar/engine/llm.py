@@ -46,6 +46,7 @@ from sonar.errors import (
 )
 from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
+from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams, PoolingParamsError
 from sonar.protocol.engine import (
     Abort,
     AddRequest,
@@ -145,6 +146,20 @@ class StreamDelta:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    pooled: PooledData | None = None
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: an embedding, class probabilities, or one row per token."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: PooledData
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class LLM:
@@ -252,6 +267,126 @@ class LLM:
         prompt_ids, _ = await self._prepare(prompt, params)
         async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt, adapter):
             yield delta
+
+    async def encode(
+        self,
+        prompt: Prompt,
+        pooling: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+        lora: str | None = None,
+    ) -> PoolingOutput:
+        """Run `prompt` (text or token ids) through a pooling model and return its result
+        (`pooling`: the task and its options; None: the model's first task with its defaults).
+
+        A prompt longer than the model's context is refused unless `truncate_prompt_tokens` says
+        how many tokens to keep (-1: as many as the model takes): text is cut by its tokenizer
+        (which keeps its special tokens), token ids keep their last ones."""
+        info = self.pooling_info()
+        pooling = pooling or PoolingParams(task=info.tasks[0])
+        try:
+            pooling.check(info)
+        except PoolingParamsError as exc:
+            raise InvalidRequestError(str(exc), param=exc.param) from None
+        adapter = self._adapter(lora)
+        ids = await self._pooling_prompt(prompt, truncate_prompt_tokens)
+        if pooling.pair_start is not None and not 0 < pooling.pair_start < len(ids):
+            raise InvalidRequestError(
+                f"pair_start {pooling.pair_start} is not inside the prompt's {len(ids)} tokens", param="pair_start"
+            )
+        rid = request_id or self._new_id()
+        pooled = None
+        async for delta in self._run(rid, ids, SamplingParams(), priority, None, adapter, pooling):
+            pooled = delta.pooled or pooled
+        if pooled is None:  # the engine finished it without a result: a bug, not the caller's
+            raise SonarError(f"request {rid!r} finished without a pooling result")
+        return PoolingOutput(rid, ids, pooled)
+
+    async def embed(
+        self,
+        prompt: Prompt,
+        *,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> PoolingOutput:
+        """`encode` with the ``embed`` task: one vector for the prompt."""
+        params = PoolingParams(task="embed", dimensions=dimensions, normalize=normalize)
+        return await self.encode(
+            prompt, params, truncate_prompt_tokens=truncate_prompt_tokens, priority=priority, request_id=request_id
+        )
+
+    async def classify(
+        self,
+        prompt: Prompt,
+        *,
+        use_activation: bool | None = None,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> PoolingOutput:
+        """`encode` with the ``classify`` task: one value per label (`PoolingInfo.labels`),
+        probabilities unless `use_activation` is False."""
+        params = PoolingParams(task="classify", use_activation=use_activation)
+        return await self.encode(
+            prompt, params, truncate_prompt_tokens=truncate_prompt_tokens, priority=priority, request_id=request_id
+        )
+
+    def pooling_info(self) -> PoolingInfo:
+        """What the pooling model serves; `InvalidRequestError` for a generative model."""
+        if self.info.pooling is None:
+            raise InvalidRequestError(
+                "this model is not a pooling model: serve it with --runner pooling (or --convert embed / "
+                "--convert classify) for embeddings, classification and scores",
+                param="model",
+            )
+        return self.info.pooling
+
+    async def _pooling_prompt(self, prompt: Prompt, truncate: int | None) -> list[int]:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        if self._closed:
+            raise EngineDeadError("the engine is shut down")
+        limit = self.info.max_model_len
+        if truncate is not None:
+            if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens must be -1 (the model's length) or positive, got {truncate!r}",
+                    param="truncate_prompt_tokens",
+                )
+            if truncate > limit:
+                raise InvalidRequestError(
+                    f"truncate_prompt_tokens {truncate} is more than the model's maximum context length {limit}",
+                    param="truncate_prompt_tokens",
+                )
+            keep = limit if truncate == -1 else truncate
+        if isinstance(prompt, str):
+            self.check_prompt_chars(prompt, "input")
+            if truncate is None:
+                ids = await self.tokenize(prompt)
+            else:
+                ids = await anyio.to_thread.run_sync(
+                    lambda: list(self.tokenizer(prompt, truncation=True, max_length=keep).input_ids)
+                )
+        else:
+            ids = [int(t) for t in prompt]
+            self.check_token_ids(ids, "input")
+            if truncate is not None:
+                ids = ids[-keep:]
+        if not ids:
+            raise InvalidRequestError("the input is empty", param="input")
+        if len(ids) > limit:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {limit} tokens. However, the input has {len(ids)} "
+                "tokens. Please reduce the length of the input, or set truncate_prompt_tokens.",
+                param="input",
+                code="context_length_exceeded",
+            )
+        return ids
 
     async def chat(
         self,
@@ -541,6 +676,12 @@ class LLM:
             raise EngineDeadError(self.dead)
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+        if self.info.pooling is not None:
+            raise InvalidRequestError(
+                "this model is served as a pooling model (embeddings, classification, scores): it generates no "
+                "text; serve it with --runner generate for completions",
+                param="model",
+            )
         config = self.config
         try:
             params.validate(
@@ -599,6 +740,7 @@ class LLM:
         priority: int,
         cache_salt: str | None,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
@@ -629,6 +771,7 @@ class LLM:
                         cache_salt=cache_salt,
                         arrival_time=time.monotonic(),
                         lora=lora,
+                        pooling=pooling,
                     ),
                 )
             while pending:
@@ -652,6 +795,7 @@ class LLM:
                     delta.prompt_logprobs,
                     delta.num_prompt_tokens,
                     delta.num_cached_tokens,
+                    delta.pooled,
                 )
         finally:
             for cid in ids:

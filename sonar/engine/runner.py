@@ -43,8 +43,11 @@ from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
+from sonar.models.errors import ModelLoadError
 from sonar.models.loader import LoadedModel, load_model
+from sonar.models.pooler import Pooler, PoolState, pooling_info, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
+from sonar.pooling_params import PoolingParams
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
 from sonar.sampling_params import SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
@@ -73,10 +76,22 @@ class _RequestState:
     plain_greedy: bool = False
     """`is_plain_greedy(params)`, computed once: such rows skip building a `SamplingBatch`."""
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
+    pool: PoolState | None = None
+    """A pooling request: what it has kept of its hidden states so far."""
+
+
+def kv_layout(model: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head size) of the model's KV cache. An encoder keeps none (its prompt
+    is attended whole, in one step), but the scheduler still counts blocks: one of a single value."""
+    if not getattr(model, "is_causal", True):
+        return 1, 1, 1
+    return model.num_layers, model.num_kv_heads, model.head_dim
 
 
 def kv_bytes_per_block(model: Any, block_size: int, dtype: torch.dtype) -> int:
-    return memory.kv_bytes_per_block(model.num_layers, block_size, model.num_kv_heads, model.head_dim, dtype)
+    layers, heads, head_dim = kv_layout(model)
+    return memory.kv_bytes_per_block(layers, block_size, heads, head_dim, dtype)
 
 
 def plan_kv_cache(
@@ -106,6 +121,8 @@ def plan_kv_cache(
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
             kv_bytes = memory.default_cpu_kv_bytes(physical) // (config.data_parallel_size * topology.size)
         num_blocks = topology.smallest(memory.num_blocks_for(kv_bytes, per_block))
+        if not getattr(loaded.model, "is_causal", True):  # blocks are only counted: enough for a full batch
+            num_blocks = min(num_blocks, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)
     fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
         log.warning(
@@ -160,6 +177,16 @@ class ModelRunner:
         )
         self.model = self.loaded.model
         self.hidden_size = int(self.loaded.config.hidden_size)
+        self.pooler: Pooler | None = None
+        """A pooling model (`sonar.models.pooler`): pools prompts instead of sampling."""
+        self.causal = bool(getattr(self.model, "is_causal", True))
+        if wants_pooling(type(self.model), cfg.runner, cfg.convert):
+            try:
+                cfg.check_pooling_model()
+            except ValueError as exc:
+                raise ModelLoadError(f"{self.loaded.source}: {exc}") from None
+            info = pooling_info(self.model, self.loaded.config, self.loaded.model_dir, cfg.convert, cfg.pooler())
+            self.pooler = Pooler(info, self.model)
         self.kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, self.loaded.dtype)
         t_pack = time.perf_counter()
         if not cuda:
@@ -188,6 +215,8 @@ class ModelRunner:
             log.warning(
                 "compile.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
             )
+        elif compile_wanted(cfg, device) and not self.causal:
+            log.warning("compile.disabled", detail="encoder models run eagerly")
         elif compile_wanted(cfg, device) and self.lora is not None:
             log.warning("compile.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
         elif compile_wanted(cfg, device):
@@ -215,6 +244,9 @@ class ModelRunner:
                 "cudagraph.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
             )
             sizes = []
+        if sizes and self.pooler is not None:
+            log.info("cudagraph.disabled", detail="a pooling model runs prefills only")
+            sizes = []
         if sizes and self.lora is not None:
             log.warning("cudagraph.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
             sizes = []
@@ -238,14 +270,9 @@ class ModelRunner:
         )
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, draft_kv_dtype, self.max_model_len)
+        layers, kv_heads, head_dim = kv_layout(self.model)
         self.kv_caches = allocate_kv_caches(
-            self.model.num_layers,
-            self.num_blocks,
-            cfg.block_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            self.kv_dtype,
-            device,
+            layers, self.num_blocks, cfg.block_size, kv_heads, head_dim, self.kv_dtype, device
         )
         if self.compiled is not None:  # the graphs of both step kinds, before capture uses them
             self.compiled.warm_up(self.kv_caches, cfg.block_size)
@@ -300,6 +327,7 @@ class ModelRunner:
             device=device.type,
             projections=ModelShapes.of_config(self.loaded.config).modules,
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
+            pooling=None if self.pooler is None else self.pooler.info,
         )
         log.info(
             "kv_cache.allocated",
@@ -435,9 +463,13 @@ class ModelRunner:
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in msg.new_requests:
-            self.requests[new.req_id] = _RequestState(
+            self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
+            if new.pooling is not None:
+                if self.pooler is None:
+                    raise ValueError(f"request {new.req_id}: a pooling request, but this model is not a pooling model")
+                state.pooling, state.pool = new.pooling, self.pooler.state(new.pooling)
         unknown = [s.req_id for s in out.requests if s.req_id not in self.requests]
         if unknown:
             raise UnknownRequestError(f"step {out.step_id} names request(s) this worker does not hold: {unknown[:3]}")
@@ -454,6 +486,8 @@ class ModelRunner:
         drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
         request_rows: list[int] = []  # per request: the row of its first token (for a drafter)
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
+        pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
+        token_types: list[int] | None = None  # BERT's, where a request is a text pair
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
@@ -474,6 +508,18 @@ class ModelRunner:
                 s_lens.append(sched.start_pos + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
+            if state.pooling is not None:
+                pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
+                pair = state.pooling.pair_start
+                if pair is not None and not self.causal:
+                    token_types = token_types if token_types is not None else [0] * first
+                    token_types += [int(p >= pair) for p in range(sched.start_pos, sched.start_pos + n)]
+                elif token_types is not None:
+                    token_types += [0] * n
+                request_rows.append(first)
+                continue
+            if token_types is not None:
+                token_types += [0] * n
             if state.params.prompt_logprobs is not None and sched.start_pos < sched.num_prompt_tokens:
                 rows = min(n, sched.num_prompt_tokens - sched.start_pos)
                 prompt_rows.append((sched.req_id, first, rows, sched.start_pos))
@@ -484,14 +530,24 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
-        if self.graphs is not None and len(ids) == len(q_lens) and not prompt_rows and self.drafter is None:
+        if (
+            self.graphs is not None
+            and len(ids) == len(q_lens)
+            and not prompt_rows
+            and not pool_rows
+            and self.drafter is None
+        ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
         if hidden is None:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
             with self._adapters(out.requests, lost):
-                hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+                if token_types is not None:
+                    types = torch.tensor(token_types, device=device)
+                    hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
+                else:
+                    hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
@@ -499,6 +555,8 @@ class ModelRunner:
             return result
         for rid, first, rows, start in prompt_rows:
             result.prompt_logprobs[rid] = self._prompt_logprobs(hidden[first : first + rows], rid, start)
+        if pool_rows and self.topology.samples:
+            self._pool(pool_rows, hidden, result)
         if sample_rows:
             # a pure decode step samples every row: no gather of the rows needed
             rows = (
@@ -583,6 +641,19 @@ class ModelRunner:
         result.seconds = time.perf_counter() - started
         return result
 
+    def _pool(
+        self, rows: list[tuple[_RequestState, str, int, int, int, bool]], hidden: torch.Tensor, result: StepResult
+    ) -> None:
+        """Keep what each pooling request needs of its rows; a request whose prompt the step
+        completed gets its result."""
+        assert self.pooler is not None
+        for state, rid, first, n, start, last in rows:
+            assert state.pool is not None and state.pooling is not None
+            chunk = hidden[first : first + n]
+            state.pool.add(chunk, start)
+            if last:
+                result.pooled[rid] = self.pooler.finish(state.pool, chunk[-1], state.pooling)
+
     def _adapters(
         self, scheduled: list[ScheduledRequest], lost: dict[str, str]
     ) -> contextlib.AbstractContextManager[None]:
@@ -660,8 +731,10 @@ class ModelRunner:
             ids = torch.zeros(q_len, dtype=torch.int64, device=self.device)
             positions = torch.arange(s_len - q_len, s_len, device=self.device)
             hidden = self._forward_stage(ids, positions, self.kv_caches, meta)
-            if hidden is not None:
+            if hidden is not None and self.pooler is None:
                 self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
+            if not self.causal:  # an encoder attends whole prompts: no decode step to warm
+                break
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+rows (row t predicts token t+1)."""

@@ -156,12 +156,16 @@ class SchedulerActor(Actor):
             kv_events=self.kv_events,
             offload_blocks_per_chunk=self.offload_bpc,
         )
+        # an encoder's token attends to every other: its prompt is computed whole, in one step
+        whole = info.pooling is not None and not info.pooling.causal
         self.core = Scheduler(
             SchedulerConfig(
                 max_model_len=info.max_model_len,
-                max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+                max_num_batched_tokens=max(
+                    cfg.max_num_batched_tokens, cfg.max_num_seqs, info.max_model_len if whole else 0
+                ),
                 max_num_seqs=cfg.max_num_seqs,
-                enable_chunked_prefill=cfg.enable_chunked_prefill,
+                enable_chunked_prefill=cfg.enable_chunked_prefill and not whole,
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold,
                 scheduling_policy=cfg.scheduling_policy,
                 watermark=cfg.watermark,
@@ -259,18 +263,26 @@ class SchedulerActor(Actor):
                 )
             )
         params = msg.params
+        pooling = self.info.pooling
+        if (msg.pooling is None) != (pooling is None):
+            what = "generates no text" if pooling is not None else "is not a pooling model"
+            return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
         try:
             grammar = await self._grammar(msg)
         except InvalidRequestError as exc:
             return Accepted(Rejection(RejectKind.INVALID, str(exc)))
         stop_ids = list(params.stop_token_ids or ())
-        if not params.ignore_eos:
+        if not params.ignore_eos and pooling is None:
             stop_ids += self.info.eos_token_ids
+        skip_cache = params.prompt_logprobs is not None
+        if msg.pooling is not None and pooling is not None:
+            # only the last token's row can come from a step after a prefix-cache hit
+            skip_cache = pooling.pooling_type != "last" or not pooling.causal or msg.pooling.task.startswith("token_")
         try:
             request = Request(
                 msg.request_id,
                 msg.prompt_token_ids,
-                max_tokens=params.max_tokens,
+                max_tokens=1 if msg.pooling is not None else params.max_tokens,
                 min_tokens=params.min_tokens,
                 stop_token_ids=stop_ids,
                 priority=msg.priority,
@@ -278,7 +290,8 @@ class SchedulerActor(Actor):
                 cache_salt=msg.cache_salt,
                 lora=msg.lora,
                 sampling_params=params,
-                skip_reading_prefix_cache=params.prompt_logprobs is not None,
+                pooling_params=msg.pooling,
+                skip_reading_prefix_cache=skip_cache,
                 grammar=grammar,
             )
             self.core.add_request(request)
@@ -405,7 +418,12 @@ class SchedulerActor(Actor):
                 req = self.core.get_request(sched.req_id)
                 new.append(
                     NewRequestData(
-                        sched.req_id, req.sampling_params, req.prompt_token_ids, list(req.output_token_ids), req.lora
+                        sched.req_id,
+                        req.sampling_params,
+                        req.prompt_token_ids,
+                        list(req.output_token_ids),
+                        req.lora,
+                        req.pooling_params,
                     )
                 )
         fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None
@@ -485,6 +503,8 @@ class SchedulerActor(Actor):
             return True
         self.steps += 1
         updates = self.core.update_from_output(result.sampled, result.proposed)
+        if result.pooled:
+            updates += self.core.finish_pooled(result.pooled)
         if bitmask_of is not None:
             await self._send_bitmask(bitmask_of)
         if result.failed:
@@ -507,6 +527,7 @@ class SchedulerActor(Actor):
                     updates=updates,
                     logprobs=result.logprobs,
                     prompt_logprobs=result.prompt_logprobs,
+                    pooled=result.pooled,
                 )
             )
         return True

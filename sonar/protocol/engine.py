@@ -11,6 +11,7 @@ from sonar.actors.messages import RemoteError
 from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.core.request import LoRARequest
 from sonar.errors import Rejection
+from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
 from sonar.sampling_params import SamplingParams
 
 
@@ -49,6 +50,8 @@ class WorkerInfo(msgspec.Struct):
     what a LoRA adapter is checked against (`sonar.lora.adapter.ModelShapes`)."""
     num_hidden_layers: int = 0
     """The model's decoder layers (all stages')."""
+    pooling: PoolingInfo | None = None
+    """A pooling model (``--runner pooling``): what it serves; None for a generative model."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -63,6 +66,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     lora: LoRARequest | None = None
+    pooling: PoolingParams | None = None
+    """A pooling request: the worker pools its prompt instead of sampling."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -87,6 +92,8 @@ class StepResult(msgspec.Struct):
     uncache: list[str] = []
     """Of the `failed` requests, those whose KV of this step is not theirs (their LoRA adapter
     could not be loaded): their blocks must leave the prefix cache."""
+    pooled: dict[str, PooledData] = {}
+    """Pooling requests whose prompt this step completed, with their result: they are done."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):
@@ -153,6 +160,8 @@ class AddRequest(Ask, tag="scheduler.add"):
     arrival_time: float | None = None
     lora: LoRARequest | None = None
     """The LoRA adapter the request runs with (None: the base model)."""
+    pooling: PoolingParams | None = None
+    """A pooling request (a pooling worker only): it ends with its prompt, with a pooled result."""
     reply_type = Accepted
 
 
@@ -217,6 +226,7 @@ class StepOutputs(msgspec.Struct, tag="detok.step"):
     updates: list[RequestUpdate]
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    pooled: dict[str, PooledData] = {}
 
 
 class Forget(msgspec.Struct, tag="detok.forget"):
@@ -255,6 +265,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     error: RequestError | None = None
     """Why the request failed alone (``finish_reason`` ``error``); the frontend raises it."""
+    pooled: PooledData | None = None
+    """A pooling request's result, on its final delta."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

@@ -737,3 +737,48 @@ def test_at_most_max_loras_adapters_run_and_the_others_wait_their_turn() -> None
         seen |= {r.req_id for r in out.requests}
     assert "z1" in seen
     assert_all_free(scheduler)
+
+
+# Pooling requests: they end with their prompt.
+
+
+def test_a_pooling_request_ends_with_its_last_prompt_chunk() -> None:
+    scheduler, _ = make_runner(max_num_batched_tokens=8, long_prefill_token_threshold=8)
+    scheduler.add_request(req("p", 20, max_tokens=1, pooling_params="embed"))
+    steps = []
+    while True:
+        out = scheduler.schedule()
+        if not out.requests:
+            break
+        (sched,) = out.requests
+        steps.append((sched.start_pos, len(sched.token_ids), sched.sample))
+        if sched.sample:
+            (update,) = scheduler.finish_pooled(["p"])
+            assert (update.finish_reason, update.new_token_ids) == ("stop", [])
+    assert steps == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert scheduler.finish_pooled(["p"]) == []  # a late or repeated result is ignored
+    assert_all_free(scheduler)
+
+
+def test_a_pooling_request_is_not_scheduled_again_while_its_step_is_in_flight() -> None:
+    """Async scheduling schedules the next step before the last one's result is back: the
+    pooling request (max_tokens 1) sits that step out, and its result then finishes it."""
+    scheduler, _ = make_runner()
+    scheduler.add_request(req("p", 6, max_tokens=1))
+    first = scheduler.schedule()
+    assert chunks(first) == {"p": (0, 6)} and first.requests[0].sample
+    assert scheduler.schedule().requests == []
+    (update,) = scheduler.finish_pooled(["p"])
+    assert update.finish_reason == "stop"
+    assert_all_free(scheduler)
+
+
+def test_a_pooling_request_preempted_while_its_step_was_in_flight_is_done() -> None:
+    scheduler, _ = make_runner()
+    scheduler.add_request(req("p", 6, max_tokens=1))
+    scheduler.schedule()
+    request = scheduler.running.pop()
+    scheduler._preempt(request)
+    (update,) = scheduler.finish_pooled(["p"])
+    assert update.finish_reason == "stop"
+    assert_all_free(scheduler)
