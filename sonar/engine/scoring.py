@@ -126,7 +126,14 @@ async def _cross_encode(
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise InvalidRequestError("scoring with a cross-encoder needs the model's tokenizer", param="model")
-    max_length = None if truncate is None else (llm.info.max_model_len if truncate < 0 else truncate)
+    limit = llm.info.max_model_len
+    if truncate is not None and (isinstance(truncate, bool) or truncate == 0 or truncate < -1 or truncate > limit):
+        raise InvalidRequestError(  # as `LLM.encode` refuses it: the pairs are cut here, not there
+            f"truncate_prompt_tokens must be -1 (the model's length) or from 1 to the model's maximum context length "
+            f"{limit}, got {truncate!r}",
+            param="truncate_prompt_tokens",
+        )
+    max_length = None if truncate is None else (limit if truncate < 0 else truncate)
 
     def tokenize() -> list[tuple[list[int], int | None]]:
         return [pair_tokens(tokenizer, q, d, max_length) for q, d in pairs]

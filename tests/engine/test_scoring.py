@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from sonar.engine.scoring import cosine, pair_tokens, pair_up, scoring_kind
+import sonar
+from sonar.engine.scoring import cosine, pair_tokens, pair_up, score, scoring_kind
 from sonar.errors import InvalidRequestError
 from sonar.pooling_params import PoolingInfo
 
@@ -77,3 +78,63 @@ def test_without_token_types_there_is_no_pair_start():
 def test_cosine_of_a_vector_with_itself_is_one():
     v = [math.sin(i) for i in range(64)]
     assert cosine(v, v) == pytest.approx(1.0)
+
+
+# -- through the library --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def embedder(one_thread, tiny_engine_checkpoints):
+    """The tiny Qwen3 served as an embedding model (last token, normalized)."""
+    path = tiny_engine_checkpoints["qwen3"].path
+    async with sonar.open(
+        str(path), dtype="float32", runner="pooling", num_gpu_blocks_override=64, max_model_len=16
+    ) as llm:
+        yield llm
+
+
+TEXTS = ["w5 w9 w13 w2", "w1 w2 w3", "w300 w7", "w42"]
+
+
+@pytest.mark.anyio
+async def test_an_embedding_model_scores_by_cosine(embedder):
+    vectors = {t: (await embedder.embed(t)).data.tolist() for t in TEXTS}
+    results = await score(embedder, TEXTS[0], TEXTS[1:])
+    assert [r.index for r in results] == [0, 1, 2]
+    assert [r.score for r in results] == pytest.approx(
+        [cosine(vectors[TEXTS[0]], vectors[d]) for d in TEXTS[1:]], abs=1e-5
+    )
+    lengths = {t: len(t.split()) for t in TEXTS}
+    # The query counts once, with the first pair.
+    assert [r.prompt_tokens for r in results] == [
+        lengths[TEXTS[0]] + lengths[TEXTS[1]],
+        lengths[TEXTS[2]],
+        lengths[TEXTS[3]],
+    ]
+    pairs = await score(embedder, [TEXTS[0], TEXTS[2]], [TEXTS[0], TEXTS[3]])
+    assert pairs[0].score == pytest.approx(1.0, abs=1e-5)
+    assert pairs[1].score == pytest.approx(cosine(vectors[TEXTS[2]], vectors[TEXTS[3]]), abs=1e-5)
+
+
+@pytest.mark.anyio
+async def test_too_long_is_refused_unless_truncated(embedder):
+    long = " ".join(f"w{i}" for i in range(1, 30))
+    with pytest.raises(InvalidRequestError) as info:
+        await score(embedder, long, [TEXTS[1]])
+    assert info.value.code == "context_length_exceeded"
+    results = await score(embedder, long, [TEXTS[1]], truncate_prompt_tokens=-1)
+    assert results[0].prompt_tokens == 16 + 3
+    with pytest.raises(InvalidRequestError) as info:
+        await score(embedder, TEXTS[0], [TEXTS[1]], use_activation=False)
+    assert info.value.param == "use_activation"
+
+
+@pytest.mark.anyio
+async def test_a_generative_model_cannot_score(one_thread, tiny_engine_checkpoints):
+    path = tiny_engine_checkpoints["qwen3"].path
+    async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=16, max_model_len=16) as llm:
+        with pytest.raises(InvalidRequestError, match="--runner pooling"):
+            await score(llm, "w1", ["w2"])

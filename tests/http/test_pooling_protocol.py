@@ -438,6 +438,8 @@ def test_score_with_a_cross_encoder_tokenizes_pairs():
     assert r.status_code == 400 and r.json()["error"]["param"] == "documents"
     r = client_for(llm).post("/score", json={"queries": "q" * 20, "documents": "d", "truncate_prompt_tokens": -1})
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 16
+    r = client_for(llm).post("/score", json={"queries": "q", "documents": "d", "truncate_prompt_tokens": 17})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_openapi_declares_the_pooling_routes_for_a_pooling_model_only():

@@ -1,0 +1,173 @@
+"""The pooling endpoints of a real `python -m sonar serve`: the embedded SmolLM2 served as an
+embedding model (``--convert embed``: its last token's hidden state, normalized), through the
+official `openai` SDK and httpx; and a generative server (the package's `plain_server`), which
+answers them with 400.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from typing import Any, Iterator
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
+
+MODEL = "smol-embed"
+MAX_MODEL_LEN = 64
+TEXTS = ["The cat sat on the mat.", "A dog barked at the moon.", "Stock markets fell sharply today."]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    srv = start_server(
+        tmp_path_factory.mktemp("pooling"),
+        *("--convert", "embed", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)),
+        *("--num-gpu-blocks-override", "64", "--served-model-name", MODEL, "--disable-uvicorn-access-log"),
+    )
+    yield srv
+    stop_server_cleanly(srv)
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def embed(http: httpx.Client, texts: Any, **fields: Any) -> list[list[float]]:
+    r = http.post("/v1/embeddings", json={"input": texts, "encoding_format": "float", **fields})
+    assert r.status_code == 200, r.text
+    return [d["embedding"] for d in r.json()["data"]]
+
+
+def cos(a: list[float], b: list[float]) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_embeddings_through_the_openai_sdk_float_and_base64(client: openai.OpenAI):
+    floats = client.embeddings.create(model=MODEL, input=TEXTS, encoding_format="float")
+    assert floats.model == MODEL and floats.object == "list"
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    size = len(floats.data[0].embedding)
+    assert size == 576  # SmolLM2-135M's hidden size
+    for d in floats.data:
+        assert len(d.embedding) == size
+        assert math.isclose(float(np.linalg.norm(d.embedding)), 1.0, abs_tol=1e-4)  # normalized
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+    # The SDK asks for base64 when no format is given, and decodes it as float32.
+    b64 = client.embeddings.create(model=MODEL, input=TEXTS)
+    for f, b in zip(floats.data, b64.data):
+        np.testing.assert_allclose(b.embedding, f.embedding, atol=1e-6)
+
+
+def test_raw_base64_is_float32_little_endian(http: httpx.Client):
+    r = http.post("/v1/embeddings", json={"input": TEXTS[0], "encoding_format": "base64"})
+    assert r.status_code == 200, r.text
+    vector = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(vector, embed(http, TEXTS[0])[0], atol=1e-6)
+
+
+def test_text_and_its_token_ids_embed_alike(http: httpx.Client):
+    ids = http.post("/tokenize", json={"prompt": TEXTS[1]}).json()["tokens"]
+    by_text, by_ids = embed(http, [TEXTS[1], TEXTS[2]])[0], embed(http, [ids])[0]
+    np.testing.assert_allclose(by_ids, by_text, atol=1e-5)
+    batch = embed(http, TEXTS)
+    np.testing.assert_allclose(batch[1], by_text, atol=1e-4)  # batched or alone
+
+
+def test_normalize_false_gives_the_raw_hidden_state(http: httpx.Client):
+    raw = embed(http, TEXTS[0], normalize=False)[0]
+    unit = embed(http, TEXTS[0])[0]
+    assert np.linalg.norm(raw) > 1.5
+    np.testing.assert_allclose(np.asarray(raw) / np.linalg.norm(raw), unit, atol=1e-5)
+
+
+def test_dimensions_on_a_model_without_matryoshka_is_a_400(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL, input="x", dimensions=8)
+    assert info.value.body["param"] == "dimensions"
+
+
+def test_too_long_is_a_400_unless_truncated(client: openai.OpenAI, http: httpx.Client):
+    long = "word " * 200
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model=MODEL, input=long)
+    assert info.value.code == "context_length_exceeded"
+    kept = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": 10})
+    assert kept.usage.prompt_tokens == 10
+    whole = client.embeddings.create(model=MODEL, input=long, extra_body={"truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == MAX_MODEL_LEN
+
+
+def test_refusals_name_the_field(http: httpx.Client):
+    for body, param in [
+        ({"input": []}, "input"),
+        ({"input": "x", "temperature": 1}, "temperature"),
+        ({"input": "x", "encoding_format": "binary"}, "encoding_format"),
+        ({"input": "x", "user": "u"}, "user"),  # only recorded in the request log, which is off
+        ({"input": [[10**9]]}, "input"),
+    ]:
+        r = http.post("/v1/embeddings", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_pooling_embed_and_token_embed(http: httpx.Client):
+    r = http.post("/pooling", json={"input": TEXTS[0], "task": "embed"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "pooling" and body["id"].startswith("pool-")
+    np.testing.assert_allclose(body["data"][0]["data"], embed(http, TEXTS[0])[0], atol=1e-6)
+    r = http.post("/pooling", json={"input": TEXTS[0], "task": "token_embed", "normalize": False})
+    assert r.status_code == 200, r.text
+    rows = r.json()["data"][0]["data"]  # one row per prompt token, the last one the embedding before normalizing
+    assert len(rows) == r.json()["usage"]["prompt_tokens"] and len(rows[0]) == 576
+    np.testing.assert_allclose(rows[-1], embed(http, TEXTS[0], normalize=False)[0], atol=1e-4)
+    r = http.post("/pooling", json={"input": TEXTS[0], "task": "token_embed", "encoding_format": "base64"})
+    flat = np.frombuffer(base64.b64decode(r.json()["data"][0]["data"]), dtype="<f4")
+    assert flat.shape == (len(rows) * 576,)
+    r = http.post("/classify", json={"input": TEXTS[0]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "task"
+
+
+def test_score_and_rerank_by_cosine(http: httpx.Client):
+    query = "Where did the cat sit?"
+    vectors = embed(http, [query, *TEXTS])
+    expected = [cos(vectors[0], v) for v in vectors[1:]]
+    r = http.post("/score", json={"text_1": query, "text_2": TEXTS, "model": MODEL})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["data"][0]["object"] == "score"
+    assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-4)
+    pairs = http.post("/v1/score", json={"queries": [query, TEXTS[0]], "documents": [TEXTS[0], TEXTS[0]]}).json()
+    assert pairs["data"][0]["score"] == pytest.approx(expected[0], abs=1e-4)
+    assert pairs["data"][1]["score"] == pytest.approx(1.0, abs=1e-4)
+    bad = http.post("/score", json={"text_1": [query, query], "text_2": TEXTS})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    order = sorted(range(3), key=lambda i: -expected[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = http.post(path, json={"query": query, "documents": TEXTS, "top_n": 2})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order[:2]
+        assert [x["document"]["text"] for x in results] == [TEXTS[i] for i in order[:2]]
+        assert [x["relevance_score"] for x in results] == pytest.approx([expected[i] for i in order[:2]], abs=1e-4)
+
+
+def test_a_generative_server_answers_400(plain_server: ServerProcess):
+    client = openai.OpenAI(base_url=f"{plain_server.base_url}/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.embeddings.create(model="smol", input="x")
+    assert "--runner pooling" in info.value.message
+    for path, body in [("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})]:
+        r = httpx.post(f"{plain_server.base_url}{path}", json=body, timeout=30)
+        assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
