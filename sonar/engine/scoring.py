@@ -193,10 +193,11 @@ async def _cosine(
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
-    """The cosine similarity of two vectors (0 where one is zero)."""
+    """The cosine similarity of two vectors (0 where one is zero), kept inside [-1, 1] where
+    rounding would step out (a text against itself)."""
     dot = math.fsum(x * y for x, y in zip(a, b))
     norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
-    return dot / norm if norm else 0.0
+    return max(-1.0, min(1.0, dot / norm)) if norm else 0.0
 
 
 async def _gather(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:

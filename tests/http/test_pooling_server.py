@@ -7,7 +7,10 @@ answers them with 400.
 from __future__ import annotations
 
 import base64
+import copy
+import json
 import math
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -15,6 +18,7 @@ import numpy as np
 import openai
 import pytest
 
+from tests.chaos.test_schema import CHECKS, run_schemathesis
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
 
 MODEL = "smol-embed"
@@ -171,3 +175,47 @@ def test_a_generative_server_answers_400(plain_server: ServerProcess):
     for path, body in [("/score", {"text_1": "a", "text_2": "b"}), ("/rerank", {"query": "a", "documents": ["b"]})]:
         r = httpx.post(f"{plain_server.base_url}{path}", json=body, timeout=30)
         assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
+
+
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/rerank", "/v2/rerank")
+
+
+def test_schemathesis_on_the_pooling_routes(server: ServerProcess, http: httpx.Client, tmp_path: Path):
+    """The published schema of the pooling routes against the server: cases that break it are
+    refused with a documented 4xx; cases that follow it (strings and lists kept short) answer
+    what it documents, never a 5xx."""
+    schema = http.get("/openapi.json").json()
+    schema["paths"] = {path: schema["paths"][path] for path in POOLING_PATHS}
+    full = tmp_path / "pooling.json"
+    full.write_text(json.dumps(schema))
+    short = copy.deepcopy(schema)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            if node.get("type") == "string" and "enum" not in node:
+                node["maxLength"] = min(node.get("maxLength", 40), 40)
+            if node.get("type") == "array":
+                node["maxItems"] = min(node.get("maxItems", 3), 3)
+            for value in node.values():
+                walk(value)
+
+    for name in ("EmbeddingRequest", "PoolingRequest", "ClassificationRequest", "ScoreRequest", "RerankRequest"):
+        walk(short["components"]["schemas"][name])
+    narrowed = tmp_path / "pooling-short.json"
+    narrowed.write_text(json.dumps(short))
+    for mode, location, checks in [
+        ("negative", full, f"{CHECKS},negative_data_rejection"),
+        ("positive", narrowed, CHECKS),
+    ]:
+        out = tmp_path / mode
+        out.mkdir()
+        run_schemathesis(
+            server,
+            str(location),
+            out,
+            *("--mode", mode, "--max-examples", "10", "--phases", "examples,coverage,fuzzing", "--checks", checks),
+            timeout=150,
+        )
