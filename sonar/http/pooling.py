@@ -12,6 +12,7 @@ the shapes.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, TypeVar
 
 import msgspec
@@ -21,6 +22,7 @@ from starlette.responses import Response
 from sonar.engine.llm import LLM
 from sonar.engine.scoring import score
 from sonar.errors import InvalidRequestError
+from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.pooling_protocol import (
     ClassificationRequest,
     ClassificationResponse,
@@ -78,6 +80,16 @@ def _fields(params: PoolingParams) -> dict[str, Any]:
     return {k: v for k, v in msgspec.structs.asdict(params).items() if v is not None}
 
 
+def _record(rec: RequestRecorder, prompt_tokens: int) -> None:
+    """A finished pooling request in the server's metrics: its prompt tokens, a success (finish
+    reason "stop": a pooling request ends with its prompt), its latency."""
+    m = rec.metrics
+    m.prompt_tokens.inc(prompt_tokens)
+    m.total_prompt_tokens += prompt_tokens
+    m.request_success.labels(finished_reason="stop").inc()
+    m.e2e.observe(time.monotonic() - rec.arrival)
+
+
 def _as_param(exc: InvalidRequestError, param: str) -> InvalidRequestError:
     """The engine names a prompt `prompt`; the pooling requests call it `param`."""
     if exc.param == "prompt":
@@ -95,10 +107,11 @@ async def _encode_all(
     lora: str | None,
 ) -> list | None:
     """Each input's `PoolingOutput`, in order; None when the client left."""
+    rec = recorder(request)
 
     async def one(i: int, prompt: str | list[int]):  # noqa: ANN202
         try:
-            return await llm.encode(
+            out = await llm.encode(
                 prompt,
                 params,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
@@ -108,6 +121,8 @@ async def _encode_all(
             )
         except InvalidRequestError as exc:
             raise _as_param(exc, "input") from None
+        _record(rec, len(out.prompt_token_ids))
+        return out
 
     finished, outputs = await cancel_on_disconnect(
         request, lambda: gather([(lambda i=i, p=p: one(i, p)) for i, p in enumerate(inputs)]), rid
@@ -193,10 +208,11 @@ async def _score(
     names: tuple[str, str],
 ) -> list | None:
     """`scoring.score` of the pairs, its errors naming the request's fields; None when the client left."""
+    rec = recorder(request)
 
     async def run() -> list:
         try:
-            return await score(
+            results = await score(
                 llm,
                 queries,
                 documents,
@@ -210,6 +226,9 @@ async def _score(
             renamed = {"queries": names[0], "documents": names[1], "prompt": names[1]}
             exc.param = renamed.get(exc.param, exc.param) if exc.param else exc.param
             raise
+        for r in results:
+            _record(rec, r.prompt_tokens)
+        return results
 
     finished, results = await cancel_on_disconnect(request, run, rid)
     return results if finished else None

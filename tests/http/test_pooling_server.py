@@ -219,3 +219,22 @@ def test_schemathesis_on_the_pooling_routes(server: ServerProcess, http: httpx.C
             *("--mode", mode, "--max-examples", "10", "--phases", "examples,coverage,fuzzing", "--checks", checks),
             timeout=150,
         )
+
+
+def metric(http: httpx.Client, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_pooling_requests_are_counted_in_the_metrics(http: httpx.Client):
+    before = metric(http, "sonar:request_success_total", finished_reason="stop")
+    tokens = metric(http, "sonar:prompt_tokens_total")
+    r = http.post("/v1/embeddings", json={"input": TEXTS[:2]})
+    assert r.status_code == 200
+    assert metric(http, "sonar:request_success_total", finished_reason="stop") == before + 2
+    assert metric(http, "sonar:prompt_tokens_total") == tokens + r.json()["usage"]["prompt_tokens"]
