@@ -143,7 +143,10 @@ async def _cross_encode(
     async def one(i: int) -> ScoreResult:
         prompt, pair_start = encoded[i]
         params = PoolingParams(task="classify", use_activation=use_activation, pair_start=pair_start)
-        out = await llm.encode(prompt, params, priority=priority, request_id=ids(i), lora=lora)
+        try:
+            out = await llm.encode(prompt, params, priority=priority, request_id=ids(i), lora=lora)
+        except InvalidRequestError as exc:
+            raise _named(exc, "documents") from None
         values = out.data.tolist()
         return ScoreResult(i, float(values[0]), len(out.prompt_token_ids))
 
@@ -170,16 +173,20 @@ async def _cosine(
     ids: Callable[[int], str | None],
 ) -> list[ScoreResult]:
     distinct = list(dict.fromkeys(t for pair in pairs for t in pair))
+    queries = {q for q, _ in pairs}
 
     async def embed(i: int) -> tuple[list[float], int]:
-        out = await llm.encode(
-            distinct[i],
-            PoolingParams(task="embed"),
-            truncate_prompt_tokens=truncate,
-            priority=priority,
-            request_id=ids(i),
-            lora=lora,
-        )
+        try:
+            out = await llm.encode(
+                distinct[i],
+                PoolingParams(task="embed"),
+                truncate_prompt_tokens=truncate,
+                priority=priority,
+                request_id=ids(i),
+                lora=lora,
+            )
+        except InvalidRequestError as exc:
+            raise _named(exc, "queries" if distinct[i] in queries else "documents") from None
         return out.data.tolist(), len(out.prompt_token_ids)
 
     embedded = dict(zip(distinct, await _gather([lambda i=i: embed(i) for i in range(len(distinct))])))
@@ -190,6 +197,13 @@ async def _cosine(
         counted.update((q, d))
         results.append(ScoreResult(i, cosine(embedded[q][0], embedded[d][0]), tokens))
     return results
+
+
+def _named(exc: InvalidRequestError, param: str) -> InvalidRequestError:
+    """The engine's refusal of a text (its param ``input``) naming the argument it came from."""
+    if exc.param == "input":
+        exc.param = param
+    return exc
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

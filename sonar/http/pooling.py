@@ -19,7 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sonar.engine.llm import LLM
+from sonar.engine.llm import LLM, PoolingOutput
 from sonar.engine.scoring import score
 from sonar.errors import InvalidRequestError
 from sonar.http.metrics import RequestRecorder, recorder
@@ -90,13 +90,6 @@ def _record(rec: RequestRecorder, prompt_tokens: int) -> None:
     m.e2e.observe(time.monotonic() - rec.arrival)
 
 
-def _as_param(exc: InvalidRequestError, param: str) -> InvalidRequestError:
-    """The engine names a prompt `prompt`; the pooling requests call it `param`."""
-    if exc.param == "prompt":
-        exc.param = param
-    return exc
-
-
 async def _encode_all(
     request: Request,
     llm: LLM,
@@ -105,22 +98,19 @@ async def _encode_all(
     params: PoolingParams,
     req: EmbeddingRequest | PoolingRequest | ClassificationRequest,
     lora: str | None,
-) -> list | None:
+) -> list[PoolingOutput] | None:
     """Each input's `PoolingOutput`, in order; None when the client left."""
     rec = recorder(request)
 
-    async def one(i: int, prompt: str | list[int]):  # noqa: ANN202
-        try:
-            out = await llm.encode(
-                prompt,
-                params,
-                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                priority=req.priority,
-                request_id=f"{rid}-{i}",
-                lora=lora,
-            )
-        except InvalidRequestError as exc:
-            raise _as_param(exc, "input") from None
+    async def one(i: int, prompt: str | list[int]) -> PoolingOutput:
+        out = await llm.encode(
+            prompt,
+            params,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+            priority=req.priority,
+            request_id=f"{rid}-{i}",
+            lora=lora,
+        )
         _record(rec, len(out.prompt_token_ids))
         return out
 
@@ -223,7 +213,7 @@ async def _score(
                 request_id=rid,
             )
         except InvalidRequestError as exc:
-            renamed = {"queries": names[0], "documents": names[1], "prompt": names[1]}
+            renamed = {"queries": names[0], "documents": names[1]}
             exc.param = renamed.get(exc.param, exc.param) if exc.param else exc.param
             raise
         for r in results:

@@ -297,7 +297,7 @@ class FakeLLM:
         if truncate is not None:
             ids = ids[: self.info.max_model_len if truncate < 0 else truncate]
         if len(ids) > self.info.max_model_len:
-            raise InvalidRequestError("too long", param="prompt", code="context_length_exceeded")
+            raise InvalidRequestError("too long", param="input", code="context_length_exceeded")
         text = "".join(chr(i) for i in ids)
         assert params is not None
         if params.task == "classify":
@@ -332,7 +332,7 @@ def test_embeddings_route():
     assert np.frombuffer(base64.b64decode(b64["data"][0]["embedding"]), dtype="<f4").tolist() == [1.0, 1.0, 1.0]
 
 
-def test_engine_errors_name_input_and_keep_their_code():
+def test_engine_errors_keep_their_param_and_code():
     llm = FakeLLM(EMBED)
     r = client_for(llm).post("/v1/embeddings", json={"input": "a" * 17})
     assert r.status_code == 400

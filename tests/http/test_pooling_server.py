@@ -157,6 +157,17 @@ def test_score_and_rerank_by_cosine(http: httpx.Client):
     assert pairs["data"][1]["score"] == pytest.approx(1.0, abs=1e-4)
     bad = http.post("/score", json={"text_1": [query, query], "text_2": TEXTS})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    long = "word " * 200
+    for body, param in [
+        ({"text_1": query, "text_2": [TEXTS[0], long]}, "text_2"),
+        ({"text_1": long, "text_2": TEXTS[0]}, "text_1"),
+        ({"queries": long, "documents": TEXTS[0]}, "queries"),
+    ]:
+        r = http.post("/score", json=body)
+        assert r.status_code == 400, r.text
+        assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, "context_length_exceeded")
+    cut = http.post("/score", json={"text_1": long, "text_2": TEXTS[0], "truncate_prompt_tokens": -1})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] > MAX_MODEL_LEN
     order = sorted(range(3), key=lambda i: -expected[i])
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
         r = http.post(path, json={"query": query, "documents": TEXTS, "top_n": 2})
