@@ -21,9 +21,10 @@ description. `GET /v1/models/{model}` answers the model card, or a 404 with the 
 `model_not_found`; a prompt longer than the model is a 400 with the code
 `context_length_exceeded` (every other error's code is its status).
 
-A pooling model's schema also declares the pooling routes (`sonar/http/pooling.py`: /v1/embeddings,
-/pooling, /classify, /score, /rerank and their other paths), with the tasks it serves; a
-generative model's leaves them out (there they answer 400).
+A pooling model's schema declares the pooling routes (`sonar/http/pooling.py`: /v1/embeddings,
+/pooling, /classify, /score, /rerank and their other paths), with the tasks it serves, in place of
+the generation routes; a generative model's leaves them out. (Either way the routes left out
+answer 400.)
 """
 
 from __future__ import annotations
@@ -293,7 +294,9 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
             )
         },
     }
-    if limits.pooling_tasks is not None:
+    if limits.pooling_tasks is not None:  # a pooling model generates nothing: those routes answer 400
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            del paths[path]
         for path, summary, request, response in _POOLING_ROUTES:
             paths[path] = {"post": post(summary, request, response, generates=True)}
     doc: dict[str, Any] = {

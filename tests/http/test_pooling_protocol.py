@@ -461,6 +461,8 @@ def test_openapi_declares_the_pooling_routes_for_a_pooling_model_only():
         "/v2/rerank",
     ):
         assert {"200", "400", "404"} <= set(doc["paths"][path]["post"]["responses"]), path
+    assert "/v1/completions" in generative["paths"] and "/v1/completions" not in doc["paths"]
+    assert "/v1/chat/completions" not in doc["paths"] and "/tokenize" in doc["paths"]
     schemas = doc["components"]["schemas"]
     embedding = schemas["EmbeddingRequest"]["properties"]
     assert embedding["input"]["anyOf"][2]["items"]["maximum"] == 99
