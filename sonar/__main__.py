@@ -23,12 +23,22 @@ def main(argv: list[str] | None = None) -> int:
             from sonar.bench.actors import main as bench_actors
 
             return bench_actors(rest[1:])
-        if sub in ("serve", "throughput", "startup", "sweep", "compare", "grammar", "scheduler", "collectives"):
+        if sub in (
+            "serve",
+            "throughput",
+            "embed",
+            "startup",
+            "sweep",
+            "compare",
+            "grammar",
+            "scheduler",
+            "collectives",
+        ):
             import importlib
 
             return importlib.import_module(f"sonar.bench.{sub}").main(rest[1:])
         print(
-            "usage: python -m sonar bench {serve,throughput,startup,sweep,compare,grammar,scheduler,collectives,actors} [ARGS...] "
+            "usage: python -m sonar bench {serve,throughput,embed,startup,sweep,compare,grammar,scheduler,collectives,actors} [ARGS...] "
             "(--help after one explains its flags)",
             file=sys.stderr,
         )

@@ -174,6 +174,8 @@ class ModelRunner:
             dequantize_weights=cfg.dequantize_weights,
             parallel=topology.tp,
             stage=topology.stage,
+            hf_overrides=cfg.hf_overrides,
+            convert=cfg.convert,
         )
         self.model = self.loaded.model
         self.hidden_size = int(self.loaded.config.hidden_size)
@@ -325,7 +327,7 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             device=device.type,
-            projections=ModelShapes.of_config(self.loaded.config).modules,
+            projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
         )

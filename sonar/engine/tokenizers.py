@@ -25,10 +25,6 @@ log = get_logger("sonar.tokenizers")
 
 _lock = threading.Lock()
 _prefetched: dict[str, list[Future[Any]]] = {}
-_loading = threading.Lock()
-"""One tokenizer loads at a time in a process: transformers imports its modules lazily, and two
-threads importing the same one at once can fail (``cannot import name 'AutoTokenizer'``: seen
-when two data-parallel replicas started together)."""
 
 
 def _from_pretrained(path: str) -> Any:
@@ -40,7 +36,7 @@ def _from_pretrained(path: str) -> Any:
         config = config_cache.read((Path(path) / "config.json").read_bytes())
     except OSError:
         pass
-    with _loading:
+    with config_cache.TRANSFORMERS_LOCK:  # one at a time: two replicas' at once once failed to import
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(path, **({} if config is None else {"config": config}))

@@ -16,6 +16,7 @@ import copy
 import hashlib
 import json
 import os
+import threading
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +27,11 @@ import structlog
 from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
+
+TRANSFORMERS_LOCK = threading.RLock()
+"""Held while transformers reads a config or a tokenizer in this process: it imports its modules
+lazily, and two threads importing one at once can fail (``cannot import name 'AutoConfig'``: seen
+when a worker read a new model's config while the server loaded its tokenizer)."""
 
 CACHE_VERSION = 1
 

@@ -220,6 +220,7 @@ class DecoderForCausalLM(nn.Module):
     """
 
     architectures: ClassVar[tuple[str, ...]] = ()
+    is_causal: ClassVar[bool] = True
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()

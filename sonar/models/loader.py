@@ -13,6 +13,11 @@ GGUF files are served quantized: their blocks become `QuantizedWeight`s
 dequantized copy of the weights (the reference, and what ``dequantize_weights`` serves), are
 converted once into a safetensors directory under the cache root (`sonar.models.gguf_file`).
 
+Besides causal LMs, `load_model` loads pooling models (no LM head; `LoadedModel.is_pooling_model`):
+encoders (`sonar.models.bert`), decoder classifiers (`sonar.models.classifier`), and causal LMs
+with ``convert="embed"`` (an LM head not tied to the embeddings dropped) or ``convert="classify"``.
+Models without an LM head load unquantized weights only.
+
 Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
 """
 
@@ -27,9 +32,9 @@ from typing import Any, Literal
 
 import structlog
 import torch
+from torch import nn
 
 from sonar.models import config_cache, embedded
-from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import (
     convert_gguf,
@@ -41,7 +46,7 @@ from sonar.models.gguf_file import (
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
-from sonar.models.registry import model_class
+from sonar.models.registry import model_class, sequence_classifier
 from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
 
 log = structlog.get_logger(__name__)
@@ -54,6 +59,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
+CONVERTS = ("auto", "none", "embed", "classify")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -63,7 +69,8 @@ class LoadedModel:
     """A loaded model and what the engine needs to know about it."""
 
     config: Any
-    model: DecoderForCausalLM
+    model: nn.Module
+    """A `DecoderForCausalLM`, or a pooling model (`is_pooling_model`)."""
     dtype: torch.dtype
     device: torch.device
     source: str
@@ -75,6 +82,8 @@ class LoadedModel:
     quantization: str | None = None
     """The quantization method the weights are served in (``gguf``, ``gptq``, ...), None for none."""
     quantized: Installed | None = None
+    is_pooling_model: bool = False
+    """An encoder, a classifier or a causal LM converted to embed: only pooled, never sampled from."""
     _tokenizer: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -83,7 +92,10 @@ class LoadedModel:
 
     @property
     def max_model_len(self) -> int:
-        return int(self.config.max_position_embeddings)
+        """The most tokens a sequence may hold: the model's `max_positions` where it has one
+        (RoBERTa's positions start past its padding index), else the config's positions."""
+        value = getattr(self.model, "max_positions", None)
+        return int(self.config.max_position_embeddings if value is None else value)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -106,9 +118,10 @@ class LoadedModel:
         if self._tokenizer is None:
             if self.tokenizer_path is None:
                 raise ModelLoadError(f"{self.source} comes without a tokenizer")
-            from transformers import AutoTokenizer
+            with config_cache.TRANSFORMERS_LOCK:
+                from transformers import AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_path))
         return self._tokenizer
 
 
@@ -124,6 +137,8 @@ def load_model(
     dequantize_weights: bool = False,
     parallel: TensorParallel = SINGLE,
     stage: PipelineStage = WHOLE,
+    hf_overrides: dict[str, Any] | None = None,
+    convert: str = "none",
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
@@ -134,12 +149,19 @@ def load_model(
     is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
     whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`).
+    `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
+    (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
+    without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
+    (a ``score.weight`` in the checkpoint, or ``classifier_from_token`` in the overrides);
+    ``auto`` and ``none`` load the class the config names.
     """
     started = time.perf_counter()
     if load_format not in ("auto", "safetensors", "gguf", "dummy"):
         raise ModelLoadError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
     if dtype not in ("auto", *DTYPES):
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
+    if convert not in CONVERTS:
+        raise ModelLoadError(f"unknown convert {convert!r} ({', '.join(CONVERTS)})")
     device = torch.device(device)
     resolving = time.perf_counter()
     model_dir, source, gguf = _resolve(model, load_format, revision, download_dir)
@@ -150,16 +172,32 @@ def load_model(
             "(served as they are, or dequantized with --dequantize-weights)"
         )
     convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
-    config = _read_config(model_dir, source)
+    config = _read_config(model_dir, source, hf_overrides or {})
     cls = model_class(config)
+    if convert == "classify":
+        cls = sequence_classifier(cls)
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
     module = module.to(dtype=resolved).to_empty(device=device)
+    # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
+    # so a quantized checkpoint's embedding can still read its rows from the packed output layer
+    if convert == "embed" and hasattr(module, "lm_head") and not module.tie_word_embeddings:
+        del module.lm_head
+        module.tie_word_embeddings = False
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
+    headless = not hasattr(module, "lm_head")
+    if headless and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
+        raise ModelLoadError(
+            f"{source}: {cls.__name__} is served for pooling, which loads unquantized weights only "
+            "(a GGUF file with --dequantize-weights)"
+        )
+    tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
+    if getattr(module, "classifier_from_token", ()) and load_format != "dummy":
+        module.classifier_token_ids = _token_ids(module.classifier_from_token, tokenizer_path, source)
     if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
         dequantize_weights = _float32_on_cpu(resolved, device, quantization, source)
     if load_format == "dummy":
@@ -185,7 +223,6 @@ def load_model(
     if device.type == "cuda":  # the full-size weights the quantized layers replaced
         torch.cuda.empty_cache()
     module.eval().requires_grad_(False)
-    tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
     seconds = time.perf_counter() - started
     log.info(
         "model.loaded",
@@ -210,6 +247,7 @@ def load_model(
         convert_seconds=convert_seconds,
         quantization=method_name,
         quantized=installed if method_name is not None else None,
+        is_pooling_model=convert == "embed" or not hasattr(module, "lm_head"),
     )
 
 
@@ -327,27 +365,50 @@ def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Pat
     return found[0], found[2]
 
 
-def _read_config(model_dir: Path, source: str) -> Any:
-    """The transformers config, after checking from the raw JSON that Sonar serves the architecture
-    (so an architecture transformers does not know either gets the same clear error); from the
-    cache of resolved configs when it holds these exact bytes (`sonar.models.config_cache`)."""
+def _read_config(model_dir: Path, source: str, overrides: dict[str, Any]) -> Any:
+    """The transformers config with `overrides` set over it, after checking from the raw JSON
+    that Sonar serves the (overridden) architecture (so an architecture transformers does not know
+    either gets the same clear error); from the cache of resolved configs when it holds these exact
+    bytes and overrides (`sonar.models.config_cache`)."""
+    if "model_type" in overrides:
+        raise ModelLoadError(f"{source}: hf_overrides cannot change model_type (it picks the config's class)")
     try:
         text = (model_dir / "config.json").read_bytes()
         raw = json.loads(text)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{source}: cannot read config.json: {exc}") from exc
+    if overrides:
+        raw.update(overrides)
+        text += b"\0hf_overrides " + json.dumps(overrides, sort_keys=True).encode()
     model_class(raw)
     cached = config_cache.read(text)
     if cached is not None:
         return cached
-    from transformers import AutoConfig
+    with config_cache.TRANSFORMERS_LOCK:
+        from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as exc:
-        raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+        try:
+            config = AutoConfig.from_pretrained(str(model_dir))
+        except Exception as exc:
+            raise ModelLoadError(f"{source}: invalid config.json: {exc}") from exc
+    config.update(overrides)
     config_cache.write(text, config)
     return config
+
+
+def _token_ids(tokens: tuple[str, ...], tokenizer_path: Path | None, source: str) -> list[int]:
+    """The ids of `tokens` (whole tokens of the vocabulary) in the model's tokenizer."""
+    if tokenizer_path is None:
+        raise ModelLoadError(f"{source}: classifier_from_token needs the model's tokenizer, and it has none")
+    with config_cache.TRANSFORMERS_LOCK:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in tokens]
+    unknown = [t for t, i in zip(tokens, ids) if i is None or tokenizer.convert_ids_to_tokens(i) != t]
+    if unknown:
+        raise ModelLoadError(f"{source}: classifier_from_token {unknown} are not tokens of the model's vocabulary")
+    return ids
 
 
 def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | None, source: str) -> bool:
@@ -375,11 +436,11 @@ def _written(installed: Installed) -> set[str]:
     return {f"{name}.weight" for name in installed.dequantized}
 
 
-def _load_checkpoint(module: DecoderForCausalLM, model_dir: Path, source: str) -> None:
+def _load_checkpoint(module: nn.Module, model_dir: Path, source: str) -> None:
     _check_complete(module, module.load_weights(iter_safetensors(safetensors_files(model_dir))), source)
 
 
-def _check_complete(module: DecoderForCausalLM, loaded: set[str], source: str) -> None:
+def _check_complete(module: nn.Module, loaded: set[str], source: str) -> None:
     expected = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     missing = sorted(expected - loaded)
     if missing:

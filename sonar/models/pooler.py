@@ -135,8 +135,8 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
             )
     labels: list[str] = []
     if head:
-        id2label = getattr(hf_config, "id2label", None) or {}
-        labels = [str(id2label.get(i, id2label.get(str(i), f"LABEL_{i}"))) for i in range(head)]
+        id2label = getattr(model, "id2label", None) or {}
+        labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(head)]
     if kind == "embed":
         tasks = ["embed", "token_embed"]
         why_not = {

@@ -4,24 +4,56 @@ from __future__ import annotations
 
 from typing import Any
 
-from sonar.models.decoder import DecoderForCausalLM
+from torch import nn
+
+from sonar.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    RobertaForSequenceClassification,
+    RobertaModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
+from sonar.models.classifier import (
+    LlamaForSequenceClassification,
+    MistralForSequenceClassification,
+    Qwen2ForSequenceClassification,
+    Qwen3ForSequenceClassification,
+)
 from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
     name: cls
-    for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)
+    for cls in (
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        Qwen2ForCausalLM,
+        Qwen3ForCausalLM,
+        LlamaForSequenceClassification,
+        MistralForSequenceClassification,
+        Qwen2ForSequenceClassification,
+        Qwen3ForSequenceClassification,
+        BertModel,
+        RobertaModel,
+        XLMRobertaModel,
+        BertForSequenceClassification,
+        RobertaForSequenceClassification,
+        XLMRobertaForSequenceClassification,
+    )
     for name in cls.architectures
 }
+"""Causal LMs (`DecoderForCausalLM`), decoder classifiers (`sonar.models.classifier`) and
+encoders (`sonar.models.bert`): see each base class for the runner's contract."""
 
 
 def supported_architectures() -> list[str]:
     return sorted(MODEL_CLASSES)
 
 
-def model_class(config: Any) -> type[DecoderForCausalLM]:
+def model_class(config: Any) -> type[nn.Module]:
     """The class for a config's (object or `config.json` dict) first listed architecture that Sonar implements."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
     names = list(get("architectures") or [])
@@ -33,3 +65,15 @@ def model_class(config: Any) -> type[DecoderForCausalLM]:
         f"unsupported model architecture: {shown} (model_type {get('model_type')!r}); "
         f"Sonar implements {', '.join(supported_architectures())}"
     )
+
+
+def sequence_classifier(cls: type[nn.Module]) -> type[nn.Module]:
+    """The ``*ForSequenceClassification`` class of a causal LM's class (``--convert classify``);
+    a class that classifies already, or an encoder, as it is."""
+    if hasattr(cls, "classify") or not getattr(cls, "is_causal", True):
+        return cls
+    for name in cls.architectures:
+        found = MODEL_CLASSES.get(name.replace("ForCausalLM", "ForSequenceClassification"))
+        if found is not None:
+            return found
+    raise UnsupportedArchitectureError(f"{cls.__name__} has no sequence-classification counterpart in Sonar")

@@ -56,7 +56,7 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in model.named_parameters():
         data = param.data
-        if name.endswith("norm.weight"):
+        if name.lower().endswith("norm.weight"):  # RMSNorm and BERT's LayerNorm
             data.fill_(1.0)
         elif name.endswith(".bias"):
             data.zero_()

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -190,3 +191,33 @@ def test_pooling_flags_refused(args: dict[str, Any], message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_args(**args)
+
+
+async def test_a_worker_crash_mid_prompt_gives_the_same_embeddings(qwen3_st: dict[str, Path]) -> None:
+    """The worker dies on the second step, inside the chunked prompts of mean-pooled requests: the
+    restarted worker computes them again from their first token, and the vectors are those of
+    sentence-transformers."""
+    texts = [" ".join(f"w{i + k}" for i in range(5, 37)) for k in range(3)]
+    path = qwen3_st["mean"]
+    expected = st_embeddings(path, texts)
+    async with sonar.open(
+        str(path),
+        dtype="float32",
+        runner="pooling",
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        fault_injection="raise@step=2",
+    ) as llm:
+        async with anyio.create_task_group() as tg:
+            results: dict[int, Any] = {}
+
+            async def one(i: int) -> None:
+                results[i] = await llm.embed(texts[i])
+
+            for i in range(len(texts)):
+                tg.start_soon(one, i)
+        worker = next(c for c in llm.tree().children if c.name == "worker")
+        assert worker.restarts == 1 and worker.last_exit == "crash"
+    for i, ref in enumerate(expected):
+        assert cosine(results[i].data.tolist(), ref) >= 0.9999
