@@ -4,6 +4,7 @@ cosine path; and through the library (`sonar.open`) on the embedded model as an 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,53 @@ async def test_a_generative_model_cannot_score(one_thread, tiny_engine_checkpoin
     async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=16, max_model_len=16) as llm:
         with pytest.raises(InvalidRequestError, match="--runner pooling"):
             await score(llm, "w1", ["w2"])
+
+
+# -- cross-encoders (tests/models/tiny_pooling.py) ------------------------------------------------
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "gravity is a force", "paris"]
+
+
+@pytest.fixture(scope="module")
+def cross_encoders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Rerankers with one label: a tiny BertForSequenceClassification (token types: the pair's
+    second text is type 1), XLMRobertaForSequenceClassification (none) and
+    Qwen3ForSequenceClassification (a decoder)."""
+    from tests.models.tiny_pooling import save_tiny_bert, save_tiny_decoder_classifier
+
+    out = {}
+    for i, kind in enumerate(("bert", "xlm-roberta")):
+        path = tmp_path_factory.mktemp(f"ce-{kind}")
+        save_tiny_bert(path, kind, num_labels=1, seed=10 + i)
+        out[kind] = path
+    out["qwen3"] = tmp_path_factory.mktemp("ce-qwen3")
+    save_tiny_decoder_classifier(out["qwen3"], "qwen3", num_labels=1, seed=12)
+    return out
+
+
+def cross_encoder_scores(path: Path, pairs: list[tuple[str, str]]) -> list[float]:
+    from sentence_transformers import CrossEncoder
+
+    return [float(s) for s in CrossEncoder(str(path), device="cpu").predict(pairs)]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "qwen3"])
+async def test_a_cross_encoder_scores_as_sentence_transformers(one_thread, cross_encoders, kind: str):
+    path = cross_encoders[kind]
+    expected = cross_encoder_scores(path, [(QUERY, d) for d in DOCUMENTS])
+    async with sonar.open(str(path), dtype="float32", runner="pooling", num_gpu_blocks_override=64) as llm:
+        assert scoring_kind(llm.info.pooling) == "cross-encoder"
+        results = await score(llm, QUERY, DOCUMENTS)
+        pairs = await score(llm, [QUERY, DOCUMENTS[1]], [DOCUMENTS[0], DOCUMENTS[2]])
+        logits = await score(llm, QUERY, DOCUMENTS[:1], use_activation=False)
+        long = " ".join(["the cat sat on the mat"] * 30)
+        with pytest.raises(InvalidRequestError) as info:
+            await score(llm, QUERY, [long])
+        cut = await score(llm, QUERY, [long], truncate_prompt_tokens=-1)
+    assert [r.score for r in results] == pytest.approx(expected, abs=1e-4)
+    assert pairs[0].score == pytest.approx(expected[0], abs=1e-4)
+    assert pairs[1].score == pytest.approx(cross_encoder_scores(path, [(DOCUMENTS[1], DOCUMENTS[2])])[0], abs=1e-4)
+    assert 1 / (1 + math.exp(-logits[0].score)) == pytest.approx(expected[0], abs=1e-4)
+    assert info.value.code == "context_length_exceeded"
+    assert cut[0].prompt_tokens == llm.info.max_model_len

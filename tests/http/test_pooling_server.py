@@ -249,3 +249,52 @@ def test_pooling_requests_are_counted_in_the_metrics(http: httpx.Client):
     assert r.status_code == 200
     assert metric(http, "sonar:request_success_total", finished_reason="stop") == before + 2
     assert metric(http, "sonar:prompt_tokens_total") == tokens + r.json()["usage"]["prompt_tokens"]
+
+
+# -- a cross-encoder (tests/models/tiny_pooling.py) -----------------------------------------------
+QUERY = "what is the capital of france"
+DOCUMENTS = ["paris is the capital of france", "the cat sat on the mat", "gravity is a force", "paris"]
+
+
+@pytest.fixture(scope="module", params=["bert", "qwen3"])
+def reranker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path]]:
+    """A tiny reranker with one label served with --runner pooling: a BertForSequenceClassification
+    (the pair's second text has token type 1) or a Qwen3ForSequenceClassification (a decoder)."""
+    from tests.models.tiny_pooling import save_tiny_bert, save_tiny_decoder_classifier
+
+    path = tmp_path_factory.mktemp(f"reranker-{request.param}")
+    if request.param == "bert":
+        save_tiny_bert(path, "bert", num_labels=1, seed=3)
+    else:
+        save_tiny_decoder_classifier(path, "qwen3", num_labels=1, seed=3)
+    srv = start_server(
+        tmp_path_factory.mktemp("reranker"),
+        *("--model", str(path), "--runner", "pooling", "--dtype", "float32", "--num-gpu-blocks-override", "64"),
+        *("--served-model-name", "reranker", "--disable-uvicorn-access-log"),
+    )
+    yield srv, path
+    stop_server_cleanly(srv)
+
+
+def test_a_cross_encoder_scores_and_reranks_as_sentence_transformers(reranker: tuple[ServerProcess, Path]):
+    from sentence_transformers import CrossEncoder
+
+    srv, path = reranker
+    expected = [float(s) for s in CrossEncoder(str(path), device="cpu").predict([(QUERY, d) for d in DOCUMENTS])]
+    with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        r = http.post("/score", json={"text_1": QUERY, "text_2": DOCUMENTS})
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected, abs=1e-4)
+        r = http.post("/v1/rerank", json={"query": QUERY, "documents": DOCUMENTS, "return_documents": False})
+        assert r.status_code == 200, r.text
+        order = sorted(range(len(DOCUMENTS)), key=lambda i: -expected[i])
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == order and all("document" not in x for x in results)
+        assert [x["relevance_score"] for x in results] == pytest.approx([expected[i] for i in order], abs=1e-4)
+        # /classify takes one text: one probability per label.
+        r = http.post("/classify", json={"input": QUERY})
+        assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
+        r = http.post("/v1/embeddings", json={"input": QUERY})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "task"
