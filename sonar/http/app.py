@@ -3,7 +3,9 @@
     app = build_app(llm, ServerSettings(served_model_names=("my-model",)))
 
 Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (with GET and DELETE
-/v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`),
+/v1/responses/{id} and POST /v1/responses/{id}/cancel: `sonar/http/responses_api.py`), the pooling
+routes POST /v1/embeddings, /pooling, /classify, /score (/v1/score), /rerank (/v1/rerank,
+/v2/rerank) (`sonar/http/pooling.py`; a 400 unless the model is a pooling model),
 GET /v1/models, GET /v1/models/{id} (404 with code "model_not_found" for a name the server does
 not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_adapter and
 /v1/unload_lora_adapter (only with ``SONAR_ALLOW_RUNTIME_LORA_UPDATING=1``: loading runs the
@@ -46,6 +48,7 @@ from sonar.http.errors import EXCEPTION_HANDLERS, error_response
 from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
+from sonar.http.pooling import create_classification, create_embedding, create_pooling, create_rerank, create_score
 from sonar.http.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -215,6 +218,21 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     async def responses(request: Request) -> Response:
         return await create_response(request, llm, settings, store, check_model)
 
+    async def embeddings(request: Request) -> Response:
+        return await create_embedding(request, llm, settings, check_model)
+
+    async def pooling(request: Request) -> Response:
+        return await create_pooling(request, llm, settings, check_model)
+
+    async def classify(request: Request) -> Response:
+        return await create_classification(request, llm, settings, check_model)
+
+    async def score(request: Request) -> Response:
+        return await create_score(request, llm, settings, check_model)
+
+    async def rerank(request: Request) -> Response:
+        return await create_rerank(request, llm, settings, check_model)
+
     async def stored_response(request: Request) -> Response:
         if request.method == "DELETE":
             return await delete_response(request, store)
@@ -332,6 +350,11 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/responses/{response_id}", stored_response, methods=["GET", "DELETE"]),
         Route("/v1/responses/{response_id}/cancel", cancel, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/pooling", pooling, methods=["POST"]),
+        Route("/classify", classify, methods=["POST"]),
+        *(Route(path, score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

@@ -20,6 +20,11 @@ null or the values that ask for what Sonar does anyway (`store: false`), with wh
 description. `GET /v1/models/{model}` answers the model card, or a 404 with the code
 `model_not_found`; a prompt longer than the model is a 400 with the code
 `context_length_exceeded` (every other error's code is its status).
+
+A pooling model's schema declares the pooling routes (`sonar/http/pooling.py`: /v1/embeddings,
+/pooling, /classify, /score, /rerank and their other paths), with the tasks it serves, in place of
+the generation routes; a generative model's leaves them out. (Either way the routes left out
+answer 400.)
 """
 
 from __future__ import annotations
@@ -33,6 +38,19 @@ from starlette.responses import Response
 
 import sonar
 from sonar.engine.config import LIMITS
+from sonar.http.pooling_protocol import (
+    MAX_INPUTS,
+    ClassificationRequest,
+    ClassificationResponse,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingRequest,
+    PoolingResponse,
+    RerankRequest,
+    RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
+)
 from sonar.http.protocol import (
     MAX_N,
     MAX_TOP_LOGPROBS,
@@ -85,11 +103,14 @@ class Limits:
     max_chat_messages: int | None = None
     max_completions_per_request: int | None = None
     max_structured_output_chars: int | None = None
+    pooling_tasks: tuple[str, ...] | None = None
+    """What a pooling model serves (None: a generative model, whose schema has no pooling routes)."""
 
     @classmethod
     def of(cls, llm: Any, settings: Any) -> "Limits":
         """The limits of the server around `llm` (an `LLM`) with its `ServerSettings`."""
         config = llm.config
+        pooling = getattr(llm.info, "pooling", None)
         return cls(
             max_model_len=llm.info.max_model_len,
             max_logprobs=config.max_logprobs,
@@ -97,6 +118,7 @@ class Limits:
             served_model_names=tuple(settings.served_model_names),
             api_key=bool(settings.api_keys),
             metrics_public=settings.metrics_public,
+            pooling_tasks=None if pooling is None else tuple(pooling.tasks),
             **{name: getattr(config, name) for name in LIMITS},
         )
 
@@ -118,9 +140,12 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
         ErrorResponse,
         ResponsesRequest,
         ResponseObject,
+        *(_POOLING_STRUCTS if limits.pooling_tasks is not None else ()),
     ]
     _, components = msgspec.json.schema_components(structs, ref_template=_REF)
     _apply_limits(components, limits)
+    if limits.pooling_tasks is not None:
+        _apply_pooling_limits(components, limits)
 
     def ref(name: str) -> dict[str, Any]:
         return {"$ref": _REF.format(name=name)}
@@ -269,6 +294,11 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
             )
         },
     }
+    if limits.pooling_tasks is not None:  # a pooling model generates nothing: those routes answer 400
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            del paths[path]
+        for path, summary, request, response in _POOLING_ROUTES:
+            paths[path] = {"post": post(summary, request, response, generates=True)}
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "Sonar: OpenAI-compatible API", "version": sonar.__version__},
@@ -278,6 +308,82 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
     if limits.api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
+
+
+_POOLING_STRUCTS = (
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingRequest,
+    PoolingResponse,
+    ClassificationRequest,
+    ClassificationResponse,
+    ScoreRequest,
+    ScoreResponse,
+    RerankRequest,
+    RerankResponse,
+)
+
+#: The pooling routes a pooling model's schema declares: path, summary, request, response.
+_POOLING_ROUTES = (
+    ("/v1/embeddings", "Embeddings (OpenAI's)", "EmbeddingRequest", "EmbeddingResponse"),
+    ("/pooling", "Any pooling task the model serves (vLLM's)", "PoolingRequest", "PoolingResponse"),
+    ("/classify", "Classification (vLLM's)", "ClassificationRequest", "ClassificationResponse"),
+    *(
+        (path, "Scores of text pairs: a cross-encoder's, or cosine similarity", "ScoreRequest", "ScoreResponse")
+        for path in ("/score", "/v1/score")
+    ),
+    *(
+        (path, "Documents by relevance to a query (Jina's and Cohere's shape)", "RerankRequest", "RerankResponse")
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank")
+    ),
+)
+
+
+def _apply_pooling_limits(components: dict[str, Any], limits: Limits) -> None:
+    """The pooling requests' real shapes: inputs (text or token ids, at most `MAX_INPUTS`), the
+    tasks the model serves, the refused fields."""
+    last_id = limits.vocab_size - 1
+    token_ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": last_id},
+        "minItems": 1,
+    }
+    text = _bounded({"type": "string", "minLength": 1}, "maxLength", limits.max_prompt_chars)
+    texts = {"type": "array", "items": text, "minItems": 1, "maxItems": MAX_INPUTS}
+    inputs = {
+        "anyOf": [
+            text,
+            texts,
+            token_ids,
+            {"type": "array", "items": token_ids, "minItems": 1, "maxItems": MAX_INPUTS},
+        ]
+    }
+    for request in (EmbeddingRequest, PoolingRequest, ClassificationRequest, ScoreRequest, RerankRequest):
+        props = components[request.__name__]["properties"]
+        if "input" in props:
+            props["input"] = inputs
+        for name, refusal in request.refused.items():
+            props[name] = _refused(name, refusal)
+        if limits.served_model_names:
+            props["model"] = {
+                "anyOf": [{"type": "string", "enum": list(limits.served_model_names)}, {"type": "null"}],
+                "default": None,
+            }
+    components["PoolingRequest"]["properties"]["task"] = {
+        "anyOf": [{"enum": list(limits.pooling_tasks or ())}, {"type": "null"}],
+        "default": None,
+    }
+    score = components["ScoreRequest"]["properties"]
+    for name in ("text_1", "text_2", "queries", "documents"):
+        score[name] = {"anyOf": [text, texts, {"type": "null"}], "default": None}
+    rerank = components["RerankRequest"]["properties"]
+    rerank["query"] = text
+    rerank["documents"] = {
+        "type": "array",
+        "items": {"anyOf": [text, {"$ref": _REF.format(name="RerankDocument")}]},
+        "minItems": 1,
+        "maxItems": MAX_INPUTS,
+    }
 
 
 def _apply_limits(components: dict[str, Any], limits: Limits) -> None:
