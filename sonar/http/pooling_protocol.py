@@ -30,7 +30,8 @@ from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams, Pooling
 #: the documents of a score or rerank request). More is a 400 naming the field.
 MAX_INPUTS = 2048
 
-#: -1: cut a prompt to the model's length; k > 0: keep its first k tokens (0 is refused).
+#: -1: cut a prompt to the model's length; k > 0: to k tokens (text by its tokenizer, which keeps its
+#: special tokens; token ids keep their last k); 0 is refused.
 TruncateTokens = Annotated[int, msgspec.Meta(ge=-1, le=INT64_MAX)]
 EncodingFormat = Literal["float", "base64"]
 
