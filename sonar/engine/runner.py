@@ -45,7 +45,7 @@ from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.errors import ModelLoadError
 from sonar.models.loader import LoadedModel, load_model
-from sonar.models.pooler import Pooler, PoolState, pooling_info, wants_pooling
+from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
@@ -101,6 +101,7 @@ def plan_kv_cache(
     kv_dtype: torch.dtype | None = None,
     topology: Topology = SOLO,
     extra_block_bytes: int = 0,
+    default_len: int | None = None,
 ) -> tuple[int, int]:
     """(number of KV blocks, max model length) from the flags, the model and the memory:
     ``--num-gpu-blocks-override``, else ``--kv-cache-memory-bytes`` (per rank), else ``kv_bytes``
@@ -108,7 +109,8 @@ def plan_kv_cache(
     data-parallel replicas and the ranks of a parallel group share. The ranks of a group take the
     smallest count any of them can hold: every rank caches the same blocks, each its own heads and
     layers of them. `extra_block_bytes`: what another cache of as many blocks takes per block (a
-    draft model's)."""
+    draft model's). `default_len`: the context when ``--max-model-len`` is unset, below the
+    model's maximum (a sentence-transformers folder's ``max_seq_length``)."""
     dtype = kv_dtype or memory.kv_cache_torch_dtype(config.kv_cache_dtype, loaded.dtype)
     per_block = kv_bytes_per_block(loaded.model, config.block_size, dtype) + extra_block_bytes
     if config.num_gpu_blocks_override is not None:
@@ -123,7 +125,8 @@ def plan_kv_cache(
         num_blocks = topology.smallest(memory.num_blocks_for(kv_bytes, per_block))
         if not getattr(loaded.model, "is_causal", True):  # blocks are only counted: enough for a full batch
             num_blocks = min(num_blocks, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)
-    fitted = memory.fit_max_model_len(config.max_model_len, loaded.max_model_len, num_blocks, config.block_size)
+    requested = config.max_model_len if config.max_model_len is not None or default_len is None else default_len
+    fitted = memory.fit_max_model_len(requested, loaded.max_model_len, num_blocks, config.block_size)
     if fitted.reduced_from is not None:
         log.warning(
             "kv_cache.max_model_len_reduced",
@@ -267,8 +270,15 @@ class ModelRunner:
             draft_dtype = self.drafter.loaded.dtype if isinstance(self.drafter, Drafter) else self.loaded.dtype
             draft_kv_dtype = memory.kv_cache_torch_dtype(cfg.kv_cache_dtype, draft_dtype)
             extra = self.drafter.kv_bytes_per_block(draft_kv_dtype)
+        st_len = None if self.pooler is None else sentence_transformers_max_len(self.loaded.model_dir)
         self.num_blocks, self.max_model_len = plan_kv_cache(
-            cfg, self.loaded, kv_bytes, self.kv_dtype, topology, extra_block_bytes=extra
+            cfg,
+            self.loaded,
+            kv_bytes,
+            self.kv_dtype,
+            topology,
+            extra_block_bytes=extra,
+            default_len=None if st_len is None else min(st_len, self.loaded.max_model_len),
         )
         if self.drafter is not None:
             self.drafter.allocate(self.num_blocks, draft_kv_dtype, self.max_model_len)

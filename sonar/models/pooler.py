@@ -23,7 +23,14 @@ from torch import Tensor
 from sonar.models.errors import ModelLoadError
 from sonar.pooling_params import PooledData, PoolerConfig, PoolingInfo, PoolingParams
 
-__all__ = ["PoolState", "Pooler", "pooling_info", "sentence_transformers_pooling", "wants_pooling"]
+__all__ = [
+    "PoolState",
+    "Pooler",
+    "pooling_info",
+    "sentence_transformers_max_len",
+    "sentence_transformers_pooling",
+    "wants_pooling",
+]
 
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
@@ -90,6 +97,20 @@ def sentence_transformers_pooling(model_dir: Path) -> tuple[str | None, bool | N
     return pooling_type, normalize
 
 
+def sentence_transformers_max_len(model_dir: Path) -> int | None:
+    """``max_seq_length`` of a sentence-transformers folder (``sentence_bert_config.json``): the
+    length it cuts inputs to, often less than the model's positions (all-MiniLM-L6-v2: 256 of 512),
+    so the model's default context; None without one."""
+    config_file = model_dir / "sentence_bert_config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        value = json.loads(config_file.read_text()).get("max_seq_length")
+    except ValueError as exc:
+        raise ModelLoadError(f"{config_file}: not valid JSON ({exc})") from None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def _st_pooling_type(folder: Path) -> str | None:
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -120,10 +141,6 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
     st_type, st_normalize = sentence_transformers_pooling(model_dir)
     default_type = getattr(model, "default_pooling_type", None) or ("last" if causal else "cls")
     pooling_type = pooler.pooling_type or st_type or default_type
-    if pooling_type == "all":
-        raise ModelLoadError(
-            "--pooler-config pooling_type ALL: per-token results are asked per request (task token_embed)"
-        )
     hidden = int(hf_config.hidden_size)
     matryoshka_dims = [int(d) for d in getattr(hf_config, "matryoshka_dimensions", None) or []]
     matryoshka = bool(getattr(hf_config, "is_matryoshka", False) or matryoshka_dims)
@@ -137,11 +154,19 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
     if head:
         id2label = getattr(model, "id2label", None) or {}
         labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(head)]
-    if kind == "embed":
+    if kind == "embed" and pooling_type == "all":
+        tasks = ["token_embed"]
+        why_not = {
+            "embed": "its pooling type is ALL (--pooler-config): one vector per token, the token_embed task",
+            "classify": "it is served as an embedding model; a classifier needs its head",
+        }
+    elif kind == "embed":
         tasks = ["embed", "token_embed"]
         why_not = {
             "classify": "it is served as an embedding model (--convert embed); a classifier needs its head",
         }
+    elif pooling_type == "all":
+        raise ModelLoadError("--pooler-config pooling_type ALL gives one vector per token: not a classifier's input")
     else:
         tasks = ["classify"]
         why_not = {"embed": "it is served as a classifier; serve it with --convert embed for embeddings"}

@@ -221,3 +221,36 @@ async def test_a_worker_crash_mid_prompt_gives_the_same_embeddings(qwen3_st: dic
         assert worker.restarts == 1 and worker.last_exit == "crash"
     for i, ref in enumerate(expected):
         assert cosine(results[i].data.tolist(), ref) >= 0.9999
+
+
+async def test_pooling_type_all_serves_one_row_per_token(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> None:
+    checkpoint = tiny_engine_checkpoints["qwen3"]
+    ids = [5, 9, 13, 2, 7]
+    async with sonar.open(
+        str(checkpoint.path),
+        dtype="float32",
+        runner="pooling",
+        pooler_config={"pooling_type": "ALL", "normalize": False},
+        num_gpu_blocks_override=64,
+    ) as llm:
+        assert llm.info.pooling is not None and llm.info.pooling.tasks == ["token_embed"]
+        rows = await llm.encode(ids)
+        with pytest.raises(InvalidRequestError, match="pooling type is ALL"):
+            await llm.embed(ids)
+    with torch.no_grad():
+        expected = checkpoint.hf.model(torch.tensor([ids])).last_hidden_state[0]
+    assert rows.data.shape == [5, 64]
+    assert torch.allclose(torch.tensor(rows.data.tolist()), expected, atol=1e-4)
+
+
+async def test_a_sentence_transformers_max_seq_length_is_the_default_context(
+    qwen3_st: dict[str, Path], tmp_path: Path
+) -> None:
+    """sentence-transformers cuts inputs to its folder's max_seq_length (128 here, of 256 positions):
+    that is the model's context unless --max-model-len says otherwise."""
+    async with sonar.open(str(qwen3_st["mean"]), dtype="float32", num_gpu_blocks_override=64, runner="pooling") as llm:
+        assert llm.info.max_model_len == 128
+    async with sonar.open(
+        str(qwen3_st["mean"]), dtype="float32", num_gpu_blocks_override=64, runner="pooling", max_model_len=200
+    ) as llm:
+        assert llm.info.max_model_len == 200
