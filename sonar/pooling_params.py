@@ -21,6 +21,8 @@ from typing import Any
 
 import msgspec
 
+from sonar.errors import SonarError
+
 __all__ = [
     "POOLING_TYPES",
     "TASKS",
@@ -40,8 +42,10 @@ Qwen3-Embedding and e5-mistral), their mean, its first token's (BERT's CLS), or 
 token's, for the token tasks)."""
 
 
-class PoolingParamsError(ValueError):
+class PoolingParamsError(SonarError, ValueError):
     """A pooling request or ``--pooler-config`` that cannot be served; `param` names the field."""
+
+    status = 400
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
