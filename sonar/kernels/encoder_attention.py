@@ -7,16 +7,20 @@ else. Nothing is cached: keys and values are this step's.
 On the CPU, head dims 32, 64 and 128 go to the native kernel (``sonar_cpu::encoder_attention``
 in ``sonar/kernels/csrc/cpu_ops.cpp``): per (sequence, head) it packs K and V once, then takes
 16 query rows at a time through all their scores, a float32 softmax and P V, with bfloat16 pair
-dot products (``vdpbf16ps``) on a CPU with AVX512-BF16. Measured on 2 busy CPU cores, one
-layer's attention, best of 9 (SDPA as below vs native): bge-small's heads (12 of 32), 16 x 256
-tokens, bf16 31 vs 15 ms (float32 48 vs 42); 12 heads of 64, 16 x 256, bf16 38 vs 18 ms;
-mixed lengths (5..512, 7 sequences, 12 heads of 32) bf16 69 vs 12 ms. Its mean error against a
-float32 reference equals SDPA's. Running each query token through the decode kernel instead
-(keys and values written to a paged cache first, every token a one-token query over its whole
-sequence) measured 3x slower than SDPA (16 x 256, 12 heads of 64, bf16: 93 vs 48 ms): a decode
-reads each key once per query with a 16-token online-softmax step in between.
+dot products (``vdpbf16ps``) on a CPU with AVX512-BF16. Measured on a shared 2-core AVX512-BF16
+CPU, one layer's attention over 16 x 256 tokens, best-median of 7, SDPA (as below) vs native:
+bge-small's heads (12 of 32) bf16 26.6-27.2 vs 11.1-11.2 ms on one thread, 16-17 vs 5.6-5.8 ms
+on two; 12 heads of 64 bf16 45 vs 18.6 ms (one thread), 23 vs 9.5 ms (two); 12 heads of 32
+float32 25 vs 22.5 ms (one), a tie at 14-16 ms (two); mixed lengths (7 sequences of 1-512
+tokens, 12 heads of 32, bf16, two threads) 3.5 vs 3.1 ms. In the model's profile (bge-small
+shape, 16 x 256 tokens) attention went from 35-36% of the forward (15-16 ms a layer) to 18-19%
+(6-10 ms). Its mean error against a float32 reference equals SDPA's. Running each query token
+through the paged decode kernel instead (keys and values written to a cache first, every token
+a one-token query over its whole sequence) measured 2-3x slower than SDPA (16 x 256 bf16, 12
+heads of 32: 97 vs 30 ms; of 64: 93 vs 48 ms): a decode reads each key once per query, with an
+online-softmax step every 16 keys, where this kernel reuses each packed key tile for 16 queries.
 
-Elsewhere (CUDA, other head dims, float8, code that ``torch.compile`` traces, native kernels
+Elsewhere (CUDA, other head dims, code that ``torch.compile`` traces, native kernels
 off), sequences of one length are one SDPA call over the batch viewed ``[num_seqs, len, ...]``;
 otherwise each sequence is its own SDPA call. Measured on 2 busy CPU cores (12 heads of 64,
 best of 5): a padded batch with a key-padding mask was slower in every mixed case (32 x 64-256

@@ -70,7 +70,9 @@ native_kernel = pytest.mark.skipif(
 
 
 @native_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
+)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lens", [[1], [37, 1, 16, 300, 5, 17], [64, 64, 64]], ids=["one", "mixed", "equal"])
 def test_native_kernel_matches_the_reference(dtype: torch.dtype, head_dim: int, lens: list[int]) -> None:
