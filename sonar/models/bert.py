@@ -90,10 +90,10 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(hidden, 3 * hidden)
         self.output = Output(hidden, hidden, config.layer_norm_eps)
 
-    def forward(self, x: Tensor, starts: list[int]) -> Tensor:
+    def forward(self, x: Tensor, starts: list[int], starts_tensor: Tensor) -> Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        o = encoder_attention(q, k, v, starts, self.scale)
+        o = encoder_attention(q, k, v, starts, self.scale, starts_tensor)
         return self.output(o.reshape(n, -1), x)
 
 
@@ -117,8 +117,8 @@ class Layer(nn.Module):
         self.intermediate = Intermediate(config)
         self.output = Output(config.intermediate_size, config.hidden_size, config.layer_norm_eps)
 
-    def forward(self, x: Tensor, starts: list[int]) -> Tensor:
-        x = self.attention(x, starts)
+    def forward(self, x: Tensor, starts: list[int], starts_tensor: Tensor) -> Tensor:
+        x = self.attention(x, starts, starts_tensor)
         return self.output(self.intermediate(x), x)
 
 
@@ -177,7 +177,7 @@ class BertModel(nn.Module):
         starts = sequence_starts(attn_metadata)
         x = self.embeddings(input_ids, positions + self.position_offset, token_type_ids)
         for layer in self.encoder.layer:
-            x = layer(x, starts)
+            x = layer(x, starts, attn_metadata.query_start_loc)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

@@ -170,3 +170,24 @@ def test_dummy_weights(encoders: dict[str, tuple[Path, Any]]) -> None:
     hidden = run(loaded, [[0, 5, 6, 2], [0, 7, 2]])
     logits = loaded.model.classify(torch.stack([h[0] for h in hidden]))
     assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_heads_of_32_match_transformers(dtype: str, tmp_path: Path) -> None:
+    """Two heads of 32 (bge-small's head size): the CPU attention takes the native kernel where
+    it is built; mixed lengths in one batch."""
+    from sonar.kernels import native
+    from sonar.kernels.encoder_attention import use_native
+
+    hf = save_tiny_bert(tmp_path, "bert", seed=5, num_attention_heads=2)
+    loaded = load_model(str(tmp_path), dtype=dtype)
+    assert loaded.model.head_dim == 32
+    probe = torch.empty(1, 2, 32, dtype=loaded.dtype)
+    if native.available() and torch.ops.sonar_cpu.has_encoder_attention():
+        assert use_native(probe, probe, probe)
+    tokenizer = loaded.load_tokenizer()
+    seqs = [tokenizer(t).input_ids for t in TEXTS]
+    for seq, ours in zip(seqs, run(loaded, seqs), strict=True):
+        with torch.inference_mode():
+            expected = hf(input_ids=torch.tensor([seq])).last_hidden_state[0]
+        assert (ours.float() - expected).abs().max() < (1e-4 if dtype == "float32" else 0.15)

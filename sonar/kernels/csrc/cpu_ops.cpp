@@ -638,6 +638,297 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   });
 }
 
+// --- bidirectional encoder attention -------------------------------------------------------------
+//
+// Every token of a sequence attends to every token of its own sequence (BERT-style encoders, no
+// cache, no mask): q/k/v [tokens, heads, head_dim] (rows may be strided, e.g. views of one fused
+// QKV projection), sequence i owning rows starts[i]..starts[i + 1]. A unit of work is one
+// (sequence, head): its K and V are packed once into the layout the products want, then its
+// queries go 16 rows at a time: all scores of the 16 rows (the whole sequence: no online softmax),
+// softmax in float32, then P V; the rows are divided by their sums at the end. Head dims 32, 64
+// and 128 (AVX-512); bfloat16 on a CPU with AVX512-BF16 multiplies bfloat16 pairs (`vdpbf16ps`),
+// the probabilities rounded to bfloat16 before P V (as torch's CPU flash attention does for
+// reduced-precision inputs), everything else computes in float32.
+
+#ifdef SONAR_AVX512
+constexpr int64_t kEncRows = 16;  // query rows per pass
+
+// exp(x) for probabilities rounded to bfloat16 afterwards: `exp16`'s range reduction with a
+// degree-4 polynomial (relative error ~4e-5, under a tenth of bfloat16's rounding step).
+inline __m512 exp16_bf16(__m512 x) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped));
+  __m512 p = _mm512_set1_ps(1.f / 24.f);
+  for (const float c : {1.f / 6.f, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 result = _mm512_scalef_ps(p, n);
+  return _mm512_mask_mov_ps(result, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
+// Softmax numerators of kEncRows rows of float32 scores s[r * padded + t] (keys past len masked),
+// in place, or with `pairs` rounded to bfloat16 there instead ([r][padded / 2] pairs); their sums
+// (of the float32 values) into sums.
+template <bool ToBf16>
+inline void encoder_softmax_rows(float* s, int64_t len, int64_t padded, float* sums, uint32_t* pairs = nullptr) {
+  for (int64_t r = 0; r < kEncRows; ++r) {
+    float* row = s + r * padded;
+    for (int64_t t = len; t < padded; ++t) row[t] = -std::numeric_limits<float>::infinity();
+    __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < padded; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(row + t));
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+#ifdef __AVX512BF16__
+      if constexpr (ToBf16) {
+        const __m512 p = exp16_bf16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mx));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + r * padded / 2 + t / 2), (__m256i)_mm512_cvtneps_pbh(p));
+        sum = _mm512_add_ps(sum, p);
+        continue;
+      }
+#endif
+      const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(row + t), mx));
+      _mm512_storeu_ps(row + t, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    sums[r] = _mm512_reduce_add_ps(sum);
+  }
+}
+
+template <typename T, int C>
+struct EncoderF32 {
+  static constexpr int64_t D = 16 * C;
+  std::vector<float> kp, vp, q, s;  // K [tile][D][16], V [t][D], Q [kEncRows][D], S [kEncRows][padded]
+
+  void pack(const T* k, const T* v, int64_t k_row, int64_t v_row, int64_t len, int64_t padded) {
+    kp.assign(padded * D, 0.f);
+    vp.assign(padded * D, 0.f);
+    for (int64_t t = 0; t < len; ++t) {
+      float* kt = kp.data() + (t / 16) * D * 16 + t % 16;
+      for (int64_t d = 0; d < D; ++d) kt[d * 16] = to_float(k[t * k_row + d]);
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(vp.data() + t * D + 16 * c, load16(v + t * v_row + 16 * c));
+    }
+    s.resize(kEncRows * padded);
+    q.resize(kEncRows * D);
+  }
+
+  void load_queries(const T* src, int64_t q_row, int64_t n, float scale) {
+    std::fill(q.begin(), q.end(), 0.f);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[r * q_row + d]) * scale;
+  }
+
+  void scores(int64_t padded) {
+    const int64_t tiles = padded / 16;
+    for (int64_t r0 = 0; r0 < kEncRows; r0 += 4)
+      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
+        const int64_t nj = std::min<int64_t>(4, tiles - j0);
+        __m512 acc[4][4];
+        for (auto& a : acc)
+          for (auto& x : a) x = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+          __m512 kv[4];
+          for (int64_t j = 0; j < 4; ++j) kv[j] = j < nj ? _mm512_loadu_ps(kp.data() + ((j0 + j) * D + d) * 16) : kv[0];
+          for (int64_t r = 0; r < 4; ++r) {
+            const __m512 qb = _mm512_set1_ps(q[(r0 + r) * D + d]);
+            for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qb, kv[j], acc[r][j]);
+          }
+        }
+        for (int64_t r = 0; r < 4; ++r)
+          for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(s.data() + (r0 + r) * padded + (j0 + j) * 16, acc[r][j]);
+      }
+  }
+
+  void softmax(int64_t len, int64_t padded, float* sums) { encoder_softmax_rows<false>(s.data(), len, padded, sums); }
+
+  void values(int64_t padded, float* out) {  // out [kEncRows][D]
+    constexpr int RB = C <= 2 ? 4 : (C <= 4 ? 2 : 1);
+    for (int64_t r0 = 0; r0 < kEncRows; r0 += RB) {
+      __m512 acc[RB][C];
+      for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_ps();
+      for (int64_t t = 0; t < padded; ++t) {
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vp.data() + t * D + 16 * c);
+        for (int r = 0; r < RB; ++r) {
+          const __m512 p = _mm512_set1_ps(s[(r0 + r) * padded + t]);
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(p, vv[c], acc[r][c]);
+        }
+      }
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (r0 + r) * D + 16 * c, acc[r][c]);
+    }
+  }
+};
+
+#ifdef __AVX512BF16__
+template <int C>
+struct EncoderBf16 {
+  static constexpr int64_t D = 16 * C, DP = D / 2;
+  // K [tile][DP][16] and V [t / 2][D] of bfloat16 pairs (u32); Q [kEncRows][DP] pairs; S float32
+  // [kEncRows][padded]; P [kEncRows][padded / 2] pairs
+  std::vector<uint32_t> kp, vp, q, p;
+  std::vector<float> s;
+
+  void pack(const Bf16* k, const Bf16* v, int64_t k_row, int64_t v_row, int64_t len, int64_t padded) {
+    kp.assign(padded * DP, 0u);
+    vp.assign(padded / 2 * D, 0u);
+    for (int64_t t = 0; t < len; ++t) {
+      uint32_t* kt = kp.data() + (t / 16) * DP * 16 + t % 16;
+      const Bf16* krow = k + t * k_row;
+      for (int64_t i = 0; i < DP; ++i) std::memcpy(kt + i * 16, krow + 2 * i, 4);
+      Bf16* vt = reinterpret_cast<Bf16*>(vp.data() + (t / 2) * D) + t % 2;
+      const Bf16* vrow = v + t * v_row;
+      for (int64_t d = 0; d < D; ++d) vt[2 * d] = vrow[d];
+    }
+    s.resize(kEncRows * padded);
+    p.resize(kEncRows * padded / 2);
+    q.resize(kEncRows * DP);
+  }
+
+  void load_queries(const Bf16* src, int64_t q_row, int64_t n, float) {  // scaled with the scores
+    std::fill(q.begin(), q.end(), 0u);
+    for (int64_t r = 0; r < n; ++r) std::memcpy(q.data() + r * DP, src + r * q_row, D * sizeof(Bf16));
+  }
+
+  void scores(int64_t padded, float scale) {
+    const int64_t tiles = padded / 16;
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < kEncRows; r0 += 4)
+      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
+        const int64_t nj = std::min<int64_t>(4, tiles - j0);
+        __m512 acc[4][4];
+        for (auto& a : acc)
+          for (auto& x : a) x = _mm512_setzero_ps();
+        for (int64_t i = 0; i < DP; ++i) {
+          __m512bh kv[4];
+          for (int64_t j = 0; j < 4; ++j)
+            kv[j] = (__m512bh)_mm512_loadu_si512(kp.data() + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
+          for (int64_t r = 0; r < 4; ++r) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
+            for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, kv[j]);
+          }
+        }
+        for (int64_t r = 0; r < 4; ++r)
+          for (int64_t j = 0; j < nj; ++j)
+            _mm512_storeu_ps(s.data() + (r0 + r) * padded + (j0 + j) * 16, _mm512_mul_ps(acc[r][j], sc));
+      }
+  }
+
+  void softmax(int64_t len, int64_t padded, float* sums) {
+    encoder_softmax_rows<true>(s.data(), len, padded, sums, p.data());
+  }
+
+  void values(int64_t padded, float* out) {
+    constexpr int RB = C <= 2 ? 8 : (C <= 4 ? 4 : 2);
+    const int64_t pairs = padded / 2;
+    for (int64_t r0 = 0; r0 < kEncRows; r0 += RB) {
+      __m512 acc[RB][C];
+      for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_ps();
+      for (int64_t tp = 0; tp < pairs; ++tp) {
+        __m512bh vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp.data() + tp * D + 16 * c);
+        for (int r = 0; r < RB; ++r) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[(r0 + r) * pairs + tp]));
+          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+        }
+      }
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (r0 + r) * D + 16 * c, acc[r][c]);
+    }
+  }
+};
+#endif
+
+template <typename T, typename Kernel>
+void encoder_attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const int32_t* starts, int64_t num_seqs, double scale) {
+  const int64_t heads = q.size(1);
+  constexpr int64_t D = Kernel::D;
+  const T* qb = data<const T>(q);
+  const T* kb = data<const T>(k);
+  const T* vb = data<const T>(v);
+  T* ob = data<T>(out);
+  at::parallel_for(0, num_seqs * heads, 1, [&](int64_t begin, int64_t end) {
+    Kernel kernel;
+    alignas(64) float acc[kEncRows * D];
+    float sums[kEncRows];
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t seq = unit / heads, h = unit % heads;
+      const int64_t first = starts[seq], len = starts[seq + 1] - first;
+      if (len <= 0) continue;
+      const int64_t padded = (len + 15) / 16 * 16;
+      kernel.pack(kb + first * k.stride(0) + h * k.stride(1), vb + first * v.stride(0) + h * v.stride(1), k.stride(0),
+                  v.stride(0), len, padded);
+      for (int64_t r0 = 0; r0 < len; r0 += kEncRows) {
+        const int64_t n = std::min<int64_t>(kEncRows, len - r0);
+        kernel.load_queries(qb + (first + r0) * q.stride(0) + h * q.stride(1), q.stride(0), n,
+                            static_cast<float>(scale));
+        if constexpr (std::is_same_v<Kernel, EncoderF32<T, Kernel::D / 16>>)
+          kernel.scores(padded);
+        else
+          kernel.scores(padded, static_cast<float>(scale));
+        kernel.softmax(len, padded, sums);
+        kernel.values(padded, acc);
+        for (int64_t r = 0; r < n; ++r) {
+          T* dst = ob + (first + r0 + r) * out.stride(0) + h * out.stride(1);
+          const __m512 inv = _mm512_set1_ps(1.f / sums[r]);
+          for (int64_t c = 0; c < D; c += 16) storen(dst + c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + c), inv), 16);
+        }
+      }
+    }
+  });
+}
+
+template <typename T, int C>
+void encoder_attention_fixed(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const int32_t* starts, int64_t num_seqs, double scale) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, Bf16>)
+    return encoder_attention_impl<T, EncoderBf16<C>>(out, q, k, v, starts, num_seqs, scale);
+#endif
+  encoder_attention_impl<T, EncoderF32<T, C>>(out, q, k, v, starts, num_seqs, scale);
+}
+#endif
+
+bool has_encoder_attention() {
+#ifdef SONAR_AVX512
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& starts,
+                             double scale) {
+  for (const at::Tensor* t : {&q, &k, &v, &starts}) check_cpu(*t, "every tensor");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+              "sonar_cpu::encoder_attention: q, k and v [tokens, heads, head_dim] of one shape");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "sonar_cpu::encoder_attention: q, k and v share one dtype");
+  TORCH_CHECK(starts.scalar_type() == at::kInt && starts.dim() == 1 && starts.is_contiguous() && starts.numel() >= 1,
+              "sonar_cpu::encoder_attention: int32 starts [seqs + 1]");
+  TORCH_CHECK(has_encoder_attention(), "sonar_cpu::encoder_attention: needs AVX-512");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128,
+              "sonar_cpu::encoder_attention: head_dim 32, 64 or 128");
+  for (const at::Tensor* t : {&q, &k, &v}) check_last_contiguous(*t, "q, k and v");
+  const int32_t* st = starts.data_ptr<int32_t>();
+  const int64_t num_seqs = starts.numel() - 1;
+  TORCH_CHECK(st[0] == 0 && st[num_seqs] == q.size(0), "sonar_cpu::encoder_attention: starts must span the rows");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+#ifdef SONAR_AVX512
+  SONAR_DISPATCH(q.scalar_type(), "encoder_attention", [&] {
+    if (head_dim == 32) return encoder_attention_fixed<scalar_t, 2>(out, q, k, v, st, num_seqs, scale);
+    if (head_dim == 64) return encoder_attention_fixed<scalar_t, 4>(out, q, k, v, st, num_seqs, scale);
+    return encoder_attention_fixed<scalar_t, 8>(out, q, k, v, st, num_seqs, scale);
+  });
+#endif
+  return out;
+}
+
 // --- RMSNorm -------------------------------------------------------------------------------------
 //
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), statistics in float32, the normalized row rounded
@@ -1941,6 +2232,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor rows, float scale, int window) -> ()");
+  m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor");
+  m.def("has_encoder_attention() -> bool", &has_encoder_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
@@ -1961,6 +2254,7 @@ TORCH_LIBRARY(sonar_cpu, m) {
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("encoder_attention", &encoder_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("write_kv_cache", &write_kv_cache);
