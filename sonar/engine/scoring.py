@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import anyio
 
+from sonar.engine.gather import gather
 from sonar.errors import InvalidRequestError
 from sonar.pooling_params import PoolingInfo, PoolingParams
 
@@ -150,7 +151,7 @@ async def _cross_encode(
         values = out.data.tolist()
         return ScoreResult(i, float(values[0]), len(out.prompt_token_ids))
 
-    return await _gather([lambda i=i: one(i) for i in range(len(pairs))])
+    return await gather([lambda i=i: one(i) for i in range(len(pairs))])
 
 
 def pair_tokens(tokenizer: Any, query: str, document: str, max_length: int | None) -> tuple[list[int], int | None]:
@@ -189,7 +190,7 @@ async def _cosine(
             raise _named(exc, "queries" if distinct[i] in queries else "documents") from None
         return out.data.tolist(), len(out.prompt_token_ids)
 
-    embedded = dict(zip(distinct, await _gather([lambda i=i: embed(i) for i in range(len(distinct))])))
+    embedded = dict(zip(distinct, await gather([lambda i=i: embed(i) for i in range(len(distinct))])))
     counted: set[str] = set()
     results = []
     for i, (q, d) in enumerate(pairs):
@@ -212,24 +213,3 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     dot = math.fsum(x * y for x, y in zip(a, b))
     norm = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
     return max(-1.0, min(1.0, dot / norm)) if norm else 0.0
-
-
-async def _gather(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
-    """Await the calls concurrently; results in order. The first failure cancels the rest and is
-    raised as itself (not inside an exception group)."""
-    results: list[Any] = [None] * len(calls)
-    errors: list[Exception] = []
-
-    async def one(i: int) -> None:
-        try:
-            results[i] = await calls[i]()
-        except Exception as exc:
-            errors.append(exc)
-            tg.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(calls)):
-            tg.start_soon(one, i)
-    if errors:
-        raise errors[0]
-    return results

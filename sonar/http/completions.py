@@ -16,6 +16,7 @@ from typing import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sonar.engine.gather import gather
 from sonar.engine.llm import LLM, RequestOutput
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, completion_logprobs, make_usage, merge_completion_logprobs
@@ -30,7 +31,7 @@ from sonar.http.request_log import check_user, log_delta, log_output, log_reques
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
-from sonar.http.tasks import cancel_on_disconnect, gather
+from sonar.http.tasks import cancel_on_disconnect
 from sonar.sampling_params import SamplingParams
 
 

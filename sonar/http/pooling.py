@@ -19,6 +19,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from sonar.engine.gather import gather
 from sonar.engine.llm import LLM, PoolingOutput
 from sonar.engine.scoring import score
 from sonar.errors import InvalidRequestError
@@ -47,7 +48,7 @@ from sonar.http.protocol import RequestError, decode_request
 from sonar.http.request_log import check_user, log_request
 from sonar.http.responses import json_response, new_id
 from sonar.http.settings import ServerSettings
-from sonar.http.tasks import cancel_on_disconnect, gather
+from sonar.http.tasks import cancel_on_disconnect
 from sonar.pooling_params import PoolingInfo, PoolingParams
 
 CheckModel = Callable[[str | None], str | None]

@@ -1,37 +1,15 @@
-"""Concurrency for the endpoints: several engine calls at once, a call cancelled when its client leaves."""
+"""Concurrency for the endpoints: a call cancelled when its client leaves (several calls at once:
+`sonar.engine.gather`)."""
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable
 
 import anyio
 
 from sonar.log import get_logger
 
 log = get_logger("sonar.http")
-
-
-async def gather(calls: Sequence[Callable[[], Awaitable[Any]]]) -> list[Any]:
-    """Await the calls concurrently; results in order. The first failure cancels the rest and is
-    raised as itself (not inside an exception group)."""
-    if len(calls) == 1:
-        return [await calls[0]()]
-    results: list[Any] = [None] * len(calls)
-    errors: list[Exception] = []
-
-    async def one(i: int) -> None:
-        try:
-            results[i] = await calls[i]()
-        except Exception as exc:
-            errors.append(exc)
-            tg.cancel_scope.cancel()
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(calls)):
-            tg.start_soon(one, i)
-    if errors:
-        raise errors[0]
-    return results
 
 
 async def cancel_on_disconnect(

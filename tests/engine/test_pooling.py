@@ -4,7 +4,6 @@ refusals."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -17,38 +16,11 @@ import sonar
 from sonar.errors import InvalidRequestError
 from sonar.pooling_params import PoolingParams
 from tests.engine.conftest import TinyCheckpoint
+from tests.models.tiny_pooling import write_sentence_transformers
 
 pytestmark = pytest.mark.anyio
 
 TEXTS = ["w5 w9 w13 w2", "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11", "w300 w7", "w42"]
-
-
-def write_sentence_transformers(path: Path, mode: str, normalize: bool) -> None:
-    """Make a checkpoint folder a sentence-transformers model: Transformer, Pooling(mode), Normalize."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-    ]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (path / "2_Normalize").mkdir(exist_ok=True)
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
-    pooling = path / "1_Pooling"
-    pooling.mkdir(exist_ok=True)
-    dim = json.loads((path / "config.json").read_text())["hidden_size"]
-    (pooling / "config.json").write_text(
-        json.dumps(
-            {
-                "word_embedding_dimension": dim,
-                "pooling_mode_cls_token": mode == "cls",
-                "pooling_mode_mean_tokens": mode == "mean",
-                "pooling_mode_max_tokens": False,
-                "pooling_mode_mean_sqrt_len_tokens": False,
-                "pooling_mode_lasttoken": mode == "last",
-            }
-        )
-    )
 
 
 def st_embeddings(path: Path, texts: list[str]) -> torch.Tensor:

@@ -131,13 +131,9 @@ def save_tiny_bert(
     return model
 
 
-def save_tiny_sentence_transformer(
-    path: Path, pooling: Literal["mean", "cls"] = "mean", normalize: bool = True, seed: int = 0
-) -> Any:
-    """A tiny BERT saved as a sentence-transformers folder (modules.json, 1_Pooling, with
-    `normalize` 2_Normalize) that ``SentenceTransformer(str(path))`` loads. Returns the
-    transformers ``BertModel``."""
-    model = save_tiny_bert(path, "bert", seed=seed)
+def write_sentence_transformers(path: Path, pooling: str, normalize: bool, max_seq_length: int = 128) -> None:
+    """Make the checkpoint folder `path` a sentence-transformers model: Transformer, Pooling
+    (``cls``, ``mean`` or ``last``) and, with `normalize`, Normalize."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -146,23 +142,35 @@ def save_tiny_sentence_transformer(
         modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
         (path / "2_Normalize").mkdir(exist_ok=True)
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128, "do_lower_case": False}))
+    (path / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+    )
     (path / "1_Pooling").mkdir(exist_ok=True)
+    dim = json.loads((path / "config.json").read_text())["hidden_size"]
     (path / "1_Pooling" / "config.json").write_text(
         json.dumps(
             {
-                "word_embedding_dimension": model.config.hidden_size,
+                "word_embedding_dimension": dim,
                 "pooling_mode_cls_token": pooling == "cls",
                 "pooling_mode_mean_tokens": pooling == "mean",
                 "pooling_mode_max_tokens": False,
                 "pooling_mode_mean_sqrt_len_tokens": False,
                 "pooling_mode_weightedmean_tokens": False,
-                "pooling_mode_lasttoken": False,
+                "pooling_mode_lasttoken": pooling == "last",
                 "include_prompt": True,
             },
             indent=2,
         )
     )
+
+
+def save_tiny_sentence_transformer(
+    path: Path, pooling: Literal["mean", "cls"] = "mean", normalize: bool = True, seed: int = 0
+) -> Any:
+    """A tiny BERT saved as a sentence-transformers folder that ``SentenceTransformer(str(path))``
+    loads. Returns the transformers ``BertModel``."""
+    model = save_tiny_bert(path, "bert", seed=seed)
+    write_sentence_transformers(path, pooling, normalize)
     return model
 
 
