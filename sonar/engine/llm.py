@@ -679,7 +679,7 @@ class LLM:
         if self.info.pooling is not None:
             raise InvalidRequestError(
                 "this model is served as a pooling model (embeddings, classification, scores): it generates no "
-                "text; serve it with --runner generate for completions",
+                "text (a causal LM generates when served without --runner pooling and --convert)",
                 param="model",
             )
         config = self.config
