@@ -347,10 +347,7 @@ class LLM:
         return self.info.pooling
 
     async def _pooling_prompt(self, prompt: Prompt, truncate: int | None) -> list[int]:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-        if self._closed:
-            raise EngineDeadError("the engine is shut down")
+        self._check_open()
         limit = self.info.max_model_len
         if truncate is not None:
             if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate == 0 or truncate < -1:
@@ -671,11 +668,14 @@ class LLM:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
         return index
 
-    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+    def _check_open(self) -> None:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if self._closed:
             raise EngineDeadError("the engine is shut down")
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+        self._check_open()
         if self.info.pooling is not None:
             raise InvalidRequestError(
                 "this model is served as a pooling model (embeddings, classification, scores): it generates no "

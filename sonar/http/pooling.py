@@ -94,13 +94,19 @@ def _record(rec: RequestRecorder, prompt_tokens: int) -> None:
 async def _encode_all(
     request: Request,
     llm: LLM,
+    settings: ServerSettings,
     rid: str,
-    inputs: list[str | list[int]],
-    params: PoolingParams,
     req: EmbeddingRequest | PoolingRequest | ClassificationRequest,
     lora: str | None,
+    info: PoolingInfo,
+    params: PoolingParams,
 ) -> list[PoolingOutput] | None:
-    """Each input's `PoolingOutput`, in order; None when the client left."""
+    """Each input's `PoolingOutput`, in order, once all of them and `params` passed their checks
+    (and the request was logged); None when the client left."""
+    inputs = req.inputs()
+    check_pooling_params(params, info)
+    check_inputs(llm, inputs)
+    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
     rec = recorder(request)
 
     async def one(i: int, prompt: str | list[int]) -> PoolingOutput:
@@ -141,12 +147,7 @@ async def _prepare(
 
 async def create_embedding(request: Request, llm: LLM, settings: ServerSettings, check_model: CheckModel) -> Response:
     rid, req, lora, info = await _prepare(request, llm, settings, check_model, EmbeddingRequest, "embd")
-    inputs = req.inputs()
-    params = req.pooling_params()
-    check_pooling_params(params, info)
-    check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
-    outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
+    outputs = await _encode_all(request, llm, settings, rid, req, lora, info, req.pooling_params())
     if outputs is None:
         return Response(status_code=499)  # nobody reads it
     data = [EmbeddingData(index=i, embedding=encode_data(o.data, req.encoding_format)) for i, o in enumerate(outputs)]
@@ -156,12 +157,7 @@ async def create_embedding(request: Request, llm: LLM, settings: ServerSettings,
 
 async def create_pooling(request: Request, llm: LLM, settings: ServerSettings, check_model: CheckModel) -> Response:
     rid, req, lora, info = await _prepare(request, llm, settings, check_model, PoolingRequest, "pool")
-    inputs = req.inputs()
-    params = req.pooling_params(info)
-    check_pooling_params(params, info)
-    check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
-    outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
+    outputs = await _encode_all(request, llm, settings, rid, req, lora, info, req.pooling_params(info))
     if outputs is None:
         return Response(status_code=499)
     data = [PoolingData(index=i, data=encode_data(o.data, req.encoding_format)) for i, o in enumerate(outputs)]
@@ -173,12 +169,7 @@ async def create_classification(
     request: Request, llm: LLM, settings: ServerSettings, check_model: CheckModel
 ) -> Response:
     rid, req, lora, info = await _prepare(request, llm, settings, check_model, ClassificationRequest, "classify")
-    inputs = req.inputs()
-    params = req.pooling_params()
-    check_pooling_params(params, info)
-    check_inputs(llm, inputs)
-    log_request(settings, rid, inputs, _fields(params), user=req.user, lora=lora)
-    outputs = await _encode_all(request, llm, rid, inputs, params, req, lora)
+    outputs = await _encode_all(request, llm, settings, rid, req, lora, info, req.pooling_params())
     if outputs is None:
         return Response(status_code=499)
     data = [classification(i, o.data.tolist(), info.labels) for i, o in enumerate(outputs)]
