@@ -124,14 +124,15 @@ async def test_aborts_reach_the_replica_each_request_runs_on(llm) -> None:
     async with anyio.create_task_group() as tg:
         for prompt in PROMPTS[:2]:
             tg.start_soon(one, prompt)
-        stream = llm.stream(PROMPTS[2], endless)
-        async for _ in stream:  # a third request, then the caller walks away from it
-            break
-        await stream.aclose()
+        # both running before the third arrives: the second went where the first was not
         with anyio.fail_after(60):
             while sum((s.num_running for s in await llm.replica_stats() if s), 0) < 2:
                 await anyio.sleep(0.05)
         assert sorted(set(llm._routes.values())) == [0, 1]
+        stream = llm.stream(PROMPTS[2], endless)
+        async for _ in stream:  # a third request, then the caller walks away from it
+            break
+        await stream.aclose()
         assert sorted(await llm.abort_all()) == sorted(llm._routes)
     assert [r.finish_reason for r in results] == ["abort", "abort"]
     with anyio.fail_after(10):
