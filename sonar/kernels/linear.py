@@ -51,13 +51,26 @@ def count_packing() -> None:
     _generation += 1
 
 
+@functools.cache
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's low-precision path runs on this CPU: its bfloat16 path needs AVX512-BW/VL/DQ
+    or AVX-NE-CONVERT, its float16 path AVX512-FP16 or AVX-NE-CONVERT; on an AVX2-only CPU its
+    weight reorder raises, and ``F.linear`` is what serves."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
 def can_pack(weight: Tensor) -> bool:
-    """Whether oneDNN can prepack this weight here (a CPU half-precision matrix)."""
+    """Whether oneDNN can prepack this weight here (a CPU half-precision matrix, on a CPU whose
+    instructions its low-precision path needs)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in PACKABLE_DTYPES
         and weight.dim() == 2
-        and torch.backends.mkldnn.is_available()
+        and (can_pack_native(weight) or _onednn_packs(weight.dtype))
     )
 
 

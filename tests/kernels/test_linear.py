@@ -11,6 +11,19 @@ from sonar.kernels.linear import PackedLinear, can_pack, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+#: Whether this CPU packs bfloat16 weights at all (Sonar's kernel needs AVX512-BF16, oneDNN's
+#: AVX512-BW/VL/DQ or AVX-NE-CONVERT); where it cannot, `prepack_linears` leaves them to ``F.linear``.
+BF16_PACKS = can_pack(torch.empty(8, 8, dtype=torch.bfloat16))
+
+
+def _prepacked(linear: nn.Linear, batch_hint: int) -> nn.Module:
+    """The layer `prepack_linears` installs for `linear`: a `PackedLinear` where this CPU packs
+    bfloat16, the ``nn.Linear`` itself where it does not."""
+    holder = nn.Sequential(linear)
+    assert prepack_linears(holder, batch_hint) == int(BF16_PACKS)
+    assert isinstance(holder[0], PackedLinear) == BF16_PACKS
+    return holder[0]
+
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 16, 77])
@@ -22,7 +35,7 @@ def test_packed_equals_f_linear(rows: int, bias: bool) -> None:
         if bias:
             linear.bias.copy_(torch.randn(40, generator=gen))
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    packed = PackedLinear(linear, batch_hint=16)
+    packed = _prepacked(linear, batch_hint=16)
     got = packed(x)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 40)
     torch.testing.assert_close(got.float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.06, rtol=1e-2)
@@ -30,7 +43,7 @@ def test_packed_equals_f_linear(rows: int, bias: bool) -> None:
 
 def test_other_inputs_take_f_linear() -> None:
     linear = nn.Linear(8, 4, dtype=torch.bfloat16)
-    packed = PackedLinear(linear, batch_hint=1)
+    packed = _prepacked(linear, batch_hint=1)
     x = torch.randn(2, 3, 8, dtype=torch.bfloat16)  # not a flat batch
     torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
 
@@ -46,9 +59,9 @@ def test_prepack_keeps_parameters_and_ties() -> None:
 
     model = Tied().to(torch.bfloat16)
     names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
-    assert prepack_linears(model) == 3
+    assert prepack_linears(model) == (3 if BF16_PACKS else 0)
     assert {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} == names
-    assert isinstance(model.head, PackedLinear) and model.head.weight is model.embed.weight
+    assert isinstance(model.head, PackedLinear) == BF16_PACKS and model.head.weight is model.embed.weight
     assert set(model.state_dict()) == {"embed.weight", "proj.0.weight", "proj.0.bias", "proj.1.weight", "head.weight"}
 
 

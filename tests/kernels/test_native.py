@@ -15,7 +15,7 @@ from torch import nn
 
 from sonar.kernels import native, ops, reference
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches, write_kv_cache
-from sonar.kernels.linear import PackedLinear, can_pack_native, pack_native
+from sonar.kernels.linear import PackedLinear, can_pack, can_pack_native, pack_native, prepack_linears
 from sonar.models import rotary
 from tests.kernels.blocks import scattered_block_tables
 
@@ -37,7 +37,9 @@ def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SONAR_NATIVE_KERNELS", "0")
     assert not ops.use_native(x)
     assert not can_pack_native(torch.randn(16, 8, dtype=torch.bfloat16))
-    assert not PackedLinear(nn.Linear(8, 16, dtype=torch.bfloat16), batch_hint=16).native_layout
+    holder = nn.Sequential(nn.Linear(8, 16, dtype=torch.bfloat16))
+    prepack_linears(holder)  # oneDNN's packing where this CPU has it, else the plain layer
+    assert not getattr(holder[0], "native_layout", False)
 
 
 def test_other_dtypes_and_devices_take_the_reference() -> None:
@@ -250,6 +252,11 @@ def test_linear_bf16_matches_float32(rows: int, out_features: int, bias: bool) -
 
 def test_packed_linear_uses_the_native_layout_where_it_can() -> None:
     linear = nn.Linear(64, 48, dtype=torch.bfloat16)
+    assert can_pack_native(linear.weight) == bool(torch.ops.sonar_cpu.has_linear_bf16())
+    if not can_pack(linear.weight):  # an AVX2-only CPU: neither kernel runs, the layers stay plain
+        holder = nn.Sequential(linear)
+        assert prepack_linears(holder) == 0 and holder[0] is linear
+        return
     packed = PackedLinear(linear, batch_hint=16)
     assert packed.native_layout == bool(torch.ops.sonar_cpu.has_linear_bf16())
     odd = PackedLinear(nn.Linear(63, 48, dtype=torch.bfloat16), batch_hint=16)
