@@ -54,6 +54,7 @@ from sonar.models.gguf_file import (
     gguf_quantized_weights,
     is_converted,
 )
+from sonar.models.load_formats import check_load_format, loader_extra, safetensors_strategy
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
@@ -72,9 +73,6 @@ log = structlog.get_logger(__name__)
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
 LoadFormat = Literal["auto", "safetensors", "gguf", "dummy", "pt", "runai_streamer"]
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "pt", "runai_streamer")
-#: Settings of `--model-loader-extra-config` per load format, and their defaults.
-LOADER_EXTRA = {"runai_streamer": {"concurrency": 8}}
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -165,6 +163,7 @@ def load_model(
     ignore_patterns: Sequence[str] = (),
     model_loader_extra_config: dict[str, Any] | None = None,
     safetensors_load_strategy: str | None = None,
+    tokenizer_revision: str | None = None,
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
@@ -182,14 +181,15 @@ def load_model(
     ``auto`` and ``none`` load the class the config names. `hf_token` authenticates hub downloads
     (None: ``HF_TOKEN``); `ignore_patterns` names files neither downloaded nor read (globs relative
     to the model directory); `model_loader_extra_config` holds the load format's own settings
-    (`LOADER_EXTRA`); `safetensors_load_strategy` is ``lazy`` (None) or ``eager`` (`sonar.models.weights`).
+    (`sonar.models.load_formats`); `safetensors_load_strategy` is ``lazy`` (None) or ``eager`` (`sonar.models.weights`).
+    `tokenizer_revision`: for a hub id, the revision whose tokenizer files are served (downloaded
+    apart from the model's); None: the model's revision.
     """
     started = time.perf_counter()
-    if load_format not in LOAD_FORMATS:
-        raise ModelLoadError(f"load_format {load_format!r} is not supported ({', '.join(LOAD_FORMATS)})")
+    check_load_format(load_format)
     reading = _Reading(
-        load_format, _loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),
-        safetensors_load_strategy or "lazy",
+        load_format, loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),
+        safetensors_strategy(safetensors_load_strategy),
     )  # fmt: skip
     if dtype not in ("auto", *DTYPES):
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
@@ -197,7 +197,8 @@ def load_model(
         raise ModelLoadError(f"unknown convert {convert!r} ({', '.join(CONVERTS)})")
     device = torch.device(device)
     resolving = time.perf_counter()
-    model_dir, source, gguf = _resolve(model, load_format, _Hub(revision, download_dir, hf_token, reading.ignore))
+    hub = _Hub(revision, download_dir, hf_token, reading.ignore)
+    model_dir, source, gguf = _resolve(model, load_format, hub)
     from_gguf = gguf is not None
     if from_gguf and quantization not in (None, "gguf"):
         raise ModelLoadError(
@@ -230,7 +231,7 @@ def load_model(
             f"{source}: {cls.__name__} is served for pooling, which loads unquantized weights only "
             "(a GGUF file with --dequantize-weights)"
         )
-    tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
+    tokenizer_path = _tokenizer_dir(model_dir, model, source, tokenizer_revision, hub)
     if getattr(module, "classifier_from_token", ()) and load_format != "dummy":
         module.classifier_token_ids = _token_ids(module.classifier_from_token, tokenizer_path, source)
     if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
@@ -379,23 +380,6 @@ class _Reading:
         return kept
 
 
-def _loader_extra(load_format: str, given: dict[str, Any]) -> dict[str, Any]:
-    """The load format's settings: its defaults (`LOADER_EXTRA`) with `given` over them; a
-    setting the format does not have is refused by name."""
-    defaults = LOADER_EXTRA.get(load_format, {})
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        known = f"it takes {', '.join(defaults)}" if defaults else "it takes none"
-        raise ModelLoadError(f"model_loader_extra_config: load_format {load_format} has no setting {unknown} ({known})")
-    merged = {**defaults, **given}
-    concurrency = merged.get("concurrency")
-    if concurrency is not None and (
-        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-    ):
-        raise ModelLoadError(f"model_loader_extra_config: concurrency must be a positive integer, got {concurrency!r}")
-    return merged
-
-
 def _resolve(model: str | None, load_format: str, hub: _Hub) -> tuple[Path, str, Path | None]:
     """The directory to load (a GGUF converted first), a description of where it came from, and
     the GGUF file when it is one."""
@@ -471,6 +455,17 @@ def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Pat
         return path, None
     found = _resolve_path(path, "auto")
     return found[0], found[2]
+
+
+def _tokenizer_dir(model_dir: Path, model: str | None, source: str, revision: str | None, hub: _Hub) -> Path | None:
+    """Where the tokenizer is read: the model directory's files, or for a `revision` of its own the
+    hub repository's tokenizer files at that revision (none: the model comes without a tokenizer)."""
+    if revision is not None:
+        if model is None or Path(model).expanduser().exists():
+            raise ModelLoadError(f"tokenizer_revision {revision}: {source} is local, and has no revisions")
+        options = dict(download_dir=hub.download_dir, token=hub.token, ignore_patterns=hub.ignore)
+        model_dir = hub_files.snapshot(model, revision=revision, patterns=hub_files.TOKENIZER_PATTERNS, **options)
+    return model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
 
 
 def _read_config(model_dir: Path, source: str, overrides: dict[str, Any]) -> Any:
