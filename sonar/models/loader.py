@@ -412,7 +412,7 @@ def _resolve_path(path: Path, load_format: str) -> tuple[Path, str, Path | None]
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return convert_gguf(ggufs[0].resolve()), f"GGUF {ggufs[0]}", ggufs[0].resolve()
-        found = "several .gguf files" if len(ggufs) > 1 else "no config.json"
+        found = "several .gguf files" if ggufs else "no config.json"
         raise ModelLoadError(f"model directory {path} has {found}; cannot tell what to load")
     if load_format == "gguf":
         raise ModelLoadError(f"load_format gguf, but {path} is a safetensors directory")

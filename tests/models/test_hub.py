@@ -252,3 +252,29 @@ def test_fresh_processes_download_then_load_offline(hub: Hub, folders: dict[str,
     offline = _run({**env, "HF_HUB_OFFLINE": "1"}, REPO, str(tmp_path / "cache"), json.dumps(PROMPTS))
     assert hub.requests == []
     assert offline == online
+
+
+def test_tokenizer_revision_downloads_its_tokenizer_files(online: Hub, tmp_path: Path) -> None:
+    loaded = load_model(REPO, tokenizer_revision="v1", download_dir=tmp_path, dtype="float32")
+    repo = online.repos[REPO]
+    assert loaded.model_dir.name == repo.refs["main"]
+    assert loaded.tokenizer_path is not None and loaded.tokenizer_path.name == repo.refs["v1"]
+    files = {p.name for p in loaded.tokenizer_path.iterdir()}
+    assert "tokenizer.json" in files and not any(f.endswith((".safetensors", ".bin")) for f in files)
+    assert loaded.load_tokenizer()("w7").input_ids == [7]
+
+
+@pytest.mark.anyio
+async def test_engine_serves_a_gated_hub_model(online: Hub, folders: dict[str, Path], tmp_path: Path) -> None:
+    """The engine's flags reach the download: `sonar.open` of a gated id with its token generates
+    what the same folder loaded directly generates."""
+    import sonar
+
+    params = sonar.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    args: dict[str, Any] = dict(dtype="float32", num_gpu_blocks_override=32, enforce_eager=True)
+    async with sonar.open(GATED, download_dir=str(tmp_path), hf_token=TOKEN, **args) as llm:
+        served = [o.token_ids for o in await llm.generate_many(PROMPTS, params)]
+    assert any(r.authorization == f"Bearer {TOKEN}" and "/resolve/" in r.path for r in online.requests)
+    async with sonar.open(str(folders["main"]), **args) as llm:
+        direct = [o.token_ids for o in await llm.generate_many(PROMPTS, params)]
+    assert served == direct
