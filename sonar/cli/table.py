@@ -249,7 +249,8 @@ GROUPS: tuple[Group, ...] = (
            accepts=("hf",), metavar="{auto,deepseek_v32,deepseek_v4,hf,inkling,mistral,slow}"),
         _f("--trust-remote-code", B, False,
            "Allow running Python code that ships inside a model or tokenizer repository.",
-           noop="Sonar runs only its own model code and never executes code from a model repository"),
+           noop="Sonar runs only its own model code: it never imports the Python files of a model repository "
+                "(a config's auto_map is not followed)"),
         _f("--dtype", S_, "auto",
            "Precision of weights and activations. 'auto' keeps a bfloat16 checkpoint in bfloat16 and "
            "runs others in float16 (bfloat16 on CPU); 'half' is float16 and 'float' is float32.",
@@ -264,7 +265,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--revision", S_, None, "Branch, tag or commit of the model repository to load.", to=E),
         _f("--code-revision", S_, None, "Revision of the Python code inside the model repository.",
            noop="Sonar never runs code from model repositories"),
-        _f("--tokenizer-revision", S_, None, "Branch, tag or commit of the tokenizer repository."),
+        _f("--tokenizer-revision", S_, None,
+           "Branch, tag or commit of the tokenizer repository (--tokenizer, else the model's), downloaded with "
+           "its tokenizer files only.", to=E),
         _f("--max-model-len", Kind.MODEL_LEN, None,
            "Longest context (prompt plus output) in tokens. Takes 4096, 32k (32000), 32K (32768) or 25.6k; "
            "'auto' or -1 picks the model's own limit when its KV cache fits in memory, else the longest "
@@ -312,7 +315,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--config-format", S_, "auto",
            "Format of the model config: 'hf' (config.json), 'mistral' (params.json) or 'auto'.",
            choices=("auto", "hf", "mistral"), accepts=("hf",), metavar="{auto,hf,mistral}"),
-        _f("--hf-token", S_, None, "Token used for downloads from the Hugging Face Hub."),
+        _f("--hf-token", S_, None,
+           "Token for downloads from the Hugging Face Hub (gated or private models); unset: HF_TOKEN, else "
+           "the token of 'hf auth login'.", to=E),
         _f("--hf-overrides", J, {}, "JSON object of values that replace fields of the model's Hugging Face config.",
            to=E),
         _f("--model-class-overrides", J, {},
@@ -349,26 +354,34 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "LoadConfig", "How model weights are found, downloaded and read.",
         _f("--load-format", S_, "auto",
-           "Weight format: 'auto' (safetensors, else what the model directory holds), 'safetensors', "
-           "'gguf' (Sonar's addition: dequantized on load) or 'dummy' (random weights, for profiling). The "
-           "other documented formats are known but not supported yet.",
+           "Weight format: 'auto' (safetensors, else PyTorch .bin, else what the model directory holds), "
+           "'safetensors', 'pt' (PyTorch .bin, read with torch.load(weights_only=True)), 'gguf', 'dummy' "
+           "(random weights from the config alone, for profiling) or 'runai_streamer' (safetensors shards "
+           "read by a pool of threads; --model-loader-extra-config '{\"concurrency\": N}', default 8). A hub "
+           "model downloads only its format's weights. The other documented formats are known but not "
+           "supported yet.",
            choices=("auto", "pt", "safetensors", "instanttensor", "npcache", "dummy", "tensorizer",
                     "runai_streamer", "runai_streamer_sharded", "bitsandbytes", "sharded_state", "mistral",
                     "modelexpress", "gguf"),
-           supported=("auto", "safetensors", "gguf", "dummy"), to=E),
-        _f("--download-dir", S_, None, "Where weights are downloaded and cached; unset: the Hugging Face cache.",
-           to=E),
+           supported=("auto", "safetensors", "pt", "gguf", "dummy", "runai_streamer"), to=E),
+        _f("--download-dir", S_, None,
+           "The Hugging Face cache a hub model is looked for in and downloaded to; unset: HF_HUB_CACHE "
+           "(~/.cache/huggingface/hub). HF_HUB_OFFLINE=1 forbids downloading.", to=E),
         _f("--safetensors-load-strategy", S_, None,
            "How safetensors files are read: memory-mapped on demand ('lazy'), read whole up front ('eager', "
            "good on network file systems), pulled into the page cache first ('prefetch'), or rebuilt as "
            "torchao tensors ('torchao'). Unset: memory-mapped, prefetching on NFS when it fits in RAM.",
-           choices=("eager", "lazy", "prefetch", "torchao", None)),
+           choices=("eager", "lazy", "prefetch", "torchao", None), supported=("eager", "lazy"), to=E),
         _f("--safetensors-prefetch-num-threads", I, 8,
            "Threads that prefetch safetensors files into the page cache.", noop=NO_PREFETCH),
         _f("--safetensors-prefetch-block-size", H, 16777216,
            "Bytes read per prefetch request; takes 16M, 16m and the like.", noop=NO_PREFETCH),
-        _f("--model-loader-extra-config", J, {}, "Extra settings for the loader of the chosen --load-format."),
-        _f("--ignore-patterns", L, ("original/**/*",), "File patterns skipped when loading weights."),
+        _f("--model-loader-extra-config", J, {},
+           "Extra settings for the loader of the chosen --load-format: 'concurrency' (reader threads) for "
+           "runai_streamer; any other setting is refused.", to=E),
+        _f("--ignore-patterns", L, ("original/**/*",),
+           "File patterns (globs relative to the model folder) neither downloaded from the hub nor read as "
+           "weights.", to=E),
         _f("--use-tqdm-on-load", B, True, "Show a progress bar while weights load.",
            noop="it only changes how loading progress is displayed"),
         _f("--pt-load-map-location", S_, "cpu",

@@ -36,6 +36,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     revision: str | None = None
     download_dir: str | None = None
     load_format: str = "auto"
+    """How weights are read (`sonar.models.load_formats`, `sonar.models.loader`)."""
+    hf_token: str | None = None
+    """Authenticates hub downloads (`sonar.models.hub`); None: ``HF_TOKEN`` or huggingface_hub's login."""
+    tokenizer_revision: str | None = None
+    """The revision of the tokenizer's repository (`tokenizer`, else the model's) to download its files at."""
+    ignore_patterns: list[str] = msgspec.field(default_factory=lambda: ["original/**/*"])
+    """Files neither downloaded nor read as weights (globs relative to the model folder)."""
+    model_loader_extra_config: dict[str, Any] = {}
+    """The load format's own settings (``concurrency`` of ``runai_streamer``)."""
+    safetensors_load_strategy: str | None = None
+    """``lazy`` (None: memory-mapped) or ``eager`` (each file read whole first)."""
     dtype: str = "auto"
     quantization: str | None = None
     """The weights' quantization method (None: what the checkpoint declares)."""
@@ -190,6 +201,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             "speculative_config",
             "pooler_config",
             "hf_overrides",
+            "model_loader_extra_config",
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
@@ -223,9 +235,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from sonar.engine.settings import capture_sizes, check_kv_cache_dtype, parse_device_ids
+        from sonar.engine.settings import capture_sizes, check_kv_cache_dtype, check_load_settings, parse_device_ids
 
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_load_settings(self)
         capture_sizes(self)
         parse_device_ids(self.device_ids)
         self._check_lora()

@@ -179,6 +179,11 @@ class ModelRunner:
             stage=topology.stage,
             hf_overrides=cfg.hf_overrides,
             convert=cfg.convert,
+            hf_token=cfg.hf_token,
+            ignore_patterns=cfg.ignore_patterns,
+            model_loader_extra_config=cfg.model_loader_extra_config,
+            safetensors_load_strategy=cfg.safetensors_load_strategy,
+            tokenizer_revision=cfg.tokenizer_revision,
         )
         self.model = self.loaded.model
         self.hidden_size = int(self.loaded.config.hidden_size)

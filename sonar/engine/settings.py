@@ -54,6 +54,21 @@ def parse_device_ids(device_ids: str | None) -> int | None:
     return int(ids[0])
 
 
+def check_load_settings(config: Any) -> None:
+    """Raise ValueError (a `ModelLoadError`) for a load format, loader setting or safetensors strategy
+    of an `EngineConfig` that Sonar does not implement."""
+    from sonar.models.load_formats import check_load_format, loader_extra, safetensors_strategy
+
+    check_load_format(config.load_format)
+    loader_extra(config.load_format, config.model_loader_extra_config)
+    safetensors_strategy(config.safetensors_load_strategy)
+    if config.tokenizer_revision is not None and config.tokenizer is not None:
+        raise ValueError(
+            f"tokenizer_revision with tokenizer {config.tokenizer!r} is not supported yet: the revision applies to "
+            "the model's own tokenizer files; pass tokenizer a local folder at the revision you want"
+        )
+
+
 def check_kv_cache_dtype(name: str) -> None:
     """Raise ValueError for a ``--kv-cache-dtype`` Sonar does not implement."""
     if name == "auto" or name in KV_CACHE_DTYPE_NAMES:

@@ -6,7 +6,15 @@ Sources, in the order they are tried:
 * an existing path: a ``.gguf`` file, or a directory with ``config.json`` and safetensors
   weights (one file or shards with ``model.safetensors.index.json``), or a directory holding a
   single ``.gguf`` file and no ``config.json``;
-* otherwise a Hugging Face model id, looked up in the local Hugging Face cache only (offline).
+* otherwise a Hugging Face model id: its snapshot in the Hugging Face cache, downloaded there
+  first when missing (`sonar.models.hub`: the files of the load format only; never with
+  ``HF_HUB_OFFLINE=1``).
+
+Load formats (``--load-format``): ``auto`` reads safetensors weights, else PyTorch ``.bin`` ones,
+else what the directory holds (a GGUF file); ``safetensors``, ``pt`` and ``gguf`` insist on theirs;
+``runai_streamer`` reads safetensors shards with a pool of threads (``concurrency`` in
+``--model-loader-extra-config``, 8 by default); ``dummy`` reads the config alone and draws random
+weights with a fixed seed. The other documented formats are refused by name.
 
 GGUF files are served quantized: their blocks become `QuantizedWeight`s
 (`sonar.models.gguf_quant`) run by the quantized kernels. Their config and tokenizer, and a
@@ -26,7 +34,9 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +45,7 @@ import torch
 from torch import nn
 
 from sonar.models import config_cache, embedded
+from sonar.models import hub as hub_files
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import (
     convert_gguf,
@@ -43,16 +54,25 @@ from sonar.models.gguf_file import (
     gguf_quantized_weights,
     is_converted,
 )
+from sonar.models.load_formats import check_load_format, loader_extra, safetensors_strategy
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.quantization import checkpoint_method, load_quantized_checkpoint
 from sonar.models.quantized import Installed, install_quantized
 from sonar.models.registry import model_class, sequence_classifier
-from sonar.models.weights import init_dummy_weights, iter_safetensors, safetensors_files
+from sonar.models.weights import (
+    has_safetensors,
+    init_dummy_weights,
+    iter_pt,
+    iter_safetensors,
+    iter_safetensors_parallel,
+    pt_files,
+    safetensors_files,
+)
 
 log = structlog.get_logger(__name__)
 
 DType = Literal["auto", "bfloat16", "float16", "float32"]
-LoadFormat = Literal["auto", "safetensors", "gguf", "dummy"]
+LoadFormat = Literal["auto", "safetensors", "gguf", "dummy", "pt", "runai_streamer"]
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -139,6 +159,11 @@ def load_model(
     stage: PipelineStage = WHOLE,
     hf_overrides: dict[str, Any] | None = None,
     convert: str = "none",
+    hf_token: str | None = None,
+    ignore_patterns: Sequence[str] = (),
+    model_loader_extra_config: dict[str, Any] | None = None,
+    safetensors_load_strategy: str | None = None,
+    tokenizer_revision: str | None = None,
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
@@ -153,24 +178,35 @@ def load_model(
     (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
     without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
     (a ``score.weight`` in the checkpoint, or ``classifier_from_token`` in the overrides);
-    ``auto`` and ``none`` load the class the config names.
+    ``auto`` and ``none`` load the class the config names. `hf_token` authenticates hub downloads
+    (None: ``HF_TOKEN``); `ignore_patterns` names files neither downloaded nor read (globs relative
+    to the model directory); `model_loader_extra_config` holds the load format's own settings
+    (`sonar.models.load_formats`); `safetensors_load_strategy` is ``lazy`` (None) or ``eager`` (`sonar.models.weights`).
+    `tokenizer_revision`: for a hub id, the revision whose tokenizer files are served (downloaded
+    apart from the model's); None: the model's revision.
     """
     started = time.perf_counter()
-    if load_format not in ("auto", "safetensors", "gguf", "dummy"):
-        raise ModelLoadError(f"unknown load_format {load_format!r} (auto, safetensors, gguf, dummy)")
+    check_load_format(load_format)
+    reading = _Reading(
+        load_format, loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),
+        safetensors_strategy(safetensors_load_strategy),
+    )  # fmt: skip
     if dtype not in ("auto", *DTYPES):
         raise ModelLoadError(f"unknown dtype {dtype!r} (auto, {', '.join(DTYPES)})")
     if convert not in CONVERTS:
         raise ModelLoadError(f"unknown convert {convert!r} ({', '.join(CONVERTS)})")
     device = torch.device(device)
     resolving = time.perf_counter()
-    model_dir, source, gguf = _resolve(model, load_format, revision, download_dir)
+    hub = _Hub(revision, download_dir, hf_token, reading.ignore)
+    model_dir, source, gguf = _resolve(model, load_format, hub)
     from_gguf = gguf is not None
     if from_gguf and quantization not in (None, "gguf"):
         raise ModelLoadError(
             f"--quantization {quantization} does not apply to {source}: a GGUF file's weights are GGUF quants "
             "(served as they are, or dequantized with --dequantize-weights)"
         )
+    if from_gguf and load_format in ("pt", "runai_streamer"):
+        raise ModelLoadError(f"load_format {load_format} reads a checkpoint's weight files; {source} is a GGUF file")
     convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
     config = _read_config(model_dir, source, hf_overrides or {})
     cls = model_class(config)
@@ -195,7 +231,7 @@ def load_model(
             f"{source}: {cls.__name__} is served for pooling, which loads unquantized weights only "
             "(a GGUF file with --dequantize-weights)"
         )
-    tokenizer_path = model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
+    tokenizer_path = _tokenizer_dir(model_dir, model, source, tokenizer_revision, hub)
     if getattr(module, "classifier_from_token", ()) and load_format != "dummy":
         module.classifier_token_ids = _token_ids(module.classifier_from_token, tokenizer_path, source)
     if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
@@ -216,10 +252,15 @@ def load_model(
         installed, method_name = install_quantized(module, quantized, pack_cache=pack_cache), "gguf"
         _check_complete(module, module.load_weights(plain) | _written(installed), source)
     elif method is not None:
+        if load_format in ("pt", "runai_streamer"):
+            raise ModelLoadError(
+                f"{source} is quantized ({method.name}); its weights are read from safetensors with load_format "
+                f"auto or safetensors, not {load_format}"
+            )
         installed = load_quantized_checkpoint(module, model_dir, method, source, dequantize_weights=dequantize_weights)
         method_name = None if dequantize_weights else method.name
     else:
-        _load_checkpoint(module, model_dir, source)
+        _check_complete(module, module.load_weights(reading.tensors(model_dir)), source)
     if device.type == "cuda":  # the full-size weights the quantized layers replaced
         torch.cuda.empty_cache()
     module.eval().requires_grad_(False)
@@ -301,9 +342,45 @@ def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.
     return chosen
 
 
-def _resolve(
-    model: str | None, load_format: str, revision: str | None, download_dir: str | Path | None
-) -> tuple[Path, str, Path | None]:
+@dataclass(frozen=True)
+class _Hub:
+    """Where and how a hub id is looked up and downloaded (`sonar.models.hub`)."""
+
+    revision: str | None
+    download_dir: str | Path | None
+    token: str | None
+    ignore: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """How the checkpoint's weights are read: the load format and its settings."""
+
+    load_format: str
+    extra: dict[str, Any]
+    ignore: tuple[str, ...]
+    strategy: str
+
+    def tensors(self, model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (name, tensor) stream of the checkpoint in `model_dir`."""
+        use_pt = self.load_format == "pt" or (
+            self.load_format == "auto" and not has_safetensors(model_dir) and any(model_dir.glob("*.bin"))
+        )
+        if use_pt:
+            return iter_pt(self._kept(model_dir, pt_files(model_dir)))
+        files = self._kept(model_dir, safetensors_files(model_dir))
+        if self.load_format == "runai_streamer":
+            return iter_safetensors_parallel(files, int(self.extra["concurrency"]))
+        return iter_safetensors(files, self.strategy)
+
+    def _kept(self, model_dir: Path, files: list[Path]) -> list[Path]:
+        kept = [f for f in files if not any(fnmatch(f.relative_to(model_dir).as_posix(), p) for p in self.ignore)]
+        if not kept:
+            raise ModelLoadError(f"--ignore-patterns {list(self.ignore)} leave no weight files in {model_dir}")
+        return kept
+
+
+def _resolve(model: str | None, load_format: str, hub: _Hub) -> tuple[Path, str, Path | None]:
     """The directory to load (a GGUF converted first), a description of where it came from, and
     the GGUF file when it is one."""
     if model is None:
@@ -319,15 +396,15 @@ def _resolve(
     if path.exists():
         return _resolve_path(path, load_format)
     if _REPO_ID.match(model) and not model.endswith(".gguf"):
-        snapshot = _resolve_hub_cache(model, revision, download_dir)
-        return snapshot[0], f"{model} (Hugging Face cache)", snapshot[1]
+        found, gguf = _resolve_hub(model, load_format, hub)
+        return found, f"{model} (Hugging Face hub, revision {hub.revision or 'main'})", gguf
     raise ModelLoadError(f"model path {model} does not exist")
 
 
 def _resolve_path(path: Path, load_format: str) -> tuple[Path, str, Path | None]:
     if path.is_file():
-        if load_format == "safetensors":
-            raise ModelLoadError(f"load_format safetensors needs a model directory, {path} is a file")
+        if load_format in ("safetensors", "pt", "runai_streamer"):
+            raise ModelLoadError(f"load_format {load_format} needs a model directory, {path} is a file")
         if path.suffix == ".gguf" or load_format == "gguf":
             return convert_gguf(path.resolve()), f"GGUF {path}", path.resolve()
         raise ModelLoadError(f"{path} is neither a .gguf file nor a model directory")
@@ -342,27 +419,53 @@ def _resolve_path(path: Path, load_format: str) -> tuple[Path, str, Path | None]
     return path, f"directory {path}", None
 
 
-def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Path | None) -> tuple[Path, Path | None]:
-    from huggingface_hub import snapshot_download
-
-    try:
-        snapshot = snapshot_download(
-            model,
-            revision=revision,
-            cache_dir=str(download_dir) if download_dir is not None else None,
-            local_files_only=True,
-        )
-    except Exception as exc:
-        where = f" under {download_dir}" if download_dir is not None else ""
+def _resolve_hub(model: str, load_format: str, hub: _Hub) -> tuple[Path, Path | None]:
+    """The snapshot of hub id `model` (downloaded when the cache lacks it), and its GGUF file when
+    it holds one. A GGUF repository is found in the cache only: it holds a file per quantization,
+    and which one to download is for the user to say (download it and pass its path)."""
+    options = dict(revision=hub.revision, download_dir=hub.download_dir, token=hub.token, ignore_patterns=hub.ignore)
+    if load_format == "gguf":
+        path = hub_files.snapshot(model, patterns=None, local_only=True, **options)
+        found = _resolve_path(path, "gguf")
+        return found[0], found[2]
+    path = hub_files.snapshot(model, patterns=hub_files.allow_patterns(load_format), **options)
+    if not (path / "config.json").is_file():
+        if load_format == "auto" and len(list(path.glob("*.gguf"))) == 1:  # a GGUF snapshot already cached
+            found = _resolve_path(path, "auto")
+            return found[0], found[2]
         raise ModelLoadError(
-            f"model {model!r} is not a local path and is not in the local Hugging Face cache{where} "
-            f"(Sonar never downloads; place it there or pass a directory): {exc}"
-        ) from exc
-    path = Path(snapshot)
+            f"model {model!r} (revision {hub.revision or 'main'}) has no config.json: Sonar downloads "
+            "transformers-format repositories (for a GGUF repository, download the .gguf file and pass its path)"
+        )
+    if load_format in ("auto", "safetensors", "runai_streamer") and not has_safetensors(path):
+        raise ModelLoadError(
+            f"model {model!r} (revision {hub.revision or 'main'}) has no safetensors weights in {path}: "
+            "Sonar downloads PyTorch .bin weights only with --load-format pt"
+        )
+    return path, None
+
+
+def _resolve_hub_cache(model: str, revision: str | None, download_dir: str | Path | None) -> tuple[Path, Path | None]:
+    """The snapshot of hub id `model` already in the cache (its config and tokenizer files at
+    least), never downloading; for what is read before or beside the load (generation defaults)."""
+    path = hub_files.snapshot(
+        model, revision=revision, download_dir=download_dir, patterns=hub_files.CONFIG_PATTERNS, local_only=True
+    )
     if (path / "config.json").is_file():
         return path, None
     found = _resolve_path(path, "auto")
     return found[0], found[2]
+
+
+def _tokenizer_dir(model_dir: Path, model: str | None, source: str, revision: str | None, hub: _Hub) -> Path | None:
+    """Where the tokenizer is read: the model directory's files, or for a `revision` of its own the
+    hub repository's tokenizer files at that revision (none: the model comes without a tokenizer)."""
+    if revision is not None:
+        if model is None or Path(model).expanduser().exists():
+            raise ModelLoadError(f"tokenizer_revision {revision}: {source} is local, and has no revisions")
+        options = dict(download_dir=hub.download_dir, token=hub.token, ignore_patterns=hub.ignore)
+        model_dir = hub_files.snapshot(model, revision=revision, patterns=hub_files.TOKENIZER_PATTERNS, **options)
+    return model_dir if any((model_dir / m).is_file() for m in TOKENIZER_MARKERS) else None
 
 
 def _read_config(model_dir: Path, source: str, overrides: dict[str, Any]) -> Any:
@@ -434,10 +537,6 @@ def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | N
 def _written(installed: Installed) -> set[str]:
     """The parameters `install_quantized` wrote: the weights of the layers it served dequantized."""
     return {f"{name}.weight" for name in installed.dequantized}
-
-
-def _load_checkpoint(module: nn.Module, model_dir: Path, source: str) -> None:
-    _check_complete(module, module.load_weights(iter_safetensors(safetensors_files(model_dir))), source)
 
 
 def _check_complete(module: nn.Module, loaded: set[str], source: str) -> None:

@@ -60,7 +60,7 @@ def test_serve_prints_the_settings_then_a_missing_model_is_one_line_and_exit_1(r
     errors = [line for line in run.stderr.splitlines() if line.startswith("sonar serve: ")]
     assert len(errors) == 1
     assert errors[0].startswith("sonar serve: error: ")
-    assert "model 'org/model' is not a local path" in errors[0]
+    assert "model 'org/model' (revision main) is not a local path" in errors[0]
     lines = run.stdout.splitlines()
     assert all(line.startswith("sonar serve: ") for line in lines)
     assert "sonar serve: model: org/model" in lines

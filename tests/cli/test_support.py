@@ -65,8 +65,9 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             "sonar serve: --calculate-kv-scales is not supported yet (Sonar accepts only --no-calculate-kv-scales)",
         ),
         (
-            ["--load-format", "pt"],
-            "sonar serve: --load-format is not supported yet (got pt; Sonar accepts only auto or safetensors or gguf or dummy)",
+            ["--load-format", "tensorizer"],
+            "sonar serve: --load-format is not supported yet (got tensorizer; Sonar accepts only auto or safetensors "
+            "or pt or gguf or dummy or runai_streamer)",
         ),
     ],
 )
