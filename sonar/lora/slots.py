@@ -21,6 +21,7 @@ from sonar.errors import LoRAError
 from sonar.log import get_logger
 from sonar.lora.adapter import LoRAWeights, read_adapter
 from sonar.lora.limits import FUSED, MODULES, LoRALimits, ModelShapes
+from sonar.models.decoder import LORA
 from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.models.parallel import TensorParallel
 
@@ -43,6 +44,7 @@ class AdapterSlots:
         device: torch.device,
         fully_sharded: bool = False,
     ) -> None:
+        model.require_support(LORA)
         self.model = model
         self.limits = limits
         self.shapes = shapes
