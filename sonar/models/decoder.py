@@ -325,7 +325,7 @@ class DecoderForCausalLM(nn.Module):
         """A `ModelLoadError` naming the family and `feature` when the family refuses it."""
         reason = cls.refused.get(feature)
         if reason is not None:
-            raise ModelLoadError(f"{cls.__name__}: {feature} is not supported for this architecture ({reason})")
+            raise ModelLoadError(f"{cls.__name__} is not served with {feature}: {reason}")
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The first layer's input for `input_ids`."""

@@ -1,0 +1,200 @@
+"""Phi-3, Granite, OLMo 2 and GLM-4 beyond the per-architecture model tests
+(tests/models/test_architectures.py runs their tiny checkpoints through GreedyDriver):
+
+* through the whole engine (`sonar.open`: batching, chunked prefill, preemption, the prefix
+  cache), greedy tokens and logprobs equal transformers';
+* LongRoPE is served up to the original context, and a longer prompt is refused;
+* the native fused decode never serves them, nor any partial rotary;
+* the features they are not served with are refused at the start, naming the family.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sonar
+from sonar.errors import InvalidRequestError
+from sonar.lora.limits import LoRALimits, ModelShapes
+from sonar.lora.slots import AdapterSlots
+from sonar.models.eagle import load_eagle_head
+from sonar.models.errors import ModelLoadError
+from sonar.models.fused import layer_weights
+from sonar.models.loader import load_model
+from sonar.models.parallel import PipelineStage, TensorParallel
+from sonar.models.registry import model_class
+from tests.engine.conftest import save_word_tokenizer, spread_weights
+from tests.models.conftest import _tiny_configs
+
+FAMILIES = ("phi3", "granite", "olmo2", "glm4")
+NEW_TOKENS = 24
+#: Tiny models in float32: the engine's logprobs against transformers' log-softmax.
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    """Each family's tiny config (tests/models/conftest.py), saved with a word tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    configs = _tiny_configs()
+    out = {}
+    for i, name in enumerate(FAMILIES):
+        torch.manual_seed(200 + i)
+        hf = AutoModelForCausalLM.from_config(configs[name], dtype=torch.float32).eval()
+        spread_weights(hf)
+        path = tmp_path_factory.mktemp(f"dense-{name}")
+        hf.save_pretrained(str(path))
+        save_word_tokenizer(path, hf.config.vocab_size)
+        out[name] = (path, hf)
+    return out
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    # at most 40 + 24 tokens: Phi-3's tiny config serves 64 positions (its original context)
+    return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 33, 25, 40)]
+
+
+def _transformers_greedy(hf: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    with torch.inference_mode():
+        ref = hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=NEW_TOKENS,
+            eos_token_id=None,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    return ref.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", FAMILIES)
+async def test_engine_greedy_equals_transformers(name: str, engine_checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    """Seven prompts at once under a 32-token step budget (prompts prefill in chunks beside
+    decodes) and a cache of 8 blocks of 16 (requests are preempted and recomputed); the last
+    prompt repeats the third (a prefix-cache hit)."""
+    path, hf = engine_checkpoints[name]
+    prompts = _prompts(hf.config.vocab_size)
+    prompts[-1] = prompts[2]
+    params = sonar.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    async with sonar.open(
+        str(path), dtype="float32", max_num_batched_tokens=32, max_num_seqs=8, num_gpu_blocks_override=8
+    ) as llm:
+        outs = await llm.generate_many(prompts, params)
+        stats = await llm.stats()
+        assert llm.info.architecture == type(hf).__name__
+        assert stats.num_free_blocks == llm.info.num_blocks
+        assert stats.num_preemptions > 0 and stats.prefix_hits > 0
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        tokens, logprobs = _transformers_greedy(hf, prompt)
+        assert out.token_ids == tokens, f"prompt {i}"
+        ours = torch.tensor([p.logprob for p in out.logprobs])
+        torch.testing.assert_close(ours, logprobs[torch.arange(NEW_TOKENS), tokens], atol=LOGPROB_ATOL, rtol=0)
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_thread")
+async def test_longrope_serves_the_original_context(engine_checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    """Phi-3's tiny config: max_position_embeddings 256, original context 64. A prompt past 64
+    would take the long factors (and transformers a re-prefill), so the model's length is 64."""
+    path, hf = engine_checkpoints["phi3"]
+    assert (hf.config.max_position_embeddings, hf.config.rope_parameters["original_max_position_embeddings"]) == (
+        256,
+        64,
+    )
+    assert load_model(str(path), dtype="float32").max_model_len == 64
+    with pytest.raises(ValueError, match="max_model_len 128 exceeds the model's maximum 64"):
+        async with sonar.open(str(path), dtype="float32", max_model_len=128):
+            pass
+    async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=8) as llm:
+        assert llm.info.max_model_len == 64
+        with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
+            await llm.generate([1] * 65, sonar.SamplingParams(max_tokens=1))
+
+
+def test_dynamic_rope_serves_max_position_embeddings(tiny_checkpoints: dict[str, Any]) -> None:
+    """Granite's tiny config scales rope dynamically: nothing changes below max_position_embeddings."""
+    loaded = load_model(str(tiny_checkpoints["granite"].path), dtype="float32")
+    assert loaded.config.rope_parameters["rope_type"] == "dynamic"
+    assert loaded.max_model_len == loaded.config.max_position_embeddings == 256
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_native_fused_decode_never_serves_them(name: str, tiny_checkpoints: dict[str, Any]) -> None:
+    model = load_model(str(tiny_checkpoints[name].path), dtype="float32").model
+    assert not model.variant.native_decode
+    assert layer_weights(model) is None
+
+
+def test_native_fused_decode_never_serves_a_partial_rotary() -> None:
+    from transformers import LlamaConfig
+
+    configs = _tiny_configs()
+    whole = configs["llama3"]
+    partial = LlamaConfig(**{**whole.to_dict(), "partial_rotary_factor": 0.5})
+    for config, served in ((whole, True), (partial, False)):
+        with torch.device("cpu"):
+            model = model_class(config)(config).float().eval()
+        assert model.own_layers[0].self_attn.whole_rotary is served
+        if not served:
+            assert layer_weights(model) is None
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_unserved_features_are_refused_naming_the_family(name: str, tiny_checkpoints: dict[str, Any]) -> None:
+    tiny = tiny_checkpoints[name]
+    cls = model_class(tiny.hf.config)
+    family = cls.__name__
+    config = load_model(str(tiny.path), dtype="float32", load_format="dummy").config
+    with pytest.raises(ModelLoadError, match=f"{family} is not served with tensor parallelism: "):
+        cls(config, parallel=TensorParallel(rank=0, size=2))
+    with pytest.raises(ModelLoadError, match=f"{family} is not served with pipeline parallelism: "):
+        cls(config, stage=PipelineStage(index=0, size=2))
+    with pytest.raises(ModelLoadError, match=f"{family} is not served with quantized weights: "):
+        load_model(str(tiny.path), dtype="float32", quantization="fp8")
+    model = load_model(str(tiny.path), dtype="float32").model
+    with pytest.raises(ModelLoadError, match=f"{family} is not served with LoRA adapters: "):
+        AdapterSlots(
+            model,
+            max_loras=1,
+            max_cpu_loras=1,
+            limits=LoRALimits(),
+            shapes=ModelShapes.of_config(config),
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+        )
+    with pytest.raises(ModelLoadError, match=f"{family} is not served with EAGLE speculative decoding: "):
+        load_eagle_head(str(tiny.path), model, torch.float32, torch.device("cpu"))
+
+
+def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(
+    tiny_checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """Phi-3 stores q/k/v as one qkv_proj: one of another size is a clear error, not a partial load."""
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoints["phi3"].path
+    dst = tmp_path / "phi3"
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    weights[name] = weights[name][:-16]
+    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    assert json.loads((dst / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
+    with pytest.raises(ModelLoadError, match=f"weight {name} has 112 rows, the model expects 128"):
+        load_model(str(dst), dtype="float32")
