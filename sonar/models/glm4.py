@@ -13,9 +13,7 @@ from torch import Tensor
 from sonar.models.decoder import (
     EAGLE,
     LORA,
-    PIPELINE_PARALLEL,
     QUANTIZED,
-    TENSOR_PARALLEL,
     DecoderForCausalLM,
     DecoderLayer,
     DecoderVariant,
@@ -52,7 +50,7 @@ class Glm4ForCausalLM(DecoderForCausalLM):
     architectures = ("Glm4ForCausalLM",)
     layer_class = Glm4Layer
     refused = {
-        **unverified(TENSOR_PARALLEL, PIPELINE_PARALLEL, LORA, EAGLE),
+        **unverified(LORA, EAGLE),
         QUANTIZED: "GLM-4's quantized checkpoints fuse gate_up_proj, which the quantized loader does not split",
     }
 

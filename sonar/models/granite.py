@@ -12,9 +12,7 @@ from torch import Tensor
 from sonar.models.decoder import (
     EAGLE,
     LORA,
-    PIPELINE_PARALLEL,
     QUANTIZED,
-    TENSOR_PARALLEL,
     DecoderForCausalLM,
     DecoderLayer,
     DecoderVariant,
@@ -48,7 +46,7 @@ class GraniteForCausalLM(DecoderForCausalLM):
     architectures = ("GraniteForCausalLM",)
     layer_class = GraniteLayer
     # EAGLE heads and LoRA adapters see the embeddings and logits unscaled
-    refused = unverified(TENSOR_PARALLEL, PIPELINE_PARALLEL, LORA, QUANTIZED, EAGLE)
+    refused = unverified(LORA, QUANTIZED, EAGLE)
 
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:

@@ -19,7 +19,6 @@ from sonar.models.decoder import (
     EAGLE,
     LORA,
     MLP,
-    PIPELINE_PARALLEL,
     QUANTIZED,
     TENSOR_PARALLEL,
     Attention,
@@ -88,7 +87,7 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
     architectures = ("Olmo2ForCausalLM",)
     layer_class = Olmo2Layer
     refused = {
-        **unverified(PIPELINE_PARALLEL, LORA, QUANTIZED, EAGLE),
+        **unverified(LORA, QUANTIZED, EAGLE),
         TENSOR_PARALLEL: "OLMo 2 normalizes the query and key over all heads, which a rank's shard does not hold",
     }
 

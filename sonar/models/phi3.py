@@ -12,9 +12,7 @@ from torch import Tensor
 from sonar.models.decoder import (
     EAGLE,
     LORA,
-    PIPELINE_PARALLEL,
     QUANTIZED,
-    TENSOR_PARALLEL,
     DecoderForCausalLM,
     DecoderVariant,
     sliding_windows,
@@ -26,7 +24,7 @@ from sonar.models.decoder import (
 class Phi3ForCausalLM(DecoderForCausalLM):
     architectures = ("Phi3ForCausalLM",)
     refused = {
-        **unverified(TENSOR_PARALLEL, PIPELINE_PARALLEL, EAGLE),
+        **unverified(EAGLE),
         LORA: "Phi-3 adapters target the fused qkv_proj and gate_up_proj, which Sonar's adapter loader does not split",
         QUANTIZED: "Phi-3's quantized checkpoints fuse qkv_proj and gate_up_proj, which the quantized loader "
         "does not split",

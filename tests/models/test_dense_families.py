@@ -4,6 +4,7 @@
 * through the whole engine (`sonar.open`: batching, chunked prefill, preemption, the prefix
   cache), greedy tokens and logprobs equal transformers';
 * LongRoPE is served up to the original context, and a longer prompt is refused;
+* tensor and pipeline parallel groups give the logits of one rank;
 * the native fused decode never serves them, nor any partial rotary;
 * the features they are not served with are refused at the start, naming the family.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,18 @@ import sonar
 from sonar.errors import InvalidRequestError
 from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
+from sonar.models.decoder import EAGLE, LORA, QUANTIZED, TENSOR_PARALLEL
 from sonar.models.eagle import load_eagle_head
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import layer_weights
 from sonar.models.loader import load_model
-from sonar.models.parallel import PipelineStage, TensorParallel
+from sonar.models.parallel import TensorParallel
 from sonar.models.registry import model_class
 from tests.engine.conftest import save_word_tokenizer, spread_weights
+from tests.models import parallel_rank
 from tests.models.conftest import _tiny_configs
+from tests.models.test_parallel import ATOL as PARALLEL_ATOL
+from tests.models.test_parallel import _group_logits
 
 FAMILIES = ("phi3", "granite", "olmo2", "glm4")
 NEW_TOKENS = 24
@@ -155,31 +161,61 @@ def test_native_fused_decode_never_serves_a_partial_rotary() -> None:
             assert layer_weights(model) is None
 
 
+def test_the_refused_features() -> None:
+    """What each family is not served with; everything else (tensor and pipeline parallelism
+    included, `test_split_over_ranks_gives_the_logits_of_one`) is."""
+    refused = {name: set(model_class(config).refused) for name, config in _tiny_configs().items()}
+    assert refused == {
+        "llama3": set(),
+        "qwen3": set(),
+        "qwen2": set(),
+        "mistral": set(),
+        "phi3": {LORA, QUANTIZED, EAGLE},
+        "granite": {LORA, QUANTIZED, EAGLE},
+        "olmo2": {TENSOR_PARALLEL, LORA, QUANTIZED, EAGLE},
+        "glm4": {LORA, QUANTIZED, EAGLE},
+    }
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-def test_unserved_features_are_refused_naming_the_family(name: str, tiny_checkpoints: dict[str, Any]) -> None:
+def test_refused_features_fail_at_their_start_naming_the_family(name: str, tiny_checkpoints: dict[str, Any]) -> None:
     tiny = tiny_checkpoints[name]
     cls = model_class(tiny.hf.config)
-    family = cls.__name__
-    config = load_model(str(tiny.path), dtype="float32", load_format="dummy").config
-    with pytest.raises(ModelLoadError, match=f"{family} is not served with tensor parallelism: "):
-        cls(config, parallel=TensorParallel(rank=0, size=2))
-    with pytest.raises(ModelLoadError, match=f"{family} is not served with pipeline parallelism: "):
-        cls(config, stage=PipelineStage(index=0, size=2))
-    with pytest.raises(ModelLoadError, match=f"{family} is not served with quantized weights: "):
-        load_model(str(tiny.path), dtype="float32", quantization="fp8")
-    model = load_model(str(tiny.path), dtype="float32").model
-    with pytest.raises(ModelLoadError, match=f"{family} is not served with LoRA adapters: "):
-        AdapterSlots(
-            model,
+    loaded = load_model(str(tiny.path), dtype="float32")
+    starts = {
+        TENSOR_PARALLEL: lambda: cls(loaded.config, parallel=TensorParallel(rank=0, size=2)),
+        QUANTIZED: lambda: load_model(str(tiny.path), dtype="float32", quantization="fp8"),
+        LORA: lambda: AdapterSlots(
+            loaded.model,
             max_loras=1,
             max_cpu_loras=1,
             limits=LoRALimits(),
-            shapes=ModelShapes.of_config(config),
+            shapes=ModelShapes.of_config(loaded.config),
             dtype=torch.float32,
             device=torch.device("cpu"),
-        )
-    with pytest.raises(ModelLoadError, match=f"{family} is not served with EAGLE speculative decoding: "):
-        load_eagle_head(str(tiny.path), model, torch.float32, torch.device("cpu"))
+        ),
+        EAGLE: lambda: load_eagle_head(str(tiny.path), loaded.model, torch.float32, torch.device("cpu")),
+    }
+    for feature, reason in cls.refused.items():
+        with pytest.raises(ModelLoadError, match=re.escape(f"{cls.__name__} is not served with {feature}: {reason}")):
+            starts[feature]()
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_split_over_ranks_gives_the_logits_of_one(
+    tp: int, pp: int, tiny_checkpoints: dict[str, Any], tmp_path: Path
+) -> None:
+    """Real gloo groups (tests/models/test_parallel.py): Phi-3's fused checkpoint tensors shard as
+    their parts, Granite's o_proj bias is added once, GLM-4's extra norms follow the all-reduce,
+    the stages pass OLMo 2's post-normed residual stream on."""
+    names = [n for n in FAMILIES if tp == 1 or TENSOR_PARALLEL not in model_class(_tiny_configs()[n]).refused]
+    sources = [str(tiny_checkpoints[n].path) for n in names]
+    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    assert len(got) == len(names) == (4 if tp == 1 else 3)
+    for name, source, ranked in zip(names, sources, got):
+        for want, have in zip(parallel_rank.logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < PARALLEL_ATOL, (name, tp, pp)
 
 
 def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(
