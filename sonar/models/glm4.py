@@ -12,7 +12,6 @@ from torch import Tensor
 
 from sonar.models.decoder import (
     EAGLE,
-    LORA,
     QUANTIZED,
     DecoderForCausalLM,
     DecoderLayer,
@@ -50,7 +49,7 @@ class Glm4ForCausalLM(DecoderForCausalLM):
     architectures = ("Glm4ForCausalLM",)
     layer_class = Glm4Layer
     refused = {
-        **unverified(LORA, EAGLE),
+        **unverified(EAGLE),
         QUANTIZED: "GLM-4's quantized checkpoints fuse gate_up_proj, which the quantized loader does not split",
     }
 

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from sonar.models.decoder import (
     EAGLE,
-    LORA,
     QUANTIZED,
     DecoderForCausalLM,
     DecoderLayer,
@@ -45,8 +44,7 @@ class GraniteLayer(DecoderLayer):
 class GraniteForCausalLM(DecoderForCausalLM):
     architectures = ("GraniteForCausalLM",)
     layer_class = GraniteLayer
-    # EAGLE heads and LoRA adapters see the embeddings and logits unscaled
-    refused = unverified(LORA, QUANTIZED, EAGLE)
+    refused = unverified(QUANTIZED, EAGLE)
 
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:

@@ -17,11 +17,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
 import sonar
-from sonar.errors import InvalidRequestError
+from sonar.errors import InvalidRequestError, LoRAError
+from sonar.lora.adapter import read_adapter
 from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.decoder import EAGLE, LORA, QUANTIZED, TENSOR_PARALLEL
@@ -32,6 +34,7 @@ from sonar.models.loader import load_model
 from sonar.models.parallel import TensorParallel
 from sonar.models.registry import model_class
 from tests.engine.conftest import save_word_tokenizer, spread_weights
+from tests.lora.conftest import ALL_MODULES, make_adapter, peft_greedy
 from tests.models import parallel_rank
 from tests.models.conftest import _tiny_configs
 from tests.models.test_parallel import ATOL as PARALLEL_ATOL
@@ -39,6 +42,7 @@ from tests.models.test_parallel import _group_logits
 
 FAMILIES = ("phi3", "granite", "olmo2", "glm4")
 NEW_TOKENS = 24
+LORA_TOKENS = 10
 #: Tiny models in float32: the engine's logprobs against transformers' log-softmax.
 LOGPROB_ATOL = 1e-4
 
@@ -162,8 +166,8 @@ def test_native_fused_decode_never_serves_a_partial_rotary() -> None:
 
 
 def test_the_refused_features() -> None:
-    """What each family is not served with; everything else (tensor and pipeline parallelism
-    included, `test_split_over_ranks_gives_the_logits_of_one`) is."""
+    """What each family is not served with; everything else is (tensor and pipeline parallelism:
+    `test_split_over_ranks_gives_the_logits_of_one`; LoRA: `test_lora_adapters_equal_peft`)."""
     refused = {name: set(model_class(config).refused) for name, config in _tiny_configs().items()}
     assert refused == {
         "llama3": set(),
@@ -171,9 +175,9 @@ def test_the_refused_features() -> None:
         "qwen2": set(),
         "mistral": set(),
         "phi3": {LORA, QUANTIZED, EAGLE},
-        "granite": {LORA, QUANTIZED, EAGLE},
+        "granite": {QUANTIZED, EAGLE},
         "olmo2": {TENSOR_PARALLEL, LORA, QUANTIZED, EAGLE},
-        "glm4": {LORA, QUANTIZED, EAGLE},
+        "glm4": {QUANTIZED, EAGLE},
     }
 
 
@@ -234,3 +238,43 @@ def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(
     assert json.loads((dst / "config.json").read_text())["architectures"] == ["Phi3ForCausalLM"]
     with pytest.raises(ModelLoadError, match=f"weight {name} has 112 rows, the model expects 128"):
         load_model(str(dst), dtype="float32")
+
+
+@pytest.mark.anyio
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("name", ["granite", "glm4"])
+async def test_lora_adapters_equal_peft(
+    name: str, engine_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path
+) -> None:
+    """A rank-8 adapter built with peft, batched with the base model: Granite's on every projection
+    (its multipliers scale the adapted outputs as peft's), GLM-4's on q/k/v/o and down_proj (an
+    adapter of its fused gate_up_proj is refused by the adapter reader, naming the projections)."""
+    path, hf = engine_checkpoints[name]
+    targets = ALL_MODULES if name == "granite" else ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    built = make_adapter(hf, tmp_path / "adapter", seed=3, b_scale=1.0, target_modules=targets)
+    prompts = _prompts(hf.config.vocab_size)[:3]
+    params = sonar.SamplingParams(max_tokens=LORA_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
+    async with sonar.open(
+        str(path), dtype="float32", enable_lora=True, max_loras=1, lora_modules=[f"a={built.path}"]
+    ) as llm:
+        outs: dict[tuple[str | None, int], Any] = {}
+
+        async def one(lora: str | None, i: int) -> None:
+            outs[(lora, i)] = await llm.generate(prompts[i], params, lora=lora)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                for lora in (None, "a"):
+                    tg.start_soon(one, lora, i)
+    for lora, adapter in ((None, None), ("a", built.path)):
+        tokens, logits = peft_greedy(hf, adapter, prompts, LORA_TOKENS)
+        for i in range(len(prompts)):
+            out = outs[(lora, i)]
+            assert out.token_ids == tokens[i], (lora, i)
+            logprobs = torch.log_softmax(logits[i], dim=-1)[torch.arange(LORA_TOKENS), tokens[i]]
+            torch.testing.assert_close(torch.tensor([p.logprob for p in out.logprobs]), logprobs, atol=1e-4, rtol=0)
+    assert outs[(None, 1)].token_ids != outs[("a", 1)].token_ids
+    if name == "glm4":
+        fused = make_adapter(hf, tmp_path / "fused", seed=4, target_modules=["gate_up_proj"])
+        with pytest.raises(LoRAError, match=r"gate_up_proj\.lora_[AB]\.weight' is not a LoRA factor of a supported"):
+            read_adapter(fused.path, ModelShapes.of_config(hf.config), LoRALimits())
