@@ -11,7 +11,6 @@ from torch import Tensor
 
 from sonar.models.decoder import (
     EAGLE,
-    QUANTIZED,
     DecoderForCausalLM,
     DecoderLayer,
     DecoderVariant,
@@ -44,7 +43,7 @@ class GraniteLayer(DecoderLayer):
 class GraniteForCausalLM(DecoderForCausalLM):
     architectures = ("GraniteForCausalLM",)
     layer_class = GraniteLayer
-    refused = unverified(QUANTIZED, EAGLE)
+    refused = unverified(EAGLE)
 
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:

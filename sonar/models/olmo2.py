@@ -19,7 +19,6 @@ from sonar.models.decoder import (
     EAGLE,
     LORA,
     MLP,
-    QUANTIZED,
     TENSOR_PARALLEL,
     Attention,
     DecoderForCausalLM,
@@ -87,7 +86,7 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
     architectures = ("Olmo2ForCausalLM",)
     layer_class = Olmo2Layer
     refused = {
-        **unverified(LORA, QUANTIZED, EAGLE),
+        **unverified(LORA, EAGLE),
         TENSOR_PARALLEL: "OLMo 2 normalizes the query and key over all heads, which a rank's shard does not hold",
     }
 

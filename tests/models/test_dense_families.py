@@ -23,6 +23,7 @@ import torch
 
 import sonar
 from sonar.errors import InvalidRequestError, LoRAError
+from sonar.kernels.quant_linear import QuantLinear
 from sonar.lora.adapter import read_adapter
 from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
@@ -37,12 +38,21 @@ from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.lora.conftest import ALL_MODULES, make_adapter, peft_greedy
 from tests.models import parallel_rank
 from tests.models.conftest import _tiny_configs
+from tests.models.quantization.test_load import CASES as QUANT_CASES
+from tests.models.quantization.test_load import _compare as compare_quantized
+from tests.models.quantization.test_load import _load as load_quantized
+from tests.models.quantization.test_load import _reference as quantized_reference
+from tests.models.quantization.test_load import _tiny as quantized_tiny
+from tests.models.quantization.test_load import _write as write_quantized
 from tests.models.test_parallel import ATOL as PARALLEL_ATOL
 from tests.models.test_parallel import _group_logits
 
 FAMILIES = ("phi3", "granite", "olmo2", "glm4")
 NEW_TOKENS = 24
 LORA_TOKENS = 10
+GRANITE_SCALARS = dict(
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5, attention_bias=True
+)
 #: Tiny models in float32: the engine's logprobs against transformers' log-softmax.
 LOGPROB_ATOL = 1e-4
 
@@ -167,7 +177,8 @@ def test_native_fused_decode_never_serves_a_partial_rotary() -> None:
 
 def test_the_refused_features() -> None:
     """What each family is not served with; everything else is (tensor and pipeline parallelism:
-    `test_split_over_ranks_gives_the_logits_of_one`; LoRA: `test_lora_adapters_equal_peft`)."""
+    `test_split_over_ranks_gives_the_logits_of_one`; LoRA: `test_lora_adapters_equal_peft`;
+    quantized weights: `test_quantized_checkpoints_equal_transformers_dequantized`)."""
     refused = {name: set(model_class(config).refused) for name, config in _tiny_configs().items()}
     assert refused == {
         "llama3": set(),
@@ -175,8 +186,8 @@ def test_the_refused_features() -> None:
         "qwen2": set(),
         "mistral": set(),
         "phi3": {LORA, QUANTIZED, EAGLE},
-        "granite": {QUANTIZED, EAGLE},
-        "olmo2": {TENSOR_PARALLEL, LORA, QUANTIZED, EAGLE},
+        "granite": {EAGLE},
+        "olmo2": {TENSOR_PARALLEL, LORA, EAGLE},
         "glm4": {QUANTIZED, EAGLE},
     }
 
@@ -278,3 +289,24 @@ async def test_lora_adapters_equal_peft(
         fused = make_adapter(hf, tmp_path / "fused", seed=4, target_modules=["gate_up_proj"])
         with pytest.raises(LoRAError, match=r"gate_up_proj\.lora_[AB]\.weight' is not a LoRA factor of a supported"):
             read_adapter(fused.path, ModelShapes.of_config(hf.config), LoRALimits())
+
+
+@pytest.mark.parametrize("case", ["gptq-int4-act-order-v1", "awq"])
+@pytest.mark.parametrize("name", ["granite", "olmo2"])
+def test_quantized_checkpoints_equal_transformers_dequantized(
+    name: str, case: str, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path
+) -> None:
+    """Granite's and OLMo 2's linear layers quantized in the test (tests/models/quantization), served
+    as quantized layers, against transformers holding the dequantized weights (float32, 1e-4)."""
+    extra = GRANITE_SCALARS if name == "granite" else {}
+    architecture = model_class(_tiny_configs()[name]).__name__
+    hf, _ = quantized_tiny(tmp_path_factory, architecture, model_type=name, **extra)
+    quantize, qc, with_lm_head = QUANT_CASES[case]
+    dequantized = write_quantized(hf, tmp_path / case, quantize, qc, with_lm_head)
+    # the loader takes it (float32 on the CPU: served dequantized, exactly) ...
+    assert load_model(str(tmp_path / case), dtype="float32").architecture == architecture
+    # ... and its quantized layers compute transformers' logits
+    model = load_quantized(tmp_path / case)
+    quantized = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(quantized) == 4 * hf.config.num_hidden_layers
+    compare_quantized(model, quantized_reference(hf, dequantized))
