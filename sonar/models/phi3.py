@@ -1,6 +1,9 @@
 """Phi-3 and Phi-4 (``Phi3ForCausalLM``): Llama's layers, no biases, LongRoPE scaling and, in
 Phi-4-mini, a partial rotary. The checkpoint stores q/k/v as one ``qkv_proj`` and gate/up as one
-``gate_up_proj``, in the row order of Sonar's fused matrices."""
+``gate_up_proj``, in the row order of Sonar's fused matrices.
+
+The layers being Llama's, the native decode loop (`sonar.models.fused`) serves the checkpoints
+that rotate whole heads (Phi-3, Phi-4), not those with a partial rotary (Phi-4-mini)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,6 @@ class Phi3ForCausalLM(DecoderForCausalLM):
             qk_norm=False,
             mlp_bias=False,
             sliding_windows=sliding_windows(config),
-            native_decode=False,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

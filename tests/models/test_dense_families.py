@@ -5,7 +5,7 @@
   cache), greedy tokens and logprobs equal transformers';
 * LongRoPE is served up to the original context, and a longer prompt is refused;
 * tensor and pipeline parallel groups give the logits of one rank;
-* the native fused decode never serves them, nor any partial rotary;
+* the native fused decode serves Phi-3's whole-head rotary bit for bit, and nothing else here;
 * the features they are not served with are refused at the start, naming the family.
 """
 
@@ -44,6 +44,8 @@ from tests.models.quantization.test_load import _load as load_quantized
 from tests.models.quantization.test_load import _reference as quantized_reference
 from tests.models.quantization.test_load import _tiny as quantized_tiny
 from tests.models.quantization.test_load import _write as write_quantized
+from tests.models.test_fused import _assert_same as assert_same_steps
+from tests.models.test_fused import _both as fused_and_per_op
 from tests.models.test_parallel import ATOL as PARALLEL_ATOL
 from tests.models.test_parallel import _group_logits
 
@@ -86,13 +88,13 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 33, 25, 40)]
 
 
-def _transformers_greedy(hf: Any, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+def _transformers_greedy(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
     with torch.inference_mode():
         ref = hf.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
-            max_new_tokens=NEW_TOKENS,
+            max_new_tokens=n,
             eos_token_id=None,
             pad_token_id=0,
             output_logits=True,
@@ -155,10 +157,42 @@ def test_dynamic_rope_serves_max_position_embeddings(tiny_checkpoints: dict[str,
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_native_fused_decode_never_serves_them(name: str, tiny_checkpoints: dict[str, Any]) -> None:
+def test_native_fused_decode_serves_only_whole_llama_layers(name: str, tiny_checkpoints: dict[str, Any]) -> None:
+    """Granite's multipliers, OLMo 2's and GLM-4's norms are not what the native loop computes;
+    Phi-3's layers are Llama's, but this one rotates 3/4 of each head."""
     model = load_model(str(tiny_checkpoints[name].path), dtype="float32").model
-    assert not model.variant.native_decode
+    assert model.variant.native_decode is (name == "phi3")
     assert layer_weights(model) is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_phi3_native_fused_decode_equals_the_per_op_path_and_transformers(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Phi-3 rotating whole heads (Phi-3-mini, Phi-4) with LongRoPE and a sliding window shorter
+    than the prompts: decode steps take the native loop, bit for bit the per-op path's logits and
+    KV cache (tests/models/test_fused.py), and in float32 transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    config = _tiny_configs()["phi3"].to_dict()
+    rope = {"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 1.8, 2.0, 2.2], "long_factor": [4.0] * 8}
+    config.update(partial_rotary_factor=1.0, rope_scaling=rope, sliding_window=8)
+    config.pop("rope_parameters", None)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(Phi3Config(**config), dtype=torch.float32).eval()
+    spread_weights(hf)
+    hf.save_pretrained(str(tmp_path))
+    loaded = load_model(str(tmp_path), dtype=dtype)
+    assert loaded.model.own_layers[0].self_attn.whole_rotary and layer_weights(loaded.model) is not None
+    prompts = _prompts(hf.config.vocab_size)[:4]
+    fused, per_op, a, b, calls = fused_and_per_op(
+        loaded.model, loaded.dtype, prompts, 12, monkeypatch, prefill_chunk=8, join_steps=[0, 2, 0, 5]
+    )
+    assert calls >= 8
+    assert_same_steps(fused, per_op, a, b)
+    if dtype == "float32":
+        for prompt, tokens in zip(prompts, fused.tokens):
+            assert tokens == _transformers_greedy(hf, prompt, 12)[0]
 
 
 def test_native_fused_decode_never_serves_a_partial_rotary() -> None:
