@@ -158,7 +158,7 @@ class AdapterSlots:
 def _splits(layer: nn.Module, fused: str) -> tuple[int, tuple[int, ...]]:
     """A fused layer's input size and its sub-projection output sizes, on this rank."""
     attn, mlp = layer.self_attn, layer.mlp
-    hidden = layer.input_layernorm.weight.shape[0]
+    hidden = layer.post_attention_layernorm.weight.shape[0]  # every family has it (OLMo 2 no input norm)
     if fused == "qkv_proj":
         return hidden, (attn.q_size, attn.kv_size, attn.kv_size)
     if fused == "o_proj":

@@ -17,7 +17,6 @@ from torch import Tensor, nn
 from sonar.kernels.attention_op import attention
 from sonar.models.decoder import (
     EAGLE,
-    LORA,
     MLP,
     TENSOR_PARALLEL,
     Attention,
@@ -86,7 +85,7 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
     architectures = ("Olmo2ForCausalLM",)
     layer_class = Olmo2Layer
     refused = {
-        **unverified(LORA, EAGLE),
+        **unverified(EAGLE),
         TENSOR_PARALLEL: "OLMo 2 normalizes the query and key over all heads, which a rank's shard does not hold",
     }
 

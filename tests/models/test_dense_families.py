@@ -221,7 +221,7 @@ def test_the_refused_features() -> None:
         "mistral": set(),
         "phi3": {LORA, QUANTIZED, EAGLE},
         "granite": {EAGLE},
-        "olmo2": {TENSOR_PARALLEL, LORA, EAGLE},
+        "olmo2": {TENSOR_PARALLEL, EAGLE},
         "glm4": {QUANTIZED, EAGLE},
     }
 
@@ -287,15 +287,16 @@ def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("name", ["granite", "glm4"])
+@pytest.mark.parametrize("name", ["granite", "olmo2", "glm4"])
 async def test_lora_adapters_equal_peft(
     name: str, engine_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path
 ) -> None:
     """A rank-8 adapter built with peft, batched with the base model: Granite's on every projection
-    (its multipliers scale the adapted outputs as peft's), GLM-4's on q/k/v/o and down_proj (an
+    (its multipliers scale the adapted outputs as peft's), OLMo 2's too (its q/k norms follow the
+    adapted projections), GLM-4's on q/k/v/o and down_proj (an
     adapter of its fused gate_up_proj is refused by the adapter reader, naming the projections)."""
     path, hf = engine_checkpoints[name]
-    targets = ALL_MODULES if name == "granite" else ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
+    targets = ALL_MODULES if name != "glm4" else ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]
     built = make_adapter(hf, tmp_path / "adapter", seed=3, b_scale=1.0, target_modules=targets)
     prompts = _prompts(hf.config.vocab_size)[:3]
     params = sonar.SamplingParams(max_tokens=LORA_TOKENS, temperature=0, ignore_eos=True, logprobs=3)
