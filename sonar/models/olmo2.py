@@ -1,6 +1,7 @@
 """OLMo 2 (``Olmo2ForCausalLM``): norms after the attention and after the MLP, over their outputs
 before each residual add, instead of before them; an RMSNorm over the whole projected query and
-key (all heads at once, not per head); biases by `attention_bias`.
+key (all heads at once, not per head: with tensor parallelism the ranks sum their heads' squares);
+biases by `attention_bias`.
 
 OLMo 2's norms multiply by their weight in float32 and round once (Llama's round, then multiply):
 `Olmo2RMSNorm` keeps that order, so bfloat16 runs round as transformers does.
@@ -18,13 +19,12 @@ from sonar.kernels.attention_op import attention
 from sonar.models.decoder import (
     EAGLE,
     MLP,
-    TENSOR_PARALLEL,
     Attention,
     DecoderForCausalLM,
     DecoderVariant,
     unverified,
 )
-from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, Shard, TensorParallel
 
 
 class Olmo2RMSNorm(nn.Module):
@@ -38,9 +38,28 @@ class Olmo2RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (self.weight * h).to(x.dtype)
+        out = self.scaled(x, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
         return out if residual is None else (out, x)
+
+    def scaled(self, x: Tensor, normed: Tensor) -> Tensor:
+        return (self.weight * normed).to(x.dtype)
+
+
+class ShardedQKNorm(Olmo2RMSNorm):
+    """OLMo 2's norm over a whole projected query or key of which this rank holds a shard (its
+    heads): the squares are summed over the group, each head counted once (KV heads that several
+    ranks replicate appear `replicas` times in the sum)."""
+
+    def __init__(self, size: int, eps: float, total: int, replicas: int, parallel: TensorParallel) -> None:
+        super().__init__(size, eps)
+        self.total = total
+        self.replicas = replicas
+        self.parallel = parallel
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        h = x.float()
+        squares = self.parallel.all_reduce(h.pow(2).sum(-1, keepdim=True)) / self.replicas
+        return self.scaled(x, h * torch.rsqrt(squares / self.total + self.eps))
 
 
 class Olmo2Attention(Attention):
@@ -48,8 +67,15 @@ class Olmo2Attention(Attention):
         self, config: Any, variant: DecoderVariant, layer: int, head_dim: int, parallel: TensorParallel = SINGLE
     ) -> None:
         super().__init__(config, variant, layer, head_dim, parallel)
-        self.q_norm = Olmo2RMSNorm(self.q_size, config.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(self.kv_size, config.rms_norm_eps)
+        eps = config.rms_norm_eps
+        if parallel.size == 1:
+            self.q_norm = Olmo2RMSNorm(self.q_size, eps)
+            self.k_norm = Olmo2RMSNorm(self.kv_size, eps)
+        else:
+            kv_heads = config.num_key_value_heads or config.num_attention_heads
+            self.q_norm = ShardedQKNorm(self.q_size, eps, config.num_attention_heads * head_dim, 1, parallel)
+            replicas = max(parallel.size // kv_heads, 1)
+            self.k_norm = ShardedQKNorm(self.kv_size, eps, kv_heads * head_dim, replicas, parallel)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor) -> Tensor:
         n = x.shape[0]
@@ -84,10 +110,7 @@ class Olmo2Layer(nn.Module):
 class Olmo2ForCausalLM(DecoderForCausalLM):
     architectures = ("Olmo2ForCausalLM",)
     layer_class = Olmo2Layer
-    refused = {
-        **unverified(EAGLE),
-        TENSOR_PARALLEL: "OLMo 2 normalizes the query and key over all heads, which a rank's shard does not hold",
-    }
+    refused = unverified(EAGLE)
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__(config, parallel, stage)
@@ -96,3 +119,12 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:
         return replace(super().make_variant(config), native_decode=False)
+
+    def checkpoint_shard(self, name: str) -> Shard | None:
+        """The q/k norms' weights split as the heads they scale."""
+        tp, attn = self.parallel, self.own_layers[0].self_attn
+        if tp.size > 1 and ".q_norm." in name:
+            return Shard(0, tp.rank * attn.q_size, attn.q_size)
+        if tp.size > 1 and ".k_norm." in name:
+            return Shard(0, attn.first_kv_head * self.head_dim, attn.kv_size)
+        return super().checkpoint_shard(name)

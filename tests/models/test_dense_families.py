@@ -221,7 +221,7 @@ def test_the_refused_features() -> None:
         "mistral": set(),
         "phi3": {LORA, QUANTIZED, EAGLE},
         "granite": {EAGLE},
-        "olmo2": {TENSOR_PARALLEL, EAGLE},
+        "olmo2": {EAGLE},
         "glm4": {QUANTIZED, EAGLE},
     }
 
@@ -250,17 +250,21 @@ def test_refused_features_fail_at_their_start_naming_the_family(name: str, tiny_
             starts[feature]()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    ("tp", "pp", "names"),
+    [(2, 1, FAMILIES), (1, 2, FAMILIES), (4, 1, ("olmo2",))],
+    ids=["tp2", "pp2", "tp4-olmo2"],
+)
 def test_split_over_ranks_gives_the_logits_of_one(
-    tp: int, pp: int, tiny_checkpoints: dict[str, Any], tmp_path: Path
+    tp: int, pp: int, names: tuple[str, ...], tiny_checkpoints: dict[str, Any], tmp_path: Path
 ) -> None:
     """Real gloo groups (tests/models/test_parallel.py): Phi-3's fused checkpoint tensors shard as
     their parts, Granite's o_proj bias is added once, GLM-4's extra norms follow the all-reduce,
-    the stages pass OLMo 2's post-normed residual stream on."""
-    names = [n for n in FAMILIES if tp == 1 or TENSOR_PARALLEL not in model_class(_tiny_configs()[n]).refused]
+    OLMo 2's q/k norms sum their squares over the ranks (at 4 ranks each of its 2 KV heads is on
+    two of them), the stages pass OLMo 2's post-normed residual stream on."""
     sources = [str(tiny_checkpoints[n].path) for n in names]
     got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
-    assert len(got) == len(names) == (4 if tp == 1 else 3)
+    assert len(got) == len(names)
     for name, source, ranked in zip(names, sources, got):
         for want, have in zip(parallel_rank.logits(source), ranked):
             assert have.shape == want.shape
