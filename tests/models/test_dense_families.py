@@ -5,6 +5,8 @@
   cache), greedy tokens and logprobs equal transformers';
 * LongRoPE is served up to the original context, and a longer prompt is refused;
 * tensor and pipeline parallel groups give the logits of one rank;
+* LoRA adapters (Granite, OLMo 2, GLM-4) equal peft's; GPTQ and AWQ checkpoints (Granite, OLMo 2)
+  equal transformers on their dequantized weights;
 * the native fused decode serves Phi-3's whole-head rotary bit for bit, and nothing else here;
 * the features they are not served with are refused at the start, naming the family.
 """
