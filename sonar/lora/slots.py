@@ -21,6 +21,7 @@ from sonar.errors import LoRAError
 from sonar.log import get_logger
 from sonar.lora.adapter import LoRAWeights, read_adapter
 from sonar.lora.limits import FUSED, MODULES, LoRALimits, ModelShapes
+from sonar.models.decoder import LORA
 from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
 from sonar.models.parallel import TensorParallel
 
@@ -43,6 +44,7 @@ class AdapterSlots:
         device: torch.device,
         fully_sharded: bool = False,
     ) -> None:
+        model.require_support(LORA)
         self.model = model
         self.limits = limits
         self.shapes = shapes
@@ -156,7 +158,7 @@ class AdapterSlots:
 def _splits(layer: nn.Module, fused: str) -> tuple[int, tuple[int, ...]]:
     """A fused layer's input size and its sub-projection output sizes, on this rank."""
     attn, mlp = layer.self_attn, layer.mlp
-    hidden = layer.input_layernorm.weight.shape[0]
+    hidden = layer.post_attention_layernorm.weight.shape[0]  # every family has it (OLMo 2 no input norm)
     if fused == "qkv_proj":
         return hidden, (attn.q_size, attn.kv_size, attn.kv_size)
     if fused == "o_proj":

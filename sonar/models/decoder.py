@@ -1,9 +1,12 @@
-"""The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families.
+"""The decoder-only transformer shared by the Llama, Mistral, Qwen2 and Qwen3 families, and the
+layers the other dense families (Phi-3, Granite, OLMo 2, GLM-4) build theirs from.
 
 The families differ in a few switches, gathered in `DecoderVariant`: biases on the q/k/v
 projections (Qwen2 always, others by `attention_bias`), an RMSNorm over each query and key head
 before the rotation (Qwen3), sliding-window layers (Mistral, Qwen2/3 by `layer_types`), the
-rope scaling (Llama 3) and tied input/output embeddings (SmolLM2, small Qwens).
+rope scaling (Llama 3) and tied input/output embeddings (SmolLM2, small Qwens), a partial or
+interleaved rotary (GLM-4) and the attention's scale (Granite). A family whose layer is arranged
+differently (norms after the attention and the MLP) names its own `layer_class`.
 
 Everything runs over a *flat* batch: ``input_ids``/``positions`` ``[num_tokens]`` hold the new
 tokens of every sequence of the step, and `AttentionMetadata` says which rows belong to which
@@ -16,10 +19,11 @@ checkpoint's separate tensors into their slices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import structlog
 import torch
 from torch import Tensor, nn
 
@@ -30,7 +34,27 @@ from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, Shard, TensorParallel
-from sonar.models.rotary import RotaryEmbedding, rope_parameters
+from sonar.models.rotary import (
+    RotaryEmbedding,
+    apply_partial_rotary,
+    rope_parameters,
+    rotary_dim,
+    served_positions,
+)
+
+log = structlog.get_logger(__name__)
+
+#: Features a family may refuse (`DecoderForCausalLM.refused`), by the names its errors give them.
+TENSOR_PARALLEL = "tensor parallelism"
+PIPELINE_PARALLEL = "pipeline parallelism"
+LORA = "LoRA adapters"
+QUANTIZED = "quantized weights"
+EAGLE = "EAGLE speculative decoding"
+
+
+def unverified(*features: str) -> dict[str, str]:
+    """`DecoderForCausalLM.refused` entries for features a family's layers have not been checked with."""
+    return dict.fromkeys(features, "not yet verified against transformers for this architecture")
 
 
 @dataclass(frozen=True)
@@ -42,6 +66,12 @@ class DecoderVariant:
     qk_norm: bool
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]
+    interleaved_rotary: bool = False
+    """The rotary turns pairs ``2i, 2i + 1`` (GLM) instead of ``i, i + rotary_dim / 2``."""
+    attention_scale: float | None = None
+    """The softmax scale (Granite's `attention_multiplier`); None: ``head_dim ** -0.5``."""
+    native_decode: bool = True
+    """Whether the layers are exactly what the native decode loop computes (`sonar.models.fused`)."""
 
 
 class RMSNorm(nn.Module):
@@ -74,7 +104,10 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = variant.attention_scale or head_dim**-0.5
+        self.rotary_dim = rotary_dim(rope_parameters(config), head_dim)
+        self.interleaved_rotary = variant.interleaved_rotary
+        self.whole_rotary = self.rotary_dim == head_dim and not variant.interleaved_rotary
         self.sliding_window = variant.sliding_windows[layer]
         hidden = config.hidden_size
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
@@ -90,13 +123,20 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = ops.apply_rotary(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
-            k = ops.apply_rotary(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
+            q = self.rotate(self.q_norm(q.view(n, self.num_heads, self.head_dim)), cos, sin)
+            k = self.rotate(self.k_norm(k.view(n, self.num_kv_heads, self.head_dim)), cos, sin)
         else:  # rotate queries and keys in one go: half the small ops of a decode step's rotary
-            qk = ops.apply_rotary(qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim), cos, sin)
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, -1, self.head_dim)
+            qk = ops.apply_rotary(qk, cos, sin) if self.whole_rotary else self.rotate(qk, cos, sin)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = attention(q, k, v, kv_cache, self.scale, self.sliding_window)
         return self.parallel.all_reduce(self.o_proj(o.reshape(n, self.q_size)))
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``x`` ``[num_tokens, heads, head_dim]`` rotated by the step's cos/sin."""
+        if self.whole_rotary:
+            return ops.apply_rotary(x, cos, sin)
+        return apply_partial_rotary(x, cos, sin, self.interleaved_rotary)
 
 
 class MLP(nn.Module):
@@ -192,6 +232,7 @@ class DecoderModel(nn.Module):
         head_dim: int,
         parallel: TensorParallel = SINGLE,
         owned: range | None = None,
+        layer_class: type[nn.Module] = DecoderLayer,
     ) -> None:
         super().__init__()
         owned = range(config.num_hidden_layers) if owned is None else owned
@@ -205,7 +246,7 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(rows, config.hidden_size, first, parallel)
         # layer i keeps its index (and its checkpoint names) on every stage
         self.layers = nn.ModuleList(
-            DecoderLayer(config, variant, i, head_dim, parallel) if i in owned else MissingLayer()
+            layer_class(config, variant, i, head_dim, parallel) if i in owned else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -221,6 +262,11 @@ class DecoderForCausalLM(nn.Module):
 
     architectures: ClassVar[tuple[str, ...]] = ()
     is_causal: ClassVar[bool] = True
+    layer_class: ClassVar[type[nn.Module]] = DecoderLayer
+    """The decoder layer: ``(config, variant, index, head_dim, parallel)``, called as `DecoderLayer`
+    is (its output before the residual add, and the residual stream)."""
+    refused: ClassVar[dict[str, str]] = {}
+    """Features this family is not served with, each with the reason (`require_support`)."""
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
@@ -235,7 +281,11 @@ class DecoderForCausalLM(nn.Module):
         self.num_layers = len(owned)
         self.vocab_size = config.vocab_size
         self.variant = self.make_variant(config)
-        self.model = DecoderModel(config, self.variant, self.head_dim, parallel, owned)
+        if parallel.size > 1:
+            self.require_support(TENSOR_PARALLEL)
+        if stage.size > 1:
+            self.require_support(PIPELINE_PARALLEL)
+        self.model = DecoderModel(config, self.variant, self.head_dim, parallel, owned, self.layer_class)
         self.own_layers: list[DecoderLayer] = [self.model.layers[i] for i in owned]
         self.num_kv_heads = self.own_layers[0].self_attn.num_kv_heads
         self.lm_head = nn.Linear(config.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
@@ -244,9 +294,20 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused_decode = FusedDecode(self)
         """Decode-only CPU steps in one native call (`sonar.models.fused`)."""
-        self.rotary = RotaryEmbedding(
-            rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
-        )
+        rope = rope_parameters(config)
+        max_positions = getattr(config, "max_position_embeddings", 0)
+        self.rotary = RotaryEmbedding(rope, self.head_dim, max_positions)
+        served = served_positions(rope, max_positions)
+        if served < max_positions:
+            self.max_positions = served
+            """The most positions a sequence may take, fewer than the config's (`sonar.models.rotary`)."""
+            log.warning(
+                "model.positions_limited",
+                rope_type=rope["rope_type"],
+                max_position_embeddings=max_positions,
+                served=served,
+                reason="longer sequences need a recompute when they cross original_max_position_embeddings",
+            )
 
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:
@@ -258,6 +319,17 @@ class DecoderForCausalLM(nn.Module):
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             sliding_windows=sliding_windows(config),
         )
+
+    @classmethod
+    def require_support(cls, feature: str) -> None:
+        """A `ModelLoadError` naming the family and `feature` when the family refuses it."""
+        reason = cls.refused.get(feature)
+        if reason is not None:
+            raise ModelLoadError(f"{cls.__name__} is not served with {feature}: {reason}")
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The first layer's input for `input_ids`."""
+        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -284,7 +356,7 @@ class DecoderForCausalLM(nn.Module):
 
         A pipeline stage after the first takes the previous stage's `hidden` and `residual`
         instead of embedding `input_ids`; a stage before the last returns its own pair."""
-        x = self.model.embed_tokens(input_ids) if hidden is None else hidden
+        x = self.embed(input_ids) if hidden is None else hidden
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         for layer, kv_cache in zip(self.own_layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache)
@@ -394,6 +466,28 @@ def stacked_params(layer: DecoderLayer) -> dict[str, tuple[str, int, int]]:
         ".gate_proj.": (".gate_up_proj.", 0, inter),
         ".up_proj.": (".gate_up_proj.", inter, inter),
     }
+
+
+def unfuse(
+    weights: Iterable[tuple[str, Tensor]], fused: dict[str, list[tuple[str, int]]]
+) -> Iterator[tuple[str, Tensor]]:
+    """Checkpoint tensors with the fused matrices some families store (Phi-3's ``qkv_proj``, GLM-4's
+    ``gate_up_proj``: fragment -> its parts' fragments and rows, in row order) cut into the parts'
+    tensors, which `DecoderForCausalLM.load_weights` stacks back (each rank's share of each part)."""
+    for name, tensor in weights:
+        fragment = next((f for f in fused if f in name), None)
+        if fragment is None:
+            yield name, tensor
+            continue
+        parts = fused[fragment]
+        if tensor.shape[0] != sum(rows for _, rows in parts):
+            raise ModelLoadError(
+                f"weight {name} has {tensor.shape[0]} rows, the model expects {sum(r for _, r in parts)}"
+            )
+        first = 0
+        for part, rows in parts:
+            yield name.replace(fragment, part), tensor.narrow(0, first, rows)
+            first += rows
 
 
 def fused_name(name: str, stacked: dict[str, tuple[str, int, int]]) -> tuple[str, int, int | None]:

@@ -27,7 +27,14 @@ from torch import Tensor, nn
 
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
-from sonar.models.decoder import DecoderForCausalLM, DecoderLayer, fused_name, sliding_windows, stacked_params
+from sonar.models.decoder import (
+    EAGLE,
+    DecoderForCausalLM,
+    DecoderLayer,
+    fused_name,
+    sliding_windows,
+    stacked_params,
+)
 from sonar.models.errors import ModelLoadError
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
@@ -84,6 +91,7 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head in directory `path` for `target` (ModelLoadError naming what does not fit)."""
+    target.require_support(EAGLE)
     root = Path(path).expanduser()
     if not (root / "config.json").is_file():
         raise ModelLoadError(f"EAGLE head {path}: no config.json (a local directory is needed)")

@@ -78,7 +78,9 @@ def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
-    if model.variant.qk_norm or model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
+    if not model.variant.native_decode or model.variant.qk_norm:
+        return None
+    if model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
         return None
     lists: dict[str, list[Tensor]] = {
         k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias", "post_norms", "gate_up", "mlp_bias", "down")
@@ -90,6 +92,8 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     hidden = model.config.hidden_size
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if not attn.whole_rotary:  # the native rotary turns whole heads, in halves
+            return None
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj, "gate_up": mlp.gate_up_proj, "down": mlp.down_proj}
         inter = mlp.intermediate
         splits = {

@@ -46,6 +46,7 @@ from torch import nn
 
 from sonar.models import config_cache, embedded
 from sonar.models import hub as hub_files
+from sonar.models.decoder import QUANTIZED, DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import (
     convert_gguf,
@@ -225,6 +226,8 @@ def load_model(
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
+    if method is not None and isinstance(module, DecoderForCausalLM):
+        module.require_support(QUANTIZED)
     headless = not hasattr(module, "lm_head")
     if headless and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
         raise ModelLoadError(

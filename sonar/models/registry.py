@@ -21,7 +21,11 @@ from sonar.models.classifier import (
     Qwen3ForSequenceClassification,
 )
 from sonar.models.errors import UnsupportedArchitectureError
+from sonar.models.glm4 import Glm4ForCausalLM
+from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.olmo2 import Olmo2ForCausalLM
+from sonar.models.phi3 import Phi3ForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen3 import Qwen3ForCausalLM
 
@@ -32,6 +36,10 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         MistralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        Phi3ForCausalLM,
+        GraniteForCausalLM,
+        Olmo2ForCausalLM,
+        Glm4ForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

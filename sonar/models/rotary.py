@@ -1,8 +1,27 @@
 """Rotary position embeddings: inverse frequencies per `rope_type`, and the cos/sin they give.
 
 The frequency formulas follow the published methods (RoFormer; linear position interpolation;
-Llama 3.1's wavelength-banded scaling; YaRN), in float32 as transformers computes them, so the
-same config gives the same rotation in Sonar and in the reference.
+dynamic NTK scaling; Llama 3.1's wavelength-banded scaling; YaRN; Phi-3's LongRoPE), in float32
+as transformers computes them, so the same config gives the same rotation in Sonar and in the
+reference.
+
+Two of them depend on the sequence in transformers, which recomputes its frequencies from the
+largest position of each forward call. Sonar serves them where that choice is fixed, and limits the
+model's length to those positions (`served_positions`; a longer ``--max-model-len`` is refused):
+
+* ``dynamic`` raises the base once a sequence grows past ``max_position_embeddings`` and leaves it
+  alone below: Sonar serves up to ``max_position_embeddings``, the unscaled frequencies.
+* ``longrope`` (Phi-3, Phi-4) takes the short factors while a sequence fits in
+  ``original_max_position_embeddings`` and the long ones past it; when a generation first crosses
+  that length, transformers' Phi-3 drops the KV cache and prefills the whole sequence again with
+  the long factors. Matching that needs the engine to recompute a sequence when it crosses, with
+  the factor set chosen per sequence rather than per position (a cache holding keys rotated both
+  ways gives broken attention), so Sonar serves up to ``original_max_position_embeddings``, with
+  the short factors. `longrope_inv_freq` computes both sets.
+
+A partial rotary (``partial_rotary_factor`` < 1) rotates the first ``rotary_dim`` dimensions of
+each head and passes the rest through; `apply_partial_rotary` does it, in the halves layout of
+Llama (pairs ``i``, ``i + rotary_dim / 2``) or the interleaved one of GLM (pairs ``2i``, ``2i + 1``).
 """
 
 from __future__ import annotations
@@ -13,17 +32,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from sonar.kernels import ops
 from sonar.models.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rope parameters as one flat dict with at least `rope_type` and `rope_theta`."""
+    """The config's rope parameters as one flat dict with at least `rope_type`, `rope_theta` and
+    `partial_rotary_factor` (configs written before transformers 5 keep the last one, and
+    LongRoPE's original context, beside the scaling dict)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    original = getattr(config, "original_max_position_embeddings", None)
+    if original is not None:
+        params.setdefault("original_max_position_embeddings", original)
     return params
+
+
+def rotary_dim(params: dict[str, Any], head_dim: int) -> int:
+    """How many leading dimensions of each head rotate (transformers' ``int(head_dim * factor)``)."""
+    return int(head_dim * params.get("partial_rotary_factor", 1.0))
 
 
 def _base_inv_freq(base: float, dim: int) -> Tensor:
@@ -32,21 +63,33 @@ def _base_inv_freq(base: float, dim: int) -> Tensor:
 
 
 def inv_freq_and_scale(params: dict[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[Tensor, float]:
-    """Inverse frequencies ``[head_dim // 2]`` (float32, CPU) and the factor applied to cos/sin."""
+    """Inverse frequencies ``[rotary_dim // 2]`` (float32, CPU) and the factor applied to cos/sin
+    (``longrope``: the short factors', the set served)."""
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError("partial rotary embeddings (partial_rotary_factor != 1) are not supported")
-    inv_freq = _base_inv_freq(base, head_dim)
+    dim = rotary_dim(params, head_dim)
     if rope_type == "default":
-        return inv_freq, 1.0
+        return _base_inv_freq(base, dim), 1.0
     if rope_type == "linear":
-        return inv_freq / params["factor"], 1.0
+        return _base_inv_freq(base, dim) / params["factor"], 1.0
+    if rope_type == "dynamic":
+        return _dynamic(base, dim, params, max_position_embeddings), 1.0
     if rope_type == "llama3":
-        return _llama3(inv_freq, params), 1.0
+        return _llama3(_base_inv_freq(base, dim), params), 1.0
     if rope_type == "yarn":
-        return _yarn(base, head_dim, params, max_position_embeddings)
+        return _yarn(base, dim, params, max_position_embeddings)
+    if rope_type == "longrope":
+        return longrope_inv_freq(params, head_dim, max_position_embeddings, long=False)
     raise ModelLoadError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+
+def _dynamic(base: float, dim: int, params: dict[str, Any], max_positions: int) -> Tensor:
+    """Dynamic NTK scaling at a sequence length of `max_positions`, the longest Sonar serves: the
+    base formula's factor is then 1 (transformers evaluates the same expression at init)."""
+    factor = params["factor"]
+    seq_len = max_positions
+    base = base * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+    return _base_inv_freq(base, dim)
 
 
 def _llama3(inv_freq: Tensor, params: dict[str, Any]) -> Tensor:
@@ -92,19 +135,68 @@ def _yarn(base: float, dim: int, params: dict[str, Any], max_positions: int) -> 
     return interpolated * (1 - keep) + extrapolated * keep, float(attention_factor)
 
 
+def longrope_inv_freq(params: dict[str, Any], head_dim: int, max_positions: int, long: bool) -> tuple[Tensor, float]:
+    """LongRoPE: the short (or `long`) factors' inverse frequencies, and the attention factor (from
+    `factor`, else from ``max_position_embeddings / original_max_position_embeddings``)."""
+    context = _original_context(params)
+    dim = rotary_dim(params, head_dim)
+    key = "long_factor" if long else "short_factor"
+    factors = params[key]
+    if len(factors) != dim // 2:
+        raise ModelLoadError(f"longrope {key} has {len(factors)} values, the rotary needs {dim // 2}")
+    factor = params.get("factor") or max_positions / context
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(context))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * float(params["rope_theta"]) ** shape)
+    return inv_freq, float(attention_factor)
+
+
+def _original_context(params: dict[str, Any]) -> int:
+    if "original_max_position_embeddings" not in params:
+        raise ModelLoadError(f"rope_type {params['rope_type']!r} needs original_max_position_embeddings")
+    return int(params["original_max_position_embeddings"])
+
+
+def served_positions(params: dict[str, Any], max_position_embeddings: int) -> int:
+    """How many positions Sonar serves with these rope parameters (see the module's docstring)."""
+    if params["rope_type"] == "longrope":
+        return min(max_position_embeddings, _original_context(params))
+    return max_position_embeddings
+
+
 class RotaryEmbedding:
     """cos/sin tables for a step's positions, computed once per forward and shared by all layers."""
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_position_embeddings: int) -> None:
+        self.rotary_dim = rotary_dim(params, head_dim)
         with torch.device("cpu"):  # the model may be built under a meta-device context
             self.inv_freq, self.scale = inv_freq_and_scale(params, head_dim, max_position_embeddings)
         self._on: dict[torch.device, Tensor] = {}
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``[num_tokens, head_dim]`` cos and sin (each half repeated), in ``dtype``."""
+        """``[num_tokens, rotary_dim]`` cos and sin (each half repeated), in ``dtype``."""
         inv_freq = self._on.get(positions.device)
         if inv_freq is None:
             inv_freq = self._on[positions.device] = self.inv_freq.to(positions.device)
         angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
+    """Rotate the first ``cos.shape[-1]`` dimensions of each head of ``x`` ``[num_tokens, heads,
+    head_dim]`` and pass the others through. `interleaved`: the rotating pairs are ``2i, 2i + 1``
+    (GLM), each turned by the angle of frequency ``i`` (the first half of `cos`/`sin`)."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    if interleaved:
+        half = dim // 2
+        c, s = cos[:, None, :half], sin[:, None, :half]
+        pairs = rot.unflatten(-1, (half, 2))
+        even, odd = pairs[..., 0], pairs[..., 1]
+        rot = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    else:
+        rot = ops.apply_rotary(rot, cos, sin)
+    return torch.cat((rot, rest), dim=-1)

@@ -33,8 +33,25 @@ class Tiny:
     hf: Any
 
 
+#: Phi-3's LongRoPE over a 12-dim rotary (6 frequencies), factors that differ per frequency
+PHI3_LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0, 1.1, 1.25, 1.5, 1.8, 2.0],
+    "long_factor": [2.0, 3.0, 5.0, 8.0, 12.0, 16.0],
+}
+
+
 def _tiny_configs() -> dict[str, Any]:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Glm4Config,
+        GraniteConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(
         vocab_size=384,
@@ -80,6 +97,35 @@ def _tiny_configs() -> dict[str, Any]:
         "qwen2": Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
         # a sliding window shorter than the prompts
         "mistral": MistralConfig(**common, sliding_window=8, architectures=["MistralForCausalLM"]),
+        # fused qkv/gate_up in the checkpoint; LongRoPE's short factors and attention factor
+        # (max_position_embeddings / original = 4), over the first 3/4 of each head (Phi-4-mini)
+        "phi3": Phi3Config(
+            **common,
+            partial_rotary_factor=0.75,
+            original_max_position_embeddings=64,
+            rope_scaling=PHI3_LONGROPE,
+            architectures=["Phi3ForCausalLM"],
+        ),
+        # the four multipliers, biases everywhere, dynamic NTK scaling
+        "granite": GraniteConfig(
+            **common,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+            architectures=["GraniteForCausalLM"],
+        ),
+        # post-norms, q/k norms over all heads, linear rope scaling
+        "olmo2": Olmo2Config(
+            **common,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+            architectures=["Olmo2ForCausalLM"],
+        ),
+        # post-attention/post-MLP norms, half of each head rotated in interleaved pairs, q/k/v biases
+        "glm4": Glm4Config(**common, head_dim=16, architectures=["Glm4ForCausalLM"]),
     }
 
 

@@ -20,6 +20,10 @@ EXPECTED_CLASS = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 
 
