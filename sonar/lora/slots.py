@@ -22,6 +22,7 @@ from sonar.log import get_logger
 from sonar.lora.adapter import LoRAWeights, read_adapter
 from sonar.lora.limits import FUSED, MODULES, LoRALimits, ModelShapes
 from sonar.models.lora import ColumnShardedLoRALinear, LoRAContext, LoRALinear, RowShardedLoRALinear
+from sonar.models.moe import MoeForCausalLM
 from sonar.models.parallel import TensorParallel
 
 log = get_logger("sonar.lora")
@@ -43,6 +44,10 @@ class AdapterSlots:
         device: torch.device,
         fully_sharded: bool = False,
     ) -> None:
+        if isinstance(model, MoeForCausalLM):
+            raise LoRAError(
+                f"--enable-lora: LoRA adapters on {type(model).__name__} (mixture-of-experts) are not supported"
+            )
         self.model = model
         self.limits = limits
         self.shapes = shapes

@@ -16,7 +16,7 @@ checkpoint's separate tensors into their slices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -42,6 +42,8 @@ class DecoderVariant:
     qk_norm: bool
     mlp_bias: bool
     sliding_windows: tuple[int | None, ...]
+    mlp_factory: Callable[[Any, DecoderVariant, int, TensorParallel], nn.Module] | None = None
+    """Builds layer i's MLP in place of the dense `MLP` (mixture-of-experts families, `sonar.models.moe`)."""
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +126,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, variant, layer, head_dim, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, variant, parallel)
+        make_mlp = variant.mlp_factory
+        self.mlp = MLP(config, variant, parallel) if make_mlp is None else make_mlp(config, variant, layer, parallel)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor

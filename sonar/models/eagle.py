@@ -84,6 +84,11 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head in directory `path` for `target` (ModelLoadError naming what does not fit)."""
+    if target.variant.mlp_factory is not None:
+        raise ModelLoadError(
+            f"EAGLE head {path}: speculative decoding with EAGLE for {type(target).__name__} "
+            "(mixture-of-experts) is not supported"
+        )
     root = Path(path).expanduser()
     if not (root / "config.json").is_file():
         raise ModelLoadError(f"EAGLE head {path}: no config.json (a local directory is needed)")

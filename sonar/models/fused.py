@@ -78,7 +78,8 @@ def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
-    if model.variant.qk_norm or model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
+    variant = model.variant
+    if variant.qk_norm or variant.mlp_factory is not None or model.parallel.size > 1 or model.stage.size > 1:
         return None
     lists: dict[str, list[Tensor]] = {
         k: [] for k in ("input_norms", "qkv", "qkv_bias", "o", "o_bias", "post_norms", "gate_up", "mlp_bias", "down")

@@ -22,8 +22,10 @@ from sonar.models.classifier import (
 )
 from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.mixtral import MixtralForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen3 import Qwen3ForCausalLM
+from sonar.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     name: cls
@@ -32,6 +34,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         MistralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        MixtralForCausalLM,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,
