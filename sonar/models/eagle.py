@@ -29,6 +29,7 @@ from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
 from sonar.models.decoder import DecoderForCausalLM, DecoderLayer, fused_name, sliding_windows, stacked_params
 from sonar.models.errors import ModelLoadError
+from sonar.models.moe import MoeForCausalLM
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
 
@@ -84,7 +85,7 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head in directory `path` for `target` (ModelLoadError naming what does not fit)."""
-    if target.variant.mlp_factory is not None:
+    if isinstance(target, MoeForCausalLM):
         raise ModelLoadError(
             f"EAGLE head {path}: speculative decoding with EAGLE for {type(target).__name__} "
             "(mixture-of-experts) is not supported"
