@@ -159,7 +159,8 @@ def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tens
         return torch.zeros_like(x)
     x = x.contiguous()
     weights = weights.to(torch.float32).contiguous()
-    block_m = 16 if n * top_k <= 16 * experts or interpreting() else 64
+    # about one row block per expert or less (decode): small blocks, less padding computed for nothing
+    block_m = 16 if n * top_k <= 16 * experts else 64
     aligned = align_block_size(ids.to(torch.int64), experts, block_m)
     pairs = n * top_k
     gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
