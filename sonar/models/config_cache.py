@@ -33,13 +33,17 @@ TRANSFORMERS_LOCK = threading.RLock()
 lazily, and two threads importing one at once can fail (``cannot import name 'AutoConfig'``: seen
 when a worker read a new model's config while the server loaded its tokenizer)."""
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
+"""Part of every key: raised when `READ` grows, since older entries computed fewer attributes."""
 
 READ = (
     "architectures", "attention_bias", "dtype", "eos_token_id", "head_dim", "hidden_act", "hidden_size",
     "initializer_range", "intermediate_size", "layer_types", "max_position_embeddings", "mlp_bias",
     "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "quantization_config", "rms_norm_eps",
     "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings", "vocab_size",
+    # mixture of experts (`sonar.models.moe`); Qwen3-MoE's num_experts aliases its stored num_local_experts
+    "decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob", "num_experts",
+    "num_experts_per_tok", "num_local_experts", "qkv_bias", "shared_expert_intermediate_size",
 )  # fmt: skip
 """What Sonar's model code reads from a config (``config.x``, ``getattr(config, "x")``; ``torch_dtype``,
 read only when ``dtype`` is unset, is transformers' deprecated alias of it)."""

@@ -19,7 +19,7 @@ checkpoint's separate tensors into their slices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,6 +72,8 @@ class DecoderVariant:
     """The softmax scale (Granite's `attention_multiplier`); None: ``head_dim ** -0.5``."""
     native_decode: bool = True
     """Whether the layers are exactly what the native decode loop computes (`sonar.models.fused`)."""
+    mlp_factory: Callable[[Any, DecoderVariant, int, TensorParallel], nn.Module] | None = None
+    """Builds layer i's MLP in place of the dense `MLP` (mixture-of-experts families, `sonar.models.moe`)."""
 
 
 class RMSNorm(nn.Module):
@@ -164,7 +166,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, variant, layer, head_dim, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, variant, parallel)
+        make_mlp = variant.mlp_factory
+        self.mlp = MLP(config, variant, parallel) if make_mlp is None else make_mlp(config, variant, layer, parallel)
 
     def forward(
         self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor

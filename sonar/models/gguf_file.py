@@ -144,6 +144,12 @@ def _gguf_config(reader: Any, path: Path) -> Any:
         raise UnsupportedArchitectureError(
             f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts {', '.join(sorted(ARCHITECTURES))}"
         )
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:  # Mixtral's GGUFs say llama, with stacked expert tensors the conversion does not map
+        raise UnsupportedArchitectureError(
+            f"{path} is a mixture-of-experts GGUF ({experts} experts per layer); Sonar serves Mixtral and "
+            "Qwen-MoE models from safetensors checkpoints only"
+        )
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError(

@@ -24,10 +24,12 @@ from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.glm4 import Glm4ForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.mixtral import MixtralForCausalLM
 from sonar.models.olmo2 import Olmo2ForCausalLM
 from sonar.models.phi3 import Phi3ForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen3 import Qwen3ForCausalLM
+from sonar.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     name: cls
@@ -40,6 +42,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         GraniteForCausalLM,
         Olmo2ForCausalLM,
         Glm4ForCausalLM,
+        MixtralForCausalLM,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

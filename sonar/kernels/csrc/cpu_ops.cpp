@@ -2265,3 +2265,102 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("lora_add", &lora_add);
 }
+
+// --- fused mixture of experts --------------------------------------------------------------------
+//
+// out[t] = sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = ids[t, j], the
+// contract of sonar.kernels.moe.fused_experts_reference: the (token, expert) pairs are
+// counting-sorted by expert and their rows of x gathered, so each expert that has tokens runs its
+// two GEMMs (at::mm, with its own threads) once over all of them; then every token sums its rows,
+// weighted, in float32 and in expert order (the reference's order: bit for bit its sum of the same
+// rows) and rounds once.
+
+#include <ATen/ops/mm.h>
+
+namespace {
+
+template <typename T>
+void moe_combine(at::Tensor& out, const at::Tensor& rows, const std::vector<int64_t>& pair_row, const float* weights,
+                 const int64_t* ids, int64_t top_k) {
+  const int64_t n = out.size(0), h = out.size(1);
+  const T* ys = data<const T>(rows);
+  T* os = data<T>(out);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(h);
+    std::vector<int64_t> order(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t* chosen = ids + t * top_k;
+      for (int64_t j = 0; j < top_k; ++j) order[j] = j;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (const int64_t j : order) {
+        const float w = weights[t * top_k + j];
+        const T* y = ys + pair_row[t * top_k + j] * h;
+        for (int64_t i = 0; i < h; ++i) acc[i] += to_float(y[i]) * w;
+      }
+      T* dst = os + t * h;
+      for (int64_t i = 0; i < h; ++i) dst[i] = from_float<T>(acc[i]);
+    }
+  });
+}
+
+at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                     const at::Tensor& w2) {
+  for (const auto* t : {&x, &weights, &ids, &w13, &w2}) check_cpu(*t, "fused_moe input");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "sonar_cpu::fused_moe: contiguous x [n, h]");
+  const int64_t n = x.size(0), h = x.size(1);
+  TORCH_CHECK(w13.dim() == 3 && w13.is_contiguous() && w13.size(2) == h && w13.size(1) % 2 == 0 &&
+                  w13.scalar_type() == x.scalar_type(),
+              "sonar_cpu::fused_moe: contiguous w13 [E, 2 I, h] in x's dtype");
+  const int64_t experts = w13.size(0), inter = w13.size(1) / 2;
+  TORCH_CHECK(w2.dim() == 3 && w2.is_contiguous() && w2.size(0) == experts && w2.size(1) == h && w2.size(2) == inter &&
+                  w2.scalar_type() == x.scalar_type(),
+              "sonar_cpu::fused_moe: contiguous w2 [E, h, I] in x's dtype");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == n && ids.is_contiguous() && ids.scalar_type() == at::kLong,
+              "sonar_cpu::fused_moe: contiguous int64 ids [n, top_k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              "sonar_cpu::fused_moe: contiguous float32 weights [n, top_k]");
+  const int64_t top_k = ids.size(1), pairs = n * top_k;
+  const int64_t* id = ids.data_ptr<int64_t>();
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "sonar_cpu::fused_moe: expert id ", id[p], " outside [0, ", experts, ")");
+    ++start[id[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  // sorted row r holds pair p = (token p / top_k, slot p % top_k); pairs of one expert keep token order
+  std::vector<int64_t> next(start.begin(), start.end() - 1), row_token(pairs), pair_row(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t r = next[id[p]]++;
+    row_token[r] = p / top_k;
+    pair_row[p] = r;
+  }
+  at::Tensor gathered = at::empty({pairs, h}, x.options());
+  const int64_t row_bytes = h * x.element_size();
+  const char* xs = static_cast<const char*>(x.data_ptr());
+  char* gs = static_cast<char*>(gathered.data_ptr());
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) std::memcpy(gs + r * row_bytes, xs + row_token[r] * row_bytes, row_bytes);
+  });
+  at::Tensor rows = at::empty({pairs, h}, x.options());
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count == 0) continue;
+    const at::Tensor gate_up = at::mm(gathered.narrow(0, start[e], count), w13[e].t());
+    at::Tensor expert_rows = rows.narrow(0, start[e], count);
+    at::mm_out(expert_rows, silu_and_mul(gate_up), w2[e].t());
+  }
+  at::Tensor out = at::empty({n, h}, x.options());
+  SONAR_DISPATCH(x.scalar_type(), "fused_moe", [&] {
+    moe_combine<scalar_t>(out, rows, pair_row, weights.data_ptr<float>(), id, top_k);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sonar_cpu, m) {
+  m.def("fused_moe(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }

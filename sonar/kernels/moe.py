@@ -1,0 +1,107 @@
+"""The fused mixture-of-experts operator: top-k routing, then one grouped computation over the
+tokens each expert was routed to.
+
+A sparse MoE layer sends each of ``n`` tokens to ``top_k`` of ``E`` experts, each a gated SiLU
+MLP. The experts' weights are stacked: ``w13`` ``[E, 2 * I, h]`` (each expert's gate rows, then
+its up rows) and ``w2`` ``[E, h, I]``. For a token ``x`` routed to experts ``e_j`` with weights
+``p_j``::
+
+    out = sum_j p_j * w2[e_j] @ (silu(w13[e_j][:I] @ x) * (w13[e_j][I:] @ x))
+
+`route` picks the experts as Mixtral and Qwen-MoE do: a float32 softmax over the router logits,
+the ``top_k`` largest probabilities, divided by their sum when `renormalize` (Mixtral always;
+Qwen-MoE by ``norm_topk_prob``). The routing weights stay float32.
+
+`fused_experts` runs the experts, never as a Python loop over them:
+
+* CPU, the native kernel (``torch.ops.sonar_cpu.fused_moe``, ``csrc/cpu_ops.cpp``): counting-sorts
+  the (token, expert) pairs by expert, runs each expert's two GEMMs over its gathered rows, and
+  sums each token's weighted rows in float32 (in expert order, as the reference does);
+* CUDA, the Triton grouped GEMM (`sonar.kernels.triton.fused_moe`): the pairs sorted by expert
+  and padded to the GEMM's row block, one launch per projection whatever the mix of experts, no
+  host sync (CUDA graphs capture it);
+* elsewhere `fused_experts_reference`, a per-expert loop that states the contract: each expert's
+  activations in the input dtype (silu-and-mul rounded as the model's MLP rounds it), the
+  weighted sum over a token's experts accumulated in float32 and rounded once.
+
+Under ``torch.compile`` the operator is ``torch.ops.sonar.fused_experts``, opaque to Inductor (its
+fake allocates the output), which dispatches as above when it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from sonar.kernels import ops, reference
+
+
+def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    """``router_logits`` ``[n, E]`` -> (weights float32 ``[n, top_k]``, expert ids int64 ``[n, top_k]``)."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def check_shapes(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> None:
+    n, h = x.shape
+    experts, two_i, h13 = w13.shape
+    if h13 != h or two_i % 2 or tuple(w2.shape) != (experts, h, two_i // 2):
+        raise ValueError(
+            f"expert weights do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want [E, 2 I, {h}]), "
+            f"w2 {tuple(w2.shape)} (want [E, {h}, I])"
+        )
+    if weights.shape != ids.shape or weights.dim() != 2 or weights.shape[0] != n:
+        raise ValueError(f"routing does not fit {n} tokens: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+
+
+def fused_experts_reference(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """The contract of every path, one expert at a time (see the module docstring)."""
+    check_shapes(x, weights, ids, w13, w2)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w13.shape[0]):
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        if token.numel() == 0:
+            continue
+        y = F.linear(reference.silu_and_mul(F.linear(x[token], w13[e])), w2[e])
+        out.index_add_(0, token, y.float() * weights[token, slot, None].float())
+    return out.to(x.dtype)
+
+
+def _run(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    if ops.use_triton(x, w13, w2):
+        from sonar.kernels.triton import fused_moe
+
+        return fused_moe.fused_experts(x, weights, ids, w13, w2)
+    if ops.use_native(x, w13, w2) and all(t.is_contiguous() for t in (x, w13, w2)):
+        return torch.ops.sonar_cpu.fused_moe(x, weights.float().contiguous(), ids.long().contiguous(), w13, w2)
+    return fused_experts_reference(x, weights, ids, w13, w2)
+
+
+@torch.library.custom_op("sonar::fused_experts", mutates_args=())
+def fused_experts_op(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """`fused_experts` as one opaque operator for compiled graphs."""
+    return _run(x, weights, ids, w13, w2).contiguous()
+
+
+@fused_experts_op.register_fake
+def _fused_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose, weighted by `weights`
+    ``[n, top_k]``; ``w13`` ``[E, 2 I, h]``, ``w2`` ``[E, h, I]`` in ``x``'s dtype. Returns ``[n, h]``."""
+    check_shapes(x, weights, ids, w13, w2)
+    if torch.compiler.is_compiling():
+        return fused_experts_op(x, weights, ids, w13, w2)
+    return _run(x, weights, ids, w13, w2)
+
+
+def fused_moe(x: Tensor, router_logits: Tensor, top_k: int, renormalize: bool, w13: Tensor, w2: Tensor) -> Tensor:
+    """A sparse MoE layer's experts: `route` then `fused_experts`."""
+    weights, ids = route(router_logits, top_k, renormalize)
+    return fused_experts(x, weights, ids, w13, w2)

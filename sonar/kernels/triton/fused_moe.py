@@ -1,0 +1,171 @@
+"""The fused MoE experts as grouped GEMMs over expert-sorted, block-padded token ids (the design
+of vLLM's ``fused_moe_kernel``).
+
+Reference: :func:`sonar.kernels.moe.fused_experts_reference`. The ``n * top_k`` (token, expert)
+pairs are sorted by expert and each expert's run padded to a multiple of ``BLOCK_M``
+(`align_block_size`, torch ops on the device, no host sync); every row block then belongs to one
+expert, and one launch of `_moe_gemm_kernel` computes all experts' products at once:
+
+1. ``gate_up[pair] = x[pair // top_k] @ w13[e].T`` (rows gathered from ``x`` by token);
+2. ``act = silu_and_mul(gate_up)`` (`sonar.kernels.triton.silu_and_mul`);
+3. ``y[pair] = weight[pair] * act[pair] @ w2[e].T`` in float32, then each token's ``top_k``
+   rows summed in float32 and rounded once.
+
+Padding rows carry the id ``n * top_k`` and are neither read nor written; row blocks past the
+padded total return at once (the grid is sized for the worst case, ``pairs + E * (BLOCK_M - 1)``
+rows, so its size does not depend on the routing and a CUDA graph can capture it). Under the
+interpreter the dots run in float32 (its bfloat16 arithmetic is wrong, see `_common`), as they do
+for float32 inputs everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from sonar.kernels.triton._common import device_of, interpreting, next_power_of_2
+from sonar.kernels.triton.silu_and_mul import silu_and_mul
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    padded_total_ptr,
+    N,
+    K,
+    num_pairs,
+    a_stride,
+    b_expert_stride,
+    b_row_stride,
+    c_stride,
+    TOP_K: tl.constexpr,
+    A_BY_TOKEN: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``c[pair, cols] = (weight[pair] *) a[row(pair)] @ b[expert].T`` for one block of sorted pairs."""
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(padded_total_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + block).to(tl.int64)
+    pairs = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs
+    if A_BY_TOKEN:
+        rows = pairs // TOP_K
+    else:
+        rows = pairs
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    a_rows = a_ptr + rows[:, None].to(tl.int64) * a_stride
+    b_cols = b_ptr + expert * b_expert_stride + cols[None, :].to(tl.int64) * b_row_stride
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    if MUL_WEIGHT:
+        acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
+    c = c_ptr + pairs[:, None].to(tl.int64) * c_stride + cols[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_mask[None, :])
+
+
+def align_block_size(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The pairs of ``ids`` ``[n, top_k]`` (pair ``p`` = token ``p // top_k``, slot ``p % top_k``)
+    sorted by expert, each expert's run padded to a multiple of `block_m` with the id ``n * top_k``.
+
+    Returns (sorted pair ids ``[pairs + E * (block_m - 1)]``, the expert of each row block,
+    the padded total as a ``[1]`` tensor), all on ``ids``' device, without a host sync."""
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert_of_sorted = flat[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    capacity = pairs + num_experts * (block_m - 1)
+    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int64, device=device)
+    sorted_ids[(padded_end - padded)[expert_of_sorted] + rank] = order
+    block_starts = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_max(num_experts - 1)
+    return sorted_ids, expert_ids, padded_end[-1:]
+
+
+def _gemm(
+    a: Tensor,
+    b: Tensor,
+    c: Tensor,
+    weights: Tensor,
+    aligned: tuple[Tensor, Tensor, Tensor],
+    top_k: int,
+    a_by_token: bool,
+    block_m: int,
+) -> None:
+    sorted_ids, expert_ids, padded_total = aligned
+    n_out, k = b.shape[1], b.shape[2]
+    block_n = min(max(next_power_of_2(n_out), 16), 64)
+    block_k = min(max(next_power_of_2(k), 16), 64)
+    grid = (triton.cdiv(sorted_ids.numel(), block_m), triton.cdiv(n_out, block_n))
+    with device_of(a):
+        _moe_gemm_kernel[grid](
+            a,
+            b,
+            c,
+            weights,
+            sorted_ids,
+            expert_ids,
+            padded_total,
+            n_out,
+            k,
+            weights.numel(),
+            a.stride(0),
+            b.stride(0),
+            b.stride(1),
+            c.stride(0),
+            TOP_K=top_k,
+            A_BY_TOKEN=a_by_token,
+            MUL_WEIGHT=not a_by_token,
+            DOT_FP32=interpreting() or a.dtype == torch.float32,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+        )
+
+
+def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """``x`` ``[n, h]``, routing ``weights``/``ids`` ``[n, top_k]``, ``w13`` ``[E, 2 I, h]``,
+    ``w2`` ``[E, h, I]`` (contiguous, ``x``'s dtype) -> ``[n, h]``."""
+    n, h = x.shape
+    top_k = ids.shape[1]
+    experts, two_i, _ = w13.shape
+    if n == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    # about one row block per expert or less (decode): small blocks, less padding computed for nothing
+    block_m = 16 if n * top_k <= 16 * experts else 64
+    aligned = align_block_size(ids.to(torch.int64), experts, block_m)
+    pairs = n * top_k
+    gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, gate_up, weights, aligned, top_k, True, block_m)
+    act = silu_and_mul(gate_up)
+    y = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    _gemm(act, w2, y, weights, aligned, top_k, False, block_m)
+    return y.view(n, top_k, h).sum(dim=1).to(x.dtype)

@@ -1,0 +1,274 @@
+"""Mixture-of-experts decoders: the decoder of `sonar.models.decoder` with a sparse MoE block in
+place of the dense MLP in some or all layers (`MoeForCausalLM`; Mixtral and Qwen2/Qwen3-MoE
+subclass it).
+
+A sparse block routes each token to ``top_k`` of ``E`` experts (``gate``, the router: a float32
+softmax, the top-k, renormalized or not) and runs them through the fused operator
+(`sonar.kernels.moe.fused_moe`); Qwen2-MoE adds a shared expert every token goes through, scaled
+by a sigmoid gate. The experts' weights are stacked as transformers stores them in memory
+(``experts.gate_up_proj`` ``[E, 2 I, h]``, ``experts.down_proj`` ``[E, h, I]``); `load_weights`
+reads both checkpoint layouts: one tensor per expert and projection (what ``save_pretrained``
+writes, and the published checkpoints: ``experts.N.gate_proj`` / ``up_proj`` / ``down_proj``,
+Mixtral's ``block_sparse_moe.experts.N.w1`` / ``w3`` / ``w2``) and the stacked tensors.
+
+Tensor parallelism shards each expert's (and the shared expert's) intermediate size like a dense
+MLP's: every rank holds all experts, a slice of each, and one all-reduce sums the block's output.
+The router and the shared expert's gate are replicated.
+
+Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized checkpoints
+(unless dequantized), LoRA adapters, EAGLE heads, the native fused decode loop (these layers are
+not the ones it computes; `sonar.models.fused` skips them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from sonar.kernels import ops
+from sonar.kernels.moe import fused_moe
+from sonar.kernels.quant import QuantizedWeight
+from sonar.models.decoder import EAGLE, LORA, MLP, DecoderForCausalLM, DecoderVariant, MissingLayer
+from sonar.models.errors import ModelLoadError
+from sonar.models.parallel import Shard, TensorParallel
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A family's sparse block, from its config."""
+
+    num_experts: int
+    top_k: int
+    intermediate: int
+    """Each expert's intermediate size (all ranks together)."""
+    renormalize: bool
+    shared_intermediate: int | None = None
+    """The shared expert's intermediate size; None: no shared expert."""
+
+
+class GatedMLP(nn.Module):
+    """A gated SiLU MLP over this rank's slice of `intermediate`, without the all-reduce (the shared
+    expert: its block reduces once for both)."""
+
+    def __init__(self, hidden: int, intermediate: int, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.intermediate = parallel.split(intermediate, "shared expert's intermediate size")
+        self.gate_up_proj = nn.Linear(hidden, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class FusedExperts(nn.Module):
+    """The experts' weights, stacked: ``gate_up_proj`` ``[E, 2 I, h]`` (each expert's gate rows then
+    its up rows), ``down_proj`` ``[E, h, I]``, I this rank's slice."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, hidden: int, spec: MoeSpec, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.spec = spec
+        self.parallel = parallel
+        self.intermediate = parallel.split(spec.intermediate, "MoE intermediate size")
+        self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
+        self.experts = FusedExperts(spec.num_experts, hidden, self.intermediate)
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if spec.shared_intermediate:
+            self.shared_expert = GatedMLP(hidden, spec.shared_intermediate, parallel)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        spec = self.spec
+        out = fused_moe(
+            x, self.gate(x), spec.top_k, spec.renormalize, self.experts.gate_up_proj, self.experts.down_proj
+        )
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.parallel.all_reduce(out)
+
+
+_MLP_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
+_EXPERT_PART = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_DENSE_PART = re.compile(r"(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight")
+
+
+class MoeForCausalLM(DecoderForCausalLM):
+    """Base of the MoE families: `moe_spec` says what their sparse blocks are, `is_sparse` which
+    layers have one (the others keep the dense `MLP` of ``intermediate_size``), `checkpoint_name`
+    maps a family's own checkpoint names onto the ones this module uses."""
+
+    refused: ClassVar[dict[str, str]] = {
+        LORA: "the adapters' target modules are dense MLPs, and a mixture-of-experts layer has none",
+        EAGLE: "the EAGLE heads Sonar loads are built for dense, not mixture-of-experts, targets",
+    }
+
+    @classmethod
+    def moe_spec(cls, config: Any) -> MoeSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def is_sparse(cls, config: Any, layer: int) -> bool:
+        return True
+
+    @classmethod
+    def base_variant(cls, config: Any) -> DecoderVariant:
+        return DecoderForCausalLM.make_variant(config)
+
+    @classmethod
+    def make_variant(cls, config: Any) -> DecoderVariant:
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ModelLoadError(f"{cls.__name__}: hidden_act {act!r} is not supported (only silu)")
+        return replace(cls.base_variant(config), mlp_factory=cls.make_mlp)
+
+    @classmethod
+    def make_mlp(cls, config: Any, variant: DecoderVariant, layer: int, parallel: TensorParallel) -> nn.Module:
+        if cls.is_sparse(config, layer):
+            return SparseMoeBlock(config.hidden_size, cls.moe_spec(config), parallel)
+        return MLP(config, variant, parallel)
+
+    def checkpoint_name(self, name: str) -> str:
+        return name
+
+    def stacked_params(self) -> dict[str, tuple[str, int, int]]:
+        """Only q/k/v: the MLPs' parts differ from layer to layer, `_MlpLoader` places them."""
+        attn = self.own_layers[0].self_attn
+        q, kv = attn.q_size, attn.kv_size
+        return {
+            ".q_proj.": (".qkv_proj.", 0, q),
+            ".k_proj.": (".qkv_proj.", q, kv),
+            ".v_proj.": (".qkv_proj.", q + kv, kv),
+        }
+
+    def checkpoint_shard(self, name: str) -> Shard | None:
+        found = _MLP_NAME.fullmatch(name)
+        if found is None or self.parallel.size == 1:
+            return super().checkpoint_shard(name)
+        mlp = self.model.layers[int(found[1])].mlp
+        part = _DENSE_PART.fullmatch(found[2])
+        if part is None:  # the router, the shared expert's gate: replicated; experts: `_MlpLoader`
+            return None
+        size = mlp.shared_expert.intermediate if part[1] else mlp.intermediate
+        first = self.parallel.rank * size
+        return Shard(1, first, size) if part[2] == "down_proj" else Shard(0, first, size)
+
+    def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        if weights:
+            raise ModelLoadError(
+                f"{type(self).__name__}: quantized checkpoints of mixture-of-experts models are not supported; "
+                "serve it with --dequantize-weights"
+            )
+        return weights
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
+        loader = _MlpLoader(self)
+        rest = ((n, t) for n, t in ((self.checkpoint_name(n), t) for n, t in weights) if not loader.take(n, t))
+        return super().load_weights(rest) | loader.complete()
+
+
+class _MlpLoader:
+    """Places a MoE model's MLP tensors (dense, shared expert, router, experts in either layout)
+    into their parameters, cut to this rank's shard, and tells which parameters are complete."""
+
+    def __init__(self, model: MoeForCausalLM) -> None:
+        self.model = model
+        self.params = dict(model.named_parameters())
+        self.parts: dict[str, set[tuple[int, str]]] = {}
+
+    def take(self, name: str, tensor: Tensor) -> bool:
+        """Whether `name` is an MLP tensor (placed, or skipped: another stage's layer)."""
+        found = _MLP_NAME.fullmatch(name)
+        if found is None:
+            return False
+        prefix, rest = f"model.layers.{found[1]}.mlp", found[2]
+        if isinstance(self.model.model.layers[int(found[1])], MissingLayer):
+            return True  # a layer of another pipeline stage
+        expert = _EXPERT_PART.fullmatch(rest)
+        if expert is not None:
+            self._expert(prefix, int(expert[1]), expert[2], tensor, name)
+        elif rest in ("experts.gate_up_proj", "experts.down_proj"):
+            self._stacked(prefix, rest, tensor, name)
+        else:
+            self._dense(prefix, rest, tensor, name)
+        return True
+
+    def _copy(self, param: str, dest: Tensor, tensor: Tensor, name: str, part: tuple[int, str]) -> None:
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ModelLoadError(
+                f"weight {name} has shape {tuple(tensor.shape)}, the model expects {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        self.parts.setdefault(param, set()).add(part)
+
+    def _param(self, name: str, checkpoint_name: str) -> Tensor:
+        param = self.params.get(name)
+        if param is None:
+            raise ModelLoadError(f"{type(self.model).__name__} has no place for weight {checkpoint_name}")
+        return param.data
+
+    def _expert(self, prefix: str, e: int, proj: str, tensor: Tensor, name: str) -> None:
+        tp = self.model.parallel
+        inter = self.model.get_submodule(prefix).experts.intermediate
+        if proj == "down_proj":
+            param = f"{prefix}.experts.down_proj"
+            dest = self._param(param, name)[e]
+            self._copy(param, dest, Shard(1, tp.rank * inter, inter).tensor(tensor), name, (e, proj))
+            return
+        param = f"{prefix}.experts.gate_up_proj"
+        first = 0 if proj == "gate_proj" else inter
+        dest = self._param(param, name)[e].narrow(0, first, inter)
+        self._copy(param, dest, Shard(0, tp.rank * inter, inter).tensor(tensor), name, (e, proj))
+
+    def _stacked(self, prefix: str, rest: str, tensor: Tensor, name: str) -> None:
+        """Experts stacked as transformers keeps them: split into per-expert parts."""
+        experts = tensor.shape[0]
+        if rest == "experts.down_proj":
+            for e in range(experts):
+                self._expert(prefix, e, "down_proj", tensor[e], name)
+            return
+        half = tensor.shape[1] // 2
+        for e in range(experts):
+            self._expert(prefix, e, "gate_proj", tensor[e, :half], name)
+            self._expert(prefix, e, "up_proj", tensor[e, half:], name)
+
+    def _dense(self, prefix: str, rest: str, tensor: Tensor, name: str) -> None:
+        tensor = self.model.shard_checkpoint(name, tensor)
+        part = _DENSE_PART.fullmatch(rest)
+        if part is None or part[2] == "down_proj":  # router, shared expert gate, down projections
+            param = f"{prefix}.{rest}" if part is None else f"{prefix}.{part[1] or ''}down_proj.weight"
+            self._copy(param, self._param(param, name), tensor, name, (0, "whole"))
+            return
+        param = f"{prefix}.{part[1] or ''}gate_up_proj.weight"
+        dest = self._param(param, name)
+        rows = dest.shape[0] // 2
+        self._copy(param, dest.narrow(0, 0 if part[2] == "gate_proj" else rows, rows), tensor, name, (0, part[2]))
+
+    def complete(self) -> set[str]:
+        """The MLP parameters every part of which was written."""
+        done = set()
+        for param, parts in self.parts.items():
+            if param.endswith(".experts.gate_up_proj"):
+                needed = 2 * self.params[param].shape[0]
+            elif param.endswith(".experts.down_proj"):
+                needed = self.params[param].shape[0]
+            elif param.endswith("gate_up_proj.weight"):
+                needed = 2
+            else:
+                needed = 1
+            if len(parts) == needed:
+                done.add(param)
+        return done
