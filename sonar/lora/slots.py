@@ -43,6 +43,9 @@ class AdapterSlots:
         device: torch.device,
         fully_sharded: bool = False,
     ) -> None:
+        refused = getattr(model, "refuses", {}).get("lora")
+        if refused:
+            raise LoRAError(refused)
         self.model = model
         self.limits = limits
         self.shapes = shapes

@@ -84,6 +84,9 @@ class EagleHead(nn.Module):
 
 def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head in directory `path` for `target` (ModelLoadError naming what does not fit)."""
+    refused = getattr(target, "refuses", {}).get("eagle")
+    if refused:
+        raise ModelLoadError(refused)
     root = Path(path).expanduser()
     if not (root / "config.json").is_file():
         raise ModelLoadError(f"EAGLE head {path}: no config.json (a local directory is needed)")

@@ -78,6 +78,8 @@ def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
+    if "fused_decode" in getattr(model, "refuses", {}):  # a family whose layers are not these
+        return None
     if model.variant.qk_norm or model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
         return None
     lists: dict[str, list[Tensor]] = {

@@ -176,6 +176,10 @@ def load_model(
     cls = model_class(config)
     if convert == "classify":
         cls = sequence_classifier(cls)
+    method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
+    refused = getattr(cls, "refuses", {}).get("quantization")
+    if refused and (method is not None or from_gguf):
+        raise ModelLoadError(f"{source}: {refused}")
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
@@ -188,7 +192,6 @@ def load_model(
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
-    method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     headless = not hasattr(module, "lm_head")
     if headless and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
         raise ModelLoadError(

@@ -21,6 +21,7 @@ from sonar.models.classifier import (
     Qwen3ForSequenceClassification,
 )
 from sonar.models.errors import UnsupportedArchitectureError
+from sonar.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen3 import Qwen3ForCausalLM
@@ -32,6 +33,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         MistralForCausalLM,
         Qwen2ForCausalLM,
         Qwen3ForCausalLM,
+        GemmaForCausalLM,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,
