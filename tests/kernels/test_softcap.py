@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sonar.kernels import native, ops, reference
+from sonar.kernels.attention_op import attention_op, step_metadata
 from sonar.kernels.triton import paged_attention as triton_paged_attention
 from sonar.kernels.triton import paged_decode_attention
 from tests.kernels.test_triton_attention import BLOCK_SIZE, Batch, assert_close, make_batch, poisoned_like
@@ -161,3 +162,27 @@ def test_triton_fp8_cache_caps_the_dequantized_scores() -> None:
         batch.query, batch.cache, batch.meta, scale, None, batch.k_scale, batch.v_scale, softcap=CAP
     )
     assert_close(got, want, torch.float32)
+
+
+def test_attention_operator_carries_the_cap() -> None:
+    """``torch.ops.sonar.attention``, what a compiled forward pass calls (and a CUDA graph
+    captures), takes the cap and applies it; its fake and schema agree (`torch.library.opcheck`)."""
+    batch = loud_batch(*MIXED, torch.float32, num_heads=4, num_kv_heads=2, head_dim=16, seed=5)
+    meta, n = batch.meta, batch.query.shape[0]
+    gen = torch.Generator().manual_seed(6)
+    key = torch.randn(n, 2, 16, generator=gen)
+    value = torch.randn(n, 2, 16, generator=gen)
+    cache = batch.cache.clone()
+    with step_metadata(meta):
+        got = torch.ops.sonar.attention(batch.query, key, value, cache, 0.25, 6, CAP)
+        torch.library.opcheck(
+            attention_op,
+            (batch.query, key, value, batch.cache.clone(), 0.25, 6, CAP),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+    want_cache = batch.cache.clone()
+    reference.write_kv_cache(key, value, want_cache, meta.slot_mapping)
+    torch.testing.assert_close(cache, want_cache, equal_nan=True)
+    want = reference.paged_attention(batch.query, want_cache, meta, 0.25, 6, softcap=CAP)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert (got - reference.paged_attention(batch.query, want_cache, meta, 0.25, 6)).abs().max() > 0.05
