@@ -216,7 +216,7 @@ def _rope_by_kind(config: Any, kinds: tuple[str, ...]) -> dict[str, dict[str, An
     ones, the same with ``rope_local_base_freq`` as the base where the config has one."""
     nested = getattr(config, "rope_parameters", None)
     out = {}
-    for kind in set(kinds):
+    for kind in dict.fromkeys(kinds):  # in layer order: the first layer's kind first
         if isinstance(nested, dict) and kind in nested:
             params = dict(nested[kind] or {})
             params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
@@ -241,7 +241,7 @@ class LayerRotary:
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """Every kind's tables (filling their per-device caches, which `sonar.engine.compile` does
-        before tracing); returns the first kind's."""
+        before tracing); returns the first layer's."""
         return next(iter(self.tables(positions, dtype).values()))
 
 
