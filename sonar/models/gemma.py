@@ -210,7 +210,7 @@ def _layer_kinds(config: Any, generation: int) -> tuple[str, ...]:
     return kinds
 
 
-def _rope_by_kind(config: Any, kinds: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def rope_by_kind(config: Any, kinds: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """The rope parameters of each attention kind: per kind where `rope_parameters` is keyed by
     them (transformers 5's Gemma 3), else the config's one rope for global layers and, for sliding
     ones, the same with ``rope_local_base_freq`` as the base where the config has one."""
@@ -281,7 +281,7 @@ class GemmaForCausalLM(DecoderForCausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.fused_decode = FusedDecode(self)  # never serves: `refuses` turns it off
         self.rotary = LayerRotary(
-            _rope_by_kind(config, self.spec.layer_kinds), self.head_dim, getattr(config, "max_position_embeddings", 0)
+            rope_by_kind(config, self.spec.layer_kinds), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
 
     def forward_tensors(

@@ -237,3 +237,33 @@ def test_multimodal_gemma3_is_not_taken_for_text() -> None:
     with pytest.raises(UnsupportedArchitectureError, match="Gemma3ForCausalLM"):
         model_class({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
     assert model_class({"architectures": ["Gemma2ForCausalLM"]}) is Gemma2ForCausalLM
+
+
+def test_older_gemma3_config_fields_give_transformers_layers_and_rope() -> None:
+    """A Gemma 3 config as older transformers stored it (``sliding_window_pattern``,
+    ``rope_theta`` + ``rope_scaling`` for global layers, ``rope_local_base_freq`` for sliding ones;
+    no ``layer_types``, no per-kind ``rope_parameters``) gives the layer kinds and rotary
+    frequencies transformers derives from the same fields."""
+    from types import SimpleNamespace
+
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from sonar.models.gemma import GemmaSpec, LayerRotary, rope_by_kind
+
+    old = dict(
+        COMMON,
+        num_hidden_layers=7,
+        sliding_window=WINDOW,
+        sliding_window_pattern=3,
+        rope_theta=500_000.0,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        rope_local_base_freq=20_000.0,
+    )
+    hf_config = Gemma3TextConfig(**old)
+    spec = GemmaSpec(SimpleNamespace(**old), 32, generation=3)
+    assert list(spec.layer_kinds) == hf_config.layer_types
+    rotary = LayerRotary(rope_by_kind(SimpleNamespace(**old), spec.layer_kinds), 32, 256)
+    hf_rotary = Gemma3RotaryEmbedding(hf_config)
+    for kind in (SLIDING, FULL):
+        torch.testing.assert_close(rotary.by_kind[kind].inv_freq, getattr(hf_rotary, f"{kind}_inv_freq"))
