@@ -369,6 +369,7 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of a flat batch of queries over their sequences' cached context.
 
@@ -376,6 +377,8 @@ def paged_attention(
     ``p`` attends to the keys at positions ``j <= p`` of its own sequence, and with a
     ``sliding_window`` ``w`` only to ``p - w < j <= p`` (the window counts the query itself).
     A float8 cache needs ``k_scale`` / ``v_scale``: only the gathered context is dequantized.
+    With a ``softcap`` ``c`` (Gemma 2's logit soft-capping) each scaled score ``s`` becomes
+    ``c * tanh(s / c)`` before the softmax (`scores_attention`: SDPA cannot do it).
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -406,18 +409,14 @@ def paged_attention(
         if sliding_window is not None:
             first = plan.decode_positions - sliding_window
             mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > first[:, None])
-        o = F.scaled_dot_product_attention(
-            q.view(n, num_kv_heads, group, head_dim).to(k.dtype),
-            k,
-            v,
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
+        o = _sdpa(
+            q.view(n, num_kv_heads, group, head_dim).to(k.dtype), k, v, mask[:, None, None, :], scale, softcap
         ).reshape(n, num_heads, head_dim)
         if plan.decode_all:
             return o.to(query.dtype)
         out.index_copy_(0, plan.decode_rows, o.to(query.dtype))
 
-    _attend_prefills(query, flat, plan, scale, sliding_window, out, dequantized, k_scale, v_scale)
+    _attend_prefills(query, flat, plan, scale, sliding_window, out, dequantized, k_scale, v_scale, softcap=softcap)
     return out
 
 
@@ -429,13 +428,15 @@ def prefill_attention(
     sliding_window: int | None,
     out: Tensor,
     seqs: list[int] | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Fill ``out``'s rows of the sequences with more than one query token (what
     `paged_attention` computes for them; only those of ``seqs`` when given) and leave the other
     rows alone: for a kernel that serves the rest itself. Model-dtype caches only."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    _attend_prefills(query, flat, meta.reference_plan(block_size), scale, sliding_window, out, seqs=seqs)
+    plan = meta.reference_plan(block_size)
+    _attend_prefills(query, flat, plan, scale, sliding_window, out, seqs=seqs, softcap=softcap)
 
 
 def _attend_prefills(
@@ -449,6 +450,7 @@ def _attend_prefills(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     seqs: list[int] | None = None,
+    softcap: float | None = None,
 ) -> None:
     """Each sequence of ``plan.prefills`` (or of ``seqs``) attended alone (SDPA over its gathered
     context) into its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads,
@@ -473,10 +475,30 @@ def _attend_prefills(
             .reshape(1, num_kv_heads, group * q_len, head_dim)
         )
         mask = plan.prefill_mask(seq, group, sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        o = _sdpa(q, k, v, mask, scale, softcap)
         out[start : start + q_len] = (
             o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         )
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """SDPA with a boolean mask; with a ``softcap``, `scores_attention` instead."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return scores_attention(q, k, v, mask, scale, softcap)
+
+
+def scores_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+    """Attention with explicit scores, as transformers' eager attention computes it (the softmax
+    in float32, its probabilities cast back to ``q.dtype``): ``q`` ``[..., q_len, d]``, ``k``/``v``
+    ``[..., kv_len, d]``, ``mask`` bool broadcast to ``[..., q_len, kv_len]`` (True: attend).
+    Rows with nothing to attend to come out as zeros, as the kernels' do."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
+    return torch.matmul(probs, v)
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> Tensor:

@@ -115,20 +115,23 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     num_splits: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal paged attention of a flat batch (see :mod:`sonar.kernels.attention`).
     ``num_splits`` fixes the decode kernel's KV split count (CUDA graphs need one value per
-    captured graph; None: ``meta.num_splits``); the reference ignores it."""
+    captured graph; None: ``meta.num_splits``); the reference ignores it. ``softcap`` (None: off)
+    caps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the softmax: every
+    path serves it (the reference with explicit scores in place of SDPA)."""
     k_scale, v_scale = _scales(kv_cache, k_scale, v_scale)
     if num_splits is None:
         num_splits = meta.num_splits
     if use_triton(query, kv_cache):
         return _triton_kernels().paged_attention(
-            query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits
+            query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits, softcap=softcap
         )
     if use_native(query, kv_cache) and query.stride(-1) == 1:
-        return _native_paged_attention(query, kv_cache, meta, scale, sliding_window)
-    return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+        return _native_paged_attention(query, kv_cache, meta, scale, sliding_window, softcap)
+    return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
 
 
 #: Prefill chunks of sequences up to this long go through the native decode kernel one query
@@ -140,7 +143,12 @@ PREFILL_AS_DECODES_MAX_LEN = 4096
 
 
 def _native_paged_attention(
-    query: Tensor, kv_cache: Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None
+    query: Tensor,
+    kv_cache: Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Every query token of a sequence up to `PREFILL_AS_DECODES_MAX_LEN` long through the native
     decode kernel, straight from the paged cache; the prefills of longer ones as the reference."""
@@ -148,10 +156,18 @@ def _native_paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype)
     if split.num_rows:
         torch.ops.sonar_cpu.decode_attention(
-            out, query, kv_cache, split.block_tables, split.seq_lens, split.rows, scale, sliding_window or -1
+            out,
+            query,
+            kv_cache,
+            split.block_tables,
+            split.seq_lens,
+            split.rows,
+            scale,
+            sliding_window or -1,
+            softcap or 0.0,
         )
     if split.prefills:
-        attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out, split.prefills)
+        attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out, split.prefills, softcap)
     return out
 
 
@@ -183,6 +199,12 @@ def silu_and_mul(x: Tensor) -> Tensor:
     if use_native(x) and x.is_contiguous():
         return torch.ops.sonar_cpu.silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """`reference.gelu_tanh_and_mul` on every device (no kernel of its own: on CUDA under ``-O2``
+    Inductor fuses it into one pass)."""
+    return reference.gelu_tanh_and_mul(x)
 
 
 def copy_blocks(src: Tensor, dst: Tensor, src_block_ids: Tensor, dst_block_ids: Tensor) -> None:

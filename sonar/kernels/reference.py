@@ -4,7 +4,7 @@ Attention and the plain KV-cache write have their references in :mod:`sonar.kern
 (the layouts are documented there); this module adds what the kernels do beyond them: an FP8
 (e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, the
 halves-layout rotary embedding (the native CPU kernel's contract; on CUDA Inductor fuses it),
-SiLU-and-mul, the block copy between cache tensors and the batched LoRA add. Each function states the
+SiLU-and-mul, GELU(tanh)-and-mul, the block copy between cache tensors and the batched LoRA add. Each function states the
 contract its kernel follows.
 """
 
@@ -93,10 +93,12 @@ def paged_attention(
     sliding_window: int | None = None,
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """:func:`sonar.kernels.attention.paged_attention`; a float8 cache is read with its scales
-    (the context each query reads is dequantized, as the kernels do, not the whole cache)."""
-    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale)
+    (the context each query reads is dequantized, as the kernels do, not the whole cache); a
+    ``softcap`` caps the scores (``c * tanh(s / c)``) before the softmax."""
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
 
 
 # --- norms and activations ----------------------------------------------------------------------
@@ -122,6 +124,13 @@ def silu_and_mul(x: Tensor) -> Tensor:
     computes it (the kernel computes in float32 and rounds once)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: Tensor) -> Tensor:
+    """``gelu_tanh(x[..., :d]) * x[..., d:]`` for ``x`` ``[..., 2 * d]`` (GELU's tanh approximation,
+    transformers' ``gelu_pytorch_tanh``: Gemma's MLP), in ``x.dtype`` as transformers computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # --- rotary embeddings --------------------------------------------------------------------------

@@ -78,8 +78,8 @@ def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
 def layer_weights(model: nn.Module) -> LayerWeights | None:
     """The weights of a `DecoderForCausalLM` for ``decode_layers``, or None when its layers are
     not all of the kinds the native call serves."""
-    variant = model.variant
-    if not variant.native_decode or variant.qk_norm or variant.mlp_factory is not None:
+    variant = getattr(model, "variant", None)  # None: a family with layers of its own (Gemma)
+    if variant is None or not variant.native_decode or variant.qk_norm or variant.mlp_factory is not None:
         return None
     if model.parallel.size > 1 or model.stage.size > 1:  # one whole model only
         return None

@@ -213,6 +213,10 @@ def load_model(
     cls = model_class(config)
     if convert == "classify":
         cls = sequence_classifier(cls)
+    method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
+    refused = getattr(cls, "refuses", {}).get("quantization")
+    if refused and (method is not None or from_gguf):
+        raise ModelLoadError(f"{source}: {refused}")
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))

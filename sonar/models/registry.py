@@ -21,6 +21,7 @@ from sonar.models.classifier import (
     Qwen3ForSequenceClassification,
 )
 from sonar.models.errors import UnsupportedArchitectureError
+from sonar.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from sonar.models.glm4 import Glm4ForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
@@ -45,6 +46,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         MixtralForCausalLM,
         Qwen2MoeForCausalLM,
         Qwen3MoeForCausalLM,
+        GemmaForCausalLM,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

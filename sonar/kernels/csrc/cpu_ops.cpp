@@ -200,6 +200,7 @@ void check_last_contiguous(const at::Tensor& t, const char* name) {
 struct DecodeGeometry {
   int64_t head_dim, group, block_size, token_stride, block_stride, max_blocks;
   float scale;  // applied to the query, or to the scores by a kernel that says so (kScalesScores)
+  float softcap;  // > 0: each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2); 0: off
 };
 
 // What a block kernel does unless it says otherwise: the query it gets is already scaled, and its
@@ -215,6 +216,8 @@ inline void softmax_block(const DecodeGeometry& geo, int64_t t0, int64_t t1, flo
                           float* acc) {
   for (int64_t g = 0; g < geo.group; ++g) {
     float* sg = s + g * geo.block_size;
+    if (geo.softcap > 0.f)
+      for (int64_t t = t0; t < t1; ++t) sg[t] = geo.softcap * std::tanh(sg[t] / geo.softcap);
     float block_max = -std::numeric_limits<float>::infinity();
     for (int64_t t = t0; t < t1; ++t) block_max = std::max(block_max, sg[t]);
     const float new_max = std::max(m[g], block_max);
@@ -484,7 +487,7 @@ struct Bf16DotBlock : BlockKernelDefaults {
 template <typename T, typename Kernel>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& rows, double scale, int64_t window) {
+                           const at::Tensor& rows, double scale, int64_t window, double softcap) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_kv_heads = kv_cache.size(3);
   DecodeGeometry geo;
@@ -495,6 +498,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   geo.block_stride = geo.block_size * geo.token_stride;
   geo.max_blocks = block_tables.size(1);
   geo.scale = static_cast<float>(scale);
+  geo.softcap = static_cast<float>(softcap);
   const int64_t head_dim = geo.head_dim, group = geo.group, block_size = geo.block_size;
   const T* keys = data<const T>(kv_cache);
   const T* values = keys + kv_cache.size(1) * geo.block_stride;
@@ -577,44 +581,44 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 template <typename T, int C, int G = 1>
 void decode_attention_fixed(int64_t group, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                            double scale, int64_t window) {
+                            double scale, int64_t window, double softcap) {
 #ifdef SONAR_AVX512
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, Bf16>) {
     if (group == G)
       return decode_attention_impl<T, Bf16DotBlock<G, C>>(out, query, kv_cache, block_tables, seq_lens, rows, scale,
-                                                          window);
+                                                          window, softcap);
   }
 #endif
   if (group == G)
     return decode_attention_impl<T, FixedAvx512Block<T, G, C>>(out, query, kv_cache, block_tables, seq_lens, rows,
-                                                              scale, window);
+                                                              scale, window, softcap);
   if constexpr (G < 8) {
-    return decode_attention_fixed<T, C, G + 1>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    return decode_attention_fixed<T, C, G + 1>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
   }
-  decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
 #endif
 }
 
 template <typename T>
 void decode_attention_dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                               double scale, int64_t window) {
+                               double scale, int64_t window, double softcap) {
   const int64_t head_dim = query.size(2), group = query.size(1) / kv_cache.size(3);
 #ifdef SONAR_AVX512
   if (head_dim == 64)
-    return decode_attention_fixed<T, 4>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    return decode_attention_fixed<T, 4>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
   if (head_dim == 128)
-    return decode_attention_fixed<T, 8>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    return decode_attention_fixed<T, 8>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
   if (head_dim % 16 == 0 && head_dim <= 256)
-    return decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    return decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
 #endif
-  decode_attention_impl<T, PortableBlock<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+  decode_attention_impl<T, PortableBlock<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
 }
 
 void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                      double scale, int64_t window) {
+                      double scale, int64_t window, double softcap) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &kv_cache, &block_tables, &seq_lens, &rows}) check_cpu(*t, "every tensor");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "sonar_cpu::decode_attention: query and out [tokens, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -634,7 +638,7 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
   check_last_contiguous(query, "query");
   check_last_contiguous(out, "out");
   SONAR_DISPATCH(query.scalar_type(), "decode_attention", [&] {
-    decode_attention_dispatch<scalar_t>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window);
+    decode_attention_dispatch<scalar_t>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
   });
 }
 
@@ -2213,7 +2217,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     at::Tensor attn = at::empty(q.sizes(), q.options());
-    decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l]);
+    decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l], 0.0);
     const at::Tensor attn_rows = attn.view({n, q_size});
     at::Tensor attended = linear_any(attn_rows, w[1], nth(o_bias, l), hidden, &w[2]);
     lora(attended, attn_rows, 4 * l + 1, {hidden});
@@ -2231,7 +2235,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 
 TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor rows, float scale, int window) -> ()");
+        "Tensor rows, float scale, int window, float softcap=0.0) -> ()");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor");
   m.def("has_encoder_attention() -> bool", &has_encoder_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

@@ -73,3 +73,12 @@ def round_to_e4m3(x):
     magnitude = ((tl.abs(x) + 24576.0) - 24576.0).to(tl.int32, bitcast=True)
     subnormal = (magnitude | (bits & -0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit
+def softcap_scores(s, cap):
+    """Logit soft-capping ``cap * tanh(s / cap)`` of scores in any one unit (the attention
+    kernels pass both in base-2 units: ``s * log2(e)`` and ``cap * log2(e)``). Triton has no
+    portable tanh: ``tanh(y) = 1 - 2 / (exp(2 y) + 1)``, which saturates to +-1 for large ``|y|``."""
+    y = s / cap
+    return cap * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))

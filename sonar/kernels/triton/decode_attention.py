@@ -29,6 +29,7 @@ from sonar.kernels.triton._common import (
     dot_in_fp32,
     interpreting,
     next_power_of_2,
+    softcap_scores,
 )
 
 LOG2E = 1.4426950408889634
@@ -57,6 +58,7 @@ def _decode_split_kernel(
     c_stride_head,
     head_dim,
     window,
+    softcap,
     NUM_HEADS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -67,6 +69,7 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     SCALE_PER_HEAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -120,6 +123,8 @@ def _decode_split_kernel(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if USE_SOFTCAP:
+            s = softcap_scores(s, softcap)
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.math.exp2(m_i - m_new)
@@ -200,6 +205,7 @@ def paged_decode_attention(
     v_scale: Tensor | None = None,
     num_splits: int | None = None,
     out: Tensor | None = None,
+    softcap: float | None = None,
     tile_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -209,6 +215,7 @@ def paged_decode_attention(
 
     ``max_seq_len`` (host int) only sizes the default split count; ``num_splits`` fixes it (a
     CUDA graph needs the same value at capture and replay). A sequence of length 0 gets zeros.
+    ``softcap`` caps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the softmax.
     ``tile_n`` (tokens per loop step, a power of two >= 16), ``num_warps`` and ``num_stages`` are
     tuning knobs (the benchmark sweeps them).
     """
@@ -263,6 +270,7 @@ def paged_decode_attention(
             kv_cache.stride(3),
             head_dim,
             sliding_window or 0,
+            (softcap or 0.0) * LOG2E,
             NUM_HEADS=num_heads,
             NUM_SPLITS=num_splits,
             GROUP=group,
@@ -273,6 +281,7 @@ def paged_decode_attention(
             KV_FP8=fp8,
             SCALE_PER_HEAD=fp8 and k_scale.numel() > 1,
             USE_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=softcap is not None,
             DOT_F32=dot_in_fp32(query.dtype),
             num_warps=num_warps,
             num_stages=num_stages,

@@ -24,6 +24,7 @@ def paged_attention(
     v_scale: Tensor | None = None,
     num_splits: int | None = None,
     out: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     if meta.max_query_len <= 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(
@@ -38,6 +39,7 @@ def paged_attention(
             v_scale,
             num_splits=num_splits,
             out=out,
+            softcap=softcap,
         )
     return paged_prefill_attention(
         query,
@@ -51,4 +53,5 @@ def paged_attention(
         k_scale,
         v_scale,
         out=out,
+        softcap=softcap,
     )

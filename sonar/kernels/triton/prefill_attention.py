@@ -30,6 +30,7 @@ from sonar.kernels.triton._common import (
     dot_in_fp32,
     interpreting,
     next_power_of_2,
+    softcap_scores,
 )
 
 LOG2E = 1.4426950408889634
@@ -57,6 +58,7 @@ def _prefill_kernel(
     c_stride_head,
     head_dim,
     window,
+    softcap,
     GROUP: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -66,6 +68,7 @@ def _prefill_kernel(
     KV_FP8: tl.constexpr,
     SCALE_PER_HEAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -127,6 +130,8 @@ def _prefill_kernel(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        if USE_SOFTCAP:
+            s = softcap_scores(s, softcap)
         allowed = tok_mask[None, :] & (toks[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (toks[None, :] > q_pos[:, None] - window)
@@ -156,10 +161,12 @@ def paged_prefill_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     out: Tensor | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention of a flat batch ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     sequence's cached context; returns the same shape in ``query.dtype``. ``max_query_len`` (a
-    host int) sizes the grid."""
+    host int) sizes the grid. ``softcap`` caps each scaled score ``s`` to
+    ``softcap * tanh(s / softcap)`` before the softmax."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -205,6 +212,7 @@ def paged_prefill_attention(
             kv_cache.stride(3),
             head_dim,
             sliding_window or 0,
+            (softcap or 0.0) * LOG2E,
             GROUP=group,
             BLOCK_Q=block_q,
             BLOCK_M=block_m,
@@ -214,6 +222,7 @@ def paged_prefill_attention(
             KV_FP8=fp8,
             SCALE_PER_HEAD=fp8 and k_scale.numel() > 1,
             USE_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=softcap is not None,
             DOT_F32=dot_in_fp32(query.dtype),
             num_warps=4,
             num_stages=2,
