@@ -43,7 +43,8 @@ ONE_ENGINE = (
 MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
 MULTI_NODE = "only used when several nodes run together (--nnodes > 1), which Sonar does not support yet"
 NO_DCP = "only used with decode context parallelism (--decode-context-parallel-size > 1), not supported yet"
-NO_MOE = "only affects mixture-of-experts layers; Sonar serves no MoE models yet"
+NO_EP = "only used with expert parallelism (--enable-expert-parallel), which Sonar does not support yet"
+NO_MOE_LORA = "only affects LoRA adapters on mixture-of-experts models, which Sonar refuses"
 NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
 NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
 NO_MM = "only affects multimodal inputs; Sonar serves text-only models"
@@ -288,7 +289,7 @@ GROUPS: tuple[Group, ...] = (
            "Always run the model as plain eager PyTorch, without CUDA graphs and (on CPU) without prepacking "
            "the linear weights for oneDNN: faster startup, slower decode.", to=E),
         _f("--enable-return-routed-experts", B, False,
-           "Return which experts each token was routed to in MoE models.", noop=NO_MOE),
+           "Return which experts each token was routed to in MoE models."),
         _f("--max-logprobs", I, 20,
            "Most logprobs a request may ask for per token (20, as in the OpenAI API); -1 lifts the cap "
            "(up to the vocabulary size), which can run out of memory.", to=E, check=logprobs_cap),
@@ -492,16 +493,15 @@ GROUPS: tuple[Group, ...] = (
            "Start one externally balanced API server per local rank, under a supervisor that reports "
            "their combined health.", negatable=False),
         _f("--enable-expert-parallel -ep", B, False,
-           "Split MoE experts over ranks (expert parallelism) instead of sharding them tensor-parallel.",
-           noop=NO_MOE),
+           "Split MoE experts over ranks (expert parallelism) instead of sharding them tensor-parallel."),
         _f("--enable-ep-weight-filter", B, False,
-           "With expert parallelism, read only this rank's experts from disk.", noop=NO_MOE),
+           "With expert parallelism, read only this rank's experts from disk.", noop=NO_EP),
         _f("--all2all-backend", S_, "allgather_reducescatter",
            "All-to-all implementation for expert-parallel MoE communication.",
            choices=("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                     "flashinfer_all2allv", "flashinfer_nvlink_one_sided", "flashinfer_nvlink_two_sided",
                     "mori_high_throughput", "mori_low_latency", "naive", "nixl_ep", "pplx"),
-           noop=NO_MOE),
+           noop=NO_EP),
         _f("--enable-dbo", B, False,
            "Dual batch overlap: run a batch as two micro-batches so compute overlaps communication."),
         _f("--ubatch-size", I, 0, "Micro-batch size for dual batch overlap.", noop=NO_DBO),
@@ -514,12 +514,12 @@ GROUPS: tuple[Group, ...] = (
         _f("--disable-nccl-for-dp-synchronization", B, None,
            "Synchronize data-parallel ranks over Gloo rather than NCCL (unset: on with async scheduling).",
            noop=ONE_ENGINE),
-        _f("--enable-eplb", B, False, "Rebalance MoE experts over ranks by their observed load.", noop=NO_MOE),
+        _f("--enable-eplb", B, False, "Rebalance MoE experts over ranks by their observed load."),
         _f("--eplb-config", J, {}, "Settings of expert load balancing (window, interval, redundant experts...).",
-           dotted=True, noop=NO_MOE, reference_default="EPLBConfig(...) with every field at its default"),
+           dotted=True, noop=NO_EP, reference_default="EPLBConfig(...) with every field at its default"),
         _f("--expert-placement-strategy", S_, "linear",
            "How experts are dealt to ranks: in contiguous ranges ('linear') or in turn ('round_robin').",
-           choices=("linear", "round_robin"), noop=NO_MOE),
+           choices=("linear", "round_robin"), noop=NO_EP),
         _f("--max-parallel-loading-workers", I, None,
            "Load weights in rounds of at most this many workers, to limit host memory.",
            noop="each tensor-parallel rank reads only its own shards, all ranks at once; Sonar does not load in rounds"),
@@ -688,9 +688,9 @@ GROUPS: tuple[Group, ...] = (
            "Capture separate CUDA graphs for each number of active LoRA adapters.",
            noop="Sonar captures no CUDA graphs while LoRA adapters are enabled (their steps run eagerly)"),
         _f("--enable-mixed-moe-lora-format", B, False,
-           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", noop=NO_MOE),
+           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", noop=NO_MOE_LORA),
         _f("--enable-moe-shared-loras", B, False,
-           "Load MoE LoRA adapters whose factors are shared by all experts.", noop=NO_MOE),
+           "Load MoE LoRA adapters whose factors are shared by all experts.", noop=NO_MOE_LORA),
     ),
     _group(
         "ObservabilityConfig", "Metrics, tracing and diagnostic logging.",
@@ -776,12 +776,11 @@ GROUPS: tuple[Group, ...] = (
            reference_default="IrOpPriorityConfig(...) with every field at its default"),
         _f("--enable-flashinfer-autotune", B, None, "Autotune FlashInfer kernels during warmup.",
            noop="Sonar uses no FlashInfer kernels"),
-        _f("--enable-bf16x3-router-gemm", B, False, "Use the experimental BF16x3 MoE router GEMM (SM100).",
-           noop=NO_MOE),
+        _f("--enable-bf16x3-router-gemm", B, False, "Use the experimental BF16x3 MoE router GEMM (SM100)."),
         _f("--moe-backend", S_, "auto", "Kernels for MoE expert computation.",
            choices=("aiter", "auto", "batched_triton", "cutlass", "deep_gemm", "deep_gemm_mega_moe", "emulation",
                     "flashinfer_b12x", "flashinfer_cutedsl", "flashinfer_cutlass", "flashinfer_trtllm", "flydsl",
-                    "hpc", "humming", "marlin", "triton", "triton_unfused"), noop=NO_MOE),
+                    "hpc", "humming", "marlin", "triton", "triton_unfused")),
         _f("--linear-backend", S_, "auto", "Kernels for quantized linear layers.",
            choices=("aiter", "auto", "conch", "cutlass", "deep_gemm", "emulation", "exllama", "fbgemm",
                     "flashinfer_b12x", "flashinfer_cudnn", "flashinfer_cutedsl", "flashinfer_cutlass",

@@ -108,7 +108,7 @@ def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
         ["--enable-offline-docs"],
         ["--master-port", "1234"],
         ["--language-model-only"],
-        ["--moe-backend", "triton"],
+        ["--all2all-backend", "naive"],
     ],
 )
 def test_noops_are_accepted_and_reported(argv: list[str]) -> None:
@@ -117,7 +117,25 @@ def test_noops_are_accepted_and_reported(argv: list[str]) -> None:
 
 
 def test_noop_values_are_still_validated(usage_error) -> None:
-    assert "argument --moe-backend: invalid choice: 'magic'" in usage_error("--moe-backend", "magic")
+    assert "argument --all2all-backend: invalid choice: 'magic'" in usage_error("--all2all-backend", "magic")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--enable-expert-parallel"],
+        ["-ep"],
+        ["--enable-eplb"],
+        ["--moe-backend", "triton"],
+        ["--enable-return-routed-experts"],
+    ],
+)
+def test_expert_parallel_and_moe_kernel_choices_are_refused(usage_error, argv: list[str]) -> None:
+    """Sonar serves MoE models (tensor-parallel experts, its own kernels): what would change that
+    is refused by name, not accepted and ignored."""
+    message = usage_error(*argv)
+    name = "--enable-expert-parallel" if argv == ["-ep"] else argv[0]
+    assert f"{name} is not supported yet" in message
 
 
 def test_status_counts_are_stable() -> None:
