@@ -5,7 +5,8 @@ Builds a `ModelRunner` and drives `execute` with synthetic scheduler outputs: a 
 most, like the scheduler's token budget; decodes of prefilled requests go first), then
 ``--decode-steps`` decode steps of the whole batch. Prints the median and mean time per step of each phase, the output tokens/s the decode
 steps alone would give, and the physical floor of a decode step on this machine (weights read
-once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whichever is larger).
+once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whichever is larger; a
+mixture-of-experts model reads only the experts its tokens are routed to: `step_weights`).
 ``--profile`` adds a torch profiler table of a few decode steps. ``--compare-eager`` times
 prefill and decode steps alternating between the prepacked linears and plain ``nn.Linear``
 layers on the same weights (what ``--enforce-eager`` serves) and prints both and their ratio.
@@ -18,7 +19,7 @@ layers on the same weights (what ``--enforce-eager`` serves) and prints both and
 hits and misses, then times prefill and decode steps alternating between the default (prepacked,
 eager) model and the compiled one over the same KV cache.
 
-usage: python -m sonar.bench.step [--batch 16] [--prompt-len 128] [--decode-steps 32]
+usage: python -m sonar.bench.step [--model PATH [--load-format dummy]] [--batch 16] [--prompt-len 128] [--decode-steps 32]
        [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile] [--compare-eager] [--compare-fused]
        [--compare-compiled [--compile-cache-root DIR]]
 """
@@ -37,6 +38,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear, prepack_linears
 from sonar.models.loader import load_model
+from sonar.models.moe import SparseMoeBlock
 from sonar.protocol.engine import ExecuteStep, NewRequestData
 from sonar.sampling_params import SamplingParams
 
@@ -107,12 +109,30 @@ class StepDriver:
         return all(c >= len(p) for c, p in zip(self.computed, self.prompts))
 
 
-def decode_floor_ms(params: int, element_bytes: int, batch: int, bandwidth_gbs: float, gflops: float) -> float:
-    """The least time a decode step of `batch` tokens can take: read every weight once, or do
-    2 FLOPs per weight per token, whichever is slower."""
-    read = params * element_bytes / (bandwidth_gbs * 1e9)
-    compute = 2 * params * batch / (gflops * 1e9)
-    return 1000 * max(read, compute)
+def step_weights(model: torch.nn.Module, batch: int) -> tuple[float, float]:
+    """The weights a decode step of `batch` tokens reads, and those each token multiplies. A dense
+    model: all of them, both. A mixture-of-experts layer reads only the experts its tokens are
+    routed to — ``E (1 - (1 - k / E) ** batch)`` of them expected under uniform routing — and each
+    token multiplies its `k`."""
+    read = per_token = float(sum(p.numel() for p in model.parameters()))
+    for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            experts, k = module.spec.num_experts, module.spec.top_k
+            expert = (module.experts.gate_up_proj.numel() + module.experts.down_proj.numel()) / experts
+            touched = experts * (1 - (1 - k / experts) ** batch)
+            read -= (experts - touched) * expert
+            per_token -= (experts - k) * expert
+    return read, per_token
+
+
+def decode_floor_ms(
+    read: float, per_token: float, element_bytes: int, batch: int, bandwidth_gbs: float, gflops: float
+) -> float:
+    """The least time a decode step of `batch` tokens can take: read its weights once (`read` of
+    them), or do 2 FLOPs per weight per token (`per_token` of them), whichever is slower."""
+    read_s = read * element_bytes / (bandwidth_gbs * 1e9)
+    compute_s = 2 * per_token * batch / (gflops * 1e9)
+    return 1000 * max(read_s, compute_s)
 
 
 class LinearSwitch:
@@ -257,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sonar.bench.step", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="model path or id (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load-format", default="auto", help="as serve's (dummy: random weights from a config.json alone)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--prefill-chunk", type=int, default=2048, help="tokens per step (the token budget)")
@@ -292,7 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     per_request = -(-(args.prompt_len + rounds * args.decode_steps + args.warmup_steps + 5 + 32) // 16)
     blocks = max(64, args.batch * per_request + 16, -(-args.prefill_chunk // 16) + 1)
     config = EngineConfig.from_args(
-        args.model, dtype=args.dtype, enforce_eager=args.enforce_eager, num_gpu_blocks_override=blocks
+        args.model,
+        dtype=args.dtype,
+        load_format=args.load_format,
+        enforce_eager=args.enforce_eager,
+        num_gpu_blocks_override=blocks,
     )
     t0 = time.perf_counter()
     runner = ModelRunner(config)
@@ -307,13 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.warmup_steps):
         driver.step(args.batch)
     decode = [driver.step(args.batch) for _ in range(args.decode_steps)]
-    params = sum(p.numel() for p in runner.model.parameters())
+    read, per_token = step_weights(runner.model, args.batch)
     element = runner.loaded.dtype.itemsize
-    floor = decode_floor_ms(params, element, args.batch, args.bandwidth, args.flops)
+    floor = decode_floor_ms(read, per_token, element, args.batch, args.bandwidth, args.flops)
     med = statistics.median(decode)
     print(
         f"threads {torch.get_num_threads()}, dtype {runner.info.dtype}, batch {args.batch}, "
-        f"prompt {args.prompt_len}, eager {args.enforce_eager}"
+        f"prompt {args.prompt_len}, eager {args.enforce_eager}; weights read per decode step "
+        f"{read * element / 1e9:.2f} GB ({read / 1e6:.0f} M)"
     )
     print(
         f"prefill: {len(prefill)} step(s), {1000 * sum(prefill):.0f} ms total "
