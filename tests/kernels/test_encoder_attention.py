@@ -65,20 +65,22 @@ def test_bfloat16() -> None:
 
 
 @pytest.fixture
-def native_kernel() -> None:
-    """The native tests call ``torch.ops.sonar_cpu`` directly: the library must be built, with
-    AVX-512 (a machine without them fails these tests, as it fails tests/kernels/test_native.py)."""
+def native_kernel() -> bool:
+    """Whether the native kernel serves here: the library must build (a machine where it does not
+    fails these tests, as it fails tests/kernels/test_native.py); the kernel itself needs AVX-512,
+    and where the build has none the same calls must take SDPA and give the same answers."""
     assert native.available(), "the native kernels did not build here"
-    assert torch.ops.sonar_cpu.has_encoder_attention(), "the native kernels were built without AVX-512"
+    return bool(torch.ops.sonar_cpu.has_encoder_attention())
 
 
-@pytest.mark.usefixtures("native_kernel")
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["float32", "bfloat16", "float16"]
 )
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("lens", [[1], [37, 1, 16, 300, 5, 17], [64, 64, 64]], ids=["one", "mixed", "equal"])
-def test_native_kernel_matches_the_reference(dtype: torch.dtype, head_dim: int, lens: list[int]) -> None:
+def test_native_kernel_matches_the_reference(
+    native_kernel: bool, dtype: torch.dtype, head_dim: int, lens: list[int]
+) -> None:
     """The native kernel on views of one fused QKV projection (strided rows, as the model calls
     it), against float64 and as close to it as SDPA on the same inputs."""
     gen = torch.Generator().manual_seed(3)
@@ -86,7 +88,7 @@ def test_native_kernel_matches_the_reference(dtype: torch.dtype, head_dim: int, 
     q, k, v = (torch.randn(n, 3, heads, head_dim, generator=gen) * 2).to(dtype).unbind(1)
     meta = metadata(lens)
     starts = sequence_starts(meta)
-    assert use_native(q, k, v)
+    assert use_native(q, k, v) == native_kernel
     out = encoder_attention(q, k, v, starts, head_dim**-0.5, meta.query_start_loc)
     assert out.dtype == dtype and out.shape == q.shape
     want = reference(q.double(), k.double(), v.double(), lens, head_dim**-0.5)
@@ -110,6 +112,16 @@ def test_native_kernel_keeps_sequences_apart_and_builds_its_own_offsets() -> Non
     after = encoder_attention(q, k2, v2, starts, 0.2)
     assert torch.equal(after[:20], before[:20]) and torch.equal(after[23:], before[23:])
     assert not torch.allclose(after[20:23], before[20:23])
+
+
+def test_a_build_without_avx512_refuses_the_kernel_by_name(native_kernel: bool) -> None:
+    q = torch.randn(4, 2, 32)
+    if native_kernel:
+        assert use_native(q, q, q)
+        return
+    assert not use_native(q, q, q)
+    with pytest.raises(RuntimeError, match="encoder_attention: needs AVX-512"):
+        torch.ops.sonar_cpu.encoder_attention(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 0.1)
 
 
 def test_other_head_dims_and_the_switch_take_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
