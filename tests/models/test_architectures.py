@@ -9,11 +9,9 @@ import pytest
 import torch
 
 from sonar.models.loader import load_model
+from tests.models.against import assert_greedy_equals_transformers, assert_mixed_batch_equals_plain_batch
 from tests.models.conftest import TINY_NAMES
-from tests.models.driver import GreedyDriver
 
-# float32 on both sides; the paths differ only in kernels and summation order
-ATOL = RTOL = 1e-4
 NEW_TOKENS = 20
 EXPECTED_CLASS = {
     "llama3": "LlamaForCausalLM",
@@ -51,36 +49,10 @@ def test_loads_as_its_architecture(case: Any) -> None:
 
 def test_greedy_tokens_and_logits_equal_transformers(case: Any) -> None:
     tiny, loaded, prompts = case
-    gen = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(
-        prompts, NEW_TOKENS, prompt_logits=True
-    )
-    for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            out = tiny.hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            full = tiny.hf(torch.tensor([prompt])).logits[0]
-        assert gen.tokens[i] == out.sequences[0, len(prompt) :].tolist(), f"prompt {i}"
-        torch.testing.assert_close(gen.logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(gen.prompt_logits[i], full.float(), atol=ATOL, rtol=RTOL)
+    assert_greedy_equals_transformers(loaded.model, tiny.hf, prompts, NEW_TOKENS)
 
 
 def test_mixed_batch_equals_plain_batch(case: Any) -> None:
     """Chunked prefills next to decodes, staggered joins, a prompt alone: the same tokens."""
     _, loaded, prompts = case
-    plain = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(prompts, NEW_TOKENS)
-    mixed = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4, seed=3).generate(
-        prompts, NEW_TOKENS, prefill_chunk=5, join_steps=[2, 0, 1, 4]
-    )
-    assert mixed.tokens == plain.tokens
-    for a, b in zip(mixed.logits, plain.logits):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
-    alone = GreedyDriver(loaded.model, torch.float32, num_blocks=32, block_size=4).generate([prompts[2]], NEW_TOKENS)
-    assert alone.tokens[0] == plain.tokens[2]
+    assert_mixed_batch_equals_plain_batch(loaded.model, prompts, NEW_TOKENS)

@@ -39,6 +39,7 @@ from sonar.models.registry import model_class
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.lora.conftest import ALL_MODULES, make_adapter, peft_greedy
 from tests.models import parallel_rank
+from tests.models.against import transformers_greedy
 from tests.models.conftest import _tiny_configs
 from tests.models.quantization.test_load import CASES as QUANT_CASES
 from tests.models.quantization.test_load import _compare as compare_quantized
@@ -91,18 +92,9 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _transformers_greedy(hf: Any, prompt: list[int], n: int = NEW_TOKENS) -> tuple[list[int], torch.Tensor]:
-    with torch.inference_mode():
-        ref = hf.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False,
-            max_new_tokens=n,
-            eos_token_id=None,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-    return ref.sequences[0, len(prompt) :].tolist(), torch.log_softmax(torch.cat(ref.logits).float(), dim=-1)
+    """transformers' greedy tokens and the log-probabilities of the distributions they came from."""
+    tokens, logits = transformers_greedy(hf, prompt, n)
+    return tokens, torch.log_softmax(logits, dim=-1)
 
 
 @pytest.mark.anyio

@@ -18,11 +18,11 @@ from sonar.models.loader import load_model
 from sonar.models.moe import SparseMoeBlock
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models import parallel_rank
+from tests.models.against import assert_greedy_equals_transformers, assert_mixed_batch_equals_plain_batch
 from tests.models.driver import GreedyDriver
 from tests.models.test_parallel import ATOL as TP_ATOL
 from tests.models.test_parallel import _group_logits
 
-ATOL = RTOL = 1e-4
 NEW_TOKENS = 16
 
 
@@ -156,39 +156,13 @@ def test_checkpoint_stores_one_tensor_per_expert(checkpoints: dict[str, tuple[Pa
 
 def test_greedy_tokens_and_logits_equal_transformers(case: Any) -> None:
     _, hf, loaded = case
-    prompts = _prompts(loaded.config.vocab_size)
-    gen = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(
-        prompts, NEW_TOKENS, prompt_logits=True
-    )
-    for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            full = hf(torch.tensor([prompt])).logits[0]
-        assert gen.tokens[i] == out.sequences[0, len(prompt) :].tolist(), f"prompt {i}"
-        torch.testing.assert_close(gen.logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(gen.prompt_logits[i], full.float(), atol=ATOL, rtol=RTOL)
+    assert_greedy_equals_transformers(loaded.model, hf, _prompts(loaded.config.vocab_size), NEW_TOKENS)
 
 
 def test_mixed_batch_equals_plain_batch(case: Any) -> None:
     """Chunked prefills next to decodes, staggered joins: the same tokens and logits."""
     _, _, loaded = case
-    prompts = _prompts(loaded.config.vocab_size)
-    plain = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(prompts, NEW_TOKENS)
-    mixed = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4, seed=3).generate(
-        prompts, NEW_TOKENS, prefill_chunk=5, join_steps=[2, 0, 1, 4]
-    )
-    assert mixed.tokens == plain.tokens
-    for a, b in zip(mixed.logits, plain.logits):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    assert_mixed_batch_equals_plain_batch(loaded.model, _prompts(loaded.config.vocab_size), NEW_TOKENS)
 
 
 def test_stacked_expert_layout_loads_the_same_weights(checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
