@@ -176,6 +176,7 @@ class ModelRunner:
             quantization=cfg.quantization,
             dequantize_weights=cfg.dequantize_weights,
             parallel=topology.tp,
+            expert_placement=cfg.expert_placement_strategy if cfg.enable_expert_parallel else None,
             stage=topology.stage,
             hf_overrides=cfg.hf_overrides,
             convert=cfg.convert,

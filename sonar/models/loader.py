@@ -35,7 +35,7 @@ import json
 import re
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
@@ -157,6 +157,7 @@ def load_model(
     quantization: str | None = None,
     dequantize_weights: bool = False,
     parallel: TensorParallel = SINGLE,
+    expert_placement: str | None = None,
     stage: PipelineStage = WHOLE,
     hf_overrides: dict[str, Any] | None = None,
     convert: str = "none",
@@ -174,7 +175,9 @@ def load_model(
     `quantization`: the method the weights are in (None: what the checkpoint says; a GGUF file
     is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
-    whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`).
+    whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`);
+    `expert_placement` (``--enable-expert-parallel``): deal a MoE model's experts whole over
+    `parallel`'s ranks, ``linear`` or ``round_robin`` (None: `parallel`'s own setting).
     `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
     (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
     without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
@@ -187,6 +190,8 @@ def load_model(
     apart from the model's); None: the model's revision.
     """
     started = time.perf_counter()
+    if expert_placement is not None:
+        parallel = replace(parallel, expert_placement=expert_placement)
     check_load_format(load_format)
     reading = _Reading(
         load_format, loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),
