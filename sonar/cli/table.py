@@ -503,10 +503,9 @@ GROUPS: tuple[Group, ...] = (
            "replicas are independent engines holding every expert (with --data-parallel-size > 1 and "
            "--tensor-parallel-size 1 it is refused). No effect on dense models.", to=E),
         _f("--enable-ep-weight-filter", B, False,
-           "With expert parallelism, read only this rank's experts from disk.",
-           noop="each expert-parallel rank copies only its own experts into memory, but still reads every "
-           "tensor of the checkpoint (one at a time); skipping the reads of other ranks' experts is not "
-           "implemented yet"),
+           "With expert parallelism, do not read other ranks' per-expert tensors from safetensors files "
+           "(memory-mapped reads, --safetensors-load-strategy lazy; a checkpoint of stacked experts is read "
+           "whole). Without it each rank still copies only its own experts.", to=E),
         _f("--all2all-backend", S_, "allgather_reducescatter",
            "All-to-all implementation for expert-parallel MoE communication.",
            choices=("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",

@@ -108,6 +108,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     expert_placement_strategy: str = "linear"
     """With expert parallelism: ``linear`` (contiguous ranges of experts per rank) or ``round_robin``
     (expert ``e`` on rank ``e % tensor_parallel_size``)."""
+    enable_ep_weight_filter: bool = False
+    """With expert parallelism, do not read other ranks' per-expert tensors from safetensors files
+    (lazy reads; a stacked-experts tensor is read whole)."""
     distributed_executor_backend: str | None = None
     """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
     machine); None: ``uni`` for one rank, ``mp`` for several."""

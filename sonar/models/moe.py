@@ -20,7 +20,8 @@ experts, whole, over the same ranks instead (`TensorParallel.local_experts`: con
 round robin). Every rank has every token (tensor parallelism replicates the activations), so a rank
 computes the (token, expert) pairs routed to its own experts, skips the others (their local id is
 -1), and the same all-reduce sums the ranks: no all-to-all, no all-gather. The shared expert and
-the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors.
+the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors, and with
+``--enable-ep-weight-filter`` does not read the others' per-expert tensors (`foreign_expert_tensor`).
 
 Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized checkpoints
 (unless dequantized), LoRA adapters, EAGLE heads, the native fused decode loop (these layers are
@@ -178,6 +179,19 @@ class MoeForCausalLM(DecoderForCausalLM):
         size = mlp.shared_expert.intermediate if part[1] else mlp.intermediate
         first = self.parallel.rank * size
         return Shard(1, first, size) if part[2] == "down_proj" else Shard(0, first, size)
+
+    def foreign_expert_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one expert's projection that another expert-parallel
+        rank holds (``--enable-ep-weight-filter`` leaves it unread). Stacked experts: never."""
+        found = _MLP_NAME.fullmatch(self.checkpoint_name(name))
+        if found is None or int(found[1]) >= len(self.model.layers):
+            return False
+        expert = _EXPERT_PART.fullmatch(found[2])
+        block = getattr(self.model.layers[int(found[1])], "mlp", None)  # None: another stage's layer
+        if expert is None or not isinstance(block, SparseMoeBlock) or not block.expert_parallel:
+            return False
+        e = int(expert[1])
+        return e < block.spec.num_experts and e not in block.local_experts
 
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         if weights:

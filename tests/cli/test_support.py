@@ -147,8 +147,9 @@ def test_expert_parallel_over_data_parallel_replicas_alone_is_refused(usage_erro
     assert "data_parallel_size 2 and tensor_parallel_size 1 is not supported" in message
 
 
-def test_the_expert_weight_filter_is_an_accepted_noop() -> None:
-    assert parse_serve_args(["--enable-ep-weight-filter"]).accepted_noops == ("--enable-ep-weight-filter",)
+def test_the_expert_weight_filter_reaches_the_engine() -> None:
+    config = parse_serve_args(["-tp", "2", "-ep", "--enable-ep-weight-filter"])
+    assert config.engine.enable_ep_weight_filter and not config.accepted_noops
 
 
 def test_status_counts_are_stable() -> None:

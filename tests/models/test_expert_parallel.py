@@ -4,7 +4,7 @@ tensor-parallel rank holds whole experts, ``E / size`` of them (``linear``: cont
 all-reduce that ends the layer sums the ranks.
 
 Tiny random-weight Mixtral and Qwen2-MoE (a shared expert, a dense layer) checkpoints: what each
-rank loads from either expert layout, the logits of real two-rank gloo groups (one process per
+rank loads from either expert layout (and leaves unread with ``--enable-ep-weight-filter``), the logits of real two-rank gloo groups (one process per
 rank, `tests/models/ep_rank.py`) against one rank, the whole engine at two ranks against
 transformers, and the settings that are refused."""
 
@@ -103,6 +103,27 @@ def test_each_rank_loads_its_experts_whole(checkpoints: dict[str, Any], placemen
                     assert torch.equal(value, sliced[param]), (name, param)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_weight_filter_leaves_other_ranks_experts_unread(checkpoints: dict[str, Any], placement: str) -> None:
+    """``--enable-ep-weight-filter``: the per-expert tensors of the other rank are never read (the
+    reader skips them by name), and the rank's model is the same."""
+    from sonar.models.weights import iter_safetensors, safetensors_files
+
+    path = checkpoints["mixtral"][0]
+    tp = TensorParallel(1, 2)
+    plain = load_model(str(path), dtype="float32", parallel=tp, expert_placement=placement).model
+    filtered = load_model(str(path), dtype="float32", parallel=tp, expert_placement=placement, ep_weight_filter=True)
+    for param, value in filtered.model.named_parameters():
+        assert torch.equal(value, dict(plain.named_parameters())[param]), param
+    theirs = TensorParallel(0, 2, expert_placement=placement).local_experts(4)
+    names = [name for name, _ in iter_safetensors(safetensors_files(path), "lazy", plain.foreign_expert_tensor)]
+    experts = {int(name.split(".experts.")[1].split(".")[0]) for name in names if ".experts." in name}
+    assert experts == set(range(4)) - set(theirs)
+    assert sum(".experts." not in name for name in names) == sum(
+        ".experts." not in name for name, _ in iter_safetensors(safetensors_files(path))
+    )
+
+
 def _group_logits(size: int, placement: str, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
     """Run `size` rank processes on a gloo world whose store this process holds."""
     store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
@@ -168,6 +189,7 @@ def test_settings_reach_the_engine_or_are_refused_by_name() -> None:
         None, tensor_parallel_size=2, enable_expert_parallel=True, expert_placement_strategy="round_robin"
     )
     assert (config.enable_expert_parallel, config.expert_placement_strategy) == (True, "round_robin")
+    assert not config.enable_ep_weight_filter
     with pytest.raises(ValueError, match="data_parallel_size 2 and tensor_parallel_size 1 is not supported"):
         EngineConfig.from_args(None, data_parallel_size=2, enable_expert_parallel=True)
     EngineConfig.from_args(None, data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
