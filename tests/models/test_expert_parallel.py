@@ -94,7 +94,7 @@ def test_each_rank_loads_its_experts_whole(checkpoints: dict[str, Any], placemen
                 if not isinstance(layer.mlp, SparseMoeBlock):
                     continue
                 local = layer.mlp.local_experts
-                assert local == tp.__class__(rank, 2, expert_placement=placement).local_experts(len(local) * 2)
+                assert local == TensorParallel(rank, 2, expert_placement=placement).local_experts(len(local) * 2)
                 experts = whole.model.layers[i].mlp.experts
                 assert torch.equal(layer.mlp.experts.gate_up_proj, experts.gate_up_proj[local])
                 assert torch.equal(layer.mlp.experts.down_proj, experts.down_proj[local])
