@@ -9,6 +9,7 @@ import torch
 
 from sonar.kernels import moe
 from sonar.kernels.triton import fused_moe
+from sonar.models.parallel import TensorParallel
 
 #: bfloat16 GEMMs accumulated in float32 in both; rows rounded at different points (values O(1)).
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
@@ -49,3 +50,32 @@ def test_a_cuda_graph_replays_new_routing() -> None:
     graph.replay()
     want = moe.fused_experts_reference(x, weights, ids, w13, w2)
     torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_parallel_ranks_sum_to_the_whole_layer_in_a_cuda_graph(placement: str) -> None:
+    """Four expert-parallel ranks' local experts (the others' ids -1, mapped inside the capture):
+    their outputs sum to the whole layer's, and replays follow new routing."""
+    x, weights, ids, w13, w2 = _case(SHAPES["qwen3_moe_decode"], torch.bfloat16)
+    experts = w13.shape[0]
+    ranks = [TensorParallel(r, 4, expert_placement=placement) for r in range(4)]
+    local = [(tp, tp.local_experts(experts)) for tp in ranks]
+    stacked = [(w13[experts_].contiguous(), w2[experts_].contiguous()) for _, experts_ in local]
+
+    def run() -> list[torch.Tensor]:
+        return [
+            fused_moe.fused_experts(x, weights, tp.local_expert_ids(ids, experts), a, b)
+            for (tp, _), (a, b) in zip(local, stacked)
+        ]
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    new_weights, new_ids = moe.route(torch.randn(ids.shape[0], experts, device="cuda"), ids.shape[1], True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    total = sum(out.float() for out in outs)
+    want = moe.fused_experts_reference(x, weights, ids, w13, w2)
+    torch.testing.assert_close(total, want.float(), atol=6e-2, rtol=3e-2)

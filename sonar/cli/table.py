@@ -43,7 +43,11 @@ ONE_ENGINE = (
 MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
 MULTI_NODE = "only used when several nodes run together (--nnodes > 1), which Sonar does not support yet"
 NO_DCP = "only used with decode context parallelism (--decode-context-parallel-size > 1), not supported yet"
-NO_EP = "only used with expert parallelism (--enable-expert-parallel), which Sonar does not support yet"
+NO_ALL2ALL = (
+    "Sonar's expert parallelism exchanges no tokens: every rank has every token (tensor parallelism "
+    "replicates them) and the all-reduce that ends each MoE layer sums the ranks' experts"
+)
+NO_EPLB = "only used with expert load balancing (--enable-eplb), which Sonar does not support yet"
 NO_MOE_LORA = "only affects LoRA adapters on mixture-of-experts models, which Sonar refuses"
 NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
 NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
@@ -493,15 +497,21 @@ GROUPS: tuple[Group, ...] = (
            "Start one externally balanced API server per local rank, under a supervisor that reports "
            "their combined health.", negatable=False),
         _f("--enable-expert-parallel -ep", B, False,
-           "Split MoE experts over ranks (expert parallelism) instead of sharding them tensor-parallel."),
+           "Deal each MoE layer's experts, whole, over the tensor-parallel ranks (E / --tensor-parallel-size "
+           "each, see --expert-placement-strategy) instead of slicing every expert; attention and shared "
+           "experts stay tensor-parallel. The expert-parallel size is --tensor-parallel-size: data-parallel "
+           "replicas are independent engines holding every expert (with --data-parallel-size > 1 and "
+           "--tensor-parallel-size 1 it is refused). No effect on dense models.", to=E),
         _f("--enable-ep-weight-filter", B, False,
-           "With expert parallelism, read only this rank's experts from disk.", noop=NO_EP),
+           "With expert parallelism, do not read other ranks' per-expert tensors from safetensors files "
+           "(memory-mapped reads, --safetensors-load-strategy lazy; a checkpoint of stacked experts is read "
+           "whole). Without it each rank still copies only its own experts.", to=E),
         _f("--all2all-backend", S_, "allgather_reducescatter",
            "All-to-all implementation for expert-parallel MoE communication.",
            choices=("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                     "flashinfer_all2allv", "flashinfer_nvlink_one_sided", "flashinfer_nvlink_two_sided",
                     "mori_high_throughput", "mori_low_latency", "naive", "nixl_ep", "pplx"),
-           noop=NO_EP),
+           noop=NO_ALL2ALL),
         _f("--enable-dbo", B, False,
            "Dual batch overlap: run a batch as two micro-batches so compute overlaps communication."),
         _f("--ubatch-size", I, 0, "Micro-batch size for dual batch overlap.", noop=NO_DBO),
@@ -516,10 +526,10 @@ GROUPS: tuple[Group, ...] = (
            noop=ONE_ENGINE),
         _f("--enable-eplb", B, False, "Rebalance MoE experts over ranks by their observed load."),
         _f("--eplb-config", J, {}, "Settings of expert load balancing (window, interval, redundant experts...).",
-           dotted=True, noop=NO_EP, reference_default="EPLBConfig(...) with every field at its default"),
+           dotted=True, noop=NO_EPLB, reference_default="EPLBConfig(...) with every field at its default"),
         _f("--expert-placement-strategy", S_, "linear",
            "How experts are dealt to ranks: in contiguous ranges ('linear') or in turn ('round_robin').",
-           choices=("linear", "round_robin"), noop=NO_EP),
+           choices=("linear", "round_robin"), to=E),
         _f("--max-parallel-loading-workers", I, None,
            "Load weights in rounds of at most this many workers, to limit host memory.",
            noop="each tensor-parallel rank reads only its own shards, all ranks at once; Sonar does not load in rounds"),

@@ -101,6 +101,16 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     pipeline_parallel_size: int = 1
     """Stages the layers are partitioned into, each its own tensor-parallel group of ranks
     (``SONAR_PP_LAYER_PARTITION``, layers per stage, overrides the even partition)."""
+    enable_expert_parallel: bool = False
+    """Deal each MoE layer's experts, whole, over the tensor-parallel ranks instead of slicing every
+    expert (`sonar.models.moe`); the expert-parallel size is `tensor_parallel_size` (data-parallel
+    replicas are independent engines, each holding every expert). Dense models: no effect."""
+    expert_placement_strategy: str = "linear"
+    """With expert parallelism: ``linear`` (contiguous ranges of experts per rank) or ``round_robin``
+    (expert ``e`` on rank ``e % tensor_parallel_size``)."""
+    enable_ep_weight_filter: bool = False
+    """With expert parallelism, do not read other ranks' per-expert tensors from safetensors files
+    (lazy reads; a stacked-experts tensor is read whole)."""
     distributed_executor_backend: str | None = None
     """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
     machine); None: ``uni`` for one rank, ``mp`` for several."""
@@ -235,7 +245,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        from sonar.engine.settings import capture_sizes, check_kv_cache_dtype, check_load_settings, parse_device_ids
+        from sonar.engine.settings import (
+            capture_sizes,
+            check_expert_parallel,
+            check_kv_cache_dtype,
+            check_load_settings,
+            parse_device_ids,
+        )
 
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_load_settings(self)
@@ -273,6 +289,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             parse_placement(where)
         self.check_parallel()
         self._check_data_parallel()
+        check_expert_parallel(self)
         self._check_speculative()
         offload = self.offload_config()
         self.kv_events()

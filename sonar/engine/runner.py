@@ -176,6 +176,8 @@ class ModelRunner:
             quantization=cfg.quantization,
             dequantize_weights=cfg.dequantize_weights,
             parallel=topology.tp,
+            expert_placement=cfg.expert_placement_strategy if cfg.enable_expert_parallel else None,
+            ep_weight_filter=cfg.enable_ep_weight_filter,
             stage=topology.stage,
             hf_overrides=cfg.hf_overrides,
             convert=cfg.convert,

@@ -76,3 +76,27 @@ def check_kv_cache_dtype(name: str) -> None:
     if name == "fp8_e5m2":
         raise ValueError("kv_cache_dtype fp8_e5m2 is not supported: Sonar's fp8 KV cache is e4m3 (use fp8 or fp8_e4m3)")
     raise ValueError(f"kv_cache_dtype {name!r} is not supported yet (auto, {', '.join(KV_CACHE_DTYPE_NAMES)})")
+
+
+EXPERT_PLACEMENTS = ("linear", "round_robin")
+"""``--expert-placement-strategy`` values (`sonar.models.parallel.TensorParallel.local_experts`)."""
+
+
+def check_expert_parallel(config: Any) -> None:
+    """Raise ValueError for expert-parallel settings of an `EngineConfig` Sonar does not implement.
+
+    The expert-parallel group is the tensor-parallel one: data-parallel replicas are independent
+    engines, each holding every expert, so expert parallelism over them (the reference server's
+    EP = TP x DP) has nothing to split when tensor_parallel_size is 1."""
+    strategy = config.expert_placement_strategy
+    if strategy not in EXPERT_PLACEMENTS:
+        raise ValueError(f"expert_placement_strategy must be one of {', '.join(EXPERT_PLACEMENTS)}, got {strategy!r}")
+    if not config.enable_expert_parallel:
+        return
+    if config.tensor_parallel_size == 1 and config.data_parallel_size > 1:
+        raise ValueError(
+            f"enable_expert_parallel with data_parallel_size {config.data_parallel_size} and tensor_parallel_size 1 "
+            "is not supported: Sonar splits experts over the tensor-parallel ranks of one engine, and its "
+            "data-parallel replicas are independent engines that each hold every expert; "
+            "set tensor_parallel_size > 1 to split them"
+        )

@@ -24,6 +24,11 @@ Qwen-MoE by ``norm_topk_prob``). The routing weights stay float32.
   activations in the input dtype (silu-and-mul rounded as the model's MLP rounds it), the
   weighted sum over a token's experts accumulated in float32 and rounded once.
 
+Expert parallelism (`sonar.models.moe`): a rank holds some of the experts, stacked in ``w13`` /
+``w2`` by a local index, and maps the router's global ids to local ones, ``-1`` for the experts
+other ranks hold (`TensorParallel.local_expert_ids`). Every path skips the pairs of id ``-1``
+(they add zero), so the ranks' outputs sum to the whole layer's.
+
 Under ``torch.compile`` the operator is ``torch.ops.sonar.fused_experts``, opaque to Inductor (its
 fake allocates the output), which dispatches as above when it runs.
 """
@@ -93,8 +98,8 @@ def _fused_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2
 
 
 def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose, weighted by `weights`
-    ``[n, top_k]``; ``w13`` ``[E, 2 I, h]``, ``w2`` ``[E, h, I]`` in ``x``'s dtype. Returns ``[n, h]``."""
+    """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: skipped), weighted by
+    `weights` ``[n, top_k]``; ``w13`` ``[E, 2 I, h]``, ``w2`` ``[E, h, I]`` in ``x``'s dtype. Returns ``[n, h]``."""
     check_shapes(x, weights, ids, w13, w2)
     if torch.compiler.is_compiling():
         return fused_experts_op(x, weights, ids, w13, w2)

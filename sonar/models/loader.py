@@ -34,8 +34,8 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Literal
@@ -157,6 +157,8 @@ def load_model(
     quantization: str | None = None,
     dequantize_weights: bool = False,
     parallel: TensorParallel = SINGLE,
+    expert_placement: str | None = None,
+    ep_weight_filter: bool = False,
     stage: PipelineStage = WHOLE,
     hf_overrides: dict[str, Any] | None = None,
     convert: str = "none",
@@ -174,7 +176,10 @@ def load_model(
     `quantization`: the method the weights are in (None: what the checkpoint says; a GGUF file
     is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
-    whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`).
+    whose shards this process loads, `stage` the pipeline stage whose layers (`sonar.models.parallel`);
+    `expert_placement` (``--enable-expert-parallel``): deal a MoE model's experts whole over
+    `parallel`'s ranks, ``linear`` or ``round_robin`` (None: `parallel`'s own setting);
+    `ep_weight_filter`: then skip reading other ranks' per-expert tensors from safetensors files.
     `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
     (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
     without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
@@ -187,6 +192,8 @@ def load_model(
     apart from the model's); None: the model's revision.
     """
     started = time.perf_counter()
+    if expert_placement is not None:
+        parallel = replace(parallel, expert_placement=expert_placement)
     check_load_format(load_format)
     reading = _Reading(
         load_format, loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),
@@ -267,6 +274,8 @@ def load_model(
         installed = load_quantized_checkpoint(module, model_dir, method, source, dequantize_weights=dequantize_weights)
         method_name = None if dequantize_weights else method.name
     else:
+        if ep_weight_filter and parallel.expert_placement is not None and hasattr(module, "foreign_expert_tensor"):
+            reading = replace(reading, skip=module.foreign_expert_tensor)
         _check_complete(module, module.load_weights(reading.tensors(model_dir)), source)
     if device.type == "cuda":  # the full-size weights the quantized layers replaced
         torch.cuda.empty_cache()
@@ -367,6 +376,8 @@ class _Reading:
     extra: dict[str, Any]
     ignore: tuple[str, ...]
     strategy: str
+    skip: Callable[[str], bool] | None = None
+    """Checkpoint names not to read from safetensors files (``--enable-ep-weight-filter``)."""
 
     def tensors(self, model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         """The (name, tensor) stream of the checkpoint in `model_dir`."""
@@ -378,7 +389,7 @@ class _Reading:
         files = self._kept(model_dir, safetensors_files(model_dir))
         if self.load_format == "runai_streamer":
             return iter_safetensors_parallel(files, int(self.extra["concurrency"]))
-        return iter_safetensors(files, self.strategy)
+        return iter_safetensors(files, self.strategy, self.skip)
 
     def _kept(self, model_dir: Path, files: list[Path]) -> list[Path]:
         kept = [f for f in files if not any(fnmatch(f.relative_to(model_dir).as_posix(), p) for p in self.ignore)]

@@ -15,6 +15,14 @@ Tensor parallelism shards each expert's (and the shared expert's) intermediate s
 MLP's: every rank holds all experts, a slice of each, and one all-reduce sums the block's output.
 The router and the shared expert's gate are replicated.
 
+Expert parallelism (``--enable-expert-parallel``, `TensorParallel.expert_placement`) deals the
+experts, whole, over the same ranks instead (`TensorParallel.local_experts`: contiguous ranges or
+round robin). Every rank has every token (tensor parallelism replicates the activations), so a rank
+computes the (token, expert) pairs routed to its own experts, skips the others (their local id is
+-1), and the same all-reduce sums the ranks: no all-to-all, no all-gather. The shared expert and
+the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors, and with
+``--enable-ep-weight-filter`` does not read the others' per-expert tensors (`foreign_expert_tensor`).
+
 Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized checkpoints
 (unless dequantized), LoRA adapters, EAGLE heads, the native fused decode loop (these layers are
 not the ones it computes; `sonar.models.fused` skips them).
@@ -31,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar.kernels import ops
-from sonar.kernels.moe import fused_moe
+from sonar.kernels.moe import fused_experts, route
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.decoder import EAGLE, LORA, MLP, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.errors import ModelLoadError
@@ -82,9 +90,15 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.spec = spec
         self.parallel = parallel
-        self.intermediate = parallel.split(spec.intermediate, "MoE intermediate size")
+        self.expert_parallel = parallel.expert_placement is not None
+        if self.expert_parallel:
+            self.intermediate = spec.intermediate
+        else:
+            self.intermediate = parallel.split(spec.intermediate, "MoE intermediate size")
+        self.local_experts = parallel.local_experts(spec.num_experts)
+        """The global ids of the experts this rank holds, in the order they are stacked."""
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
-        self.experts = FusedExperts(spec.num_experts, hidden, self.intermediate)
+        self.experts = FusedExperts(len(self.local_experts), hidden, self.intermediate)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if spec.shared_intermediate:
@@ -93,9 +107,9 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         spec = self.spec
-        out = fused_moe(
-            x, self.gate(x), spec.top_k, spec.renormalize, self.experts.gate_up_proj, self.experts.down_proj
-        )
+        weights, ids = route(self.gate(x), spec.top_k, spec.renormalize)
+        ids = self.parallel.local_expert_ids(ids, spec.num_experts)
+        out = fused_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.parallel.all_reduce(out)
@@ -166,6 +180,19 @@ class MoeForCausalLM(DecoderForCausalLM):
         first = self.parallel.rank * size
         return Shard(1, first, size) if part[2] == "down_proj" else Shard(0, first, size)
 
+    def foreign_expert_tensor(self, name: str) -> bool:
+        """Whether checkpoint tensor `name` is one expert's projection that another expert-parallel
+        rank holds (``--enable-ep-weight-filter`` leaves it unread). Stacked experts: never."""
+        found = _MLP_NAME.fullmatch(self.checkpoint_name(name))
+        if found is None or int(found[1]) >= len(self.model.layers):
+            return False
+        expert = _EXPERT_PART.fullmatch(found[2])
+        block = getattr(self.model.layers[int(found[1])], "mlp", None)  # None: another stage's layer
+        if expert is None or not isinstance(block, SparseMoeBlock) or not block.expert_parallel:
+            return False
+        e = int(expert[1])
+        return e < block.spec.num_experts and e not in block.local_experts
+
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         if weights:
             raise ModelLoadError(
@@ -188,6 +215,7 @@ class _MlpLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.parts: dict[str, set[tuple[int, str]]] = {}
+        self.local: dict[str, dict[int, int]] = {}
 
     def take(self, name: str, tensor: Tensor) -> bool:
         """Whether `name` is an MLP tensor (placed, or skipped: another stage's layer)."""
@@ -221,17 +249,32 @@ class _MlpLoader:
         return param.data
 
     def _expert(self, prefix: str, e: int, proj: str, tensor: Tensor, name: str) -> None:
-        tp = self.model.parallel
-        inter = self.model.get_submodule(prefix).experts.intermediate
+        block = self.model.get_submodule(prefix)
+        if not isinstance(block, SparseMoeBlock):
+            raise ModelLoadError(f"{type(self.model).__name__} has no place for weight {name} (a dense layer)")
+        local = self._local(prefix, block)
+        if e not in local:
+            if e >= block.spec.num_experts:
+                raise ModelLoadError(f"weight {name}: expert {e} of a model of {block.spec.num_experts} experts")
+            return  # another expert-parallel rank's expert
+        e, inter = local[e], block.experts.intermediate
+        # expert parallelism keeps whole experts; tensor parallelism this rank's slice of each
+        first_row = 0 if block.expert_parallel else self.model.parallel.rank * inter
         if proj == "down_proj":
             param = f"{prefix}.experts.down_proj"
             dest = self._param(param, name)[e]
-            self._copy(param, dest, Shard(1, tp.rank * inter, inter).tensor(tensor), name, (e, proj))
+            self._copy(param, dest, Shard(1, first_row, inter).tensor(tensor), name, (e, proj))
             return
         param = f"{prefix}.experts.gate_up_proj"
         first = 0 if proj == "gate_proj" else inter
         dest = self._param(param, name)[e].narrow(0, first, inter)
-        self._copy(param, dest, Shard(0, tp.rank * inter, inter).tensor(tensor), name, (e, proj))
+        self._copy(param, dest, Shard(0, first_row, inter).tensor(tensor), name, (e, proj))
+
+    def _local(self, prefix: str, block: SparseMoeBlock) -> dict[int, int]:
+        """A sparse block's global expert id -> its index in the stacked weights, this rank's only."""
+        if prefix not in self.local:
+            self.local[prefix] = {e: i for i, e in enumerate(block.local_experts)}
+        return self.local[prefix]
 
     def _stacked(self, prefix: str, rest: str, tensor: Tensor, name: str) -> None:
         """Experts stacked as transformers keeps them: split into per-expert parts."""

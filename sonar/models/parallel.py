@@ -19,6 +19,9 @@ stage point to point.
 KV heads split like query heads; with fewer KV heads than ranks each KV head is replicated on
 ``size / num_kv_heads`` consecutive ranks (the ones whose query heads read it), so the KV cache of
 a rank always holds whole heads. Norms, rotary tables and per-head q/k norms are replicated.
+
+Expert parallelism (`TensorParallel.expert_placement`) deals a MoE layer's experts, whole, over the
+same ranks instead of slicing each (`sonar.models.moe`); attention stays tensor-parallel.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = None
+    expert_placement: str | None = None
+    """Expert parallelism (``--enable-expert-parallel``): how a MoE layer's whole experts are dealt
+    over the group's ranks, ``linear`` or ``round_robin`` (`local_experts`); None: each expert is
+    sliced over the ranks like a dense MLP."""
 
     @property
     def leader(self) -> bool:
@@ -77,6 +84,37 @@ class TensorParallel:
         per_rank = -(-vocab_size // self.size)
         return per_rank, self.rank * per_rank
 
+    def local_experts(self, num_experts: int) -> list[int]:
+        """The global ids of the experts this rank holds, ascending: all of them without expert
+        parallelism; ``linear``, the rank's contiguous range of ``E / size``; ``round_robin``, the
+        experts ``e`` with ``e % size == rank``."""
+        if self.expert_placement is None:
+            return list(range(num_experts))
+        if self.expert_placement not in EXPERT_PLACEMENTS:
+            raise ParallelLayoutError(
+                f"--expert-placement-strategy {self.expert_placement!r} is not one of {', '.join(EXPERT_PLACEMENTS)}"
+            )
+        if num_experts % self.size:
+            raise ParallelLayoutError(
+                f"--enable-expert-parallel over {self.size} ranks needs the model's number of experts "
+                f"({num_experts}) to be a multiple of {self.size}"
+            )
+        per_rank = num_experts // self.size
+        if self.expert_placement == "linear":
+            return list(range(self.rank * per_rank, (self.rank + 1) * per_rank))
+        return list(range(self.rank, num_experts, self.size))
+
+    def local_expert_ids(self, ids: Tensor, num_experts: int) -> Tensor:
+        """The router's global expert `ids` as indices into this rank's `local_experts`, -1 for
+        the experts other ranks hold (arithmetic on `ids`: no table to keep on the device)."""
+        if self.expert_placement is None or self.size == 1:
+            return ids
+        if self.expert_placement == "linear":
+            per_rank = num_experts // self.size
+            local = ids - self.rank * per_rank
+            return torch.where((local >= 0) & (local < per_rank), local, -1)
+        return torch.where(ids % self.size == self.rank, ids // self.size, -1)
+
     def all_reduce(self, x: Tensor) -> Tensor:
         """The sum of `x` over the group, in place (`x` itself with one rank)."""
         if self.size > 1:
@@ -93,6 +131,8 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+EXPERT_PLACEMENTS = ("linear", "round_robin")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -72,16 +72,19 @@ def _indexed(model_dir: Path, index_name: str) -> list[Path] | None:
     return files
 
 
-def iter_safetensors(files: list[Path], strategy: str = "lazy") -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor of every file; a file that cannot be read raises ModelLoadError."""
+def iter_safetensors(
+    files: list[Path], strategy: str = "lazy", skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor of every file; a file that cannot be read raises ModelLoadError.
+    `skip`: names never read (``lazy`` only: ``eager`` has read the whole file already) nor yielded."""
     for path in files:
         if strategy == "eager":
-            yield from _read_whole(path).items()
+            yield from ((n, t) for n, t in _read_whole(path).items() if skip is None or not skip(n))
         else:
-            yield from _iter_mapped(path)
+            yield from _iter_mapped(path, skip)
 
 
-def _iter_mapped(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_mapped(path: Path, skip: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     try:
@@ -90,6 +93,8 @@ def _iter_mapped(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     except Exception as exc:
         raise ModelLoadError(f"corrupt safetensors file {path}: {exc}") from exc
     for name in names:
+        if skip is not None and skip(name):
+            continue
         try:
             tensor = handle.get_tensor(name)
         except Exception as exc:

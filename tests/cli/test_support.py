@@ -123,19 +123,33 @@ def test_noop_values_are_still_validated(usage_error) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--enable-expert-parallel"],
-        ["-ep"],
         ["--enable-eplb"],
         ["--moe-backend", "triton"],
         ["--enable-return-routed-experts"],
     ],
 )
-def test_expert_parallel_and_moe_kernel_choices_are_refused(usage_error, argv: list[str]) -> None:
-    """Sonar serves MoE models (tensor-parallel experts, its own kernels): what would change that
-    is refused by name, not accepted and ignored."""
-    message = usage_error(*argv)
-    name = "--enable-expert-parallel" if argv == ["-ep"] else argv[0]
-    assert f"{name} is not supported yet" in message
+def test_expert_load_balancing_and_moe_kernel_choices_are_refused(usage_error, argv: list[str]) -> None:
+    """Sonar serves MoE models (tensor- or expert-parallel experts, its own kernels): what would
+    change that is refused by name, not accepted and ignored."""
+    assert f"{argv[0]} is not supported yet" in usage_error(*argv)
+
+
+@pytest.mark.parametrize("flag", ["--enable-expert-parallel", "-ep"])
+def test_expert_parallel_flags_reach_the_engine(flag: str) -> None:
+    config = parse_serve_args(["-tp", "2", flag, "--expert-placement-strategy", "round_robin"])
+    engine = config.engine
+    assert (engine.enable_expert_parallel, engine.expert_placement_strategy) == (True, "round_robin")
+    assert parse_serve_args([]).engine.enable_expert_parallel is False
+
+
+def test_expert_parallel_over_data_parallel_replicas_alone_is_refused(usage_error) -> None:
+    message = usage_error("-ep", "--data-parallel-size", "2")
+    assert "data_parallel_size 2 and tensor_parallel_size 1 is not supported" in message
+
+
+def test_the_expert_weight_filter_reaches_the_engine() -> None:
+    config = parse_serve_args(["-tp", "2", "-ep", "--enable-ep-weight-filter"])
+    assert config.engine.enable_ep_weight_filter and not config.accepted_noops
 
 
 def test_status_counts_are_stable() -> None:

@@ -2277,7 +2277,8 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
 // counting-sorted by expert and their rows of x gathered, so each expert that has tokens runs its
 // two GEMMs (at::mm, with its own threads) once over all of them; then every token sums its rows,
 // weighted, in float32 and in expert order (the reference's order: bit for bit its sum of the same
-// rows) and rounds once.
+// rows) and rounds once. An id of -1 (an expert another expert-parallel rank holds) is skipped: the
+// pair adds nothing here, and the ranks' outputs sum to the whole layer's.
 
 #include <ATen/ops/mm.h>
 
@@ -2298,6 +2299,7 @@ void moe_combine(at::Tensor& out, const at::Tensor& rows, const std::vector<int6
       std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
       std::fill(acc.begin(), acc.end(), 0.f);
       for (const int64_t j : order) {
+        if (chosen[j] < 0) continue;  // another rank's expert: no row here
         const float w = weights[t * top_k + j];
         const T* y = ys + pair_row[t * top_k + j] * h;
         for (int64_t i = 0; i < h; ++i) acc[i] += to_float(y[i]) * w;
@@ -2327,26 +2329,30 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
   const int64_t top_k = ids.size(1), pairs = n * top_k;
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> start(experts + 1, 0);
+  // id -1: an expert another expert-parallel rank holds; its pairs are skipped (they add zero here)
   for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= 0 && id[p] < experts, "sonar_cpu::fused_moe: expert id ", id[p], " outside [0, ", experts, ")");
-    ++start[id[p] + 1];
+    TORCH_CHECK(id[p] >= -1 && id[p] < experts, "sonar_cpu::fused_moe: expert id ", id[p], " outside [-1, ", experts,
+                ")");
+    if (id[p] >= 0) ++start[id[p] + 1];
   }
   for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  const int64_t local = start[experts];
   // sorted row r holds pair p = (token p / top_k, slot p % top_k); pairs of one expert keep token order
-  std::vector<int64_t> next(start.begin(), start.end() - 1), row_token(pairs), pair_row(pairs);
+  std::vector<int64_t> next(start.begin(), start.end() - 1), row_token(local), pair_row(pairs, -1);
   for (int64_t p = 0; p < pairs; ++p) {
+    if (id[p] < 0) continue;
     const int64_t r = next[id[p]]++;
     row_token[r] = p / top_k;
     pair_row[p] = r;
   }
-  at::Tensor gathered = at::empty({pairs, h}, x.options());
+  at::Tensor gathered = at::empty({local, h}, x.options());
   const int64_t row_bytes = h * x.element_size();
   const char* xs = static_cast<const char*>(x.data_ptr());
   char* gs = static_cast<char*>(gathered.data_ptr());
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, local, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) std::memcpy(gs + r * row_bytes, xs + row_token[r] * row_bytes, row_bytes);
   });
-  at::Tensor rows = at::empty({pairs, h}, x.options());
+  at::Tensor rows = at::empty({local, h}, x.options());
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;

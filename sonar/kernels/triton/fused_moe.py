@@ -11,8 +11,9 @@ expert, and one launch of `_moe_gemm_kernel` computes all experts' products at o
 3. ``y[pair] = weight[pair] * act[pair] @ w2[e].T`` in float32, then each token's ``top_k``
    rows summed in float32 and rounded once.
 
-Padding rows carry the id ``n * top_k`` and are neither read nor written; row blocks past the
-padded total return at once (the grid is sized for the worst case, ``pairs + E * (BLOCK_M - 1)``
+Pairs routed to expert -1 (an expert another expert-parallel rank holds) are left out of the
+sort and add zero. Padding rows carry the id ``n * top_k`` and are neither read nor written; row
+blocks past the padded total return at once (the grid is sized for the worst case, ``pairs + E * (BLOCK_M - 1)``
 rows, so its size does not depend on the routing and a CUDA graph can capture it). Under the
 interpreter the dots run in float32 (its bfloat16 arithmetic is wrong, see `_common`), as they do
 for float32 inputs everywhere.
@@ -87,22 +88,28 @@ def _moe_gemm_kernel(
 def align_block_size(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tensor, Tensor, Tensor]:
     """The pairs of ``ids`` ``[n, top_k]`` (pair ``p`` = token ``p // top_k``, slot ``p % top_k``)
     sorted by expert, each expert's run padded to a multiple of `block_m` with the id ``n * top_k``.
+    Pairs of expert -1 (another expert-parallel rank's) are left out.
 
     Returns (sorted pair ids ``[pairs + E * (block_m - 1)]``, the expert of each row block,
     the padded total as a ``[1]`` tensor), all on ``ids``' device, without a host sync."""
     flat = ids.reshape(-1)
     pairs = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
+    # the left-out pairs go to an extra bucket E, sorted last and written to one dropped slot
+    bucket = torch.where(flat >= 0, flat, num_experts)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    padded = (counts[:num_experts] + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
-    order = torch.argsort(flat, stable=True)
-    expert_of_sorted = flat[order]
-    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[expert_of_sorted]
+    order = torch.argsort(bucket, stable=True)
+    bucket_of_sorted = bucket[order]
+    rank = torch.arange(pairs, device=device) - (counts.cumsum(0) - counts)[bucket_of_sorted]
     capacity = pairs + num_experts * (block_m - 1)
-    sorted_ids = torch.full((capacity,), pairs, dtype=torch.int64, device=device)
-    sorted_ids[(padded_end - padded)[expert_of_sorted] + rank] = order
+    starts = torch.cat([padded_end - padded, padded_end.new_full((1,), capacity)])
+    slot = torch.where(bucket_of_sorted < num_experts, starts[bucket_of_sorted] + rank, capacity)
+    sorted_ids = torch.full((capacity + 1,), pairs, dtype=torch.int64, device=device)
+    sorted_ids[slot] = order
+    sorted_ids = sorted_ids[:capacity]
     block_starts = torch.arange(0, capacity, block_m, device=device)
     expert_ids = torch.searchsorted(padded_end, block_starts, right=True).clamp_max(num_experts - 1)
     return sorted_ids, expert_ids, padded_end[-1:]
@@ -163,9 +170,11 @@ def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tens
     block_m = 16 if n * top_k <= 16 * experts else 64
     aligned = align_block_size(ids.to(torch.int64), experts, block_m)
     pairs = n * top_k
-    gate_up = torch.empty(pairs, two_i, dtype=x.dtype, device=x.device)
+    # zeros: the left-out pairs' rows (expert -1) are never written, and their activation is computed
+    gate_up = torch.zeros(pairs, two_i, dtype=x.dtype, device=x.device)
     _gemm(x, w13, gate_up, weights, aligned, top_k, True, block_m)
     act = silu_and_mul(gate_up)
-    y = torch.empty(pairs, h, dtype=torch.float32, device=x.device)
+    # zeros: the rows of left-out pairs (expert -1) are never written and must add nothing
+    y = torch.zeros(pairs, h, dtype=torch.float32, device=x.device)
     _gemm(act, w2, y, weights, aligned, top_k, False, block_m)
     return y.view(n, top_k, h).sum(dim=1).to(x.dtype)
