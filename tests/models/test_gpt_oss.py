@@ -114,6 +114,27 @@ def test_loads_as_its_architecture(loaded: Any) -> None:
     assert layer_weights(model) is None, "the native Llama layer loop must not serve GPT-OSS"
 
 
+def test_a_warm_start_from_the_cached_config_builds_the_same_model(checkpoint: tuple[Path, Any]) -> None:
+    """The config cache (a warm start reads no transformers config) keeps every field GPT-OSS
+    reads, the ones outside `config_cache.READ` (``swiglu_limit``, ``swiglu_alpha``) included."""
+    from transformers import AutoConfig
+
+    from sonar.models import config_cache
+
+    path, _ = checkpoint
+    text = (path / "config.json").read_bytes()
+    real = AutoConfig.from_pretrained(str(path))
+    config_cache.write(text, real)
+    cached = config_cache.read(text)
+    assert isinstance(cached, config_cache.CachedConfig)
+    for field in ("swiglu_limit", "swiglu_alpha", "layer_types", "sliding_window", "rope_parameters"):
+        assert getattr(cached, field) == getattr(real, field), field
+    warm = load_model(str(path), dtype="float32")
+    assert isinstance(warm.config, config_cache.CachedConfig)
+    block = warm.model.own_layers[0].mlp
+    assert (block.limit, block.alpha, block.top_k) == (real.swiglu_limit, real.swiglu_alpha, real.num_experts_per_tok)
+
+
 def test_the_clamps_bite(checkpoint: tuple[Path, Any]) -> None:
     """The experts' gate/up products pass the SwiGLU limit on the test prompts."""
     _, hf = checkpoint
