@@ -370,6 +370,7 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a flat batch of queries over their sequences' cached context.
 
@@ -378,7 +379,9 @@ def paged_attention(
     ``sliding_window`` ``w`` only to ``p - w < j <= p`` (the window counts the query itself).
     A float8 cache needs ``k_scale`` / ``v_scale``: only the gathered context is dequantized.
     With a ``softcap`` ``c`` (Gemma 2's logit soft-capping) each scaled score ``s`` becomes
-    ``c * tanh(s / c)`` before the softmax (`scores_attention`: SDPA cannot do it).
+    ``c * tanh(s / c)`` before the softmax (`scores_attention`: SDPA cannot do it). ``sinks``
+    ``[num_heads]`` (GPT-OSS's attention sinks) are one learned logit per head that joins each
+    softmax's denominator with no value: the probabilities sum to less than one.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
@@ -409,14 +412,23 @@ def paged_attention(
         if sliding_window is not None:
             first = plan.decode_positions - sliding_window
             mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > first[:, None])
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1)
         o = _sdpa(
-            q.view(n, num_kv_heads, group, head_dim).to(k.dtype), k, v, mask[:, None, None, :], scale, softcap
+            q.view(n, num_kv_heads, group, head_dim).to(k.dtype),
+            k,
+            v,
+            mask[:, None, None, :],
+            scale,
+            softcap,
+            head_sinks,
         ).reshape(n, num_heads, head_dim)
         if plan.decode_all:
             return o.to(query.dtype)
         out.index_copy_(0, plan.decode_rows, o.to(query.dtype))
 
-    _attend_prefills(query, flat, plan, scale, sliding_window, out, dequantized, k_scale, v_scale, softcap=softcap)
+    _attend_prefills(
+        query, flat, plan, scale, sliding_window, out, dequantized, k_scale, v_scale, softcap=softcap, sinks=sinks
+    )
     return out
 
 
@@ -429,6 +441,7 @@ def prefill_attention(
     out: Tensor,
     seqs: list[int] | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Fill ``out``'s rows of the sequences with more than one query token (what
     `paged_attention` computes for them; only those of ``seqs`` when given) and leave the other
@@ -436,7 +449,7 @@ def prefill_attention(
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     plan = meta.reference_plan(block_size)
-    _attend_prefills(query, flat, plan, scale, sliding_window, out, seqs=seqs, softcap=softcap)
+    _attend_prefills(query, flat, plan, scale, sliding_window, out, seqs=seqs, softcap=softcap, sinks=sinks)
 
 
 def _attend_prefills(
@@ -451,6 +464,7 @@ def _attend_prefills(
     v_scale: Tensor | None = None,
     seqs: list[int] | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> None:
     """Each sequence of ``plan.prefills`` (or of ``seqs``) attended alone (SDPA over its gathered
     context) into its rows of ``out``; ``flat`` is the cache viewed as ``[2, slots, num_kv_heads,
@@ -475,30 +489,47 @@ def _attend_prefills(
             .reshape(1, num_kv_heads, group * q_len, head_dim)
         )
         mask = plan.prefill_mask(seq, group, sliding_window)
-        o = _sdpa(q, k, v, mask, scale, softcap)
+        # each row of the folded query is one (head, token): its head's sink
+        head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1).repeat_interleave(q_len, dim=1)
+        o = _sdpa(q, k, v, mask, scale, softcap, head_sinks)
         out[start : start + q_len] = (
             o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
         )
 
 
-def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
-    """SDPA with a boolean mask; with a ``softcap``, `scores_attention` instead."""
-    if softcap is None:
+def _sdpa(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None, sinks: Tensor | None = None
+) -> Tensor:
+    """SDPA with a boolean mask; with a ``softcap`` or ``sinks``, `scores_attention` instead."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return scores_attention(q, k, v, mask, scale, softcap)
+    return scores_attention(q, k, v, mask, scale, softcap, sinks)
 
 
-def scores_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float, softcap: float | None) -> Tensor:
+def scores_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: Tensor | None = None,
+) -> Tensor:
     """Attention with explicit scores, as transformers' eager attention computes it (the softmax
     in float32, its probabilities cast back to ``q.dtype``): ``q`` ``[..., q_len, d]``, ``k``/``v``
     ``[..., kv_len, d]``, ``mask`` bool broadcast to ``[..., q_len, kv_len]`` (True: attend).
-    Rows with nothing to attend to come out as zeros, as the kernels' do."""
+    ``sinks`` broadcast to ``[..., q_len, 1]``: a logit per row that joins the softmax and is
+    dropped after it (no value). Rows with nothing to attend to come out as zeros, as the kernels' do."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(q.dtype)
-    return torch.matmul(probs, v)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.nan_to_num(0.0).to(q.dtype), v)
 
 
 def _causal_mask(q_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> Tensor:

@@ -8,7 +8,7 @@ recompile). So:
 
 * `step_metadata` is a context manager that makes one step's metadata current for the calling
   thread (the worker runs steps in a thread; other threads see their own, or none).
-* ``torch.ops.sonar.attention(query, key, value, kv_cache, scale, sliding_window, softcap)`` is a
+* ``torch.ops.sonar.attention(query, key, value, kv_cache, scale, sliding_window, softcap, sinks)`` is a
   ``torch.library`` custom operator that reads the current metadata, writes ``key``/``value``
   into ``kv_cache`` (declared mutated) and returns paged attention of ``query``. Its fake
   implementation only allocates the output, so Dynamo and Inductor treat it as a black box
@@ -69,9 +69,10 @@ def _attend(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: Tensor | None,
 ) -> Tensor:
     ops.write_kv_cache(key, value, kv_cache, meta.slot_mapping)
-    return ops.paged_attention(query, kv_cache, meta, scale, sliding_window, softcap=softcap)
+    return ops.paged_attention(query, kv_cache, meta, scale, sliding_window, softcap=softcap, sinks=sinks)
 
 
 @torch.library.custom_op("sonar::attention", mutates_args=("kv_cache",))
@@ -83,11 +84,12 @@ def attention_op(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at the
     current step's slots, then return causal paged attention of ``query``
     ``[num_tokens, num_heads, head_dim]`` (same shape and dtype as ``query``)."""
-    out = _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window, softcap)
+    out = _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window, softcap, sinks)
     return out.contiguous()  # the layout the fake promises, which compiled code relies on
 
 
@@ -100,6 +102,7 @@ def _attention_fake(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
@@ -112,12 +115,14 @@ def attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """One layer's KV-cache write and paged attention, with the current step's metadata
-    (`step_metadata`); ``softcap`` caps the scores (`sonar.kernels.ops.paged_attention`). The
+    (`step_metadata`); ``softcap`` caps the scores, ``sinks`` join each head's softmax
+    (`sonar.kernels.ops.paged_attention`). The
     compiled forward pass goes through ``torch.ops.sonar.attention``, eager code calls the
     functions directly.
     """
     if torch.compiler.is_compiling():
-        return attention_op(query, key, value, kv_cache, scale, sliding_window, softcap)
-    return _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window, softcap)
+        return attention_op(query, key, value, kv_cache, scale, sliding_window, softcap, sinks)
+    return _attend(query, key, value, kv_cache, current_metadata(), scale, sliding_window, softcap, sinks)

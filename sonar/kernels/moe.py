@@ -8,6 +8,11 @@ its up rows) and ``w2`` ``[E, h, I]``. For a token ``x`` routed to experts ``e_j
 
     out = sum_j p_j * w2[e_j] @ (silu(w13[e_j][:I] @ x) * (w13[e_j][I:] @ x))
 
+GPT-OSS's experts (`swiglu_limit` set) add biases (``b13`` ``[E, 2 I]`` after the first GEMM,
+``b2`` ``[E, h]`` after the second, before the routing weight) and replace silu-and-mul with the
+clamped SwiGLU `reference.clamped_swiglu` (gate clamped above, up clamped both sides at the
+limit, ``(up + 1) * gate * sigmoid(alpha * gate)``); every path below serves both.
+
 `route` picks the experts as Mixtral and Qwen-MoE do: a float32 softmax over the router logits,
 the ``top_k`` largest probabilities, divided by their sum when `renormalize` (Mixtral always;
 Qwen-MoE by ``norm_topk_prob``). The routing weights stay float32.
@@ -51,7 +56,22 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     return weights, ids
 
 
-def check_shapes(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> None:
+def route_topk_softmax(router_logits: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+    """GPT-OSS's routing: the ``top_k`` largest logits, then a softmax over those alone (in the
+    logits' dtype, as transformers computes it), returned as float32 weights and int64 ids."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype).float(), ids
+
+
+def check_shapes(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+) -> None:
     n, h = x.shape
     experts, two_i, h13 = w13.shape
     if h13 != h or two_i % 2 or tuple(w2.shape) != (experts, h, two_i // 2):
@@ -61,49 +81,125 @@ def check_shapes(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tenso
         )
     if weights.shape != ids.shape or weights.dim() != 2 or weights.shape[0] != n:
         raise ValueError(f"routing does not fit {n} tokens: weights {tuple(weights.shape)}, ids {tuple(ids.shape)}")
+    if (b13 is not None and tuple(b13.shape) != (experts, two_i)) or (
+        b2 is not None and tuple(b2.shape) != (experts, h)
+    ):
+        raise ValueError(
+            f"expert biases do not fit: b13 {None if b13 is None else tuple(b13.shape)} (want [E, {two_i}]), "
+            f"b2 {None if b2 is None else tuple(b2.shape)} (want [E, {h}])"
+        )
 
 
-def fused_experts_reference(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """The contract of every path, one expert at a time (see the module docstring)."""
-    check_shapes(x, weights, ids, w13, w2)
+def activation(gate_up: Tensor, swiglu_limit: float | None, swiglu_alpha: float) -> Tensor:
+    """An expert's activation of its ``[rows, 2 I]`` gate/up product: silu-and-mul, or with a
+    `swiglu_limit` GPT-OSS's clamped SwiGLU."""
+    if swiglu_limit is None:
+        return reference.silu_and_mul(gate_up)
+    return reference.clamped_swiglu(gate_up, swiglu_limit, swiglu_alpha)
+
+
+def fused_experts_reference(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
+) -> Tensor:
+    """The contract of every path, one expert at a time (see the module docstring); biases are
+    added after each product (``x @ W + b``, as transformers' GPT-OSS experts compute it)."""
+    check_shapes(x, weights, ids, w13, w2, b13, b2)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in range(w13.shape[0]):
         token, slot = (ids == e).nonzero(as_tuple=True)
         if token.numel() == 0:
             continue
-        y = F.linear(reference.silu_and_mul(F.linear(x[token], w13[e])), w2[e])
+        gate_up = F.linear(x[token], w13[e])
+        if b13 is not None:
+            gate_up = gate_up + b13[e]
+        y = F.linear(activation(gate_up, swiglu_limit, swiglu_alpha), w2[e])
+        if b2 is not None:
+            y = y + b2[e]
         out.index_add_(0, token, y.float() * weights[token, slot, None].float())
     return out.to(x.dtype)
 
 
-def _run(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    if ops.use_triton(x, w13, w2):
+def _run(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None,
+    b2: Tensor | None,
+    swiglu_limit: float | None,
+    swiglu_alpha: float,
+) -> Tensor:
+    extra = [t for t in (b13, b2) if t is not None]
+    if ops.use_triton(x, w13, w2, *extra):
         from sonar.kernels.triton import fused_moe
 
-        return fused_moe.fused_experts(x, weights, ids, w13, w2)
-    if ops.use_native(x, w13, w2) and all(t.is_contiguous() for t in (x, w13, w2)):
-        return torch.ops.sonar_cpu.fused_moe(x, weights.float().contiguous(), ids.long().contiguous(), w13, w2)
-    return fused_experts_reference(x, weights, ids, w13, w2)
+        return fused_moe.fused_experts(x, weights, ids, w13, w2, b13, b2, swiglu_limit, swiglu_alpha)
+    if ops.use_native(x, w13, w2, *extra) and all(t.is_contiguous() for t in (x, w13, w2, *extra)):
+        return torch.ops.sonar_cpu.fused_moe(
+            x, weights.float().contiguous(), ids.long().contiguous(), w13, w2, b13, b2, swiglu_limit, swiglu_alpha
+        )
+    return fused_experts_reference(x, weights, ids, w13, w2, b13, b2, swiglu_limit, swiglu_alpha)
 
 
 @torch.library.custom_op("sonar::fused_experts", mutates_args=())
-def fused_experts_op(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def fused_experts_op(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None,
+    b2: Tensor | None,
+    swiglu_limit: float | None,
+    swiglu_alpha: float,
+) -> Tensor:
     """`fused_experts` as one opaque operator for compiled graphs."""
-    return _run(x, weights, ids, w13, w2).contiguous()
+    return _run(x, weights, ids, w13, w2, b13, b2, swiglu_limit, swiglu_alpha).contiguous()
 
 
 @fused_experts_op.register_fake
-def _fused_experts_fake(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def _fused_experts_fake(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None,
+    b2: Tensor | None,
+    swiglu_limit: float | None,
+    swiglu_alpha: float,
+) -> Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+def fused_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
+) -> Tensor:
     """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: skipped), weighted by
-    `weights` ``[n, top_k]``; ``w13`` ``[E, 2 I, h]``, ``w2`` ``[E, h, I]`` in ``x``'s dtype. Returns ``[n, h]``."""
-    check_shapes(x, weights, ids, w13, w2)
+    `weights` ``[n, top_k]``; ``w13`` ``[E, 2 I, h]``, ``w2`` ``[E, h, I]`` (and the biases ``b13``
+    ``[E, 2 I]``, ``b2`` ``[E, h]`` where given) in ``x``'s dtype; a `swiglu_limit` selects
+    GPT-OSS's clamped SwiGLU. Returns ``[n, h]``."""
+    check_shapes(x, weights, ids, w13, w2, b13, b2)
     if torch.compiler.is_compiling():
-        return fused_experts_op(x, weights, ids, w13, w2)
-    return _run(x, weights, ids, w13, w2)
+        return fused_experts_op(x, weights, ids, w13, w2, b13, b2, swiglu_limit, swiglu_alpha)
+    return _run(x, weights, ids, w13, w2, b13, b2, swiglu_limit, swiglu_alpha)
 
 
 def fused_moe(x: Tensor, router_logits: Tensor, top_k: int, renormalize: bool, w13: Tensor, w2: Tensor) -> Tensor:

@@ -116,22 +116,34 @@ def paged_attention(
     v_scale: Tensor | None = None,
     num_splits: int | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal paged attention of a flat batch (see :mod:`sonar.kernels.attention`).
     ``num_splits`` fixes the decode kernel's KV split count (CUDA graphs need one value per
     captured graph; None: ``meta.num_splits``); the reference ignores it. ``softcap`` (None: off)
     caps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the softmax: every
-    path serves it (the reference with explicit scores in place of SDPA)."""
+    path serves it (the reference with explicit scores in place of SDPA). ``sinks`` (float32
+    ``[num_heads]``, None: off) join each head's softmax denominator with no value (GPT-OSS):
+    every path serves them too."""
     k_scale, v_scale = _scales(kv_cache, k_scale, v_scale)
     if num_splits is None:
         num_splits = meta.num_splits
     if use_triton(query, kv_cache):
         return _triton_kernels().paged_attention(
-            query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, num_splits=num_splits, softcap=softcap
+            query,
+            kv_cache,
+            meta,
+            scale,
+            sliding_window,
+            k_scale,
+            v_scale,
+            num_splits=num_splits,
+            softcap=softcap,
+            sinks=sinks,
         )
     if use_native(query, kv_cache) and query.stride(-1) == 1:
-        return _native_paged_attention(query, kv_cache, meta, scale, sliding_window, softcap)
-    return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+        return _native_paged_attention(query, kv_cache, meta, scale, sliding_window, softcap, sinks)
+    return reference.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)
 
 
 #: Prefill chunks of sequences up to this long go through the native decode kernel one query
@@ -149,6 +161,7 @@ def _native_paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Every query token of a sequence up to `PREFILL_AS_DECODES_MAX_LEN` long through the native
     decode kernel, straight from the paged cache; the prefills of longer ones as the reference."""
@@ -165,9 +178,10 @@ def _native_paged_attention(
             scale,
             sliding_window or -1,
             softcap or 0.0,
+            None if sinks is None else sinks.float().contiguous(),
         )
     if split.prefills:
-        attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out, split.prefills, softcap)
+        attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out, split.prefills, softcap, sinks)
     return out
 
 

@@ -4,7 +4,7 @@ Attention and the plain KV-cache write have their references in :mod:`sonar.kern
 (the layouts are documented there); this module adds what the kernels do beyond them: an FP8
 (e4m3) KV cache with per-tensor or per-head scales, RMSNorm with a fused residual add, the
 halves-layout rotary embedding (the native CPU kernel's contract; on CUDA Inductor fuses it),
-SiLU-and-mul, GELU(tanh)-and-mul, the block copy between cache tensors and the batched LoRA add. Each function states the
+SiLU-and-mul, GELU(tanh)-and-mul, GPT-OSS's clamped SwiGLU, the block copy between cache tensors and the batched LoRA add. Each function states the
 contract its kernel follows.
 """
 
@@ -94,11 +94,13 @@ def paged_attention(
     k_scale: Tensor | None = None,
     v_scale: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """:func:`sonar.kernels.attention.paged_attention`; a float8 cache is read with its scales
     (the context each query reads is dequantized, as the kernels do, not the whole cache); a
-    ``softcap`` caps the scores (``c * tanh(s / c)``) before the softmax."""
-    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap)
+    ``softcap`` caps the scores (``c * tanh(s / c)``) before the softmax; ``sinks`` ``[num_heads]``
+    join each head's softmax denominator as one more logit with no value."""
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, k_scale, v_scale, softcap, sinks)
 
 
 # --- norms and activations ----------------------------------------------------------------------
@@ -124,6 +126,17 @@ def silu_and_mul(x: Tensor) -> Tensor:
     computes it (the kernel computes in float32 and rounds once)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def clamped_swiglu(x: Tensor, limit: float, alpha: float) -> Tensor:
+    """GPT-OSS's expert activation of ``x`` ``[..., 2 * d]`` (gate then up halves, de-interleaved
+    from the checkpoint's alternating columns): the gate clamped to at most ``limit``, the up
+    projection to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)`` in
+    ``x.dtype``, as transformers computes it."""
+    gate, up = x.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gelu_tanh_and_mul(x: Tensor) -> Tensor:

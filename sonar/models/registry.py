@@ -23,6 +23,7 @@ from sonar.models.classifier import (
 from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from sonar.models.glm4 import Glm4ForCausalLM
+from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
 from sonar.models.mixtral import MixtralForCausalLM
@@ -49,6 +50,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         GemmaForCausalLM,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
+        GptOssForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

@@ -487,7 +487,8 @@ struct Bf16DotBlock : BlockKernelDefaults {
 template <typename T, typename Kernel>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const at::Tensor& rows, double scale, int64_t window, double softcap) {
+                           const at::Tensor& rows, double scale, int64_t window, double softcap,
+                           const float* sinks) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_kv_heads = kv_cache.size(3);
   DecodeGeometry geo;
@@ -535,6 +536,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
+      // A sink (GPT-OSS) is a logit with no value: start each head's softmax as if it had seen it.
+      if (sinks)
+        for (int64_t i = 0; i < heads_per_unit * group; ++i) {
+          m[i] = sinks[h0 * group + i];
+          l[i] = 1.f;
+        }
       for (int64_t b = start / block_size; b * block_size < len; ++b) {
         const int64_t block = tables[seq * geo.max_blocks + b];
         const int64_t t0 = std::max<int64_t>(start - b * block_size, 0);
@@ -581,44 +588,44 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 template <typename T, int C, int G = 1>
 void decode_attention_fixed(int64_t group, at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                            double scale, int64_t window, double softcap) {
+                            double scale, int64_t window, double softcap, const float* sinks) {
 #ifdef SONAR_AVX512
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, Bf16>) {
     if (group == G)
       return decode_attention_impl<T, Bf16DotBlock<G, C>>(out, query, kv_cache, block_tables, seq_lens, rows, scale,
-                                                          window, softcap);
+                                                          window, softcap, sinks);
   }
 #endif
   if (group == G)
     return decode_attention_impl<T, FixedAvx512Block<T, G, C>>(out, query, kv_cache, block_tables, seq_lens, rows,
-                                                              scale, window, softcap);
+                                                              scale, window, softcap, sinks);
   if constexpr (G < 8) {
-    return decode_attention_fixed<T, C, G + 1>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+    return decode_attention_fixed<T, C, G + 1>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
   }
-  decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+  decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
 #endif
 }
 
 template <typename T>
 void decode_attention_dispatch(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                                const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                               double scale, int64_t window, double softcap) {
+                               double scale, int64_t window, double softcap, const float* sinks) {
   const int64_t head_dim = query.size(2), group = query.size(1) / kv_cache.size(3);
 #ifdef SONAR_AVX512
   if (head_dim == 64)
-    return decode_attention_fixed<T, 4>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+    return decode_attention_fixed<T, 4>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
   if (head_dim == 128)
-    return decode_attention_fixed<T, 8>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+    return decode_attention_fixed<T, 8>(group, out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
   if (head_dim % 16 == 0 && head_dim <= 256)
-    return decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+    return decode_attention_impl<T, Avx512Block<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
 #endif
-  decode_attention_impl<T, PortableBlock<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+  decode_attention_impl<T, PortableBlock<T>>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sinks);
 }
 
 void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& rows,
-                      double scale, int64_t window, double softcap) {
+                      double scale, int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &kv_cache, &block_tables, &seq_lens, &rows}) check_cpu(*t, "every tensor");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "sonar_cpu::decode_attention: query and out [tokens, heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
@@ -635,10 +642,14 @@ void decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor&
               "sonar_cpu::decode_attention: rows is empty or int64 [seqs]");
   TORCH_CHECK(rows.numel() != 0 || query.size(0) == seq_lens.size(0),
               "sonar_cpu::decode_attention: without rows, one query row per sequence");
+  TORCH_CHECK(!sinks || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              "sonar_cpu::decode_attention: sinks is a contiguous float32 [heads] CPU tensor");
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
   check_last_contiguous(query, "query");
   check_last_contiguous(out, "out");
   SONAR_DISPATCH(query.scalar_type(), "decode_attention", [&] {
-    decode_attention_dispatch<scalar_t>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap);
+    decode_attention_dispatch<scalar_t>(out, query, kv_cache, block_tables, seq_lens, rows, scale, window, softcap, sink_logits);
   });
 }
 
@@ -2217,7 +2228,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     const at::Tensor v = proj.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads, head_dim});
     write_kv_cache(k, v, kv_caches[l], slot_mapping);
     at::Tensor attn = at::empty(q.sizes(), q.options());
-    decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l], 0.0);
+    decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, no_rows, scale, windows[l], 0.0, std::nullopt);
     const at::Tensor attn_rows = attn.view({n, q_size});
     at::Tensor attended = linear_any(attn_rows, w[1], nth(o_bias, l), hidden, &w[2]);
     lora(attended, attn_rows, 4 * l + 1, {hidden});
@@ -2235,7 +2246,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
 
 TORCH_LIBRARY(sonar_cpu, m) {
   m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
-        "Tensor rows, float scale, int window, float softcap=0.0) -> ()");
+        "Tensor rows, float scale, int window, float softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor");
   m.def("has_encoder_attention() -> bool", &has_encoder_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -2272,7 +2283,8 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
 
 // --- fused mixture of experts --------------------------------------------------------------------
 //
-// out[t] = sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = ids[t, j], the
+// out[t] = sum_j weights[t, j] * w2[e] @ silu_and_mul(w13[e] @ x[t]) with e = ids[t, j] (GPT-OSS:
+// biases after each product and the clamped SwiGLU for silu_and_mul), the
 // contract of sonar.kernels.moe.fused_experts_reference: the (token, expert) pairs are
 // counting-sorted by expert and their rows of x gathered, so each expert that has tokens runs its
 // two GEMMs (at::mm, with its own threads) once over all of them; then every token sums its rows,
@@ -2310,8 +2322,18 @@ void moe_combine(at::Tensor& out, const at::Tensor& rows, const std::vector<int6
   });
 }
 
+// GPT-OSS's expert activation (sonar.kernels.reference.clamped_swiglu), op by op in the rows'
+// dtype as transformers rounds it.
+at::Tensor clamped_swiglu(const at::Tensor& gate_up, double limit, double alpha) {
+  const int64_t inter = gate_up.size(1) / 2;
+  const at::Tensor gate = gate_up.narrow(1, 0, inter).clamp_max(limit);
+  const at::Tensor up = gate_up.narrow(1, inter, inter).clamp(-limit, limit);
+  return up.add(1).mul(gate.mul(gate.mul(alpha).sigmoid()));
+}
+
 at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
-                     const at::Tensor& w2) {
+                     const at::Tensor& w2, const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                     std::optional<double> swiglu_limit, double swiglu_alpha) {
   for (const auto* t : {&x, &weights, &ids, &w13, &w2}) check_cpu(*t, "fused_moe input");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "sonar_cpu::fused_moe: contiguous x [n, h]");
   const int64_t n = x.size(0), h = x.size(1);
@@ -2326,6 +2348,12 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
               "sonar_cpu::fused_moe: contiguous int64 ids [n, top_k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() && weights.scalar_type() == at::kFloat,
               "sonar_cpu::fused_moe: contiguous float32 weights [n, top_k]");
+  TORCH_CHECK(!b13 || (b13->device().is_cpu() && b13->dim() == 2 && b13->size(0) == experts &&
+                       b13->size(1) == 2 * inter && b13->scalar_type() == x.scalar_type()),
+              "sonar_cpu::fused_moe: b13 [E, 2 I] in x's dtype");
+  TORCH_CHECK(!b2 || (b2->device().is_cpu() && b2->dim() == 2 && b2->size(0) == experts && b2->size(1) == h &&
+                      b2->scalar_type() == x.scalar_type()),
+              "sonar_cpu::fused_moe: b2 [E, h] in x's dtype");
   const int64_t top_k = ids.size(1), pairs = n * top_k;
   const int64_t* id = ids.data_ptr<int64_t>();
   std::vector<int64_t> start(experts + 1, 0);
@@ -2356,9 +2384,12 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t count = start[e + 1] - start[e];
     if (count == 0) continue;
-    const at::Tensor gate_up = at::mm(gathered.narrow(0, start[e], count), w13[e].t());
+    at::Tensor gate_up = at::mm(gathered.narrow(0, start[e], count), w13[e].t());
+    if (b13) gate_up.add_((*b13)[e]);
+    const at::Tensor act = swiglu_limit ? clamped_swiglu(gate_up, *swiglu_limit, swiglu_alpha) : silu_and_mul(gate_up);
     at::Tensor expert_rows = rows.narrow(0, start[e], count);
-    at::mm_out(expert_rows, silu_and_mul(gate_up), w2[e].t());
+    at::mm_out(expert_rows, act, w2[e].t());
+    if (b2) expert_rows.add_((*b2)[e]);
   }
   at::Tensor out = at::empty({n, h}, x.options());
   SONAR_DISPATCH(x.scalar_type(), "fused_moe", [&] {
@@ -2370,7 +2401,8 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(sonar_cpu, m) {
-  m.def("fused_moe(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2) -> Tensor");
+  m.def("fused_moe(Tensor x, Tensor weights, Tensor ids, Tensor w13, Tensor w2, Tensor? b13=None, Tensor? b2=None, "
+        "float? swiglu_limit=None, float swiglu_alpha=1.702) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }

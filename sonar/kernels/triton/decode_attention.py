@@ -43,6 +43,7 @@ def _decode_split_kernel(
     seq_lens_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -70,6 +71,7 @@ def _decode_split_kernel(
     SCALE_PER_HEAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -109,6 +111,12 @@ def _decode_split_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if USE_SINKS:
+        # a sink is a logit with no value (base-2 units, scaled on the host): the first split
+        # starts its softmax as if it had seen it, and the reduction carries it to the others
+        sinks_here = row_mask & (split == 0)
+        m_i = tl.where(sinks_here, tl.load(sinks_ptr + heads, mask=sinks_here, other=0.0), m_i)
+        l_i = tl.where(sinks_here, 1.0, l_i)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     head_base = cache_ptr + kv_head * c_stride_head
@@ -206,6 +214,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
     tile_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -215,7 +224,8 @@ def paged_decode_attention(
 
     ``max_seq_len`` (host int) only sizes the default split count; ``num_splits`` fixes it (a
     CUDA graph needs the same value at capture and replay). A sequence of length 0 gets zeros.
-    ``softcap`` caps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the softmax.
+    ``softcap`` caps each scaled score ``s`` to ``softcap * tanh(s / softcap)`` before the softmax;
+    ``sinks`` ``[num_heads]`` (None: off) join each head's softmax denominator with no value.
     ``tile_n`` (tokens per loop step, a power of two >= 16), ``num_warps`` and ``num_stages`` are
     tuning knobs (the benchmark sweeps them).
     """
@@ -255,6 +265,7 @@ def paged_decode_attention(
             seq_lens,
             k_scale if fp8 else dummy,
             v_scale if fp8 else dummy,
+            dummy if sinks is None else (sinks.float() * LOG2E).contiguous(),
             out,
             part_out,
             part_lse,
@@ -282,6 +293,7 @@ def paged_decode_attention(
             SCALE_PER_HEAD=fp8 and k_scale.numel() > 1,
             USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=softcap is not None,
+            USE_SINKS=sinks is not None,
             DOT_F32=dot_in_fp32(query.dtype),
             num_warps=num_warps,
             num_stages=num_stages,

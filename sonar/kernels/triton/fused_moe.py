@@ -7,7 +7,8 @@ pairs are sorted by expert and each expert's run padded to a multiple of ``BLOCK
 expert, and one launch of `_moe_gemm_kernel` computes all experts' products at once:
 
 1. ``gate_up[pair] = x[pair // top_k] @ w13[e].T`` (rows gathered from ``x`` by token);
-2. ``act = silu_and_mul(gate_up)`` (`sonar.kernels.triton.silu_and_mul`);
+2. ``act = silu_and_mul(gate_up)`` (`sonar.kernels.triton.silu_and_mul`; GPT-OSS: its clamped
+   SwiGLU, `clamped_swiglu`, and each expert's biases added in the GEMMs' epilogues);
 3. ``y[pair] = weight[pair] * act[pair] @ w2[e].T`` in float32, then each token's ``top_k``
    rows summed in float32 and rounded once.
 
@@ -36,6 +37,7 @@ def _moe_gemm_kernel(
     b_ptr,
     c_ptr,
     weights_ptr,
+    bias_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
     padded_total_ptr,
@@ -46,15 +48,18 @@ def _moe_gemm_kernel(
     b_expert_stride,
     b_row_stride,
     c_stride,
+    bias_stride,
     TOP_K: tl.constexpr,
     A_BY_TOKEN: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """``c[pair, cols] = (weight[pair] *) a[row(pair)] @ b[expert].T`` for one block of sorted pairs."""
+    """``c[pair, cols] = (weight[pair] *) (a[row(pair)] @ b[expert].T (+ bias[expert]))`` for one
+    block of sorted pairs."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(padded_total_ptr):
         return
@@ -79,6 +84,8 @@ def _moe_gemm_kernel(
             acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, b)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * bias_stride + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         acc *= tl.load(weights_ptr + pairs, mask=valid, other=0.0)[:, None]
     c = c_ptr + pairs[:, None].to(tl.int64) * c_stride + cols[None, :]
@@ -124,6 +131,7 @@ def _gemm(
     top_k: int,
     a_by_token: bool,
     block_m: int,
+    bias: Tensor | None = None,
 ) -> None:
     sorted_ids, expert_ids, padded_total = aligned
     n_out, k = b.shape[1], b.shape[2]
@@ -136,6 +144,7 @@ def _gemm(
             b,
             c,
             weights,
+            weights if bias is None else bias,
             sorted_ids,
             expert_ids,
             padded_total,
@@ -146,9 +155,11 @@ def _gemm(
             b.stride(0),
             b.stride(1),
             c.stride(0),
+            0 if bias is None else bias.stride(0),
             TOP_K=top_k,
             A_BY_TOKEN=a_by_token,
             MUL_WEIGHT=not a_by_token,
+            HAS_BIAS=bias is not None,
             DOT_FP32=interpreting() or a.dtype == torch.float32,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
@@ -156,9 +167,49 @@ def _gemm(
         )
 
 
-def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+@triton.jit
+def _clamped_swiglu_kernel(x_ptr, out_ptr, x_stride, out_stride, d, limit, alpha, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    y = (up + 1.0) * (gate / (1.0 + tl.exp(-alpha * gate)))
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def clamped_swiglu(x: Tensor, limit: float, alpha: float) -> Tensor:
+    """`sonar.kernels.reference.clamped_swiglu` of ``x`` ``[rows, 2 d]`` (contiguous), computed
+    in float32 and rounded once."""
+    rows, two_d = x.shape
+    d = two_d // 2
+    out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    if rows and d:
+        block = min(next_power_of_2(d), 1024)
+        with device_of(x):
+            _clamped_swiglu_kernel[(rows, triton.cdiv(d, block))](
+                x, out, x.stride(0), out.stride(0), d, float(limit), float(alpha), BLOCK=block, num_warps=4
+            )
+    return out
+
+
+def fused_experts(
+    x: Tensor,
+    weights: Tensor,
+    ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    b13: Tensor | None = None,
+    b2: Tensor | None = None,
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.702,
+) -> Tensor:
     """``x`` ``[n, h]``, routing ``weights``/``ids`` ``[n, top_k]``, ``w13`` ``[E, 2 I, h]``,
-    ``w2`` ``[E, h, I]`` (contiguous, ``x``'s dtype) -> ``[n, h]``."""
+    ``w2`` ``[E, h, I]`` (contiguous, ``x``'s dtype) -> ``[n, h]``; the biases ``b13`` ``[E, 2 I]``
+    / ``b2`` ``[E, h]`` are added in the GEMMs' float32 epilogue (``b2`` before the routing
+    weight), and a `swiglu_limit` selects GPT-OSS's clamped SwiGLU for silu-and-mul."""
     n, h = x.shape
     top_k = ids.shape[1]
     experts, two_i, _ = w13.shape
@@ -172,9 +223,9 @@ def fused_experts(x: Tensor, weights: Tensor, ids: Tensor, w13: Tensor, w2: Tens
     pairs = n * top_k
     # zeros: the left-out pairs' rows (expert -1) are never written, and their activation is computed
     gate_up = torch.zeros(pairs, two_i, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, gate_up, weights, aligned, top_k, True, block_m)
-    act = silu_and_mul(gate_up)
+    _gemm(x, w13, gate_up, weights, aligned, top_k, True, block_m, b13)
+    act = silu_and_mul(gate_up) if swiglu_limit is None else clamped_swiglu(gate_up, swiglu_limit, swiglu_alpha)
     # zeros: the rows of left-out pairs (expert -1) are never written and must add nothing
     y = torch.zeros(pairs, h, dtype=torch.float32, device=x.device)
-    _gemm(act, w2, y, weights, aligned, top_k, False, block_m)
+    _gemm(act, w2, y, weights, aligned, top_k, False, block_m, b2)
     return y.view(n, top_k, h).sum(dim=1).to(x.dtype)

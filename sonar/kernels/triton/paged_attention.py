@@ -25,6 +25,7 @@ def paged_attention(
     num_splits: int | None = None,
     out: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     if meta.max_query_len <= 1 and query.shape[0] == meta.num_seqs:
         return paged_decode_attention(
@@ -40,6 +41,7 @@ def paged_attention(
             num_splits=num_splits,
             out=out,
             softcap=softcap,
+            sinks=sinks,
         )
     return paged_prefill_attention(
         query,
@@ -54,4 +56,5 @@ def paged_attention(
         v_scale,
         out=out,
         softcap=softcap,
+        sinks=sinks,
     )

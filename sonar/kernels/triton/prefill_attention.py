@@ -45,6 +45,7 @@ def _prefill_kernel(
     seq_lens_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    sinks_ptr,
     out_ptr,
     qk_scale,
     q_stride_t,
@@ -69,6 +70,7 @@ def _prefill_kernel(
     SCALE_PER_HEAD: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -116,6 +118,11 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        # a sink is a logit with no value (base-2 units, scaled on the host): start each row's
+        # softmax as if it had seen it
+        m_i = tl.where(row_mask, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0), m_i)
+        l_i = tl.where(row_mask, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * bt_stride
     head_base = cache_ptr + kv_head * c_stride_head
@@ -162,11 +169,13 @@ def paged_prefill_attention(
     v_scale: Tensor | None = None,
     out: Tensor | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of a flat batch ``query`` ``[num_tokens, num_heads, head_dim]`` over each
     sequence's cached context; returns the same shape in ``query.dtype``. ``max_query_len`` (a
     host int) sizes the grid. ``softcap`` caps each scaled score ``s`` to
-    ``softcap * tanh(s / softcap)`` before the softmax."""
+    ``softcap * tanh(s / softcap)`` before the softmax; ``sinks`` ``[num_heads]`` (None: off) join
+    each head's softmax denominator with no value."""
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_dim = kv_cache.shape
     if cache_dim != head_dim or num_heads % num_kv_heads:
@@ -199,6 +208,7 @@ def paged_prefill_attention(
             seq_lens,
             k_scale if fp8 else dummy,
             v_scale if fp8 else dummy,
+            dummy if sinks is None else (sinks.float() * LOG2E).contiguous(),
             out,
             scale * LOG2E,
             query.stride(0),
@@ -223,6 +233,7 @@ def paged_prefill_attention(
             SCALE_PER_HEAD=fp8 and k_scale.numel() > 1,
             USE_WINDOW=sliding_window is not None,
             USE_SOFTCAP=softcap is not None,
+            USE_SINKS=sinks is not None,
             DOT_F32=dot_in_fp32(query.dtype),
             num_warps=4,
             num_stages=2,
