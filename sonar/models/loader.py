@@ -334,6 +334,18 @@ def checkpoint_dtype(config: Any) -> torch.dtype | None:
 
 
 def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.device) -> torch.dtype:
+    chosen = _resolve_dtype(requested, checkpoint, device)
+    if chosen == torch.bfloat16 and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # measured on an AVX2-only EPYC, 2 threads: bfloat16 F.linear 19 GFLOP/s against 146 in float32
+        log.warning(
+            "model.bfloat16_emulated",
+            detail="this CPU has no AVX-512 (nor AVX-NE-CONVERT): bfloat16 matrix products are emulated, "
+            "several times slower than --dtype float32 here",
+        )
+    return chosen
+
+
+def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.device) -> torch.dtype:
     if requested != "auto":
         chosen = DTYPES[requested]
         if chosen == torch.float16 and device.type == "cpu":
