@@ -111,10 +111,12 @@ class StepDriver:
 
 def step_weights(model: torch.nn.Module, batch: int) -> tuple[float, float]:
     """The weights a decode step of `batch` tokens reads, and those each token multiplies. A dense
-    model: all of them, both. A mixture-of-experts layer reads only the experts its tokens are
+    model: all of them but an untied input embedding (looked up, not read whole), both. A mixture-of-experts layer reads only the experts its tokens are
     routed to — ``E (1 - (1 - k / E) ** batch)`` of them expected under uniform routing — and each
     token multiplies its `k`."""
     read = per_token = float(sum(p.numel() for p in model.parameters()))
+    if not getattr(model, "tie_word_embeddings", True):  # a lookup reads one row per token, not the table
+        read = per_token = read - model.model.embed_tokens.weight.numel()
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
             experts, k = module.spec.num_experts, module.spec.top_k
