@@ -25,9 +25,13 @@ from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.loader import load_model
 from sonar.models.parallel import PipelineStage, TensorParallel
 from tests.engine.conftest import save_word_tokenizer
+from tests.models.against import (
+    assert_greedy_equals_transformers,
+    assert_mixed_batch_equals_plain_batch,
+    transformers_greedy,
+)
 from tests.models.driver import GreedyDriver
 
-ATOL = RTOL = 1e-4
 NEW_TOKENS = 20
 WINDOW = 8
 
@@ -150,38 +154,12 @@ def test_the_clamps_bite(checkpoint: tuple[Path, Any]) -> None:
 
 def test_greedy_tokens_and_logits_equal_transformers(checkpoint: tuple[Path, Any], loaded: Any) -> None:
     _, hf = checkpoint
-    prompts = _prompts(loaded.config.vocab_size)
-    gen = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(
-        prompts, NEW_TOKENS, prompt_logits=True
-    )
-    for i, prompt in enumerate(prompts):
-        with torch.inference_mode():
-            out = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            full = hf(torch.tensor([prompt])).logits[0]
-        assert gen.tokens[i] == out.sequences[0, len(prompt) :].tolist(), f"prompt {i}"
-        torch.testing.assert_close(gen.logits[i], torch.cat(out.logits).float(), atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(gen.prompt_logits[i], full.float(), atol=ATOL, rtol=RTOL)
+    assert_greedy_equals_transformers(loaded.model, hf, _prompts(loaded.config.vocab_size), NEW_TOKENS)
 
 
 def test_mixed_batch_equals_plain_batch(loaded: Any) -> None:
     """Chunked prefills (chunks shorter than the window) next to decodes, staggered joins."""
-    prompts = _prompts(loaded.config.vocab_size)
-    plain = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4).generate(prompts, NEW_TOKENS)
-    mixed = GreedyDriver(loaded.model, torch.float32, num_blocks=128, block_size=4, seed=3).generate(
-        prompts, NEW_TOKENS, prefill_chunk=5, join_steps=[2, 0, 1, 4]
-    )
-    assert mixed.tokens == plain.tokens
-    for a, b in zip(mixed.logits, plain.logits):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    assert_mixed_batch_equals_plain_batch(loaded.model, _prompts(loaded.config.vocab_size), NEW_TOKENS)
 
 
 def test_bfloat16_strays_no_further_than_transformers(checkpoint: tuple[Path, Any]) -> None:
@@ -239,16 +217,7 @@ async def test_engine_greedy_equals_transformers(checkpoint: tuple[Path, Any], a
         outs = await llm.generate_many(prompts, params)
         assert llm.info.architecture == "GptOssForCausalLM"
     for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.token_ids == transformers_greedy(hf, prompt, NEW_TOKENS)[0]
 
 
 # -- what Sonar refuses for GPT-OSS --------------------------------------------------------------
