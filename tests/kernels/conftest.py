@@ -9,3 +9,14 @@ only for CUDA tensors), and ``test_triton_ops.py`` checks that the kernels reall
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"
+
+
+import pytest  # noqa: E402  (after TRITON_INTERPRET, which must be set before anything imports triton)
+
+from sonar.kernels import native  # noqa: E402
+
+
+@pytest.fixture
+def native_built() -> None:
+    """Native cases fail, not skip, where the native kernels did not build."""
+    assert native.available(), "the native kernels did not build here"

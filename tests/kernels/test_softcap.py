@@ -9,38 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sonar.kernels import native, ops, reference
+from sonar.kernels import ops, reference
 from sonar.kernels.attention_op import attention_op, step_metadata
 from sonar.kernels.triton import paged_attention as triton_paged_attention
 from sonar.kernels.triton import paged_decode_attention
-from tests.kernels.test_triton_attention import BLOCK_SIZE, Batch, assert_close, make_batch, poisoned_like
+from tests.kernels.naive_attention import MIXED, naive_attention
+from tests.kernels.test_triton_attention import Batch, assert_close, make_batch, poisoned_like
 
 CAP = 5.0
-
-
-def naive(batch: Batch, scale: float, window: int | None, softcap: float | None) -> torch.Tensor:
-    """Attention one query row and head at a time, reading each context position's key and value
-    through the block table, in float64."""
-    query, cache, meta = batch.query, batch.cache, batch.meta
-    num_heads, num_kv_heads = query.shape[1], cache.shape[3]
-    group = num_heads // num_kv_heads
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    starts = meta.query_start_loc.tolist()
-    for i, seq_len in enumerate(meta.seq_lens.tolist()):
-        table = meta.block_tables[i].tolist()
-        q_len = starts[i + 1] - starts[i]
-        for j in range(q_len):
-            row, pos = starts[i] + j, seq_len - q_len + j
-            first = 0 if window is None else max(0, pos - window + 1)
-            slots = [(table[p // BLOCK_SIZE], p % BLOCK_SIZE) for p in range(first, pos + 1)]
-            for h in range(num_heads):
-                k = torch.stack([cache[0, b, o, h // group] for b, o in slots]).double()
-                v = torch.stack([cache[1, b, o, h // group] for b, o in slots]).double()
-                s = k @ query[row, h].double() * scale
-                if softcap is not None:
-                    s = softcap * torch.tanh(s / softcap)
-                out[row, h] = torch.softmax(s, dim=0) @ v
-    return out
 
 
 def loud_batch(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, **kw) -> Batch:
@@ -50,24 +26,15 @@ def loud_batch(query_lens: list[int], seq_lens: list[int], dtype: torch.dtype, *
     return batch
 
 
-MIXED = ([1, 7, 1, 12], [30, 7, 9, 20])  # decodes, a fresh prefill, a chunk over a cached prefix
-
-
 @pytest.mark.parametrize("window", [None, 6])
 def test_reference_matches_a_naive_loop(window: int | None) -> None:
     batch = loud_batch(*MIXED, torch.float32, num_heads=4, num_kv_heads=2, head_dim=16)
     scale = 16**-0.5
     got = reference.paged_attention(batch.query, batch.cache, batch.meta, scale, window, softcap=CAP)
-    torch.testing.assert_close(got.double(), naive(batch, scale, window, CAP), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double(), naive_attention(batch, scale, window, softcap=CAP), atol=1e-5, rtol=1e-5)
     uncapped = reference.paged_attention(batch.query, batch.cache, batch.meta, scale, window)
-    torch.testing.assert_close(uncapped.double(), naive(batch, scale, window, None), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(uncapped.double(), naive_attention(batch, scale, window), atol=1e-5, rtol=1e-5)
     assert (got - uncapped).abs().max() > 0.05, "the cap did not change the result: scores too small to test it"
-
-
-@pytest.fixture
-def native_built() -> None:
-    """The native cases fail, not skip, where the native kernels did not build."""
-    assert native.available(), "the native kernels did not build here"
 
 
 needs_native = pytest.mark.usefixtures("native_built")
