@@ -85,9 +85,6 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     disable_uvicorn_access_log: bool = False
     disable_access_log_for_endpoints: tuple[str, ...] = ()
 
-    accepted_noops: tuple[str, ...] = ()
-    """Flags that were given but have no effect in Sonar (each accepted on purpose; see --help=NAME)."""
-
     @property
     def model(self) -> str | None:
         """The model as given (None: the embedded default model)."""

@@ -18,10 +18,11 @@ class UsageError(SonarError):
         return cls(f"{PROG}: error: {message}")
 
     @classmethod
-    def unsupported(cls, option: str, detail: str = "") -> "UsageError":
-        """``sonar serve: --X is not supported yet`` (plus a detail in parentheses)."""
+    def unsupported(cls, option: str, detail: str = "", why: str | None = None) -> "UsageError":
+        """``sonar serve: --X is not supported yet`` (plus a detail in parentheses, then why)."""
         suffix = f" ({detail})" if detail else ""
-        return cls(f"{PROG}: {option} is not supported yet{suffix}")
+        reason = f": {why}" if why else ""
+        return cls(f"{PROG}: {option} is not supported yet{suffix}{reason}")
 
 
 class HelpRequested(SonarError):

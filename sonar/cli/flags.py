@@ -1,16 +1,15 @@
 """The shape of one `serve` flag and of a flag group; the table itself is in `sonar.cli.table`.
 
-Every documented flag is known to the parser. What Sonar does with it is one of three things
-(`Flag.status`):
+Every documented flag is known to the parser. What Sonar does with it is one of two things
+(`Flag.status`), so that no flag is accepted and then ignored:
 
 * ``implemented``: the value lands in `ServeConfig` or its `EngineConfig` (`target`). A flag may
   implement only some of its documented values (`supported`); the others fail as not supported.
-* ``no-op``: any valid value is accepted and changes nothing, because of what the flag means for
-  Sonar (`noop` says why: it tunes a feature that only another, rejected, flag switches on; it
-  asks for what Sonar always does; or it is cosmetic).
 * ``default-only``: Sonar does not have the feature yet. The documented default, and the values
-  listed in `accepts` that mean the same for Sonar, are accepted; any other value fails with
-  "sonar serve: --X is not supported yet".
+  listed in `accepts` that mean the same for Sonar, are accepted; any other value stops the start
+  with "sonar serve: --X is not supported yet", followed by `why` where the reason is not plain
+  from the flag's name (it tunes a feature that another, refused, flag switches on; it concerns
+  models Sonar does not serve).
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ class Kind(enum.Enum):
 
 class Status(str, enum.Enum):
     IMPLEMENTED = "implemented"
-    NOOP = "no-op"
     DEFAULT_ONLY = "default-only"
 
 
@@ -57,11 +55,12 @@ class Flag:
     negatable: bool = True
     """A BOOL flag with a ``--no-NAME`` form."""
     target: str | None = None
-    """``engine.<field>``, ``serve.<field>``, ``model`` or ``config``: where an implemented value goes."""
+    """``engine.<field>``, ``serve.<field>``, ``model`` or ``config``: where an implemented value goes
+    (``parse``: the parser checks it against other flags and keeps nothing)."""
     supported: tuple[Any, ...] | None = None
     """For an implemented flag: the values Sonar implements (None: all valid values)."""
-    noop: str | None = None
-    """For a no-op flag: why any value changes nothing in Sonar."""
+    why: str | None = None
+    """For a default-only flag: why Sonar refuses its other values (shown in the error and in help)."""
     accepts: tuple[Any, ...] = ()
     """For a default-only flag: values besides the default that mean the same for Sonar."""
     value_aliases: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +89,6 @@ class Flag:
     def status(self) -> Status:
         if self.target is not None:
             return Status.IMPLEMENTED
-        if self.noop is not None:
-            return Status.NOOP
         return Status.DEFAULT_ONLY
 
     def accepted_values(self) -> tuple[Any, ...]:

@@ -23,7 +23,8 @@ USAGE = "usage: python -m sonar serve [MODEL] [--FLAG VALUE ...] [--config FILE.
 INTRO = (
     "Serve MODEL through an OpenAI-compatible HTTP API. Without MODEL, Sonar serves its embedded "
     "SmolLM2-135M-Instruct. Every flag of the reference server is known: the ones Sonar does not "
-    "implement yet are refused with a clear message unless they have no effect by their meaning."
+    "implement yet are refused with a clear message unless given their default (or a value that means "
+    "the same for Sonar)."
 )
 SEARCH_TIP = (
     "--help=NAME shows the group or flag named NAME, or all groups and flags whose name contains it "
@@ -148,10 +149,9 @@ def _status(flag: Flag) -> str:
         if flag.supported is None:
             return ""
         return f"Sonar: implements {', '.join(map(str, flag.supported))}; the other values are not supported yet."
-    if status is Status.NOOP:
-        return f"Sonar: accepted, has no effect: {flag.noop}."
     accepted = [_accepted(flag, v) for v in flag.accepted_values()]
-    return f"Sonar: not supported yet; accepted only as {' or '.join(dict.fromkeys(accepted))}."
+    why = f" ({flag.why})" if flag.why else ""
+    return f"Sonar: not supported yet{why}; accepted only as {' or '.join(dict.fromkeys(accepted))}."
 
 
 def _accepted(flag: Flag, value: Any) -> str:

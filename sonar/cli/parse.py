@@ -137,9 +137,9 @@ def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
     source.update({name: "" for name in cli_values})
     source.update({key.flag.name: "" for key in cli_keys})
 
-    noops = _check_support(explicit, source)
+    _check_support(explicit, source)
     _check_local_replicas(explicit)
-    return _build(explicit, noops)
+    return _build(explicit)
 
 
 def _check_local_replicas(explicit: dict[str, Any]) -> None:
@@ -177,17 +177,12 @@ def _shown(flag: Flag, value: Any) -> str:
     return str(value)
 
 
-def _check_support(explicit: dict[str, Any], source: dict[str, str]) -> tuple[str, ...]:
-    """Fail on values Sonar does not implement; return the no-op flags that were given."""
-    noops: list[str] = []
+def _check_support(explicit: dict[str, Any], source: dict[str, str]) -> None:
+    """Fail on the first value Sonar does not implement, naming the flag (and why, where known)."""
     for name, value in explicit.items():
         flag = FLAGS[name]
         where = source.get(name, "")
-        status = flag.status
-        if status is Status.NOOP:
-            noops.append(name)
-            continue
-        if status is Status.IMPLEMENTED:
+        if flag.status is Status.IMPLEMENTED:
             if flag.supported is None or value is None or value in flag.supported:
                 continue
             accepted = flag.supported
@@ -204,8 +199,7 @@ def _check_support(explicit: dict[str, Any], source: dict[str, str]) -> tuple[st
             details.append(f"Sonar accepts only {' or '.join(dict.fromkeys(shown))}")
         if where:
             details.append(where)
-        raise UsageError.unsupported(option, "; ".join(details))
-    return tuple(noops)
+        raise UsageError.unsupported(option, "; ".join(details), flag.why)
 
 
 def _unrecognized(extras: list[str]) -> UsageError:
@@ -259,7 +253,7 @@ def _one_reasoning_parser(serve_args: dict[str, Any], engine_args: dict[str, Any
     return given
 
 
-def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
+def _build(explicit: dict[str, Any]) -> ServeConfig:
     from sonar.engine.config import EngineConfig
 
     model = explicit.get("--model")
@@ -292,4 +286,4 @@ def _build(explicit: dict[str, Any], noops: tuple[str, ...]) -> ServeConfig:
         engine = EngineConfig.from_args(model, **engine_args)
     except (TypeError, ValueError) as exc:
         raise UsageError.bad(str(exc)) from None
-    return ServeConfig(engine=engine, served_model_name=tuple(names), accepted_noops=noops, **serve_args)
+    return ServeConfig(engine=engine, served_model_name=tuple(names), **serve_args)

@@ -532,8 +532,6 @@ def describe(config: ServeConfig) -> list[str]:
         lines.append(f"tool calls: tool_choice 'auto' parsed with {config.tool_call_parser}")
     if config.reasoning_parser:
         lines.append(f"reasoning parser: {config.reasoning_parser}")
-    if config.accepted_noops:
-        lines.append(f"accepted, no effect in Sonar: {', '.join(config.accepted_noops)}")
     return lines
 
 

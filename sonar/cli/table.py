@@ -35,27 +35,27 @@ TOOL_CALL_PARSER_NAMES = (
     "pythonic", "qwen3_coder", "qwen3_xml", "seed_oss", "step3", "step3p5", "xlam",
 )  # fmt: skip
 
-# Why a no-op flag changes nothing in Sonar.
-ONE_ENGINE = (
-    "Sonar's data-parallel replicas all run on this machine and step independently, with one statistics "
-    "line summed over them, so there is nothing to coordinate or aggregate"
+# Why Sonar refuses the other values of a default-only flag (the error and --help show it).
+ONE_MACHINE = (
+    "Sonar runs every data-parallel replica on this machine, each stepping on its own; data parallelism "
+    "over several machines is not supported yet"
 )
-MULTI_PORT = "only used in multi-port external load balancing, which Sonar does not support yet"
-MULTI_NODE = "only used when several nodes run together (--nnodes > 1), which Sonar does not support yet"
-NO_DCP = "only used with decode context parallelism (--decode-context-parallel-size > 1), not supported yet"
+MULTI_PORT = "multi-port external load balancing is not supported yet"
+MULTI_NODE = "Sonar runs on one machine; several nodes together (--nnodes > 1) are not supported yet"
+NO_DCP = "decode context parallelism (--decode-context-parallel-size > 1) is not supported yet"
 NO_ALL2ALL = (
     "Sonar's expert parallelism exchanges no tokens: every rank has every token (tensor parallelism "
     "replicates them) and the all-reduce that ends each MoE layer sums the ranks' experts"
 )
-NO_EPLB = "only used with expert load balancing (--enable-eplb), which Sonar does not support yet"
-NO_MOE_LORA = "only affects LoRA adapters on mixture-of-experts models, which Sonar refuses"
-NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
-NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
-NO_MM = "only affects multimodal inputs; Sonar serves text-only models"
-NO_MEDIA = "Sonar never loads images, audio or video, so this permission is never used"
-NO_POOLING = "only affects late-interaction (multi-vector, ColBERT-style) models, which Sonar does not serve yet"
-NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
-NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
+NO_EPLB = "expert load balancing (--enable-eplb) is not supported yet"
+NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
+NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
+NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
+NO_MM = "Sonar serves text-only models; multimodal inputs are not supported yet"
+NO_MEDIA = "Sonar loads no images, audio or video yet"
+NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
+NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
+NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
 def _f(names: str, kind: Kind, default: Any, help: str, **kw: Any) -> dict[str, Any]:
@@ -96,15 +96,16 @@ GROUPS: tuple[Group, ...] = (
            negatable=False, to=S),
         _f("--aggregate-engine-logging", B, False,
            "With data parallelism, log statistics summed over all engines rather than per engine.",
-           negatable=False, noop=ONE_ENGINE),
+           negatable=False, accepts=(True,),
+           why="Sonar logs one statistics line summed over its data-parallel replicas, never one per replica"),
         _f("--fail-on-environ-validation", B, False,
            "Refuse to start, instead of warning, when environment variables fail validation.",
-           noop="Sonar does not validate environment variables, so there is nothing that could fail"),
+           why="Sonar does not validate its environment variables yet"),
         _f("--shutdown-timeout", F, 0.0,
            "On shutdown, seconds to let in-flight requests finish; 0 aborts them right away.",
            to=S, check=non_negative),
         _f("--gdn-prefill-backend", S_, None, "Kernels used for the prefill of gated delta-net layers.",
-           choices=("flashinfer", "triton", "cutedsl"), noop=NO_MAMBA),
+           choices=("flashinfer", "triton", "cutedsl"), why=NO_MAMBA),
         _f("--enable-log-requests", B, False,
            "Log every incoming request: its id and sampling settings, and at debug level its prompt too.",
            to=S),
@@ -180,16 +181,16 @@ GROUPS: tuple[Group, ...] = (
         _f("--host", S_, None, "Address to listen on; unset listens on all interfaces.", to=S),
         _f("--port", I, 2242, "TCP port to listen on.", to=S, check=port_number),
         _f("--data-parallel-supervisor-port", I, 9256,
-           "Port of the combined health endpoint in multi-port external load balancing.", noop=MULTI_PORT),
+           "Port of the combined health endpoint in multi-port external load balancing.", why=MULTI_PORT),
         _f("--dp-supervisor-probe-interval-s", F, 5.0,
            "Seconds between health probes of the per-rank servers (multi-port external load balancing).",
-           noop=MULTI_PORT),
+           why=MULTI_PORT),
         _f("--dp-supervisor-probe-timeout-s", F, 5.0,
            "Seconds before retrying a health probe that could not connect (multi-port external load "
-           "balancing).", noop=MULTI_PORT),
+           "balancing).", why=MULTI_PORT),
         _f("--dp-supervisor-probe-failure-threshold", I, 3,
            "Connection failures in a row after which a per-rank server counts as down (multi-port "
-           "external load balancing).", noop=MULTI_PORT),
+           "external load balancing).", why=MULTI_PORT),
         _f("--uds", S_, None, "Listen on this Unix domain socket; --host and --port are then ignored.", to=S),
         _f("--uvicorn-log-level", S_, "info", "Log level of the uvicorn HTTP server.",
            choices=("critical", "debug", "error", "info", "trace", "warning"), to=S),
@@ -225,10 +226,10 @@ GROUPS: tuple[Group, ...] = (
            "Most headers a request may carry; a request with more gets 431.", to=S, check=positive),
         _f("--enable-offline-docs", B, False,
            "Serve the API documentation pages from bundled files, for machines without internet access.",
-           noop="Sonar serves no documentation pages (only /openapi.json), so there is nothing to bundle"),
+           why="Sonar serves no documentation pages, only /openapi.json"),
         _f("--enable-flash-late-interaction", B, True,
            "Compute late-interaction (MaxSim) scores of pooling models on the GPU in the API server.",
-           noop=NO_POOLING),
+           why=NO_POOLING),
     ),
     _group(
         "ModelConfig", "Which model to serve and how to read it: tokenizer, dtype, context length, names.",
@@ -254,8 +255,9 @@ GROUPS: tuple[Group, ...] = (
            accepts=("hf",), metavar="{auto,deepseek_v32,deepseek_v4,hf,inkling,mistral,slow}"),
         _f("--trust-remote-code", B, False,
            "Allow running Python code that ships inside a model or tokenizer repository.",
-           noop="Sonar runs only its own model code: it never imports the Python files of a model repository "
-                "(a config's auto_map is not followed)"),
+           accepts=(True,),
+           why="Sonar runs only its own model code: it never imports the Python files of a model repository "
+                "(a config's auto_map is not followed), so the permission is never used"),
         _f("--dtype", S_, "auto",
            "Precision of weights and activations. 'auto' keeps a bfloat16 checkpoint in bfloat16 and "
            "runs others in float16 (bfloat16 on CPU); 'half' is float16 and 'float' is float32.",
@@ -265,11 +267,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--hf-config-path", S_, None, "Read the model config from this repo id or path instead."),
         _f("--allowed-local-media-path", S_, "",
            "Directory from which requests may read local images or videos (a risk on shared machines).",
-           noop=NO_MEDIA),
-        _f("--allowed-media-domains", L, None, "Fetch media URLs only from these domains.", noop=NO_MEDIA),
+           why=NO_MEDIA),
+        _f("--allowed-media-domains", L, None, "Fetch media URLs only from these domains.", why=NO_MEDIA),
         _f("--revision", S_, None, "Branch, tag or commit of the model repository to load.", to=E),
         _f("--code-revision", S_, None, "Revision of the Python code inside the model repository.",
-           noop="Sonar never runs code from model repositories"),
+           why="Sonar never runs code from model repositories"),
         _f("--tokenizer-revision", S_, None,
            "Branch, tag or commit of the tokenizer repository (--tokenizer, else the model's), downloaded with "
            "its tokenizer files only.", to=E),
@@ -288,7 +290,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--quantization-config", J, None,
            "Detailed quantization settings (per kind of layer, ignore patterns).", dotted=True),
         _f("--allow-deprecated-quantization", B, False, "Permit quantization methods that are deprecated.",
-           noop="none of the quantization methods Sonar implements is deprecated"),
+           accepts=(True,), why="none of the quantization methods Sonar implements is deprecated, so the permission is never needed"),
         _f("--enforce-eager", B, False,
            "Always run the model as plain eager PyTorch, without CUDA graphs and (on CPU) without prepacking "
            "the linear weights for oneDNN: faster startup, slower decode.", to=E),
@@ -309,7 +311,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--disable-cascade-attn", B, True,
            "Keep cascade attention (a shared-prefix optimisation) off; --no-disable-cascade-attn lets the "
            "engine use it where it expects a gain.",
-           noop="Sonar has no cascade attention; it is always off, which is what either value allows"),
+           accepts=(False,), why="Sonar has no cascade attention, so it stays off, which either value allows"),
         _f("--skip-tokenizer-init", B, False,
            "Load no tokenizer or detokenizer; requests then send token ids and get token ids back."),
         _f("--enable-prompt-embeds", B, False,
@@ -378,9 +380,9 @@ GROUPS: tuple[Group, ...] = (
            "torchao tensors ('torchao'). Unset: memory-mapped, prefetching on NFS when it fits in RAM.",
            choices=("eager", "lazy", "prefetch", "torchao", None), supported=("eager", "lazy"), to=E),
         _f("--safetensors-prefetch-num-threads", I, 8,
-           "Threads that prefetch safetensors files into the page cache.", noop=NO_PREFETCH),
+           "Threads that prefetch safetensors files into the page cache.", why=NO_PREFETCH),
         _f("--safetensors-prefetch-block-size", H, 16777216,
-           "Bytes read per prefetch request; takes 16M, 16m and the like.", noop=NO_PREFETCH),
+           "Bytes read per prefetch request; takes 16M, 16m and the like.", why=NO_PREFETCH),
         _f("--model-loader-extra-config", J, {},
            "Extra settings for the loader of the chosen --load-format: 'concurrency' (reader threads) for "
            "runai_streamer; any other setting is refused.", to=E),
@@ -388,7 +390,7 @@ GROUPS: tuple[Group, ...] = (
            "File patterns (globs relative to the model folder) neither downloaded from the hub nor read as "
            "weights.", to=E),
         _f("--use-tqdm-on-load", B, True, "Show a progress bar while weights load.",
-           noop="it only changes how loading progress is displayed"),
+           accepts=(False,), why="Sonar shows no progress bar while loading; it logs one line per phase"),
         _f("--pt-load-map-location", S_, "cpu",
            "Device mapping for reading PyTorch checkpoints, e.g. 'cuda' or a JSON object such as "
            "'{\"cuda:1\": \"cuda:0\"}'."),
@@ -400,14 +402,14 @@ GROUPS: tuple[Group, ...] = (
     ),
     _group(
         "MambaConfig", "Kernels and numerics of Mamba (state-space) layers.",
-        _f("--mamba-backend", S_, "triton", "Kernel backend for Mamba state-space layers.", noop=NO_MAMBA,
+        _f("--mamba-backend", S_, "triton", "Kernel backend for Mamba state-space layers.", why=NO_MAMBA,
            reference_default="MambaBackendEnum.TRITON"),
         _f("--enable-mamba-cache-stochastic-rounding", B, False,
            "Round SSM state stochastically when storing it in a float16 cache, removing the rounding bias "
-           "over long sequences.", noop=NO_MAMBA),
+           "over long sequences.", why=NO_MAMBA),
         _f("--mamba-cache-philox-rounds", I, 0,
            "Philox rounds for the random bits of stochastic rounding; 0 keeps Triton's default.",
-           noop=NO_MAMBA),
+           why=NO_MAMBA),
     ),
     _group(
         "StructuredOutputsConfig", "Structured outputs and reasoning parsers.",
@@ -434,9 +436,9 @@ GROUPS: tuple[Group, ...] = (
            "split; SONAR_PP_LAYER_PARTITION=8,8,7,7 sets the counts), each stage its own worker processes "
            "(--tensor-parallel-size of them), hidden states passed on point to point.", to=E),
         _f("--master-addr", S_, "127.0.0.1", "Address of the first node in a multi-node 'mp' deployment.",
-           noop=MULTI_NODE),
+           why=MULTI_NODE),
         _f("--master-port", I, 29501, "Port of the first node in a multi-node 'mp' deployment.",
-           noop=MULTI_NODE),
+           why=MULTI_NODE),
         _f("--nnodes -n", I, 1, "Number of nodes in a multi-node 'mp' deployment."),
         _f("--node-rank -r", I, 0, "Rank of this node in a multi-node 'mp' deployment."),
         _f("--distributed-timeout-seconds", I, None,
@@ -447,9 +449,9 @@ GROUPS: tuple[Group, ...] = (
            default_note="torch's default"),
         _f("--numa-bind", B, False, "Pin each GPU worker to the CPUs and memory of its GPU's NUMA node."),
         _f("--numa-bind-nodes", Kind.INT_LIST, None, "NUMA node for each visible GPU, e.g. 0 0 1 1.",
-           noop="only used with --numa-bind, which Sonar does not support yet"),
+           why="only used with --numa-bind, which Sonar does not support yet"),
         _f("--numa-bind-cpus", L, None, "CPU list for each visible GPU (numactl syntax such as 0-3).",
-           noop="only used with --numa-bind, which Sonar does not support yet"),
+           why="only used with --numa-bind, which Sonar does not support yet"),
         _f("--device-ids", S_, None,
            "Comma-separated GPU indices or UUIDs to use, instead of setting CUDA_VISIBLE_DEVICES. Sonar "
            "serves from one device: it takes one index (SONAR_DEVICE=cpu|cuda|cuda:N overrides the choice).",
@@ -464,12 +466,12 @@ GROUPS: tuple[Group, ...] = (
            "Number of ranks sharing the decode KV cache (reusing tensor-parallel ranks)."),
         _f("--dcp-comm-backend", S_, "ag_rs",
            "Collectives of decode context parallelism: all-gather plus reduce-scatter ('ag_rs') or "
-           "all-to-all ('a2a').", choices=("a2a", "ag_rs"), noop=NO_DCP),
+           "all-to-all ('a2a').", choices=("a2a", "ag_rs"), why=NO_DCP),
         _f("--dcp-kv-cache-interleave-size", I, 1, "Former name of --cp-kv-cache-interleave-size.",
-           noop=NO_DCP),
+           why=NO_DCP),
         _f("--cp-kv-cache-interleave-size", I, 1,
            "Tokens stored on one context-parallel rank before moving to the next (1: token by token; the "
-           "block size: block by block).", noop=NO_DCP),
+           "block size: block by block).", why=NO_DCP),
         _f("--prefill-context-parallel-size -pcp", I, 1, "Number of ranks that split the work of one prefill."),
         _f("--data-parallel-size -dp", I, 1,
            "Number of engine replicas (data-parallel ranks) on this machine, each with its own worker process, "
@@ -482,13 +484,13 @@ GROUPS: tuple[Group, ...] = (
            "This instance's data-parallel rank; setting it selects external load balancing."),
         _f("--data-parallel-start-rank -dpr", I, None, "First data-parallel rank on this node (secondary nodes).",
            accepts=(0,)),
-        _f("--data-parallel-size-local -dpl", I, None, "Data-parallel replicas on this node.",
-           noop="Sonar runs every data-parallel replica on this machine, so the local count is always "
-           "--data-parallel-size (any other value is refused)"),
-        _f("--data-parallel-address -dpa", S_, None, "Address of the data-parallel head node.", noop=ONE_ENGINE),
-        _f("--data-parallel-rpc-port -dpp", I, None, "Port for data-parallel RPC.", noop=ONE_ENGINE),
+        _f("--data-parallel-size-local -dpl", I, None,
+           "Data-parallel replicas on this node; Sonar runs them all here, so it must equal --data-parallel-size.",
+           target="parse"),
+        _f("--data-parallel-address -dpa", S_, None, "Address of the data-parallel head node.", why=ONE_MACHINE),
+        _f("--data-parallel-rpc-port -dpp", I, None, "Port for data-parallel RPC.", why=ONE_MACHINE),
         _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
-           noop=ONE_ENGINE),
+           why="Sonar starts its replicas as processes on this machine ('mp'); Ray is not supported"),
         _f("--data-parallel-hybrid-lb -dph", B, False,
            "Hybrid load balancing: the server balances the ranks of its node, an outside balancer the nodes."),
         _f("--data-parallel-external-lb -dpe", B, False,
@@ -511,39 +513,40 @@ GROUPS: tuple[Group, ...] = (
            choices=("allgather_reducescatter", "deepep_high_throughput", "deepep_low_latency", "deepep_v2",
                     "flashinfer_all2allv", "flashinfer_nvlink_one_sided", "flashinfer_nvlink_two_sided",
                     "mori_high_throughput", "mori_low_latency", "naive", "nixl_ep", "pplx"),
-           noop=NO_ALL2ALL),
+           why=NO_ALL2ALL),
         _f("--enable-dbo", B, False,
            "Dual batch overlap: run a batch as two micro-batches so compute overlaps communication."),
-        _f("--ubatch-size", I, 0, "Micro-batch size for dual batch overlap.", noop=NO_DBO),
+        _f("--ubatch-size", I, 0, "Micro-batch size for dual batch overlap.", why=NO_DBO),
         _f("--enable-elastic-ep", B, False,
            "Elastic expert parallelism whose data/expert-parallel groups can grow and shrink."),
         _f("--dbo-decode-token-threshold", I, 32,
-           "Decode-only batches above this many tokens are split into micro-batches.", noop=NO_DBO),
+           "Decode-only batches above this many tokens are split into micro-batches.", why=NO_DBO),
         _f("--dbo-prefill-token-threshold", I, 512,
-           "Batches with prefills above this many tokens are split into micro-batches.", noop=NO_DBO),
+           "Batches with prefills above this many tokens are split into micro-batches.", why=NO_DBO),
         _f("--disable-nccl-for-dp-synchronization", B, None,
            "Synchronize data-parallel ranks over Gloo rather than NCCL (unset: on with async scheduling).",
-           noop=ONE_ENGINE),
+           why="Sonar's data-parallel replicas step on their own and never synchronize, so there is no backend "
+               "to choose"),
         _f("--enable-eplb", B, False, "Rebalance MoE experts over ranks by their observed load."),
         _f("--eplb-config", J, {}, "Settings of expert load balancing (window, interval, redundant experts...).",
-           dotted=True, noop=NO_EPLB, reference_default="EPLBConfig(...) with every field at its default"),
+           dotted=True, why=NO_EPLB, reference_default="EPLBConfig(...) with every field at its default"),
         _f("--expert-placement-strategy", S_, "linear",
            "How experts are dealt to ranks: in contiguous ranges ('linear') or in turn ('round_robin').",
            choices=("linear", "round_robin"), to=E),
         _f("--max-parallel-loading-workers", I, None,
            "Load weights in rounds of at most this many workers, to limit host memory.",
-           noop="each tensor-parallel rank reads only its own shards, all ranks at once; Sonar does not load in rounds"),
+           why="each tensor-parallel rank reads only its own shards, all ranks at once; loading in rounds is not supported yet"),
         _f("--ray-workers-use-nsight", B, False, "Profile Ray workers with Nsight.",
-           noop="only used with the Ray executor, which Sonar does not support"),
+           why="only used with the Ray executor, which Sonar does not support"),
         _f("--disable-custom-all-reduce", B, False, "Use NCCL's all-reduce instead of the custom kernel.",
-           noop="Sonar's all-reduce is always torch.distributed's (NCCL on GPUs): there is no custom kernel"),
+           accepts=(True,), why="Sonar's all-reduce is always torch.distributed's (NCCL on GPUs): there is no custom kernel"),
         _f("--worker-cls", S_, "auto", "Fully qualified worker class; 'auto' picks the platform's."),
         _f("--worker-extension-cls", S_, "",
            "Class mixed into the worker class to add methods callable through collective RPC."),
         _f("--enable-fault-tolerance", B, False,
            "Recover from a failed data-parallel engine by scaling down instead of stopping."),
         _f("--fault-tolerance-config", J, {}, "Fault-tolerance settings such as the engine recovery timeout.",
-           dotted=True, noop="only used with --enable-fault-tolerance, which Sonar does not support yet",
+           dotted=True, why="only used with --enable-fault-tolerance, which Sonar does not support yet",
            reference_default="FaultToleranceConfig(...) with every field at its default"),
     ),
     _group(
@@ -582,20 +585,20 @@ GROUPS: tuple[Group, ...] = (
         _f("--kv-sharing-fast-prefill", B, False,
            "In models whose layers share KV cache (YOCO style), let eligible layers skip prefill tokens."),
         _f("--mamba-cache-dtype", S_, "auto", "Dtype of the Mamba conv and SSM state cache.",
-           choices=("auto", "bfloat16", "float16", "float32"), noop=NO_MAMBA),
+           choices=("auto", "bfloat16", "float16", "float32"), why=NO_MAMBA),
         _f("--mamba-ssm-cache-dtype", S_, "auto",
            "Dtype of the Mamba SSM state alone ('auto': as --mamba-cache-dtype).",
-           choices=("auto", "bfloat16", "float16", "float32"), noop=NO_MAMBA),
+           choices=("auto", "bfloat16", "float16", "float32"), why=NO_MAMBA),
         _f("--mamba-block-size", I, None, "Block size of the Mamba cache under prefix caching (a multiple of 8).",
-           noop=NO_MAMBA),
+           why=NO_MAMBA),
         _f("--prefix-match-unit", I, None,
            "Granularity in tokens at which a prefix-cache hit may end; must divide every block size."),
         _f("--mamba-cache-mode", S_, "none",
            "Which Mamba states prefix caching keeps: 'none', 'all' (at every block boundary) or 'align' "
            "(the last token of a step, when on a block boundary).",
-           choices=("align", "all", "none"), noop=NO_MAMBA),
-        _f("--replayssm-buffer-len", I, 16, "Ring-buffer length of the ReplaySSM decode kernel.", noop=NO_MAMBA),
-        _f("--use-replayssm", B, False, "Use the ReplaySSM decode kernel for Mamba2 layers.", noop=NO_MAMBA),
+           choices=("align", "all", "none"), why=NO_MAMBA),
+        _f("--replayssm-buffer-len", I, 16, "Ring-buffer length of the ReplaySSM decode kernel.", why=NO_MAMBA),
+        _f("--use-replayssm", B, False, "Use the ReplaySSM decode kernel for Mamba2 layers.", why=NO_MAMBA),
         _f("--kv-offloading-size", F, None,
            "GiB of CPU memory to offload KV cache blocks into (summed over tensor-parallel ranks); unset: "
            "no offloading. Exclusive with --kv-transfer-config.", to=E, check=positive),
@@ -606,68 +609,68 @@ GROUPS: tuple[Group, ...] = (
         "OffloadConfig", "Keeping part of the model weights in CPU memory.",
         _f("--offload-backend", S_, "auto",
            "Weight offloading method: 'uva' (zero-copy), 'prefetch' (layer groups fetched ahead) or 'auto' "
-           "(by which settings are given).", choices=("auto", "prefetch", "uva"), noop=NO_WEIGHT_OFFLOAD),
+           "(by which settings are given).", choices=("auto", "prefetch", "uva"), why=NO_WEIGHT_OFFLOAD),
         _f("--cpu-offload-gb", F, 0,
            "GiB of weights per GPU kept in CPU memory and read over the interconnect on every forward pass."),
         _f("--cpu-offload-params", L, (),
-           "Parameter name segments that --cpu-offload-gb may offload; empty: any.", noop=NO_WEIGHT_OFFLOAD,
+           "Parameter name segments that --cpu-offload-gb may offload; empty: any.", why=NO_WEIGHT_OFFLOAD,
            reference_default="set()"),
         _f("--offload-group-size", I, 0,
            "Group every N layers and offload the last --offload-num-in-group of each group, prefetching "
            "them asynchronously; 0 turns it off."),
-        _f("--offload-num-in-group", I, 1, "Layers offloaded in each group.", noop=NO_WEIGHT_OFFLOAD),
-        _f("--offload-prefetch-step", I, 1, "How many layers ahead to prefetch.", noop=NO_WEIGHT_OFFLOAD),
+        _f("--offload-num-in-group", I, 1, "Layers offloaded in each group.", why=NO_WEIGHT_OFFLOAD),
+        _f("--offload-prefetch-step", I, 1, "How many layers ahead to prefetch.", why=NO_WEIGHT_OFFLOAD),
         _f("--offload-params", L, (),
            "Parameter name segments offloaded by group offloading; empty: whole layers.",
-           noop=NO_WEIGHT_OFFLOAD, reference_default="set()"),
+           why=NO_WEIGHT_OFFLOAD, reference_default="set()"),
     ),
     _group(
         "MultiModalConfig", "Images, audio and video inputs of multimodal models.",
         _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0).",
-           noop="Sonar accepts no multimodal inputs anyway"),
+           accepts=(True,), why="Sonar accepts no multimodal inputs anyway"),
         _f("--limit-mm-per-prompt", J, {},
            "Most items per prompt for each modality, optionally with size limits, e.g. '{\"image\": 4}'.",
-           dotted=True, noop=NO_MM),
+           dotted=True, why=NO_MM),
         _f("--enable-mm-embeds", B, False,
            "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True, noop=NO_MM),
+           dotted=True, why=NO_MM),
         _f("--mm-processor-kwargs", J, None, "Overrides for the model's multimodal processor.", dotted=True,
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-processor-cache-gb", F, 4,
            "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-processor-cache-type", S_, "lru",
            "Cache of processed multimodal inputs: mirrored LRU ('lru') or shared-memory FIFO ('shm').",
-           choices=("lru", "shm"), noop=NO_MM),
+           choices=("lru", "shm"), why=NO_MM),
         _f("--mm-shm-cache-max-object-size-mb", I, 128,
-           "Largest object, in MiB, in the shared-memory multimodal cache.", noop=NO_MM),
+           "Largest object, in MiB, in the shared-memory multimodal cache.", why=NO_MM),
         _f("--mm-encoder-only", B, False,
            "Run only the multimodal encoder, without the language model (disaggregated encoders)."),
         _f("--mm-encoder-tp-mode", S_, "weights",
            "How tensor parallelism applies to the multimodal encoder: split its weights or its batch ('data').",
-           choices=("data", "weights"), noop=NO_MM),
-        _f("--mm-encoder-attn-backend", S_, None, "Attention backend for vision encoders.", noop=NO_MM),
+           choices=("data", "weights"), why=NO_MM),
+        _f("--mm-encoder-attn-backend", S_, None, "Attention backend for vision encoders.", why=NO_MM),
         _f("--mm-encoder-attn-dtype", S_, None, "Run vision-encoder attention in fp8.", choices=("fp8", None),
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-encoder-fp8-scale-path", S_, None, "JSON file of per-layer fp8 scales for vision-encoder attention.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-encoder-fp8-scale-save-path", S_, None, "Where to save calibrated vision-encoder fp8 scales.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-encoder-fp8-scale-save-margin", F, 1.5, "Headroom factor applied to saved fp8 scales.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--interleave-mm-strings", B, False,
-           "Let text and media interleave freely in string-format chat prompts.", noop=NO_MM),
+           "Let text and media interleave freely in string-format chat prompts.", why=NO_MM),
         _f("--skip-mm-profiling", B, False, "Leave the multimodal encoder out of startup memory profiling.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--video-pruning-rate", F, None, "Share of video tokens to drop, from 0 up to but excluding 1.",
-           noop=NO_MM),
+           why=NO_MM),
         _f("--video-pruning-method", S_, "evs", "Algorithm that prunes video tokens.", choices=("evs", "vidcom2"),
-           noop=NO_MM),
+           why=NO_MM),
         _f("--mm-tensor-ipc", S_, "direct_rpc", "How multimodal tensors travel between processes.",
-           choices=("direct_rpc", "torch_shm"), noop=NO_MM),
+           choices=("direct_rpc", "torch_shm"), why=NO_MM),
         _f("--mm-ipc-gpu-memory-gb", F, 0,
            "GiB of GPU memory taken from the KV cache budget for multimodal work in the API server."),
     ),
@@ -681,7 +684,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--lora-dtype", S_, "auto", "Dtype of LoRA weights ('auto': the model's).",
            choices=("auto", "bfloat16", "float16"), to=E),
         _f("--enable-tower-connector-lora", B, False,
-           "Also apply LoRA to a multimodal model's vision tower and connector.", noop=NO_MM),
+           "Also apply LoRA to a multimodal model's vision tower and connector.", why=NO_MM),
         _f("--max-cpu-loras", I, None,
            "Most LoRA adapters kept in host memory (at least --max-loras; unset: --max-loras).", to=E,
            check=positive),
@@ -693,14 +696,14 @@ GROUPS: tuple[Group, ...] = (
            "down_proj, or qkv_proj / gate_up_proj for all of theirs); unset: all of them. Adapters with "
            "factors for other projections are refused.", to=E),
         _f("--default-mm-loras", J, None, "LoRA adapter to use whenever a request contains a given modality.",
-           dotted=True, noop=NO_MM),
+           dotted=True, why=NO_MM),
         _f("--specialize-active-lora", B, False,
            "Capture separate CUDA graphs for each number of active LoRA adapters.",
-           noop="Sonar captures no CUDA graphs while LoRA adapters are enabled (their steps run eagerly)"),
+           why="Sonar captures no CUDA graphs while LoRA adapters are enabled (their steps run eagerly)"),
         _f("--enable-mixed-moe-lora-format", B, False,
-           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", noop=NO_MOE_LORA),
+           "Serve 2D-format and 3D-format MoE LoRA adapters side by side.", why=NO_MOE_LORA),
         _f("--enable-moe-shared-loras", B, False,
-           "Load MoE LoRA adapters whose factors are shared by all experts.", noop=NO_MOE_LORA),
+           "Load MoE LoRA adapters whose factors are shared by all experts.", why=NO_MOE_LORA),
     ),
     _group(
         "ObservabilityConfig", "Metrics, tracing and diagnostic logging.",
@@ -711,11 +714,11 @@ GROUPS: tuple[Group, ...] = (
            "Modules to trace in detail (costly): model, worker, all, or two of them comma-separated.",
            choices=("all", "model", "worker", None, "model,worker", "model,all", "worker,model", "worker,all",
                     "all,model", "all,worker"),
-           noop="only used with --otlp-traces-endpoint, which Sonar does not support yet",
+           why="only used with --otlp-traces-endpoint, which Sonar does not support yet",
            metavar="{all,model,worker,None}"),
         _f("--kv-cache-metrics", B, False, "Sample KV cache block lifetimes, idle times and reuse gaps as metrics."),
         _f("--kv-cache-metrics-sample", F, 0.01, "Fraction of blocks sampled for KV cache metrics.",
-           noop="only used with --kv-cache-metrics, which Sonar does not support yet"),
+           why="only used with --kv-cache-metrics, which Sonar does not support yet"),
         _f("--cudagraph-metrics", B, False, "Report CUDA graph padding and dispatch statistics."),
         _f("--enable-layerwise-nvtx-tracing", B, False, "Mark each layer's execution with NVTX ranges."),
         _f("--enable-mfu-metrics", B, False, "Report model FLOPs utilization."),
@@ -750,7 +753,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--enable-chunked-prefill", B, None,
            "Split long prompts into chunks that fit the remaining token budget of a step.", to=E,
            default_note="on"),
-        _f("--disable-chunked-mm-input", B, False, "Never split one multimodal item across steps.", noop=NO_MM),
+        _f("--disable-chunked-mm-input", B, False, "Never split one multimodal item across steps.", why=NO_MM),
         _f("--scheduler-cls", S_, None, "Scheduler class to use, as module.Class."),
         _f("--scheduler-reserve-full-isl", B, True,
            "Admit a request only when its whole prompt fits in the KV cache, not just its first chunk.", to=E),
@@ -785,7 +788,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--ir-op-priority", J, {}, "Preferred implementations of IR ops such as rms_norm.", dotted=True,
            reference_default="IrOpPriorityConfig(...) with every field at its default"),
         _f("--enable-flashinfer-autotune", B, None, "Autotune FlashInfer kernels during warmup.",
-           noop="Sonar uses no FlashInfer kernels"),
+           accepts=(False,), why="Sonar uses no FlashInfer kernels"),
         _f("--enable-bf16x3-router-gemm", B, False, "Use the experimental BF16x3 MoE router GEMM (SM100)."),
         _f("--moe-backend", S_, "auto", "Kernels for MoE expert computation.",
            choices=("aiter", "auto", "batched_triton", "cutlass", "deep_gemm", "deep_gemm_mega_moe", "emulation",
@@ -796,7 +799,7 @@ GROUPS: tuple[Group, ...] = (
                     "flashinfer_b12x", "flashinfer_cudnn", "flashinfer_cutedsl", "flashinfer_cutlass",
                     "flashinfer_trtllm", "humming", "machete", "marlin", "swordfish", "torch", "triton", "xpu",
                     "xpu_woq"),
-           noop="only used by quantized linear layers; Sonar dequantizes weights when it loads them"),
+           why="Sonar dequantizes weights when it loads them, so it runs no quantized linear kernels"),
     ),
     _group(
         "Sonar configuration", "Whole-server settings given as JSON objects (or one key at a time with "

@@ -126,14 +126,16 @@ def test_implemented_flags_target_real_fields() -> None:
             continue
         part, field = flag.target.split(".")
         assert field in (engine_fields if part == "engine" else serve_fields), flag.name
-        assert flag.noop is None and not flag.accepts, flag.name
+        assert flag.why is None and not flag.accepts, flag.name
 
 
-def test_every_status_is_explained() -> None:
+def test_every_flag_is_explained_and_none_is_a_no_op() -> None:
+    """A flag either takes effect or is refused: there is no third status to accept and ignore."""
+    assert set(Status) == {Status.IMPLEMENTED, Status.DEFAULT_ONLY}
     for flag in FLAGS.values():
         assert flag.help.strip(), flag.name
-        if flag.status is Status.NOOP:
-            assert flag.noop and not flag.accepts, flag.name
+        if flag.why is not None:
+            assert flag.status is Status.DEFAULT_ONLY and flag.why.strip(), flag.name
 
 
 def _words(flag, value) -> list[str]:
@@ -165,11 +167,10 @@ def test_every_flag_accepts_its_default_explicitly() -> None:
 def test_data_parallel_flags_take_effect(usage_error) -> None:
     config = parse_serve_args(["-dp", "2", "--data-parallel-routing", "load"])
     assert (config.engine.data_parallel_size, config.engine.data_parallel_routing) == (2, "load")
-    assert config.accepted_noops == ()
     assert "must be positive, got 0" in usage_error("-dp", "0")
     assert "invalid choice: 'random'" in usage_error("--data-parallel-routing", "random")
     assert "KV offloading or KV events is not supported" in usage_error("-dp", "2", "--kv-offloading-size", "1")
-    assert parse_serve_args(["-dp", "2", "-dpl", "2"]).accepted_noops == ("--data-parallel-size-local",)
+    assert parse_serve_args(["-dp", "2", "-dpl", "2"]).engine.data_parallel_size == 2
     assert usage_error("-dp", "2", "-dpl", "1") == (
         "sonar serve: --data-parallel-size-local is not supported yet (got 1; Sonar runs all 2 data-parallel "
         "replica(s) on this machine, so it accepts only 2)"

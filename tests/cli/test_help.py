@@ -70,8 +70,8 @@ def test_help_all_has_every_flag() -> None:
 def test_help_shows_status_choices_and_default() -> None:
     text = render_help("decode-context-parallel-size")
     assert "Default: 1." in text and "Sonar: not supported yet; accepted only as 1." in text
-    text = render_help("trust-remote-code")
-    assert "Sonar: accepted, has no effect:" in text
+    text = render_help("data-parallel-address")
+    assert "Sonar: not supported yet (Sonar runs every data-parallel replica on this machine" in " ".join(text.split())
     text = render_help("dtype")
     assert "Choices: auto, bfloat16, float, float16, float32, half." in text
     assert "Also one key at a time: --override-generation-config.KEY VALUE" in render_help("override-generation-config")

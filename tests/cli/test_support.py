@@ -1,4 +1,5 @@
-"""Flags Sonar does not implement: accepted when they mean nothing for Sonar, else one clear error."""
+"""Flags Sonar does not implement: their default (or a value that means the same for Sonar) is
+accepted; any other value stops the start with one clear error naming the flag, and why."""
 
 from __future__ import annotations
 
@@ -97,26 +98,154 @@ def test_unsupported_still_checks_the_value_first(usage_error) -> None:
     ],
 )
 def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
-    assert parse_serve_args(argv).accepted_noops == ()
+    parse_serve_args(argv)
+
+
+#: Every flag that Sonar once accepted and ignored, by group, each with a value other than its
+#: default: each must now stop the start.
+REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
+    "options": [
+        ["--fail-on-environ-validation"],
+        ["--gdn-prefill-backend", "triton"],
+    ],
+    "Frontend": [
+        ["--data-parallel-supervisor-port", "9300"],
+        ["--dp-supervisor-probe-interval-s", "1"],
+        ["--dp-supervisor-probe-timeout-s", "1"],
+        ["--dp-supervisor-probe-failure-threshold", "5"],
+        ["--enable-offline-docs"],
+        ["--no-enable-flash-late-interaction"],
+    ],
+    "ModelConfig": [
+        ["--allowed-local-media-path", "/tmp"],
+        ["--allowed-media-domains", "example.com"],
+        ["--code-revision", "main"],
+    ],
+    "LoadConfig": [
+        ["--safetensors-prefetch-num-threads", "4"],
+        ["--safetensors-prefetch-block-size", "1M"],
+    ],
+    "MambaConfig": [
+        ["--mamba-backend", "flashinfer"],
+        ["--enable-mamba-cache-stochastic-rounding"],
+        ["--mamba-cache-philox-rounds", "7"],
+    ],
+    "ParallelConfig": [
+        ["--master-addr", "10.0.0.2"],
+        ["--master-port", "1234"],
+        ["--numa-bind-nodes", "0", "1"],
+        ["--numa-bind-cpus", "0-3", "4-7"],
+        ["--dcp-comm-backend", "a2a"],
+        ["--dcp-kv-cache-interleave-size", "16"],
+        ["--cp-kv-cache-interleave-size", "16"],
+        ["--data-parallel-address", "10.0.0.1"],
+        ["--data-parallel-rpc-port", "13345"],
+        ["--data-parallel-backend", "ray"],
+        ["--all2all-backend", "naive"],
+        ["--ubatch-size", "8"],
+        ["--dbo-decode-token-threshold", "64"],
+        ["--dbo-prefill-token-threshold", "1024"],
+        ["--disable-nccl-for-dp-synchronization"],
+        ["--no-disable-nccl-for-dp-synchronization"],
+        ["--eplb-config.window_size", "500"],
+        ["--max-parallel-loading-workers", "2"],
+        ["--ray-workers-use-nsight"],
+        ["--fault-tolerance-config", '{"engine_recovery_timeout": 30}'],
+    ],
+    "CacheConfig": [
+        ["--mamba-cache-dtype", "float32"],
+        ["--mamba-ssm-cache-dtype", "float16"],
+        ["--mamba-block-size", "64"],
+        ["--mamba-cache-mode", "all"],
+        ["--replayssm-buffer-len", "32"],
+        ["--use-replayssm"],
+    ],
+    "OffloadConfig": [
+        ["--offload-backend", "uva"],
+        ["--cpu-offload-params", "mlp"],
+        ["--offload-num-in-group", "2"],
+        ["--offload-prefetch-step", "2"],
+        ["--offload-params", "mlp"],
+    ],
+    "MultiModalConfig": [
+        ["--limit-mm-per-prompt", '{"image": 2}'],
+        ["--enable-mm-embeds"],
+        ["--media-io-kwargs.video.num_frames", "40"],
+        ["--mm-processor-kwargs", '{"num_crops": 4}'],
+        ["--mm-processor-cache-gb", "0"],
+        ["--mm-processor-cache-type", "shm"],
+        ["--mm-shm-cache-max-object-size-mb", "64"],
+        ["--mm-encoder-tp-mode", "data"],
+        ["--mm-encoder-attn-backend", "TORCH_SDPA"],
+        ["--mm-encoder-attn-dtype", "fp8"],
+        ["--mm-encoder-fp8-scale-path", "/tmp/scales.json"],
+        ["--mm-encoder-fp8-scale-save-path", "/tmp/scales.json"],
+        ["--mm-encoder-fp8-scale-save-margin", "2"],
+        ["--interleave-mm-strings"],
+        ["--skip-mm-profiling"],
+        ["--video-pruning-rate", "0.5"],
+        ["--video-pruning-method", "vidcom2"],
+        ["--mm-tensor-ipc", "torch_shm"],
+    ],
+    "LoRAConfig": [
+        ["--enable-tower-connector-lora"],
+        ["--default-mm-loras", '{"image": "/adapters/vision"}'],
+        ["--specialize-active-lora"],
+        ["--enable-mixed-moe-lora-format"],
+        ["--enable-moe-shared-loras"],
+    ],
+    "ObservabilityConfig": [
+        ["--collect-detailed-traces", "all"],
+        ["--kv-cache-metrics-sample", "0.5"],
+    ],
+    "SchedulerConfig": [["--disable-chunked-mm-input"]],
+    "KernelConfig": [
+        ["--enable-flashinfer-autotune"],
+        ["--linear-backend", "marlin"],
+    ],
+}
+
+
+@pytest.mark.parametrize("group", sorted(REFUSED_BY_GROUP))
+def test_former_no_op_flags_refuse_other_values_and_say_why(usage_error, group: str) -> None:
+    for argv in REFUSED_BY_GROUP[group]:
+        name = argv[0].split(".")[0].replace("--no-", "--")
+        flag = FLAGS[name]
+        assert flag.group == group, name
+        message = usage_error(*argv)
+        assert message.startswith(f"sonar serve: {argv[0].split('.')[0]} is not supported yet"), message
+        assert flag.why is not None and message.endswith(f": {flag.why}"), message
+
+
+def test_refusal_text_reads_as_one_sentence(usage_error) -> None:
+    assert usage_error("--data-parallel-address", "10.0.0.1") == (
+        "sonar serve: --data-parallel-address is not supported yet (got 10.0.0.1): "
+        "Sonar runs every data-parallel replica on this machine, each stepping on its own; data parallelism "
+        "over several machines is not supported yet"
+    )
 
 
 @pytest.mark.parametrize(
     "argv",
     [
+        # Permissions Sonar never needs, and choices that ask for what Sonar always does.
         ["--trust-remote-code"],
+        ["--allow-deprecated-quantization"],
+        ["--aggregate-engine-logging"],
+        ["--no-disable-cascade-attn"],
         ["--no-use-tqdm-on-load"],
-        ["--enable-offline-docs"],
-        ["--master-port", "1234"],
+        ["--disable-custom-all-reduce"],
+        ["--no-enable-flashinfer-autotune"],
         ["--language-model-only"],
-        ["--all2all-backend", "naive"],
+        ["--data-parallel-backend", "mp"],
+        ["--all2all-backend", "allgather_reducescatter"],
     ],
 )
-def test_noops_are_accepted_and_reported(argv: list[str]) -> None:
-    config = parse_serve_args(argv)
-    assert config.accepted_noops == (argv[0].replace("--no-", "--"),)
+def test_values_that_mean_what_sonar_does_are_accepted(argv: list[str]) -> None:
+    parse_serve_args(argv)
 
 
-def test_noop_values_are_still_validated(usage_error) -> None:
+def test_refused_values_are_still_validated(usage_error) -> None:
     assert "argument --all2all-backend: invalid choice: 'magic'" in usage_error("--all2all-backend", "magic")
 
 
@@ -149,7 +278,7 @@ def test_expert_parallel_over_data_parallel_replicas_alone_is_refused(usage_erro
 
 def test_the_expert_weight_filter_reaches_the_engine() -> None:
     config = parse_serve_args(["-tp", "2", "-ep", "--enable-ep-weight-filter"])
-    assert config.engine.enable_ep_weight_filter and not config.accepted_noops
+    assert config.engine.enable_ep_weight_filter
 
 
 def test_status_counts_are_stable() -> None:

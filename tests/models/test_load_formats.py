@@ -247,7 +247,7 @@ def test_trust_remote_code_never_runs_repository_code(tiny_checkpoints: dict[str
     llama = Path(shutil.copytree(tiny_checkpoints["llama3"].path, tmp_path / "llama"))
     _with_remote_code(llama, marker, {})
     config = parse_serve_args([str(llama), "--trust-remote-code"])
-    assert config.accepted_noops == ("--trust-remote-code",)
+    assert config.model == str(llama)  # accepted: the permission is never used
     loaded = load_model(str(llama), dtype="float32")
     assert loaded.architecture == "LlamaForCausalLM"
     assert loaded.load_tokenizer()("w3 w4").input_ids == [3, 4]
