@@ -31,6 +31,14 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return error.exit_code
+    if config.log_config_file is not None:
+        from sonar.log import LogConfigError, use_config_file
+
+        try:
+            use_config_file(config.log_config_file)
+        except LogConfigError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 2
     import anyio
 
     from sonar.actors import configure_transport
@@ -328,6 +336,8 @@ def _settings(config: ServeConfig) -> Any:
         enable_auto_tool_choice=config.enable_auto_tool_choice,
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser or None,
+        log_error_stack=config.log_error_stack,
+        enable_server_load_tracking=config.enable_server_load_tracking,
     )
 
 
@@ -436,6 +446,10 @@ def _uvicorn_args(config: ServeConfig) -> dict[str, Any]:
         ssl_cert_reqs=config.ssl_cert_reqs,
         root_path=config.root_path or "",
     )
+    if config.log_config_file is not None:  # uvicorn applies its own logging config otherwise
+        from sonar.log import read_config_file
+
+        args["log_config"] = read_config_file(config.log_config_file)
     if config.uds:
         args["uds"] = config.uds
     else:

@@ -135,6 +135,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     finished)."""
     fault_injection: str | None = None
     """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
+    enable_logging_iteration_details: bool = False
+    """Log one `scheduler.iteration` line per step: its batch composition and elapsed time."""
     kv_offloading_size: float | None = None
     """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
     kv_offloading_backend: str = "native"

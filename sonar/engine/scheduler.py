@@ -30,6 +30,10 @@ sent after it down too. Off with KV offloading and with speculative decoding.
 Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
 (`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.
 
+Iteration details (``--enable-logging-iteration-details``): each step that comes back logs a
+`scheduler.iteration` line with its composition (`iteration_details`) and its elapsed time, from
+sending it to its result (the worker's own share as `worker_ms`).
+
 Pipeline stages (``--pipeline-parallel-size``): up to one step per stage in flight, each of
 requests no other step in flight holds (`_run_stages`), so the stages overlap.
 
@@ -138,6 +142,8 @@ class SchedulerActor(Actor):
         self._bitmask_turn = 0
         self._step_rows: dict[int, list[str]] = {}
         """The grammar rows of the steps sent whose bitmask is not sent yet."""
+        self._iterations: dict[int, tuple[float, dict[str, int]]] = {}
+        """--enable-logging-iteration-details: each step in flight's send time and composition."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -432,9 +438,12 @@ class SchedulerActor(Actor):
             if rows:
                 self._step_rows[output.step_id] = rows
             action, rank = (fault.action, fault.rank) if fault is not None else (None, 0)
+            if self.config.enable_logging_iteration_details:
+                self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
             return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
+            self._iterations.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -498,10 +507,17 @@ class SchedulerActor(Actor):
         except (ActorError, AskTimeout, ActorNotFound) as exc:
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc
+            self._iterations.clear()  # what is in flight is voided or recomputed
             return False
         if not apply:
             return True
         self.steps += 1
+        iteration = self._iterations.pop(result.step_id, None)
+        if iteration is not None:
+            sent, details = iteration
+            elapsed_ms = round((time.perf_counter() - sent) * 1000, 3)
+            worker_ms = round(result.seconds * 1000, 3)
+            log.info("scheduler.iteration", step=result.step_id, **details, elapsed_ms=elapsed_ms, worker_ms=worker_ms)
         updates = self.core.update_from_output(result.sampled, result.proposed)
         if result.pooled:
             updates += self.core.finish_pooled(result.pooled)
@@ -632,6 +648,26 @@ class SchedulerActor(Actor):
             raise RuntimeError("the restarted worker has a different KV cache layout")
         self.info = info
         log.info("scheduler.worker_back", requests=len(ids))
+
+
+def iteration_details(output: SchedulerOutput) -> dict[str, int]:
+    """A step's composition, as vLLM's iteration log counts it: context requests (computing prompt
+    tokens: a prefill or a chunk of one, or a recompute after preemption) and their tokens, and
+    generation requests (decoding, drafts included) and their tokens."""
+    context_requests = context_tokens = generation_requests = generation_tokens = 0
+    for sched in output.requests:
+        if sched.start_pos < sched.num_prompt_tokens:
+            context_requests += 1
+            context_tokens += len(sched.token_ids)
+        else:
+            generation_requests += 1
+            generation_tokens += len(sched.token_ids)
+    return {
+        "context_requests": context_requests,
+        "context_tokens": context_tokens,
+        "generation_requests": generation_requests,
+        "generation_tokens": generation_tokens,
+    }
 
 
 def _nothing_to_run(output: SchedulerOutput) -> bool:

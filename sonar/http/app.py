@@ -12,7 +12,7 @@ not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_a
 server's file reads on a path the client names, a privilege), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
-`sonar/http/metrics.py`). With API keys set, every route but /health and /ping (and /metrics with
+`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking). With API keys set, every route but /health and /ping (and /metrics with
 --metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
 addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
 loopback client; others see `remote` in their place. Bodies are bounded in size and read time
@@ -44,7 +44,7 @@ from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
 from sonar.http.chat import create_chat_completion, template_kwargs, template_source
 from sonar.http.completions import create_completion
-from sonar.http.errors import EXCEPTION_HANDLERS, error_response
+from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
 from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
@@ -337,6 +337,8 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         return Response(msgspec.json.encode(tree), media_type="application/json")
 
     async def load(request: Request) -> Response:
+        if not settings.enable_server_load_tracking:
+            raise RequestError("server load tracking is off (--no-enable-server-load-tracking)", status=404)
         return json_response({"server_load": metrics.server_load})
 
     @asynccontextmanager
@@ -393,7 +395,10 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     if settings.api_keys:
         open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
-    middleware.append(Middleware(LoadMiddleware, metrics=metrics))
+    if settings.enable_server_load_tracking:
+        middleware.append(Middleware(LoadMiddleware, metrics=metrics))
+    if settings.log_error_stack:
+        middleware.append(Middleware(ErrorStackLogging))
     app = Starlette(
         routes=routes,
         middleware=middleware,

@@ -8,10 +8,12 @@ event can no longer change its status: `sonar.http.sse` sends the same body as a
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.errors import (
     EngineDeadError,
@@ -59,9 +61,41 @@ def error_response(message: str, status: int, param: str | None = None, code: st
     return json_response(error_body(message, status, param, code), status)
 
 
+_LOG_STACKS: ContextVar[bool] = ContextVar("sonar_log_error_stack", default=False)
+"""Set for the requests of an app with --log-error-stack (`ErrorStackLogging`)."""
+
+
+class ErrorStackLogging:
+    """--log-error-stack: every error response of the requests passing through logs the traceback
+    of the exception behind it (`request.error`), refusals (4xx) too. A flag in the request's
+    context rather than an argument: the errors are mapped in the exception handler, in streams
+    and in the Responses API, and each reads it where it is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = _LOG_STACKS.set(True)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _LOG_STACKS.reset(token)
+
+
 def error_from_exception(exc: BaseException, request_id: str | None = None) -> tuple[int, ErrorResponse]:
     """The HTTP status and OpenAI error body for an exception raised while serving a request: the
     status the exception carries (`SonarError.status`, `RequestError.status`), the message for it."""
+    answer = _expected_error(exc, request_id)
+    if answer is None:  # a bug: always logged with its traceback
+        log.error("request.failed", request_id=request_id, exc_info=exc)
+        return 500, error_body(f"internal server error (request id {request_id}): {type(exc).__name__}", 500)
+    if _LOG_STACKS.get():
+        log.warning("request.error", request_id=request_id, status=answer[0], exc_info=exc)
+    return answer
+
+
+def _expected_error(exc: BaseException, request_id: str | None) -> tuple[int, ErrorResponse] | None:
+    """The answer to an error raised by design (None: any other exception)."""
     if isinstance(exc, (RequestError, InvalidRequestError)):
         return exc.status, error_body(str(exc), exc.status, exc.param, exc.code)
     if isinstance(exc, EngineDeadError):
@@ -80,8 +114,7 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
         return exc.status, error_body(str(exc), exc.status, getattr(exc, "param", None))
     if isinstance(exc, ClientDisconnect):  # gone before its body arrived: nobody reads the answer
         return 499, error_body("the client disconnected before the request body arrived", 499)
-    log.error("request.failed", request_id=request_id, exc_info=exc)
-    return 500, error_body(f"internal server error (request id {request_id}): {type(exc).__name__}", 500)
+    return None
 
 
 def retry_after(exc: ServerOverloadedError) -> int:

@@ -66,6 +66,10 @@ class ServerSettings:
     tool_call_parser: str | None = None
     #: --reasoning-parser: a name registered in `sonar.parsers.reasoning` (None: none).
     reasoning_parser: str | None = None
+    #: --log-error-stack: every error response logs the traceback behind it (`request.error`).
+    log_error_stack: bool = False
+    #: --enable-server-load-tracking: count generation requests in flight, served at GET /load.
+    enable_server_load_tracking: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
