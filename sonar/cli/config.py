@@ -87,6 +87,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     log_config_file: str | None = None
     """A logging dictConfig JSON file (`sonar.log.apply_config_file`)."""
     log_error_stack: bool = False
+    enable_per_request_metrics: bool = False
     enable_server_load_tracking: bool = True
 
     @property

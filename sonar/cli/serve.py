@@ -337,6 +337,7 @@ def _settings(config: ServeConfig) -> Any:
         tool_call_parser=config.tool_call_parser,
         reasoning_parser=config.reasoning_parser or None,
         log_error_stack=config.log_error_stack,
+        enable_per_request_metrics=config.enable_per_request_metrics,
         enable_server_load_tracking=config.enable_server_load_tracking,
     )
 

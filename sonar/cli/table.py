@@ -160,7 +160,10 @@ GROUPS: tuple[Group, ...] = (
            to=S, check=non_negative),
         _f("--enable-prompt-tokens-details", B, False,
            "Include prompt_tokens_details (such as cached prompt tokens) in the usage block.", to=S),
-        _f("--enable-per-request-metrics", B, False, "Add per-request timing figures to API responses."),
+        _f("--enable-per-request-metrics", B, False,
+           "Add a 'metrics' object to single-prompt, single-choice completion and chat responses (on a "
+           "stream: the final usage chunk): queue time, time to first token, generation time, mean "
+           "inter-token latency and tokens per second.", to=S),
         _f("--enable-server-load-tracking", B, True,
            "Count the requests to the generation routes in flight and report them at GET /load, for "
            "load-aware routing; --no-enable-server-load-tracking drops the counter and the route.",

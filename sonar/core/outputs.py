@@ -13,6 +13,7 @@ __all__ = [
     "KVLoadSpec",
     "KVStoreSpec",
     "RequestError",
+    "RequestTiming",
     "RequestUpdate",
     "ScheduledRequest",
     "SchedulerOutput",
@@ -129,6 +130,16 @@ class RequestError(msgspec.Struct, frozen=True, gc=False):
     message: str
 
 
+class RequestTiming(msgspec.Struct, array_like=True, gc=False):
+    """A request's way to its first token, measured by the scheduler (one clock, so it holds
+    wherever the frontend runs): the per-request metrics start from it."""
+
+    queue_seconds: float
+    """From its arrival to its first scheduling."""
+    first_token_seconds: float
+    """From its first scheduling to its first token."""
+
+
 class RequestUpdate(msgspec.Struct, gc=False):
     """What a step did to one request: the tokens it accepted and, if it ended, why."""
 
@@ -143,6 +154,8 @@ class RequestUpdate(msgspec.Struct, gc=False):
     """Prompt tokens served from the prefix cache at first admission."""
     error: RequestError | None = None
     """Set when ``finish_reason`` is ``error``."""
+    timing: RequestTiming | None = None
+    """On the update that carries the request's first token."""
 
 
 class SchedulerStats(msgspec.Struct, gc=False):

@@ -173,6 +173,7 @@ class Request:
         "stop_reason",
         "error",
         "seq",
+        "scheduled_time",
     )
 
     def __init__(
@@ -259,6 +260,8 @@ class Request:
         """Why a ``FINISHED_ERROR`` request failed."""
         self.seq = -1
         """Order of arrival at the scheduler; breaks every tie."""
+        self.scheduled_time: float | None = None
+        """When it was first scheduled (`time.monotonic`, as ``arrival_time``); None until then."""
 
     @property
     def lora_key(self) -> str | None:

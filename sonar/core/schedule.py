@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
@@ -66,6 +67,7 @@ from sonar.core.outputs import (
     PLACEHOLDER_TOKEN,
     KVLoadSpec,
     RequestError,
+    RequestTiming,
     RequestUpdate,
     ScheduledRequest,
     SchedulerOutput,
@@ -174,7 +176,10 @@ class Scheduler:
         block_manager: BlockManager,
         *,
         lower_tier_lookup: LowerTierLookup | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock`: the time of the requests' `arrival_time`, for their first scheduling and first
+        token (`RequestTiming`)."""
         needed = block_manager.blocks_for(config.max_model_len)
         if needed > block_manager.num_blocks:
             raise ValueError(
@@ -184,6 +189,7 @@ class Scheduler:
             )
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
         self.requests: dict[str, Request] = {}
         self._key = policy_key(config.scheduling_policy)
         self.waiting = make_waiting_queue(config.scheduling_policy)
@@ -576,6 +582,8 @@ class Scheduler:
             return None
         self.waiting.pop()
         request.status = _RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = self.clock()
         request.num_computed_tokens = num_hit_tokens
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
@@ -643,6 +651,8 @@ class Scheduler:
             request.num_cached_tokens = computed
             request.num_offloaded_tokens = loaded_tokens
         request.status = _RUNNING
+        if request.scheduled_time is None:
+            request.scheduled_time = self.clock()
         bisect.insort(self.running, request, key=self._key)
         self._fresh.add(request_id)
         return True
@@ -748,7 +758,11 @@ class Scheduler:
                 bm.free(request_id, request=request)
                 self._retire(request)
                 any_finished = True
-            updates.append(self._update(request, output[first:]))
+            update = self._update(request, output[first:])
+            if first == 0 and output and request.scheduled_time is not None:
+                scheduled = request.scheduled_time
+                update.timing = RequestTiming(scheduled - request.arrival_time, self.clock() - scheduled)
+            updates.append(update)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.quarantine and sampled:

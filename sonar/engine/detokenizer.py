@@ -120,6 +120,7 @@ class DetokenizerActor(Actor):
                 num_cached_tokens=u.num_cached_tokens,
                 error=u.error,
                 pooled=msg.pooled.get(u.req_id),
+                timing=u.timing,
             )
             lps = msg.logprobs.get(u.req_id)
             if lps:

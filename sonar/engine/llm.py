@@ -26,7 +26,7 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
-from sonar.core.outputs import RequestError, SchedulerStats
+from sonar.core.outputs import RequestError, RequestTiming, SchedulerStats
 from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
@@ -147,6 +147,8 @@ class StreamDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     pooled: PooledData | None = None
+    timing: RequestTiming | None = None
+    """On the delta of the first token: the scheduler's queue time and time to first token."""
 
 
 @dataclass
@@ -796,6 +798,7 @@ class LLM:
                     delta.num_prompt_tokens,
                     delta.num_cached_tokens,
                     delta.pooled,
+                    delta.timing,
                 )
         finally:
             for cid in ids:

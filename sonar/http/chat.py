@@ -113,15 +113,16 @@ async def create_chat_completion(
         settings, rid, [out.text for out in result.outputs], [c.finish_reason for c in choices], completion_tokens
     )
     usage = make_usage(settings, len(prompt_ids), completion_tokens, result.num_cached_tokens)
-    return json_response(
-        ChatCompletionResponse(
-            id=rid,
-            model=lora or settings.model_name,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=settings.system_fingerprint,
-        )
+    response = ChatCompletionResponse(
+        id=rid,
+        model=lora or settings.model_name,
+        choices=choices,
+        usage=usage,
+        system_fingerprint=settings.system_fingerprint,
     )
+    if settings.enable_per_request_metrics and params.n == 1:
+        response.metrics = rec.timing()
+    return json_response(response)
 
 
 def template_source(llm: LLM, settings: ServerSettings) -> str | None:
@@ -196,4 +197,7 @@ async def _stream(
     order = sorted(texts)
     log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], completion_tokens)
     if req.include_usage or settings.enable_force_include_usage:
-        await emit(chunk([], make_usage(settings, len(prompt_ids), completion_tokens, cached_tokens)))
+        last = chunk([], make_usage(settings, len(prompt_ids), completion_tokens, cached_tokens))
+        if settings.enable_per_request_metrics and params.n == 1:
+            last.metrics = rec.timing()
+        await emit(last)

@@ -83,6 +83,8 @@ async def create_completion(
     if req.scores_only:
         outputs = [_scored(result) for result in outputs]
     response = _response(llm, settings, req, rid, outputs, params.n, lora or settings.model_name)
+    if settings.enable_per_request_metrics and len(prompts) == 1 and params.n == 1:
+        response.metrics = rec.timing()
     log_output(
         settings,
         rid,
@@ -230,13 +232,14 @@ async def _stream(
     log_output(settings, rid, [texts[i] for i in order], [finished.get(i) for i in order], counts["completion"])
     if req.include_usage or settings.enable_force_include_usage:
         usage = make_usage(settings, counts["prompt"], counts["completion"], counts["cached"])
-        await emit(
-            CompletionResponse(
-                id=rid,
-                model=model,
-                choices=[],
-                usage=usage,
-                created=created,
-                system_fingerprint=settings.system_fingerprint,
-            )
+        last = CompletionResponse(
+            id=rid,
+            model=model,
+            choices=[],
+            usage=usage,
+            created=created,
+            system_fingerprint=settings.system_fingerprint,
         )
+        if settings.enable_per_request_metrics and len(prompts) == 1 and params.n == 1:
+            last.metrics = rec.timing()
+        await emit(last)

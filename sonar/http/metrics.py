@@ -54,7 +54,9 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.actors.tree import ActorInfo
+from sonar.core.outputs import RequestTiming
 from sonar.engine.llm import LLM, RequestOutput, StreamDelta
+from sonar.http.protocol import PerRequestMetrics
 from sonar.log import get_logger
 from sonar.procfs import resident_bytes
 
@@ -459,6 +461,9 @@ class RequestRecorder:
         self._last: dict[tuple[int, int], float] = {}  # (prompt, choice) -> time of its last output
         self._finished: set[tuple[int, int]] = set()
         self._prompts_counted: set[int] = set()
+        self._first: dict[tuple[int, int], float] = {}
+        self._tokens: dict[tuple[int, int], int] = {}
+        self._timing: dict[tuple[int, int], RequestTiming] = {}
 
     def output(self, delta: StreamDelta, prompt: int = 0) -> None:
         """Record one output delta of choice `delta.index` of the request's `prompt`-th prompt."""
@@ -467,11 +472,15 @@ class RequestRecorder:
             self._prompts_counted.add(prompt)
             m.prompt_tokens.inc(delta.num_prompt_tokens)
             m.total_prompt_tokens += delta.num_prompt_tokens
+        if delta.timing is not None:
+            self._timing[key] = delta.timing
         if delta.token_ids:
             m.generation_tokens.inc(len(delta.token_ids))
             m.total_generation_tokens += len(delta.token_ids)
+            self._tokens[key] = self._tokens.get(key, 0) + len(delta.token_ids)
             last = self._last.get(key)
             if last is None:
+                self._first[key] = now
                 m.ttft.observe(now - self.arrival)
                 m.queue.observe(now - self.arrival)
             else:
@@ -481,6 +490,13 @@ class RequestRecorder:
             self._finished.add(key)
             m.request_success.labels(finished_reason=delta.finish_reason).inc()
             m.e2e.observe(now - self.arrival)
+
+    def timing(self, prompt: int = 0, choice: int = 0) -> PerRequestMetrics:
+        """--enable-per-request-metrics for one choice: the scheduler's queue time and time to
+        first token, then this recorder's first-to-last token interval (None where unknown)."""
+        key = (prompt, choice)
+        first, last = self._first.get(key), self._last.get(key)
+        return per_request_metrics(self._timing.get(key), first, last, self._tokens.get(key, 0))
 
     def close(self) -> None:
         """The handler stopped reading: a started choice that did not finish counts as aborted."""
@@ -509,6 +525,26 @@ class RequestRecorder:
             return await llm.generate(prompt, params, on_delta=lambda d: self.output(d, prompt_index), **kwargs)
         finally:
             self.close()
+
+
+def per_request_metrics(
+    timing: RequestTiming | None, first: float | None, last: float | None, tokens: int
+) -> PerRequestMetrics:
+    """vLLM's per-request figures from the scheduler's `timing` and the times (one clock) the
+    first and the last of `tokens` generated tokens arrived."""
+    metrics = PerRequestMetrics()
+    if timing is not None:
+        metrics.queue_time_ms = timing.queue_seconds * 1000
+        metrics.time_to_first_token_ms = timing.first_token_seconds * 1000
+    if first is None or last is None:
+        return metrics
+    decode = last - first
+    metrics.generation_time_ms = decode * 1000
+    if tokens > 1:
+        metrics.mean_itl_ms = decode / (tokens - 1) * 1000
+    if timing is not None and timing.first_token_seconds + decode > 0:
+        metrics.tokens_per_second = tokens / (timing.first_token_seconds + decode)
+    return metrics
 
 
 class LoadMiddleware:

@@ -618,6 +618,20 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
 
 
+class PerRequestMetrics(msgspec.Struct):
+    """--enable-per-request-metrics: a request's timing, as vLLM reports it (None where unknown)."""
+
+    time_to_first_token_ms: float | None = None
+    """From its first scheduling to its first token."""
+    generation_time_ms: float | None = None
+    """From its first token to its last."""
+    queue_time_ms: float | None = None
+    """From its arrival at the engine to its first scheduling."""
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+    """Generated tokens over the time from its first scheduling to its last token."""
+
+
 class CompletionResponse(msgspec.Struct):
     id: str
     model: str
@@ -626,6 +640,7 @@ class CompletionResponse(msgspec.Struct):
     object: str = "text_completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(msgspec.Struct):
@@ -672,6 +687,7 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
     created: int = msgspec.field(default_factory=lambda: int(time.time()))
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | msgspec.UnsetType = msgspec.UNSET
 
 
 class DeltaFunctionCall(msgspec.Struct, omit_defaults=True):
@@ -713,6 +729,7 @@ class ChatCompletionChunk(msgspec.Struct):
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
     system_fingerprint: str | None = None
+    metrics: PerRequestMetrics | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct):

@@ -68,6 +68,9 @@ class ServerSettings:
     reasoning_parser: str | None = None
     #: --log-error-stack: every error response logs the traceback behind it (`request.error`).
     log_error_stack: bool = False
+    #: --enable-per-request-metrics: a single-prompt, single-choice completion carries `metrics`
+    #: (on a stream: the final usage chunk).
+    enable_per_request_metrics: bool = False
     #: --enable-server-load-tracking: count generation requests in flight, served at GET /load.
     enable_server_load_tracking: bool = True
     extra: dict[str, Any] = field(default_factory=dict)

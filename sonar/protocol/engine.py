@@ -8,7 +8,7 @@ import msgspec
 
 from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
-from sonar.core.outputs import RequestError, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import RequestError, RequestTiming, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.core.request import LoRARequest
 from sonar.errors import Rejection
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
@@ -267,6 +267,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     """Why the request failed alone (``finish_reason`` ``error``); the frontend raises it."""
     pooled: PooledData | None = None
     """A pooling request's result, on its final delta."""
+    timing: RequestTiming | None = None
+    """On the delta of the request's first token: its queue time and time to first token."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

@@ -1,5 +1,6 @@
 """The operator's flags on a real `python -m sonar serve`: --log-config-file, --log-error-stack,
---enable-logging-iteration-details and --no-enable-server-load-tracking, one server for all.
+--enable-logging-iteration-details, --enable-per-request-metrics and
+--no-enable-server-load-tracking, one server for all.
 
 The logging configuration sends Sonar's and uvicorn's loggers to a file (and nowhere else), with
 the process id in each line, so the test tells the server's lines from its worker process's.
@@ -18,7 +19,7 @@ import pytest
 
 from sonar.cli import parse_serve_args
 from sonar.cli.serve import main
-from tests.http.conftest import ServerProcess, serving
+from tests.http.conftest import ServerProcess, serving, sse_events
 
 SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--seed", "0")
 
@@ -41,7 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
     logfile = tmp / "sonar.log"
     config = tmp / "logging.json"
     config.write_text(json.dumps(log_config(logfile)))
-    flags = ("--log-config-file", str(config), "--log-error-stack", "--enable-logging-iteration-details")
+    flags = (
+        *("--log-config-file", str(config), "--log-error-stack", "--enable-logging-iteration-details"),
+        "--enable-per-request-metrics",
+    )
     with serving(tmp, *SERVER_ARGS, *flags, "--no-enable-server-load-tracking") as srv:
         yield srv, logfile
 
@@ -112,6 +116,54 @@ def test_log_error_stack_logs_the_traceback_of_a_refusal(server: tuple[ServerPro
     assert "RequestError: invalid request: Expected `int` >= 0 - at `$.max_tokens`" in after
 
 
+METRICS = {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms", "mean_itl_ms", "tokens_per_second"}
+
+
+def check_metrics(metrics: dict[str, Any], tokens: int, seconds: float) -> None:
+    """`metrics` of a request of `tokens` generated tokens that took `seconds` at the client."""
+    assert set(metrics) == METRICS, metrics
+    ttft, generation, queue = metrics["time_to_first_token_ms"], metrics["generation_time_ms"], metrics["queue_time_ms"]
+    assert 0 < ttft and 0 < generation and 0 <= queue
+    assert queue + ttft + generation <= seconds * 1000
+    assert metrics["mean_itl_ms"] == pytest.approx(generation / (tokens - 1))
+    assert metrics["tokens_per_second"] == pytest.approx(tokens / ((ttft + generation) / 1000))
+
+
+def test_per_request_metrics_on_a_whole_completion(http) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    started = time.monotonic()
+    r = http.post("/v1/completions", json=body)
+    seconds = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    check_metrics(r.json()["metrics"], 5, seconds)
+    # Several choices: which one would the figures be of? None is given, as in vLLM.
+    r = http.post("/v1/completions", json={**body, "n": 2, "temperature": 1.0})
+    assert r.status_code == 200 and "metrics" not in r.json()
+
+
+def test_per_request_metrics_on_the_last_chunk_of_a_chat_stream(server: tuple[ServerProcess, Path]) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.monotonic()
+    with (
+        httpx.Client(base_url=server[0].base_url, timeout=60) as c,
+        c.stream("POST", "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status_code == 200
+        events = sse_events(r)
+    seconds = time.monotonic() - started
+    assert events[-1] == "[DONE]"
+    *chunks, last = events[:-1]
+    assert not any("metrics" in chunk for chunk in chunks)
+    assert last["usage"]["completion_tokens"] == 4
+    check_metrics(last["metrics"], 4, seconds)
+
+
 def test_load_tracking_off_drops_the_route_and_says_why(http) -> None:
     r = http.get("/load")
     assert r.status_code == 404
@@ -123,6 +175,7 @@ def test_the_operator_flags_default_to_off_and_tracking_on() -> None:
     assert (config.log_config_file, config.log_error_stack) == (None, False)
     assert config.enable_server_load_tracking is True
     assert config.engine.enable_logging_iteration_details is False
+    assert config.enable_per_request_metrics is False
     assert parse_serve_args(["--enable-logging-iteration-details"]).engine.enable_logging_iteration_details
 
 

@@ -782,3 +782,27 @@ def test_a_pooling_request_preempted_while_its_step_was_in_flight_is_done() -> N
     (update,) = scheduler.finish_pooled(["p"])
     assert update.finish_reason == "stop"
     assert_all_free(scheduler)
+
+
+# Per-request timing (--enable-per-request-metrics).
+
+
+def test_the_first_token_update_carries_queue_time_and_time_to_first_token() -> None:
+    now = [10.0]
+    bm = BlockManager(64, BS, enable_prefix_caching=True)
+    scheduler = Scheduler(
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=8, max_num_seqs=8), bm, clock=lambda: now[0]
+    )
+    runner = FakeRunner(scheduler)
+    runner.add(req("a", 12, arrival_time=9.5))  # two prefill chunks of 8 and 4
+    now[0] = 10.25
+    out, updates = runner.step()
+    assert chunks(out) == {"a": (0, 8)} and [u.new_token_ids for u in updates] == []
+    now[0] = 11.0
+    _, updates = runner.step()
+    assert [u.new_token_ids for u in updates] == [[7]]
+    timing = updates[0].timing
+    assert timing is not None
+    assert (timing.queue_seconds, timing.first_token_seconds) == pytest.approx((0.75, 0.75))
+    _, updates = runner.step()
+    assert updates[0].new_token_ids == [7] and updates[0].timing is None

@@ -169,3 +169,19 @@ def test_stats_line_fields() -> None:
     assert "mean_acceptance_length" not in stats_line(stats, 0.0, 0.0, None)
     assert stats_line(stats, 0.0, 0.0, None, 2.456)["mean_acceptance_length"] == 2.46  # speculating
     assert stats_line(stats, 0.0, 0.0, None, 0.0)["mean_acceptance_length"] == "n/a"  # no drafts
+
+
+def test_per_request_metrics_follow_vllms_definitions() -> None:
+    """Queued at 1.0, first scheduled at 1.5, first token at 2.0, the tenth and last at 3.0."""
+    from sonar.core.outputs import RequestTiming
+    from sonar.http.metrics import per_request_metrics
+
+    metrics = per_request_metrics(RequestTiming(0.5, 0.5), first=2.0, last=3.0, tokens=10)
+    assert metrics.queue_time_ms == pytest.approx(500.0)
+    assert metrics.time_to_first_token_ms == pytest.approx(500.0)
+    assert metrics.generation_time_ms == pytest.approx(1000.0)
+    assert metrics.mean_itl_ms == pytest.approx(1000.0 / 9)
+    assert metrics.tokens_per_second == pytest.approx(10 / 1.5)
+    one = per_request_metrics(RequestTiming(0.5, 0.5), first=2.0, last=2.0, tokens=1)
+    assert (one.mean_itl_ms, one.generation_time_ms, one.tokens_per_second) == (None, 0.0, pytest.approx(2.0))
+    assert per_request_metrics(None, None, None, 0) == type(metrics)()
