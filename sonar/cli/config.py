@@ -84,6 +84,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     uvicorn_log_level: str = "info"
     disable_uvicorn_access_log: bool = False
     disable_access_log_for_endpoints: tuple[str, ...] = ()
+    fail_on_environ_validation: bool = False
     log_config_file: str | None = None
     """A logging dictConfig JSON file (`sonar.log.apply_config_file`)."""
     log_error_stack: bool = False

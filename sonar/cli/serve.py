@@ -31,6 +31,13 @@ def main(argv: Sequence[str]) -> int:
     except UsageError as error:
         print(error, file=sys.stderr)
         return error.exit_code
+    from sonar.cli.environ import unknown_variables
+
+    for problem in unknown_variables(os.environ):
+        if config.fail_on_environ_validation:
+            print(f"{PROG}: error: {problem} (--fail-on-environ-validation)", file=sys.stderr)
+            return 2
+        _say(f"warning: {problem}")
     if config.log_config_file is not None:
         from sonar.log import LogConfigError, use_config_file
 

@@ -99,8 +99,8 @@ GROUPS: tuple[Group, ...] = (
            negatable=False, accepts=(True,),
            why="Sonar logs one statistics line summed over its data-parallel replicas, never one per replica"),
         _f("--fail-on-environ-validation", B, False,
-           "Refuse to start, instead of warning, when environment variables fail validation.",
-           why="Sonar does not validate its environment variables yet"),
+           "Refuse to start, instead of warning, when a SONAR_ environment variable is set that Sonar "
+           "does not read (most likely a misspelling).", to=S),
         _f("--shutdown-timeout", F, 0.0,
            "On shutdown, seconds to let in-flight requests finish; 0 aborts them right away.",
            to=S, check=non_negative),

@@ -104,10 +104,7 @@ def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
 #: Every flag that Sonar once accepted and ignored, by group, each with a value other than its
 #: default: each must now stop the start.
 REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
-    "options": [
-        ["--fail-on-environ-validation"],
-        ["--gdn-prefill-backend", "triton"],
-    ],
+    "options": [["--gdn-prefill-backend", "triton"]],
     "Frontend": [
         ["--data-parallel-supervisor-port", "9300"],
         ["--dp-supervisor-probe-interval-s", "1"],
