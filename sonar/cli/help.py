@@ -150,6 +150,8 @@ def _status(flag: Flag) -> str:
             return ""
         return f"Sonar: implements {', '.join(map(str, flag.supported))}; the other values are not supported yet."
     accepted = [_accepted(flag, v) for v in flag.accepted_values()]
+    if flag.kind is Kind.BOOL and {True, False} <= set(flag.accepted_values()):
+        return f"Sonar: either value is accepted and means the same for Sonar: {flag.why}."
     why = f" ({flag.why})" if flag.why else ""
     return f"Sonar: not supported yet{why}; accepted only as {' or '.join(dict.fromkeys(accepted))}."
 

@@ -167,7 +167,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--enable-server-load-tracking", B, True,
            "Count the requests to the generation routes in flight and report them at GET /load, for "
            "load-aware routing; --no-enable-server-load-tracking drops the counter and the route.",
-           to=S, reference_default=False),
+           to=S, reference_default=False,
+           default_note="True (the reference server's is False; the count costs nothing measurable)"),
         _f("--enable-force-include-usage", B, False,
            "Report token usage on every response, also on streams that did not ask for it.", to=S),
         _f("--enable-tokenizer-info-endpoint", B, False,

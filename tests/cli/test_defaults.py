@@ -136,6 +136,9 @@ def test_every_flag_is_explained_and_none_is_a_no_op() -> None:
         assert flag.help.strip(), flag.name
         if flag.why is not None:
             assert flag.status is Status.DEFAULT_ONLY and flag.why.strip(), flag.name
+        both = flag.kind is Kind.BOOL and {True, False} <= set(flag.accepted_values())
+        if flag.status is Status.DEFAULT_ONLY and both:
+            assert flag.why, f"{flag.name}: accepting both values needs a why"
 
 
 def _words(flag, value) -> list[str]:

@@ -72,6 +72,8 @@ def test_help_shows_status_choices_and_default() -> None:
     assert "Default: 1." in text and "Sonar: not supported yet; accepted only as 1." in text
     text = render_help("data-parallel-address")
     assert "Sonar: not supported yet (Sonar runs every data-parallel replica on this machine" in " ".join(text.split())
+    text = " ".join(render_help("disable-custom-all-reduce").split())
+    assert "Sonar: either value is accepted and means the same for Sonar: Sonar's all-reduce is always" in text
     text = render_help("dtype")
     assert "Choices: auto, bfloat16, float, float16, float32, half." in text
     assert "Also one key at a time: --override-generation-config.KEY VALUE" in render_help("override-generation-config")
