@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from sonar.errors import (
     EngineDeadError,
+    EngineSleepingError,
     InvalidRequestError,
     RequestQuarantinedError,
     SamplingFailedError,
@@ -31,6 +32,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    409: "ConflictError",
     408: "BadRequestError",
     413: "BadRequestError",
     429: "RateLimitError",
@@ -64,6 +66,8 @@ def error_from_exception(exc: BaseException, request_id: str | None = None) -> t
     status the exception carries (`SonarError.status`, `RequestError.status`), the message for it."""
     if isinstance(exc, (RequestError, InvalidRequestError)):
         return exc.status, error_body(str(exc), exc.status, exc.param, exc.code)
+    if isinstance(exc, EngineSleepingError):
+        return exc.status, error_body(str(exc), exc.status)
     if isinstance(exc, EngineDeadError):
         return exc.status, error_body(f"the engine is not available: {exc}", exc.status)
     if isinstance(exc, ServerOverloadedError):
