@@ -100,6 +100,7 @@ def test_sleep_refuses_requests_with_503_and_wake_up_restores_the_answer(http: h
     error = refused.json()["error"]
     assert error["type"] == "ServiceUnavailableError" and "asleep" in error["message"]
     assert http.post("/sleep", params={"level": 2}).status_code == 409  # asleep at level 1 already
+    assert http.get("/health").status_code == 200  # asleep, not dead
 
     assert http.post("/wake_up").json() == {"is_sleeping": False, "level": 0, "asleep": []}
     assert complete(http) == before
