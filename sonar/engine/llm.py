@@ -79,6 +79,9 @@ RETRY_AFTER = 1.0
 SLEEP_DRAIN_TIMEOUT = 60.0
 """Seconds `LLM.sleep` waits, by default, for the running requests to finish."""
 MAX_SLEEP_DRAIN_TIMEOUT = 3600.0
+ASK_MARGIN = 30.0
+"""Seconds a sleep or wake-up ask waits past the scheduler's own deadline, so that the scheduler's
+answer (a refusal included) arrives before this side gives up."""
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -639,10 +642,10 @@ class LLM:
         done: list[int] = []
         for index in range(self.replicas.count):
             msg = SleepEngine(level, drain_timeout)
-            reply = await self._ask_sleep(index, msg, drain_timeout + self.config.step_timeout)
+            reply = await self._ask_sleep(index, msg, drain_timeout + self.config.step_timeout + ASK_MARGIN)
             if reply.refused is not None:
                 for woken in done:  # all replicas sleep, or none
-                    await self._ask_sleep(woken, WakeEngine(list(check_tags(None))), self.config.step_timeout)
+                    await self._ask_sleep(woken, WakeEngine(list(check_tags(None))), self._wake_timeout)
                 raise SleepRefusedError(reply.refused)
             done.append(index)
         return reply.state
@@ -653,7 +656,7 @@ class LLM:
         self._sleep_mode()
         wanted = list(check_tags(tags))
         for index in range(self.replicas.count):
-            reply = await self._ask_sleep(index, WakeEngine(wanted), self.config.step_timeout)
+            reply = await self._ask_sleep(index, WakeEngine(wanted), self._wake_timeout)
             if reply.refused is not None:
                 raise SleepRefusedError(reply.refused)
         return reply.state
@@ -673,6 +676,12 @@ class LLM:
     async def stop_profile(self) -> list[str]:
         """Stop the profiler; the files written (one Chrome trace per worker, and its table)."""
         return await self._ask_workers(StopProfile())
+
+    @property
+    def _wake_timeout(self) -> float:
+        """The scheduler waits `step_timeout` for the worker to wake (a level 2 wake-up loads
+        the model again): this handle waits a little longer for the scheduler's answer."""
+        return self.config.step_timeout + ASK_MARGIN
 
     def _sleep_mode(self) -> None:
         self._check_open()
