@@ -21,6 +21,7 @@ from sonar import SamplingParams
 from sonar.core.sleep import SleepRefusedError, SleepState
 from sonar.errors import EngineSleepingError, InvalidRequestError
 from sonar.procfs import resident_bytes
+from sonar.protocol.engine import GetSleepState
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 
 pytestmark = pytest.mark.anyio
@@ -109,7 +110,6 @@ async def test_sleep_frees_memory_and_wake_restores_the_answers(checkpoint: Path
         state = await llm.sleep(1)
         assert state == SleepState(1, ("weights", "kv_cache")) and await llm.is_sleeping()
         asleep = rss(pid)
-        print(f"level 1: {awake / MiB:.0f} MiB awake, {asleep / MiB:.0f} MiB asleep")
         assert awake - asleep > 40 * MiB, (awake, asleep)
         with pytest.raises(EngineSleepingError, match="asleep"):
             await llm.generate("w1 w2", GREEDY)
@@ -124,11 +124,12 @@ async def test_sleep_frees_memory_and_wake_restores_the_answers(checkpoint: Path
         await fill_kv_cache(llm)
         awake = rss(pid)
         await llm.sleep(2)
-        dropped = awake - rss(pid)
-        print(f"level 2: {awake / MiB:.0f} MiB awake, {(awake - dropped) / MiB:.0f} MiB asleep")
-        assert dropped > 80 * MiB, dropped  # ~45 MiB of weights and ~47 MiB of KV
+        asleep = rss(pid)
+        assert awake - asleep > 80 * MiB, (awake, asleep)  # ~45 MiB of weights and ~47 MiB of KV
         state = await llm.wake_up(["weights"])
         assert state == SleepState(2, ("kv_cache",)) and await llm.is_sleeping()
+        woken = rss(pid)
+        assert woken - asleep > 40 * MiB, (asleep, woken)  # the weights are back in memory
         with pytest.raises(EngineSleepingError):
             await llm.generate("w1 w2", GREEDY)
         assert await llm.wake_up(["kv_cache"]) == SleepState()
@@ -184,3 +185,21 @@ async def test_sleep_waits_for_running_requests_and_refuses_new_ones(checkpoint:
         assert slept[0].is_sleeping
         await llm.wake_up()
         assert (await llm.generate("w1 w2 w3", long)).token_ids == expected
+
+
+async def test_the_prefix_cache_is_dropped_and_every_replica_sleeps(checkpoint: Path, one_thread) -> None:
+    engine = {**ENGINE, "placement": {}, "kv_cache_memory_bytes": 8 * MiB, "max_model_len": 256}
+    prompt = long_prompt(3, 64)
+    one = SamplingParams(temperature=0, max_tokens=1)
+    async with sonar.open(str(checkpoint), data_parallel_size=2, **engine) as llm:
+        first = await llm.generate(prompt, one)
+        assert (await llm.generate(prompt, one)).num_cached_tokens == 48  # its blocks but the last
+        await llm.sleep(1)
+        for index in range(2):
+            assert (await llm._ask_sleep(index, GetSleepState(), 10)).state.is_sleeping
+        for text in ("w1", "w2", "w3"):  # whichever replica the router picks
+            with pytest.raises(EngineSleepingError):
+                await llm.generate(text, GREEDY)
+        await llm.wake_up()
+        again = await llm.generate(prompt, one)
+        assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
