@@ -167,3 +167,15 @@ def test_without_the_flags_the_routes_answer_404_naming_them(tmp_path: Path, tin
             assert response.status_code == 404, (path, response.text)
             assert flag in response.json()["error"]["message"]
         assert http.post("/v1/completions", json=PROMPT).status_code == 200
+
+
+def test_the_openapi_document_declares_the_routes_the_flags_turn_on() -> None:
+    from sonar.http.openapi import Limits, build_openapi
+
+    plain = build_openapi(Limits(max_model_len=16, max_logprobs=5, vocab_size=100))["paths"]
+    assert not {"/sleep", "/wake_up", "/is_sleeping", "/start_profile", "/stop_profile"} & set(plain)
+    doc = build_openapi(Limits(16, 5, 100, api_key=True, sleep_mode=True, profiling=True))["paths"]
+    assert doc["/sleep"]["post"]["parameters"][0]["schema"]["enum"] == [1, 2]
+    assert {"401", "409"} <= set(doc["/sleep"]["post"]["responses"])
+    assert doc["/is_sleeping"]["get"]["security"] == [{"bearer": []}]
+    assert {"/start_profile", "/stop_profile"} <= set(doc)
