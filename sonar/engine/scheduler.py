@@ -240,7 +240,10 @@ class SchedulerActor(Actor):
                 self.wake.set()
             return None
         if isinstance(msg, GetSleepState):
-            return SleepReply(self.sleep)
+            if not self.sleep.is_sleeping or self.transition:
+                return SleepReply(self.sleep)
+            self.task_group.start_soon(self._refresh_sleep, msg)
+            return NO_REPLY
         if isinstance(msg, (SleepEngine, WakeEngine)):
             if self.transition:
                 return SleepReply(self.sleep, "another sleep or wake-up is under way; try again when it is done")
@@ -670,6 +673,21 @@ class SchedulerActor(Actor):
         log.info("scheduler.worker_back", requests=len(ids))
 
     # -- sleep mode --------------------------------------------------------------------------------
+    async def _refresh_sleep(self, msg: GetSleepState) -> None:
+        """While asleep, answer the worker's own state: a worker restarted meanwhile (it crashed)
+        starts awake, whole, and then so does this scheduler."""
+        try:
+            info = await self.worker.ask(DescribeWorker(), timeout=5)
+        except (ActorError, AskTimeout, ActorNotFound):
+            info = None  # restarting: the state stays as it was
+        if info is not None and not self.transition and info.instance != self.info.instance:
+            if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
+                raise RuntimeError("the restarted worker has a different KV cache layout")
+            log.warning("scheduler.worker_restarted", sleeping=info.sleep.is_sleeping)
+            self.info, self.sleep = info, info.sleep
+        if msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, SleepReply(self.sleep))
+
     async def _go_to_sleep(self, msg: SleepEngine) -> None:
         reply = SleepReply(self.sleep)
         try:

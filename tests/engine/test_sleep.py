@@ -10,6 +10,8 @@ requests first write them).
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import anyio
@@ -203,3 +205,14 @@ async def test_the_prefix_cache_is_dropped_and_every_replica_sleeps(checkpoint: 
         await llm.wake_up()
         again = await llm.generate(prompt, one)
         assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids
+
+
+async def test_a_worker_killed_while_asleep_comes_back_awake(checkpoint: Path, one_thread) -> None:
+    async with sonar.open(str(checkpoint), **{**ENGINE, "kv_cache_memory_bytes": 8 * MiB, "max_model_len": 256}) as llm:
+        before = await answers(llm)
+        await llm.sleep(2)
+        os.kill(llm.info.pid, signal.SIGKILL)
+        with anyio.fail_after(60):  # its supervisor starts another, which loads the model: awake
+            while await llm.is_sleeping():
+                await anyio.sleep(0.2)
+        assert await answers(llm) == before
