@@ -160,6 +160,8 @@ class SchedulerActor(Actor):
         """Going to sleep: new requests are refused while the running ones finish."""
         self.transition = False
         """A sleep or a wake-up is under way (one at a time)."""
+        self.refreshing = False
+        """The worker is being asked its sleep state (`_refresh_sleep`)."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -288,6 +290,8 @@ class SchedulerActor(Actor):
 
     async def _add(self, msg: AddRequest) -> Accepted:
         if self.draining or self.sleep.is_sleeping:
+            if not self.draining and not self.transition and not self.refreshing:
+                self.task_group.start_soon(self._refresh_sleep, None)
             doing = "going to sleep" if self.draining else "asleep"
             return Accepted(
                 Rejection(RejectKind.SLEEPING, f"the engine is {doing} and takes no request until it is woken up")
@@ -673,19 +677,23 @@ class SchedulerActor(Actor):
         log.info("scheduler.worker_back", requests=len(ids))
 
     # -- sleep mode --------------------------------------------------------------------------------
-    async def _refresh_sleep(self, msg: GetSleepState) -> None:
-        """While asleep, answer the worker's own state: a worker restarted meanwhile (it crashed)
-        starts awake, whole, and then so does this scheduler."""
+    async def _refresh_sleep(self, msg: GetSleepState | None) -> None:
+        """While asleep, take the worker's own state (and answer it to `msg`): a worker restarted
+        meanwhile (it crashed) starts awake, whole, and then so does this scheduler. Asked by
+        `GetSleepState`, and by a request refused while asleep (the next one may be served)."""
+        self.refreshing = True
         try:
             info = await self.worker.ask(DescribeWorker(), timeout=5)
         except (ActorError, AskTimeout, ActorNotFound):
             info = None  # restarting: the state stays as it was
+        finally:
+            self.refreshing = False
         if info is not None and not self.transition and info.instance != self.info.instance:
             if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
                 raise RuntimeError("the restarted worker has a different KV cache layout")
             log.warning("scheduler.worker_restarted", sleeping=info.sleep.is_sleeping)
             self.info, self.sleep = info, info.sleep
-        if msg.reply_to is not None:
+        if msg is not None and msg.reply_to is not None:
             await get_node().reply(msg.reply_to, SleepReply(self.sleep))
 
     async def _go_to_sleep(self, msg: SleepEngine) -> None:
