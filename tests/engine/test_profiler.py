@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import sonar
 from sonar.cli import UsageError, parse_serve_args
 from sonar.engine.config import EngineConfig
 from sonar.engine.profiler import ProfilerConfig, TraceProfiler
@@ -101,3 +102,18 @@ def test_delay_and_max_iterations_choose_the_steps_recorded(tmp_path: Path) -> N
     assert profiler.stop() == []
     profiler.start()
     assert profiler.stop() == []  # stopped during its delay: nothing recorded, no file
+
+
+@pytest.mark.anyio
+async def test_an_in_process_worker_traces_its_steps(tiny_engine_checkpoints, tmp_path: Path, one_thread) -> None:
+    path = tiny_engine_checkpoints["llama3"].path
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path), "torch_profiler_use_gzip": False}
+    async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=32, profiler_config=profiler) as llm:
+        await llm.start_profile()
+        await llm.generate("w1 w2 w3", sonar.SamplingParams(temperature=0, max_tokens=4))
+        files = await llm.stop_profile()
+        assert await llm.stop_profile() == []
+    [trace] = [f for f in files if f.endswith(".pt.trace.json")]
+    assert Path(trace).name.startswith("sonar-worker0-rank0-")
+    names = trace_names(trace)
+    assert any("sonar/models/" in name and "forward" in name for name in names)
