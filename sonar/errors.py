@@ -58,6 +58,20 @@ class SamplingFailedError(SonarError, RuntimeError):
     model); it was failed on its own and the batch went on. HTTP answers 500 with the reason."""
 
 
+class EngineSleepingError(SonarError, RuntimeError):
+    """The engine is asleep, or going to sleep (``--enable-sleep-mode``, `LLM.sleep`): it takes no
+    request until it is woken up (`LLM.wake_up`, ``POST /wake_up``). HTTP answers 503."""
+
+    status = 503
+
+
+class NotEnabledError(SonarError, RuntimeError):
+    """An operation whose feature the engine was started without (sleep mode, the profiler); the
+    message names the flag that turns it on. HTTP answers 404, as for a route the server lacks."""
+
+    status = 404
+
+
 class RejectKind(enum.Enum):
     """Why the scheduler refused a request before queueing it."""
 
@@ -69,6 +83,8 @@ class RejectKind(enum.Enum):
     """A request with this id is already queued or running."""
     OVERLOADED = "overloaded"
     """The engine holds ``--max-waiting-seqs`` waiting requests already."""
+    SLEEPING = "sleeping"
+    """The engine is asleep or going to sleep."""
 
 
 class Rejection(msgspec.Struct, frozen=True):
@@ -78,10 +94,12 @@ class Rejection(msgspec.Struct, frozen=True):
     message: str
 
     def error(self, retry_after: float = 1.0) -> SonarError:
-        """The exception the caller sees: overloaded is `ServerOverloadedError` (HTTP 429), every
-        other kind `InvalidRequestError` (HTTP 400) with the kind as its `code`."""
+        """The exception the caller sees: overloaded is `ServerOverloadedError` (HTTP 429),
+        sleeping `EngineSleepingError` (HTTP 503), every other kind `InvalidRequestError` (HTTP 400) with the kind as its `code`."""
         if self.kind is RejectKind.OVERLOADED:
             return ServerOverloadedError(self.message, retry_after=retry_after)
+        if self.kind is RejectKind.SLEEPING:
+            return EngineSleepingError(self.message)
         return InvalidRequestError(
             self.message, param="prompt" if self.kind is RejectKind.TOO_LONG else None, code=self.kind.value
         )

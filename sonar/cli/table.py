@@ -18,6 +18,7 @@ from sonar.cli.values import (
     port_number,
     positive,
     power_of_two,
+    profiler_config,
     structured_outputs_config,
     watermark,
 )
@@ -356,7 +357,9 @@ GROUPS: tuple[Group, ...] = (
            "(--override-generation-config.temperature 0.5). With --generation-config auto they are merged "
            "over the model's; with 'sonar' they are used alone.", dotted=True, to=S),
         _f("--enable-sleep-mode", B, False,
-           "Allow putting the engine to sleep, releasing GPU memory, and waking it again (CUDA and ROCm)."),
+           "Allow putting the engine to sleep and waking it again (POST /sleep?level=1|2, /wake_up, GET "
+           "/is_sleeping): level 1 frees the KV cache and moves the weights to host memory (on the CPU they "
+           "stay), level 2 drops the weights too, to be read again from the checkpoint on wake-up.", to=E),
         _f("--enable-cumem-allocator", B, False,
            "Allocate GPU memory through the cumem allocator (sleep mode needs it; enables multi-node NVLink)."),
         _f("--model-impl", S_, "auto",
@@ -859,7 +862,11 @@ GROUPS: tuple[Group, ...] = (
            "enable_in_reasoning (apply it from the first token).",
            dotted=True, to=E, check=structured_outputs_config,
            reference_default="StructuredOutputsConfig(...) with every field at its default"),
-        _f("--profiler-config", J, {}, "Profiler settings.", dotted=True,
+        _f("--profiler-config", J, {},
+           "Profiler settings: with profiler torch and torch_profiler_dir DIR, POST /start_profile and "
+           "/stop_profile run torch's profiler in the workers and write Chrome/Perfetto traces into DIR "
+           "(torch_profiler_with_stack, _with_flops, _use_gzip, _dump_cuda_time_total, _record_shapes, "
+           "_with_memory, delay_iterations, max_iterations).", dotted=True, to=E, check=profiler_config,
            reference_default="ProfilerConfig(...) with every field at its default"),
         _f("--optimization-level -O", I, 2,
            "Trade startup time for speed: -O0 starts fastest (no torch.compile, no CUDA graphs); -O1 captures "

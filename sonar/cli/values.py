@@ -229,3 +229,9 @@ def structured_outputs_config(value: dict[str, Any]) -> None:
     from sonar.structured.config import StructuredOutputsConfig
 
     StructuredOutputsConfig.parse(value)
+
+
+def profiler_config(value: dict[str, Any]) -> None:
+    from sonar.engine.profiler import ProfilerConfig
+
+    ProfilerConfig.parse(value)

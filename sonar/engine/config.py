@@ -199,6 +199,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     structured_outputs_config: dict[str, Any] = {}
     """`--structured-outputs-config`: backend, disable_any_whitespace, disable_additional_properties
     (`sonar.structured.StructuredOutputsConfig`)."""
+    enable_sleep_mode: bool = False
+    """Allow `LLM.sleep` / `wake_up` (``POST /sleep``, ``/wake_up``): free the KV cache and move
+    or drop the weights while the engine is not needed (`sonar.core.sleep`)."""
+    profiler_config: dict[str, Any] = {}
+    """`--profiler-config` (`sonar.engine.profiler.ProfilerConfig`): with ``profiler`` ``torch``,
+    `LLM.start_profile` / `stop_profile` trace the workers' steps into ``torch_profiler_dir``."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -214,6 +220,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             "pooler_config",
             "hf_overrides",
             "model_loader_extra_config",
+            "profiler_config",
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
@@ -300,6 +307,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"KV offloading with kv_cache_dtype {self.kv_cache_dtype} is not supported yet "
                 "(the offload tiers store the model's dtype); drop one of the two"
             )
+        self.profiler()
+        self._check_sleep_mode()
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError(
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
@@ -424,6 +433,27 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "speculative decoding with --async-scheduling is not supported yet (a request's drafts come "
                 "from its last token, which an overlapped step does not have yet); drop one of the two"
             )
+
+    def profiler(self) -> Any:
+        """The `ProfilerConfig` of ``--profiler-config``, None when profiling is off (ValueError
+        naming a bad or unsupported field)."""
+        from sonar.engine.profiler import ProfilerConfig
+
+        return ProfilerConfig.parse(self.profiler_config)
+
+    def _check_sleep_mode(self) -> None:
+        if not self.enable_sleep_mode:
+            return
+        spec = self.speculative()
+        for name, on in (
+            (f"{self.world_size} worker ranks (tensor / pipeline parallelism)", self.world_size > 1),
+            ("LoRA adapters (--enable-lora)", self.enable_lora),
+            ("a draft model (--speculative-config)", spec is not None and spec.lookahead),
+        ):
+            if on:
+                raise ValueError(
+                    f"sleep mode (--enable-sleep-mode) with {name} is not supported yet; drop one of the two"
+                )
 
     def _check_lora(self) -> None:
         from sonar.lora.limits import MAX_RANKS, TARGET_NAMES

@@ -30,6 +30,7 @@ from sonar.core.outputs import RequestError, RequestTiming, SchedulerStats
 from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
+from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.replicas import Replicas
@@ -39,6 +40,7 @@ from sonar.errors import (
     InvalidRequestError,
     LoRAError,
     LoRANotFoundError,
+    NotEnabledError,
     RequestQuarantinedError,
     SamplingFailedError,
     ServerOverloadedError,
@@ -52,9 +54,15 @@ from sonar.protocol.engine import (
     AddRequest,
     CountRequests,
     DescribeWorker,
+    GetSleepState,
     GetStats,
     OutputDelta,
     PositionLogprobs,
+    SleepEngine,
+    SleepReply,
+    StartProfile,
+    StopProfile,
+    WakeEngine,
     WorkerInfo,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
@@ -67,6 +75,13 @@ ADD_TIMEOUT = 30.0
 
 RETRY_AFTER = 1.0
 """Seconds an overloaded engine asks a client to wait before it tries again."""
+
+SLEEP_DRAIN_TIMEOUT = 60.0
+"""Seconds `LLM.sleep` waits, by default, for the running requests to finish."""
+MAX_SLEEP_DRAIN_TIMEOUT = 3600.0
+ASK_MARGIN = 30.0
+"""Seconds a sleep or wake-up ask waits past the scheduler's own deadline, so that the scheduler's
+answer (a refusal included) arrives before this side gives up."""
 
 RESERVED_TEMPLATE_KWARGS = frozenset(
     {
@@ -611,6 +626,90 @@ class LLM:
         for cid, stream in list(self._streams.items()):
             if index is None or self._routes.get(cid, 0) == index:
                 stream.send_nowait(Failed(reason))
+
+    # -- sleep mode and profiling -----------------------------------------------------------
+    async def sleep(self, level: int = 1, *, drain_timeout: float = SLEEP_DRAIN_TIMEOUT) -> SleepState:
+        """Put the engine to sleep (``enable_sleep_mode``; `sonar.core.sleep`): new requests are
+        refused (`EngineSleepingError`) from now on, the running ones get up to `drain_timeout`
+        seconds to finish, then the KV cache is freed and the weights moved to host memory
+        (level 1) or dropped (level 2). `SleepRefusedError` when requests still ran at the
+        timeout (the engine then stays awake) or it sleeps at another level already."""
+        self._sleep_mode()
+        level = check_level(level)
+        if not 0 < drain_timeout <= MAX_SLEEP_DRAIN_TIMEOUT:
+            raise InvalidRequestError(
+                f"drain timeout must be in (0, {MAX_SLEEP_DRAIN_TIMEOUT:g}] seconds, got {drain_timeout!r}",
+                param="timeout",
+            )
+        done: list[int] = []
+        for index in range(self.replicas.count):
+            msg = SleepEngine(level, drain_timeout)
+            reply = await self._ask_sleep(index, msg, drain_timeout + self.config.step_timeout + ASK_MARGIN)
+            if reply.refused is not None:
+                for woken in done:  # all replicas sleep, or none
+                    await self._ask_sleep(woken, WakeEngine(list(check_tags(None))), self._wake_timeout)
+                raise SleepRefusedError(reply.refused)
+            done.append(index)
+        return reply.state
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> SleepState:
+        """Wake what `tags` name (``weights``, ``kv_cache``; None: both) of a sleeping engine;
+        it takes requests again once nothing sleeps. Waking what is awake changes nothing."""
+        self._sleep_mode()
+        wanted = list(check_tags(tags))
+        for index in range(self.replicas.count):
+            reply = await self._ask_sleep(index, WakeEngine(wanted), self._wake_timeout)
+            if reply.refused is not None:
+                raise SleepRefusedError(reply.refused)
+        return reply.state
+
+    async def sleep_state(self) -> SleepState:
+        """What sleeps now (`SleepState.is_sleeping`)."""
+        self._sleep_mode()
+        return (await self._ask_sleep(0, GetSleepState(), 10.0)).state
+
+    async def is_sleeping(self) -> bool:
+        return (await self.sleep_state()).is_sleeping
+
+    async def start_profile(self) -> None:
+        """Start torch's profiler in every worker (``profiler_config``; `sonar.engine.profiler`)."""
+        await self._ask_workers(StartProfile())
+
+    async def stop_profile(self) -> list[str]:
+        """Stop the profiler; the files written (one Chrome trace per worker, and its table)."""
+        return await self._ask_workers(StopProfile())
+
+    @property
+    def _wake_timeout(self) -> float:
+        """The scheduler waits `step_timeout` for the worker to wake (a level 2 wake-up loads
+        the model again): this handle waits a little longer for the scheduler's answer."""
+        return self.config.step_timeout + ASK_MARGIN
+
+    def _sleep_mode(self) -> None:
+        self._check_open()
+        if not self.config.enable_sleep_mode:
+            raise NotEnabledError("sleep mode is off: start the engine with enable_sleep_mode (--enable-sleep-mode)")
+
+    async def _ask_sleep(self, index: int, msg: Any, timeout: float) -> SleepReply:
+        try:
+            return await self._scheduler(index).ask(msg, timeout=timeout)
+        except (ActorError, ActorNotFound, AskTimeout) as exc:
+            raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
+
+    async def _ask_workers(self, msg: Any) -> list[str]:
+        self._check_open()
+        if self.config.profiler() is None:
+            raise NotEnabledError(
+                "profiling is off: start the engine with --profiler-config (profiler torch, torch_profiler_dir DIR)"
+            )
+        traces: list[str] = []
+        for index in range(self.replicas.count):
+            try:
+                status = await worker_ref(self.replicas.engine(index)).ask(msg, timeout=self.config.step_timeout)
+            except (ActorError, ActorNotFound, AskTimeout) as exc:
+                raise EngineDeadError(self.dead or f"the worker is not available: {exc}") from None
+            traces += status.traces
+        return traces
 
     # -- LoRA adapters ----------------------------------------------------------------------
     async def load_lora(

@@ -361,6 +361,44 @@ class ModelRunner:
             **(profile.describe() if profile else {}),
         )
 
+    # -- sleep mode (`sonar.engine.sleep`) ------------------------------------------------------
+    def free_kv_cache(self) -> None:
+        """Drop the KV cache tensors, and the CUDA graphs that read them (the scheduler holds no
+        request and no cached prefix: nothing in the cache is wanted)."""
+        if self.graphs is not None:
+            self.graphs.release()
+        self.requests.clear()
+        self.kv_caches = []
+
+    def allocate_kv_cache(self) -> None:
+        """A fresh, zeroed KV cache of the same layout; the CUDA graphs are captured again over it
+        once the weights are on the device too."""
+        layers, kv_heads, head_dim = kv_layout(self.model)
+        self.kv_caches = allocate_kv_caches(
+            layers, self.num_blocks, self.config.block_size, kv_heads, head_dim, self.kv_dtype, self.device
+        )
+        self._recapture()
+
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (a GPU's; on the CPU they are there already)."""
+        if self.device.type == "cpu":
+            return
+        if self.graphs is not None:
+            self.graphs.release()
+        self.model.to("cpu")
+
+    def restore_weights(self) -> None:
+        """Move the weights back to the device (after `offload_weights`)."""
+        if self.device.type == "cpu":
+            return
+        self.model.to(self.device)
+        self._recapture()
+
+    def _recapture(self) -> None:
+        on_device = next(self.model.parameters()).device == self.device
+        if self.graphs is not None and self.kv_caches and on_device:
+            self.graphs.capture()
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.forward(ids, positions, self.kv_caches, meta)
 

@@ -44,6 +44,13 @@ again (`forget_offloaded`). Steps that only store or load KV still go to the wor
 waits only when no request is left and no transfer is pending. `KVLoaded` from the worker ends a
 request's wait for its prefix. The block manager's GPU events go to the manager, which publishes
 them with its own.
+
+Sleep mode (`SleepEngine`, `WakeEngine`; `sonar.core.sleep`): going to sleep, the scheduler first
+refuses new requests (``sleeping``, HTTP 503) and waits, up to the drain timeout, for the running
+ones to finish (past it nothing changes and the sleep is refused); then it drops the prefix cache
+(the KV it indexes is about to be freed) and puts the worker to sleep. It takes requests again
+once the worker has woken every tag. A sleep or wake runs beside the mailbox, so aborts, stop
+strings and the step loop go on while it waits.
 """
 
 from __future__ import annotations
@@ -57,11 +64,14 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
+from sonar.actors.actor import NO_REPLY
+from sonar.actors.node import get_node
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.outputs import RequestError, SchedulerOutput
+from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
@@ -78,14 +88,20 @@ from sonar.protocol.engine import (
     DetokenizerMsg,
     ExecuteStep,
     Forget,
+    GetSleepState,
     GetStats,
     KVLoaded,
     NewRequestData,
     SchedulerMsg,
+    Sleep,
+    SleepEngine,
+    SleepReply,
     StepBitmask,
     StepOutputs,
     StopStringHit,
     TrackRequest,
+    WakeEngine,
+    WakeUp,
     WorkerInfo,
     WorkerMsg,
 )
@@ -144,10 +160,19 @@ class SchedulerActor(Actor):
         """The grammar rows of the steps sent whose bitmask is not sent yet."""
         self._iterations: dict[int, tuple[float, dict[str, int]]] = {}
         """--enable-logging-iteration-details: each step in flight's send time and composition."""
+        self.sleep = SleepState()
+        """Sleep mode: the worker's state as last reported."""
+        self.draining = False
+        """Going to sleep: new requests are refused while the running ones finish."""
+        self.transition = False
+        """A sleep or a wake-up is under way (one at a time)."""
+        self.refreshing = False
+        """The worker is being asked its sleep state (`_refresh_sleep`)."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
         self.info = info
+        self.sleep = info.sleep  # a scheduler restarted beside a sleeping worker sleeps too
         cfg = self.config
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.stages = info.pipeline_parallel_size
@@ -222,6 +247,17 @@ class SchedulerActor(Actor):
                 self.kicked = True
                 self.wake.set()
             return None
+        if isinstance(msg, GetSleepState):
+            if not self.sleep.is_sleeping or self.transition:
+                return SleepReply(self.sleep)
+            self.task_group.start_soon(self._refresh_sleep, msg)
+            return NO_REPLY
+        if isinstance(msg, (SleepEngine, WakeEngine)):
+            if self.transition:
+                return SleepReply(self.sleep, "another sleep or wake-up is under way; try again when it is done")
+            self.transition = True
+            self.task_group.start_soon(self._go_to_sleep if isinstance(msg, SleepEngine) else self._wake_up, msg)
+            return NO_REPLY
         raise TypeError(f"unexpected {type(msg).__name__}")
 
     async def _grammar(self, msg: AddRequest) -> Any:
@@ -259,6 +295,13 @@ class SchedulerActor(Actor):
         )
 
     async def _add(self, msg: AddRequest) -> Accepted:
+        if self.draining or self.sleep.is_sleeping:
+            if not self.draining and not self.transition and not self.refreshing:
+                self.task_group.start_soon(self._refresh_sleep, None)
+            doing = "going to sleep" if self.draining else "asleep"
+            return Accepted(
+                Rejection(RejectKind.SLEEPING, f"the engine is {doing} and takes no request until it is woken up")
+            )
         limit = self.config.max_waiting_seqs
         if self.core.num_waiting >= limit:
             return Accepted(
@@ -648,6 +691,79 @@ class SchedulerActor(Actor):
             raise RuntimeError("the restarted worker has a different KV cache layout")
         self.info = info
         log.info("scheduler.worker_back", requests=len(ids))
+
+    # -- sleep mode --------------------------------------------------------------------------------
+    async def _refresh_sleep(self, msg: GetSleepState | None) -> None:
+        """While asleep, take the worker's own state (and answer it to `msg`): a worker restarted
+        meanwhile (it crashed) starts awake, whole, and then so does this scheduler. Asked by
+        `GetSleepState`, and by a request refused while asleep (the next one may be served)."""
+        self.refreshing = True
+        try:
+            info = await self.worker.ask(DescribeWorker(), timeout=5)
+        except (ActorError, AskTimeout, ActorNotFound):
+            info = None  # restarting: the state stays as it was
+        finally:
+            self.refreshing = False
+        if info is not None and not self.transition and info.instance != self.info.instance:
+            if (info.num_blocks, info.block_size) != (self.info.num_blocks, self.info.block_size):
+                raise RuntimeError("the restarted worker has a different KV cache layout")
+            log.warning("scheduler.worker_restarted", sleeping=info.sleep.is_sleeping)
+            self.info, self.sleep = info, info.sleep
+        if msg is not None and msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, SleepReply(self.sleep))
+
+    async def _go_to_sleep(self, msg: SleepEngine) -> None:
+        reply = SleepReply(self.sleep)
+        try:
+            try:
+                if plan_sleep(self.sleep, msg.level) is not None:
+                    reply = await self._sleep(msg)
+            except SleepRefusedError as exc:
+                reply = SleepReply(self.sleep, str(exc))
+        finally:
+            self.transition = False
+        if msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, reply)
+
+    async def _sleep(self, msg: SleepEngine) -> SleepReply:
+        """Drain, drop the prefix cache, put the worker to sleep."""
+        self.draining = True
+        try:
+            with anyio.move_on_after(msg.drain_timeout):
+                while not (self._idle() and not self.pending):
+                    await anyio.sleep(0.01)
+            running = len(self.core.requests) + len(self.pending)
+            if running:
+                log.warning("scheduler.sleep_refused", requests=running, drain_timeout=msg.drain_timeout)
+                return SleepReply(
+                    self.sleep,
+                    f"{running} request(s) still running after the drain timeout of {msg.drain_timeout:g} s; "
+                    "the engine stays awake",
+                )
+            self.core.block_manager.reset_prefix_cache()
+            await self._publish_kv_events()
+            try:
+                self.sleep = await self.worker.ask(Sleep(msg.level), timeout=self.config.step_timeout)
+            except (ActorError, AskTimeout, ActorNotFound) as exc:
+                return SleepReply(self.sleep, f"the worker could not go to sleep: {exc}")
+        finally:
+            self.draining = False
+        log.info("scheduler.asleep", level=msg.level)
+        return SleepReply(self.sleep)
+
+    async def _wake_up(self, msg: WakeEngine) -> None:
+        try:
+            try:
+                self.sleep = await self.worker.ask(WakeUp(msg.tags), timeout=self.config.step_timeout)
+                reply = SleepReply(self.sleep)
+            except (ActorError, AskTimeout, ActorNotFound) as exc:
+                reply = SleepReply(self.sleep, f"the worker could not wake up: {exc}")
+        finally:
+            self.transition = False
+        if not self.sleep.is_sleeping:
+            log.info("scheduler.awake")
+        if msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, reply)
 
 
 def iteration_details(output: SchedulerOutput) -> dict[str, int]:

@@ -29,14 +29,22 @@ supervisor restarts all.
 Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
 samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
 previous step's tokens); past `BITMASK_TIMEOUT` the step fails like any other crash.
+
+Sleep mode (`Sleep`, `WakeUp`; `sonar.engine.sleep`): between steps, under the step lock, the
+worker frees its KV cache and moves or drops its weights, and restores them; `DescribeWorker`
+answers its sleep state. Profiling (`StartProfile`, `StopProfile`; `sonar.engine.profiler`):
+torch's profiler records only the thread that started it, so a worker with ``--profiler-config``
+runs its steps, and starts and stops the profiler, in one thread of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
 
@@ -52,9 +60,11 @@ from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.engine import ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
+from sonar.engine.profiler import ProfilerConfig, TraceProfiler
 from sonar.engine.replicas import pin_to_cpu_share
 from sonar.engine.runner import ModelRunner, UnknownRequestError
-from sonar.errors import SonarError
+from sonar.engine.sleep import SleepingRunner, WorkerAsleepError
+from sonar.errors import NotEnabledError, SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.engine import (
@@ -62,10 +72,15 @@ from sonar.protocol.engine import (
     ExecuteStep,
     JoinGroup,
     KVLoaded,
+    ProfileStatus,
     SchedulerMsg,
+    Sleep,
+    StartProfile,
     StepBitmask,
     StepDone,
     StepResult,
+    StopProfile,
+    WakeUp,
     WorkerMsg,
 )
 from sonar.protocol.offload import ChunkMeta, Load, OffloadMsg, Store
@@ -135,11 +150,22 @@ class WorkerActor(Actor):
         self._unhang = threading.Event()
         """Releases an injected hang once the worker has given up on the step (in-process, the
         thread would otherwise outlive the actor and keep the interpreter from exiting)."""
+        self.sleeper: SleepingRunner | None = None
+        """Sleep mode (``enable_sleep_mode``): the runner and what of it sleeps."""
+        self.profiler: TraceProfiler | None = None
+        """``--profiler-config``: the profiler of this worker's steps."""
+        self._step_thread: ThreadPoolExecutor | None = None
+        """With a profiler: the one thread steps run in (else anyio's thread pool)."""
 
     async def started(self) -> None:
         if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
             pin_to_cpu_share(self.config)
         self.lock = anyio.Lock()
+        profiler = ProfilerConfig.parse(self.config.profiler_config)
+        if profiler is not None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="sonar-step")
+            name = f"worker{self.config.data_parallel_index}-rank{self.rank}"
+            self.profiler = TraceProfiler(profiler, name, select_device(self.config.device_ids).type)
         if self.config.world_size == 1:
             self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
         elif self.rank == 0:
@@ -152,6 +178,8 @@ class WorkerActor(Actor):
             tensor_parallel_size=self.config.tensor_parallel_size,
             pipeline_parallel_size=self.config.pipeline_parallel_size,
         )
+        if self.config.enable_sleep_mode:
+            self.sleeper = SleepingRunner(self.config, self.runner)
 
     # -- parallel groups -------------------------------------------------------------------------
     async def _lead_group(self) -> ModelRunner:
@@ -232,7 +260,13 @@ class WorkerActor(Actor):
             slot.ready.set()
             return None
         if isinstance(msg, DescribeWorker):
-            return self.info
+            return self.info if self.sleeper is None else msgspec.structs.replace(self.info, sleep=self.sleeper.state)
+        if isinstance(msg, (Sleep, WakeUp)):
+            self.task_group.start_soon(self._sleep_or_wake, msg)
+            return NO_REPLY
+        if isinstance(msg, (StartProfile, StopProfile)):
+            self.task_group.start_soon(self._profile, msg)
+            return NO_REPLY
         if isinstance(msg, JoinGroup):
             self.task_group.start_soon(self._join, msg)
             return NO_REPLY
@@ -261,6 +295,74 @@ class WorkerActor(Actor):
 
     async def stopping(self) -> None:
         self._release()
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=False)
+
+    async def _compute(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` in the step thread (abandoned on cancel: a crash must not wait for it)."""
+        if self._step_thread is None:
+            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+        return await asyncio.wrap_future(self._step_thread.submit(fn, *args))
+
+    # -- sleep mode and profiling ----------------------------------------------------------------
+    async def _sleep_or_wake(self, msg: Sleep | WakeUp) -> None:
+        """Sleep or wake between steps and answer with the new state. A refused transition is
+        answered as an error; a failure to free or restore memory also crashes the worker (its
+        successor starts awake, whole)."""
+        node = get_node()
+        try:
+            if self.sleeper is None:
+                raise NotEnabledError(
+                    "sleep mode is off: start the engine with enable_sleep_mode (--enable-sleep-mode)"
+                )
+            async with self.lock:
+                state = await self._compute(self._apply_sleep if isinstance(msg, Sleep) else self._apply_wake, msg)
+        except SonarError as exc:
+            if msg.reply_to is not None:
+                await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            return
+        except Exception as exc:
+            if msg.reply_to is not None:
+                with anyio.CancelScope(shield=True):
+                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            raise
+        if msg.reply_to is not None:
+            await node.reply(msg.reply_to, state)
+
+    def _apply_sleep(self, msg: Sleep) -> Any:
+        sleeper = self.sleeper
+        self.runner = None  # the sleeper's reference must be the last one for level 2 to free the weights
+        try:
+            return sleeper.sleep(msg.level)
+        finally:
+            self.runner = sleeper.runner
+
+    def _apply_wake(self, msg: WakeUp) -> Any:
+        try:
+            return self.sleeper.wake(msg.tags)
+        finally:
+            self.runner = self.sleeper.runner
+
+    async def _profile(self, msg: StartProfile | StopProfile) -> None:
+        """Start or stop the profiler between steps, here and on the other ranks of the group."""
+        node = get_node()
+        try:
+            if self.profiler is None:
+                raise NotEnabledError("profiling is off: start the engine with a --profiler-config")
+            async with self.lock:
+                traces = await self._compute(
+                    self.profiler.start if isinstance(msg, StartProfile) else self.profiler.stop
+                )
+            for ref in self.followers:
+                status = await ref.ask(type(msg)(), timeout=self.config.step_timeout)
+                traces = (traces or []) + status.traces
+        except Exception as exc:
+            if msg.reply_to is not None:
+                with anyio.CancelScope(shield=True):
+                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            return
+        if msg.reply_to is not None:
+            await node.reply(msg.reply_to, ProfileStatus(self.profiler.running, traces or []))
 
     def _release(self) -> None:
         """Let a step's thread go: an injected hang, a wait for a bitmask."""
@@ -321,9 +423,9 @@ class WorkerActor(Actor):
                     await self._kv_transfers(msg)
                 # Abandoned on cancel: a crash (or a stop) must not wait for a step that may never
                 # return; its result, if it ever comes, is dropped.
-                result = await anyio.to_thread.run_sync(self._execute, msg, abandon_on_cancel=True)
-            except UnknownRequestError as exc:
-                # A step sent to this worker's predecessor: answer with an error, stay up.
+                result = await self._compute(self._execute, msg)
+            except (UnknownRequestError, WorkerAsleepError) as exc:
+                # A step sent to this worker's predecessor, or while it sleeps: answer with an error, stay up.
                 await self._answer(msg, error=RemoteError.from_exception(exc))
                 return
             except Exception as exc:
@@ -337,6 +439,8 @@ class WorkerActor(Actor):
                     if self.step_tokens:
                         self.worst_per_token = max(self.worst_per_token, took / self.step_tokens)
                 self.step_started = None
+            if self.profiler is not None and self.profiler.running:  # past the watchdog: a trace may be written
+                await self._compute(self.profiler.step)
         await self._answer(msg, result)
 
     async def _answer(
@@ -412,6 +516,10 @@ class WorkerActor(Actor):
                 log.warning("worker.kv_loaded_lost", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")
 
     def _execute(self, msg: ExecuteStep) -> StepResult:
+        if self.sleeper is not None and self.sleeper.state.is_sleeping:
+            if not msg.output.requests:  # only finished requests to forget: the sleep forgot them all
+                return StepResult(step_id=msg.output.step_id, sampled={})
+            raise WorkerAsleepError(f"step {msg.output.step_id} reached the worker while it sleeps")
         if msg.fault is not None and msg.fault_rank == self.rank:
             self._inject(msg.fault, msg.output.step_id)
         if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks

@@ -12,7 +12,8 @@ not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_a
 server's file reads on a path the client names, a privilege), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
-`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking). With API keys set, every route but /health and /ping (and /metrics with
+`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), and the operator's routes POST /sleep, /wake_up, GET /is_sleeping, POST
+/start_profile, /stop_profile (`sonar/http/admin.py`). With API keys set, every route but /health and /ping (and /metrics with
 --metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
 addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
 loopback client; others see `remote` in their place. Bodies are bounded in size and read time
@@ -42,6 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import sonar
 from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
+from sonar.http.admin import admin_routes
 from sonar.http.chat import create_chat_completion, template_kwargs, template_source
 from sonar.http.completions import create_completion
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
@@ -367,6 +369,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/actors", actors, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
+        *admin_routes(llm),
         *(
             [
                 Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),

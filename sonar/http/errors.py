@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.errors import (
     EngineDeadError,
+    EngineSleepingError,
     InvalidRequestError,
     RequestQuarantinedError,
     SamplingFailedError,
@@ -33,6 +34,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    409: "ConflictError",
     408: "BadRequestError",
     413: "BadRequestError",
     429: "RateLimitError",
@@ -98,6 +100,8 @@ def _expected_error(exc: BaseException, request_id: str | None) -> tuple[int, Er
     """The answer to an error raised by design (None: any other exception)."""
     if isinstance(exc, (RequestError, InvalidRequestError)):
         return exc.status, error_body(str(exc), exc.status, exc.param, exc.code)
+    if isinstance(exc, EngineSleepingError):
+        return exc.status, error_body(str(exc), exc.status)
     if isinstance(exc, EngineDeadError):
         return exc.status, error_body(f"the engine is not available: {exc}", exc.status)
     if isinstance(exc, ServerOverloadedError):

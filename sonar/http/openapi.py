@@ -105,6 +105,10 @@ class Limits:
     max_structured_output_chars: int | None = None
     pooling_tasks: tuple[str, ...] | None = None
     """What a pooling model serves (None: a generative model, whose schema has no pooling routes)."""
+    sleep_mode: bool = False
+    """``--enable-sleep-mode``: /sleep, /wake_up and /is_sleeping are served."""
+    profiling: bool = False
+    """``--profiler-config``: /start_profile and /stop_profile are served."""
 
     @classmethod
     def of(cls, llm: Any, settings: Any) -> "Limits":
@@ -119,6 +123,8 @@ class Limits:
             api_key=bool(settings.api_keys),
             metrics_public=settings.metrics_public,
             pooling_tasks=None if pooling is None else tuple(pooling.tasks),
+            sleep_mode=config.enable_sleep_mode,
+            profiling=config.profiler() is not None,
             **{name: getattr(config, name) for name in LIMITS},
         )
 
@@ -299,6 +305,7 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
             del paths[path]
         for path, summary, request, response in _POOLING_ROUTES:
             paths[path] = {"post": post(summary, request, response, generates=True)}
+    paths.update(_admin_paths(limits, json_object, errors(500, 503)))
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "Sonar: OpenAI-compatible API", "version": sonar.__version__},
@@ -308,6 +315,54 @@ def build_openapi(limits: Limits) -> dict[str, Any]:
     if limits.api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
+
+
+def _admin_paths(limits: Limits, json_object: dict[str, Any], failures: dict[str, Any]) -> dict[str, Any]:
+    """The operator's routes the server's flags turn on (`sonar/http/admin.py`)."""
+
+    def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+        return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+    def op(summary: str, *parameters: dict[str, Any], refused: str | None = None) -> dict[str, Any]:
+        responses: dict[str, Any] = {"200": {"description": "OK", "content": json_object}}
+        if parameters:
+            responses["400"] = {"description": "A bad or unknown query parameter"}
+        if limits.api_key:
+            responses["401"] = {"description": _ERRORS[401]}
+        if refused is not None:
+            responses["409"] = {"description": refused}
+        operation: dict[str, Any] = {
+            "summary": summary,
+            "parameters": list(parameters),
+            "responses": {**responses, **failures},
+        }
+        if limits.api_key:
+            operation["security"] = [{"bearer": []}]
+        return operation
+
+    paths: dict[str, Any] = {}
+    if limits.sleep_mode:
+        paths["/sleep"] = {
+            "post": op(
+                "Put the engine to sleep: level 1 frees the KV cache and moves the weights to host memory, "
+                "level 2 drops the weights too; generation requests get 503 until /wake_up",
+                query("level", {"type": "integer", "enum": [1, 2], "default": 1}, "How deep"),
+                query("timeout", {"type": "number", "default": 60}, "Seconds the running requests get to finish"),
+                refused="Requests still ran at the timeout, another sleep or wake-up is under way, or the "
+                "engine sleeps at another level; nothing changed",
+            )
+        }
+        paths["/wake_up"] = {
+            "post": op(
+                "Wake what sleeps (by default everything)",
+                query("tags", {"type": "array", "items": {"enum": ["weights", "kv_cache"]}}, "What to wake"),
+            )
+        }
+        paths["/is_sleeping"] = {"get": op("Whether any part of the engine sleeps")}
+    if limits.profiling:
+        paths["/start_profile"] = {"post": op("Start torch's profiler in the workers")}
+        paths["/stop_profile"] = {"post": op("Stop the profiler and write the traces; their paths")}
+    return paths
 
 
 _POOLING_STRUCTS = (

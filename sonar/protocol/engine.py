@@ -10,6 +10,7 @@ from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
 from sonar.core.outputs import RequestError, RequestTiming, RequestUpdate, SchedulerOutput, SchedulerStats
 from sonar.core.request import LoRARequest
+from sonar.core.sleep import SleepState
 from sonar.errors import Rejection
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
 from sonar.sampling_params import SamplingParams
@@ -52,6 +53,8 @@ class WorkerInfo(msgspec.Struct):
     """The model's decoder layers (all stages')."""
     pooling: PoolingInfo | None = None
     """A pooling model (``--runner pooling``): what it serves; None for a generative model."""
+    sleep: SleepState = SleepState()
+    """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -139,7 +142,45 @@ class StepDone(msgspec.Struct, tag="worker.done"):
     """Set when the step failed on the sampler."""
 
 
-WorkerMsg = Union[DescribeWorker, ExecuteStep, StepBitmask, JoinGroup, StepDone]
+class Sleep(Ask, tag="worker.sleep"):
+    """Free the KV cache tensors and move the weights to host memory (level 1) or drop them
+    (level 2) (`sonar.core.sleep`). The scheduler sends it once no request runs; answered with
+    the worker's new state once the memory is freed."""
+
+    level: int
+    reply_type = SleepState
+
+
+class WakeUp(Ask, tag="worker.wake"):
+    """Restore what `tags` name (weights, kv_cache) of what sleeps; answered with the new state."""
+
+    tags: list[str]
+    reply_type = SleepState
+
+
+class ProfileStatus(msgspec.Struct):
+    """What the profiler of a worker (and of the other ranks of its group) did."""
+
+    running: bool
+    traces: list[str] = []
+    """The trace files written (`StopProfile`)."""
+
+
+class StartProfile(Ask, tag="worker.start_profile"):
+    """Start the torch profiler (``--profiler-config``) around this worker's steps."""
+
+    reply_type = ProfileStatus
+
+
+class StopProfile(Ask, tag="worker.stop_profile"):
+    """Stop the torch profiler and write its trace (answered once the file is written)."""
+
+    reply_type = ProfileStatus
+
+
+WorkerMsg = Union[
+    DescribeWorker, ExecuteStep, StepBitmask, JoinGroup, StepDone, Sleep, WakeUp, StartProfile, StopProfile
+]
 
 
 # -- scheduler -----------------------------------------------------------------------------------
@@ -208,7 +249,46 @@ class KVLoaded(msgspec.Struct, tag="scheduler.kv_loaded"):
     load_id: int
 
 
-SchedulerMsg = Union[AddRequest, Abort, StopStringHit, GetStats, CountRequests, DescribeCache, KVLoaded]
+class SleepReply(msgspec.Struct):
+    """The engine's sleep state after a `SleepEngine` or `WakeEngine` (or as `GetSleepState` finds
+    it); `refused` says why the change did not happen (the state is then unchanged)."""
+
+    state: SleepState
+    refused: str | None = None
+
+
+class SleepEngine(Ask, tag="scheduler.sleep"):
+    """Go to sleep at `level`: refuse new requests, wait (up to `drain_timeout` seconds) for the
+    running ones to finish, drop the prefix cache and put the worker to sleep."""
+
+    level: int
+    drain_timeout: float
+    reply_type = SleepReply
+
+
+class WakeEngine(Ask, tag="scheduler.wake"):
+    """Wake the worker's `tags` (`sonar.core.sleep.TAGS`); requests are taken again once all are awake."""
+
+    tags: list[str]
+    reply_type = SleepReply
+
+
+class GetSleepState(Ask, tag="scheduler.sleep_state"):
+    reply_type = SleepReply
+
+
+SchedulerMsg = Union[
+    AddRequest,
+    Abort,
+    StopStringHit,
+    GetStats,
+    CountRequests,
+    DescribeCache,
+    KVLoaded,
+    SleepEngine,
+    WakeEngine,
+    GetSleepState,
+]
 
 
 # -- detokenizer ---------------------------------------------------------------------------------

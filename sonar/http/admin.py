@@ -1,0 +1,81 @@
+"""The operator's routes: sleep mode and the profiler.
+
+    POST /sleep?level=1|2[&timeout=S]   free the KV cache, move (1) or drop (2) the weights
+    POST /wake_up[?tags=weights&tags=kv_cache]
+    GET  /is_sleeping                   {"is_sleeping": bool}
+    POST /start_profile, /stop_profile  torch's profiler in the workers
+
+Each maps onto the `LLM` method of the same name: a server started without the feature's flag
+(``--enable-sleep-mode``, ``--profiler-config``) answers 404 naming it (`NotEnabledError`).
+Like every route but the health probes they need the API key when one is set. While the engine
+sleeps, generation requests get 503 (`EngineSleepingError`); a sleep the running requests do not
+leave time for (``timeout``, default 60 s) gets 409 and changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from sonar.core.sleep import SleepState
+from sonar.engine.llm import LLM, SLEEP_DRAIN_TIMEOUT
+from sonar.http.protocol import RequestError
+from sonar.http.responses import json_response
+
+
+def _params(request: Request, allowed: Iterable[str]) -> None:
+    """Refuse a query parameter the route does not take."""
+    unknown = sorted(set(request.query_params) - set(allowed))
+    if unknown:
+        raise RequestError(f"unknown query parameter {unknown[0]!r} for {request.url.path}", unknown[0])
+
+
+def _number(request: Request, name: str, kind: type, default: float) -> float:
+    text = request.query_params.get(name)
+    if text is None:
+        return default
+    try:
+        return kind(text)
+    except ValueError:
+        raise RequestError(f"{name} must be a{'n integer' if kind is int else ' number'}, got {text!r}", name) from None
+
+
+def _state(state: SleepState) -> Response:
+    return json_response({"is_sleeping": state.is_sleeping, "level": state.level, "asleep": list(state.asleep)})
+
+
+def admin_routes(llm: LLM) -> list[Route]:
+    async def sleep(request: Request) -> Response:
+        _params(request, ("level", "timeout"))
+        level = _number(request, "level", int, 1)
+        timeout = _number(request, "timeout", float, SLEEP_DRAIN_TIMEOUT)
+        return _state(await llm.sleep(int(level), drain_timeout=timeout))
+
+    async def wake_up(request: Request) -> Response:
+        _params(request, ("tags",))
+        tags = request.query_params.getlist("tags") or None
+        return _state(await llm.wake_up(tags))
+
+    async def is_sleeping(request: Request) -> Response:
+        _params(request, ())
+        return json_response({"is_sleeping": await llm.is_sleeping()})
+
+    async def start_profile(request: Request) -> Response:
+        _params(request, ())
+        await llm.start_profile()
+        return json_response({"profiling": True})
+
+    async def stop_profile(request: Request) -> Response:
+        _params(request, ())
+        return json_response({"profiling": False, "traces": await llm.stop_profile()})
+
+    return [
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake_up", wake_up, methods=["POST"]),
+        Route("/is_sleeping", is_sleeping, methods=["GET"]),
+        Route("/start_profile", start_profile, methods=["POST"]),
+        Route("/stop_profile", stop_profile, methods=["POST"]),
+    ]
