@@ -90,6 +90,16 @@ def softmax_scale(config: Any) -> float:
     return scale
 
 
+class LatentExpansion(nn.Module):
+    """``kv_b_proj``'s weight ``[num_heads * (qk_nope + v_head), kv_lora_rank]``, never applied as a
+    linear layer: absorbed attention reads each head's key and value halves of it (and, not being
+    an ``nn.Linear``, it gets no packed copy from `sonar.kernels.linear.prepack_linears`)."""
+
+    def __init__(self, latent: int, rows: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, latent), requires_grad=False)
+
+
 class MlaAttention(nn.Module):
     """Multi-head latent attention, in absorbed form over a one-head latent cache (see the module
     docstring). Called as `sonar.models.decoder.Attention` is."""
@@ -118,7 +128,7 @@ class MlaAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden, self.latent + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.latent, self.num_heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = LatentExpansion(self.latent, self.num_heads * (self.nope + self.v_dim))
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, hidden, bias=bias)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor) -> Tensor:
