@@ -38,7 +38,8 @@ by the router's weights times ``routed_scaling_factor``, plus ``n_shared_experts
 ``topk_method`` ``greedy`` or ``group_limited_greedy`` (`route_group_limited`), V3 by ``noaux_tc``
 (`route_noaux_tc`, with ``e_score_correction_bias`` and ``norm_topk_prob``).
 
-Refused, each naming the field or feature: ``moe_layer_freq`` other than 1 and V2's
+Refused, each naming the field or feature: ``moe_layer_freq`` other than 1, a ``scoring_func``
+other than the version's (softmax for V2, sigmoid for V3), V2's
 ``norm_topk_prob`` (transformers' V2 ignores it; published V2 checkpoints set it false), other
 ``topk_method`` values, ``hidden_act`` other than silu; tensor, pipeline and expert parallelism,
 quantized checkpoints (the published V3 weights are FP8: serve a bfloat16 conversion), LoRA and
@@ -233,6 +234,8 @@ class _DeepseekForCausalLM(MoeForCausalLM):
     }
     topk_methods: ClassVar[tuple[str, ...]] = ()
     """The ``topk_method`` values served, the first the default where the config has none."""
+    scoring_func: ClassVar[str] = ""
+    """The router's scores (the hub configs' ``scoring_func``; transformers reads no such field)."""
     interleaved_by_default: ClassVar[bool] = True
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
@@ -254,10 +257,14 @@ class _DeepseekForCausalLM(MoeForCausalLM):
         freq = getattr(config, "moe_layer_freq", 1)
         if freq != 1:
             raise ModelLoadError(f"{name}: moe_layer_freq {freq} is not supported (only 1: every layer sparse)")
+        scoring = getattr(config, "scoring_func", None)
+        if scoring not in (None, cls.scoring_func):
+            raise ModelLoadError(f"{name}: scoring_func {scoring!r} is not supported (only {cls.scoring_func!r})")
         experts, groups = config.n_routed_experts, getattr(config, "n_group", None) or 1
-        if method != "greedy" and (experts % groups or not 0 < (getattr(config, "topk_group", None) or 1) <= groups):
+        top_groups = getattr(config, "topk_group", None) or 1
+        if method != "greedy" and (experts % groups or not 0 < top_groups <= groups):
             raise ModelLoadError(
-                f"{name}: n_group {groups} / topk_group {config.topk_group} do not fit {experts} routed experts"
+                f"{name}: n_group {groups} / topk_group {top_groups} do not fit {experts} routed experts"
             )
 
     @classmethod
@@ -317,6 +324,7 @@ class _DeepseekForCausalLM(MoeForCausalLM):
 class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV2ForCausalLM",)
     topk_methods = ("greedy", "group_limited_greedy")
+    scoring_func = "softmax"
 
     @classmethod
     def check_config(cls, config: Any) -> None:
@@ -335,3 +343,4 @@ class DeepseekV2ForCausalLM(_DeepseekForCausalLM):
 class DeepseekV3ForCausalLM(_DeepseekForCausalLM):
     architectures: ClassVar[tuple[str, ...]] = ("DeepseekV3ForCausalLM",)
     topk_methods = ("noaux_tc",)
+    scoring_func = "sigmoid"

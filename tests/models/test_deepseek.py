@@ -328,8 +328,9 @@ def _config_with(checkpoints: dict[str, tuple[Path, Any]], name: str, tmp_path: 
         ("v2", {"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
         ("v3", {"n_group": 3}, "n_group 3 / topk_group 2 do not fit 8 routed experts"),
         ("v3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ("v3", {"scoring_func": "softmax"}, "DeepseekV3ForCausalLM: scoring_func 'softmax' is not supported"),
     ],
-    ids=["v2-norm-topk", "v2-noaux", "v3-greedy", "layer-freq", "groups", "act"],
+    ids=["v2-norm-topk", "v2-noaux", "v3-greedy", "layer-freq", "groups", "act", "scoring"],
 )
 def test_config_fields_not_served_are_refused(
     checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path, name: str, fields: dict[str, Any], message: str
