@@ -38,13 +38,19 @@ by the router's weights times ``routed_scaling_factor``, plus ``n_shared_experts
 ``topk_method`` ``greedy`` or ``group_limited_greedy`` (`route_group_limited`), V3 by ``noaux_tc``
 (`route_noaux_tc`, with ``e_score_correction_bias`` and ``norm_topk_prob``).
 
+Tensor parallelism splits attention by query heads (``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
+rows, ``o_proj`` columns, one all-reduce) while the latent projections, their norms and the cache's
+one head stay whole on every rank (each rank caches the full latent, as the saving of MLA's cache
+is in not having heads to split); the MLPs split as `sonar.models.moe` splits them, expert
+parallelism included. Pipeline parallelism splits the layers as for every decoder.
+
 Refused, each naming the field or feature: ``moe_layer_freq`` other than 1, a ``scoring_func``
-other than the version's (softmax for V2, sigmoid for V3), V2's
-``norm_topk_prob`` (transformers' V2 ignores it; published V2 checkpoints set it false), other
-``topk_method`` values, ``hidden_act`` other than silu; tensor, pipeline and expert parallelism,
-quantized checkpoints (the published V3 weights are FP8: serve a bfloat16 conversion), LoRA and
-EAGLE. V3's multi-token-prediction layers (``num_nextn_predict_layers``, stored as extra layers
-after the last) are not loaded: Sonar decodes one token per step from the main model.
+other than the version's (softmax for V2, sigmoid for V3), V2's ``norm_topk_prob`` (transformers'
+V2 ignores it; published V2 checkpoints set it false), other ``topk_method`` values, ``hidden_act``
+other than silu; quantized checkpoints (the published V3 weights are FP8: serve a bfloat16
+conversion), LoRA and EAGLE. V3's multi-token-prediction layers (``num_nextn_predict_layers``,
+stored as extra layers after the last) are not loaded: Sonar decodes one token per step from the
+main model.
 """
 
 from __future__ import annotations
@@ -61,17 +67,10 @@ from torch import Tensor, nn
 
 from sonar.kernels.attention_op import attention
 from sonar.kernels.moe import fused_experts, route_group_limited, route_noaux_tc
-from sonar.models.decoder import (
-    PIPELINE_PARALLEL,
-    QUANTIZED,
-    TENSOR_PARALLEL,
-    DecoderLayer,
-    DecoderVariant,
-    RMSNorm,
-)
+from sonar.models.decoder import QUANTIZED, DecoderLayer, DecoderVariant, RMSNorm
 from sonar.models.errors import ModelLoadError
 from sonar.models.moe import GatedMLP, MoeForCausalLM, MoeSpec, SparseMoeBlock
-from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
+from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, Shard, TensorParallel
 from sonar.models.rotary import RotaryEmbedding, apply_partial_rotary, rope_parameters
 
 #: transformers' DeepSeek norms inside attention use their default eps, not ``rms_norm_eps``
@@ -112,7 +111,10 @@ class MlaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
+        self.parallel = parallel
+        self.num_heads = parallel.split(config.num_attention_heads, "number of attention heads")
+        """This rank's query heads; the latent projections and the cache's one head are whole on
+        every rank (each rank caches the full latent: what MLA's cache saves is not split)."""
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_dim, self.latent = config.v_head_dim, config.kv_lora_rank
         self.head_dim = self.latent + self.rope
@@ -154,7 +156,7 @@ class MlaAttention(nn.Module):
         o = attention(query, key, key, kv_cache, self.scale)
         # [H, n, latent] x [H, latent, v] -> [n, H, v]: out of latent space through each head's W_v
         out = torch.bmm(o[..., : self.latent].transpose(0, 1), w_v.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+        return self.parallel.all_reduce(self.o_proj(out.reshape(n, self.num_heads * self.v_dim)))
 
 
 class DeepseekRouter(nn.Module):
@@ -228,8 +230,6 @@ class _DeepseekForCausalLM(MoeForCausalLM):
     layer_class = DeepseekDecoderLayer
     refused: ClassVar[dict[str, str]] = {
         **MoeForCausalLM.refused,
-        TENSOR_PARALLEL: "multi-head latent attention is not split over ranks",
-        PIPELINE_PARALLEL: "not yet verified against transformers for this architecture",
         QUANTIZED: "Sonar serves DeepSeek unquantized (the published V3 weights are FP8): serve a bfloat16 checkpoint",
     }
     topk_methods: ClassVar[tuple[str, ...]] = ()
@@ -306,6 +306,27 @@ class _DeepseekForCausalLM(MoeForCausalLM):
 
     def checkpoint_name(self, name: str) -> str:
         return name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+
+    def checkpoint_shard(self, name: str) -> Shard | None:
+        """Tensor parallelism splits attention by query heads (``q_proj`` / ``q_b_proj`` and
+        ``kv_b_proj`` rows, ``o_proj`` columns); the latent projections and norms are whole on
+        every rank; the MLPs split as `MoeForCausalLM` splits them."""
+        tp = self.parallel
+        if tp.size == 1 or ".self_attn." not in name:
+            return super().checkpoint_shard(name)
+        attn = self.own_layers[0].self_attn
+        heads, first = attn.num_heads, tp.rank * attn.num_heads
+        if name.endswith((".q_proj.weight", ".q_b_proj.weight")):
+            width = attn.nope + attn.rope
+            return Shard(0, first * width, heads * width)
+        if name.endswith(".kv_b_proj.weight"):
+            width = attn.nope + attn.v_dim
+            return Shard(0, first * width, heads * width)
+        if name.endswith(".o_proj.weight"):
+            return Shard(1, first * attn.v_dim, heads * attn.v_dim)
+        if name.endswith(".o_proj.bias"):  # added once, after the all-reduce
+            return Shard(leader_only=True, leader=tp.leader)
+        return None
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         layers = self.config.num_hidden_layers

@@ -24,13 +24,15 @@ from sonar.engine.runner import kv_layout
 from sonar.models.deepseek import DeepseekMoeBlock, MlaAttention, softmax_scale
 from sonar.models.errors import ModelLoadError
 from sonar.models.loader import load_model
-from sonar.models.parallel import PipelineStage, TensorParallel
 from tests.engine.conftest import save_word_tokenizer
+from tests.models import parallel_rank
 from tests.models.against import (
     assert_greedy_equals_transformers,
     assert_mixed_batch_equals_plain_batch,
     transformers_greedy,
 )
+from tests.models.test_parallel import ATOL as TP_ATOL
+from tests.models.test_parallel import _group_logits
 
 NEW_TOKENS = 16
 YARN = {
@@ -278,6 +280,38 @@ def test_multi_token_prediction_layers_are_not_loaded(checkpoints: dict[str, tup
     assert got.tokens[0] == transformers_greedy(hf, prompt, 4)[0]
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
+def test_split_over_ranks_gives_the_logits_of_one(
+    checkpoints: dict[str, tuple[Path, Any]], tp: int, pp: int, tmp_path: Path
+) -> None:
+    """gloo ranks: the query heads (``q_b_proj`` / ``q_proj``, ``kv_b_proj``, ``o_proj``) and every
+    expert's intermediate size split between two ranks, each caching the whole latent; or the
+    layers (dense and sparse) in two stages; or both."""
+    sources = [str(checkpoints[name][0]) for name in ("v2_lite", "v3")]
+    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    for source, ranked in zip(sources, got):
+        for want, have in zip(parallel_rank.logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < TP_ATOL, source
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_parallel_gives_the_logits_of_one(
+    checkpoints: dict[str, tuple[Path, Any]], placement: str, tmp_path: Path
+) -> None:
+    """Two gloo ranks holding whole experts each (the router's choice mapped to local ids, the
+    shared experts and attention tensor-parallel)."""
+    from tests.models.test_expert_parallel import ATOL as EP_ATOL
+    from tests.models.test_expert_parallel import _group_logits as _ep_group_logits
+
+    sources = [str(checkpoints[name][0]) for name in ("v2", "v3")]
+    got = _ep_group_logits(2, placement, sources, tmp_path / "logits.pt")
+    for source, ranked in zip(sources, got):
+        for want, have in zip(parallel_rank.logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < EP_ATOL, (source, placement)
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_engine_greedy_equals_transformers(checkpoints: dict[str, tuple[Path, Any]], anyio_backend: str) -> None:
@@ -305,6 +339,29 @@ async def test_engine_greedy_equals_transformers(checkpoints: dict[str, tuple[Pa
     assert outs[2].token_ids == first.token_ids
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert out.token_ids == transformers_greedy(hf, prompt, NEW_TOKENS)[0], f"prompt {i}"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "tp2-ep"])
+async def test_engine_at_two_ranks_equals_transformers(
+    checkpoints: dict[str, tuple[Path, Any]], anyio_backend: str, expert_parallel: bool
+) -> None:
+    """V2 through `sonar.open(tensor_parallel_size=2)`, experts sliced or dealt whole: greedy
+    tokens of a batch equal transformers'."""
+    path, hf = checkpoints["v2"]
+    prompts = _prompts(384)[:3]
+    params = sonar.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    async with sonar.open(
+        str(path),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    ) as llm:
+        outs = await llm.generate_many(prompts, params)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == transformers_greedy(hf, prompt, 8)[0]
 
 
 # -- what these families refuse ------------------------------------------------------------------
@@ -339,16 +396,10 @@ def test_config_fields_not_served_are_refused(
         load_model(str(_config_with(checkpoints, name, tmp_path, **fields)), dtype="float32")
 
 
-def test_parallelism_and_quantization_are_refused(checkpoints: dict[str, tuple[Path, Any]]) -> None:
+def test_quantization_is_refused(checkpoints: dict[str, tuple[Path, Any]]) -> None:
     from sonar.kernels.quant import QuantizedWeight
     from sonar.models.deepseek import DeepseekV3ForCausalLM
 
-    config = checkpoints["v3"][1].config
-    with torch.device("meta"):
-        with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM is not served with tensor parallelism"):
-            DeepseekV3ForCausalLM(config, TensorParallel(rank=0, size=2, group=None))
-        with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM is not served with pipeline parallelism"):
-            DeepseekV3ForCausalLM(config, stage=PipelineStage(index=0, size=2).resolve(config.num_hidden_layers))
     with pytest.raises(ModelLoadError, match="DeepseekV3ForCausalLM is not served with quantized weights.*FP8"):
         DeepseekV3ForCausalLM.require_support("quantized weights")
     loaded = load_model(str(checkpoints["v3"][0]), dtype="float32")
