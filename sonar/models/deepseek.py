@@ -216,7 +216,7 @@ class DeepseekDecoderLayer(DecoderLayer):
     def __init__(
         self, config: Any, variant: DecoderVariant, layer: int, head_dim: int, parallel: TensorParallel = SINGLE
     ) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not DecoderLayer's: its `Attention` needs q/k/v heads MLA has not
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = MlaAttention(config, variant, layer, head_dim, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
