@@ -17,6 +17,9 @@ limit, ``(up + 1) * gate * sigmoid(alpha * gate)``); every path below serves bot
 the ``top_k`` largest probabilities, divided by their sum when `renormalize` (Mixtral always;
 Qwen-MoE by ``norm_topk_prob``). The routing weights stay float32.
 
+DeepSeek-V2 and V3 route by groups of experts (`route_group_limited`, `route_noaux_tc`) and
+feed the same `fused_experts`.
+
 `fused_experts` runs the experts, never as a Python loop over them:
 
 * CPU, the native kernel (``torch.ops.sonar_cpu.fused_moe``, ``csrc/cpu_ops.cpp``): counting-sorts
@@ -53,6 +56,47 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor,
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def route_group_limited(router_logits: Tensor, top_k: int, num_groups: int, top_groups: int) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V2's routing (``topk_method`` ``group_limited_greedy``; ``greedy`` is one group):
+    a float32 softmax over all ``E`` experts, the experts cut into `num_groups` equal groups, each
+    group scored by its best probability, the probabilities outside the `top_groups` best groups
+    zeroed, then the ``top_k`` largest. The weights are the softmax probabilities themselves (not
+    renormalized; the caller applies ``routed_scaling_factor``)."""
+    scores = torch.softmax(router_logits.float(), dim=-1)
+    if num_groups > 1:
+        grouped = scores.view(scores.shape[0], num_groups, -1)
+        best = torch.topk(grouped.amax(dim=-1), top_groups, dim=-1)[1]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), 0.0).view_as(scores)
+    return torch.topk(scores, top_k, dim=-1)
+
+
+def route_noaux_tc(
+    router_logits: Tensor,
+    top_k: int,
+    num_groups: int,
+    top_groups: int,
+    correction_bias: Tensor,
+    renormalize: bool,
+) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's routing (``topk_method`` ``noaux_tc``): float32 sigmoid scores; the choice is
+    made on the scores plus `correction_bias` (``e_score_correction_bias``, the auxiliary-loss-free
+    balancing term), each of `num_groups` groups scored by the sum of its two best, the experts
+    outside the `top_groups` best groups left out, then the ``top_k`` largest. The weights are the
+    chosen experts' *uncorrected* scores, divided by their sum (plus 1e-20) when `renormalize`."""
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores + correction_bias.float()
+    grouped = choice.view(choice.shape[0], num_groups, -1)
+    best = torch.topk(torch.topk(grouped, 2, dim=-1)[0].sum(dim=-1), top_groups, dim=-1)[1]
+    keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=scores.device).scatter_(1, best, True)
+    choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+    ids = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights, ids
 
 

@@ -20,6 +20,7 @@ from sonar.models.classifier import (
     Qwen2ForSequenceClassification,
     Qwen3ForSequenceClassification,
 )
+from sonar.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
 from sonar.models.glm4 import Glm4ForCausalLM
@@ -51,6 +52,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
         GptOssForCausalLM,
+        DeepseekV2ForCausalLM,
+        DeepseekV3ForCausalLM,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,
