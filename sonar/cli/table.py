@@ -51,8 +51,10 @@ NO_EPLB = "only used with expert load balancing (--enable-eplb), which Sonar doe
 NO_MOE_LORA = "only affects LoRA adapters on mixture-of-experts models, which Sonar refuses"
 NO_DBO = "only used with --enable-dbo, which Sonar does not support yet"
 NO_MAMBA = "only affects Mamba / state-space / gated delta-net layers; Sonar serves no such models yet"
-NO_MM = "only affects multimodal inputs; Sonar serves text-only models"
-NO_MEDIA = "Sonar never loads images, audio or video, so this permission is never used"
+NO_MM = (
+    "tunes a part of multimodal serving Sonar does not have: it serves images to LLaVA-style models, "
+    "preprocessed per request in the API server, with no processor cache and no video or audio"
+)
 NO_POOLING = "only affects late-interaction (multi-vector, ColBERT-style) models, which Sonar does not serve yet"
 NO_PREFETCH = "Sonar never prefetches checkpoint files, so these prefetch settings are never used"
 NO_WEIGHT_OFFLOAD = "only used when weights are offloaded (--cpu-offload-gb / --offload-group-size), not supported yet"
@@ -264,9 +266,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--seed", I, 0, "Seed for the random number generators, for reproducible sampling.", to=E),
         _f("--hf-config-path", S_, None, "Read the model config from this repo id or path instead."),
         _f("--allowed-local-media-path", S_, "",
-           "Directory from which requests may read local images or videos (a risk on shared machines).",
-           noop=NO_MEDIA),
-        _f("--allowed-media-domains", L, None, "Fetch media URLs only from these domains.", noop=NO_MEDIA),
+           "Directory under which requests may read local images with file:// URLs (a risk on shared "
+           "machines); empty: no file:// URLs.", to=S),
+        _f("--allowed-media-domains", L, None,
+           "Hosts from which http(s) image URLs are fetched; unset: Sonar fetches no image URLs at all "
+           "(data: URLs always work).", to=S),
         _f("--revision", S_, None, "Branch, tag or commit of the model repository to load.", to=E),
         _f("--code-revision", S_, None, "Revision of the Python code inside the model repository.",
            noop="Sonar never runs code from model repositories"),
@@ -624,18 +628,20 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "MultiModalConfig", "Images, audio and video inputs of multimodal models.",
         _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0).",
-           noop="Sonar accepts no multimodal inputs anyway"),
+           to=E),
         _f("--limit-mm-per-prompt", J, {},
-           "Most items per prompt for each modality, optionally with size limits, e.g. '{\"image\": 4}'.",
-           dotted=True, noop=NO_MM),
+           "Most items per prompt for each modality, e.g. '{\"image\": 4}' (999 for a modality not named; "
+           "per-item size options are not supported yet).",
+           dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
            "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
            noop=NO_MM),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True, noop=NO_MM),
-        _f("--mm-processor-kwargs", J, None, "Overrides for the model's multimodal processor.", dotted=True,
-           noop=NO_MM),
+           dotted=True),
+        _f("--mm-processor-kwargs", J, None,
+           "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
+           "'{\"do_normalize\": false}'.", dotted=True, to=E),
         _f("--mm-processor-cache-gb", F, 4,
            "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
            noop=NO_MM),

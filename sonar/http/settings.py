@@ -66,6 +66,9 @@ class ServerSettings:
     tool_call_parser: str | None = None
     #: --reasoning-parser: a name registered in `sonar.parsers.reasoning` (None: none).
     reasoning_parser: str | None = None
+    #: --allowed-local-media-path / --allowed-media-domains: where image URLs may point (`sonar.multimodal.media`).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -107,7 +107,7 @@ def test_values_that_mean_the_default_are_accepted(argv: list[str]) -> None:
         ["--no-use-tqdm-on-load"],
         ["--enable-offline-docs"],
         ["--master-port", "1234"],
-        ["--language-model-only"],
+        ["--skip-mm-profiling"],
         ["--all2all-backend", "naive"],
     ],
 )
