@@ -258,10 +258,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             check_load_settings,
             parse_device_ids,
         )
-        from sonar.multimodal.limits import ProcessorConfigError, image_limit
+        from sonar.multimodal.limits import ProcessorConfigError, check_processor_kwargs, image_limit
 
         try:
             image_limit(self.limit_mm_per_prompt, self.language_model_only)
+            check_processor_kwargs(self.mm_processor_kwargs)
         except ProcessorConfigError as exc:
             raise ValueError(str(exc)) from None
         check_kv_cache_dtype(self.kv_cache_dtype)

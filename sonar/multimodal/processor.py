@@ -19,23 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from sonar.errors import InvalidRequestError
-from sonar.multimodal.limits import ProcessorConfigError
+from sonar.multimodal.limits import ProcessorConfigError, check_processor_kwargs
 from sonar.protocol.engine import ImageInput, VisionInfo
-
-#: Settings of the CLIP image processor that --mm-processor-kwargs may override.
-PROCESSOR_KWARGS = (
-    "do_resize",
-    "size",
-    "resample",
-    "do_center_crop",
-    "crop_size",
-    "do_rescale",
-    "rescale_factor",
-    "do_normalize",
-    "image_mean",
-    "image_std",
-    "do_convert_rgb",
-)
 
 
 class ImageProcessor:
@@ -43,12 +28,7 @@ class ImageProcessor:
 
     def __init__(self, vision: VisionInfo, model_dir: str | Path | None, overrides: dict[str, Any] | None) -> None:
         overrides = dict(overrides or {})
-        unknown = sorted(set(overrides) - set(PROCESSOR_KWARGS))
-        if unknown:
-            raise ProcessorConfigError(
-                f"--mm-processor-kwargs: {', '.join(unknown)} not supported (the image processor takes "
-                f"{', '.join(PROCESSOR_KWARGS)})"
-            )
+        check_processor_kwargs(overrides)
         from transformers import CLIPImageProcessorPil
 
         side = vision.image_size

@@ -65,3 +65,21 @@ def test_limits() -> None:
     ]:
         with pytest.raises(ProcessorConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
             image_limit(bad)
+
+
+def test_flags_reach_the_engine_config_and_bad_ones_fail_at_startup() -> None:
+    from sonar.cli.parse import parse_serve_args
+    from sonar.engine.config import EngineConfig
+
+    config = parse_serve_args(
+        ["m", "--limit-mm-per-prompt", '{"image": 3}', "--mm-processor-kwargs", '{"do_normalize": false}']
+    )
+    assert config.engine.limit_mm_per_prompt == {"image": 3}
+    assert config.engine.mm_processor_kwargs == {"do_normalize": False}
+    assert parse_serve_args(["m", "--language-model-only"]).engine.language_model_only
+    media = parse_serve_args(["m", "--allowed-local-media-path", "/srv", "--allowed-media-domains", "a.org", "b.org"])
+    assert (media.allowed_local_media_path, media.allowed_media_domains) == ("/srv", ("a.org", "b.org"))
+    with pytest.raises(ValueError, match="num_crops not supported"):
+        EngineConfig.from_args("m", mm_processor_kwargs={"num_crops": 4})
+    with pytest.raises(ValueError, match="unknown modality"):
+        EngineConfig.from_args("m", limit_mm_per_prompt={"smell": 1})

@@ -247,3 +247,13 @@ def test_bad_requests_leave_others_unaffected(llava: tuple[ServerProcess, Path, 
     )
     assert reply.choices[0].finish_reason == "length"
     assert json.loads(reply.model_dump_json())["usage"]["prompt_tokens"] == 5
+
+
+def test_tokenize_counts_an_image_as_its_rows(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, _, _ = llava
+    r = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"model": MODEL, "messages": chat(image_part("data:image/png;base64,"), text="w5")},
+    )
+    assert r.status_code == 200
+    assert r.json()["tokens"] == [1] + [IMAGE_TOKEN_ID] * 16 + [5, 2, 4]
