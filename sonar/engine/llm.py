@@ -57,6 +57,7 @@ from sonar.protocol.engine import (
     ImageInput,
     OutputDelta,
     PositionLogprobs,
+    VisionInfo,
     WorkerInfo,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
@@ -480,18 +481,27 @@ class LLM:
 
         return await anyio.to_thread.run_sync(render)
 
+    def check_images(self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None) -> VisionInfo:
+        """Refuse `count` images for a prompt before any is loaded: a model without images, more
+        than the limit, or a prompt their rows would take past the context length."""
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
+        if count > self.image_limit:
+            raise InvalidRequestError(
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}",
+                param="messages",
+            )
+        check_context_length(
+            len(prompt_ids) + count * (vision.tokens_per_image - 1), max_tokens, self.info.max_model_len
+        )
+        return vision
+
     async def add_images(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its image tokens (one per image, as a chat template renders them)
         expanded for the model, and the images (RGB `PIL.Image`s, in prompt order) preprocessed
         and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
-        vision = self.info.vision
-        if vision is None:
-            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
-        if len(images) > self.image_limit:
-            raise InvalidRequestError(
-                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {len(images)}",
-                param="messages",
-            )
+        vision = self.check_images(prompt_ids, len(images))
         if self._image_processor is None:
             from sonar.multimodal.processor import ImageProcessor
 

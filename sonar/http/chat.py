@@ -83,6 +83,7 @@ async def create_chat_completion(
     )
     images: list[ImageInput] = []
     if urls:
+        llm.check_images(prompt_ids, len(urls), params.max_tokens)
         policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
         prompt_ids, images = await llm.add_images(prompt_ids, await load_images(urls, policy))
     if settings.enable_log_requests:

@@ -106,3 +106,11 @@ async def test_misplaced_images_are_refused(llm: sonar.LLM) -> None:
         await llm.add_images([IMAGE_TOKEN_ID] * 3, [random_image(i) for i in range(3)])
     # the engine still serves after the refusals
     assert len((await llm.generate(ids, GREEDY, images=images)).outputs[0].token_ids) == 5
+
+
+async def test_images_past_the_context_are_refused_before_loading(llm: sonar.LLM) -> None:
+    """100 text tokens and two images' 32 rows pass max_model_len 128: refused from the count."""
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        llm.check_images([3] * 100 + [IMAGE_TOKEN_ID] * 2, 2)
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
+        await llm.add_images([3] * 100 + [IMAGE_TOKEN_ID] * 2, [random_image(1), random_image(2)])
