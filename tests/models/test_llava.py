@@ -150,3 +150,13 @@ def test_text_only_prompt_equals_transformers(tiny: tuple[Path, Any, Any]) -> No
     _, (ours, our_logits) = _sonar_greedy(model, prompt, [], 3, 3)
     assert ours == tokens
     torch.testing.assert_close(our_logits, logits, atol=ATOL, rtol=RTOL)
+
+
+def test_bfloat16_on_cpu_runs_the_tower_in_float32(tiny: tuple[Path, Any, Any]) -> None:
+    path, _, model = tiny
+    bf16 = load_model(str(path), dtype="bfloat16").model
+    pixels = _pixels(path, model, random_image(9)).unsqueeze(0)
+    with torch.inference_mode():
+        ours, ref = bf16.encode_images(pixels), model.encode_images(pixels)
+    assert ours.dtype == torch.bfloat16 and bf16.vision_tower.pre_layrnorm.weight.dtype == torch.float32
+    torch.testing.assert_close(ours.float(), ref, atol=0.1, rtol=0.05)
