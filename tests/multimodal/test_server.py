@@ -257,3 +257,15 @@ def test_tokenize_counts_an_image_as_its_rows(llava: tuple[ServerProcess, Path, 
     )
     assert r.status_code == 200
     assert r.json()["tokens"] == [1] + [IMAGE_TOKEN_ID] * 16 + [5, 2, 4]
+
+
+def test_streamed_and_n2_answers_equal_the_whole_one(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, path, hf = llava
+    image = random_image(13)
+    messages = chat(image_part(data_url(png(image))))
+    expected = transformers_answer(path, hf, [image], "w5 w6 w7", 4)
+    api = client(server)
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).split() == expected
+    both = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2)
+    assert [c.message.content.split() for c in both.choices] == [expected, expected]
