@@ -81,8 +81,8 @@ class _RequestState:
     """A pooling request: what it has kept of its hidden states so far."""
     images: list[ImageInput] = field(default_factory=list)
     features: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Image index -> its feature rows, kept from the step that reached its first placeholder
-    until the request ends (a chunked prefill reads them over several steps)."""
+    """Image index -> its feature rows, kept from the step that reaches its first placeholder to
+    the one that passes its last (a chunked prefill reads them over several steps)."""
 
 
 def vision_info(model: Any) -> VisionInfo | None:
@@ -700,6 +700,8 @@ class ModelRunner:
                 features = state.features[index] = self.model.encode_images(pixels)[0]
             rows += range(first + lo - start, first + hi - start)
             embeds.append(features[lo - image.offset : hi - image.offset])
+            if hi == image.offset + image.length:
+                del state.features[index]
 
     def _pool(
         self, rows: list[tuple[_RequestState, str, int, int, int, bool]], hidden: torch.Tensor, result: StepResult
