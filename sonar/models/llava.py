@@ -192,7 +192,6 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         if getattr(vision, "model_type", "clip_vision_model") != "clip_vision_model":
             raise ModelLoadError(f"LLaVA with a {vision.model_type!r} vision tower is not supported (CLIP)")
         super().__init__(text, parallel, stage)
-        self.llava_config = config
         strategy = config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise ModelLoadError(f"vision_feature_select_strategy {strategy!r} is not supported (default, full)")
@@ -204,7 +203,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         """Hidden-state indices (0: the embeddings, ``depth``: the last layer's output)."""
         if not all(0 <= n <= depth for n in self.feature_layers):
             raise ModelLoadError(f"vision_feature_layer {layers} is outside the tower's {depth} layers")
-        self.image_token_id = int(config.image_token_index)
+        token = getattr(config, "image_token_id", None)  # transformers' newer name
+        self.image_token_id = int(config.image_token_index if token is None else token)
         self.tokens_per_image = (vision.image_size // vision.patch_size) ** 2 + int(self.keep_class_token)
         self.image_size = int(vision.image_size)
         self.vision_tower = CLIPVisionTower(vision)
