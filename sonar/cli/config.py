@@ -49,6 +49,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     api_key: tuple[str, ...] | None = None
     metrics_public: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] | None = None
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False

@@ -318,6 +318,8 @@ def _settings(config: ServeConfig) -> Any:
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs or {}),
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         response_role=config.response_role,
+        allowed_local_media_path=config.allowed_local_media_path,
+        allowed_media_domains=config.allowed_media_domains,
         allowed_origins=config.allowed_origins,
         allowed_methods=config.allowed_methods,
         allowed_headers=config.allowed_headers,

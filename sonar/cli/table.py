@@ -52,8 +52,10 @@ NO_EPLB = "expert load balancing (--enable-eplb) is not supported yet"
 NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
 NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
 NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
-NO_MM = "Sonar serves text-only models; multimodal inputs are not supported yet"
-NO_MEDIA = "Sonar loads no images, audio or video yet"
+NO_MM = (
+    "Sonar serves images to LLaVA-style models only, preprocessed per request in the API server, with no "
+    "processor cache and no video or audio; this setting is not supported yet"
+)
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
@@ -279,9 +281,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--seed", I, 0, "Seed for the random number generators, for reproducible sampling.", to=E),
         _f("--hf-config-path", S_, None, "Read the model config from this repo id or path instead."),
         _f("--allowed-local-media-path", S_, "",
-           "Directory from which requests may read local images or videos (a risk on shared machines).",
-           why=NO_MEDIA),
-        _f("--allowed-media-domains", L, None, "Fetch media URLs only from these domains.", why=NO_MEDIA),
+           "Directory under which requests may read local images with file:// URLs (a risk on shared "
+           "machines); empty: no file:// URLs.", to=S),
+        _f("--allowed-media-domains", L, None,
+           "Hosts from which http(s) image URLs are fetched; unset: Sonar fetches no image URLs at all "
+           "(data: URLs always work).", to=S),
         _f("--revision", S_, None, "Branch, tag or commit of the model repository to load.", to=E),
         _f("--code-revision", S_, None, "Revision of the Python code inside the model repository.",
            why="Sonar never runs code from model repositories"),
@@ -642,18 +646,19 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "MultiModalConfig", "Images, audio and video inputs of multimodal models.",
         _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0).",
-           accepts=(True,), why="Sonar accepts no multimodal inputs anyway"),
+           to=E),
         _f("--limit-mm-per-prompt", J, {},
-           "Most items per prompt for each modality, optionally with size limits, e.g. '{\"image\": 4}'.",
-           dotted=True, why=NO_MM),
+           "Most items per prompt for each modality, e.g. '{\"image\": 4}' (999 for a modality not named; "
+           "per-item size options are not supported yet).",
+           dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
-           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
-           why=NO_MM),
+           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine."),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True, why=NO_MM),
-        _f("--mm-processor-kwargs", J, None, "Overrides for the model's multimodal processor.", dotted=True,
-           why=NO_MM),
+           dotted=True),
+        _f("--mm-processor-kwargs", J, None,
+           "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
+           "'{\"do_normalize\": false}'.", dotted=True, to=E),
         _f("--mm-processor-cache-gb", F, 4,
            "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
            why=NO_MM),

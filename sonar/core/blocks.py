@@ -97,7 +97,9 @@ class BlockManager:
     def update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over its full blocks; call after tokens are added."""
         if self.hasher is not None:
-            self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key)
+            self.hasher.extend(
+                request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key, request.media
+            )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks that can serve ``request``'s leading tokens, and how many tokens.

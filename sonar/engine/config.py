@@ -177,6 +177,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     pooler_config: dict[str, Any] | None = None
     """`--pooler-config` (`sonar.pooling_params.PoolerConfig`): pooling type, normalize, dimensions,
     use_activation."""
+    limit_mm_per_prompt: dict[str, Any] = {}
+    """`--limit-mm-per-prompt`: most items of each modality in one prompt (`sonar.multimodal.limits`)."""
+    language_model_only: bool = False
+    """`--language-model-only`: accept no images (as a limit of 0)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
     hf_overrides: dict[str, Any] = {}
     """Fields that replace those of the model's Hugging Face config (a reranker's
     ``classifier_from_token``, say)."""
@@ -261,7 +267,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             check_load_settings,
             parse_device_ids,
         )
+        from sonar.multimodal.limits import ProcessorConfigError, check_processor_kwargs, image_limit
 
+        try:
+            image_limit(self.limit_mm_per_prompt, self.language_model_only)
+            check_processor_kwargs(self.mm_processor_kwargs)
+        except ProcessorConfigError as exc:
+            raise ValueError(str(exc)) from None
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_load_settings(self)
         capture_sizes(self)

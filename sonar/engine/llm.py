@@ -48,6 +48,7 @@ from sonar.errors import (
 )
 from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
+from sonar.multimodal.limits import image_limit
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams, PoolingParamsError
 from sonar.protocol.engine import (
     Abort,
@@ -56,12 +57,14 @@ from sonar.protocol.engine import (
     DescribeWorker,
     GetSleepState,
     GetStats,
+    ImageInput,
     OutputDelta,
     PositionLogprobs,
     SleepEngine,
     SleepReply,
     StartProfile,
     StopProfile,
+    VisionInfo,
     WakeEngine,
     WorkerInfo,
 )
@@ -227,6 +230,9 @@ class LLM:
         if config.enable_lora:
             shapes = ModelShapes({k: tuple(v) for k, v in info.projections.items()}, info.num_hidden_layers)
             self.lora_registry = LoRARegistry(shapes, config.lora_limits())
+        self.image_limit = image_limit(config.limit_mm_per_prompt, config.language_model_only)
+        """Most images one prompt may hold (--limit-mm-per-prompt, --language-model-only)."""
+        self._image_processor: Any = None
 
     # -- public API -------------------------------------------------------------------------
     async def generate(
@@ -239,10 +245,12 @@ class LLM:
         request_id: str | None = None,
         lora: str | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> RequestOutput:
         """Generate a completion of `prompt` (text or token ids) and return it when finished.
 
-        `lora`: the name of a loaded LoRA adapter to run with (None: the base model).
+        `lora`: the name of a loaded LoRA adapter to run with (None: the base model). `images`:
+        the prompt's images, placed on its image tokens (`add_images` makes both).
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
@@ -250,7 +258,7 @@ class LLM:
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter):
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, images=images):
             if on_delta is not None:
                 on_delta(delta)
             out = outputs[delta.index]
@@ -277,12 +285,14 @@ class LLM:
         cache_salt: str | None = None,
         request_id: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[StreamDelta]:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
         prompt_ids, _ = await self._prepare(prompt, params)
-        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt, adapter):
+        rid = request_id or self._new_id()
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, images=images):
             yield delta
 
     async def encode(
@@ -487,6 +497,40 @@ class LLM:
             return self.tokenizer(text, add_special_tokens=False).input_ids
 
         return await anyio.to_thread.run_sync(render)
+
+    def check_images(self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None) -> VisionInfo:
+        """Refuse `count` images for a prompt before any is loaded: a model without images, more
+        than the limit, or a prompt their rows would take past the context length."""
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
+        if count > self.image_limit:
+            raise InvalidRequestError(
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}",
+                param="messages",
+            )
+        check_context_length(
+            len(prompt_ids) + count * (vision.tokens_per_image - 1), max_tokens, self.info.max_model_len
+        )
+        return vision
+
+    async def add_images(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image tokens (one per image, as a chat template renders them)
+        expanded for the model, and the images (RGB `PIL.Image`s, in prompt order) preprocessed
+        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
+        vision = self.check_images(prompt_ids, len(images))
+        if self._image_processor is None:
+            from sonar.multimodal.processor import ImageProcessor
+
+            path = self.config.tokenizer or self.info.tokenizer_path
+            self._image_processor = await anyio.to_thread.run_sync(
+                ImageProcessor, vision, path, self.config.mm_processor_kwargs
+            )
+        processor = self._image_processor
+        from sonar.multimodal.processor import expand_images
+
+        pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(image) for image in images])
+        return expand_images(prompt_ids, vision, pixels)
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text` (in a worker thread), after the prompt-length limit."""
@@ -758,12 +802,20 @@ class LLM:
     def _scheduler(self, index: int) -> Any:
         return self.replicas.engine(index).child("scheduler").ref
 
-    def _route(self, prompt_ids: list[int], cache_salt: str | None, lora: LoRARequest | None, requests: int) -> int:
+    def _route(
+        self,
+        prompt_ids: list[int],
+        cache_salt: str | None,
+        lora: LoRARequest | None,
+        requests: int,
+        images: Sequence[ImageInput] = (),
+    ) -> int:
         """The replica for a request (0 without data parallelism), counted in flight there."""
         if self.router is None:
             return 0
         key = None if lora is None else lora.digest
-        hashes = self._hasher.chain(prompt_ids, cache_salt, key) if self._hasher is not None else []
+        media = [(im.offset, im.length, im.hash) for im in images]
+        hashes = self._hasher.chain(prompt_ids, cache_salt, key, media) if self._hasher is not None else []
         index = self.router.route(hashes, requests)
         if index is None:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
@@ -842,6 +894,7 @@ class LLM:
         cache_salt: str | None,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
@@ -852,7 +905,7 @@ class LLM:
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
-        replica = self._route(prompt_ids, cache_salt, lora, len(ids))
+        replica = self._route(prompt_ids, cache_salt, lora, len(ids), images)
         stream = DeltaStream()
         for cid in ids:
             self._streams[cid] = stream
@@ -873,6 +926,7 @@ class LLM:
                         arrival_time=time.monotonic(),
                         lora=lora,
                         pooling=pooling,
+                        images=list(images),
                     ),
                 )
             while pending:

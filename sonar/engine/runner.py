@@ -20,7 +20,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,7 +48,7 @@ from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
-from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
+from sonar.protocol.engine import ExecuteStep, ImageInput, StepResult, TokenLogprobs, VisionInfo, WorkerInfo
 from sonar.sampling_params import SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
@@ -79,6 +79,17 @@ class _RequestState:
     pooling: PoolingParams | None = None
     pool: PoolState | None = None
     """A pooling request: what it has kept of its hidden states so far."""
+    images: list[ImageInput] = field(default_factory=list)
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Image index -> its feature rows, kept from the step that reaches its first placeholder to
+    the one that passes its last (a chunked prefill reads them over several steps)."""
+
+
+def vision_info(model: Any) -> VisionInfo | None:
+    """What the frontend needs to send this model images; None for a text-only model."""
+    if not hasattr(model, "encode_images"):
+        return None
+    return VisionInfo(model.image_token_id, model.tokens_per_image, model.image_size)
 
 
 def kv_layout(model: Any) -> tuple[int, int, int]:
@@ -347,6 +358,7 @@ class ModelRunner:
             projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
+            vision=vision_info(self.model),
         )
         log.info(
             "kv_cache.allocated",
@@ -523,6 +535,7 @@ class ModelRunner:
             self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
+            state.images = new.images
             if new.pooling is not None:
                 if self.pooler is None:
                     raise ValueError(f"request {new.req_id}: a pooling request, but this model is not a pooling model")
@@ -545,6 +558,8 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
+        image_rows: list[int] = []  # rows whose embedding is an image's feature row
+        image_embeds: list[torch.Tensor] = []
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
@@ -565,6 +580,8 @@ class ModelRunner:
                 s_lens.append(sched.start_pos + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
+            if state.images:
+                self._image_rows(state, first, sched.start_pos, n, image_rows, image_embeds)
             if state.pooling is not None:
                 pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
                 pair = state.pooling.pair_start
@@ -592,6 +609,7 @@ class ModelRunner:
             and len(ids) == len(q_lens)
             and not prompt_rows
             and not pool_rows
+            and not image_rows
             and self.drafter is None
         ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -603,6 +621,12 @@ class ModelRunner:
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
+                elif image_rows:  # eager: compiled forms and graphs take token ids alone
+                    rows_t = torch.tensor(image_rows, device=device)
+                    embeds = torch.cat(image_embeds)
+                    hidden = self.model(
+                        ids_t, positions_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds
+                    )
                 else:
                     hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
             for rid, reason in lost.items():
@@ -697,6 +721,25 @@ class ModelRunner:
             result.proposed = self.drafter.draft(view)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _image_rows(
+        self, state: _RequestState, first: int, start: int, n: int, rows: list[int], embeds: list[torch.Tensor]
+    ) -> None:
+        """Add the rows of positions ``[start, start + n)`` that are image placeholders (at batch
+        row ``first`` for ``start``) and their feature rows; an image's features are computed the
+        first time a step reaches it."""
+        for index, image in enumerate(state.images):
+            lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+            if lo >= hi:
+                continue
+            features = state.features.get(index)
+            if features is None:
+                pixels = image.pixel_values.to(self.device).unsqueeze(0)
+                features = state.features[index] = self.model.encode_images(pixels)[0]
+            rows += range(first + lo - start, first + hi - start)
+            embeds.append(features[lo - image.offset : hi - image.offset])
+            if hi == image.offset + image.length:
+                del state.features[index]
 
     def _pool(
         self, rows: list[tuple[_RequestState, str, int, int, int, bool]], hidden: torch.Tensor, result: StepResult

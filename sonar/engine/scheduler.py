@@ -100,6 +100,7 @@ from sonar.protocol.engine import (
     StepOutputs,
     StopStringHit,
     TrackRequest,
+    VisionInfo,
     WakeEngine,
     WakeUp,
     WorkerInfo,
@@ -316,6 +317,9 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
+        problem = _images_problem(msg, self.info.vision)
+        if problem is not None:
+            return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
             grammar = await self._grammar(msg)
         except InvalidRequestError as exc:
@@ -338,6 +342,8 @@ class SchedulerActor(Actor):
                 arrival_time=msg.arrival_time or time.monotonic(),
                 cache_salt=msg.cache_salt,
                 lora=msg.lora,
+                media=[(im.offset, im.length, im.hash) for im in msg.images],
+                media_inputs=msg.images or None,
                 sampling_params=params,
                 pooling_params=msg.pooling,
                 skip_reading_prefix_cache=skip_cache,
@@ -473,6 +479,7 @@ class SchedulerActor(Actor):
                         list(req.output_token_ids),
                         req.lora,
                         req.pooling_params,
+                        req.media_inputs or [],
                     )
                 )
         fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None
@@ -797,3 +804,27 @@ def _never_ran(failure: Exception | None) -> bool:
     if isinstance(failure, ActorNotFound):
         return True
     return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))
+
+
+def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
+    """Why the request's images cannot run on this model, or None: each must sit on exactly
+    `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size,
+    and no image token may be left without its image."""
+    prompt = msg.prompt_token_ids
+    if vision is None:
+        return "this model does not accept images" if msg.images else None
+    side = vision.image_size
+    end = 0
+    for i, image in enumerate(msg.images):
+        if image.offset < end or image.length != vision.tokens_per_image or image.offset + image.length > len(prompt):
+            return f"image {i} does not fit the prompt's image tokens"
+        if any(t != vision.image_token_id for t in prompt[image.offset : image.offset + image.length]):
+            return f"image {i} is not placed on image tokens"
+        pixels = image.pixel_values
+        if tuple(getattr(pixels, "shape", ())) != (3, side, side) or str(pixels.dtype) != "torch.float32":
+            return f"image {i} has pixels of shape {tuple(getattr(pixels, 'shape', ()))}, the model takes (3, {side}, {side}) float32"
+        end = image.offset + image.length
+    placed = sum(image.length for image in msg.images)
+    if prompt.count(vision.image_token_id) != placed:
+        return f"the prompt holds image tokens (id {vision.image_token_id}) without their image"
+    return None

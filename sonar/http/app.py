@@ -44,7 +44,7 @@ import sonar
 from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
 from sonar.http.admin import admin_routes
-from sonar.http.chat import create_chat_completion, template_kwargs, template_source
+from sonar.http.chat import create_chat_completion, image_token, template_kwargs, template_source
 from sonar.http.completions import create_completion
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
 from sonar.http.messages import template_messages, template_tools
@@ -307,14 +307,18 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if req.messages is None and getattr(req, name) is not None:
                 raise RequestError(f"{name} only applies to messages", name)
         if req.messages is not None:
+            urls: list[tuple[str, str]] = []  # images count by their placeholder rows; none is loaded
             ids = await llm.apply_chat_template(
-                template_messages(req.messages, template_source(llm, settings)),
+                template_messages(req.messages, template_source(llm, settings), image_token(llm), urls),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template=settings.chat_template,
                 tools=template_tools(req.tools),
                 chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
             )
+            if urls and llm.info.vision is not None:
+                vision = llm.info.vision
+                ids = [t for i in ids for t in ([i] * vision.tokens_per_image if i == vision.image_token_id else [i])]
         else:
             ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -73,6 +73,9 @@ class ServerSettings:
     enable_per_request_metrics: bool = False
     #: --enable-server-load-tracking: count generation requests in flight, served at GET /load.
     enable_server_load_tracking: bool = True
+    #: --allowed-local-media-path / --allowed-media-domains: where image URLs may point (`sonar.multimodal.media`).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

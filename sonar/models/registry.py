@@ -27,6 +27,7 @@ from sonar.models.glm4 import Glm4ForCausalLM
 from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.llava import LlavaForConditionalGeneration
 from sonar.models.mixtral import MixtralForCausalLM
 from sonar.models.olmo2 import Olmo2ForCausalLM
 from sonar.models.phi3 import Phi3ForCausalLM
@@ -54,6 +55,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         GptOssForCausalLM,
         DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM,
+        LlavaForConditionalGeneration,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

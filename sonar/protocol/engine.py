@@ -16,6 +16,28 @@ from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
 from sonar.sampling_params import SamplingParams
 
 
+# -- multimodal ----------------------------------------------------------------------------------
+class VisionInfo(msgspec.Struct):
+    """What the frontend needs to turn a model's images into prompt tokens and pixels."""
+
+    image_token_id: int
+    tokens_per_image: int
+    """Placeholder tokens one image takes in the prompt (its feature rows)."""
+    image_size: int
+    """Side of the square pixel input the vision tower takes."""
+
+
+class ImageInput(msgspec.Struct, array_like=True):
+    """One image of a prompt: its placeholder tokens ``[offset, offset + length)`` of the prompt,
+    the hash of its pixels (which keys its blocks in the prefix cache), and the pixels the vision
+    tower takes (a float32 CPU tensor ``[3, image_size, image_size]``)."""
+
+    offset: int
+    length: int
+    hash: str
+    pixel_values: Any
+
+
 # -- worker --------------------------------------------------------------------------------------
 class WorkerInfo(msgspec.Struct):
     """What the scheduler and the frontend need to know about the loaded model and its cache."""
@@ -55,6 +77,8 @@ class WorkerInfo(msgspec.Struct):
     """A pooling model (``--runner pooling``): what it serves; None for a generative model."""
     sleep: SleepState = SleepState()
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
+    vision: VisionInfo | None = None
+    """A model that takes images (`sonar.models.llava`); None for a text-only model."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -71,6 +95,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None
     """A pooling request: the worker pools its prompt instead of sampling."""
+    images: list[ImageInput] = []
+    """The prompt's images, in position order."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -203,6 +229,8 @@ class AddRequest(Ask, tag="scheduler.add"):
     """The LoRA adapter the request runs with (None: the base model)."""
     pooling: PoolingParams | None = None
     """A pooling request (a pooling worker only): it ends with its prompt, with a pooled result."""
+    images: list[ImageInput] = []
+    """The prompt's images, in position order (a model that takes images only)."""
     reply_type = Accepted
 
 
