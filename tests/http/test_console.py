@@ -1,9 +1,9 @@
 """The web console (`GET /`) in a real headless Chromium against a real `python -m sonar serve`.
 
-One server with `--api-key` for the module: the page loads without the key but shows no data and
+A server with `--api-key` for the module: the page loads without the key but shows no data and
 asks for it; with the key it draws the supervision tree and the load charts, streams a chat answer
 equal to the same greedy request over HTTP, and lists the worker's restart after its process is
-killed. The browser is Debian's `chromium` driven through `chromedriver` by selenium (never a
+killed. Against the package's `plain_server` (no key) the page asks for none. The browser is Debian's `chromium` driven through `chromedriver` by selenium (never a
 browser downloaded by selenium itself); without them the browser tests are skipped, saying why.
 
 `SONAR_CONSOLE_SCREENSHOT=<path>` saves the page, after the chat, as a PNG
@@ -218,3 +218,11 @@ def test_a_killed_worker_shows_in_the_restarts(server: ServerProcess, browser: A
     assert "restarted ×1" in browser.find_element(By.CSS_SELECTOR, restart).text
     running = '#tree li[data-actor="worker"][data-state="running"]'
     wait_until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, running), "the worker running again")
+
+
+def test_without_an_api_key_the_page_asks_for_none(plain_server: ServerProcess, browser: Any) -> None:
+    browser.get(f"{plain_server.base_url}/")
+    worker = '#tree li[data-actor="worker"][data-state="running"]'
+    wait_until(browser, lambda d: d.find_elements(By.CSS_SELECTOR, worker), "the running worker in the tree")
+    assert not browser.find_element(By.ID, "key-form").is_displayed()
+    wait_until(browser, lambda d: int(d.find_element(By.ID, "chart-kv").get_attribute("data-points") or 0) >= 2, "KV")
