@@ -14,9 +14,9 @@ GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observ
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
 `sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), and GET / (the
 web console's page, `sonar/http/console/`). With API keys set, every route but /health, /ping and
-the console's static files (and /metrics with --metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
-addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
-loopback client; others see `remote` in their place. Bodies are bounded in size and read time
+the console's static files (and /metrics with --metrics-public) needs `Authorization: Bearer <key>`.
+/actors shows the actors' transport addresses (remote hosts, ipc paths) only to a client with the
+key, or, when no key is set, to a loopback client; others see `remote` in their place. Bodies are bounded in size and read time
 (`BodyLimits`).
 """
 
