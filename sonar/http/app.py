@@ -12,11 +12,13 @@ not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_a
 server's file reads on a path the client names, a privilege), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
-`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), and the operator's routes POST /sleep, /wake_up, GET /is_sleeping, POST
-/start_profile, /stop_profile (`sonar/http/admin.py`). With API keys set, every route but /health and /ping (and /metrics with
---metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
-addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
-loopback client; others see `remote` in their place. Bodies are bounded in size and read time
+`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), the operator's routes
+POST /sleep, /wake_up, GET /is_sleeping, POST /start_profile, /stop_profile (`sonar/http/admin.py`),
+and GET / (the web console's page, `sonar/http/console/`). With API keys set, every route but
+/health, /ping and the console's static files (and /metrics with --metrics-public) needs
+`Authorization: Bearer <key>`. /actors shows the actors' transport addresses (remote hosts, ipc
+paths) only to a client with the key, or, when no key is set, to a loopback client; others see
+`remote` in their place. Bodies are bounded in size and read time
 (`BodyLimits`).
 """
 
@@ -46,6 +48,7 @@ from sonar.engine.llm import LLM
 from sonar.http.admin import admin_routes
 from sonar.http.chat import create_chat_completion, image_token, template_kwargs, template_source
 from sonar.http.completions import create_completion
+from sonar.http.console import CONSOLE_PATHS, console_routes
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
 from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
@@ -382,6 +385,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if runtime_lora_updating()
             else []
         ),
+        *console_routes(),
     ]
     if settings.enable_tokenizer_info_endpoint:
         routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
@@ -400,7 +404,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes, timeout=settings.body_read_timeout)
     )
     if settings.api_keys:
-        open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
+        open_paths = OPEN_PATHS | CONSOLE_PATHS | ({"/metrics"} if settings.metrics_public else set())
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
     if settings.enable_server_load_tracking:
         middleware.append(Middleware(LoadMiddleware, metrics=metrics))

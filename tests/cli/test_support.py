@@ -114,8 +114,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--no-enable-flash-late-interaction"],
     ],
     "ModelConfig": [
-        ["--allowed-local-media-path", "/tmp"],
-        ["--allowed-media-domains", "example.com"],
         ["--code-revision", "main"],
     ],
     "LoadConfig": [
@@ -165,10 +163,8 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--offload-params", "mlp"],
     ],
     "MultiModalConfig": [
-        ["--limit-mm-per-prompt", '{"image": 2}'],
         ["--enable-mm-embeds"],
         ["--media-io-kwargs.video.num_frames", "40"],
-        ["--mm-processor-kwargs", '{"num_crops": 4}'],
         ["--mm-processor-cache-gb", "0"],
         ["--mm-processor-cache-type", "shm"],
         ["--mm-shm-cache-max-object-size-mb", "64"],
