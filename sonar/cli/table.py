@@ -652,10 +652,11 @@ GROUPS: tuple[Group, ...] = (
            "per-item size options are not supported yet).",
            dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
-           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine."),
+           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
+           why="Sonar does not accept precomputed image embeddings (image_embeds content parts) yet"),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True),
+           dotted=True, why="Sonar loads images with fixed settings (and no video or audio); none can be changed yet"),
         _f("--mm-processor-kwargs", J, None,
            "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
            "'{\"do_normalize\": false}'.", dotted=True, to=E),
