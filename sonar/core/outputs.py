@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import msgspec
 
+from sonar.core.flops import MFUStats
+from sonar.core.kv_residency import KVResidencyStats
+
 __all__ = [
     "PLACEHOLDER_TOKEN",
     "KVLoadSpec",
@@ -189,3 +192,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """The names of the LoRA adapters of the running requests (sorted),"""
     waiting_loras: list[str] = msgspec.field(default_factory=list)
     """and of the waiting ones."""
+    kv_residency: KVResidencyStats | None = None
+    """--kv-cache-metrics: the sampled blocks' residency histograms since start."""
+    mfu: MFUStats | None = None
+    """--enable-mfu-metrics: the steps' estimated FLOPs and bytes, and the worker's time; the
+    scheduler's shell counts them."""

@@ -137,6 +137,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
     enable_logging_iteration_details: bool = False
     """Log one `scheduler.iteration` line per step: its batch composition and elapsed time."""
+    kv_cache_metrics: bool = False
+    """Follow a sample of KV blocks' lifetimes, idle times and reuse gaps (`sonar.core.kv_residency`)."""
+    kv_cache_metrics_sample: float = 0.01
+    """The fraction of allocated blocks `kv_cache_metrics` follows, in (0, 1]."""
+    enable_mfu_metrics: bool = False
+    """Count each step's estimated FLOPs and bytes read, and the worker's time (`sonar.core.flops`)."""
     kv_offloading_size: float | None = None
     """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
     kv_offloading_backend: str = "native"

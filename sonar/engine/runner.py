@@ -344,6 +344,7 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             device=device.type,
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
             projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,

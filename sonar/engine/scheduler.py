@@ -60,11 +60,14 @@ from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef, AskTimeout
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
+from sonar.core.kv_residency import KVResidency
 from sonar.core.outputs import RequestError, SchedulerOutput
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
+from sonar.engine.peak import peak_flops
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
@@ -144,6 +147,11 @@ class SchedulerActor(Actor):
         """The grammar rows of the steps sent whose bitmask is not sent yet."""
         self._iterations: dict[int, tuple[float, dict[str, int]]] = {}
         """--enable-logging-iteration-details: each step in flight's send time and composition."""
+        self.shape: ModelShape | None = None
+        """--enable-mfu-metrics: the model's shape, for each step's cost (`_costs`)."""
+        self.mfu: MFUStats | None = None
+        self._costs: dict[int, StepCost] = {}
+        """--enable-mfu-metrics: the estimated cost of each step in flight."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -162,6 +170,10 @@ class SchedulerActor(Actor):
             kv_events=self.kv_events,
             offload_blocks_per_chunk=self.offload_bpc,
         )
+        if cfg.kv_cache_metrics:
+            blocks.pool.residency = KVResidency(cfg.kv_cache_metrics_sample, seed=cfg.seed)
+        if cfg.enable_mfu_metrics:
+            self._start_mfu(info)
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
         self.core = Scheduler(
@@ -195,6 +207,18 @@ class SchedulerActor(Actor):
                 )
             self.task_group.start_soon(self._watch_tiers)
 
+    def _start_mfu(self, info: WorkerInfo) -> None:
+        """--enable-mfu-metrics: the model's shape from the worker's description, and the
+        device's peak; a model whose projections the worker does not describe (a pooling model)
+        gets no estimate, and says so."""
+        if "q_proj" not in info.projections:
+            log.warning("mfu.unavailable", reason="the model's projections are unknown (not a decoder)")
+            return
+        dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
+        self.shape = ModelShape.of(info.projections, info.num_hidden_layers, info.vocab_size, dtype_bytes)
+        self.mfu = MFUStats(peak_flops=peak_flops(info.device, info.device_name, info.dtype))
+        log.info("mfu.enabled", peak_flops=self.mfu.peak_flops, device=info.device_name or info.device)
+
     async def handle(self, msg: SchedulerMsg) -> Any:
         if isinstance(msg, AddRequest):
             return await self._add(msg)
@@ -211,6 +235,7 @@ class SchedulerActor(Actor):
         if isinstance(msg, GetStats):
             stats = self.core.stats()
             stats.steps_overlapped = self.steps_overlapped
+            stats.mfu = self.mfu
             return stats
         if isinstance(msg, CountRequests):
             return len(self.core.requests) + len(self.pending)
@@ -440,10 +465,13 @@ class SchedulerActor(Actor):
             action, rank = (fault.action, fault.rank) if fault is not None else (None, 0)
             if self.config.enable_logging_iteration_details:
                 self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
+            if self.shape is not None:
+                self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
             return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
+            self._costs.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -508,10 +536,17 @@ class SchedulerActor(Actor):
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc
             self._iterations.clear()  # what is in flight is voided or recomputed
+            self._costs.clear()
             return False
+        cost = self._costs.pop(result.step_id, None)
         if not apply:
             return True
         self.steps += 1
+        if cost is not None and self.mfu is not None:
+            ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
+            self.mfu.flops += cost.flops // ranks
+            self.mfu.read_bytes += cost.read_bytes // ranks
+            self.mfu.busy_seconds += result.seconds
         iteration = self._iterations.pop(result.step_id, None)
         if iteration is not None:
             sent, details = iteration
@@ -648,6 +683,15 @@ class SchedulerActor(Actor):
             raise RuntimeError("the restarted worker has a different KV cache layout")
         self.info = info
         log.info("scheduler.worker_back", requests=len(ids))
+
+
+#: Bytes per weight and KV value, by the model's dtype (quantized weights are counted at it too).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def step_chunks(output: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """Each request's ``(start, tokens, sampled rows)`` in a step, for `step_cost`."""
+    return [(s.start_pos, len(s.token_ids), 1 + s.num_drafts if s.sample else 0) for s in output.requests]
 
 
 def iteration_details(output: SchedulerOutput) -> dict[str, int]:

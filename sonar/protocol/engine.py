@@ -39,6 +39,8 @@ class WorkerInfo(msgspec.Struct):
     head_dim: int = 0
     device: str = "cpu"
     """The device type the model runs on ("cpu", "cuda")."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``); empty on the CPU."""
     instance: str = ""
     """Random id of this run of the worker: a restarted worker answers with another."""
     tensor_parallel_size: int = 1

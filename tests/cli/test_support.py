@@ -193,7 +193,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
     ],
     "ObservabilityConfig": [
         ["--collect-detailed-traces", "all"],
-        ["--kv-cache-metrics-sample", "0.5"],
     ],
     "SchedulerConfig": [["--disable-chunked-mm-input"]],
     "KernelConfig": [
