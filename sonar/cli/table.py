@@ -728,12 +728,12 @@ GROUPS: tuple[Group, ...] = (
            "collector URL (http://host:4318 posts to /v1/traces); a client's traceparent header makes it "
            "the parent.", to=S, check=otlp_endpoint, metavar="URL"),
         _f("--collect-detailed-traces", S_, None,
-           "Modules to trace in detail (costly): model, worker, all, or two of them comma-separated.",
+           "Add each request's worker time to its span (needs --otlp-traces-endpoint): 'worker' the "
+           "worker's time on the steps the request was in, 'model' their forward passes' (timed with a "
+           "device synchronization: costly), 'all' both; or two of them comma-separated.",
            choices=("all", "model", "worker", None, "model,worker", "model,all", "worker,model", "worker,all",
                     "all,model", "all,worker"),
-           why="Sonar's request spans carry the scheduler's queue and prefill times; per-step spans of the "
-               "model and the worker are not supported yet",
-           metavar="{all,model,worker,None}"),
+           to=E, metavar="{all,model,worker,None}"),
         _f("--kv-cache-metrics", B, False,
            "Sample KV cache blocks and report their lifetimes, idle times before eviction and reuse gaps "
            "as /metrics histograms.", to=E),

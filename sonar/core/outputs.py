@@ -16,6 +16,7 @@ __all__ = [
     "KVLoadSpec",
     "KVStoreSpec",
     "RequestError",
+    "RequestModelTime",
     "RequestTiming",
     "RequestUpdate",
     "ScheduledRequest",
@@ -143,6 +144,17 @@ class RequestTiming(msgspec.Struct, array_like=True, gc=False):
     """From its first scheduling to its first token."""
 
 
+class RequestModelTime(msgspec.Struct, array_like=True, gc=False):
+    """--collect-detailed-traces: a request's share of the worker so far, summed over the steps it
+    was in (each step counts whole for each of its requests, as vLLM counts them)."""
+
+    execute_seconds: float | None
+    """The worker's time on those steps (``worker``): inputs, forward pass, sampling; None
+    unless asked."""
+    forward_seconds: float | None
+    """Of which the model's forward pass (``model``; device-synchronized); None unless asked."""
+
+
 class RequestUpdate(msgspec.Struct, gc=False):
     """What a step did to one request: the tokens it accepted and, if it ended, why."""
 
@@ -159,6 +171,8 @@ class RequestUpdate(msgspec.Struct, gc=False):
     """Set when ``finish_reason`` is ``error``."""
     timing: RequestTiming | None = None
     """On the update that carries the request's first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: on every update, the request's worker time so far."""
 
 
 class SchedulerStats(msgspec.Struct, gc=False):

@@ -550,6 +550,7 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
+        forward_started = time.perf_counter()
         if (
             self.graphs is not None
             and len(ids) == len(q_lens)
@@ -571,6 +572,10 @@ class ModelRunner:
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
+        if self.config.trace_model:  # the device runs ahead of the host: wait for it to time the pass
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.forward_seconds = time.perf_counter() - forward_started
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:

@@ -63,7 +63,7 @@ from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.kv_residency import KVResidency
-from sonar.core.outputs import RequestError, SchedulerOutput
+from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
@@ -87,6 +87,7 @@ from sonar.protocol.engine import (
     SchedulerMsg,
     StepBitmask,
     StepOutputs,
+    StepResult,
     StopStringHit,
     TrackRequest,
     WorkerInfo,
@@ -152,6 +153,10 @@ class SchedulerActor(Actor):
         self.mfu: MFUStats | None = None
         self._costs: dict[int, StepCost] = {}
         """--enable-mfu-metrics: the estimated cost of each step in flight."""
+        self._step_requests: dict[int, list[str]] = {}
+        """--collect-detailed-traces: the requests of each step in flight,"""
+        self._model_time: dict[str, list[float]] = {}
+        """and each request's worker time so far: [execute, forward] seconds."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -467,11 +472,14 @@ class SchedulerActor(Actor):
                 self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
             if self.shape is not None:
                 self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
+            if self.config.collect_detailed_traces:
+                self._step_requests[output.step_id] = [s.req_id for s in output.requests]
             return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
             self._costs.pop(output.step_id, None)
+            self._step_requests.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -537,8 +545,10 @@ class SchedulerActor(Actor):
                 self.failure = exc
             self._iterations.clear()  # what is in flight is voided or recomputed
             self._costs.clear()
+            self._step_requests.clear()
             return False
         cost = self._costs.pop(result.step_id, None)
+        stepped = self._step_requests.pop(result.step_id, None)
         if not apply:
             return True
         self.steps += 1
@@ -569,6 +579,8 @@ class SchedulerActor(Actor):
                 },
                 uncache=lost,
             )
+        if stepped is not None:
+            self._add_model_time(stepped, result, updates)
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
@@ -582,6 +594,24 @@ class SchedulerActor(Actor):
                 )
             )
         return True
+
+    def _add_model_time(self, stepped: list[str], result: StepResult, updates: list[RequestUpdate]) -> None:
+        """--collect-detailed-traces: add a step's worker time to each of its requests, and give
+        every update its request's total so far (a stop string or an abort ends a request on the
+        frontend's side with the last one it got)."""
+        times = self._model_time
+        for rid in stepped:
+            acc = times.setdefault(rid, [0.0, 0.0])
+            acc[0] += result.seconds
+            acc[1] += result.forward_seconds
+        worker, model = self.config.trace_worker, self.config.trace_model
+        for update in updates:
+            acc = times.get(update.req_id)
+            if acc is not None:
+                update.model_time = RequestModelTime(acc[0] if worker else None, acc[1] if model else None)
+        if len(times) > len(self.core.requests):  # ended requests (finished, stopped, aborted) go
+            for rid in [rid for rid in times if rid not in self.core.requests]:
+                del times[rid]
 
     # -- KV offloading -------------------------------------------------------------------------
     def _in_tiers(self, block_hash: bytes) -> bool:

@@ -66,7 +66,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.actors.tree import ActorInfo
 from sonar.core.kv_residency import RESIDENCY_BUCKETS
-from sonar.core.outputs import RequestTiming
+from sonar.core.outputs import RequestModelTime, RequestTiming
 from sonar.engine.llm import LLM, RequestOutput, StreamDelta
 from sonar.http.protocol import PerRequestMetrics
 from sonar.http.tracing import RequestTracer, SpanTimes, span_attributes
@@ -557,6 +557,7 @@ class RequestRecorder:
         self._first: dict[tuple[int, int], float] = {}
         self._tokens: dict[tuple[int, int], int] = {}
         self._timing: dict[tuple[int, int], RequestTiming] = {}
+        self._model_time: dict[tuple[int, int], RequestModelTime] = {}
 
     def output(self, delta: StreamDelta, prompt: int = 0) -> None:
         """Record one output delta of choice `delta.index` of the request's `prompt`-th prompt."""
@@ -568,6 +569,8 @@ class RequestRecorder:
             m.total_prompt_tokens += delta.num_prompt_tokens
         if delta.timing is not None:
             self._timing[key] = delta.timing
+        if delta.model_time is not None:
+            self._model_time[key] = delta.model_time
         if delta.token_ids:
             m.generation_tokens.inc(len(delta.token_ids))
             m.total_generation_tokens += len(delta.token_ids)
@@ -609,7 +612,14 @@ class RequestRecorder:
         if self.trace is None or self._described is None:
             return
         params, model = self._described
-        times = SpanTimes(self.arrival, now, self._first.get(key), self._last.get(key), self._timing.get(key))
+        times = SpanTimes(
+            self.arrival,
+            now,
+            self._first.get(key),
+            self._last.get(key),
+            self._timing.get(key),
+            self._model_time.get(key),
+        )
         prompt, choice = key
         attributes = span_attributes(
             self.trace.request_id,

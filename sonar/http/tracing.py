@@ -7,7 +7,11 @@ come from what `RequestRecorder` already measures: the scheduler's `RequestTimin
 and scheduling to first token: the prefill) and the frontend's arrival, first and last token.
 
 The client's W3C ``traceparent`` (and ``tracestate``) header makes the span a child of the
-client's trace. Spans go out over OTLP/HTTP (protobuf) from the SDK's `BatchSpanProcessor`: ending
+client's trace. With ``--collect-detailed-traces`` the span adds the request's worker time
+(``gen_ai.latency.time_in_model_execute`` for ``worker``, ``time_in_model_forward`` for ``model``),
+summed by the scheduler over the steps the request was in (`RequestModelTime`).
+
+Spans go out over OTLP/HTTP (protobuf) from the SDK's `BatchSpanProcessor`: ending
 a span only appends it to a bounded queue (a full queue drops it), and a background thread posts
 the batches, so a slow or absent collector never blocks the event loop or fails a request.
 """
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from sonar.core.outputs import RequestTiming
+from sonar.core.outputs import RequestModelTime, RequestTiming
 from sonar.errors import SonarError
 
 __all__ = ["SpanTimes", "TracingConfigError", "RequestTracer", "span_attributes", "traces_url"]
@@ -60,6 +64,8 @@ class SpanTimes:
     first: float | None = None
     last: float | None = None
     timing: RequestTiming | None = None
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time, from its last update."""
 
 
 def span_attributes(
@@ -97,6 +103,11 @@ def span_attributes(
         attrs["gen_ai.latency.time_in_model_prefill"] = times.timing.first_token_seconds
         if decode is not None:
             attrs["gen_ai.latency.time_in_model_inference"] = times.timing.first_token_seconds + decode
+    if times.model_time is not None:
+        if times.model_time.execute_seconds is not None:
+            attrs["gen_ai.latency.time_in_model_execute"] = times.model_time.execute_seconds
+        if times.model_time.forward_seconds is not None:
+            attrs["gen_ai.latency.time_in_model_forward"] = times.model_time.forward_seconds
     return attrs
 
 

@@ -8,7 +8,14 @@ import msgspec
 
 from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
-from sonar.core.outputs import RequestError, RequestTiming, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import (
+    RequestError,
+    RequestModelTime,
+    RequestTiming,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from sonar.core.request import LoRARequest
 from sonar.errors import Rejection
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
@@ -86,6 +93,8 @@ class StepResult(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     seconds: float = 0.0
+    forward_seconds: float = 0.0
+    """--collect-detailed-traces model: the forward pass's share of `seconds` (else 0)."""
     failed: dict[str, str] = {}
     """Requests for which no token could be sampled (not in `sampled`), with why: the
     scheduler fails them alone."""
@@ -271,6 +280,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     """A pooling request's result, on its final delta."""
     timing: RequestTiming | None = None
     """On the delta of the request's first token: its queue time and time to first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time so far."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

@@ -191,9 +191,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--enable-mixed-moe-lora-format"],
         ["--enable-moe-shared-loras"],
     ],
-    "ObservabilityConfig": [
-        ["--collect-detailed-traces", "all"],
-    ],
     "SchedulerConfig": [["--disable-chunked-mm-input"]],
     "KernelConfig": [
         ["--enable-flashinfer-autotune"],

@@ -24,12 +24,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sonar.cli import parse_serve_args
 from sonar.cli.errors import UsageError
-from sonar.http.tracing import TracingConfigError, traces_url
+from sonar.core.outputs import RequestModelTime
+from sonar.http.tracing import SpanTimes, TracingConfigError, span_attributes, traces_url
+from sonar.sampling_params import SamplingParams
 from tests.http.conftest import ServerProcess, free_port, serving, sse_events
 
 SERVER_ARGS = (
     *("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--seed", "0"),
     *("--kv-cache-metrics", "--kv-cache-metrics-sample", "1", "--enable-mfu-metrics", "--enable-prompt-tokens-details"),
+    *("--collect-detailed-traces", "all"),
 )
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -147,6 +150,9 @@ def test_a_completion_is_one_span_in_the_clients_trace(http: httpx.Client, recei
     assert queue + prefill <= ttft + 0.05  # the scheduler's share of the time to first token
     assert ttft + decode == pytest.approx(e2e, abs=0.05)
     assert a["gen_ai.latency.time_in_model_inference"] == pytest.approx(prefill + decode)
+    # --collect-detailed-traces all: the worker's time on the request's five steps, and its forward passes'
+    execute, forward = a["gen_ai.latency.time_in_model_execute"], a["gen_ai.latency.time_in_model_forward"]
+    assert 0 < forward < execute < e2e
     span_seconds = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
     assert span_seconds == pytest.approx(e2e, abs=0.01)
     assert all(path == "/v1/traces" for path in receiver.paths)
@@ -287,3 +293,30 @@ def test_requests_go_on_when_the_collector_is_gone(http: httpx.Client, receiver:
 def test_a_bad_endpoint_stops_the_start() -> None:
     with pytest.raises(UsageError, match="--otlp-traces-endpoint"):
         parse_serve_args(["--otlp-traces-endpoint", "collector:4317"])
+
+
+def test_detailed_traces_need_an_endpoint_and_name_their_modules() -> None:
+    with pytest.raises(UsageError, match="--collect-detailed-traces: needs --otlp-traces-endpoint"):
+        parse_serve_args(["--collect-detailed-traces", "all"])
+    endpoint = ["--otlp-traces-endpoint", "http://127.0.0.1:4318"]
+    modules = {
+        value: (config.engine.trace_worker, config.engine.trace_model)
+        for value in ("model", "worker", "all", "model,worker", "worker,all")
+        for config in [parse_serve_args([*endpoint, "--collect-detailed-traces", value])]
+    }
+    assert modules == {
+        "model": (False, True),
+        "worker": (True, False),
+        "all": (True, True),
+        "model,worker": (True, True),
+        "worker,all": (True, True),
+    }
+
+
+def test_only_the_modules_asked_for_become_attributes() -> None:
+    params = SamplingParams(max_tokens=3)
+    times = SpanTimes(0.0, 1.0, model_time=RequestModelTime(None, 0.25))
+    a = span_attributes("cmpl-1", "m", params, 4, 3, times, "length")
+    assert a["gen_ai.latency.time_in_model_forward"] == 0.25
+    assert "gen_ai.latency.time_in_model_execute" not in a
+    assert "gen_ai.latency.time_to_first_token" not in a  # never reached
