@@ -313,6 +313,15 @@ def test_detailed_traces_need_an_endpoint_and_name_their_modules() -> None:
     }
 
 
+def test_a_sample_rate_without_kv_cache_metrics_is_refused() -> None:
+    with pytest.raises(UsageError, match="--kv-cache-metrics-sample: takes effect only with --kv-cache-metrics"):
+        parse_serve_args(["--kv-cache-metrics-sample", "0.5"])
+    with pytest.raises(UsageError, match=r"fraction in \(0, 1\]"):
+        parse_serve_args(["--kv-cache-metrics", "--kv-cache-metrics-sample", "0"])
+    config = parse_serve_args(["--kv-cache-metrics", "--kv-cache-metrics-sample", "0.5"]).engine
+    assert (config.kv_cache_metrics, config.kv_cache_metrics_sample) == (True, 0.5)
+
+
 def test_only_the_modules_asked_for_become_attributes() -> None:
     params = SamplingParams(max_tokens=3)
     times = SpanTimes(0.0, 1.0, model_time=RequestModelTime(None, 0.25))
