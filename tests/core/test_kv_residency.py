@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from sonar.core.block_pool import BlockPool
+from sonar.core.free_queue import KVBlock
 from sonar.core.kv_residency import RESIDENCY_BUCKETS, KVResidency, ResidencyHistogram
 
 
@@ -98,3 +101,37 @@ def test_the_sample_rate_must_be_a_fraction() -> None:
     for bad in (0.0, 1.5, -1.0):
         with pytest.raises(ValueError, match="sample"):
             KVResidency(bad)
+
+
+def test_random_traffic_observes_every_hit_and_every_end() -> None:
+    """Random allocations, hits and frees on a small pool, every block followed: one reuse gap per
+    hit, one lifetime per reallocation of a block allocated before, never a negative time, and
+    the pool's own bookkeeping intact."""
+    rng = random.Random(7)
+    pool, res, clock = pool_with(num_blocks=8)
+    held: list[KVBlock] = []
+    hits = ends = 0
+    ever: set[int] = set()
+    for step in range(2000):
+        clock.now += rng.random()
+        action = rng.random()
+        if action < 0.35 and pool.num_free:
+            block = pool.allocate(1)[0]
+            ends += block.block_id in ever
+            ever.add(block.block_id)
+            if rng.random() < 0.5:
+                pool.cache(block, step.to_bytes(32, "big"))
+            held.append(block)
+        elif 0.35 <= action < 0.5 and held:
+            block = rng.choice(held)
+            pool.touch([block])
+            held.append(block)
+            hits += 1
+        elif held:
+            pool.free([held.pop(rng.randrange(len(held)))])
+        pool.check_invariants()
+    stats = res.stats
+    assert stats.reuse_gap.count == hits > 100
+    assert stats.lifetime.count == ends > 100
+    assert stats.idle_before_evict.count <= ends
+    assert min(stats.lifetime.total, stats.reuse_gap.total, stats.idle_before_evict.total) >= 0
