@@ -91,6 +91,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """A logging dictConfig JSON file (`sonar.log.apply_config_file`)."""
     log_error_stack: bool = False
     enable_per_request_metrics: bool = False
+    otlp_traces_endpoint: str | None = None
     enable_server_load_tracking: bool = True
 
     @property

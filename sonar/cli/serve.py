@@ -347,6 +347,7 @@ def _settings(config: ServeConfig) -> Any:
         reasoning_parser=config.reasoning_parser or None,
         log_error_stack=config.log_error_stack,
         enable_per_request_metrics=config.enable_per_request_metrics,
+        otlp_traces_endpoint=config.otlp_traces_endpoint,
         enable_server_load_tracking=config.enable_server_load_tracking,
     )
 

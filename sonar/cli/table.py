@@ -15,6 +15,7 @@ from sonar.cli.values import (
     fraction,
     logprobs_cap,
     non_negative,
+    otlp_endpoint,
     port_number,
     positive,
     power_of_two,
@@ -730,19 +731,29 @@ GROUPS: tuple[Group, ...] = (
         "ObservabilityConfig", "Metrics, tracing and diagnostic logging.",
         _f("--show-hidden-metrics-for-version", S_, None,
            "Bring back the metrics hidden since this version, while dashboards migrate."),
-        _f("--otlp-traces-endpoint", S_, None, "Send OpenTelemetry traces to this URL."),
+        _f("--otlp-traces-endpoint", S_, None,
+           "Export one OpenTelemetry span per finished generation request (request id, model, sampling "
+           "parameters, token counts, queue / prefill / decode / end-to-end times) to this OTLP/HTTP "
+           "collector URL (http://host:4318 posts to /v1/traces); a client's traceparent header makes it "
+           "the parent.", to=S, check=otlp_endpoint, metavar="URL"),
         _f("--collect-detailed-traces", S_, None,
-           "Modules to trace in detail (costly): model, worker, all, or two of them comma-separated.",
+           "Add each request's worker time to its span (needs --otlp-traces-endpoint): 'worker' the "
+           "worker's time on the steps the request was in, 'model' their forward passes' (timed with a "
+           "device synchronization: costly), 'all' both; or two of them comma-separated.",
            choices=("all", "model", "worker", None, "model,worker", "model,all", "worker,model", "worker,all",
                     "all,model", "all,worker"),
-           why="only used with --otlp-traces-endpoint, which Sonar does not support yet",
-           metavar="{all,model,worker,None}"),
-        _f("--kv-cache-metrics", B, False, "Sample KV cache block lifetimes, idle times and reuse gaps as metrics."),
-        _f("--kv-cache-metrics-sample", F, 0.01, "Fraction of blocks sampled for KV cache metrics.",
-           why="only used with --kv-cache-metrics, which Sonar does not support yet"),
+           to=E, metavar="{all,model,worker,None}"),
+        _f("--kv-cache-metrics", B, False,
+           "Sample KV cache blocks and report their lifetimes, idle times before eviction and reuse gaps "
+           "as /metrics histograms.", to=E),
+        _f("--kv-cache-metrics-sample", F, 0.01,
+           "Fraction of allocated KV blocks --kv-cache-metrics follows, in (0, 1].", to=E, check=fraction),
         _f("--cudagraph-metrics", B, False, "Report CUDA graph padding and dispatch statistics."),
         _f("--enable-layerwise-nvtx-tracing", B, False, "Mark each layer's execution with NVTX ranges."),
-        _f("--enable-mfu-metrics", B, False, "Report model FLOPs utilization."),
+        _f("--enable-mfu-metrics", B, False,
+           "Report each step's estimated model FLOPs and bytes read (from the model's shape and the "
+           "step's tokens), the time the worker spent, and the device's peak FLOP/s where Sonar knows it, "
+           "as /metrics counters.", to=E),
         _f("--enable-logging-iteration-details", B, False,
            "Log every engine step: its context (prefill) and generation requests and tokens, and its "
            "elapsed time, as a scheduler.iteration line.", to=E),

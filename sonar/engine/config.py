@@ -137,6 +137,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
     enable_logging_iteration_details: bool = False
     """Log one `scheduler.iteration` line per step: its batch composition and elapsed time."""
+    kv_cache_metrics: bool = False
+    """Follow a sample of KV blocks' lifetimes, idle times and reuse gaps (`sonar.core.kv_residency`)."""
+    kv_cache_metrics_sample: float = 0.01
+    """The fraction of allocated blocks `kv_cache_metrics` follows, in (0, 1]."""
+    enable_mfu_metrics: bool = False
+    collect_detailed_traces: str | None = None
+    """``model``, ``worker``, ``all`` or two of them comma-separated: each request's updates carry
+    its worker time (`RequestModelTime`; ``model`` times the forward pass, synchronizing the device)."""
+    """Count each step's estimated FLOPs and bytes read, and the worker's time (`sonar.core.flops`)."""
     kv_offloading_size: float | None = None
     """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
     kv_offloading_backend: str = "native"
@@ -326,6 +335,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
                 "drop --no-enable-prefix-caching"
             )
+
+    @property
+    def trace_worker(self) -> bool:
+        """--collect-detailed-traces names the worker (or all): requests carry their worker time."""
+        return bool(self.collect_detailed_traces) and self.collect_detailed_traces != "model"
+
+    @property
+    def trace_model(self) -> bool:
+        """--collect-detailed-traces names the model (or all): the worker times each forward pass."""
+        modules = set((self.collect_detailed_traces or "").split(","))
+        return bool(modules & {"model", "all"})
 
     @property
     def world_size(self) -> int:

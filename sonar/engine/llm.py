@@ -26,7 +26,7 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
-from sonar.core.outputs import RequestError, RequestTiming, SchedulerStats
+from sonar.core.outputs import RequestError, RequestModelTime, RequestTiming, SchedulerStats
 from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
@@ -167,6 +167,8 @@ class StreamDelta:
     pooled: PooledData | None = None
     timing: RequestTiming | None = None
     """On the delta of the first token: the scheduler's queue time and time to first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time so far."""
 
 
 @dataclass
@@ -952,6 +954,7 @@ class LLM:
                     delta.num_cached_tokens,
                     delta.pooled,
                     delta.timing,
+                    delta.model_time,
                 )
         finally:
             for cid in ids:

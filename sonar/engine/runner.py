@@ -355,6 +355,7 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             device=device.type,
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
             projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
@@ -604,6 +605,7 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
+        forward_started = time.perf_counter()
         if (
             self.graphs is not None
             and len(ids) == len(q_lens)
@@ -632,6 +634,10 @@ class ModelRunner:
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
+        if self.config.trace_model:  # the device runs ahead of the host: wait for it to time the pass
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.forward_seconds = time.perf_counter() - forward_started
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:

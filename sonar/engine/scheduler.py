@@ -69,12 +69,15 @@ from sonar.actors.node import get_node
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
-from sonar.core.outputs import RequestError, SchedulerOutput
+from sonar.core.kv_residency import KVResidency
+from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
+from sonar.engine.peak import peak_flops
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
@@ -98,6 +101,7 @@ from sonar.protocol.engine import (
     SleepReply,
     StepBitmask,
     StepOutputs,
+    StepResult,
     StopStringHit,
     TrackRequest,
     VisionInfo,
@@ -169,6 +173,15 @@ class SchedulerActor(Actor):
         """A sleep or a wake-up is under way (one at a time)."""
         self.refreshing = False
         """The worker is being asked its sleep state (`_refresh_sleep`)."""
+        self.shape: ModelShape | None = None
+        """--enable-mfu-metrics: the model's shape, for each step's cost (`_costs`)."""
+        self.mfu: MFUStats | None = None
+        self._costs: dict[int, StepCost] = {}
+        """--enable-mfu-metrics: the estimated cost of each step in flight."""
+        self._step_requests: dict[int, list[str]] = {}
+        """--collect-detailed-traces: the requests of each step in flight,"""
+        self._model_time: dict[str, list[float]] = {}
+        """and each request's worker time so far: [execute, forward] seconds."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -188,6 +201,10 @@ class SchedulerActor(Actor):
             kv_events=self.kv_events,
             offload_blocks_per_chunk=self.offload_bpc,
         )
+        if cfg.kv_cache_metrics:
+            blocks.pool.residency = KVResidency(cfg.kv_cache_metrics_sample, seed=cfg.seed)
+        if cfg.enable_mfu_metrics:
+            self._start_mfu(info)
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
         self.core = Scheduler(
@@ -221,6 +238,18 @@ class SchedulerActor(Actor):
                 )
             self.task_group.start_soon(self._watch_tiers)
 
+    def _start_mfu(self, info: WorkerInfo) -> None:
+        """--enable-mfu-metrics: the model's shape from the worker's description, and the
+        device's peak; a model whose projections the worker does not describe (a pooling model)
+        gets no estimate, and says so."""
+        if "q_proj" not in info.projections:
+            log.warning("mfu.unavailable", reason="the model's projections are unknown (not a decoder)")
+            return
+        dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
+        self.shape = ModelShape.of(info.projections, info.num_hidden_layers, info.vocab_size, dtype_bytes)
+        self.mfu = MFUStats(peak_flops=peak_flops(info.device, info.device_name, info.dtype))
+        log.info("mfu.enabled", peak_flops=self.mfu.peak_flops, device=info.device_name or info.device)
+
     async def handle(self, msg: SchedulerMsg) -> Any:
         if isinstance(msg, AddRequest):
             return await self._add(msg)
@@ -237,6 +266,7 @@ class SchedulerActor(Actor):
         if isinstance(msg, GetStats):
             stats = self.core.stats()
             stats.steps_overlapped = self.steps_overlapped
+            stats.mfu = self.mfu
             return stats
         if isinstance(msg, CountRequests):
             return len(self.core.requests) + len(self.pending)
@@ -490,10 +520,16 @@ class SchedulerActor(Actor):
             action, rank = (fault.action, fault.rank) if fault is not None else (None, 0)
             if self.config.enable_logging_iteration_details:
                 self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
+            if self.shape is not None:
+                self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
+            if self.config.collect_detailed_traces:
+                self._step_requests[output.step_id] = [s.req_id for s in output.requests]
             return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
+            self._costs.pop(output.step_id, None)
+            self._step_requests.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -558,10 +594,19 @@ class SchedulerActor(Actor):
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc
             self._iterations.clear()  # what is in flight is voided or recomputed
+            self._costs.clear()
+            self._step_requests.clear()
             return False
+        cost = self._costs.pop(result.step_id, None)
+        stepped = self._step_requests.pop(result.step_id, None)
         if not apply:
             return True
         self.steps += 1
+        if cost is not None and self.mfu is not None:
+            ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
+            self.mfu.flops += cost.flops // ranks
+            self.mfu.read_bytes += cost.read_bytes // ranks
+            self.mfu.busy_seconds += result.seconds
         iteration = self._iterations.pop(result.step_id, None)
         if iteration is not None:
             sent, details = iteration
@@ -584,6 +629,8 @@ class SchedulerActor(Actor):
                 },
                 uncache=lost,
             )
+        if stepped is not None:
+            self._add_model_time(stepped, result, updates)
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
@@ -597,6 +644,24 @@ class SchedulerActor(Actor):
                 )
             )
         return True
+
+    def _add_model_time(self, stepped: list[str], result: StepResult, updates: list[RequestUpdate]) -> None:
+        """--collect-detailed-traces: add a step's worker time to each of its requests, and give
+        every update its request's total so far (a stop string or an abort ends a request on the
+        frontend's side with the last one it got)."""
+        times = self._model_time
+        for rid in stepped:
+            acc = times.setdefault(rid, [0.0, 0.0])
+            acc[0] += result.seconds
+            acc[1] += result.forward_seconds
+        worker, model = self.config.trace_worker, self.config.trace_model
+        for update in updates:
+            acc = times.get(update.req_id)
+            if acc is not None:
+                update.model_time = RequestModelTime(acc[0] if worker else None, acc[1] if model else None)
+        if len(times) > len(self.core.requests):  # ended requests (finished, stopped, aborted) go
+            for rid in [rid for rid in times if rid not in self.core.requests]:
+                del times[rid]
 
     # -- KV offloading -------------------------------------------------------------------------
     def _in_tiers(self, block_hash: bytes) -> bool:
@@ -771,6 +836,15 @@ class SchedulerActor(Actor):
             log.info("scheduler.awake")
         if msg.reply_to is not None:
             await get_node().reply(msg.reply_to, reply)
+
+
+#: Bytes per weight and KV value, by the model's dtype (quantized weights are counted at it too).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def step_chunks(output: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """Each request's ``(start, tokens, sampled rows)`` in a step, for `step_cost`."""
+    return [(s.start_pos, len(s.token_ids), 1 + s.num_drafts if s.sample else 0) for s in output.requests]
 
 
 def iteration_details(output: SchedulerOutput) -> dict[str, int]:

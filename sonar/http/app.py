@@ -31,6 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import anyio
+import anyio.to_thread
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -70,6 +71,7 @@ from sonar.http.response_store import ResponseStore
 from sonar.http.responses import json_response
 from sonar.http.responses_api import cancel_response, create_response, delete_response, get_response
 from sonar.http.settings import ServerSettings
+from sonar.http.tracing import RequestTracer
 from sonar.log import get_logger
 from sonar.lora.registry import runtime_lora_updating
 
@@ -203,6 +205,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     """`log_stats_interval`: seconds between stats log lines while the app runs (None: none)."""
     names = settings.served_model_names
     metrics = ServerMetrics()
+    tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
 
     def check_model(model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for a name not served."""
@@ -352,8 +355,12 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with stats_logging(llm, metrics, log_stats_interval):
-            yield
+        try:
+            async with stats_logging(llm, metrics, log_stats_interval):
+                yield
+        finally:
+            if tracer is not None:  # the spans still queued go out (bounded by the export timeout)
+                await anyio.to_thread.run_sync(tracer.shutdown)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -419,6 +426,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     app.state.llm = llm
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.tracer = tracer
     return app
 
 

@@ -57,6 +57,7 @@ async def create_chat_completion(
     check_user(settings, req.user)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
+    rec.describe(params, lora or settings.model_name)
     if req.add_generation_prompt and req.continue_final_message:
         raise RequestError(
             "add_generation_prompt and continue_final_message cannot both be set (set add_generation_prompt to false)",

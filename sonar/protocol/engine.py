@@ -8,7 +8,14 @@ import msgspec
 
 from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
-from sonar.core.outputs import RequestError, RequestTiming, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import (
+    RequestError,
+    RequestModelTime,
+    RequestTiming,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from sonar.core.request import LoRARequest
 from sonar.core.sleep import SleepState
 from sonar.errors import Rejection
@@ -62,6 +69,8 @@ class WorkerInfo(msgspec.Struct):
     head_dim: int = 0
     device: str = "cpu"
     """The device type the model runs on ("cpu", "cuda")."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``); empty on the CPU."""
     instance: str = ""
     """Random id of this run of the worker: a restarted worker answers with another."""
     tensor_parallel_size: int = 1
@@ -113,6 +122,8 @@ class StepResult(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     seconds: float = 0.0
+    forward_seconds: float = 0.0
+    """--collect-detailed-traces model: the forward pass's share of `seconds` (else 0)."""
     failed: dict[str, str] = {}
     """Requests for which no token could be sampled (not in `sampled`), with why: the
     scheduler fails them alone."""
@@ -377,6 +388,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     """A pooling request's result, on its final delta."""
     timing: RequestTiming | None = None
     """On the delta of the request's first token: its queue time and time to first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time so far."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

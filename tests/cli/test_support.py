@@ -187,10 +187,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--enable-mixed-moe-lora-format"],
         ["--enable-moe-shared-loras"],
     ],
-    "ObservabilityConfig": [
-        ["--collect-detailed-traces", "all"],
-        ["--kv-cache-metrics-sample", "0.5"],
-    ],
     "SchedulerConfig": [["--disable-chunked-mm-input"]],
     "KernelConfig": [
         ["--enable-flashinfer-autotune"],
