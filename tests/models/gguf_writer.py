@@ -156,23 +156,22 @@ def quantizable(array: np.ndarray, qtype: Any) -> bool:
 
 
 def quant_round_trip(tensor: torch.Tensor, qtype: Any) -> torch.Tensor:
-    """What a tensor reads back as from the file: its blocks dequantized, or itself."""
+    """What a quantized tensor reads back as from the file: its blocks dequantized."""
     from gguf import dequantize, quantize
 
     array = tensor.detach().float().numpy()
-    if not quantizable(array, qtype):
-        return tensor.detach().float().clone()
     return torch.from_numpy(dequantize(quantize(array, qtype), qtype).reshape(array.shape).copy())
 
 
-def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF name -> (the Hugging Face tensor it comes from, its array as the file holds it)."""
     names = {**LAYER, **family.names}
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, tuple[str, np.ndarray]] = {}
     for hf_name, tensor in state.items():
         array = tensor.detach().float().numpy()
         if hf_name == "lm_head.weight":
             if not config.tie_word_embeddings:
-                out["output.weight"] = array
+                out["output.weight"] = (hf_name, array)
             continue
         if hf_name in GLOBAL:
             name = GLOBAL[hf_name]
@@ -180,8 +179,8 @@ def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -
             _, _, layer, rest = hf_name.split(".", 3)
             if rest == "mlp.experts.gate_up_proj":  # transformers' stacked [E, 2 I, h]: gate rows first
                 gate, up = np.split(array, 2, axis=1)
-                out[f"blk.{layer}.ffn_gate_exps.weight"] = gate
-                out[f"blk.{layer}.ffn_up_exps.weight"] = up
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = (hf_name, gate)
+                out[f"blk.{layer}.ffn_up_exps.weight"] = (hf_name, up)
                 continue
             module, kind = (rest, "weight") if rest.startswith("mlp.experts.") else rest.rsplit(".", 1)
             name = f"blk.{layer}.{names[module]}.{kind}"
@@ -189,16 +188,18 @@ def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -
                 array = llama_cpp_permute(array, config.num_attention_heads)
             elif family.permute_qk and module == "self_attn.k_proj":
                 array = llama_cpp_permute(array, config.num_key_value_heads)
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp declares it {n_embd}
+            array = array.reshape(-1)
         if family.norm_plus_one and hf_name.endswith("norm.weight"):
             array = array + 1
-        out[name] = array
+        out[name] = (hf_name, array)
     return out
 
 
 def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, torch.Tensor]:
     """Write `hf` (a transformers model of family `name` of `FAMILIES`) to `path`; returns its
-    state dict as the file holds it (each quantized tensor's blocks dequantized), for a
-    transformers reference of the same weights."""
+    state dict as the file holds it (each quantized tensor's blocks dequantized; no tied head),
+    for a transformers reference of the same weights."""
     from gguf import GGUFWriter, quantize
 
     family, config = FAMILIES[name], hf.config
@@ -219,9 +220,11 @@ def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, t
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     family.metadata(writer, config)
-    for tensor_name, array in _gguf_tensors(family, config, state).items():
+    quantized = set()
+    for tensor_name, (hf_name, array) in _gguf_tensors(family, config, state).items():
         array = np.ascontiguousarray(array)
         if quantizable(array, qtype):
+            quantized.add(hf_name)
             writer.add_tensor(tensor_name, quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor_name, array)
@@ -229,4 +232,8 @@ def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, t
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {k: quant_round_trip(v, qtype) for k, v in state.items()}
+    # blocks run along rows, so splitting or permuting rows commutes with the round trip
+    held = {k: quant_round_trip(v, qtype) if k in quantized else v.detach().float().clone() for k, v in state.items()}
+    if config.tie_word_embeddings:  # the file has no output matrix: the head is the embedding
+        held.pop("lm_head.weight", None)
+    return held

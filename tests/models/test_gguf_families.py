@@ -157,6 +157,36 @@ def test_float32_file_equals_transformers(name: str, models: dict[str, Any], tmp
     assert_greedy_equals_transformers(loaded.model, hf, _prompts(hf.config.vocab_size), NEW_TOKENS)
 
 
+#: The families whose GGUF files transformers reads too (``from_pretrained(gguf_file=...)``)
+TRANSFORMERS_READS = ("phi3", "gemma2", "gemma3", "qwen2_moe", "qwen3_moe")
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS_READS)
+def test_transformers_reads_the_written_file_as_the_original_weights(
+    name: str, models: dict[str, Any], tmp_path: Path
+) -> None:
+    """A cross-check of the writer against transformers' own GGUF reader (which does not read
+    every setting from the metadata, so the original config is handed to it): every tensor
+    it maps comes back equal. It maps no dense MLP of an MoE model (Qwen2-MoE's layer 1)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = models[name]
+    write_gguf(tmp_path / "model.gguf", name, hf)
+    theirs, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="model.gguf", config=hf.config, dtype=torch.float32, output_loading_info=True
+    )
+    dense = {
+        f"model.layers.{i}.mlp.{p}_proj.weight"
+        for i in getattr(hf.config, "mlp_only_layers", [])
+        for p in ("gate", "up", "down")
+    }
+    assert set(info["missing_keys"]) <= dense and not info["mismatched_keys"]
+    state = theirs.state_dict()
+    for key, value in hf.state_dict().items():
+        if key not in info["missing_keys"]:  # Gemma's norms: (w + 1) - 1, one float32 rounding
+            torch.testing.assert_close(state[key], value, rtol=0, atol=1e-7, msg=key)
+
+
 def _reference(hf: Any, state: dict[str, torch.Tensor]) -> Any:
     """transformers on the weights as the file holds them (Q8_0 blocks dequantized)."""
     import copy
@@ -166,7 +196,7 @@ def _reference(hf: Any, state: dict[str, torch.Tensor]) -> Any:
     return ref
 
 
-@pytest.mark.parametrize("name", ["gemma3", "phi3", "granite", "olmo2", "glm4", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", NAMES)
 def test_q8_0_file_equals_transformers_on_its_dequantized_weights(
     name: str, models: dict[str, Any], tmp_path: Path
 ) -> None:
