@@ -185,9 +185,9 @@ def _gguf_config(reader: Any, path: Path) -> Any:
     if head_dim is not None:
         kwargs["head_dim"] = int(head_dim)
     kwargs.update(spec.config(meta, names))
-    # a family's unset keys stay unset (None), except where None is the setting itself (no cap, no window)
-    nullable = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
-    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in nullable}
+    # a key the file lacks takes the config class's default, which is llama.cpp's default too
+    # (Gemma 2's caps of 50 and 30, no window for Phi-3 or Mixtral)
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
     return getattr(transformers, spec.config_class)(**kwargs)
 
 

@@ -5,6 +5,7 @@ a Q8_0 file against transformers on the dequantized weights; and the refusals.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -274,3 +275,26 @@ def test_experts_of_a_dense_family_are_refused(tmp_path: Path) -> None:
     _metadata_only(path, "gemma", expert_count=4)
     with pytest.raises(UnsupportedArchitectureError, match="'gemma' with 4 experts per layer"):
         load_model(str(path))
+
+
+def test_keys_a_file_lacks_take_llama_cpps_defaults(tmp_path: Path) -> None:
+    """A Gemma 2 file without its soft-capping keys: llama.cpp's (and transformers') 50 and 30."""
+    from gguf import GGUFWriter
+
+    from sonar.models.gguf_file import convert_gguf
+
+    path = tmp_path / "gemma2.gguf"
+    writer = GGUFWriter(str(path), "gemma2")
+    for add, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 32),
+                       ("feed_forward_length", 64), ("head_count", 2), ("vocab_size", 16),
+                       ("sliding_window", 8)):  # fmt: skip
+        getattr(writer, f"add_{add}")(value)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config = json.loads((convert_gguf(path) / "config.json").read_text())
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
+    assert config["query_pre_attn_scalar"] == 16  # head_dim: hidden / heads
