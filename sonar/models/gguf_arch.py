@@ -146,6 +146,8 @@ def _phi3(meta: Meta, names: set[str]) -> dict[str, Any]:
 
 
 def _glm4(meta: Meta, names: set[str]) -> dict[str, Any]:
+    if meta("rope.dimension_sections") is not None:  # GLM-4V: M-RoPE, q/k rows permuted for it
+        raise ModelLoadError("a glm4 GGUF with M-RoPE sections (GLM-4V) is not converted; Sonar serves GLM-4 text")
     return _partial_rotary(meta, _head_dim(meta))
 
 

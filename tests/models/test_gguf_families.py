@@ -277,24 +277,35 @@ def test_experts_of_a_dense_family_are_refused(tmp_path: Path) -> None:
         load_model(str(path))
 
 
-def test_keys_a_file_lacks_take_llama_cpps_defaults(tmp_path: Path) -> None:
-    """A Gemma 2 file without its soft-capping keys: llama.cpp's (and transformers') 50 and 30."""
+def _minimal_file(path: Path, arch: str, **extra: Any) -> None:
+    """A one-layer file of `arch` with the metadata every conversion reads and `extra` keys."""
     from gguf import GGUFWriter
 
-    from sonar.models.gguf_file import convert_gguf
-
-    path = tmp_path / "gemma2.gguf"
-    writer = GGUFWriter(str(path), "gemma2")
+    writer = GGUFWriter(str(path), arch)
     for add, value in (("block_count", 1), ("context_length", 64), ("embedding_length", 32),
                        ("feed_forward_length", 64), ("head_count", 2), ("vocab_size", 16),
-                       ("sliding_window", 8)):  # fmt: skip
+                       ("layer_norm_rms_eps", 1e-6), *extra.items()):  # fmt: skip
         getattr(writer, f"add_{add}")(value)
-    writer.add_layer_norm_rms_eps(1e-6)
     writer.add_tensor("token_embd.weight", np.zeros((16, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def test_keys_a_file_lacks_take_llama_cpps_defaults(tmp_path: Path) -> None:
+    """A Gemma 2 file without its soft-capping keys: llama.cpp's (and transformers') 50 and 30."""
+    from sonar.models.gguf_file import convert_gguf
+
+    path = tmp_path / "gemma2.gguf"
+    _minimal_file(path, "gemma2", sliding_window=8)
     config = json.loads((convert_gguf(path) / "config.json").read_text())
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (50.0, 30.0)
     assert config["query_pre_attn_scalar"] == 16  # head_dim: hidden / heads
+
+
+def test_glm4v_m_rope_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "glm4v.gguf"
+    _minimal_file(path, "glm4", rope_dimension_sections=[4, 4, 0, 0])
+    with pytest.raises(ModelLoadError, match="M-RoPE sections"):
+        load_model(str(path))
