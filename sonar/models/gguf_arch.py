@@ -251,7 +251,8 @@ MIXTRAL = GGUFArch("MixtralConfig", "MixtralForCausalLM", {**_LLAMA_TENSORS, **_
 """A ``llama`` file with an ``expert_count``."""
 
 NOT_CONVERTED = {
-    "deepseek2": "its latent attention is stored split (attn_k_b / attn_v_b) in newer converters",
-    "gpt-oss": "its MXFP4 experts and attention sinks are not mapped",
+    "deepseek2": "its latent attention (kv_b split into attn_k_b / attn_v_b, heads stored as one KV head), "
+    "grouped routing and yarn mscale are not mapped",
+    "gpt-oss": "its MXFP4 experts, expert and router biases and attention sinks are not mapped",
 }
 """GGUF architectures of families Sonar serves from safetensors only, and why."""
