@@ -70,9 +70,13 @@ def v3_config(layers: int, **changes: Any) -> Any:
 class Mtp:
     """A target and its MTP layer as transformers modules: the full model of N + 1 layers, the
     target (its first N), the MTP block as a one-layer model without final norm, the MTP's own
-    weights."""
+    weights.
 
-    def __init__(self, seed: int = 11) -> None:
+    `echo`: every layer's output projections zero, norms one and the LM head the embeddings, so
+    the target repeats its last token forever, and ``eh_proj`` passes the target's state through:
+    the MTP layer predicts that same token, and every draft is right."""
+
+    def __init__(self, seed: int = 11, echo: bool = False) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -86,6 +90,15 @@ class Mtp:
             for name, buffer in full.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     buffer.copy_(0.3 * torch.randn_like(buffer))
+            if echo:
+                for name, param in full.named_parameters():
+                    if "o_proj" in name or "down_proj" in name:
+                        param.zero_()
+                    elif name.endswith("norm.weight"):
+                        param.fill_(1)
+                embed = full.model.embed_tokens.weight
+                embed.copy_(embed / embed.norm(dim=-1, keepdim=True))  # equal norms: each row its own argmax
+                full.lm_head.weight.copy_(embed)
         self.state = {k: v.clone() for k, v in full.state_dict().items()}
         self.target = AutoModelForCausalLM.from_config(v3_config(N), dtype=torch.float32).eval()
         self.target.load_state_dict(
@@ -110,6 +123,13 @@ class Mtp:
             "eh_proj.weight": 0.15 * torch.randn(64, 128, generator=g),
             "shared_head.norm.weight": 1 + 0.2 * torch.randn(64, generator=g),
         }
+        if echo:
+            self.own = {
+                "enorm.weight": torch.ones(64),
+                "hnorm.weight": torch.ones(64),
+                "eh_proj.weight": torch.cat((torch.zeros(64, 64), torch.eye(64)), dim=1),
+                "shared_head.norm.weight": torch.ones(64),
+            }
 
     def save(self, path: Path, with_mtp: bool = True) -> Path:
         from safetensors.torch import save_file

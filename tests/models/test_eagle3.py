@@ -35,7 +35,7 @@ LAYERS = 8  # low/mid/high: layers 2, 4, 5
 EPS = 1e-6
 
 
-def tiny_llama_config(layers: int = LAYERS):
+def tiny_llama_config(layers: int = LAYERS, **changes: object):
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -50,15 +50,27 @@ def tiny_llama_config(layers: int = LAYERS):
         eos_token_id=None,
         bos_token_id=None,
         pad_token_id=0,
+        **changes,
     )
 
 
-def make_target(path: Path, seed: int = 5) -> TinyCheckpoint:
+def make_target(path: Path, seed: int = 5, echo: bool = False) -> TinyCheckpoint:
+    """A tiny random Llama; `echo`: its output projections zero, norms one and LM head tied, so
+    it repeats its last token forever (the residual stream is that token's embedding throughout)."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(tiny_llama_config()).eval()
+    hf = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=echo)).eval()
     spread_weights(hf)
+    if echo:
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if "o_proj" in name or "down_proj" in name:
+                    param.zero_()
+                elif name.endswith("norm.weight"):
+                    param.fill_(1)
+            embed = hf.model.embed_tokens.weight
+            embed.copy_(embed / embed.norm(dim=-1, keepdim=True))  # equal norms: each row its own argmax
     hf.save_pretrained(str(path))
     save_word_tokenizer(path, VOCAB)
     return TinyCheckpoint("llama", path, hf)
@@ -97,6 +109,21 @@ def random_head(seed: int = 6) -> dict[str, Tensor]:
         "d2t": draft_ids - torch.arange(DRAFT_VOCAB),
         "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, draft_ids, True),
     }
+
+
+def echo_head(target: TinyCheckpoint) -> dict[str, Tensor]:
+    """For an echo target (`make_target`): ``fc`` passes the highest layer through, the layer adds
+    nothing, the LM head is the target's over the whole vocabulary: it predicts the token the
+    target repeats, so every draft is right."""
+    t = random_head()
+    t["fc.weight"] = torch.cat((torch.zeros(HIDDEN, 2 * HIDDEN), torch.eye(HIDDEN)), dim=1)
+    t["midlayer.self_attn.o_proj.weight"].zero_()
+    t["midlayer.mlp.down_proj.weight"].zero_()
+    t["norm.weight"] = torch.ones(HIDDEN)
+    t["lm_head.weight"] = target.hf.lm_head.weight.detach().clone()
+    t["d2t"] = torch.zeros(VOCAB, dtype=torch.long)
+    t["t2d"] = torch.ones(VOCAB, dtype=torch.bool)
+    return t
 
 
 def save_head(path: Path, tensors: dict[str, Tensor], **config_changes: object) -> Path:
