@@ -48,7 +48,8 @@ __all__ = ["Eagle3Head", "aux_layer_ids", "load_eagle3_head"]
 
 
 def aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, int, int]:
-    """The target layers whose input the head reads: the config's, else low/mid/high."""
+    """The target layers whose input the head reads (0: the embeddings), the config's, else
+    low/mid/high."""
     ids = getattr(config, "eagle_aux_hidden_state_layer_ids", None)
     nested = getattr(config, "eagle_config", None)
     if ids is None and isinstance(nested, dict):
@@ -56,9 +57,9 @@ def aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, int, int]:
     if ids is None:
         ids = (2, num_target_layers // 2, num_target_layers - 3)
     ids = tuple(int(i) for i in ids)
-    if len(ids) != 3 or len(set(ids)) != 3 or not all(1 <= i < num_target_layers for i in ids):
+    if len(ids) != 3 or len(set(ids)) != 3 or not all(0 <= i < num_target_layers for i in ids):
         raise ModelLoadError(
-            f"EAGLE-3 needs three distinct target layers in 1..{num_target_layers - 1} to read, got {list(ids)} "
+            f"EAGLE-3 needs three distinct target layers in 0..{num_target_layers - 1} to read, got {list(ids)} "
             "(set eagle_aux_hidden_state_layer_ids in the head's config.json)"
         )
     return tuple(sorted(ids))  # type: ignore[return-value]
@@ -190,6 +191,11 @@ def load_eagle3_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, 
             "convert them to safetensors"
         )
     raw = json.loads((root / "config.json").read_text())
+    if "speculators_config" in raw or "hidden_size" not in raw:
+        raise ModelLoadError(
+            f"EAGLE-3 head {path}: config.json is not a flat Llama config (LlamaForCausalLMEagle3: hidden_size, "
+            "num_attention_heads, draft_vocab_size ...); the speculators format is not read"
+        )
     raw.setdefault("vocab_size", target.config.vocab_size)
     raw.setdefault("rms_norm_eps", getattr(target.config, "rms_norm_eps", 1e-6))
     raw.setdefault("max_position_embeddings", getattr(target.config, "max_position_embeddings", 0))

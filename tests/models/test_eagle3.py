@@ -207,30 +207,41 @@ def test_default_layers_are_low_mid_high_and_a_config_may_name_them() -> None:
     assert aux_layer_ids(SimpleNamespace(eagle_aux_hidden_state_layer_ids=[5, 1, 3]), 8) == (1, 3, 5)
     nested = SimpleNamespace(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 6]})
     assert aux_layer_ids(nested, 8) == (1, 2, 6)
+    assert aux_layer_ids(SimpleNamespace(eagle_aux_hidden_state_layer_ids=[0, 3, 7]), 8) == (0, 3, 7)
     with pytest.raises(ModelLoadError, match="three distinct target layers"):
         aux_layer_ids(SimpleNamespace(), 4)  # 2, 2, 1
+    with pytest.raises(ModelLoadError, match=r"in 0\.\.7"):
+        aux_layer_ids(SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2, 8]), 8)
 
 
-def test_the_head_matches_the_naive_equations(target: TinyCheckpoint, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layers", [None, (0, 3, 7)], ids=["default", "named"])
+def test_the_head_matches_the_naive_equations(
+    target: TinyCheckpoint, tmp_path: Path, layers: tuple[int, ...] | None
+) -> None:
+    """The default layers (2, 4, 5 of 8), or those the config names (0: the embeddings)."""
     from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
     from sonar.models.loader import load_model
 
     t = random_head()
     loaded = load_model(str(target.path), dtype="float32")
-    head = load_eagle3_head(str(save_head(tmp_path / "head", t)), loaded.model, torch.float32, torch.device("cpu"))
+    named = {} if layers is None else {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    path = save_head(tmp_path / "head", t, **named)
+    head = load_eagle3_head(str(path), loaded.model, torch.float32, torch.device("cpu"))
     tokens = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
     next_ids = tokens[1:] + [12]
     n = len(tokens)
     meta = AttentionMetadata.build([n], [n], [[0]], 16)
     caches = allocate_kv_caches(LAYERS, 2, 16, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
     with torch.no_grad():
-        loaded.model(torch.tensor(tokens), torch.arange(n), caches, meta)  # the hooks catch layers 2, 4, 5
+        loaded.model(torch.tensor(tokens), torch.arange(n), caches, meta)  # the hooks catch the layers
         features = head.target_features(torch.empty(0), torch.arange(n))
         head_caches = allocate_kv_caches(1, 2, 16, head.num_kv_heads, head.head_dim, torch.float32, "cpu")
         states, fed = head(torch.tensor(next_ids), torch.arange(n), features, head_caches, meta)
         got = head.compute_logits(states)
         want_logits, want_fed = naive_head(
-            t, target.hf.model.embed_tokens(torch.tensor(next_ids)), target_features(target, t, tokens)
+            t,
+            target.hf.model.embed_tokens(torch.tensor(next_ids)),
+            target_features(target, t, tokens, layers or (2, 4, 5)),
         )
     torch.testing.assert_close(got, want_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fed, want_fed, atol=1e-4, rtol=1e-4)
@@ -257,6 +268,10 @@ def test_bad_heads_are_refused(target: TinyCheckpoint, tmp_path: Path) -> None:
         load_eagle3_head(str(save_head(tmp_path / "c", bad)), model, torch.float32, cpu)
     with pytest.raises(ModelLoadError, match="num_hidden_layers 2"):
         load_eagle3_head(str(save_head(tmp_path / "d", t, num_hidden_layers=2)), model, torch.float32, cpu)
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "config.json").write_text(json.dumps({"speculators_config": {"algorithm": "eagle3"}}))
+    with pytest.raises(ModelLoadError, match="speculators format is not read"):
+        load_eagle3_head(str(tmp_path / "f"), model, torch.float32, cpu)
     with pytest.raises(ModelLoadError, match="three distinct"):
         load_eagle3_head(
             str(save_head(tmp_path / "e", t, eagle_aux_hidden_state_layer_ids=[1, 1, 2])), model, torch.float32, cpu
