@@ -6,7 +6,8 @@ residual stream entering layers ``low, mid, high`` (by default ``2``, ``num_laye
 ``num_layers - 3``; a checkpoint may name them in ``eagle_aux_hidden_state_layer_ids``),
 concatenated in layer order (``3 * hidden``) and fused to ``hidden`` by ``fc``. Its one decoder
 layer (``midlayer``) attends over ``[input_layernorm(embed(token p + 1)), hidden_norm(feature p)]``
-(``2 * hidden`` into q/k/v) with the raw feature as the residual, then its MLP; the head's own
+(``2 * hidden`` into q/k/v) with the raw feature as the residual (the normed one with
+``norm_before_residual``), then its MLP; the head's own
 ``norm`` gives the state its ``lm_head`` reads, over a *draft* vocabulary: draft id ``d`` is target
 id ``d + d2t[d]``. A later draft feeds back the layer's output before that norm (``hidden``
 wide: ``fc`` fuses the target's layers only).
@@ -105,13 +106,16 @@ class Eagle3Layer(nn.Module):
         self.self_attn = attn
         self.post_attention_layernorm = inner.post_attention_layernorm
         self.mlp = inner.mlp
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+        """The residual is the normed feature, not the feature (a config switch some heads set)."""
 
     def forward(
         self, embeds: Tensor, features: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor
     ) -> tuple[Tensor, Tensor]:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(features)), dim=-1)
+        normed = self.hidden_norm(features)
+        x = torch.cat((self.input_layernorm(embeds), normed), dim=-1)
         h = self.self_attn(x, cos, sin, kv_cache)
-        h, residual = self.post_attention_layernorm(h, features)
+        h, residual = self.post_attention_layernorm(h, normed if self.norm_before_residual else features)
         return self.mlp(h), residual
 
 

@@ -167,12 +167,13 @@ def rope(x: Tensor, positions: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def naive_head(t: dict[str, Tensor], embeds: Tensor, features: Tensor) -> tuple[Tensor, Tensor]:
+def naive_head(
+    t: dict[str, Tensor], embeds: Tensor, features: Tensor, norm_before_residual: bool = False
+) -> tuple[Tensor, Tensor]:
     """(draft-vocabulary logits, fed-back states) of a sequence at positions 0.. (causal)."""
     n = embeds.shape[0]
-    x = torch.cat(
-        (rms(embeds, t["midlayer.input_layernorm.weight"]), rms(features, t["midlayer.hidden_norm.weight"])), -1
-    )
+    normed = rms(features, t["midlayer.hidden_norm.weight"])
+    x = torch.cat((rms(embeds, t["midlayer.input_layernorm.weight"]), normed), -1)
     pos = torch.arange(n)
     q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(n, HEADS, HEAD_DIM), pos)
     k = rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(n, KV_HEADS, HEAD_DIM), pos)
@@ -181,7 +182,7 @@ def naive_head(t: dict[str, Tensor], embeds: Tensor, features: Tensor) -> tuple[
     scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
     scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, HEADS * HEAD_DIM)
-    residual = attn @ t["midlayer.self_attn.o_proj.weight"].T + features
+    residual = attn @ t["midlayer.self_attn.o_proj.weight"].T + (normed if norm_before_residual else features)
     h = rms(residual, t["midlayer.post_attention_layernorm.weight"])
     mlp = (F.silu(h @ t["midlayer.mlp.gate_proj.weight"].T) * (h @ t["midlayer.mlp.up_proj.weight"].T)) @ t[
         "midlayer.mlp.down_proj.weight"
@@ -214,17 +215,24 @@ def test_default_layers_are_low_mid_high_and_a_config_may_name_them() -> None:
         aux_layer_ids(SimpleNamespace(eagle_aux_hidden_state_layer_ids=[1, 2, 8]), 8)
 
 
-@pytest.mark.parametrize("layers", [None, (0, 3, 7)], ids=["default", "named"])
+@pytest.mark.parametrize(
+    ("layers", "norm_before_residual"),
+    [(None, False), ((0, 3, 7), False), (None, True)],
+    ids=["default", "named-layers", "norm-before-residual"],
+)
 def test_the_head_matches_the_naive_equations(
-    target: TinyCheckpoint, tmp_path: Path, layers: tuple[int, ...] | None
+    target: TinyCheckpoint, tmp_path: Path, layers: tuple[int, ...] | None, norm_before_residual: bool
 ) -> None:
-    """The default layers (2, 4, 5 of 8), or those the config names (0: the embeddings)."""
+    """The default layers (2, 4, 5 of 8), or those the config names (0: the embeddings); the
+    residual the raw feature, or the normed one."""
     from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
     from sonar.models.loader import load_model
 
     t = random_head()
     loaded = load_model(str(target.path), dtype="float32")
-    named = {} if layers is None else {"eagle_aux_hidden_state_layer_ids": list(layers)}
+    named: dict[str, object] = {"norm_before_residual": norm_before_residual}
+    if layers is not None:
+        named["eagle_aux_hidden_state_layer_ids"] = list(layers)
     path = save_head(tmp_path / "head", t, **named)
     head = load_eagle3_head(str(path), loaded.model, torch.float32, torch.device("cpu"))
     tokens = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71]
@@ -242,6 +250,7 @@ def test_the_head_matches_the_naive_equations(
             t,
             target.hf.model.embed_tokens(torch.tensor(next_ids)),
             target_features(target, t, tokens, layers or (2, 4, 5)),
+            norm_before_residual,
         )
     torch.testing.assert_close(got, want_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fed, want_fed, atol=1e-4, rtol=1e-4)
