@@ -140,3 +140,31 @@ async def test_a_startup_with_a_foreign_head_fails_naming_it(mtp, one_thread) ->
         ):
             pass
     torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+async def test_a_burst_that_is_preempted_keeps_greedy_text(method: str, request, one_thread) -> None:
+    """Six requests at once in a KV cache too small for them: some are preempted and recomputed
+    (the head's KV with them, over the same block tables); the text is the plain engine's."""
+    import anyio
+
+    path, spec = request.getfixturevalue(method)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    common: dict[str, Any] = dict(dtype="float32", max_model_len=128, seed=0)
+    async with sonar.open(str(path), num_gpu_blocks_override=64, **common) as plain:
+        expected = [(await plain.generate(p, params)).outputs[0].token_ids for p in PROMPTS]
+    got: dict[tuple[int, int], list[int]] = {}
+    async with sonar.open(str(path), num_gpu_blocks_override=10, speculative_config=spec, **common) as llm:
+
+        async def one(i: int, j: int) -> None:
+            out = await llm.generate(PROMPTS[i], params, cache_salt=f"salt-{i}-{j}")
+            got[i, j] = out.outputs[0].token_ids
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                for j in range(2):
+                    tg.start_soon(one, i, j)
+        stats = await llm.stats()
+    assert all(got[i, j] == expected[i] for i, j in got) and len(got) == 2 * len(PROMPTS)
+    assert stats.num_preemptions > 0
+    assert stats.num_free_blocks == 10
