@@ -839,7 +839,8 @@ GROUPS: tuple[Group, ...] = (
         "--FLAG.KEY VALUE): speculative decoding, compilation, KV transfer and events, profiling.",
         _f("--speculative-config -sc", J, None,
            "Speculative decoding settings: method ngram (prompt_lookup_min/max), suffix (suffix_decoding_*) "
-           "draft_model (model, quantization, revision) or eagle (model), num_speculative_tokens, disable_by_batch_size; "
+           "draft_model (model, quantization, revision), eagle or eagle3 (model: the head), mtp (DeepSeek-V3's own "
+           "MTP layer), num_speculative_tokens, disable_by_batch_size; "
            "see docs/speculative.md.",
            dotted=True, to=E),
         _f("--spec-method", S_, None, "Speculative decoding method.",
@@ -849,7 +850,7 @@ GROUPS: tuple[Group, ...] = (
                     "longcat_flash_mtp", "medusa", "mimo_mtp", "mimo_v2_mtp", "minimax_m3_mtp", "mlp_speculator",
                     "mtp", "nemotron_h_mtp", "ngram", "ngram_gpu", "pangu_ultra_moe_mtp", "qwen3_5_mtp",
                     "qwen3_next_mtp", "step3p5_mtp", "suffix", None), to=E),
-        _f("--spec-model", S_, None, "Draft model (method draft_model) or EAGLE head directory (method eagle) "
+        _f("--spec-model", S_, None, "Draft model (method draft_model) or EAGLE / EAGLE-3 head directory (eagle, eagle3) "
            "for speculative decoding.", to=E),
         _f("--spec-tokens", I, None, "Tokens proposed per speculative step.", to=E),
         _f("--diffusion-config -dc", J, None, "Settings for diffusion language models.", dotted=True),

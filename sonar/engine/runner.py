@@ -234,6 +234,7 @@ class ModelRunner:
         """The forward pass steps run: the model, or its compiled form (`sonar.engine.compile`)."""
         self.compiled: CompiledForward | None = None
         pipelined = topology.stage.size > 1
+        spec = cfg.speculative()
         if compile_wanted(cfg, device) and pipelined:
             log.warning(
                 "compile.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
@@ -242,9 +243,10 @@ class ModelRunner:
             log.warning("compile.disabled", detail="encoder models run eagerly")
         elif compile_wanted(cfg, device) and self.lora is not None:
             log.warning("compile.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
+        elif compile_wanted(cfg, device) and spec is not None and spec.method == "eagle3":
+            log.warning("compile.disabled", detail="EAGLE-3 reads the target's layers through hooks, eagerly")
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
-        spec = cfg.speculative()
         self.drafter: Drafter | EagleDrafter | None = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = Drafter(
@@ -254,9 +256,14 @@ class ModelRunner:
                 vocab_size=int(self.loaded.config.vocab_size),
                 block_size=cfg.block_size,
             )
-        elif spec is not None and spec.method == "eagle":
+        elif spec is not None and spec.method in ("eagle", "eagle3", "mtp"):
             self.drafter = EagleDrafter(
-                spec, target=self.model, dtype=self.loaded.dtype, device=device, block_size=cfg.block_size
+                spec,
+                target=self.model,
+                dtype=self.loaded.dtype,
+                device=device,
+                block_size=cfg.block_size,
+                checkpoint=self.loaded.model_dir,
             )
         t1 = time.perf_counter()
         kv_bytes = None

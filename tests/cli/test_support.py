@@ -47,9 +47,9 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             "sonar serve: error: --speculative-config needs num_speculative_tokens (or --spec-tokens)",
         ),
         (
-            ["--spec-method", "eagle3", "--spec-tokens", "3"],
-            "sonar serve: error: --speculative-config method 'eagle3' needs an EAGLE-3, MTP or Medusa head, which "
-            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model, eagle",
+            ["--spec-method", "medusa", "--spec-tokens", "3"],
+            "sonar serve: error: --speculative-config method 'medusa' needs a Medusa or MLP-speculator head, which "
+            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model, eagle, eagle3, mtp",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2"],
