@@ -21,6 +21,7 @@ from sonar.cli.values import (
     profiler_config,
     structured_outputs_config,
     watermark,
+    weight_transfer_config,
 )
 
 B, I, F, S_, H, L, J = Kind.BOOL, Kind.INT, Kind.FLOAT, Kind.STR, Kind.HUMAN_INT, Kind.LIST, Kind.JSON
@@ -876,8 +877,12 @@ GROUPS: tuple[Group, ...] = (
         _f("--performance-mode", S_, "balanced",
            "Tune for 'interactivity' (low latency at small batches), 'throughput' (many concurrent requests) "
            "or 'balanced'.", choices=("balanced", "interactivity", "throughput")),
-        _f("--weight-transfer-config", J, None, "Settings for receiving weight updates during RL training.",
-           dotted=True),
+        _f("--weight-transfer-config", J, None,
+           "Take weight updates while serving (RL training loops): backend sonar writes a safetensors "
+           "checkpoint folder (POST /update_weights {\"path\": DIR}) or tensors sent over Sonar's transport "
+           "(LLM.update_weights(tensors=...), or a safetensors body) into the running model, between steps; "
+           "max_update_bytes bounds one update. Backends nccl and ipc are refused.",
+           dotted=True, to=E, check=weight_transfer_config),
     ),
     _group(
         "Limits", "Sonar's own flags: what one connection and one request may use. Going over a limit is "
