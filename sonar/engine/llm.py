@@ -32,7 +32,7 @@ from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
-from sonar.core.weights import WeightUpdateError
+from sonar.core.weights import WeightTransferConfig, WeightUpdateError
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.replicas import Replicas
@@ -717,6 +717,17 @@ class LLM:
         return traces
 
     # -- weight updates ---------------------------------------------------------------------
+    def weight_transfer(self) -> WeightTransferConfig:
+        """The engine's ``weight_transfer_config``; `NotEnabledError` when weight updates are off."""
+        self._check_open()
+        config = self.config.weight_transfer()
+        if config is None:
+            raise NotEnabledError(
+                "weight updates are off: start the engine with weight_transfer_config (--weight-transfer-config "
+                '\'{"backend": "sonar"}\')'
+            )
+        return config
+
     async def update_weights(
         self, path: str | os.PathLike[str] | None = None, *, tensors: Mapping[str, Any] | None = None
     ) -> WeightsUpdated:
@@ -726,13 +737,7 @@ class LLM:
         dtype; any subset, at most ``max_update_bytes`` per call). They apply between steps:
         running requests go on with the new weights, the prefix cache is dropped. An update that
         does not fit raises `WeightUpdateError` and changes nothing. Every replica is updated."""
-        self._check_open()
-        config = self.config.weight_transfer()
-        if config is None:
-            raise NotEnabledError(
-                "weight updates are off: start the engine with weight_transfer_config (--weight-transfer-config "
-                '\'{"backend": "sonar"}\')'
-            )
+        config = self.weight_transfer()
         if (path is None) == (tensors is None):
             raise InvalidRequestError("update_weights takes a checkpoint path or tensors, one of the two", param="path")
         sent: dict[str, Any] | None = None

@@ -61,12 +61,12 @@ class UpdateWeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _safetensors_body(body: bytes) -> dict[str, Any]:
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     try:
         return load(body)
-    except (SafetensorsError, ValueError, RuntimeError) as exc:
+    except (SafetensorError, ValueError, RuntimeError) as exc:
         raise WeightUpdateError(f"the request body is not a safetensors file: {exc}") from None
 
 
@@ -97,6 +97,7 @@ def admin_routes(llm: LLM) -> list[Route]:
 
     async def update_weights(request: Request) -> Response:
         _params(request, ())
+        llm.weight_transfer()  # off: 404 naming the flag, before the body is looked at
         body = await request.body()
         if request.headers.get("content-type", "").startswith("application/octet-stream"):
             tensors = await anyio.to_thread.run_sync(_safetensors_body, body)
