@@ -47,8 +47,9 @@ class WeightTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=Tr
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> WeightTransferConfig | None:
-        """The config of ``--weight-transfer-config`` (None when unset); ValueError naming a bad field."""
-        if not raw:
+        """The config of ``--weight-transfer-config`` (None when unset; ``{}``: the defaults);
+        ValueError naming a bad field."""
+        if raw is None:
             return None
         try:
             config = msgspec.convert(dict(raw), cls)

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 import sonar
 from sonar import SamplingParams
 from sonar.core.weights import WeightUpdateError
-from sonar.errors import NotEnabledError
+from sonar.errors import InvalidRequestError, NotEnabledError
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models.against import transformers_greedy
 
@@ -158,12 +158,25 @@ async def test_the_prefix_cache_is_dropped_and_a_running_request_completes(check
         assert await answers(llm) == expected(hf_b)
 
 
-async def test_updates_need_the_flag(checkpoints: dict, one_thread) -> None:
+async def test_every_replica_is_updated(checkpoints: dict, one_thread) -> None:
+    (path_a, hf_a), (path_b, hf_b) = checkpoints["a"], checkpoints["b"]
+    async with sonar.open(str(path_a), **ENGINE, data_parallel_size=2) as llm:
+        assert await answers(llm) == expected(hf_a)
+        await llm.update_weights(path_b)
+        for _ in range(3):  # whichever replica the router picks
+            assert await answers(llm) == expected(hf_b)
+
+
+async def test_updates_need_the_flag_and_a_safetensors_model(checkpoints: dict, one_thread) -> None:
     path_a, _ = checkpoints["a"]
-    engine = {**ENGINE, "weight_transfer_config": None}
-    async with sonar.open(str(path_a), **engine) as llm:
+    async with sonar.open(str(path_a), **{**ENGINE, "weight_transfer_config": None}) as llm:
         with pytest.raises(NotEnabledError, match="--weight-transfer-config"):
             await llm.update_weights(path_a)
+    async with sonar.open(str(path_a), **ENGINE, load_format="dummy") as llm:
+        with pytest.raises(WeightUpdateError, match="not loaded from safetensors weights"):
+            await llm.update_weights(path_a)
+        with pytest.raises(InvalidRequestError, match="one of the two"):
+            await llm.update_weights()
 
 
 def test_refused_backends_and_fields() -> None:
