@@ -56,7 +56,8 @@ Weight updates (`UpdateEngineWeights`, ``--weight-transfer-config``): the step l
 schedules its next step, the worker writes the new weights once the steps already sent are done
 (its step lock), the prefix cache is dropped (its KV was computed with the old weights) and the
 loop goes on. Requests are not drained: those running continue with the new weights, over the KV
-they computed with the old ones (vLLM's ``keep``); new requests never reuse old KV.
+they computed with the old ones (vLLM's ``keep``); their blocks stay out of the prefix cache, so
+new requests never reuse KV of the old weights.
 """
 
 from __future__ import annotations
@@ -790,7 +791,7 @@ class SchedulerActor(Actor):
         try:
             update = UpdateWeights(msg.path, msg.tensors)
             updated = await self.worker.ask(update, timeout=self.config.step_timeout)
-            self.core.block_manager.reset_prefix_cache()
+            self.core.block_manager.drop_stale_kv()
             await self._publish_kv_events()
             reply = WeightUpdateReply(updated)
             log.info("scheduler.weights_updated", tensors=updated.tensors, seconds=updated.seconds)

@@ -152,6 +152,10 @@ async def test_the_prefix_cache_is_dropped_and_a_running_request_completes(check
             await llm.update_weights(path_b)
         # the running request went on (with B's weights for its last tokens) to its full length
         assert len(results[0].token_ids) == 200 and results[0].finish_reason == "length"
+        # its blocks (KV of A's weights, then B's over it) stayed out of the prefix cache
+        follow_up = [7, 8, 9, *results[0].token_ids[:100]]
+        assert (await llm.generate(follow_up, one)).num_cached_tokens == 0
+        assert (await llm.generate(follow_up, one)).num_cached_tokens == 96  # B's own blocks are cached
         after = await llm.generate(prompt, one)
         assert after.num_cached_tokens == 0  # no KV of A's weights is reused
         assert after.token_ids == transformers_greedy(hf_b, prompt, 1)[0]
