@@ -34,10 +34,16 @@ DEFAULT_MAX_UPDATE_BYTES = 2 * 2**30
 
 class WeightUpdateError(SonarError, ValueError):
     """A weight update that does not fit the served model (a name it lacks, a shape or dtype that
-    differs, another architecture), or that cannot happen now (weights asleep, another update under
-    way). Nothing was written: the engine serves the weights it had."""
+    differs, another architecture). Nothing was written: the engine serves the weights it had."""
 
     status = 400
+
+
+class WeightUpdateConflictError(WeightUpdateError):
+    """A weight update that cannot happen now: another one is under way, or the weights sleep at
+    level 2. Nothing was written; HTTP answers 409."""
+
+    status = 409
 
 
 class WeightTransferConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -32,7 +32,7 @@ from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
-from sonar.core.weights import WeightTransferConfig, WeightUpdateError
+from sonar.core.weights import WeightTransferConfig, WeightUpdateConflictError, WeightUpdateError
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.replicas import Replicas
@@ -753,7 +753,7 @@ class LLM:
             except (ActorError, ActorNotFound, AskTimeout) as exc:
                 raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
             if reply.refused is not None:
-                raise WeightUpdateError(reply.refused)
+                raise (WeightUpdateConflictError if reply.conflict else WeightUpdateError)(reply.refused)
             if reply.failed is not None:
                 raise EngineDeadError(reply.failed)
             updated = reply.updated

@@ -272,7 +272,9 @@ class SchedulerActor(Actor):
             return NO_REPLY
         if isinstance(msg, UpdateEngineWeights):
             if self.updating is not None:
-                return WeightUpdateReply(refused="another weight update is under way; send this one when it is done")
+                return WeightUpdateReply(
+                    refused="another weight update is under way; send this one when it is done", conflict=True
+                )
             self.updating = anyio.Event()
             self.task_group.start_soon(self._update_weights, msg)
             return NO_REPLY
@@ -796,10 +798,11 @@ class SchedulerActor(Actor):
             reply = WeightUpdateReply(updated)
             log.info("scheduler.weights_updated", tensors=updated.tensors, seconds=updated.seconds)
         except ActorError as exc:
-            refused = exc.error.type.endswith((".WeightUpdateError", ".NotEnabledError"))
+            refused = exc.error.type.endswith((".WeightUpdateError", ".WeightUpdateConflictError", ".NotEnabledError"))
             reply = WeightUpdateReply(
                 refused=exc.error.message if refused else None,
                 failed=None if refused else f"the worker failed while it wrote the weights: {exc.error.message}",
+                conflict=exc.error.type.endswith(".WeightUpdateConflictError"),
             )
         except (AskTimeout, ActorNotFound) as exc:
             reply = WeightUpdateReply(failed=f"the worker could not update its weights: {exc}")

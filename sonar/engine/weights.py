@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from sonar.core.weights import Manifest, TensorSpec, WeightUpdateError, check_update
+from sonar.core.weights import Manifest, TensorSpec, WeightUpdateConflictError, WeightUpdateError, check_update
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear
 from sonar.log import get_logger
@@ -112,7 +112,7 @@ class WeightUpdater:
         if self.refused is not None:
             raise WeightUpdateError(self.refused)
         if runner is None:
-            raise WeightUpdateError(
+            raise WeightUpdateConflictError(
                 "the weights are asleep (level 2): wake them up (tags weights) before updating them"
             )
         started = time.perf_counter()

@@ -13,7 +13,7 @@ it (`NotEnabledError`).
 Like every route but the health probes they need the API key when one is set. While the engine
 sleeps, generation requests get 503 (`EngineSleepingError`); a sleep the running requests do not
 leave time for (``timeout``, default 60 s) gets 409 and changes nothing. A weight update that does
-not fit the served model gets 400 and changes nothing; a safetensors body is bounded by
+not fit the served model gets 400, one that cannot happen now 409; neither changes anything; a safetensors body is bounded by
 ``--max-request-body-bytes`` (bigger updates go through the library, `LLM.update_weights`).
 """
 

@@ -370,6 +370,7 @@ def _admin_paths(limits: Limits, json_object: dict[str, Any], failures: dict[str
             'Write new weights into the running model, between steps: a JSON body {"path": DIR} names a '
             "safetensors checkpoint folder; an application/octet-stream body is a safetensors file of tensors "
             "(any subset, in the served dtype). The prefix cache is dropped",
+            refused="Another update is under way, or the weights sleep at level 2; nothing changed",
         )
         update["responses"]["400"] = {"description": "The update does not fit the served model; nothing changed"}
         update["requestBody"] = {

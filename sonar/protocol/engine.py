@@ -314,6 +314,8 @@ class WeightUpdateReply(msgspec.Struct):
     updated: WeightsUpdated | None = None
     refused: str | None = None
     failed: str | None = None
+    conflict: bool = False
+    """`refused` because it cannot happen now (another update under way, weights asleep)."""
 
 
 class UpdateEngineWeights(Ask, tag="scheduler.update_weights"):

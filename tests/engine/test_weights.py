@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 import sonar
 from sonar import SamplingParams
-from sonar.core.weights import WeightUpdateError
+from sonar.core.weights import WeightUpdateConflictError, WeightUpdateError
 from sonar.errors import InvalidRequestError, NotEnabledError
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models.against import transformers_greedy
@@ -126,12 +126,32 @@ async def test_updates_from_disk_and_tensors_change_the_answer(checkpoints: dict
             await llm.update_weights(tensors=mixed)
         assert await answers(llm) == want_a
 
+        # one update at a time: a second one sent meanwhile is refused as a conflict (409)
+        outcomes: list[Any] = []
+
+        async def update() -> None:
+            try:
+                outcomes.append(await llm.update_weights(path_b))
+            except WeightUpdateConflictError as exc:
+                outcomes.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(update)
+            tg.start_soon(update)
+        assert sorted(type(o).__name__ for o in outcomes) == ["WeightUpdateConflictError", "WeightsUpdated"]
+        assert "another weight update is under way" in str(next(o for o in outcomes if isinstance(o, Exception)))
+        assert await answers(llm) == want_b
+
 
 async def test_the_prefix_cache_is_dropped_and_a_running_request_completes(checkpoints: dict, one_thread) -> None:
-    (path_a, _), (path_b, hf_b) = checkpoints["a"], checkpoints["b"]
+    (path_a, hf_a), (path_b, hf_b) = checkpoints["a"], checkpoints["b"]
     prompt = list(range(1, 49))  # three full blocks of 16
     one = SamplingParams(temperature=0, max_tokens=1)
-    engine = {**ENGINE, "weight_transfer_config": {"backend": "sonar", "max_update_bytes": 100_000}}
+    engine = {
+        **ENGINE,
+        "weight_transfer_config": {"backend": "sonar", "max_update_bytes": 100_000},
+        "enable_sleep_mode": True,
+    }
     async with sonar.open(str(path_a), **engine) as llm:
         embed = load_file(str(path_b / "model.safetensors"))["model.embed_tokens.weight"]  # 128 KiB
         with pytest.raises(WeightUpdateError, match="over 100000 bytes.*max_update_bytes"):
@@ -160,6 +180,15 @@ async def test_the_prefix_cache_is_dropped_and_a_running_request_completes(check
         assert after.num_cached_tokens == 0  # no KV of A's weights is reused
         assert after.token_ids == transformers_greedy(hf_b, prompt, 1)[0]
         assert await answers(llm) == expected(hf_b)
+
+        # the RL loop with sleep mode: weights asleep at level 2 cannot be updated; woken, they can
+        await llm.sleep(2)
+        with pytest.raises(WeightUpdateConflictError, match="asleep"):
+            await llm.update_weights(path_a)
+        await llm.wake_up(["weights"])
+        await llm.update_weights(path_a)
+        await llm.wake_up(["kv_cache"])
+        assert await answers(llm) == expected(hf_a)
 
 
 async def test_every_replica_is_updated(checkpoints: dict, one_thread) -> None:

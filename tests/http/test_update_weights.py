@@ -85,5 +85,5 @@ def test_the_openapi_document_declares_update_weights() -> None:
 
     assert "/update_weights" not in build_openapi(Limits(16, 5, 100))["paths"]
     doc = build_openapi(Limits(16, 5, 100, api_key=True, weight_updates=True))["paths"]
-    assert {"400", "401"} <= set(doc["/update_weights"]["post"]["responses"])
+    assert {"400", "401", "409"} <= set(doc["/update_weights"]["post"]["responses"])
     assert "application/octet-stream" in doc["/update_weights"]["post"]["requestBody"]["content"]
