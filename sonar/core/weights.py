@@ -10,8 +10,9 @@ served is refused (`WeightUpdateError`), and the old weights stay. A checkpoint 
 every tensor of the served one (a whole model); tensors sent over the transport may be any
 subset (one call per chunk, each applied whole).
 
-Backends: ``sonar`` (both ways above). NCCL and CUDA-IPC groups between a trainer and the
-workers (vLLM's ``nccl`` and ``ipc``) are refused by name.
+Backends: ``sonar`` (both ways above). Collective groups between a trainer and the workers
+(vLLM's ``nccl`` and ``ipc``, and ``gloo``) are refused by name: a trainer's broadcast into a
+group has no way to learn that the server refused the update, and would hang.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ BACKENDS = ("sonar",)
 REFUSED_BACKENDS = {
     "nccl": "an NCCL group between the trainer and the workers",
     "ipc": "CUDA IPC handles shared with a trainer on the same GPU",
+    "gloo": "a torch.distributed gloo group between the trainer and the workers",
 }
 DEFAULT_MAX_UPDATE_BYTES = 2 * 2**30
 """Bytes of tensors one update over the transport may carry, unless the config says otherwise."""

@@ -40,6 +40,7 @@ def test_the_config() -> None:
     for raw, message in (
         ({"backend": "nccl"}, "NCCL group"),
         ({"backend": "ipc"}, "CUDA IPC"),
+        ({"backend": "gloo"}, "gloo group"),
         ({"backend": "rdma"}, "unknown backend"),
         ({"max_update_bytes": -1}, "must be positive"),
         ({"packed": True}, "unknown field"),
