@@ -22,6 +22,7 @@ from sonar.cli.values import (
     profiler_config,
     structured_outputs_config,
     watermark,
+    weight_transfer_config,
 )
 
 B, I, F, S_, H, L, J = Kind.BOOL, Kind.INT, Kind.FLOAT, Kind.STR, Kind.HUMAN_INT, Kind.LIST, Kind.JSON
@@ -59,6 +60,11 @@ NO_MM = (
 )
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
+ONE_API_SERVER = (
+    "one API server process serves the engine; several would each need an engine client that attaches to "
+    "the running schedulers and detokenizer over the transport, which the in-process LLM handle (it owns "
+    "the engine's supervision tree, LoRA registry and replica router) is not yet"
+)
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
@@ -90,7 +96,7 @@ GROUPS: tuple[Group, ...] = (
            "deployment).", negatable=False),
         _f("--api-server-count -asc", I, None,
            "How many API server processes to start; unset means one per data-parallel rank.",
-           accepts=(1,)),
+           accepts=(1,), why=ONE_API_SERVER),
         _f("--config", S_, None,
            "Read flag values from a YAML file whose keys are flag names (dashes or underscores, e.g. "
            "max-num-seqs: 64). Flags on the command line take precedence over the file.",
@@ -894,8 +900,12 @@ GROUPS: tuple[Group, ...] = (
         _f("--performance-mode", S_, "balanced",
            "Tune for 'interactivity' (low latency at small batches), 'throughput' (many concurrent requests) "
            "or 'balanced'.", choices=("balanced", "interactivity", "throughput")),
-        _f("--weight-transfer-config", J, None, "Settings for receiving weight updates during RL training.",
-           dotted=True),
+        _f("--weight-transfer-config", J, None,
+           "Take weight updates while serving (RL training loops): backend sonar writes a safetensors "
+           "checkpoint folder (POST /update_weights {\"path\": DIR}) or tensors sent over Sonar's transport "
+           "(LLM.update_weights(tensors=...), or a safetensors body) into the running model, between steps; "
+           "max_update_bytes bounds one update. Backends nccl and ipc are refused.",
+           dotted=True, to=E, check=weight_transfer_config),
     ),
     _group(
         "Limits", "Sonar's own flags: what one connection and one request may use. Going over a limit is "

@@ -244,3 +244,9 @@ def profiler_config(value: dict[str, Any]) -> None:
     from sonar.engine.profiler import ProfilerConfig
 
     ProfilerConfig.parse(value)
+
+
+def weight_transfer_config(value: dict[str, Any]) -> None:
+    from sonar.core.weights import WeightTransferConfig
+
+    WeightTransferConfig.parse(value)

@@ -220,6 +220,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     profiler_config: dict[str, Any] = {}
     """`--profiler-config` (`sonar.engine.profiler.ProfilerConfig`): with ``profiler`` ``torch``,
     `LLM.start_profile` / `stop_profile` trace the workers' steps into ``torch_profiler_dir``."""
+    weight_transfer_config: dict[str, Any] | None = None
+    """`--weight-transfer-config` (`sonar.core.weights.WeightTransferConfig`): set, `LLM.update_weights`
+    writes new weights into the running engine (``POST /update_weights``)."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -236,6 +239,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             "hf_overrides",
             "model_loader_extra_config",
             "profiler_config",
+            "weight_transfer_config",
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
@@ -330,6 +334,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         self.profiler()
         self._check_sleep_mode()
+        self._check_weight_transfer()
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError(
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
@@ -472,6 +477,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         from sonar.engine.profiler import ProfilerConfig
 
         return ProfilerConfig.parse(self.profiler_config)
+
+    def weight_transfer(self) -> Any:
+        """The `WeightTransferConfig` of ``--weight-transfer-config``, None when weight updates
+        are off (ValueError naming a bad field or a refused backend)."""
+        from sonar.core.weights import WeightTransferConfig
+
+        return WeightTransferConfig.parse(self.weight_transfer_config)
+
+    def _check_weight_transfer(self) -> None:
+        if self.weight_transfer() is not None and self.world_size > 1:
+            raise ValueError(
+                f"weight updates (--weight-transfer-config) with {self.world_size} worker ranks (tensor / pipeline "
+                "parallelism) are not supported yet; drop one of the two"
+            )
 
     def _check_sleep_mode(self) -> None:
         if not self.enable_sleep_mode:

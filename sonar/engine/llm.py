@@ -16,10 +16,11 @@ request counts and health are read from every replica.
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 import anyio.to_thread
@@ -31,6 +32,7 @@ from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
+from sonar.core.weights import WeightTransferConfig, WeightUpdateConflictError, WeightUpdateError
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.replicas import Replicas
@@ -64,8 +66,11 @@ from sonar.protocol.engine import (
     SleepReply,
     StartProfile,
     StopProfile,
+    UpdateEngineWeights,
     VisionInfo,
     WakeEngine,
+    WeightsUpdated,
+    WeightUpdateReply,
     WorkerInfo,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
@@ -757,6 +762,50 @@ class LLM:
             traces += status.traces
         return traces
 
+    # -- weight updates ---------------------------------------------------------------------
+    def weight_transfer(self) -> WeightTransferConfig:
+        """The engine's ``weight_transfer_config``; `NotEnabledError` when weight updates are off."""
+        self._check_open()
+        config = self.config.weight_transfer()
+        if config is None:
+            raise NotEnabledError(
+                "weight updates are off: start the engine with weight_transfer_config (--weight-transfer-config "
+                '\'{"backend": "sonar"}\')'
+            )
+        return config
+
+    async def update_weights(
+        self, path: str | os.PathLike[str] | None = None, *, tensors: Mapping[str, Any] | None = None
+    ) -> WeightsUpdated:
+        """Write new weights into the running engine (``weight_transfer_config``;
+        `sonar.engine.weights`): the safetensors checkpoint folder at `path` (a whole model of the
+        same architecture and shapes), or `tensors` (checkpoint name -> tensor in the served
+        dtype; any subset, at most ``max_update_bytes`` per call). They apply between steps:
+        running requests go on with the new weights, the prefix cache is dropped. An update that
+        does not fit raises `WeightUpdateError` and changes nothing. Every replica is updated."""
+        config = self.weight_transfer()
+        if (path is None) == (tensors is None):
+            raise InvalidRequestError("update_weights takes a checkpoint path or tensors, one of the two", param="path")
+        sent: dict[str, Any] | None = None
+        if tensors is not None:
+            sent = _tensors_to_send(tensors, config.max_update_bytes)
+        folder = None if path is None else os.path.abspath(os.fspath(path))
+        updated: WeightsUpdated | None = None
+        for index in range(self.replicas.count):
+            try:
+                reply: WeightUpdateReply = await self._scheduler(index).ask(
+                    UpdateEngineWeights(folder, sent), timeout=self.config.step_timeout + ASK_MARGIN
+                )
+            except (ActorError, ActorNotFound, AskTimeout) as exc:
+                raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
+            if reply.refused is not None:
+                raise (WeightUpdateConflictError if reply.conflict else WeightUpdateError)(reply.refused)
+            if reply.failed is not None:
+                raise EngineDeadError(reply.failed)
+            updated = reply.updated
+        assert updated is not None
+        return updated
+
     # -- LoRA adapters ----------------------------------------------------------------------
     async def load_lora(
         self, name: str, path: str, base_model_name: str | None = None, *, replace: bool = False
@@ -1024,3 +1073,24 @@ def _request_error(error: RequestError) -> SonarError:
     if error.type == "lora":
         return LoRAError(error.message)
     return SamplingFailedError(error.message)
+
+
+def _tensors_to_send(tensors: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:
+    """`tensors` as they travel to the worker (contiguous, in host memory), within `max_bytes`."""
+    import torch
+
+    sent: dict[str, Any] = {}
+    total = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(
+                f"update_weights takes tensors by checkpoint name; got {name!r}: {type(tensor).__name__}"
+            )
+        total += tensor.nbytes
+        if total > max_bytes:
+            raise WeightUpdateError(
+                f"the update holds over {max_bytes} bytes of tensors (max_update_bytes of --weight-transfer-config); "
+                "send it in several calls"
+            )
+        sent[name] = tensor.detach().to("cpu").contiguous()
+    return sent

@@ -51,6 +51,13 @@ ones to finish (past it nothing changes and the sleep is refused); then it drops
 (the KV it indexes is about to be freed) and puts the worker to sleep. It takes requests again
 once the worker has woken every tag. A sleep or wake runs beside the mailbox, so aborts, stop
 strings and the step loop go on while it waits.
+
+Weight updates (`UpdateEngineWeights`, ``--weight-transfer-config``): the step loop stops before it
+schedules its next step, the worker writes the new weights once the steps already sent are done
+(its step lock), the prefix cache is dropped (its KV was computed with the old weights) and the
+loop goes on. Requests are not drained: those running continue with the new weights, over the KV
+they computed with the old ones (vLLM's ``keep``); their blocks stay out of the prefix cache, so
+new requests never reuse KV of the old weights.
 """
 
 from __future__ import annotations
@@ -104,9 +111,12 @@ from sonar.protocol.engine import (
     StepResult,
     StopStringHit,
     TrackRequest,
+    UpdateEngineWeights,
+    UpdateWeights,
     VisionInfo,
     WakeEngine,
     WakeUp,
+    WeightUpdateReply,
     WorkerInfo,
     WorkerMsg,
 )
@@ -182,6 +192,8 @@ class SchedulerActor(Actor):
         """--collect-detailed-traces: the requests of each step in flight,"""
         self._model_time: dict[str, list[float]] = {}
         """and each request's worker time so far: [execute, forward] seconds."""
+        self.updating: anyio.Event | None = None
+        """A weight update is under way: the step loop waits for this event before its next step."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -288,6 +300,14 @@ class SchedulerActor(Actor):
                 return SleepReply(self.sleep, "another sleep or wake-up is under way; try again when it is done")
             self.transition = True
             self.task_group.start_soon(self._go_to_sleep if isinstance(msg, SleepEngine) else self._wake_up, msg)
+            return NO_REPLY
+        if isinstance(msg, UpdateEngineWeights):
+            if self.updating is not None:
+                return WeightUpdateReply(
+                    refused="another weight update is under way; send this one when it is done", conflict=True
+                )
+            self.updating = anyio.Event()
+            self.task_group.start_soon(self._update_weights, msg)
             return NO_REPLY
         raise TypeError(f"unexpected {type(msg).__name__}")
 
@@ -479,6 +499,8 @@ class SchedulerActor(Actor):
         await self.wake.wait()
 
     async def _schedule(self) -> SchedulerOutput:
+        if self.updating is not None:  # the steps already sent finish, then the weights change
+            await self.updating.wait()
         self.kicked = False
         output = self.core.schedule()
         await self._publish_kv_events()
@@ -834,6 +856,31 @@ class SchedulerActor(Actor):
             self.transition = False
         if not self.sleep.is_sleeping:
             log.info("scheduler.awake")
+        if msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, reply)
+
+    async def _update_weights(self, msg: UpdateEngineWeights) -> None:
+        """Have the worker write new weights between steps, then drop the prefix cache."""
+        assert self.updating is not None
+        try:
+            update = UpdateWeights(msg.path, msg.tensors)
+            updated = await self.worker.ask(update, timeout=self.config.step_timeout)
+            self.core.block_manager.drop_stale_kv()
+            await self._publish_kv_events()
+            reply = WeightUpdateReply(updated)
+            log.info("scheduler.weights_updated", tensors=updated.tensors, seconds=updated.seconds)
+        except ActorError as exc:
+            refused = exc.error.type.endswith((".WeightUpdateError", ".WeightUpdateConflictError", ".NotEnabledError"))
+            reply = WeightUpdateReply(
+                refused=exc.error.message if refused else None,
+                failed=None if refused else f"the worker failed while it wrote the weights: {exc.error.message}",
+                conflict=exc.error.type.endswith(".WeightUpdateConflictError"),
+            )
+        except (AskTimeout, ActorNotFound) as exc:
+            reply = WeightUpdateReply(failed=f"the worker could not update its weights: {exc}")
+        finally:
+            self.updating.set()
+            self.updating = None
         if msg.reply_to is not None:
             await get_node().reply(msg.reply_to, reply)
 

@@ -215,8 +215,38 @@ class StopProfile(Ask, tag="worker.stop_profile"):
     reply_type = ProfileStatus
 
 
+class WeightsUpdated(msgspec.Struct):
+    """A weight update done (`sonar.engine.weights`)."""
+
+    tensors: int
+    """Checkpoint tensors written."""
+    bytes: int
+    seconds: float
+    updates: int
+    """Updates this worker has applied since it started (a restarted worker serves the startup
+    checkpoint again, and counts from 0)."""
+
+
+class UpdateWeights(Ask, tag="worker.update_weights"):
+    """Write new weights between steps: the safetensors checkpoint folder at `path`, or `tensors`
+    (checkpoint name -> tensor, in the served dtype); checked against the served model first."""
+
+    path: str | None = None
+    tensors: dict[str, Any] | None = None
+    reply_type = WeightsUpdated
+
+
 WorkerMsg = Union[
-    DescribeWorker, ExecuteStep, StepBitmask, JoinGroup, StepDone, Sleep, WakeUp, StartProfile, StopProfile
+    DescribeWorker,
+    ExecuteStep,
+    StepBitmask,
+    JoinGroup,
+    StepDone,
+    Sleep,
+    WakeUp,
+    StartProfile,
+    StopProfile,
+    UpdateWeights,
 ]
 
 
@@ -316,6 +346,25 @@ class GetSleepState(Ask, tag="scheduler.sleep_state"):
     reply_type = SleepReply
 
 
+class WeightUpdateReply(msgspec.Struct):
+    """The answer to `UpdateEngineWeights`: what was written, or why nothing was (`refused`: the
+    update does not fit; `failed`: the worker failed, and restarts with the startup checkpoint)."""
+
+    updated: WeightsUpdated | None = None
+    refused: str | None = None
+    failed: str | None = None
+    conflict: bool = False
+    """`refused` because it cannot happen now (another update under way, weights asleep)."""
+
+
+class UpdateEngineWeights(Ask, tag="scheduler.update_weights"):
+    """Update the worker's weights between steps (`UpdateWeights`), then drop the prefix cache."""
+
+    path: str | None = None
+    tensors: dict[str, Any] | None = None
+    reply_type = WeightUpdateReply
+
+
 SchedulerMsg = Union[
     AddRequest,
     Abort,
@@ -327,6 +376,7 @@ SchedulerMsg = Union[
     SleepEngine,
     WakeEngine,
     GetSleepState,
+    UpdateEngineWeights,
 ]
 
 
