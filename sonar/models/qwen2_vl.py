@@ -1,4 +1,4 @@
-"""Qwen2.5-VL: a windowed vision transformer with a patch merger, and Qwen2's decoder with M-RoPE.
+"""Qwen2.5-VL and Qwen2-VL: a vision transformer with a patch merger, and Qwen2's decoder with M-RoPE.
 
 **Vision tower.** The image processor (`sonar.multimodal.qwen2_vl`) resizes an image to a multiple
 of ``patch_size * merge_size`` (dynamic resolution), repeats it ``temporal_patch_size`` times over
@@ -10,7 +10,10 @@ attend within windows of ``window_size`` pixels, except the `fullatt_block_index
 attend over the whole frame; the tokens are reordered window by window for that and put back in
 order at the end. The merger (RMSNorm, then an MLP over each block's ``merge_size ** 2`` patches
 side by side) gives one row per block: ``t * h * w / merge_size ** 2`` rows, one per
-``<|image_pad|>`` token of the prompt.
+``<|image_pad|>`` token of the prompt. Qwen2-VL's tower is the same but for its layers: LayerNorms
+instead of RMSNorms, a plain two-layer MLP (``mlp_ratio``, quick GELU) instead of a gated one,
+and full attention in every block (no windows); its config names the tower's width ``embed_dim``
+and the output ``hidden_size``.
 
 **M-RoPE.** The decoder rotates by three positions per token (temporal, height, width), each
 turning its own section of the frequencies (``rope_scaling.mrope_section``). Text tokens take the
@@ -29,6 +32,7 @@ names ``model.visual.*`` and ``model.language_model.*`` map onto them.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -52,7 +56,7 @@ from sonar.models.llava import ACTIVATIONS, TEXT_FIELDS
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.protocol.engine import ImageInput, VisionInfo
 
-_NOT_YET = "not implemented for Qwen2.5-VL yet"
+_NOT_YET = "not implemented for Qwen2-VL / Qwen2.5-VL yet"
 
 #: What a chat's image part becomes in the text the template renders (Qwen2.5-VL's template
 #: renders an image part so); the processor expands the pad token to the image's rows.
@@ -105,6 +109,52 @@ def patch_positions(grid: Sequence[int], merge: int) -> Tensor:
     cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
     rows, cols = rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
     return torch.stack((rows, cols), dim=-1).repeat(t, 1)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """The tower's shape, from either family's vision config."""
+
+    hidden: int
+    heads: int
+    depth: int
+    intermediate: int
+    act: str
+    out: int
+    gated: bool
+    """Qwen2.5-VL: RMSNorms and a gated MLP; Qwen2-VL: LayerNorms and fc1/fc2."""
+    window: int | None
+    """A window's side in merged blocks (None: every block attends over the whole frame)."""
+    full_blocks: frozenset[int]
+
+    @classmethod
+    def qwen2_5(cls, config: Any) -> VisionSpec:
+        return cls(
+            config.hidden_size,
+            config.num_heads,
+            config.depth,
+            config.intermediate_size,
+            config.hidden_act,
+            config.out_hidden_size,
+            True,
+            config.window_size // config.spatial_merge_size // config.patch_size,
+            frozenset(config.fullatt_block_indexes),
+        )
+
+    @classmethod
+    def qwen2(cls, config: Any) -> VisionSpec:
+        width = config.embed_dim
+        return cls(
+            width,
+            config.num_heads,
+            config.depth,
+            int(width * config.mlp_ratio),
+            config.hidden_act,
+            config.hidden_size,
+            False,
+            None,
+            frozenset(range(config.depth)),
+        )
 
 
 class VisionRMSNorm(nn.Module):
@@ -161,13 +211,33 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
-class VisionBlock(nn.Module):
-    def __init__(self, config: Any) -> None:
+class PlainMLP(nn.Module):
+    """Qwen2-VL's vision MLP."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
-        self.norm1 = VisionRMSNorm(config.hidden_size)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.norm2 = VisionRMSNorm(config.hidden_size)
-        self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        if act not in ACTIVATIONS:
+            raise ModelLoadError(f"vision hidden_act {act!r} is not supported (one of {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[act]
+        self.fc1 = nn.Linear(hidden, intermediate)
+        self.fc2 = nn.Linear(intermediate, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _norm(spec: VisionSpec, size: int) -> nn.Module:
+    return VisionRMSNorm(size) if spec.gated else nn.LayerNorm(size, eps=1e-6)
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, spec: VisionSpec) -> None:
+        super().__init__()
+        self.norm1 = _norm(spec, spec.hidden)
+        self.attn = VisionAttention(spec.hidden, spec.heads)
+        self.norm2 = _norm(spec, spec.hidden)
+        mlp = VisionMLP if spec.gated else PlainMLP
+        self.mlp = mlp(spec.hidden, spec.intermediate, spec.act)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lengths: list[int]) -> Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -175,10 +245,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, hidden: int) -> None:
         super().__init__()
         self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, self.shape[1:], self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(config.in_channels, hidden, self.shape[1:], self.shape[1:], bias=False)
 
     def forward(self, pixels: Tensor) -> Tensor:
         x = pixels.to(self.proj.weight.dtype).view(-1, *self.shape)
@@ -186,10 +256,11 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    def __init__(self, hidden: int, out: int, merge: int) -> None:
+    def __init__(self, spec: VisionSpec, merge: int) -> None:
         super().__init__()
+        hidden, out = spec.hidden, spec.out
         self.width = hidden * merge * merge
-        self.ln_q = VisionRMSNorm(hidden)
+        self.ln_q = _norm(spec, hidden)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -197,28 +268,33 @@ class PatchMerger(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    """Qwen2.5-VL's vision tower and merger (see the module docstring)."""
+    """The vision tower and merger (see the module docstring); `spec` None: Qwen2.5-VL's from `config`."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, spec: VisionSpec | None = None) -> None:
         super().__init__()
+        spec = VisionSpec.qwen2_5(config) if spec is None else spec
         self.merge = config.spatial_merge_size
         self.patch_size = config.patch_size
-        self.window = config.window_size // config.spatial_merge_size // config.patch_size
-        """A window's side in merged blocks."""
-        self.full_blocks = set(config.fullatt_block_indexes)
-        head_dim = config.hidden_size // config.num_heads
+        self.window = spec.window
+        self.full_blocks = spec.full_blocks
+        head_dim = spec.hidden // spec.heads
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
         quarter = head_dim // 2
         with torch.device("cpu"):
             self.inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
-        self.patch_embed = PatchEmbed(config)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = PatchMerger(config.hidden_size, config.out_hidden_size, self.merge)
+        self.patch_embed = PatchEmbed(config, spec.hidden)
+        self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
+        self.merger = PatchMerger(spec, self.merge)
 
     def forward(self, pixels: Tensor, grid: Sequence[int]) -> Tensor:
         """One image's patches ``[t * h * w, patch values]`` to its rows ``[t * h * w / merge ** 2, out]``."""
         unit = self.merge * self.merge
-        order, window_lengths = window_index(grid, self.merge, self.window)
+        t, h, w = grid
+        frames = [h * w] * t
+        if self.window is None:
+            order, window_lengths = torch.arange(t * h * w // unit), frames
+        else:
+            order, window_lengths = window_index(grid, self.merge, self.window)
         order = order.to(pixels.device)
         x = self.patch_embed(pixels)
         n = x.shape[0]
@@ -227,8 +303,6 @@ class VisionTransformer(nn.Module):
         angles = angles.flatten(1).view(n // unit, unit, -1)[order].view(n, -1)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos(), angles.sin()
-        t, h, w = grid
-        frames = [h * w] * t
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, frames if i in self.full_blocks else window_lengths)
         return self.merger(x)[torch.argsort(order)]
@@ -258,7 +332,11 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         self.merge = int(vision.spatial_merge_size)
         self.patch_size = int(vision.patch_size)
         self.temporal_patch_size = int(vision.temporal_patch_size)
-        self.visual = VisionTransformer(vision)
+        self.visual = self.make_tower(vision)
+
+    @staticmethod
+    def make_tower(vision: Any) -> VisionTransformer:
+        return VisionTransformer(vision, VisionSpec.qwen2_5(vision))
 
     @classmethod
     def prepare_config(cls, config: Any) -> None:
@@ -336,6 +414,16 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
                 done.add(name)
 
         return super().load_weights(decoder_weights()) | done
+
+
+class Qwen2VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
+    """Qwen2-VL: Qwen2.5-VL's design with the earlier tower (see the module docstring)."""
+
+    architectures = ("Qwen2VLForConditionalGeneration",)
+
+    @staticmethod
+    def make_tower(vision: Any) -> VisionTransformer:
+        return VisionTransformer(vision, VisionSpec.qwen2(vision))
 
 
 def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:

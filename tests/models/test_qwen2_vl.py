@@ -1,4 +1,4 @@
-"""Qwen2.5-VL against transformers: the same tiny random checkpoint, the same patches, the same
+"""Qwen2.5-VL and Qwen2-VL against transformers: the same tiny random checkpoint, the same patches, the same
 prompt (expanded as transformers' `Qwen2_5_VLProcessor` expands it); every prompt position's
 logits and the greedy tokens after it equal transformers', with the prompt prefilled whole and in
 chunks that cut through the images' tokens, and decode continuing at the M-RoPE positions."""
@@ -25,10 +25,10 @@ BLOCK = 4
 SIZES = [(24, 16), (28, 36), (40, 40)]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
-    path = tmp_path_factory.mktemp("qwen2_5_vl")
-    hf = save_tiny_qwen2_5_vl(path, seed=3)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    path = tmp_path_factory.mktemp(request.param)
+    hf = save_tiny_qwen2_5_vl(path, seed=3, family=request.param)
     return path, hf, load_model(str(path), dtype="float32").model
 
 
@@ -147,7 +147,8 @@ def test_logits_and_greedy_tokens_equal_transformers(tiny: tuple[Path, Any, Any]
 
 
 def test_vision_tower_equals_transformers(tiny: tuple[Path, Any, Any]) -> None:
-    """Windows that split the grid unevenly (5x5 merged blocks in windows of 2x2), and a full-attention block."""
+    """Qwen2.5-VL: windows that split the grid unevenly (5x5 merged blocks in windows of 2x2), and a
+    full-attention block."""
     path, hf, model = tiny
     _, images = _prompt(path, model, [random_image(4, (40, 40))])
     image = images[0]

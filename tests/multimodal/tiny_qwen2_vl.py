@@ -1,6 +1,6 @@
-"""A tiny random-weight Qwen2.5-VL checkpoint, built and saved by transformers at test time: a
-3-block vision tower over 4x4 patches (merged 2x2, windows of 2x2 merged blocks, block 1 full
-attention), a two-layer Qwen2 decoder with M-RoPE sections (2, 3, 3), a word-level tokenizer
+"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL) checkpoint, built and saved by transformers at
+test time: a 3-block vision tower over 4x4 patches (merged 2x2; Qwen2.5-VL: windows of 2x2 merged
+blocks, block 1 full attention), a two-layer Qwen2 decoder with M-RoPE sections (2, 3, 3), a word-level tokenizer
 (token ``i`` is ``w<i>``) with ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` added
 after the words, and a Qwen2-VL image processor config of those patch sizes (images of 256 to
 4096 pixels)."""
@@ -25,10 +25,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def qwen2_5_vl_config() -> Any:
-    from transformers import Qwen2_5_VLConfig
+def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-    return Qwen2_5_VLConfig(
+    if family == "qwen2_vl":
+        config, architecture = Qwen2VLConfig, "Qwen2VLForConditionalGeneration"
+        vision = dict(depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, hidden_act="quick_gelu")
+    else:
+        config, architecture = Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration"
+        vision = dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            window_size=16,  # 2x2 merged blocks of 2x2 patches of 4 px
+            fullatt_block_indexes=[1],
+        )
+    return config(
         text_config=dict(
             vocab_size=WORDS + 3,
             hidden_size=64,
@@ -44,18 +58,7 @@ def qwen2_5_vl_config() -> Any:
             eos_token_id=None,
             pad_token_id=0,
         ),
-        vision_config=dict(
-            depth=3,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=4,
-            out_hidden_size=64,
-            patch_size=PATCH,
-            spatial_merge_size=MERGE,
-            temporal_patch_size=TEMPORAL,
-            window_size=16,  # 2x2 merged blocks of 2x2 patches of 4 px
-            fullatt_block_indexes=[1],
-        ),
+        vision_config=dict(**vision, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL),
         image_token_id=IMAGE_PAD,
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
@@ -63,17 +66,23 @@ def qwen2_5_vl_config() -> Any:
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
-        architectures=["Qwen2_5_VLForConditionalGeneration"],
+        architectures=[architecture],
     )
 
 
-def save_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Any:
-    """Save a tiny Qwen2.5-VL checkpoint with its tokenizer and image processor under `path`;
-    return the transformers model (float32, eval mode)."""
-    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Any:
+    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL) checkpoint with its tokenizer and
+    image processor under `path`; return the transformers model (float32, eval mode)."""
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
 
     torch.manual_seed(seed)
-    hf = Qwen2_5_VLForConditionalGeneration(qwen2_5_vl_config()).eval()
+    model = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    hf = model(qwen2_5_vl_config(family)).eval()
     spread_weights(hf)
     with torch.no_grad():  # the vision norms are "norm1"/"norm2"/"ln_q", not "...norm.weight"
         for name, param in hf.named_parameters():
