@@ -813,7 +813,7 @@ def _image_shape(image: ImageInput, vision: VisionInfo) -> tuple[int | None, tup
         side = vision.image_size
         return vision.tokens_per_image, (3, side, side)
     grid, merge = image.grid, vision.merge_size
-    if grid is None or len(grid) != 3 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
+    if grid is None or len(grid) != 3 or grid[0] != 1 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
         return None, None
     t, h, w = grid
     return t * h * w // merge**2, (t * h * w, 3 * vision.temporal_patch_size * vision.patch_size**2)
@@ -830,7 +830,7 @@ def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
     for i, image in enumerate(msg.images):
         length, shape = _image_shape(image, vision)
         if length is None or shape is None:
-            return f"image {i} needs a grid (t, h, w) of patches, each a multiple of {vision.merge_size} but t"
+            return f"image {i} needs a grid (1, h, w) of patches, h and w multiples of {vision.merge_size} (videos are not served)"
         if image.offset < end or image.length != length or image.offset + image.length > len(prompt):
             return f"image {i} does not fit the prompt's image tokens"
         if any(t != vision.image_token_id for t in prompt[image.offset : image.offset + image.length]):

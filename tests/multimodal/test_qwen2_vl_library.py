@@ -107,6 +107,7 @@ async def test_a_grid_that_does_not_fit_is_refused(llm: sonar.LLM) -> None:
     cases = {
         "does not fit": [msgspec.structs.replace(images[0], grid=[1, 4, 4])],
         "needs a grid": [msgspec.structs.replace(images[0], grid=None)],
+        "videos are not served": [msgspec.structs.replace(images[0], grid=[2, 2, 6])],
         "pixels of shape": [msgspec.structs.replace(images[0], pixel_values=torch.zeros(3, 8, 8))],
     }
     for expected, bad in cases.items():
