@@ -166,3 +166,24 @@ def test_text_only_prompt_equals_transformers(tiny: tuple[Path, Any, Any]) -> No
     _, (ours, our_logits) = _sonar_greedy(model, prompt, [], 3, 3)
     assert ours == tokens
     torch.testing.assert_close(our_logits, logits, atol=ATOL, rtol=RTOL)
+
+
+def test_mrope_with_three_equal_positions_is_plain_rope(tiny: tuple[Path, Any, Any]) -> None:
+    """Why text rows may take 1D positions: each section then turns by the same position."""
+    _, _, model = tiny
+    positions = torch.tensor([0, 3, 17, 250])
+    plain = model.rotary.cos_sin(positions, torch.float32)
+    three = model.rotary.cos_sin(positions.expand(3, -1), torch.float32)
+    for a, b in zip(plain, three):
+        assert torch.equal(a, b)
+
+
+def test_bfloat16_on_cpu_runs_the_tower_in_float32(tiny: tuple[Path, Any, Any]) -> None:
+    path, _, model = tiny
+    bf16 = load_model(str(path), dtype="bfloat16").model
+    _, images = _prompt(path, model, [random_image(9, SIZES[1])])
+    with torch.inference_mode():
+        ours = bf16.encode_grid(images[0].pixel_values, images[0].grid)
+        ref = model.encode_grid(images[0].pixel_values, images[0].grid)
+    assert ours.dtype == torch.bfloat16 and bf16.visual.merger.mlp[0].weight.dtype == torch.float32
+    torch.testing.assert_close(ours.float(), ref, atol=0.1, rtol=0.05)
