@@ -279,9 +279,9 @@ class VisionTransformer(nn.Module):
         self.full_blocks = spec.full_blocks
         head_dim = spec.hidden // spec.heads
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        quarter = head_dim // 2
+        axis = head_dim // 2  # each axis (row, column) turns half of a head's dimensions
         with torch.device("cpu"):
-            self.inv_freq = 1.0 / theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)
+            self.inv_freq = 1.0 / theta ** (torch.arange(0, axis, 2, dtype=torch.float32) / axis)
         self.patch_embed = PatchEmbed(config, spec.hidden)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
         self.merger = PatchMerger(spec, self.merge)
