@@ -517,7 +517,7 @@ class LLM:
                 param="messages",
             )
         check_context_length(
-            len(prompt_ids) + count * (vision.tokens_per_image - 1), max_tokens, self.info.max_model_len
+            len(prompt_ids) + count * max(vision.tokens_per_image - 1, 0), max_tokens, self.info.max_model_len
         )
         return vision
 
@@ -527,11 +527,11 @@ class LLM:
         and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
         vision = self.check_images(prompt_ids, len(images))
         if self._image_processor is None:
-            from sonar.multimodal.processor import ImageProcessor
+            from sonar.multimodal.processor import image_processor
 
             path = self.config.tokenizer or self.info.tokenizer_path
             self._image_processor = await anyio.to_thread.run_sync(
-                ImageProcessor, vision, path, self.config.mm_processor_kwargs
+                image_processor, vision, path, self.config.mm_processor_kwargs
             )
         processor = self._image_processor
         from sonar.multimodal.processor import expand_images

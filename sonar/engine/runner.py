@@ -83,10 +83,24 @@ class _RequestState:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
     """Image index -> its feature rows, kept from the step that reaches its first placeholder to
     the one that passes its last (a chunked prefill reads them over several steps)."""
+    mrope: torch.Tensor | None = None
+    """M-RoPE (Qwen2-VL) with images: the prompt's positions ``[3, prompt length]``; a later
+    token's are its position plus `mrope_delta` in all three."""
+    mrope_delta: int = 0
+
+    def rope_positions(self, start: int, n: int) -> list[int]:
+        """The rotary positions of ``[start, start + n)`` where the three M-RoPE rows agree (text)."""
+        if self.mrope is None:
+            return list(range(start, start + n))
+        prompt = self.mrope.shape[1]
+        inside = self.mrope[0, start : min(start + n, prompt)].tolist()
+        return inside + list(range(max(start, prompt) + self.mrope_delta, start + n + self.mrope_delta))
 
 
 def vision_info(model: Any) -> VisionInfo | None:
     """What the frontend needs to send this model images; None for a text-only model."""
+    if hasattr(model, "vision_info"):
+        return model.vision_info()
     if not hasattr(model, "encode_images"):
         return None
     return VisionInfo(model.image_token_id, model.tokens_per_image, model.image_size)
@@ -544,6 +558,8 @@ class ModelRunner:
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
             state.images = new.images
+            if new.images and hasattr(self.model, "rope_index"):
+                state.mrope, state.mrope_delta = self.model.rope_index(len(new.prompt_token_ids), new.images)
             if new.pooling is not None:
                 if self.pooler is None:
                     raise ValueError(f"request {new.req_id}: a pooling request, but this model is not a pooling model")
@@ -568,6 +584,7 @@ class ModelRunner:
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
         image_rows: list[int] = []  # rows whose embedding is an image's feature row
         image_embeds: list[torch.Tensor] = []
+        mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
@@ -588,6 +605,8 @@ class ModelRunner:
                 s_lens.append(sched.start_pos + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
+            if state.mrope is not None:
+                mrope.append((first, sched.start_pos, n, state))
             if state.images:
                 self._image_rows(state, first, sched.start_pos, n, image_rows, image_embeds)
             if state.pooling is not None:
@@ -619,6 +638,7 @@ class ModelRunner:
             and not prompt_rows
             and not pool_rows
             and not image_rows
+            and not mrope  # a graph takes its cache slots from the positions
             and self.drafter is None
         ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -626,6 +646,12 @@ class ModelRunner:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            rope_t = positions_t
+            if mrope:  # the rotary's positions: M-RoPE moves those of requests with images
+                rope = list(positions)
+                for first, start, n, state in mrope:
+                    rope[first : first + n] = state.rope_positions(start, n)
+                rope_t = torch.tensor(rope, device=device)
             with self._adapters(out.requests, lost):
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
@@ -633,11 +659,11 @@ class ModelRunner:
                 elif image_rows:  # eager: compiled forms and graphs take token ids alone
                     rows_t = torch.tensor(image_rows, device=device)
                     embeds = torch.cat(image_embeds)
-                    hidden = self.model(
-                        ids_t, positions_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds
-                    )
+                    if mrope:  # image rows' three positions differ: every row's three
+                        rope_t = self._mrope_positions(rope_t, mrope)
+                    hidden = self.model(ids_t, rope_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds)
                 else:
-                    hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+                    hidden = self._forward_stage(ids_t, rope_t, self.kv_caches, meta)
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
@@ -747,12 +773,28 @@ class ModelRunner:
                 continue
             features = state.features.get(index)
             if features is None:
-                pixels = image.pixel_values.to(self.device).unsqueeze(0)
-                features = state.features[index] = self.model.encode_images(pixels)[0]
+                pixels = image.pixel_values.to(self.device)
+                if image.grid is None:
+                    features = self.model.encode_images(pixels.unsqueeze(0))[0]
+                else:
+                    features = self.model.encode_grid(pixels, image.grid)
+                state.features[index] = features
             rows += range(first + lo - start, first + hi - start)
             embeds.append(features[lo - image.offset : hi - image.offset])
             if hi == image.offset + image.length:
                 del state.features[index]
+
+    @staticmethod
+    def _mrope_positions(rope: torch.Tensor, requests: list[tuple[int, int, int, _RequestState]]) -> torch.Tensor:
+        """The step's M-RoPE positions ``[3, rows]``: `rope` in all three rows, the prompt rows of
+        `requests` (first row, start position, rows, request) from their tables."""
+        table = rope.expand(3, -1).clone()
+        for first, start, n, state in requests:
+            assert state.mrope is not None
+            inside = min(start + n, state.mrope.shape[1]) - start
+            if inside > 0:
+                table[:, first : first + inside] = state.mrope[:, start : start + inside].to(table.device)
+        return table
 
     def _pool(
         self, rows: list[tuple[_RequestState, str, int, int, int, bool]], hidden: torch.Tensor, result: StepResult

@@ -100,6 +100,7 @@ from sonar.protocol.engine import (
     Forget,
     GetSleepState,
     GetStats,
+    ImageInput,
     KVLoaded,
     NewRequestData,
     SchedulerMsg,
@@ -927,6 +928,18 @@ def _never_ran(failure: Exception | None) -> bool:
     return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))
 
 
+def _image_shape(image: ImageInput, vision: VisionInfo) -> tuple[int | None, tuple[int, ...] | None]:
+    """The tokens and the pixel shape `image` must have on this model (Nones: a grid that cannot be)."""
+    if not vision.patch_size:
+        side = vision.image_size
+        return vision.tokens_per_image, (3, side, side)
+    grid, merge = image.grid, vision.merge_size
+    if grid is None or len(grid) != 3 or grid[0] != 1 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
+        return None, None
+    t, h, w = grid
+    return t * h * w // merge**2, (t * h * w, 3 * vision.temporal_patch_size * vision.patch_size**2)
+
+
 def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
     """Why the request's images cannot run on this model, or None: each must sit on exactly
     `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size,
@@ -934,16 +947,20 @@ def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
     prompt = msg.prompt_token_ids
     if vision is None:
         return "this model does not accept images" if msg.images else None
-    side = vision.image_size
     end = 0
     for i, image in enumerate(msg.images):
-        if image.offset < end or image.length != vision.tokens_per_image or image.offset + image.length > len(prompt):
+        length, shape = _image_shape(image, vision)
+        if length is None or shape is None:
+            return f"image {i} needs a grid (1, h, w) of patches, h and w multiples of {vision.merge_size} (videos are not served)"
+        if image.offset < end or image.length != length or image.offset + image.length > len(prompt):
             return f"image {i} does not fit the prompt's image tokens"
         if any(t != vision.image_token_id for t in prompt[image.offset : image.offset + image.length]):
             return f"image {i} is not placed on image tokens"
         pixels = image.pixel_values
-        if tuple(getattr(pixels, "shape", ())) != (3, side, side) or str(pixels.dtype) != "torch.float32":
-            return f"image {i} has pixels of shape {tuple(getattr(pixels, 'shape', ()))}, the model takes (3, {side}, {side}) float32"
+        if tuple(getattr(pixels, "shape", ())) != shape or str(pixels.dtype) != "torch.float32":
+            return (
+                f"image {i} has pixels of shape {tuple(getattr(pixels, 'shape', ()))}, the model takes {shape} float32"
+            )
         end = image.offset + image.length
     placed = sum(image.length for image in msg.images)
     if prompt.count(vision.image_token_id) != placed:

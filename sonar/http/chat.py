@@ -157,7 +157,9 @@ def image_token(llm: LLM) -> str | None:
     """The text of the model's image token, which stands for an image in the rendered chat; None
     for a model that takes no images."""
     vision = llm.info.vision
-    return None if vision is None else llm.tokenizer.convert_ids_to_tokens(vision.image_token_id)
+    if vision is None:
+        return None
+    return vision.image_text or llm.tokenizer.convert_ids_to_tokens(vision.image_token_id)
 
 
 def template_kwargs(settings: ServerSettings, given: dict[str, Any] | None) -> dict[str, Any]:

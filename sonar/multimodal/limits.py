@@ -17,7 +17,7 @@ DEFAULT_LIMIT = 999
 MODALITIES = ("image", "video", "audio")
 
 
-#: Settings of the CLIP image processor that --mm-processor-kwargs may override.
+#: Settings of the image processor (CLIP's, or Qwen2-VL's) that --mm-processor-kwargs may override.
 PROCESSOR_KWARGS = (
     "do_resize",
     "size",
@@ -30,7 +30,12 @@ PROCESSOR_KWARGS = (
     "image_mean",
     "image_std",
     "do_convert_rgb",
+    "min_pixels",
+    "max_pixels",
 )
+
+#: Of those, the settings only a dynamic-resolution processor (Qwen2-VL's) has.
+DYNAMIC_ONLY = ("min_pixels", "max_pixels")
 
 
 class ProcessorConfigError(InvalidRequestError):

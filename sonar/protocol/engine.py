@@ -31,18 +31,28 @@ class VisionInfo(msgspec.Struct):
     tokens_per_image: int
     """Placeholder tokens one image takes in the prompt (its feature rows)."""
     image_size: int
-    """Side of the square pixel input the vision tower takes."""
+    """Side of the square pixel input the vision tower takes (0: any size, `patch_size` set)."""
+    image_text: str | None = None
+    """What an image part becomes in the text the chat template renders (None: the image token)."""
+    patch_size: int = 0
+    """Dynamic resolution (Qwen2-VL): the side of a patch; 0 for a tower of one input size. Each
+    image then takes ``t * h * w / merge_size ** 2`` tokens for its grid of patches ``(t, h, w)``,
+    and `tokens_per_image` is 0."""
+    merge_size: int = 0
+    temporal_patch_size: int = 0
 
 
 class ImageInput(msgspec.Struct, array_like=True):
     """One image of a prompt: its placeholder tokens ``[offset, offset + length)`` of the prompt,
     the hash of its pixels (which keys its blocks in the prefix cache), and the pixels the vision
-    tower takes (a float32 CPU tensor ``[3, image_size, image_size]``)."""
+    tower takes (a float32 CPU tensor ``[3, image_size, image_size]``; with dynamic resolution its
+    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``)."""
 
     offset: int
     length: int
     hash: str
     pixel_values: Any
+    grid: list[int] | None = None
 
 
 # -- worker --------------------------------------------------------------------------------------
