@@ -242,10 +242,10 @@ class VisionBlock(nn.Module):
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, config: Any, hidden: int) -> None:
+    def __init__(self, config: Any, hidden: int, bias: bool = False) -> None:
         super().__init__()
         self.shape = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, hidden, self.shape[1:], self.shape[1:], bias=False)
+        self.proj = nn.Conv3d(config.in_channels, hidden, self.shape[1:], self.shape[1:], bias=bias)
 
     def forward(self, pixels: Tensor) -> Tensor:
         x = pixels.to(self.proj.weight.dtype).view(-1, *self.shape)
@@ -332,7 +332,7 @@ class Qwen2_5_VLForConditionalGeneration(ImageRowsDecoder):
         self.visual = self.make_tower(vision)
 
     @staticmethod
-    def make_tower(vision: Any) -> VisionTransformer:
+    def make_tower(vision: Any) -> nn.Module:
         return VisionTransformer(vision, VisionSpec.qwen2_5(vision))
 
     @classmethod
@@ -370,7 +370,7 @@ class Qwen2_5_VLForConditionalGeneration(ImageRowsDecoder):
         """One image's feature rows ``[t * h * w / merge ** 2, hidden]`` (in the decoder's dtype).
         On CPU a bfloat16 model's tower runs in float32 (as LLaVA's does: bf16 matmuls are slower there)."""
         dtype = self.model.embed_tokens.weight.dtype
-        if self.visual.merger.ln_q.weight.device.type == "cpu" and dtype == torch.bfloat16:
+        if self.visual.patch_embed.proj.weight.device.type == "cpu" and dtype == torch.bfloat16:
             self.visual.float()
         return self.visual(pixels, grid).to(dtype)
 

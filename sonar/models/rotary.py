@@ -178,7 +178,17 @@ class RotaryEmbedding:
         """M-RoPE (Qwen2-VL): how many frequencies the temporal, height and width positions turn."""
         with torch.device("cpu"):  # the model may be built under a meta-device context
             self.inv_freq, self.scale = inv_freq_and_scale(params, head_dim, max_position_embeddings)
+        self.mrope_owner: Tensor | None = None
+        """Interleaved M-RoPE (Qwen3-VL, ``mrope_interleaved``): the position each frequency turns with."""
+        if self.mrope_section and params.get("mrope_interleaved"):
+            self.interleave_mrope()
         self._on: dict[torch.device, Tensor] = {}
+
+    def interleave_mrope(self) -> None:
+        """Take the M-RoPE sections interleaved (`mrope_owner`) rather than one after another."""
+        assert self.mrope_section is not None
+        with torch.device("cpu"):
+            self.mrope_owner = mrope_owner(self.mrope_section, self.inv_freq.shape[0])
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``[num_tokens, rotary_dim]`` cos and sin (each half repeated), in ``dtype``. Positions
@@ -189,12 +199,28 @@ class RotaryEmbedding:
         if positions.dim() == 2:
             if self.mrope_section is None:
                 raise ValueError("positions [3, num_tokens] need a model with rope mrope_section")
-            sections = (positions.to(torch.float32)[:, :, None] * inv_freq).split(self.mrope_section, dim=-1)
-            angles = torch.cat([part[i] for i, part in enumerate(sections)], dim=-1)
+            angles = positions.to(torch.float32)[:, :, None] * inv_freq
+            if self.mrope_owner is not None:
+                owner = self.mrope_owner.to(angles.device)
+                angles = angles.gather(0, owner.expand(1, angles.shape[1], -1))[0]
+            else:
+                sections = angles.split(self.mrope_section, dim=-1)
+                angles = torch.cat([part[i] for i, part in enumerate(sections)], dim=-1)
         else:
             angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
+
+
+def mrope_owner(section: list[int], frequencies: int) -> Tensor:
+    """Interleaved M-RoPE (Qwen3-VL): which position (0 temporal, 1 height, 2 width) turns each
+    frequency. Frequency ``i`` follows the height when ``i % 3 == 1`` and ``i < 3 * section[1]``,
+    the width when ``i % 3 == 2`` and ``i < 3 * section[2]``, the temporal position otherwise, so
+    every position turns low and high frequencies alike (transformers' Qwen3-VL rotary)."""
+    owner = torch.zeros(frequencies, dtype=torch.int64)
+    for axis in (1, 2):
+        owner[axis : section[axis] * 3 : 3] = axis
+    return owner
 
 
 def apply_partial_rotary(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:

@@ -1,7 +1,8 @@
-"""Qwen2.5-VL and Qwen2-VL against transformers: the same tiny random checkpoint, the same patches, the same
-prompt (expanded as transformers' `Qwen2_5_VLProcessor` expands it); every prompt position's
-logits and the greedy tokens after it equal transformers', with the prompt prefilled whole and in
-chunks that cut through the images' tokens, and decode continuing at the M-RoPE positions."""
+"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL against transformers: the same tiny random checkpoint, the same
+patches, the same prompt (expanded as transformers' `Qwen2_5_VLProcessor` expands it); every prompt
+position's logits and the greedy tokens after it equal transformers', with the prompt prefilled
+whole and in chunks that cut through the images' tokens (Qwen3-VL: and so through the DeepStack
+rows added to the first layers), and decode continuing at the M-RoPE positions."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ BLOCK = 4
 SIZES = [(24, 16), (28, 36), (40, 40)]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny_qwen2_5_vl(path, seed=3, family=request.param)
@@ -146,16 +147,19 @@ def test_logits_and_greedy_tokens_equal_transformers(tiny: tuple[Path, Any, Any]
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
 
 
-def test_vision_tower_equals_transformers(tiny: tuple[Path, Any, Any]) -> None:
+@pytest.mark.parametrize("size", [(40, 40), (56, 24)], ids=["square", "wide"])
+def test_vision_tower_equals_transformers(tiny: tuple[Path, Any, Any], size: tuple[int, int]) -> None:
     """Qwen2.5-VL: windows that split the grid unevenly (5x5 merged blocks in windows of 2x2), and a
-    full-attention block."""
+    full-attention block. Qwen3-VL: its 4x4 position table resampled to grids of other shapes, and
+    the DeepStack rows beside the merger's."""
     path, hf, model = tiny
-    _, images = _prompt(path, model, [random_image(4, (40, 40))])
+    _, images = _prompt(path, model, [random_image(4, size)])
     image = images[0]
-    assert image.grid == [1, 10, 10]
+    assert image.grid == [1, size[1] // 4, size[0] // 4]
     with torch.inference_mode():
         ours = model.encode_grid(image.pixel_values, image.grid)
-        ref = hf.model.visual(image.pixel_values, grid_thw=torch.tensor([image.grid])).pooler_output
+        out = hf.model.visual(image.pixel_values, grid_thw=torch.tensor([image.grid]))
+    ref = torch.cat([out.pooler_output, *(getattr(out, "deepstack_features", None) or [])], dim=-1)
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
 
 
@@ -185,5 +189,21 @@ def test_bfloat16_on_cpu_runs_the_tower_in_float32(tiny: tuple[Path, Any, Any]) 
     with torch.inference_mode():
         ours = bf16.encode_grid(images[0].pixel_values, images[0].grid)
         ref = model.encode_grid(images[0].pixel_values, images[0].grid)
-    assert ours.dtype == torch.bfloat16 and bf16.visual.merger.mlp[0].weight.dtype == torch.float32
+    assert ours.dtype == torch.bfloat16
+    assert {p.dtype for p in bf16.visual.parameters()} == {torch.float32}
     torch.testing.assert_close(ours.float(), ref, atol=0.1, rtol=0.05)
+
+
+def test_qwen3_vl_refuses_pipeline_parallelism_and_its_moe_by_name() -> None:
+    from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+    from sonar.models.parallel import PipelineStage
+    from sonar.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from sonar.models.registry import model_class
+    from tests.multimodal.tiny_qwen2_vl import qwen3_vl_config
+
+    config = qwen3_vl_config()
+    Qwen3VLForConditionalGeneration.prepare_config(config)
+    with pytest.raises(ModelLoadError, match="pipeline parallelism.*DeepStack"):
+        Qwen3VLForConditionalGeneration(config, stage=PipelineStage(index=0, size=2).resolve(3))
+    with pytest.raises(UnsupportedArchitectureError, match="Qwen3VLMoeForConditionalGeneration: Qwen3-VL MoE"):
+        model_class({"architectures": ["Qwen3VLMoeForConditionalGeneration"]})

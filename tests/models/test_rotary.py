@@ -151,3 +151,26 @@ def test_longrope_factors_must_cover_the_rotary() -> None:
     params = {**rope_parameters(CONFIGS["longrope"]), "partial_rotary_factor": 1.0}
     with pytest.raises(ModelLoadError, match="short_factor has 6 values, the rotary needs 8"):
         inv_freq_and_scale(params, 16, 256)
+
+
+def test_interleaved_mrope_equals_qwen3_vl() -> None:
+    """Qwen3-VL's sections (24, 20, 20) over 128-wide heads: each frequency turns with the position
+    transformers' interleaving gives it, at positions whose three rows all differ."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    config = Qwen3VLTextConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [24, 20, 20]},
+    )
+    rope = RotaryEmbedding({**rope_parameters(config), "mrope_interleaved": True}, 128, config.max_position_embeddings)
+    positions = torch.randint(0, 4000, (3, 9), generator=torch.Generator().manual_seed(0))
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    ref_cos, ref_sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1), positions[:, None])
+    torch.testing.assert_close(cos, ref_cos[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(sin, ref_sin[0], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(
+        cos, RotaryEmbedding(rope_parameters(config), 128, 4000).cos_sin(positions, torch.float32)[0]
+    )

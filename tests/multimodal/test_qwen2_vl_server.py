@@ -1,7 +1,8 @@
-"""Qwen2.5-VL through the real server (`python -m sonar serve`) and the OpenAI client: image
-parts of different sizes are answered as transformers answers the same rendered chat; a
-repeated image hits the prefix cache and another does not; a bad image is a 400 (the other bad
-inputs are LLaVA's tests: the request path is the same)."""
+"""Qwen2.5-VL and Qwen3-VL through the real server (`python -m sonar serve`) and the OpenAI client:
+image parts of different sizes are answered as transformers answers the same rendered chat
+(Qwen3-VL's prompts prefilled in chunks of 8 tokens, so an image's rows, with their DeepStack
+rows, span several engine steps); a repeated image hits the prefix cache and another does not; a
+bad image is a 400 (the other bad inputs are LLaVA's tests: the request path is the same)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,19 @@ MODEL = "tiny-qwen-vl"
 VISION = VisionInfo(IMAGE_PAD, 0, 0, IMAGE_TEXT, PATCH, MERGE, TEMPORAL)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Path, Any]]:
-    path = tmp_path_factory.mktemp("tiny-qwen2_5_vl")
-    hf = save_tiny_qwen2_5_vl(path, seed=9)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path, Any]]:
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    hf = save_tiny_qwen2_5_vl(path, seed=9, family=request.param)
+    chunked = ("--max-num-batched-tokens", "8") if request.param == "qwen3_vl" else ()
     server = start_server(
         tmp_path_factory.mktemp("qwen-vl-server"),
         str(path),
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
-        *("--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}'),
+        *("--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}', *chunked),
     )
     yield server, path, hf
     stop_server_cleanly(server)

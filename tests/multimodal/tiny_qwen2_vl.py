@@ -25,9 +25,56 @@ CHAT_TEMPLATE = (
 )
 
 
+def qwen3_vl_config() -> Any:
+    """Qwen3-VL: 24-wide heads (not hidden / heads) whose 12 frequencies interleave M-RoPE sections
+    (4, 4, 4), a learned 4x4 position table resampled to each grid, DeepStack after blocks 0 and 2."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=WORDS + 3,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            max_position_embeddings=512,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [4, 4, 4],
+                "mrope_interleaved": True,
+            },
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+        ),
+        vision_config=dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 2],
+            hidden_act="gelu_pytorch_tanh",
+            patch_size=PATCH,
+            spatial_merge_size=MERGE,
+            temporal_patch_size=TEMPORAL,
+        ),
+        image_token_id=IMAGE_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        video_token_id=0,
+        architectures=["Qwen3VLForConditionalGeneration"],
+    )
+
+
 def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
+    if family == "qwen3_vl":
+        return qwen3_vl_config()
     if family == "qwen2_vl":
         config, architecture = Qwen2VLConfig, "Qwen2VLForConditionalGeneration"
         vision = dict(depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, hidden_act="quick_gelu")
@@ -71,17 +118,22 @@ def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
 
 
 def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Any:
-    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL) checkpoint with its tokenizer and
+    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL; ``qwen3_vl``: Qwen3-VL) checkpoint with its tokenizer and
     image processor under `path`; return the transformers model (float32, eval mode)."""
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
+        Qwen3VLForConditionalGeneration,
     )
 
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    model = {
+        "qwen2_vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+        "qwen3_vl": Qwen3VLForConditionalGeneration,
+    }[family]
     hf = model(qwen2_5_vl_config(family)).eval()
     spread_weights(hf)
     with torch.no_grad():  # the vision norms are "norm1"/"norm2"/"ln_q", not "...norm.weight"
