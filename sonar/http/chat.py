@@ -68,10 +68,7 @@ async def create_chat_completion(
     plan.constrain(params, req.skip_special_tokens)
     urls: list[tuple[str, str]] = []
     messages = template_messages(req.messages, template_source(llm, settings), image_token(llm), urls)
-    if len(urls) > llm.image_limit:
-        raise RequestError(
-            f"at most {llm.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {len(urls)}", "messages"
-        )
+    check_image_count(llm, len(urls), "messages")
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None
     prompt_ids = await llm.apply_chat_template(
@@ -82,11 +79,7 @@ async def create_chat_completion(
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
-    images: list[ImageInput] = []
-    if urls:
-        llm.check_images(prompt_ids, len(urls), params.max_tokens)
-        policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
-        prompt_ids, images = await llm.add_images(prompt_ids, await load_images(urls, policy))
+    prompt_ids, images = await prompt_images(llm, settings, prompt_ids, urls, params.max_tokens)
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user, lora=lora)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -151,6 +144,25 @@ def template_source(llm: LLM, settings: ServerSettings) -> str | None:
     templates, when it has several)."""
     source = settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
     return "\n".join(source.values()) if isinstance(source, dict) else source
+
+
+def check_image_count(llm: LLM, count: int, param: str) -> None:
+    """A 400 when a request brings more images than --limit-mm-per-prompt allows."""
+    if count > llm.image_limit:
+        raise RequestError(f"at most {llm.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}", param)
+
+
+async def prompt_images(
+    llm: LLM, settings: ServerSettings, prompt_ids: list[int], urls: list[tuple[str, str]], max_tokens: int | None
+) -> tuple[list[int], list[ImageInput]]:
+    """The rendered prompt with each image's placeholder expanded, and the images: `urls` are
+    ``(url, param)`` in prompt order, loaded under the server's media policy (a bad one is a 400
+    naming its `param`). Without images, the prompt as it is."""
+    if not urls:
+        return prompt_ids, []
+    llm.check_images(prompt_ids, len(urls), max_tokens)
+    policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
+    return await llm.add_images(prompt_ids, await load_images(urls, policy))
 
 
 def image_token(llm: LLM) -> str | None:

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
-from sonar.http.chat import template_kwargs
+from sonar.http.chat import check_image_count, image_token, prompt_images, template_kwargs
 from sonar.http.errors import error_from_exception
 from sonar.http.messages import template_tools
 from sonar.http.metrics import RequestRecorder, recorder
@@ -40,6 +40,7 @@ from sonar.http.response_store import ResponseStore
 from sonar.http.responses import json_response
 from sonar.http.responses_output import OutputItems, new_id
 from sonar.http.responses_protocol import (
+    IMAGES,
     INCLUDE_LOGPROBS,
     FunctionCallOutput,
     IncompleteDetails,
@@ -69,7 +70,7 @@ from sonar.http.sse import Emit, EventStream
 from sonar.http.tasks import cancel_on_disconnect
 from sonar.http.tools import ChoiceOutput, ChoicePiece, ToolPlan, choice_output, tool_plan
 from sonar.log import get_logger
-from sonar.protocol.engine import PositionLogprobs
+from sonar.protocol.engine import ImageInput, PositionLogprobs
 from sonar.sampling_params import SamplingParams
 
 log = get_logger("sonar.http")
@@ -101,6 +102,7 @@ class _Turn:
         self.created_at = int(time.time())
         self.conversation: list[dict[str, Any]] = []
         self.prompt_ids: list[int] = []
+        self.images: list[ImageInput] = []
         #: The end of the prompt, where a reasoning parser sees whether thinking is already open.
         self.prompt_tail = ""
 
@@ -255,14 +257,19 @@ async def create_response(
                 "previous_response_id",
             )
         history = previous.conversation
-    turn.conversation = [*history, *input_messages(req.input)]
+    # the images in prompt order: the stored turns' (sent again), then this input's
+    urls = [(url, "previous_response_id") for m in history for url in m.get(IMAGES, ())]
+    turn.conversation = [*history, *input_messages(req.input, image_token=image_token(llm), images=urls)]
+    check_image_count(llm, len(urls), "input")
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    turn.prompt_ids = await llm.apply_chat_template(
-        [*system, *turn.conversation],
+    rendered = [{k: v for k, v in m.items() if k != IMAGES} for m in (*system, *turn.conversation)]
+    prompt_ids = await llm.apply_chat_template(
+        rendered,
         chat_template=settings.chat_template,
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, None),
     )
+    turn.prompt_ids, turn.images = await prompt_images(llm, settings, prompt_ids, urls, params.max_tokens)
     if settings.reasoning_parser:
         turn.prompt_tail = llm.tokenizer.decode(turn.prompt_ids[-8:])
     if settings.enable_log_requests:
@@ -270,7 +277,9 @@ async def create_response(
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, store, turn, rec, lora), turn.id, done_marker=False)
     finished, result = await cancel_on_disconnect(
-        request, lambda: rec.generate(llm, turn.prompt_ids, turn.params, request_id=turn.id, lora=lora), turn.id
+        request,
+        lambda: rec.generate(llm, turn.prompt_ids, turn.params, request_id=turn.id, lora=lora, images=turn.images),
+        turn.id,
     )
     if not finished:
         return Response(status_code=499)  # nobody reads it
@@ -312,7 +321,7 @@ async def _stream(
     finish_reason: str | None = None
     started = False
     as_ids = settings.return_tokens_as_token_ids
-    deltas = rec.track(llm.stream(turn.prompt_ids, turn.params, request_id=turn.id, lora=lora))
+    deltas = rec.track(llm.stream(turn.prompt_ids, turn.params, request_id=turn.id, lora=lora, images=turn.images))
     try:
         async for d in batched(deltas, settings.stream_interval):
             log_delta(settings, turn.id, d)

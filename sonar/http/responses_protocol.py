@@ -343,6 +343,22 @@ class ContentPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logprobs: list[Any] | None = None
 
 
+class ImagePart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """input_image: an image by URL (data:, file://, http(s)://, as chat's `image_url` parts)."""
+
+    type: str
+    image_url: str | None = None
+    #: Refused: Sonar has no Files API.
+    file_id: str | None = None
+    #: Only "auto" (or absent): the model's processor decides the image's size.
+    detail: str | None = None
+
+
+#: The key of a stored user message that holds its images' URLs in order (taken out before the
+#: template renders the message): a later turn that continues the conversation sends them again.
+IMAGES = "images"
+
+
 class MessageItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
     content: str | list[Any]
@@ -388,12 +404,21 @@ class ReasoningItem(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-def input_messages(input: str | list[Any], param: str = "input") -> list[dict[str, Any]]:
+def input_messages(
+    input: str | list[Any],
+    param: str = "input",
+    image_token: str | None = None,
+    images: list[tuple[str, str]] | None = None,
+) -> list[dict[str, Any]]:
     """The request's `input` as chat-template messages: a string is one user message; a list is
     read item by item (messages, reasoning, function calls and their outputs). What one assistant
     turn produced becomes one assistant message, as a response's output items make it: a reasoning
     item starts it (`reasoning_content`), an assistant message after it gives its content, and
-    function_call items after an assistant message join its `tool_calls` (parallel calls)."""
+    function_call items after an assistant message join its `tool_calls` (parallel calls).
+
+    With `image_token` (a model that takes images), an `input_image` part of a message other than
+    an assistant's becomes that text where the part was, and its URL joins the message's `IMAGES`
+    and, with the part's param (``input[0].content[1].image_url``), `images`."""
     if isinstance(input, str):
         return [{"role": "user", "content": input}]
     if not input:
@@ -406,7 +431,7 @@ def input_messages(input: str | list[Any], param: str = "input") -> list[dict[st
         kind = raw.get("type", "message" if "role" in raw else None)
         last = messages[-1] if messages else None
         if kind == "message":
-            message = _message(convert_item(raw, MessageItem, where), where)
+            message = _message(convert_item(raw, MessageItem, where), where, image_token, images)
             if message["role"] == "assistant" and _only_reasoning(last):
                 last["content"] = message["content"]  # type: ignore[index]
             else:
@@ -454,26 +479,66 @@ def _only_reasoning(message: dict[str, Any] | None) -> bool:
     )
 
 
-def _message(item: MessageItem, where: str) -> dict[str, Any]:
+def _message(
+    item: MessageItem, where: str, image_token: str | None, images: list[tuple[str, str]] | None
+) -> dict[str, Any]:
     if item.role not in ROLES:
         raise RequestError(
             f"role {item.role!r} is not supported; use 'user', 'system', 'developer' or 'assistant'", f"{where}.role"
         )
-    # OpenAI's own shapes: an assistant says output_text; the others say input_text.
-    allowed = ("output_text",) if item.role == "assistant" else ("input_text",)
-    content = item.content if isinstance(item.content, str) else _text_of(item.content, f"{where}.content", allowed)
-    return {"role": ROLES[item.role], "content": content}
+    if isinstance(item.content, str):
+        return {"role": ROLES[item.role], "content": item.content}
+    if item.role == "assistant":  # OpenAI's own shapes: an assistant says output_text
+        return {"role": "assistant", "content": _text_of(item.content, f"{where}.content", ("output_text",))}
+    texts: list[str] = []
+    urls: list[str] = []
+    for j, raw in enumerate(item.content):
+        part = f"{where}.content[{j}]"
+        if isinstance(raw, dict) and raw.get("type") == "input_image":
+            texts.append(_image(convert_item(raw, ImagePart, part), part, image_token, urls))
+            if images is not None:
+                images.append((urls[-1], f"{part}.image_url"))
+        else:
+            texts.append(_text_of([raw], f"{where}.content", ("input_text", "input_image"), first=j))
+    message = {"role": ROLES[item.role], "content": "\n".join(texts)}
+    if urls:
+        message[IMAGES] = urls
+    return message
 
 
-def _text_of(parts: list[Any], where: str, allowed: tuple[str, ...]) -> str:
-    """The text of a list of content parts, joined by newlines."""
+def _image(part: ImagePart, where: str, image_token: str | None, urls: list[str]) -> str:
+    """The text an input_image part becomes (the model's image token); its URL joins `urls`."""
+    if image_token is None:
+        raise RequestError(
+            "content part type 'input_image' is not supported: this model does not accept images", f"{where}.type"
+        )
+    if part.file_id is not None:
+        raise RequestError(
+            "input_image.file_id is not supported: Sonar has no Files API; send the image as image_url "
+            "(a data: URL, or file:// / http(s):// where the server allows them)",
+            f"{where}.file_id",
+        )
+    if part.image_url is None:
+        raise RequestError("an 'input_image' part needs its image_url", f"{where}.image_url")
+    if part.detail not in (None, "auto"):
+        raise RequestError(
+            f"input_image.detail {part.detail!r} is not supported (only 'auto': the model's image processor "
+            "decides the image's size)",
+            f"{where}.detail",
+        )
+    urls.append(part.image_url)
+    return image_token
+
+
+def _text_of(parts: list[Any], where: str, allowed: tuple[str, ...], first: int = 0) -> str:
+    """The text of a list of content parts, joined by newlines (`first`: the first part's index in
+    `where`, for the errors)."""
     texts = []
-    for j, raw in enumerate(parts):
+    for j, raw in enumerate(parts, start=first):
         kind = raw.get("type") if isinstance(raw, dict) else None
         if kind not in allowed:
             raise RequestError(
-                f"content part type {kind!r} is not supported here; use {' or '.join(map(repr, allowed))} "
-                "(the server takes text only)",
+                f"content part type {kind!r} is not supported here; use {' or '.join(map(repr, allowed))}",
                 f"{where}[{j}].type",
             )
         texts.append(convert_item(raw, ContentPart, f"{where}[{j}]").text)

@@ -1,7 +1,8 @@
 """Images through the real server (`python -m sonar serve`) and the OpenAI client: a tiny random
 LLaVA answers a data: URL image as transformers does, a repeated image hits the prefix cache and
 another image does not, and bad, huge, disallowed or too many images are 400s that leave the
-server serving everyone else."""
+server serving everyone else. The same images as `/v1/responses` input_image parts (data:, file://,
+http(s)://) give the chat route's answer, also when a later turn continues the conversation."""
 
 from __future__ import annotations
 
@@ -269,3 +270,70 @@ def test_streamed_and_n2_answers_equal_the_whole_one(llava: tuple[ServerProcess,
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).split() == expected
     both = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2)
     assert [c.message.content.split() for c in both.choices] == [expected, expected]
+
+
+def input_image(url: str, **fields: Any) -> dict[str, Any]:
+    return {"type": "input_image", "image_url": url, "detail": "auto", **fields}
+
+
+def user_input(*parts: dict[str, Any], text: str = "w5 w6 w7") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, {"type": "input_text", "text": text}]}]
+
+
+@pytest.mark.parametrize("kind", ["data", "file", "http"])
+def test_responses_input_image_answers_as_chat_does(
+    llava: tuple[ServerProcess, Path, Any], media_dir: Path, media_http: str, kind: str
+) -> None:
+    server, _, _ = llava
+    api = client(server)
+    url = {
+        "data": data_url(png(random_image(31))),
+        "file": f"file://{media_dir / 'a.png'}",
+        "http": f"{media_http}/a.png",
+    }[kind]
+    answer = api.chat.completions.create(model=MODEL, messages=chat(image_part(url)), max_tokens=6, temperature=0)
+    reply = api.responses.create(model=MODEL, input=user_input(input_image(url)), max_output_tokens=6, temperature=0)
+    assert reply.status in ("completed", "incomplete")
+    assert reply.output_text == answer.choices[0].message.content
+    assert reply.usage.input_tokens == answer.usage.prompt_tokens == 1 + 16 + 3 + 2
+
+
+def test_responses_continue_a_conversation_with_its_image(llava: tuple[ServerProcess, Path, Any]) -> None:
+    """The stored turn keeps its image: the next turn's prompt holds it again, as a chat with the
+    whole conversation does."""
+    server, _, _ = llava
+    api = client(server)
+    url = data_url(png(random_image(32)))
+    first = api.responses.create(model=MODEL, input=user_input(input_image(url)), max_output_tokens=3, temperature=0)
+    second = api.responses.create(
+        model=MODEL, previous_response_id=first.id, input="w8 w9", max_output_tokens=4, temperature=0
+    )
+    messages = [
+        *chat(image_part(url)),
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "w8 w9"},
+    ]
+    answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert second.output_text == answer.choices[0].message.content
+    assert second.usage.input_tokens == answer.usage.prompt_tokens
+
+
+BAD_INPUT_IMAGES = [
+    ("detail", [input_image(data_url(png(random_image(1))), detail="low")], "input[0].content[0].detail"),
+    ("file_id", [{"type": "input_image", "file_id": "file-abc", "detail": "auto"}], "input[0].content[0].file_id"),
+    ("no url", [{"type": "input_image", "detail": "auto"}], "input[0].content[0].image_url"),
+    ("outside", [input_image("file:///etc/hostname")], "input[0].content[0].image_url"),
+    ("bytes", [input_image(data_url(b"not an image at all"))], "input[0].content[0].image_url"),
+    ("too many", [input_image(data_url(png(random_image(1))))] * 3, "input"),
+]
+
+
+@pytest.mark.parametrize("parts, param", [b[1:] for b in BAD_INPUT_IMAGES], ids=[b[0] for b in BAD_INPUT_IMAGES])
+def test_bad_input_images_are_400s_naming_the_part(
+    llava: tuple[ServerProcess, Path, Any], parts: list[Any], param: str
+) -> None:
+    server, _, _ = llava
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).responses.create(model=MODEL, input=user_input(*parts), max_output_tokens=1)
+    assert info.value.body["param"] == param
+    assert server.proc.poll() is None
