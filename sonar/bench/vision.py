@@ -1,11 +1,15 @@
-"""`python -m sonar.bench.vision`: images per second through a Qwen2.5-VL vision tower, and the
-time to first token of an image prompt, on dummy (random) weights.
+"""`python -m sonar.bench.vision`: images per second through a Qwen2.5-VL vision tower (or, with
+``--tower qwen3_vl``, Qwen3-VL's), and the time to first token of an image prompt, on dummy
+(random) weights.
 
 **Tower**: Qwen2.5-VL's vision transformer with the 3B/7B checkpoints' vision config (32 blocks,
 hidden 1280, 16 heads, MLP 3420, patches of 14 px merged 2x2, windows of 112 px, full attention
 in blocks 7, 15, 23, 31), one ``--size`` x ``--size`` image at a time (448 px: 32 x 32 patches,
 256 rows), as the runner encodes them. Prints the median seconds per image and images/s, and the
-image processor's time for the same picture (resize, normalize, patchify).
+image processor's time for the same picture (resize, normalize, patchify). ``--tower qwen3_vl``:
+transformers' default Qwen3-VL vision config (27 blocks, hidden 1152, 16 heads, MLP 4304, patches
+of 16 px merged 2x2, a 48x48 learned position table, DeepStack after blocks 8, 16, 24; 448 px:
+28 x 28 patches, 196 rows), its DeepStack rows included.
 
 **TTFT**: a `ModelRunner` over a Qwen2.5-VL-shaped dummy checkpoint (the 3B's decoder widths:
 hidden 2048, 16 heads, 2 KV heads, MLP 11008, vocabulary 151936, with ``--layers`` decoder layers
@@ -14,7 +18,7 @@ one step: the step's seconds are its time to first token (the tower's encoding i
 same prompt with text tokens in place of the image's gives the decoder's share.
 
 usage: python -m sonar.bench.vision [--size 448] [--images 3] [--layers 4] [--text 64] [--dtype bfloat16]
-       [--threads N] [--skip-tower] [--skip-ttft]
+       [--threads N] [--tower qwen2_5_vl|qwen3_vl] [--skip-tower] [--skip-ttft]
 """
 
 from __future__ import annotations
@@ -64,6 +68,23 @@ TEXT_CONFIG = dict(
 )
 IMAGE_PAD = 151655
 
+#: transformers' default Qwen3-VL vision config (its `Qwen3VLVisionConfig`).
+QWEN3_VISION_CONFIG = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    hidden_act="gelu_pytorch_tanh",
+    out_hidden_size=3584,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    rope_parameters={"rope_type": "axial", "rope_theta": 10000.0},
+)
+
 
 def picture(size: int) -> Any:
     import numpy as np
@@ -73,12 +94,12 @@ def picture(size: int) -> Any:
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8), "RGB")
 
 
-def patches(size: int) -> tuple[torch.Tensor, list[int], float]:
+def patches(size: int, patch: int = 14) -> tuple[torch.Tensor, list[int], float]:
     """A random ``size`` x ``size`` picture's patches and grid, and the processor's seconds for it."""
     from sonar.multimodal.processor import image_processor
     from sonar.protocol.engine import VisionInfo
 
-    vision = VisionInfo(IMAGE_PAD, 0, 0, None, 14, 2, 2)
+    vision = VisionInfo(IMAGE_PAD, 0, 0, None, patch, 2, 2)
     processor = image_processor(vision, None, {"max_pixels": max(size * size, 56 * 56)})
     image = picture(size)
     processor.pixels(image)
@@ -87,17 +108,22 @@ def patches(size: int) -> tuple[torch.Tensor, list[int], float]:
     return pixels, grid, time.perf_counter() - t
 
 
-def bench_tower(size: int, images: int, dtype: torch.dtype, device: torch.device) -> None:
-    from sonar.models.qwen2_vl import VisionTransformer
+def bench_tower(size: int, images: int, dtype: torch.dtype, device: torch.device, family: str = "qwen2_5_vl") -> None:
+    from sonar.models import qwen2_vl, qwen3_vl
 
-    config = SimpleNamespace(**VISION_CONFIG, rope_parameters={"rope_theta": 10000.0})
+    if family == "qwen3_vl":
+        config = SimpleNamespace(**QWEN3_VISION_CONFIG)
+        make: Any = qwen3_vl.VisionTransformer
+    else:
+        config = SimpleNamespace(**VISION_CONFIG, rope_parameters={"rope_theta": 10000.0})
+        make = qwen2_vl.VisionTransformer
     with torch.device("meta"):
-        tower = VisionTransformer(config)
+        tower = make(config)
     tower = tower.to_empty(device=device).to(dtype)
     with torch.no_grad():
         for name, p in tower.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
-    pixels, grid, prep = patches(size)
+    pixels, grid, prep = patches(size, config.patch_size)
     pixels = pixels.to(device)
     seconds = []
     with torch.inference_mode():
@@ -111,7 +137,7 @@ def bench_tower(size: int, images: int, dtype: torch.dtype, device: torch.device
     med = statistics.median(seconds)
     rows = grid[0] * grid[1] * grid[2] // 4
     print(
-        f"tower: {size}x{size} px, grid {grid} ({rows} rows), {dtype}, {device}: median {1000 * med:.0f} ms "
+        f"tower ({family}): {size}x{size} px, grid {grid} ({rows} rows), {dtype}, {device}: median {1000 * med:.0f} ms "
         f"per image -> {1 / med:.2f} images/s ({images} timed); preprocessing {1000 * prep:.1f} ms"
     )
 
@@ -181,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="timed prompts of each kind")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--tower", default="qwen2_5_vl", choices=["qwen2_5_vl", "qwen3_vl"], help="whose vision tower")
     ap.add_argument("--skip-tower", action="store_true")
     ap.add_argument("--skip-ttft", action="store_true")
     args = ap.parse_args(argv)
@@ -190,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     # on CPU the runner encodes in float32 (bf16 matmuls are slower there): time what it runs
     tower_dtype = getattr(torch, args.dtype) if device.type == "cuda" else torch.float32
     if not args.skip_tower:
-        bench_tower(args.size, args.images, tower_dtype, device)
+        bench_tower(args.size, args.images, tower_dtype, device, args.tower)
     if not args.skip_ttft:
         bench_ttft(args.size, args.layers, args.text, args.dtype, args.repeats)
     return 0
