@@ -106,3 +106,20 @@ def test_a_bad_image_is_a_400(qwen: tuple[ServerProcess, Path, Any]) -> None:
         )
     assert "not an image" in info.value.message
     assert server.proc.poll() is None
+
+
+def test_a_prefix_hit_inside_an_image_is_answered_as_transformers_does(qwen: tuple[ServerProcess, Path, Any]) -> None:
+    """The same image before other text: the hit ends inside the image's rows (block 0 of 16
+    tokens), so the step after it embeds the image's remaining rows (Qwen3-VL: with their
+    DeepStack rows) at their M-RoPE positions."""
+    server, path, hf = qwen
+    api = client(server)
+    image = random_image(23, (40, 40))
+    url = data_url(png(image))
+    api.chat.completions.create(model=MODEL, messages=chat(image_part(url), text="w8 w9 w10"), max_tokens=1)
+    reply = api.chat.completions.create(
+        model=MODEL, messages=chat(image_part(url), text="w11 w12 w13"), max_tokens=5, temperature=0
+    )
+    assert reply.usage.prompt_tokens_details.cached_tokens == 16
+    words, _ = transformers_answer(path, hf, [image], "w11 w12 w13", 5)
+    assert reply.choices[0].message.content.split() == words
