@@ -11,6 +11,7 @@ import pytest
 
 from sonar.http.protocol import RequestError
 from sonar.http.responses_protocol import (
+    IMAGES,
     REFUSED,
     ResponseObject,
     ResponsesRequest,
@@ -302,3 +303,41 @@ def test_the_response_object_reads_as_the_sdk_type() -> None:
     assert parsed.output_text == "Hi" and parsed.incomplete_details.reason == "max_output_tokens"
     assert parsed.usage.input_tokens_details.cached_tokens == 2
     assert parsed.usage.input_tokens_details.cache_write_tokens == 0
+
+
+def test_input_images_become_the_image_token_and_their_urls() -> None:
+    """Each input_image part is the model's image token where it was; its URL is kept with the
+    message (`IMAGES`, for a later turn) and collected with the part's place (for the errors)."""
+    urls: list[tuple[str, str]] = []
+    items = [
+        {"role": "system", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "compare"},
+                {"type": "input_image", "image_url": "data:a", "detail": "auto"},
+                {"type": "input_image", "image_url": "file:///b.png"},
+            ],
+        },
+    ]
+    messages = input_messages(items, image_token="<image>", images=urls)
+    assert messages == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "compare\n<image>\n<image>", IMAGES: ["data:a", "file:///b.png"]},
+    ]
+    assert urls == [("data:a", "input[1].content[1].image_url"), ("file:///b.png", "input[1].content[2].image_url")]
+
+
+@pytest.mark.parametrize(
+    ("part", "param", "says"),
+    [
+        ({"type": "input_image", "image_url": "data:a", "detail": "high"}, "detail", "only 'auto'"),
+        ({"type": "input_image", "file_id": "file-1", "detail": "auto"}, "file_id", "no Files API"),
+        ({"type": "input_image", "detail": "auto"}, "image_url", "needs its image_url"),
+        ({"type": "input_image", "image_url": "data:a", "size": 3}, "size", "not a known field"),
+    ],
+)
+def test_bad_input_images_name_their_field(part: dict[str, Any], param: str, says: str) -> None:
+    with pytest.raises(RequestError) as info:
+        input_messages([{"role": "user", "content": [part]}], image_token="<image>")
+    assert info.value.param == f"input[0].content[0].{param}" and says in str(info.value)
