@@ -337,3 +337,13 @@ def test_bad_input_images_are_400s_naming_the_part(
         client(server).responses.create(model=MODEL, input=user_input(*parts), max_output_tokens=1)
     assert info.value.body["param"] == param
     assert server.proc.poll() is None
+
+
+def test_a_streamed_response_with_an_image_equals_the_whole_one(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, _, _ = llava
+    api = client(server)
+    parts = user_input(input_image(data_url(png(random_image(33)))))
+    whole = api.responses.create(model=MODEL, input=parts, max_output_tokens=5, temperature=0)
+    events = list(api.responses.create(model=MODEL, input=parts, max_output_tokens=5, temperature=0, stream=True))
+    done = events[-1].response
+    assert done.output_text == whole.output_text and done.usage.input_tokens == whole.usage.input_tokens
