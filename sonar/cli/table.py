@@ -56,6 +56,10 @@ NO_MM = "Sonar serves text-only models; multimodal inputs are not supported yet"
 NO_MEDIA = "Sonar loads no images, audio or video yet"
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
+NO_PROMPT_EMBEDS = (
+    "the worker feeds the model token ids only: prompts given as embeddings (prompt_embeds) have no "
+    "input path, no prefix-cache key and no recompute after preemption yet"
+)
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
@@ -122,7 +126,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--chat-template-content-format", S_, "auto",
            "How message content reaches the chat template: 'string' flattens it to text, 'openai' passes "
            "the list of typed parts, 'auto' detects what the template expects.",
-           choices=("auto", "openai", "string")),
+           choices=("auto", "openai", "string"), to=S),
         _f("--trust-request-chat-template", B, False,
            "Let a request supply its own chat template; otherwise only the server's template is used."),
         _f("--default-chat-template-kwargs", J, None,
@@ -220,14 +224,18 @@ GROUPS: tuple[Group, ...] = (
         _f("--ssl-keyfile", S_, None, "Private key file for HTTPS.", to=S),
         _f("--ssl-certfile", S_, None, "Certificate file for HTTPS.", to=S),
         _f("--ssl-ca-certs", S_, None, "CA certificates used to verify client certificates.", to=S),
-        _f("--enable-ssl-refresh", B, False, "Reload the TLS context whenever the certificate files change."),
+        _f("--enable-ssl-refresh", B, False,
+           "Reload the TLS certificate and key (and CA certificates) when their files change; new "
+           "connections get the new ones (needs --ssl-keyfile and --ssl-certfile).", to=S),
         _f("--ssl-cert-reqs", I, 0,
            "Whether clients must show a certificate, as Python's ssl.CERT_* number: 0 no, 1 optional, "
            "2 required.", choices=(0, 1, 2), to=S),
         _f("--ssl-ciphers", S_, None, "TLS cipher suites to allow (OpenSSL list syntax; TLS 1.2 and older)."),
         _f("--root-path", S_, None, "Path prefix under which a path-routing proxy exposes this server.", to=S),
-        _f("--middleware", L, (), "Import path of an extra ASGI middleware; repeat the flag to add several.",
-           extend=True),
+        _f("--middleware", L, (),
+           "Import path (module:attr or module.attr) of an extra ASGI middleware: a class is added "
+           "with app.add_middleware, a function as an HTTP middleware (async (request, call_next)); "
+           "repeat the flag to add several.", extend=True, to=S),
         _f("--enable-request-id-headers", B, False, "Add an X-Request-Id header to every response.", to=S),
         _f("--disable-fastapi-docs", B, False,
            "Turn off the OpenAPI schema (/openapi.json). Sonar serves no interactive documentation pages.",
@@ -328,7 +336,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--skip-tokenizer-init", B, False,
            "Load no tokenizer or detokenizer; requests then send token ids and get token ids back."),
         _f("--enable-prompt-embeds", B, False,
-           "Accept prompts as precomputed embeddings (prompt_embeds); malformed ones can crash the engine."),
+           "Accept prompts as precomputed embeddings (prompt_embeds); malformed ones can crash the engine.",
+           why=NO_PROMPT_EMBEDS),
         _f("--served-model-name", L, None,
            "Names under which clients address the model; the first is the one reported in responses and "
            "metrics.", to=S, default_note="the --model value"),
@@ -368,7 +377,10 @@ GROUPS: tuple[Group, ...] = (
            choices=("aphrodite", "auto", "terratorch", "transformers"), accepts=("aphrodite",),
            metavar="{aphrodite,auto,terratorch,transformers}"),
         _f("--override-attention-dtype", S_, None, "Run attention in this dtype instead of the model's."),
-        _f("--logits-processors", L, None, "Logits processors to load, by fully qualified class name."),
+        _f("--logits-processors", L, None,
+           "Logits processor classes to load in the worker, by fully qualified name (module.Class or "
+           "module:Class); each sees every step's logits before sampling, and a request's vllm_xargs "
+           "as its SamplingParams.extra_args (`sonar.engine.logits_processors`).", to=E),
         _f("--io-processor-plugin", S_, None, "Name of an IOProcessor plugin to load at startup."),
         _f("--renderer-num-workers", I, 1,
            "Threads that tokenize prompts and render chat templates for the API server."),

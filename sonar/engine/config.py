@@ -202,6 +202,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_sleep_mode: bool = False
     """Allow `LLM.sleep` / `wake_up` (``POST /sleep``, ``/wake_up``): free the KV cache and move
     or drop the weights while the engine is not needed (`sonar.core.sleep`)."""
+    logits_processors: tuple[str, ...] | None = None
+    """`--logits-processors`: classes the worker loads and applies to every step's logits before
+    sampling (`sonar.engine.logits_processors`)."""
     profiler_config: dict[str, Any] = {}
     """`--profiler-config` (`sonar.engine.profiler.ProfilerConfig`): with ``profiler`` ``torch``,
     `LLM.start_profile` / `stop_profile` trace the workers' steps into ``torch_profiler_dir``."""

@@ -33,6 +33,7 @@ from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
+from sonar.engine.logits_processors import load_classes, validate_params
 from sonar.engine.replicas import Replicas
 from sonar.engine.tree import worker_ref
 from sonar.errors import (
@@ -216,6 +217,8 @@ class LLM:
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._closed = False
+        self._processor_classes: list[type] | None = None
+        """--logits-processors, imported on the first request (for their `validate_params`)."""
         self.dead: str | None = None
         """Why the engine can serve no more (it gave up), or None."""
         self.root: Supervisor | None = None
@@ -775,6 +778,24 @@ class LLM:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
 
+    def _check_processor_args(self, params: SamplingParams) -> None:
+        """`extra_args` go to the --logits-processors, which may refuse them (`validate_params`)."""
+        names = self.config.logits_processors
+        if not names:
+            if params.extra_args is not None:
+                raise InvalidRequestError(
+                    "extra_args (vllm_xargs in an HTTP request) are read only by logits processors, and this "
+                    "server loads none (--logits-processors)",
+                    param="vllm_xargs",
+                )
+            return
+        if self._processor_classes is None:
+            self._processor_classes = load_classes(names)
+        try:
+            validate_params(self._processor_classes, params)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"vllm_xargs: {exc}", param="vllm_xargs") from None
+
     async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
         self._check_open()
         if self.info.pooling is not None:
@@ -798,6 +819,7 @@ class LLM:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         if params.structured_outputs is not None:
             await self._check_structured(params)
+        self._check_processor_args(params)
         self.check_completions(1, params)
         if isinstance(prompt, str):
             text = prompt

@@ -33,6 +33,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
 from sonar.engine.drafter import Drafter, EagleDrafter, StepView
+from sonar.engine.logits_processors import ProcessorChain, load_classes
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
@@ -49,7 +50,7 @@ from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transf
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
 from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import GREEDY_EPS, SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
 
@@ -315,6 +316,11 @@ class ModelRunner:
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.sampler = Sampler()
+        self.processors = (
+            ProcessorChain([cls(cfg, device, cuda) for cls in load_classes(cfg.logits_processors)])
+            if cfg.logits_processors
+            else None
+        )
         tokenizer = cfg.tokenizer or (str(self.loaded.tokenizer_path) if self.loaded.tokenizer_path else None)
         compile_seconds = self.compiled.compile_seconds if self.compiled is not None else 0.0
         phases = {
@@ -637,6 +643,14 @@ class ModelRunner:
                     where[rid] += 1
                 apply_token_bitmask(logits, wait_bitmask(), masked)
             states = [self.requests[rid] for rid in sample_ids]
+            processor_failure = None
+            if self.processors is not None:
+                try:
+                    logits = self._process(logits, sample_ids, states, drafts)
+                except Exception as exc:  # the operator's code: its requests fail, the worker serves on
+                    log.error("logits_processor.failed", error=f"{type(exc).__name__}: {exc}")
+                    processor_failure = f"a logits processor failed: {type(exc).__name__}: {exc}"
+                    logits = torch.full_like(logits, float("-inf"))
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)
             else:
@@ -672,7 +686,7 @@ class ModelRunner:
                     # a failed row's id is 0, a valid token: a step already sent behind this one can
                     # feed it before the scheduler drops the request
                     state.output.append(0)
-                    result.failed[rid] = (
+                    result.failed[rid] = processor_failure or (
                         "no token could be sampled: every logit was -inf or NaN after the "
                         "request's penalties, logit_bias and min_tokens"
                     )
@@ -792,6 +806,22 @@ class ModelRunner:
                 self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
             if not self.causal:  # an encoder attends whole prompts: no decode step to warm
                 break
+
+    def _process(
+        self, logits: torch.Tensor, sample_ids: list[str], states: list[_RequestState], drafts: list[list[int]]
+    ) -> torch.Tensor:
+        """The --logits-processors over the step's logits, one row per request and draft position
+        (`sonar.engine.logits_processors`)."""
+        assert self.processors is not None
+        keys, params, prompts, outputs = [], [], [], []
+        for rid, state, guesses in zip(sample_ids, states, drafts):
+            for j in range(1 + len(guesses)):
+                keys.append((rid, j))
+                params.append(state.params)
+                prompts.append(state.prompt)
+                outputs.append(state.output if j == 0 else state.output + guesses[:j])
+        all_greedy = all(p.temperature < GREEDY_EPS for p in params)
+        return self.processors.apply(logits, keys, params, prompts, outputs, all_greedy)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+rows (row t predicts token t+1)."""

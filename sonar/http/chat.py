@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
+from sonar.http.content_format import shape_content
 from sonar.http.messages import template_messages, template_tools
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, chat_logprobs, make_usage
@@ -63,7 +64,10 @@ async def create_chat_completion(
     tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
     plan.constrain(params, req.skip_special_tokens)
-    messages = template_messages(req.messages, template_source(llm, settings))
+    source = template_source(llm, settings)
+    messages = shape_content(
+        template_messages(req.messages, source), req.messages, settings.chat_template_content_format, source
+    )
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None
     prompt_ids = await llm.apply_chat_template(

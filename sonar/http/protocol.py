@@ -83,11 +83,12 @@ _REFUSED: dict[str, Refusal] = {
     "allowed_token_ids": Refusal("restricting the vocabulary is not implemented (see structured_outputs)"),
     "bad_words": Refusal("banned words are not implemented"),
     "request_id": Refusal("Sonar names each request itself (see --enable-request-id-headers)"),
-    "logits_processors": Refusal("custom logits processors are not implemented"),
+    "logits_processors": Refusal(
+        "a request cannot bring logits processors; the server loads them (--logits-processors)"
+    ),
     "return_tokens_as_token_ids": Refusal("it is set for the whole server (--return-tokens-as-token-ids)", (False,)),
     "return_token_ids": Refusal("responses carry no token ids", (False,)),
     "kv_transfer_params": Refusal("KV transfer between servers is not implemented"),
-    "vllm_xargs": Refusal("Sonar takes no request extensions"),
 }
 
 #: The fields /v1/completions declares and refuses -> why.
@@ -213,6 +214,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise RequestError("stream_options is only allowed with stream: true (as OpenAI)", "stream_options")
         fields = {k: v for k, v in (defaults or {}).items() if k in names}
         fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
+        if self.vllm_xargs is not None:
+            fields["extra_args"] = self.vllm_xargs
         return fields
 
     @property
@@ -244,7 +247,8 @@ class _Structured(_Sampling, kw_only=True):
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     kv_transfer_params: Any = None
-    vllm_xargs: Any = None
+    #: Arguments for the server's --logits-processors (`SamplingParams.extra_args`).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint the structured-output fields ask for (None: free text)."""

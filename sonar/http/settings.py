@@ -73,6 +73,11 @@ class ServerSettings:
     enable_per_request_metrics: bool = False
     #: --enable-server-load-tracking: count generation requests in flight, served at GET /load.
     enable_server_load_tracking: bool = True
+    #: --middleware: the operator's middleware as starlette `Middleware` entries, outermost first
+    #: (`sonar.http.middleware.load_middleware`); they wrap Sonar's own.
+    middleware: tuple[Any, ...] = ()
+    #: --chat-template-content-format: "auto", "string" or "openai" (`sonar.http.content_format`).
+    chat_template_content_format: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
