@@ -56,10 +56,6 @@ NO_MM = "Sonar serves text-only models; multimodal inputs are not supported yet"
 NO_MEDIA = "Sonar loads no images, audio or video yet"
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
-NO_PROMPT_EMBEDS = (
-    "the worker feeds the model token ids only: prompts given as embeddings (prompt_embeds) have no "
-    "input path, no prefix-cache key and no recompute after preemption yet"
-)
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
@@ -336,8 +332,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--skip-tokenizer-init", B, False,
            "Load no tokenizer or detokenizer; requests then send token ids and get token ids back."),
         _f("--enable-prompt-embeds", B, False,
-           "Accept prompts as precomputed embeddings (prompt_embeds); malformed ones can crash the engine.",
-           why=NO_PROMPT_EMBEDS),
+           "Accept completion prompts as their input embeddings (prompt_embeds: base64 of a torch-saved "
+           "float tensor [tokens, hidden size], read with weights_only and checked for shape, dtype and "
+           "finite values).", to=E),
         _f("--served-model-name", L, None,
            "Names under which clients address the model; the first is the one reported in responses and "
            "metrics.", to=S, default_note="the --model value"),

@@ -202,6 +202,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_sleep_mode: bool = False
     """Allow `LLM.sleep` / `wake_up` (``POST /sleep``, ``/wake_up``): free the KV cache and move
     or drop the weights while the engine is not needed (`sonar.core.sleep`)."""
+    enable_prompt_embeds: bool = False
+    """`--enable-prompt-embeds`: a prompt may be given as its input embeddings instead of token ids
+    (`sonar.engine.prompt_embeds`)."""
     logits_processors: tuple[str, ...] | None = None
     """`--logits-processors`: classes the worker loads and applies to every step's logits before
     sampling (`sonar.engine.logits_processors`)."""
@@ -312,6 +315,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         self.profiler()
         self._check_sleep_mode()
+        if self.enable_prompt_embeds and self.world_size > 1:
+            raise ValueError(
+                "--enable-prompt-embeds with tensor or pipeline parallelism is not supported yet (only one worker "
+                "rank feeds embeddings to the model)"
+            )
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError(
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "

@@ -19,7 +19,7 @@ import itertools
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping, Sequence
 
 import anyio
 import anyio.to_thread
@@ -34,6 +34,7 @@ from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_t
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.logits_processors import load_classes, validate_params
+from sonar.engine.prompt_embeds import PLACEHOLDER, check_prompt_embeds, embeds_salt, is_embeds_prompt
 from sonar.engine.replicas import Replicas
 from sonar.engine.tree import worker_ref
 from sonar.errors import (
@@ -69,7 +70,8 @@ from sonar.protocol.engine import (
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 from sonar.structured import compiler_for
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or ``{"prompt_embeds": tensor}`` (`sonar.engine.prompt_embeds`)."""
 
 ADD_TIMEOUT = 30.0
 """Seconds the scheduler may take to accept or refuse a request before it counts as saturated."""
@@ -249,11 +251,11 @@ class LLM:
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
-        prompt_ids, text = await self._prepare(prompt, params)
+        prompt_ids, text, embeds = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter):
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, prompt_embeds=embeds):
             if on_delta is not None:
                 on_delta(delta)
             out = outputs[delta.index]
@@ -284,8 +286,9 @@ class LLM:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
-        prompt_ids, _ = await self._prepare(prompt, params)
-        async for delta in self._run(request_id or self._new_id(), prompt_ids, params, priority, cache_salt, adapter):
+        prompt_ids, _, embeds = await self._prepare(prompt, params)
+        rid = request_id or self._new_id()
+        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, prompt_embeds=embeds):
             yield delta
 
     async def encode(
@@ -304,6 +307,8 @@ class LLM:
         A prompt longer than the model's context is refused unless `truncate_prompt_tokens` says
         how many tokens to keep (-1: as many as the model takes): text is cut by its tokenizer
         (which keeps its special tokens), token ids keep their last ones."""
+        if is_embeds_prompt(prompt):
+            raise InvalidRequestError("pooling requests take text or token ids, not prompt_embeds", "prompt_embeds")
         info = self.pooling_info()
         pooling = pooling or PoolingParams(task=info.tasks[0])
         try:
@@ -796,7 +801,9 @@ class LLM:
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(f"vllm_xargs: {exc}", param="vllm_xargs") from None
 
-    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None, bytes | None]:
+        """The prompt's token ids (placeholders for an embeddings prompt), its text (when given as
+        text) and its embeddings as float32 bytes (for an embeddings prompt)."""
         self._check_open()
         if self.info.pooling is not None:
             raise InvalidRequestError(
@@ -821,7 +828,11 @@ class LLM:
             await self._check_structured(params)
         self._check_processor_args(params)
         self.check_completions(1, params)
-        if isinstance(prompt, str):
+        embeds = None
+        if is_embeds_prompt(prompt):
+            text, embeds = None, self._prompt_embeds(prompt, params)
+            ids = [PLACEHOLDER] * (len(embeds) // (4 * self.info.hidden_size))
+        elif isinstance(prompt, str):
             text = prompt
             ids = await self.tokenize(prompt)
         else:
@@ -831,7 +842,23 @@ class LLM:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         check_context_length(len(ids), params.max_tokens, self.info.max_model_len)
-        return list(ids), text
+        return list(ids), text, embeds
+
+    def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> bytes:
+        """An embeddings prompt's float32 bytes, or a 400 (`sonar.engine.prompt_embeds`)."""
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError(
+                "prompt_embeds: prompts given as embeddings need a server started with --enable-prompt-embeds",
+                param="prompt_embeds",
+            )
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs (echo with logprobs) need the prompt's tokens, which an embeddings prompt does not "
+                "have",
+                param="prompt_logprobs",
+            )
+        embeds = check_prompt_embeds(prompt, self.info.hidden_size, self.info.max_model_len)
+        return embeds.numpy().tobytes()
 
     async def _check_structured(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached) so a bad spec is refused before admission, and
@@ -864,11 +891,14 @@ class LLM:
         cache_salt: str | None,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        prompt_embeds: bytes | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
         if problem is not None:
             raise InvalidRequestError(problem, param="cache_salt")
+        if prompt_embeds is not None:  # the prefix cache keys these placeholders by the embeddings
+            cache_salt = embeds_salt(prompt_embeds, cache_salt)
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         # The prompt is scored once: only the first completion asks for its logprobs.
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
@@ -895,6 +925,7 @@ class LLM:
                         arrival_time=time.monotonic(),
                         lora=lora,
                         pooling=pooling,
+                        prompt_embeds=prompt_embeds,
                     ),
                 )
             while pending:

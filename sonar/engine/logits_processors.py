@@ -124,7 +124,7 @@ class ProcessorChain:
         logits: torch.Tensor,
         keys: Sequence[Hashable],
         params: Sequence[SamplingParams],
-        prompts: Sequence[list[int]],
+        prompts: Sequence[list[int] | None],
         outputs: Sequence[list[int]],
         all_greedy: bool,
     ) -> torch.Tensor:

@@ -16,6 +16,7 @@ and every step runs eagerly and unpadded.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import time
@@ -80,6 +81,14 @@ class _RequestState:
     pooling: PoolingParams | None = None
     pool: PoolState | None = None
     """A pooling request: what it has kept of its hidden states so far."""
+    embeds: torch.Tensor | None = None
+    """A prompt given as input embeddings (`sonar.engine.prompt_embeds`): ``[prompt, hidden]``."""
+
+    @property
+    def prompt_tokens(self) -> list[int] | None:
+        """The prompt's tokens as sampling sees them: None for an embeddings prompt (its ids are
+        placeholders)."""
+        return None if self.embeds is not None else self.prompt
 
 
 def kv_layout(model: Any) -> tuple[int, int, int]:
@@ -316,6 +325,8 @@ class ModelRunner:
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.sampler = Sampler()
+        if cfg.enable_prompt_embeds:
+            self._check_prompt_embeds()
         self.processors = (
             ProcessorChain([cls(cfg, device, cuda) for cls in load_classes(cfg.logits_processors)])
             if cfg.logits_processors
@@ -353,6 +364,7 @@ class ModelRunner:
             projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
+            hidden_size=self.hidden_size,
         )
         log.info(
             "kv_cache.allocated",
@@ -529,6 +541,8 @@ class ModelRunner:
             self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
+            if new.prompt_embeds is not None:
+                state.embeds = self._embeds(new.req_id, new.prompt_embeds, len(new.prompt_token_ids))
             if new.pooling is not None:
                 if self.pooler is None:
                     raise ValueError(f"request {new.req_id}: a pooling request, but this model is not a pooling model")
@@ -551,6 +565,7 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
+        embed_rows: list[tuple[int, torch.Tensor]] = []  # (first row, embeddings) of embeddings prompts
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
@@ -571,6 +586,9 @@ class ModelRunner:
                 s_lens.append(sched.start_pos + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
+            if state.embeds is not None and sched.start_pos < len(state.prompt):
+                end = min(sched.start_pos + n, len(state.prompt))
+                embed_rows.append((first, state.embeds[sched.start_pos : end]))
             if state.pooling is not None:
                 pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
                 pair = state.pooling.pair_start
@@ -598,6 +616,7 @@ class ModelRunner:
             and len(ids) == len(q_lens)
             and not prompt_rows
             and not pool_rows
+            and not embed_rows
             and self.drafter is None
         ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -609,6 +628,8 @@ class ModelRunner:
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
+                elif embed_rows:
+                    hidden = self._forward_embeds(ids_t, positions_t, meta, embed_rows)
                 else:
                     hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
             for rid, reason in lost.items():
@@ -659,7 +680,7 @@ class ModelRunner:
                     for j in range(1 + len(guesses)):  # each row sees the drafts before it as output
                         params.append(state.params)
                         outputs.append(state.output + guesses[:j] if j else state.output)
-                        prompts.append(state.prompt)
+                        prompts.append(state.prompt_tokens or [])
                 batch = SamplingBatch.build(
                     params,
                     outputs,
@@ -807,6 +828,49 @@ class ModelRunner:
             if not self.causal:  # an encoder attends whole prompts: no decode step to warm
                 break
 
+    def _check_prompt_embeds(self) -> None:
+        """--enable-prompt-embeds needs a generative model that embeds its input apart
+        (`embed`) and takes the embeddings back (`forward_tensors`'s `hidden`)."""
+        forward = getattr(self.model, "forward_tensors", None)
+        takes = (
+            hasattr(self.model, "embed")
+            and forward is not None
+            and "hidden" in inspect.signature(forward).parameters
+            and self.pooler is None
+        )
+        if not takes:
+            raise ModelLoadError(
+                f"--enable-prompt-embeds: {type(self.model).__name__} takes no prompt embeddings (only generative "
+                "decoder models that embed their input apart do)"
+            )
+
+    def _embeds(self, rid: str, data: bytes, num_prompt: int) -> torch.Tensor:
+        """A request's prompt embeddings (float32 bytes) as a ``[prompt, hidden]`` tensor on the
+        model's device and in its dtype."""
+        if not hasattr(self.model, "embed"):
+            raise ValueError(f"request {rid}: {type(self.model).__name__} takes no prompt embeddings")
+        embeds = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        if embeds.numel() != num_prompt * self.hidden_size:
+            raise ValueError(
+                f"request {rid}: {embeds.numel()} embedding values for {num_prompt} positions of {self.hidden_size}"
+            )
+        return embeds.view(num_prompt, self.hidden_size).to(self.device, self.loaded.dtype)
+
+    def _forward_embeds(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        embed_rows: list[tuple[int, torch.Tensor]],
+    ) -> torch.Tensor:
+        """The forward pass of a step with rows given as embeddings: the token rows embedded as
+        usual, those rows replaced, eagerly (compiled forms and CUDA graphs take token ids)."""
+        x = self.model.embed(ids)
+        for first, rows in embed_rows:
+            x[first : first + rows.shape[0]] = rows
+        with step_metadata(meta):
+            return self.model.forward_tensors(ids, positions, self.kv_caches, x)
+
     def _process(
         self, logits: torch.Tensor, sample_ids: list[str], states: list[_RequestState], drafts: list[list[int]]
     ) -> torch.Tensor:
@@ -818,7 +882,7 @@ class ModelRunner:
             for j in range(1 + len(guesses)):
                 keys.append((rid, j))
                 params.append(state.params)
-                prompts.append(state.prompt)
+                prompts.append(state.prompt_tokens)
                 outputs.append(state.output if j == 0 else state.output + guesses[:j])
         all_greedy = all(p.temperature < GREEDY_EPS for p in params)
         return self.processors.apply(logits, keys, params, prompts, outputs, all_greedy)

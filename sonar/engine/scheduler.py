@@ -342,6 +342,7 @@ class SchedulerActor(Actor):
                 pooling_params=msg.pooling,
                 skip_reading_prefix_cache=skip_cache,
                 grammar=grammar,
+                prompt_embeds=msg.prompt_embeds,
             )
             self.core.add_request(request)
         except RequestRejectedError as exc:
@@ -473,6 +474,7 @@ class SchedulerActor(Actor):
                         list(req.output_token_ids),
                         req.lora,
                         req.pooling_params,
+                        req.prompt_embeds,
                     )
                 )
         fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None

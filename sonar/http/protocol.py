@@ -95,7 +95,6 @@ _REFUSED: dict[str, Refusal] = {
 COMPLETION_REFUSED: dict[str, Refusal] = {
     **_REFUSED,
     "prompt_logprobs": Refusal("prompt logprobs come with echo and logprobs"),
-    "prompt_embeds": Refusal("prompts are text or token ids"),
     "add_special_tokens": Refusal("the tokenizer always adds its special tokens to a text prompt", (True,)),
 }
 
@@ -269,7 +268,7 @@ class CompletionRequest(_Structured, kw_only=True):
 
     # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
     # the list is checked by `prompts()`.
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None
     #: Absent: 16, or the generation config's max_new_tokens (null: up to the context). 0 only
     #: with `echo`: the prompt is scored, nothing is generated.
     max_tokens: NonNegative | None | msgspec.UnsetType = msgspec.UNSET
@@ -278,7 +277,9 @@ class CompletionRequest(_Structured, kw_only=True):
     suffix: str | None = None
     best_of: NumCompletions | None = None
     prompt_logprobs: Any = None
-    prompt_embeds: Any = None
+    #: Base64 of a torch-saved tensor [tokens, hidden size] each (--enable-prompt-embeds), in place
+    #: of `prompt` (`sonar.engine.prompt_embeds`).
+    prompt_embeds: str | list[str] | None = None
     add_special_tokens: Any = None
 
     @property
@@ -289,6 +290,8 @@ class CompletionRequest(_Structured, kw_only=True):
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a string or a list of token ids."""
         p = self.prompt
+        if p is None:
+            raise RequestError("prompt is required (or prompt_embeds, on a server that takes them)", "prompt")
         if isinstance(p, str):
             return [p]
         if not p:

@@ -53,6 +53,8 @@ class WorkerInfo(msgspec.Struct):
     """The model's decoder layers (all stages')."""
     pooling: PoolingInfo | None = None
     """A pooling model (``--runner pooling``): what it serves; None for a generative model."""
+    hidden_size: int = 0
+    """The width of the model's input embeddings (what a prompt given as embeddings must have)."""
     sleep: SleepState = SleepState()
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
 
@@ -71,6 +73,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None
     """A pooling request: the worker pools its prompt instead of sampling."""
+    prompt_embeds: bytes | None = None
+    """The prompt's input embeddings (float32, ``[len(prompt_token_ids), hidden_size]``, C order),
+    fed to the model in place of the placeholder `prompt_token_ids`."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -203,6 +208,9 @@ class AddRequest(Ask, tag="scheduler.add"):
     """The LoRA adapter the request runs with (None: the base model)."""
     pooling: PoolingParams | None = None
     """A pooling request (a pooling worker only): it ends with its prompt, with a pooled result."""
+    prompt_embeds: bytes | None = None
+    """The prompt as input embeddings (`NewRequestData.prompt_embeds`); `prompt_token_ids` are
+    placeholders then, and `cache_salt` keys the prefix cache by the embeddings."""
     reply_type = Accepted
 
 

@@ -1,0 +1,123 @@
+"""Prompts given as their input embeddings (--enable-prompt-embeds).
+
+A prompt is then ``{"prompt_embeds": tensor}`` (vLLM's shape of it): a float tensor
+``[tokens, hidden_size]`` (or ``[1, tokens, hidden_size]``) holding what the model's embedding
+layer would give for each prompt position (`model.embed`, with any scaling the model applies
+there). Over HTTP it is the base64 of the tensor written by ``torch.save`` (`load_serialized`).
+
+The engine runs it like a token prompt of the same length whose ids are placeholders
+(`PLACEHOLDER`): the scheduler budgets and caches those positions as usual, and the worker feeds
+the embeddings in place of the placeholders' (`NewRequestData.prompt_embeds` travels with the
+request each time the worker is told of it, after a preemption or a restart too). So that no two
+different embeddings share cached KV, the request's prefix-cache salt is a hash of them
+(`embeds_salt`): identical embeddings still share it. The outputs are real tokens.
+
+What needs the prompt's tokens is refused with it: prompt logprobs (and so `echo`), and the
+prompt takes no part in `repetition_penalty` nor reaches logits processors as token ids.
+
+Untrusted input: ``torch.save`` files are pickles, and loading a pickle runs code, so
+`load_serialized` reads only a zip-format file, whose members' declared sizes stay within what a
+prompt of the context's length may take (no decompression bomb), with ``torch.load(...,
+weights_only=True)`` (a restricted unpickler: tensors and plain containers, nothing callable),
+onto the CPU; the tensor must then be dense, floating point and finite, with the model's hidden
+size and no more rows than the context.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import zipfile
+from typing import TYPE_CHECKING, Any, Mapping
+
+from sonar.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+PLACEHOLDER = 0
+"""The token id a position given as an embedding carries through the scheduler."""
+
+#: Bytes a torch.save file adds around its tensor data (pickle, names, alignment): generous.
+_FILE_OVERHEAD = 64 * 1024
+
+
+def is_embeds_prompt(prompt: Any) -> bool:
+    return isinstance(prompt, Mapping)
+
+
+def check_prompt_embeds(prompt: Mapping[str, Any], hidden_size: int, max_model_len: int) -> torch.Tensor:
+    """The prompt's embeddings as a float32 CPU tensor ``[tokens, hidden_size]``, or a 400 naming
+    what is wrong with them."""
+    import torch
+
+    extra = set(prompt) - {"prompt_embeds"}
+    if extra:
+        raise InvalidRequestError(f"an embeddings prompt takes only prompt_embeds, not {sorted(extra)}", "prompt")
+    embeds = prompt.get("prompt_embeds")
+    if not isinstance(embeds, torch.Tensor):
+        raise InvalidRequestError(f"prompt_embeds must be a tensor, got {type(embeds).__name__}", "prompt_embeds")
+    if embeds.layout is not torch.strided or embeds.is_quantized or not embeds.dtype.is_floating_point:
+        raise InvalidRequestError(
+            f"prompt_embeds must be a dense floating-point tensor, got {embeds.dtype} ({embeds.layout})",
+            "prompt_embeds",
+        )
+    if embeds.dim() == 3 and embeds.shape[0] == 1:
+        embeds = embeds[0]
+    if embeds.dim() != 2 or embeds.shape[1] != hidden_size:
+        raise InvalidRequestError(
+            f"prompt_embeds must have the shape [tokens, {hidden_size}] (the model's hidden size), "
+            f"got {list(embeds.shape)}",
+            "prompt_embeds",
+        )
+    if not 1 <= embeds.shape[0] <= max_model_len:
+        raise InvalidRequestError(
+            f"prompt_embeds must have between 1 and {max_model_len} rows (the context), got {embeds.shape[0]}",
+            "prompt_embeds",
+        )
+    embeds = embeds.detach().to("cpu", torch.float32).contiguous()
+    if not bool(torch.isfinite(embeds).all()):
+        raise InvalidRequestError("prompt_embeds must be finite (no NaN or infinity)", "prompt_embeds")
+    return embeds
+
+
+def load_serialized(text: str, hidden_size: int, max_model_len: int) -> torch.Tensor:
+    """The tensor in `text`: base64 of a ``torch.save`` file (see the module docstring)."""
+    import torch
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError("prompt_embeds must be base64 (of a torch.save file)", "prompt_embeds") from None
+    limit = max_model_len * hidden_size * 8 + _FILE_OVERHEAD  # float64 at most, a whole context
+    buffer = io.BytesIO(raw)
+    try:
+        with zipfile.ZipFile(buffer) as archive:
+            declared = sum(info.file_size for info in archive.infolist())
+    except (zipfile.BadZipFile, ValueError):
+        raise InvalidRequestError("prompt_embeds is not a torch.save file (zip format)", "prompt_embeds") from None
+    if declared > limit:
+        raise InvalidRequestError(
+            f"prompt_embeds unpacks to {declared} bytes, more than a prompt of {max_model_len} tokens takes",
+            "prompt_embeds",
+        )
+    buffer.seek(0)
+    try:
+        tensor = torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a hostile or broken file: whatever the unpickler says, it is a 400
+        raise InvalidRequestError(
+            f"prompt_embeds could not be read as a tensor ({type(exc).__name__}): only plain tensors are accepted",
+            "prompt_embeds",
+        ) from None
+    return check_prompt_embeds({"prompt_embeds": tensor}, hidden_size, max_model_len)
+
+
+def embeds_salt(data: bytes, salt: str | None) -> str:
+    """The prefix-cache salt of an embeddings prompt: a hash of the embeddings and of the
+    client's own salt, if any (of a fixed length, whatever the client's)."""
+    h = hashlib.sha256(data)
+    if salt is not None:
+        h.update(b"\0salt:" + salt.encode())
+    return "embeds:" + h.hexdigest()
