@@ -846,9 +846,7 @@ class ModelRunner:
 
     def _embeds(self, rid: str, data: bytes, num_prompt: int) -> torch.Tensor:
         """A request's prompt embeddings (float32 bytes) as a ``[prompt, hidden]`` tensor on the
-        model's device and in its dtype."""
-        if not hasattr(self.model, "embed"):
-            raise ValueError(f"request {rid}: {type(self.model).__name__} takes no prompt embeddings")
+        model's device and in its dtype (the runner checked at start that the model takes them)."""
         embeds = torch.frombuffer(bytearray(data), dtype=torch.float32)
         if embeds.numel() != num_prompt * self.hidden_size:
             raise ValueError(

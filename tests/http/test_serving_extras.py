@@ -71,6 +71,8 @@ class ForceToken:
             self.targets.pop(row, None)
 
     def apply(self, logits):
+        if self.targets and -1 in self.targets.values():
+            raise RuntimeError("asked to fail")
         for row, target in self.targets.items():
             logits[row] = float("-inf")
             logits[row, target] = 0.0
@@ -79,7 +81,7 @@ class ForceToken:
     @classmethod
     def validate_params(cls, params):
         target = (params.extra_args or {}).get("target_token")
-        if target is not None and (not isinstance(target, int) or target < 0):
+        if target is not None and (not isinstance(target, int) or target < -1):
             raise ValueError(f"target_token must be a token id, got {target!r}")
 '''
 
@@ -194,6 +196,13 @@ def test_processor_arguments_are_validated(extras: Extras) -> None:
     r = extras.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "vllm_xargs": {"target_token": "x"}})
     assert r.status_code == 400 and "target_token must be a token id" in r.json()["error"]["message"]
     assert r.json()["error"]["param"] == "vllm_xargs"
+
+
+def test_a_failing_processor_fails_its_step_and_the_server_serves_on(extras: Extras) -> None:
+    r = extras.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "vllm_xargs": {"target_token": -1}})
+    assert r.status_code >= 400 and "a logits processor failed: RuntimeError: asked to fail" in r.text
+    r = extras.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_a_renewed_certificate_serves_new_connections(extras: Extras) -> None:
