@@ -76,6 +76,20 @@ def as_parts(messages: list[dict[str, Any]], given: Sequence[ChatMessage]) -> li
     return messages
 
 
+def text_as_parts(messages: list[dict[str, Any]], setting: str, template: str | None) -> list[dict[str, Any]]:
+    """Messages whose content is text (the Responses API's conversation) in the format `setting`
+    resolves to: with "openai", each text becomes one part (an empty one, none)."""
+    if resolve_content_format(setting, template) != "openai":
+        return messages
+    return [{**m, "content": _text_parts(m.get("content"))} for m in messages]
+
+
+def _text_parts(content: Any) -> Any:
+    if not content:
+        return []
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
+
+
 def shape_content(
     messages: list[dict[str, Any]], given: Sequence[ChatMessage], setting: str, template: str | None
 ) -> list[dict[str, Any]]:

@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
-from sonar.http.chat import template_kwargs
+from sonar.http.chat import template_kwargs, template_source
+from sonar.http.content_format import text_as_parts
 from sonar.http.errors import error_from_exception
 from sonar.http.messages import template_tools
 from sonar.http.metrics import RequestRecorder, recorder
@@ -257,7 +258,9 @@ async def create_response(
     turn.conversation = [*history, *input_messages(req.input)]
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     turn.prompt_ids = await llm.apply_chat_template(
-        [*system, *turn.conversation],
+        text_as_parts(
+            [*system, *turn.conversation], settings.chat_template_content_format, template_source(llm, settings)
+        ),
         chat_template=settings.chat_template,
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, None),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from sonar.http.content_format import loops_over_content, resolve_content_format, shape_content
+from sonar.http.content_format import loops_over_content, resolve_content_format, shape_content, text_as_parts
 from sonar.http.messages import template_messages
 from sonar.http.protocol import ChatMessage
 from sonar.models.embedded import load_tokenizer
@@ -78,3 +78,14 @@ def test_string_format_joins_the_parts_for_the_embedded_template(tokenizer) -> N
     assert shaped[0]["content"] == "Hello\nworld"
     text = tokenizer.apply_chat_template(shaped, tokenize=False)
     assert "<|im_start|>user\nHello\nworld<|im_end|>" in text
+
+
+def test_text_conversations_become_parts_for_a_parts_template(tokenizer) -> None:
+    """The Responses API's conversation (text contents) under the same setting."""
+    conversation = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "", "tool_calls": []}]
+    assert text_as_parts(conversation, "auto", tokenizer.chat_template) is conversation
+    shaped = text_as_parts(conversation, "auto", PARTS_TEMPLATE)
+    assert shaped == [
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+        {"role": "assistant", "content": [], "tool_calls": []},
+    ]

@@ -177,6 +177,8 @@ def test_content_parts_reach_a_template_that_loops_over_them(extras: Extras) -> 
     assert rendered.json()["tokens"] == expected.json()["tokens"]
     chat = extras.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
     assert chat.status_code == 200, chat.text
+    response = extras.post("/v1/responses", {"input": "Hi", "max_output_tokens": 2})  # its text turns to parts
+    assert response.status_code == 200, response.text
 
 
 def test_logits_processor_forces_the_requested_token_only(extras: Extras) -> None:
