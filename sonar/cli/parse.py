@@ -273,6 +273,18 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
     mode, fingerprint = serve_args.get("fingerprint_mode"), serve_args.get("fingerprint_value")
     if mode == "custom" and not fingerprint:
         raise UsageError.bad("argument --fingerprint-mode: 'custom' needs --fingerprint-value")
+    if engine_args.get("collect_detailed_traces") and not serve_args.get("otlp_traces_endpoint"):
+        raise UsageError.bad(
+            "argument --collect-detailed-traces: needs --otlp-traces-endpoint (the details are attributes "
+            "of the exported request spans)"
+        )
+    sample = explicit.get("--kv-cache-metrics-sample")
+    if (
+        sample is not None
+        and sample != FLAGS["--kv-cache-metrics-sample"].default
+        and not engine_args.get("kv_cache_metrics")
+    ):
+        raise UsageError.bad("argument --kv-cache-metrics-sample: takes effect only with --kv-cache-metrics")
     check_parser_flags(serve_args, _one_reasoning_parser(serve_args, engine_args))
     if serve_args.get("enable_ssl_refresh") and not (serve_args.get("ssl_keyfile") and serve_args.get("ssl_certfile")):
         raise UsageError.bad(

@@ -338,6 +338,8 @@ def _settings(config: ServeConfig) -> Any:
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs or {}),
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
         response_role=config.response_role,
+        allowed_local_media_path=config.allowed_local_media_path,
+        allowed_media_domains=config.allowed_media_domains,
         allowed_origins=config.allowed_origins,
         allowed_methods=config.allowed_methods,
         allowed_headers=config.allowed_headers,
@@ -365,6 +367,7 @@ def _settings(config: ServeConfig) -> Any:
         reasoning_parser=config.reasoning_parser or None,
         log_error_stack=config.log_error_stack,
         enable_per_request_metrics=config.enable_per_request_metrics,
+        otlp_traces_endpoint=config.otlp_traces_endpoint,
         enable_server_load_tracking=config.enable_server_load_tracking,
     )
 

@@ -15,12 +15,14 @@ from sonar.cli.values import (
     fraction,
     logprobs_cap,
     non_negative,
+    otlp_endpoint,
     port_number,
     positive,
     power_of_two,
     profiler_config,
     structured_outputs_config,
     watermark,
+    weight_transfer_config,
 )
 
 B, I, F, S_, H, L, J = Kind.BOOL, Kind.INT, Kind.FLOAT, Kind.STR, Kind.HUMAN_INT, Kind.LIST, Kind.JSON
@@ -52,10 +54,17 @@ NO_EPLB = "expert load balancing (--enable-eplb) is not supported yet"
 NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
 NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
 NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
-NO_MM = "Sonar serves text-only models; multimodal inputs are not supported yet"
-NO_MEDIA = "Sonar loads no images, audio or video yet"
+NO_MM = (
+    "Sonar serves images to LLaVA-style models only, preprocessed per request in the API server, with no "
+    "processor cache and no video or audio; this setting is not supported yet"
+)
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
+ONE_API_SERVER = (
+    "one API server process serves the engine; several would each need an engine client that attaches to "
+    "the running schedulers and detokenizer over the transport, which the in-process LLM handle (it owns "
+    "the engine's supervision tree, LoRA registry and replica router) is not yet"
+)
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
@@ -87,7 +96,7 @@ GROUPS: tuple[Group, ...] = (
            "deployment).", negatable=False),
         _f("--api-server-count -asc", I, None,
            "How many API server processes to start; unset means one per data-parallel rank.",
-           accepts=(1,)),
+           accepts=(1,), why=ONE_API_SERVER),
         _f("--config", S_, None,
            "Read flag values from a YAML file whose keys are flag names (dashes or underscores, e.g. "
            "max-num-seqs: 64). Flags on the command line take precedence over the file.",
@@ -283,9 +292,11 @@ GROUPS: tuple[Group, ...] = (
         _f("--seed", I, 0, "Seed for the random number generators, for reproducible sampling.", to=E),
         _f("--hf-config-path", S_, None, "Read the model config from this repo id or path instead."),
         _f("--allowed-local-media-path", S_, "",
-           "Directory from which requests may read local images or videos (a risk on shared machines).",
-           why=NO_MEDIA),
-        _f("--allowed-media-domains", L, None, "Fetch media URLs only from these domains.", why=NO_MEDIA),
+           "Directory under which requests may read local images with file:// URLs (a risk on shared "
+           "machines); empty: no file:// URLs.", to=S),
+        _f("--allowed-media-domains", L, None,
+           "Hosts from which http(s) image URLs are fetched; unset: Sonar fetches no image URLs at all "
+           "(data: URLs always work).", to=S),
         _f("--revision", S_, None, "Branch, tag or commit of the model repository to load.", to=E),
         _f("--code-revision", S_, None, "Revision of the Python code inside the model repository.",
            why="Sonar never runs code from model repositories"),
@@ -651,18 +662,20 @@ GROUPS: tuple[Group, ...] = (
     _group(
         "MultiModalConfig", "Images, audio and video inputs of multimodal models.",
         _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0).",
-           accepts=(True,), why="Sonar accepts no multimodal inputs anyway"),
+           to=E),
         _f("--limit-mm-per-prompt", J, {},
-           "Most items per prompt for each modality, optionally with size limits, e.g. '{\"image\": 4}'.",
-           dotted=True, why=NO_MM),
+           "Most items per prompt for each modality, e.g. '{\"image\": 4}' (999 for a modality not named; "
+           "per-item size options are not supported yet).",
+           dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
            "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
-           why=NO_MM),
+           why="Sonar does not accept precomputed image embeddings (image_embeds content parts) yet"),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True, why=NO_MM),
-        _f("--mm-processor-kwargs", J, None, "Overrides for the model's multimodal processor.", dotted=True,
-           why=NO_MM),
+           dotted=True, why="Sonar loads images with fixed settings (and no video or audio); none can be changed yet"),
+        _f("--mm-processor-kwargs", J, None,
+           "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
+           "'{\"do_normalize\": false}'.", dotted=True, to=E),
         _f("--mm-processor-cache-gb", F, 4,
            "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
            why=NO_MM),
@@ -733,19 +746,29 @@ GROUPS: tuple[Group, ...] = (
         "ObservabilityConfig", "Metrics, tracing and diagnostic logging.",
         _f("--show-hidden-metrics-for-version", S_, None,
            "Bring back the metrics hidden since this version, while dashboards migrate."),
-        _f("--otlp-traces-endpoint", S_, None, "Send OpenTelemetry traces to this URL."),
+        _f("--otlp-traces-endpoint", S_, None,
+           "Export one OpenTelemetry span per finished generation request (request id, model, sampling "
+           "parameters, token counts, queue / prefill / decode / end-to-end times) to this OTLP/HTTP "
+           "collector URL (http://host:4318 posts to /v1/traces); a client's traceparent header makes it "
+           "the parent.", to=S, check=otlp_endpoint, metavar="URL"),
         _f("--collect-detailed-traces", S_, None,
-           "Modules to trace in detail (costly): model, worker, all, or two of them comma-separated.",
+           "Add each request's worker time to its span (needs --otlp-traces-endpoint): 'worker' the "
+           "worker's time on the steps the request was in, 'model' their forward passes' (timed with a "
+           "device synchronization: costly), 'all' both; or two of them comma-separated.",
            choices=("all", "model", "worker", None, "model,worker", "model,all", "worker,model", "worker,all",
                     "all,model", "all,worker"),
-           why="only used with --otlp-traces-endpoint, which Sonar does not support yet",
-           metavar="{all,model,worker,None}"),
-        _f("--kv-cache-metrics", B, False, "Sample KV cache block lifetimes, idle times and reuse gaps as metrics."),
-        _f("--kv-cache-metrics-sample", F, 0.01, "Fraction of blocks sampled for KV cache metrics.",
-           why="only used with --kv-cache-metrics, which Sonar does not support yet"),
+           to=E, metavar="{all,model,worker,None}"),
+        _f("--kv-cache-metrics", B, False,
+           "Sample KV cache blocks and report their lifetimes, idle times before eviction and reuse gaps "
+           "as /metrics histograms.", to=E),
+        _f("--kv-cache-metrics-sample", F, 0.01,
+           "Fraction of allocated KV blocks --kv-cache-metrics follows, in (0, 1].", to=E, check=fraction),
         _f("--cudagraph-metrics", B, False, "Report CUDA graph padding and dispatch statistics."),
         _f("--enable-layerwise-nvtx-tracing", B, False, "Mark each layer's execution with NVTX ranges."),
-        _f("--enable-mfu-metrics", B, False, "Report model FLOPs utilization."),
+        _f("--enable-mfu-metrics", B, False,
+           "Report each step's estimated model FLOPs and bytes read (from the model's shape and the "
+           "step's tokens), the time the worker spent, and the device's peak FLOP/s where Sonar knows it, "
+           "as /metrics counters.", to=E),
         _f("--enable-logging-iteration-details", B, False,
            "Log every engine step: its context (prefill) and generation requests and tokens, and its "
            "elapsed time, as a scheduler.iteration line.", to=E),
@@ -831,7 +854,8 @@ GROUPS: tuple[Group, ...] = (
         "--FLAG.KEY VALUE): speculative decoding, compilation, KV transfer and events, profiling.",
         _f("--speculative-config -sc", J, None,
            "Speculative decoding settings: method ngram (prompt_lookup_min/max), suffix (suffix_decoding_*) "
-           "draft_model (model, quantization, revision) or eagle (model), num_speculative_tokens, disable_by_batch_size; "
+           "draft_model (model, quantization, revision), eagle or eagle3 (model: the head), mtp (DeepSeek-V3's own "
+           "MTP layer), num_speculative_tokens, disable_by_batch_size; "
            "see docs/speculative.md.",
            dotted=True, to=E),
         _f("--spec-method", S_, None, "Speculative decoding method.",
@@ -841,7 +865,7 @@ GROUPS: tuple[Group, ...] = (
                     "longcat_flash_mtp", "medusa", "mimo_mtp", "mimo_v2_mtp", "minimax_m3_mtp", "mlp_speculator",
                     "mtp", "nemotron_h_mtp", "ngram", "ngram_gpu", "pangu_ultra_moe_mtp", "qwen3_5_mtp",
                     "qwen3_next_mtp", "step3p5_mtp", "suffix", None), to=E),
-        _f("--spec-model", S_, None, "Draft model (method draft_model) or EAGLE head directory (method eagle) "
+        _f("--spec-model", S_, None, "Draft model (method draft_model) or EAGLE / EAGLE-3 head directory (eagle, eagle3) "
            "for speculative decoding.", to=E),
         _f("--spec-tokens", I, None, "Tokens proposed per speculative step.", to=E),
         _f("--diffusion-config -dc", J, None, "Settings for diffusion language models.", dotted=True),
@@ -885,8 +909,12 @@ GROUPS: tuple[Group, ...] = (
         _f("--performance-mode", S_, "balanced",
            "Tune for 'interactivity' (low latency at small batches), 'throughput' (many concurrent requests) "
            "or 'balanced'.", choices=("balanced", "interactivity", "throughput")),
-        _f("--weight-transfer-config", J, None, "Settings for receiving weight updates during RL training.",
-           dotted=True),
+        _f("--weight-transfer-config", J, None,
+           "Take weight updates while serving (RL training loops): backend sonar writes a safetensors "
+           "checkpoint folder (POST /update_weights {\"path\": DIR}) or tensors sent over Sonar's transport "
+           "(LLM.update_weights(tensors=...), or a safetensors body) into the running model, between steps; "
+           "max_update_bytes bounds one update. Backends nccl and ipc are refused.",
+           dotted=True, to=E, check=weight_transfer_config),
     ),
     _group(
         "Limits", "Sonar's own flags: what one connection and one request may use. Going over a limit is "

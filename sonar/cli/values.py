@@ -210,6 +210,15 @@ def fraction(value: float) -> None:
         raise ValueError(f"must be a fraction in (0, 1], got {value}")
 
 
+def otlp_endpoint(value: str) -> None:
+    from sonar.http.tracing import TracingConfigError, traces_url  # the OpenTelemetry SDK stays unloaded
+
+    try:
+        traces_url(value)
+    except TracingConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def watermark(value: float) -> None:
     if not 0 <= value < 1:
         raise ValueError(f"must be in [0, 1), got {value}")
@@ -235,3 +244,9 @@ def profiler_config(value: dict[str, Any]) -> None:
     from sonar.engine.profiler import ProfilerConfig
 
     ProfilerConfig.parse(value)
+
+
+def weight_transfer_config(value: dict[str, Any]) -> None:
+    from sonar.core.weights import WeightTransferConfig
+
+    WeightTransferConfig.parse(value)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 from sonar.core.events import AllBlocksCleared, BlockRemoved, KVEvent
 from sonar.core.free_queue import FreeBlockQueue, KVBlock
+from sonar.core.kv_residency import KVResidency
 from sonar.core.prefix import BlockHash
 
 __all__ = ["BlockPool"]
@@ -37,6 +38,8 @@ class BlockPool:
         self.event_log: list[KVEvent] | None = None
         """When a list (KV events on), every cache entry that goes away is appended to it as a
         ``BlockRemoved`` (medium ``GPU``), a reset as ``AllBlocksCleared``."""
+        self.residency: KVResidency | None = None
+        """--kv-cache-metrics: told of every allocation, prefix-cache hit and release."""
 
     @property
     def num_free(self) -> int:
@@ -67,22 +70,31 @@ class BlockPool:
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
+        if self.residency is not None:
+            for block in out:
+                self.residency.allocated(block.block_id)
         return out
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add one reference to each block (prefix-cache hits), reviving free ones."""
         remove = self.free_queue.remove
+        residency = self.residency
         for block in blocks:
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+            if residency is not None:
+                residency.hit(block.block_id)
 
     def free(self, blocks: Sequence[KVBlock]) -> None:
         """Drop one reference from each block, in the given order (first freed, first evicted)."""
         queue = self.free_queue
+        residency = self.residency
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if residency is not None:
+                    residency.released(block.block_id)
                 if block.block_hash is None:
                     queue.appendleft(block)
                 else:

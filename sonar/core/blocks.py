@@ -62,6 +62,9 @@ class BlockManager:
         self._table_ids: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}
         """Per request: how many leading blocks have been offered to the prefix cache."""
+        self._stale: set[str] = set()
+        """Requests whose blocks stay out of the prefix cache: they ran across a weight update, so
+        their KV mixes the old weights' and the new ones' (`drop_stale_kv`)."""
         self.prefix_queries = 0
         """Prompt tokens looked up in the prefix cache at admission (cumulative)."""
         self.prefix_hits = 0
@@ -97,7 +100,9 @@ class BlockManager:
     def update_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` over its full blocks; call after tokens are added."""
         if self.hasher is not None:
-            self.hasher.extend(request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key)
+            self.hasher.extend(
+                request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key, request.media
+            )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks that can serve ``request``'s leading tokens, and how many tokens.
@@ -220,6 +225,8 @@ class BlockManager:
 
     def _cache_full_blocks(self, request: Request, table: list[KVBlock], num_tokens: int) -> None:
         """Offer the blocks that the first ``num_tokens`` tokens fill to the prefix cache."""
+        if request.request_id in self._stale:
+            return
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self._num_cached[request.request_id]
         if num_full <= start:
@@ -325,6 +332,7 @@ class BlockManager:
             self._offer(request, table, computed)
         del self._table_ids[request_id]
         del self._num_cached[request_id]
+        self._stale.discard(request_id)
         if num_computed_tokens is not None:
             for block in table[num_computed_tokens // self.block_size :]:
                 if block.ref_cnt == 1:
@@ -347,6 +355,13 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Drop every prefix-cache entry (after a worker failure, say); return how many."""
+        return self.pool.reset_cache()
+
+    def drop_stale_kv(self) -> int:
+        """The weights changed: drop the prefix cache, and keep the blocks of the requests holding
+        blocks now out of it for good (what they compute from now on attends to KV of the old
+        weights); return how many entries were dropped."""
+        self._stale.update(self._tables)
         return self.pool.reset_cache()
 
     def check_invariants(self) -> None:

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import msgspec
 
+from sonar.core.flops import MFUStats
+from sonar.core.kv_residency import KVResidencyStats
+
 __all__ = [
     "PLACEHOLDER_TOKEN",
     "KVLoadSpec",
     "KVStoreSpec",
     "RequestError",
+    "RequestModelTime",
     "RequestTiming",
     "RequestUpdate",
     "ScheduledRequest",
@@ -140,6 +144,17 @@ class RequestTiming(msgspec.Struct, array_like=True, gc=False):
     """From its first scheduling to its first token."""
 
 
+class RequestModelTime(msgspec.Struct, array_like=True, gc=False):
+    """--collect-detailed-traces: a request's share of the worker so far, summed over the steps it
+    was in (each step counts whole for each of its requests, as vLLM counts them)."""
+
+    execute_seconds: float | None
+    """The worker's time on those steps (``worker``): inputs, forward pass, sampling; None
+    unless asked."""
+    forward_seconds: float | None
+    """Of which the model's forward pass (``model``; device-synchronized); None unless asked."""
+
+
 class RequestUpdate(msgspec.Struct, gc=False):
     """What a step did to one request: the tokens it accepted and, if it ended, why."""
 
@@ -156,6 +171,8 @@ class RequestUpdate(msgspec.Struct, gc=False):
     """Set when ``finish_reason`` is ``error``."""
     timing: RequestTiming | None = None
     """On the update that carries the request's first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: on every update, the request's worker time so far."""
 
 
 class SchedulerStats(msgspec.Struct, gc=False):
@@ -189,3 +206,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """The names of the LoRA adapters of the running requests (sorted),"""
     waiting_loras: list[str] = msgspec.field(default_factory=list)
     """and of the waiting ones."""
+    kv_residency: KVResidencyStats | None = None
+    """--kv-cache-metrics: the sampled blocks' residency histograms since start."""
+    mfu: MFUStats | None = None
+    """--enable-mfu-metrics: the steps' estimated FLOPs and bytes, and the worker's time; the
+    scheduler's shell counts them."""

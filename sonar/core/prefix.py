@@ -7,7 +7,9 @@ extra keys, which is exactly when the KV of that block can be shared. The per-re
 ``cache_salt`` is an extra key of the first block; through the chain it separates every
 later block too, so tenants with different salts never share (or probe) each other's cache. A
 request's LoRA adapter is one too (its digest, `first_block_keys`): its KV differs from the base
-model's and every other adapter's for the same tokens.
+model's and every other adapter's for the same tokens. An image's placeholder tokens are the
+same for every image: a block that holds any of them has the image's content hash among its
+extra keys (`MediaSpan`), so the same image hits and another image with the same tokens does not.
 
 ``--prefix-caching-hash-algo`` picks how the ``(parent, tokens, extra)`` tuple becomes bytes
 and how the bytes are hashed:
@@ -30,9 +32,22 @@ import pickle
 from collections.abc import Callable, Sequence
 from typing import Final, Literal, get_args
 
-__all__ = ["BlockHash", "HASH_ALGOS", "HashAlgo", "PrefixHasher", "first_block_keys", "make_hash_fn"]
+__all__ = [
+    "BlockHash",
+    "HASH_ALGOS",
+    "HashAlgo",
+    "MediaSpan",
+    "PrefixHasher",
+    "block_keys",
+    "first_block_keys",
+    "make_hash_fn",
+]
 
 BlockHash = bytes
+
+MediaSpan = tuple[int, int, str]
+"""An image in a sequence: its first placeholder position, its number of placeholder tokens,
+and the hash of its content."""
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 HASH_ALGOS: Final[tuple[str, ...]] = get_args(HashAlgo)
 
@@ -109,30 +124,39 @@ class PrefixHasher:
         return self._hash((parent, tuple(token_ids), extra_keys))
 
     def extend(
-        self, hashes: list[BlockHash], token_ids: Sequence[int], cache_salt: str | None = None, lora: str | None = None
+        self,
+        hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        media: Sequence[MediaSpan] = (),
     ) -> None:
         """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
 
         ``hashes`` must already hold the chain of the first ``len(hashes)`` blocks of
         ``token_ids``; this is how a request's chain grows as it generates tokens. ``lora``: the
-        digest of the request's LoRA adapter.
+        digest of the request's LoRA adapter; ``media``: the images among its tokens.
         """
         bs = self.block_size
         num_full = len(token_ids) // bs
         index = len(hashes)
         parent = hashes[-1] if hashes else self.root
         while index < num_full:
-            extra = first_block_keys(cache_salt, lora) if index == 0 else None
+            extra = block_keys(index, bs, cache_salt, lora, media)
             parent = self._hash((parent, tuple(token_ids[index * bs : (index + 1) * bs]), extra))
             hashes.append(parent)
             index += 1
 
     def chain(
-        self, token_ids: Sequence[int], cache_salt: str | None = None, lora: str | None = None
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        media: Sequence[MediaSpan] = (),
     ) -> list[BlockHash]:
         """The hashes of every full block of ``token_ids``."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids, cache_salt, lora)
+        self.extend(hashes, token_ids, cache_salt, lora, media)
         return hashes
 
 
@@ -143,3 +167,16 @@ def first_block_keys(cache_salt: str | None, lora: str | None) -> tuple[object, 
     if lora is not None:
         keys += (("lora", lora),)
     return keys or None
+
+
+def block_keys(
+    index: int, block_size: int, cache_salt: str | None, lora: str | None, media: Sequence[MediaSpan]
+) -> tuple[object, ...] | None:
+    """The extra keys of block ``index``: the first block's (`first_block_keys`), then the content
+    hash of each image with a placeholder token in the block (tagged, in position order)."""
+    keys = first_block_keys(cache_salt, lora) if index == 0 else None
+    start, end = index * block_size, (index + 1) * block_size
+    images = tuple(("image", h) for offset, length, h in media if offset < end and offset + length > start)
+    if not images:
+        return keys
+    return (keys or ()) + images

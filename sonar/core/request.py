@@ -11,7 +11,7 @@ import msgspec
 
 from sonar.core.grammar import GrammarMatcher
 from sonar.core.outputs import RequestError
-from sonar.core.prefix import BlockHash
+from sonar.core.prefix import BlockHash, MediaSpan
 from sonar.errors import Rejection, RejectKind, SonarError
 
 __all__ = [
@@ -155,6 +155,8 @@ class Request:
         "arrival_time",
         "cache_salt",
         "lora",
+        "media",
+        "media_inputs",
         "skip_reading_prefix_cache",
         "sampling_params",
         "pooling_params",
@@ -189,6 +191,8 @@ class Request:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora: LoRARequest | None = None,
+        media: Sequence[MediaSpan] = (),
+        media_inputs: Any = None,
         skip_reading_prefix_cache: bool = False,
         sampling_params: Any = None,
         pooling_params: Any = None,
@@ -222,6 +226,11 @@ class Request:
         self.lora = lora
         """The LoRA adapter the request runs with (None: the base model): its digest keys the
         request's blocks as the salt does, and a step holds at most ``max_loras`` adapters."""
+        self.media = tuple(media)
+        """The images among the prompt's tokens: each one's hash keys the blocks that hold its
+        placeholder tokens (`sonar.core.prefix`)."""
+        self.media_inputs = media_inputs
+        """What the worker needs to compute the images' embeddings (opaque here)."""
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""

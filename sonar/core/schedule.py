@@ -905,6 +905,7 @@ class Scheduler:
             spec_accepted_per_position=list(self.spec_stats.accepted_per_position or ()),
             running_loras=sorted({r.lora.name for r in (*self.running, *self.loading.values()) if r.lora is not None}),
             waiting_loras=sorted({r.lora.name for r in self.waiting if r.lora is not None}),
+            kv_residency=None if bm.pool.residency is None else bm.pool.residency.stats,
         )
 
     def check_invariants(self) -> None:

@@ -14,10 +14,11 @@ without ``d``, renormalised. The output follows the target model's distribution 
 sampling setting, and a seeded request gives the same text with and without speculation (its
 noise depends on the output position only, `sonar.models.sampler`).
 
-With a draft model or an EAGLE head (``draft_model``, ``eagle``: `sonar.engine.drafter`) the
-worker proposes instead: each step's result carries the next drafts of the requests it sampled,
-which the core schedules with their next step. `SpeculativeConfig` is ``--speculative-config``
-validated; the methods whose heads Sonar does not run (EAGLE-3, MTP, Medusa) are refused by name.
+With a draft model, an EAGLE or EAGLE-3 head or DeepSeek's multi-token-prediction layer
+(``draft_model``, ``eagle``, ``eagle3``, ``mtp``: `sonar.engine.drafter`) the worker proposes
+instead: each step's result carries the next drafts of the requests it sampled, which the core
+schedules with their next step. `SpeculativeConfig` is ``--speculative-config`` validated; the
+methods whose heads Sonar does not run (Medusa, MLP speculators) are refused by name.
 """
 
 from __future__ import annotations
@@ -29,13 +30,19 @@ from typing import Any, Protocol
 
 __all__ = ["NgramProposer", "Proposer", "SpecDecodeStats", "SpeculativeConfig", "make_proposer"]
 
-METHODS = ("ngram", "suffix", "draft_model", "eagle")
+METHODS = ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mtp")
 """The methods Sonar runs."""
 
-WORKER_METHODS = ("draft_model", "eagle")
+WORKER_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
 """Methods whose drafts the worker makes (`sonar.engine.drafter`)."""
 
-_MODEL_METHODS = ("eagle3", "mtp", "medusa", "mlp_speculator")
+_HEAD_METHODS = ("draft_model", "eagle", "eagle3")
+"""Methods that read a draft or head from ``model``; ``mtp`` reads the target's own checkpoint."""
+
+_ALIASES = {"deepseek_mtp": "mtp"}
+"""vLLM's older name for DeepSeek's MTP."""
+
+_MODEL_METHODS = ("medusa", "mlp_speculator")
 
 _KEYS = {
     "method",
@@ -83,8 +90,8 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
     model: str | None = None
-    """draft_model: the draft model (any model Sonar loads, with the target's tokenizer); eagle: the
-    head's directory."""
+    """draft_model: the draft model (any model Sonar loads, with the target's tokenizer); eagle,
+    eagle3: the head's directory."""
     quantization: str | None = None
     """draft_model: the method its weights are in (None: what its checkpoint says)."""
     revision: str | None = None
@@ -103,6 +110,7 @@ class SpeculativeConfig:
         method = raw.get("method")
         if method is None and raw.get("model") is not None:
             method = "draft_model"  # a model alone names a draft model, as in vLLM
+        method = _ALIASES.get(method, method)
         unknown = sorted(set(raw) - _KEYS)
         if unknown:
             raise ValueError(
@@ -111,7 +119,7 @@ class SpeculativeConfig:
             )
         if method in _MODEL_METHODS:
             raise ValueError(
-                f"--speculative-config method {method!r} needs an EAGLE-3, MTP or Medusa head, which Sonar does "
+                f"--speculative-config method {method!r} needs a Medusa or MLP-speculator head, which Sonar does "
                 f"not run yet; the methods that work are {', '.join(METHODS)}"
             )
         if method not in METHODS:
@@ -121,8 +129,15 @@ class SpeculativeConfig:
         values = {key: raw[key] for key in _KEYS if key in raw and raw[key] is not None}
         values["method"] = method
         if method in WORKER_METHODS:
-            if values.get("model") is None:
+            if method in _HEAD_METHODS and values.get("model") is None:
                 raise ValueError(f"--speculative-config method {method} needs a model (--spec-model)")
+            if method == "mtp":
+                given = sorted(key for key in ("model", "quantization", "revision") if key in values)
+                if given:
+                    raise ValueError(
+                        f"--speculative-config {', '.join(given)}: not for method mtp, which runs the target "
+                        "checkpoint's own multi-token-prediction layer"
+                    )
             if values.pop("draft_tensor_parallel_size", 1) != 1:
                 raise ValueError(
                     "--speculative-config draft_tensor_parallel_size must be 1: a draft model runs on one worker"
@@ -131,7 +146,8 @@ class SpeculativeConfig:
             given = sorted(key for key in ("model", "quantization", "revision") if key in values)
             if given:
                 raise ValueError(
-                    f"--speculative-config {', '.join(given)}: only for methods draft_model and eagle, not {method}"
+                    f"--speculative-config {', '.join(given)}: only for methods {', '.join(_HEAD_METHODS)}, "
+                    f"not {method}"
                 )
             values.pop("draft_tensor_parallel_size", None)
         if "prompt_lookup_min" not in values and "prompt_lookup_max" not in values:

@@ -137,6 +137,15 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Make the worker fail on purpose (see `sonar.engine.faults`); off by default."""
     enable_logging_iteration_details: bool = False
     """Log one `scheduler.iteration` line per step: its batch composition and elapsed time."""
+    kv_cache_metrics: bool = False
+    """Follow a sample of KV blocks' lifetimes, idle times and reuse gaps (`sonar.core.kv_residency`)."""
+    kv_cache_metrics_sample: float = 0.01
+    """The fraction of allocated blocks `kv_cache_metrics` follows, in (0, 1]."""
+    enable_mfu_metrics: bool = False
+    collect_detailed_traces: str | None = None
+    """``model``, ``worker``, ``all`` or two of them comma-separated: each request's updates carry
+    its worker time (`RequestModelTime`; ``model`` times the forward pass, synchronizing the device)."""
+    """Count each step's estimated FLOPs and bytes read, and the worker's time (`sonar.core.flops`)."""
     kv_offloading_size: float | None = None
     """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
     kv_offloading_backend: str = "native"
@@ -177,6 +186,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     pooler_config: dict[str, Any] | None = None
     """`--pooler-config` (`sonar.pooling_params.PoolerConfig`): pooling type, normalize, dimensions,
     use_activation."""
+    limit_mm_per_prompt: dict[str, Any] = {}
+    """`--limit-mm-per-prompt`: most items of each modality in one prompt (`sonar.multimodal.limits`)."""
+    language_model_only: bool = False
+    """`--language-model-only`: accept no images (as a limit of 0)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
     hf_overrides: dict[str, Any] = {}
     """Fields that replace those of the model's Hugging Face config (a reranker's
     ``classifier_from_token``, say)."""
@@ -211,6 +226,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     profiler_config: dict[str, Any] = {}
     """`--profiler-config` (`sonar.engine.profiler.ProfilerConfig`): with ``profiler`` ``torch``,
     `LLM.start_profile` / `stop_profile` trace the workers' steps into ``torch_profiler_dir``."""
+    weight_transfer_config: dict[str, Any] | None = None
+    """`--weight-transfer-config` (`sonar.core.weights.WeightTransferConfig`): set, `LLM.update_weights`
+    writes new weights into the running engine (``POST /update_weights``)."""
 
     @classmethod
     def from_args(cls, model: str | None = None, **args: Any) -> "EngineConfig":
@@ -227,6 +245,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             "hf_overrides",
             "model_loader_extra_config",
             "profiler_config",
+            "weight_transfer_config",
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
@@ -267,7 +286,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             check_load_settings,
             parse_device_ids,
         )
+        from sonar.multimodal.limits import ProcessorConfigError, check_processor_kwargs, image_limit
 
+        try:
+            image_limit(self.limit_mm_per_prompt, self.language_model_only)
+            check_processor_kwargs(self.mm_processor_kwargs)
+        except ProcessorConfigError as exc:
+            raise ValueError(str(exc)) from None
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_load_settings(self)
         capture_sizes(self)
@@ -315,6 +340,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         self.profiler()
         self._check_sleep_mode()
+        self._check_weight_transfer()
         if self.enable_prompt_embeds and self.world_size > 1:
             raise ValueError(
                 "--enable-prompt-embeds with tensor or pipeline parallelism is not supported yet (only one worker "
@@ -325,6 +351,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
                 "drop --no-enable-prefix-caching"
             )
+
+    @property
+    def trace_worker(self) -> bool:
+        """--collect-detailed-traces names the worker (or all): requests carry their worker time."""
+        return bool(self.collect_detailed_traces) and self.collect_detailed_traces != "model"
+
+    @property
+    def trace_model(self) -> bool:
+        """--collect-detailed-traces names the model (or all): the worker times each forward pass."""
+        modules = set((self.collect_detailed_traces or "").split(","))
+        return bool(modules & {"model", "all"})
 
     @property
     def world_size(self) -> int:
@@ -451,6 +488,20 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         from sonar.engine.profiler import ProfilerConfig
 
         return ProfilerConfig.parse(self.profiler_config)
+
+    def weight_transfer(self) -> Any:
+        """The `WeightTransferConfig` of ``--weight-transfer-config``, None when weight updates
+        are off (ValueError naming a bad field or a refused backend)."""
+        from sonar.core.weights import WeightTransferConfig
+
+        return WeightTransferConfig.parse(self.weight_transfer_config)
+
+    def _check_weight_transfer(self) -> None:
+        if self.weight_transfer() is not None and self.world_size > 1:
+            raise ValueError(
+                f"weight updates (--weight-transfer-config) with {self.world_size} worker ranks (tensor / pipeline "
+                "parallelism) are not supported yet; drop one of the two"
+            )
 
     def _check_sleep_mode(self) -> None:
         if not self.enable_sleep_mode:

@@ -121,6 +121,7 @@ class DetokenizerActor(Actor):
                 error=u.error,
                 pooled=msg.pooled.get(u.req_id),
                 timing=u.timing,
+                model_time=u.model_time,
             )
             lps = msg.logprobs.get(u.req_id)
             if lps:

@@ -1,6 +1,7 @@
 """The drafts a worker makes for speculative decoding: a draft model (``method: draft_model``, a
-second, smaller model that guesses the target's next tokens) or an EAGLE head (``method: eagle``,
-`EagleDrafter`, which guesses from the target's hidden states).
+second, smaller model that guesses the target's next tokens) or a head that guesses from the
+target's hidden states (`EagleDrafter`): EAGLE (``method: eagle``), EAGLE-3 (``eagle3``, which
+reads three of the target's layers) or DeepSeek's multi-token-prediction layer (``mtp``).
 
 Either shares the target's block tables: its own KV cache has as many blocks of the same size, and
 position ``p`` of a request lives in the same block and slot in both caches. Each step a draft model
@@ -21,6 +22,7 @@ sampling (`sonar.core.speculative`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +32,9 @@ from sonar.core.speculative import SpeculativeConfig
 from sonar.engine import memory
 from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.log import get_logger
+from sonar.models.deepseek_mtp import load_mtp_head
 from sonar.models.eagle import load_eagle_head
+from sonar.models.eagle3 import load_eagle3_head
 from sonar.models.errors import ModelLoadError
 from sonar.models.loader import LoadedModel, load_model
 
@@ -181,24 +185,46 @@ class Drafter(_DraftKV):
         return drafts
 
 
+def _pair(out: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head's (states its logits read, states fed back to its next draft): EAGLE's are one."""
+    return out if isinstance(out, tuple) else (out, out)
+
+
 class EagleDrafter(_DraftKV):
-    """``method: eagle``: an EAGLE head (`sonar.models.eagle`) on the target's hidden states.
+    """``method: eagle``, ``eagle3`` or ``mtp``: a head (`sonar.models.eagle`,
+    `sonar.models.eagle3`, `sonar.models.deepseek_mtp`) on the target's hidden states.
 
     Each step it runs over the positions the target computed, each with the token after it (the
     known next token of a prompt chunk, the kept tokens of a sampling request: a rejected draft's
-    position is left out) and the target's hidden state there; the last such row of a sampling
-    request gives its first draft, and each further draft feeds the head's own output back."""
+    position is left out) and the target's features there (`target_features`: the final hidden
+    state, or EAGLE-3's fused layers); the last such row of a sampling request gives its first
+    draft, and each further draft feeds the head's own output back."""
 
     def __init__(
-        self, spec: SpeculativeConfig, *, target: Any, dtype: torch.dtype, device: torch.device, block_size: int
+        self,
+        spec: SpeculativeConfig,
+        *,
+        target: Any,
+        dtype: torch.dtype,
+        device: torch.device,
+        block_size: int,
+        checkpoint: Path | None = None,
     ):
-        if spec.model is None:
-            raise ModelLoadError("speculative method eagle needs the head's directory (--spec-model)")
         self.k = spec.num_speculative_tokens
-        self.head = load_eagle_head(spec.model, target, dtype, device)
+        if spec.method == "mtp":
+            if checkpoint is None:
+                raise ModelLoadError("speculative method mtp needs the target's checkpoint directory")
+            self.head: Any = load_mtp_head(checkpoint, target, dtype, device)
+            source = str(checkpoint)
+        else:
+            if spec.model is None:
+                raise ModelLoadError(f"speculative method {spec.method} needs the head's directory (--spec-model)")
+            load = load_eagle3_head if spec.method == "eagle3" else load_eagle_head
+            self.head = load(spec.model, target, dtype, device)
+            source = spec.model
         self.vocab_size = target.vocab_size
         super().__init__(self.head.num_layers, self.head.num_kv_heads, self.head.head_dim, block_size, device)
-        log.info("drafter.loaded", model=spec.model, architecture="EagleHead", layers=self.head.num_layers)
+        log.info("drafter.loaded", model=source, architecture=type(self.head).__name__, layers=self.head.num_layers)
 
     @torch.inference_mode()
     def draft(self, view: StepView) -> dict[str, list[int]]:
@@ -227,17 +253,20 @@ class EagleDrafter(_DraftKV):
             return {}
         device = self.device
         meta = AttentionMetadata.build(q_lens, s_lens, tables, self.block_size, device=device)
-        features = view.hidden[torch.tensor(rows, device=device)]
-        out = self.head(
-            torch.tensor(ids, device=device), torch.tensor(positions, device=device), features, self.kv_caches, meta
+        features = self.head.target_features(view.hidden, torch.tensor(rows, device=device))
+        states, fed = _pair(
+            self.head(
+                torch.tensor(ids, device=device), torch.tensor(positions, device=device), features, self.kv_caches, meta
+            )
         )
         live = [(rid, p, blocks) for rid, _, p, blocks in ends if self._room(p, blocks, self.k) > 0]
         if not live:
             return {}
         index = {rid: row for rid, row, _, _ in ends}
-        features = out[torch.tensor([index[rid] for rid, _, _ in live], device=device)]
+        picked = torch.tensor([index[rid] for rid, _, _ in live], device=device)
+        features = fed[picked]
         drafts: dict[str, list[int]] = {rid: [] for rid, _, _ in live}
-        tokens = self.head.compute_logits(features)[:, : self.vocab_size].argmax(dim=-1)
+        tokens = self.head.greedy(states[picked])
         for step in range(1, self.k + 1):
             for (rid, _, _), token in zip(live, tokens.tolist()):
                 drafts[rid].append(token)
@@ -249,6 +278,8 @@ class EagleDrafter(_DraftKV):
             tokens, features = tokens[picked], features[picked]
             positions = [p + step for _, p, _ in live]
             meta = self._decode_meta(positions, [blocks for _, _, blocks in live])
-            features = self.head(tokens, torch.tensor(positions, device=device), features, self.kv_caches, meta)
-            tokens = self.head.compute_logits(features)[:, : self.vocab_size].argmax(dim=-1)
+            states, features = _pair(
+                self.head(tokens, torch.tensor(positions, device=device), features, self.kv_caches, meta)
+            )
+            tokens = self.head.greedy(states)
         return drafts

@@ -16,6 +16,7 @@ request counts and health are read from every replica.
 from __future__ import annotations
 
 import itertools
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -26,11 +27,12 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
-from sonar.core.outputs import RequestError, RequestTiming, SchedulerStats
+from sonar.core.outputs import RequestError, RequestModelTime, RequestTiming, SchedulerStats
 from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
+from sonar.core.weights import WeightTransferConfig, WeightUpdateConflictError, WeightUpdateError
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
 from sonar.engine.logits_processors import load_classes, validate_params
@@ -50,6 +52,7 @@ from sonar.errors import (
 )
 from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
+from sonar.multimodal.limits import image_limit
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams, PoolingParamsError
 from sonar.protocol.engine import (
     Abort,
@@ -58,13 +61,18 @@ from sonar.protocol.engine import (
     DescribeWorker,
     GetSleepState,
     GetStats,
+    ImageInput,
     OutputDelta,
     PositionLogprobs,
     SleepEngine,
     SleepReply,
     StartProfile,
     StopProfile,
+    UpdateEngineWeights,
+    VisionInfo,
     WakeEngine,
+    WeightsUpdated,
+    WeightUpdateReply,
     WorkerInfo,
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
@@ -167,6 +175,8 @@ class StreamDelta:
     pooled: PooledData | None = None
     timing: RequestTiming | None = None
     """On the delta of the first token: the scheduler's queue time and time to first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time so far."""
 
 
 @dataclass
@@ -232,6 +242,9 @@ class LLM:
         if config.enable_lora:
             shapes = ModelShapes({k: tuple(v) for k, v in info.projections.items()}, info.num_hidden_layers)
             self.lora_registry = LoRARegistry(shapes, config.lora_limits())
+        self.image_limit = image_limit(config.limit_mm_per_prompt, config.language_model_only)
+        """Most images one prompt may hold (--limit-mm-per-prompt, --language-model-only)."""
+        self._image_processor: Any = None
 
     # -- public API -------------------------------------------------------------------------
     async def generate(
@@ -244,10 +257,12 @@ class LLM:
         request_id: str | None = None,
         lora: str | None = None,
         on_delta: Callable[[StreamDelta], None] | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> RequestOutput:
         """Generate a completion of `prompt` (text or token ids) and return it when finished.
 
-        `lora`: the name of a loaded LoRA adapter to run with (None: the base model).
+        `lora`: the name of a loaded LoRA adapter to run with (None: the base model). `images`:
+        the prompt's images, placed on its image tokens (`add_images` makes both).
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
@@ -255,7 +270,9 @@ class LLM:
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, prompt_embeds=embeds):
+        async for delta in self._run(
+            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds
+        ):
             if on_delta is not None:
                 on_delta(delta)
             out = outputs[delta.index]
@@ -282,13 +299,16 @@ class LLM:
         cache_salt: str | None = None,
         request_id: str | None = None,
         lora: str | None = None,
+        images: Sequence[ImageInput] = (),
     ) -> AsyncIterator[StreamDelta]:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
         prompt_ids, _, embeds = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, prompt_embeds=embeds):
+        async for delta in self._run(
+            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds
+        ):
             yield delta
 
     async def encode(
@@ -495,6 +515,40 @@ class LLM:
             return self.tokenizer(text, add_special_tokens=False).input_ids
 
         return await anyio.to_thread.run_sync(render)
+
+    def check_images(self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None) -> VisionInfo:
+        """Refuse `count` images for a prompt before any is loaded: a model without images, more
+        than the limit, or a prompt their rows would take past the context length."""
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
+        if count > self.image_limit:
+            raise InvalidRequestError(
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}",
+                param="messages",
+            )
+        check_context_length(
+            len(prompt_ids) + count * max(vision.tokens_per_image - 1, 0), max_tokens, self.info.max_model_len
+        )
+        return vision
+
+    async def add_images(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with its image tokens (one per image, as a chat template renders them)
+        expanded for the model, and the images (RGB `PIL.Image`s, in prompt order) preprocessed
+        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
+        vision = self.check_images(prompt_ids, len(images))
+        if self._image_processor is None:
+            from sonar.multimodal.processor import image_processor
+
+            path = self.config.tokenizer or self.info.tokenizer_path
+            self._image_processor = await anyio.to_thread.run_sync(
+                image_processor, vision, path, self.config.mm_processor_kwargs
+            )
+        processor = self._image_processor
+        from sonar.multimodal.processor import expand_images
+
+        pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(image) for image in images])
+        return expand_images(prompt_ids, vision, pixels)
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text` (in a worker thread), after the prompt-length limit."""
@@ -719,6 +773,50 @@ class LLM:
             traces += status.traces
         return traces
 
+    # -- weight updates ---------------------------------------------------------------------
+    def weight_transfer(self) -> WeightTransferConfig:
+        """The engine's ``weight_transfer_config``; `NotEnabledError` when weight updates are off."""
+        self._check_open()
+        config = self.config.weight_transfer()
+        if config is None:
+            raise NotEnabledError(
+                "weight updates are off: start the engine with weight_transfer_config (--weight-transfer-config "
+                '\'{"backend": "sonar"}\')'
+            )
+        return config
+
+    async def update_weights(
+        self, path: str | os.PathLike[str] | None = None, *, tensors: Mapping[str, Any] | None = None
+    ) -> WeightsUpdated:
+        """Write new weights into the running engine (``weight_transfer_config``;
+        `sonar.engine.weights`): the safetensors checkpoint folder at `path` (a whole model of the
+        same architecture and shapes), or `tensors` (checkpoint name -> tensor in the served
+        dtype; any subset, at most ``max_update_bytes`` per call). They apply between steps:
+        running requests go on with the new weights, the prefix cache is dropped. An update that
+        does not fit raises `WeightUpdateError` and changes nothing. Every replica is updated."""
+        config = self.weight_transfer()
+        if (path is None) == (tensors is None):
+            raise InvalidRequestError("update_weights takes a checkpoint path or tensors, one of the two", param="path")
+        sent: dict[str, Any] | None = None
+        if tensors is not None:
+            sent = _tensors_to_send(tensors, config.max_update_bytes)
+        folder = None if path is None else os.path.abspath(os.fspath(path))
+        updated: WeightsUpdated | None = None
+        for index in range(self.replicas.count):
+            try:
+                reply: WeightUpdateReply = await self._scheduler(index).ask(
+                    UpdateEngineWeights(folder, sent), timeout=self.config.step_timeout + ASK_MARGIN
+                )
+            except (ActorError, ActorNotFound, AskTimeout) as exc:
+                raise EngineDeadError(self.dead or f"the scheduler is not available: {exc}") from None
+            if reply.refused is not None:
+                raise (WeightUpdateConflictError if reply.conflict else WeightUpdateError)(reply.refused)
+            if reply.failed is not None:
+                raise EngineDeadError(reply.failed)
+            updated = reply.updated
+        assert updated is not None
+        return updated
+
     # -- LoRA adapters ----------------------------------------------------------------------
     async def load_lora(
         self, name: str, path: str, base_model_name: str | None = None, *, replace: bool = False
@@ -766,12 +864,20 @@ class LLM:
     def _scheduler(self, index: int) -> Any:
         return self.replicas.engine(index).child("scheduler").ref
 
-    def _route(self, prompt_ids: list[int], cache_salt: str | None, lora: LoRARequest | None, requests: int) -> int:
+    def _route(
+        self,
+        prompt_ids: list[int],
+        cache_salt: str | None,
+        lora: LoRARequest | None,
+        requests: int,
+        images: Sequence[ImageInput] = (),
+    ) -> int:
         """The replica for a request (0 without data parallelism), counted in flight there."""
         if self.router is None:
             return 0
         key = None if lora is None else lora.digest
-        hashes = self._hasher.chain(prompt_ids, cache_salt, key) if self._hasher is not None else []
+        media = [(im.offset, im.length, im.hash) for im in images]
+        hashes = self._hasher.chain(prompt_ids, cache_salt, key, media) if self._hasher is not None else []
         index = self.router.route(hashes, requests)
         if index is None:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
@@ -891,6 +997,7 @@ class LLM:
         cache_salt: str | None,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        images: Sequence[ImageInput] = (),
         prompt_embeds: bytes | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
@@ -904,7 +1011,7 @@ class LLM:
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
         ids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
         index = {cid: i for i, cid in enumerate(ids)}
-        replica = self._route(prompt_ids, cache_salt, lora, len(ids))
+        replica = self._route(prompt_ids, cache_salt, lora, len(ids), images)
         stream = DeltaStream()
         for cid in ids:
             self._streams[cid] = stream
@@ -925,6 +1032,7 @@ class LLM:
                         arrival_time=time.monotonic(),
                         lora=lora,
                         pooling=pooling,
+                        images=list(images),
                         prompt_embeds=prompt_embeds,
                     ),
                 )
@@ -951,6 +1059,7 @@ class LLM:
                     delta.num_cached_tokens,
                     delta.pooled,
                     delta.timing,
+                    delta.model_time,
                 )
         finally:
             for cid in ids:
@@ -1020,3 +1129,24 @@ def _request_error(error: RequestError) -> SonarError:
     if error.type == "lora":
         return LoRAError(error.message)
     return SamplingFailedError(error.message)
+
+
+def _tensors_to_send(tensors: Mapping[str, Any], max_bytes: int) -> dict[str, Any]:
+    """`tensors` as they travel to the worker (contiguous, in host memory), within `max_bytes`."""
+    import torch
+
+    sent: dict[str, Any] = {}
+    total = 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise WeightUpdateError(
+                f"update_weights takes tensors by checkpoint name; got {name!r}: {type(tensor).__name__}"
+            )
+        total += tensor.nbytes
+        if total > max_bytes:
+            raise WeightUpdateError(
+                f"the update holds over {max_bytes} bytes of tensors (max_update_bytes of --weight-transfer-config); "
+                "send it in several calls"
+            )
+        sent[name] = tensor.detach().to("cpu").contiguous()
+    return sent

@@ -21,7 +21,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,7 +50,7 @@ from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
-from sonar.protocol.engine import ExecuteStep, StepResult, TokenLogprobs, WorkerInfo
+from sonar.protocol.engine import ExecuteStep, ImageInput, StepResult, TokenLogprobs, VisionInfo, WorkerInfo
 from sonar.sampling_params import GREEDY_EPS, SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
@@ -81,6 +81,23 @@ class _RequestState:
     pooling: PoolingParams | None = None
     pool: PoolState | None = None
     """A pooling request: what it has kept of its hidden states so far."""
+    images: list[ImageInput] = field(default_factory=list)
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Image index -> its feature rows, kept from the step that reaches its first placeholder to
+    the one that passes its last (a chunked prefill reads them over several steps)."""
+    mrope: torch.Tensor | None = None
+    """M-RoPE (Qwen2-VL) with images: the prompt's positions ``[3, prompt length]``; a later
+    token's are its position plus `mrope_delta` in all three."""
+    mrope_delta: int = 0
+
+    def rope_positions(self, start: int, n: int) -> list[int]:
+        """The rotary positions of ``[start, start + n)`` where the three M-RoPE rows agree (text)."""
+        if self.mrope is None:
+            return list(range(start, start + n))
+        prompt = self.mrope.shape[1]
+        inside = self.mrope[0, start : min(start + n, prompt)].tolist()
+        return inside + list(range(max(start, prompt) + self.mrope_delta, start + n + self.mrope_delta))
+
     embeds: torch.Tensor | None = None
     """A prompt given as input embeddings (`sonar.engine.prompt_embeds`): ``[prompt, hidden]``."""
 
@@ -89,6 +106,15 @@ class _RequestState:
         """The prompt's tokens as sampling sees them: None for an embeddings prompt (its ids are
         placeholders)."""
         return None if self.embeds is not None else self.prompt
+
+
+def vision_info(model: Any) -> VisionInfo | None:
+    """What the frontend needs to send this model images; None for a text-only model."""
+    if hasattr(model, "vision_info"):
+        return model.vision_info()
+    if not hasattr(model, "encode_images"):
+        return None
+    return VisionInfo(model.image_token_id, model.tokens_per_image, model.image_size)
 
 
 def kv_layout(model: Any) -> tuple[int, int, int]:
@@ -233,6 +259,7 @@ class ModelRunner:
         """The forward pass steps run: the model, or its compiled form (`sonar.engine.compile`)."""
         self.compiled: CompiledForward | None = None
         pipelined = topology.stage.size > 1
+        spec = cfg.speculative()
         if compile_wanted(cfg, device) and pipelined:
             log.warning(
                 "compile.disabled", detail="a pipeline stage runs eagerly (its forward pass sends and receives)"
@@ -241,9 +268,10 @@ class ModelRunner:
             log.warning("compile.disabled", detail="encoder models run eagerly")
         elif compile_wanted(cfg, device) and self.lora is not None:
             log.warning("compile.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
+        elif compile_wanted(cfg, device) and spec is not None and spec.method == "eagle3":
+            log.warning("compile.disabled", detail="EAGLE-3 reads the target's layers through hooks, eagerly")
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
-        spec = cfg.speculative()
         self.drafter: Drafter | EagleDrafter | None = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = Drafter(
@@ -253,9 +281,14 @@ class ModelRunner:
                 vocab_size=int(self.loaded.config.vocab_size),
                 block_size=cfg.block_size,
             )
-        elif spec is not None and spec.method == "eagle":
+        elif spec is not None and spec.method in ("eagle", "eagle3", "mtp"):
             self.drafter = EagleDrafter(
-                spec, target=self.model, dtype=self.loaded.dtype, device=device, block_size=cfg.block_size
+                spec,
+                target=self.model,
+                dtype=self.loaded.dtype,
+                device=device,
+                block_size=cfg.block_size,
+                checkpoint=self.loaded.model_dir,
             )
         t1 = time.perf_counter()
         kv_bytes = None
@@ -361,9 +394,11 @@ class ModelRunner:
             num_kv_heads=self.model.num_kv_heads,
             head_dim=self.model.head_dim,
             device=device.type,
+            device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "",
             projections=ModelShapes.of_config(self.loaded.config).modules if self.causal else {},
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
+            vision=vision_info(self.model),
             hidden_size=self.hidden_size,
         )
         log.info(
@@ -541,6 +576,9 @@ class ModelRunner:
             self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
             )
+            state.images = new.images
+            if new.images and hasattr(self.model, "rope_index"):
+                state.mrope, state.mrope_delta = self.model.rope_index(len(new.prompt_token_ids), new.images)
             if new.prompt_embeds is not None:
                 state.embeds = self._embeds(new.req_id, new.prompt_embeds, len(new.prompt_token_ids))
             if new.pooling is not None:
@@ -565,6 +603,9 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
+        image_rows: list[int] = []  # rows whose embedding is an image's feature row
+        image_embeds: list[torch.Tensor] = []
+        mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
         embed_rows: list[tuple[int, torch.Tensor]] = []  # (first row, embeddings) of embeddings prompts
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -586,6 +627,10 @@ class ModelRunner:
                 s_lens.append(sched.start_pos + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
+            if state.mrope is not None:
+                mrope.append((first, sched.start_pos, n, state))
+            if state.images:
+                self._image_rows(state, first, sched.start_pos, n, image_rows, image_embeds)
             if state.embeds is not None and sched.start_pos < len(state.prompt):
                 end = min(sched.start_pos + n, len(state.prompt))
                 embed_rows.append((first, state.embeds[sched.start_pos : end]))
@@ -611,12 +656,15 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
+        forward_started = time.perf_counter()
         if (
             self.graphs is not None
             and len(ids) == len(q_lens)
             and not prompt_rows
             and not pool_rows
             and not embed_rows
+            and not image_rows
+            and not mrope  # a graph takes its cache slots from the positions
             and self.drafter is None
         ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -624,17 +672,33 @@ class ModelRunner:
             device = self.device
             meta = AttentionMetadata.build(q_lens, s_lens, tables, self.config.block_size, device=device)
             ids_t, positions_t = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            rope_t = positions_t
+            if mrope:  # the rotary's positions: M-RoPE moves those of requests with images
+                rope = list(positions)
+                for first, start, n, state in mrope:
+                    rope[first : first + n] = state.rope_positions(start, n)
+                rope_t = torch.tensor(rope, device=device)
             with self._adapters(out.requests, lost):
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
                 elif embed_rows:
                     hidden = self._forward_embeds(ids_t, positions_t, meta, embed_rows)
+                elif image_rows:  # eager: compiled forms and graphs take token ids alone
+                    rows_t = torch.tensor(image_rows, device=device)
+                    embeds = torch.cat(image_embeds)
+                    if mrope:  # image rows' three positions differ: every row's three
+                        rope_t = self._mrope_positions(rope_t, mrope)
+                    hidden = self.model(ids_t, rope_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds)
                 else:
-                    hidden = self._forward_stage(ids_t, positions_t, self.kv_caches, meta)
+                    hidden = self._forward_stage(ids_t, rope_t, self.kv_caches, meta)
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
+        if self.config.trace_model:  # the device runs ahead of the host: wait for it to time the pass
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            result.forward_seconds = time.perf_counter() - forward_started
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -732,6 +796,41 @@ class ModelRunner:
             result.proposed = self.drafter.draft(view)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _image_rows(
+        self, state: _RequestState, first: int, start: int, n: int, rows: list[int], embeds: list[torch.Tensor]
+    ) -> None:
+        """Add the rows of positions ``[start, start + n)`` that are image placeholders (at batch
+        row ``first`` for ``start``) and their feature rows; an image's features are computed the
+        first time a step reaches it."""
+        for index, image in enumerate(state.images):
+            lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+            if lo >= hi:
+                continue
+            features = state.features.get(index)
+            if features is None:
+                pixels = image.pixel_values.to(self.device)
+                if image.grid is None:
+                    features = self.model.encode_images(pixels.unsqueeze(0))[0]
+                else:
+                    features = self.model.encode_grid(pixels, image.grid)
+                state.features[index] = features
+            rows += range(first + lo - start, first + hi - start)
+            embeds.append(features[lo - image.offset : hi - image.offset])
+            if hi == image.offset + image.length:
+                del state.features[index]
+
+    @staticmethod
+    def _mrope_positions(rope: torch.Tensor, requests: list[tuple[int, int, int, _RequestState]]) -> torch.Tensor:
+        """The step's M-RoPE positions ``[3, rows]``: `rope` in all three rows, the prompt rows of
+        `requests` (first row, start position, rows, request) from their tables."""
+        table = rope.expand(3, -1).clone()
+        for first, start, n, state in requests:
+            assert state.mrope is not None
+            inside = min(start + n, state.mrope.shape[1]) - start
+            if inside > 0:
+                table[:, first : first + inside] = state.mrope[:, start : start + inside].to(table.device)
+        return table
 
     def _pool(
         self, rows: list[tuple[_RequestState, str, int, int, int, bool]], hidden: torch.Tensor, result: StepResult
@@ -837,11 +936,12 @@ class ModelRunner:
             and forward is not None
             and "hidden" in inspect.signature(forward).parameters
             and self.pooler is None
+            and vision_info(self.model) is None  # image rows and embedding rows would share one path
         )
         if not takes:
             raise ModelLoadError(
                 f"--enable-prompt-embeds: {type(self.model).__name__} takes no prompt embeddings (only generative "
-                "decoder models that embed their input apart do)"
+                "text-only decoder models that embed their input apart do)"
             )
 
     def _embeds(self, rid: str, data: bytes, num_prompt: int) -> torch.Tensor:

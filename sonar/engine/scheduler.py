@@ -51,6 +51,13 @@ ones to finish (past it nothing changes and the sleep is refused); then it drops
 (the KV it indexes is about to be freed) and puts the worker to sleep. It takes requests again
 once the worker has woken every tag. A sleep or wake runs beside the mailbox, so aborts, stop
 strings and the step loop go on while it waits.
+
+Weight updates (`UpdateEngineWeights`, ``--weight-transfer-config``): the step loop stops before it
+schedules its next step, the worker writes the new weights once the steps already sent are done
+(its step lock), the prefix cache is dropped (its KV was computed with the old weights) and the
+loop goes on. Requests are not drained: those running continue with the new weights, over the KV
+they computed with the old ones (vLLM's ``keep``); their blocks stay out of the prefix cache, so
+new requests never reuse KV of the old weights.
 """
 
 from __future__ import annotations
@@ -69,12 +76,15 @@ from sonar.actors.node import get_node
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.events import AllBlocksCleared, BlockRemoved
+from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
-from sonar.core.outputs import RequestError, SchedulerOutput
+from sonar.core.kv_residency import KVResidency
+from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
+from sonar.engine.peak import peak_flops
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
@@ -90,6 +100,7 @@ from sonar.protocol.engine import (
     Forget,
     GetSleepState,
     GetStats,
+    ImageInput,
     KVLoaded,
     NewRequestData,
     SchedulerMsg,
@@ -98,10 +109,15 @@ from sonar.protocol.engine import (
     SleepReply,
     StepBitmask,
     StepOutputs,
+    StepResult,
     StopStringHit,
     TrackRequest,
+    UpdateEngineWeights,
+    UpdateWeights,
+    VisionInfo,
     WakeEngine,
     WakeUp,
+    WeightUpdateReply,
     WorkerInfo,
     WorkerMsg,
 )
@@ -168,6 +184,17 @@ class SchedulerActor(Actor):
         """A sleep or a wake-up is under way (one at a time)."""
         self.refreshing = False
         """The worker is being asked its sleep state (`_refresh_sleep`)."""
+        self.shape: ModelShape | None = None
+        """--enable-mfu-metrics: the model's shape, for each step's cost (`_costs`)."""
+        self.mfu: MFUStats | None = None
+        self._costs: dict[int, StepCost] = {}
+        """--enable-mfu-metrics: the estimated cost of each step in flight."""
+        self._step_requests: dict[int, list[str]] = {}
+        """--collect-detailed-traces: the requests of each step in flight,"""
+        self._model_time: dict[str, list[float]] = {}
+        """and each request's worker time so far: [execute, forward] seconds."""
+        self.updating: anyio.Event | None = None
+        """A weight update is under way: the step loop waits for this event before its next step."""
 
     async def started(self) -> None:
         info: WorkerInfo = await self.worker.ask(DescribeWorker(), timeout=60)
@@ -187,6 +214,10 @@ class SchedulerActor(Actor):
             kv_events=self.kv_events,
             offload_blocks_per_chunk=self.offload_bpc,
         )
+        if cfg.kv_cache_metrics:
+            blocks.pool.residency = KVResidency(cfg.kv_cache_metrics_sample, seed=cfg.seed)
+        if cfg.enable_mfu_metrics:
+            self._start_mfu(info)
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
         self.core = Scheduler(
@@ -220,6 +251,18 @@ class SchedulerActor(Actor):
                 )
             self.task_group.start_soon(self._watch_tiers)
 
+    def _start_mfu(self, info: WorkerInfo) -> None:
+        """--enable-mfu-metrics: the model's shape from the worker's description, and the
+        device's peak; a model whose projections the worker does not describe (a pooling model)
+        gets no estimate, and says so."""
+        if "q_proj" not in info.projections:
+            log.warning("mfu.unavailable", reason="the model's projections are unknown (not a decoder)")
+            return
+        dtype_bytes = DTYPE_BYTES.get(info.dtype, 2)
+        self.shape = ModelShape.of(info.projections, info.num_hidden_layers, info.vocab_size, dtype_bytes)
+        self.mfu = MFUStats(peak_flops=peak_flops(info.device, info.device_name, info.dtype))
+        log.info("mfu.enabled", peak_flops=self.mfu.peak_flops, device=info.device_name or info.device)
+
     async def handle(self, msg: SchedulerMsg) -> Any:
         if isinstance(msg, AddRequest):
             return await self._add(msg)
@@ -236,6 +279,7 @@ class SchedulerActor(Actor):
         if isinstance(msg, GetStats):
             stats = self.core.stats()
             stats.steps_overlapped = self.steps_overlapped
+            stats.mfu = self.mfu
             return stats
         if isinstance(msg, CountRequests):
             return len(self.core.requests) + len(self.pending)
@@ -257,6 +301,14 @@ class SchedulerActor(Actor):
                 return SleepReply(self.sleep, "another sleep or wake-up is under way; try again when it is done")
             self.transition = True
             self.task_group.start_soon(self._go_to_sleep if isinstance(msg, SleepEngine) else self._wake_up, msg)
+            return NO_REPLY
+        if isinstance(msg, UpdateEngineWeights):
+            if self.updating is not None:
+                return WeightUpdateReply(
+                    refused="another weight update is under way; send this one when it is done", conflict=True
+                )
+            self.updating = anyio.Event()
+            self.task_group.start_soon(self._update_weights, msg)
             return NO_REPLY
         raise TypeError(f"unexpected {type(msg).__name__}")
 
@@ -316,6 +368,9 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
+        problem = _images_problem(msg, self.info.vision)
+        if problem is not None:
+            return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
             grammar = await self._grammar(msg)
         except InvalidRequestError as exc:
@@ -338,6 +393,8 @@ class SchedulerActor(Actor):
                 arrival_time=msg.arrival_time or time.monotonic(),
                 cache_salt=msg.cache_salt,
                 lora=msg.lora,
+                media=[(im.offset, im.length, im.hash) for im in msg.images],
+                media_inputs=msg.images or None,
                 sampling_params=params,
                 pooling_params=msg.pooling,
                 skip_reading_prefix_cache=skip_cache,
@@ -444,6 +501,8 @@ class SchedulerActor(Actor):
         await self.wake.wait()
 
     async def _schedule(self) -> SchedulerOutput:
+        if self.updating is not None:  # the steps already sent finish, then the weights change
+            await self.updating.wait()
         self.kicked = False
         output = self.core.schedule()
         await self._publish_kv_events()
@@ -474,6 +533,7 @@ class SchedulerActor(Actor):
                         list(req.output_token_ids),
                         req.lora,
                         req.pooling_params,
+                        req.media_inputs or [],
                         req.prompt_embeds,
                     )
                 )
@@ -485,10 +545,16 @@ class SchedulerActor(Actor):
             action, rank = (fault.action, fault.rank) if fault is not None else (None, 0)
             if self.config.enable_logging_iteration_details:
                 self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
+            if self.shape is not None:
+                self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
+            if self.config.collect_detailed_traces:
+                self._step_requests[output.step_id] = [s.req_id for s in output.requests]
             return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
+            self._costs.pop(output.step_id, None)
+            self._step_requests.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -553,10 +619,19 @@ class SchedulerActor(Actor):
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc
             self._iterations.clear()  # what is in flight is voided or recomputed
+            self._costs.clear()
+            self._step_requests.clear()
             return False
+        cost = self._costs.pop(result.step_id, None)
+        stepped = self._step_requests.pop(result.step_id, None)
         if not apply:
             return True
         self.steps += 1
+        if cost is not None and self.mfu is not None:
+            ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
+            self.mfu.flops += cost.flops // ranks
+            self.mfu.read_bytes += cost.read_bytes // ranks
+            self.mfu.busy_seconds += result.seconds
         iteration = self._iterations.pop(result.step_id, None)
         if iteration is not None:
             sent, details = iteration
@@ -579,6 +654,8 @@ class SchedulerActor(Actor):
                 },
                 uncache=lost,
             )
+        if stepped is not None:
+            self._add_model_time(stepped, result, updates)
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
@@ -592,6 +669,24 @@ class SchedulerActor(Actor):
                 )
             )
         return True
+
+    def _add_model_time(self, stepped: list[str], result: StepResult, updates: list[RequestUpdate]) -> None:
+        """--collect-detailed-traces: add a step's worker time to each of its requests, and give
+        every update its request's total so far (a stop string or an abort ends a request on the
+        frontend's side with the last one it got)."""
+        times = self._model_time
+        for rid in stepped:
+            acc = times.setdefault(rid, [0.0, 0.0])
+            acc[0] += result.seconds
+            acc[1] += result.forward_seconds
+        worker, model = self.config.trace_worker, self.config.trace_model
+        for update in updates:
+            acc = times.get(update.req_id)
+            if acc is not None:
+                update.model_time = RequestModelTime(acc[0] if worker else None, acc[1] if model else None)
+        if len(times) > len(self.core.requests):  # ended requests (finished, stopped, aborted) go
+            for rid in [rid for rid in times if rid not in self.core.requests]:
+                del times[rid]
 
     # -- KV offloading -------------------------------------------------------------------------
     def _in_tiers(self, block_hash: bytes) -> bool:
@@ -767,6 +862,40 @@ class SchedulerActor(Actor):
         if msg.reply_to is not None:
             await get_node().reply(msg.reply_to, reply)
 
+    async def _update_weights(self, msg: UpdateEngineWeights) -> None:
+        """Have the worker write new weights between steps, then drop the prefix cache."""
+        assert self.updating is not None
+        try:
+            update = UpdateWeights(msg.path, msg.tensors)
+            updated = await self.worker.ask(update, timeout=self.config.step_timeout)
+            self.core.block_manager.drop_stale_kv()
+            await self._publish_kv_events()
+            reply = WeightUpdateReply(updated)
+            log.info("scheduler.weights_updated", tensors=updated.tensors, seconds=updated.seconds)
+        except ActorError as exc:
+            refused = exc.error.type.endswith((".WeightUpdateError", ".WeightUpdateConflictError", ".NotEnabledError"))
+            reply = WeightUpdateReply(
+                refused=exc.error.message if refused else None,
+                failed=None if refused else f"the worker failed while it wrote the weights: {exc.error.message}",
+                conflict=exc.error.type.endswith(".WeightUpdateConflictError"),
+            )
+        except (AskTimeout, ActorNotFound) as exc:
+            reply = WeightUpdateReply(failed=f"the worker could not update its weights: {exc}")
+        finally:
+            self.updating.set()
+            self.updating = None
+        if msg.reply_to is not None:
+            await get_node().reply(msg.reply_to, reply)
+
+
+#: Bytes per weight and KV value, by the model's dtype (quantized weights are counted at it too).
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def step_chunks(output: SchedulerOutput) -> list[tuple[int, int, int]]:
+    """Each request's ``(start, tokens, sampled rows)`` in a step, for `step_cost`."""
+    return [(s.start_pos, len(s.token_ids), 1 + s.num_drafts if s.sample else 0) for s in output.requests]
+
 
 def iteration_details(output: SchedulerOutput) -> dict[str, int]:
     """A step's composition, as vLLM's iteration log counts it: context requests (computing prompt
@@ -799,3 +928,43 @@ def _never_ran(failure: Exception | None) -> bool:
     if isinstance(failure, ActorNotFound):
         return True
     return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))
+
+
+def _image_shape(image: ImageInput, vision: VisionInfo) -> tuple[int | None, tuple[int, ...] | None]:
+    """The tokens and the pixel shape `image` must have on this model (Nones: a grid that cannot be)."""
+    if not vision.patch_size:
+        side = vision.image_size
+        return vision.tokens_per_image, (3, side, side)
+    grid, merge = image.grid, vision.merge_size
+    if grid is None or len(grid) != 3 or grid[0] != 1 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
+        return None, None
+    t, h, w = grid
+    return t * h * w // merge**2, (t * h * w, 3 * vision.temporal_patch_size * vision.patch_size**2)
+
+
+def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
+    """Why the request's images cannot run on this model, or None: each must sit on exactly
+    `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size,
+    and no image token may be left without its image."""
+    prompt = msg.prompt_token_ids
+    if vision is None:
+        return "this model does not accept images" if msg.images else None
+    end = 0
+    for i, image in enumerate(msg.images):
+        length, shape = _image_shape(image, vision)
+        if length is None or shape is None:
+            return f"image {i} needs a grid (1, h, w) of patches, h and w multiples of {vision.merge_size} (videos are not served)"
+        if image.offset < end or image.length != length or image.offset + image.length > len(prompt):
+            return f"image {i} does not fit the prompt's image tokens"
+        if any(t != vision.image_token_id for t in prompt[image.offset : image.offset + image.length]):
+            return f"image {i} is not placed on image tokens"
+        pixels = image.pixel_values
+        if tuple(getattr(pixels, "shape", ())) != shape or str(pixels.dtype) != "torch.float32":
+            return (
+                f"image {i} has pixels of shape {tuple(getattr(pixels, 'shape', ()))}, the model takes {shape} float32"
+            )
+        end = image.offset + image.length
+    placed = sum(image.length for image in msg.images)
+    if prompt.count(vision.image_token_id) != placed:
+        return f"the prompt holds image tokens (id {vision.image_token_id}) without their image"
+    return None

@@ -34,7 +34,9 @@ Sleep mode (`Sleep`, `WakeUp`; `sonar.engine.sleep`): between steps, under the s
 worker frees its KV cache and moves or drops its weights, and restores them; `DescribeWorker`
 answers its sleep state. Profiling (`StartProfile`, `StopProfile`; `sonar.engine.profiler`):
 torch's profiler records only the thread that started it, so a worker with ``--profiler-config``
-runs its steps, and starts and stops the profiler, in one thread of its own.
+runs its steps, and starts and stops the profiler, in one thread of its own. Weight updates
+(`UpdateWeights`, ``--weight-transfer-config``; `sonar.engine.weights`): between steps, under the
+step lock, checked whole before a parameter is written.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
+from sonar.core.weights import WeightUpdateError
 from sonar.engine import ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
@@ -64,6 +67,7 @@ from sonar.engine.profiler import ProfilerConfig, TraceProfiler
 from sonar.engine.replicas import pin_to_cpu_share
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.engine.sleep import SleepingRunner, WorkerAsleepError
+from sonar.engine.weights import WeightUpdater
 from sonar.errors import NotEnabledError, SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
@@ -80,6 +84,7 @@ from sonar.protocol.engine import (
     StepDone,
     StepResult,
     StopProfile,
+    UpdateWeights,
     WakeUp,
     WorkerMsg,
 )
@@ -156,6 +161,8 @@ class WorkerActor(Actor):
         """``--profiler-config``: the profiler of this worker's steps."""
         self._step_thread: ThreadPoolExecutor | None = None
         """With a profiler: the one thread steps run in (else anyio's thread pool)."""
+        self.updater: WeightUpdater | None = None
+        """``--weight-transfer-config``: what checks and applies weight updates."""
 
     async def started(self) -> None:
         if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
@@ -180,6 +187,8 @@ class WorkerActor(Actor):
         )
         if self.config.enable_sleep_mode:
             self.sleeper = SleepingRunner(self.config, self.runner)
+        if self.config.weight_transfer() is not None:
+            self.updater = WeightUpdater(self.runner)
 
     # -- parallel groups -------------------------------------------------------------------------
     async def _lead_group(self) -> ModelRunner:
@@ -267,6 +276,9 @@ class WorkerActor(Actor):
         if isinstance(msg, (StartProfile, StopProfile)):
             self.task_group.start_soon(self._profile, msg)
             return NO_REPLY
+        if isinstance(msg, UpdateWeights):
+            self.task_group.start_soon(self._update_weights, msg)
+            return NO_REPLY
         if isinstance(msg, JoinGroup):
             self.task_group.start_soon(self._join, msg)
             return NO_REPLY
@@ -342,6 +354,29 @@ class WorkerActor(Actor):
             return self.sleeper.wake(msg.tags)
         finally:
             self.runner = self.sleeper.runner
+
+    async def _update_weights(self, msg: UpdateWeights) -> None:
+        """Apply a weight update between steps and answer what was written. A refused update
+        wrote nothing and is answered as an error; any other failure (a checkpoint file that
+        breaks while it is read) also crashes the worker, whose successor serves the startup
+        checkpoint whole rather than a mix."""
+        node = get_node()
+        try:
+            if self.updater is None:
+                raise NotEnabledError("weight updates are off: start the engine with --weight-transfer-config")
+            async with self.lock:
+                updated = await self._compute(self.updater.apply, self.runner, msg.path, msg.tensors)
+        except (WeightUpdateError, NotEnabledError) as exc:
+            if msg.reply_to is not None:
+                await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            return
+        except Exception as exc:
+            if msg.reply_to is not None:
+                with anyio.CancelScope(shield=True):
+                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            raise
+        if msg.reply_to is not None:
+            await node.reply(msg.reply_to, updated)
 
     async def _profile(self, msg: StartProfile | StopProfile) -> None:
         """Start or stop the profiler between steps, here and on the other ranks of the group."""

@@ -4,25 +4,34 @@
     POST /wake_up[?tags=weights&tags=kv_cache]
     GET  /is_sleeping                   {"is_sleeping": bool}
     POST /start_profile, /stop_profile  torch's profiler in the workers
+    POST /update_weights                new weights: {"path": DIR}, or a safetensors body
+                                        (Content-Type application/octet-stream) of tensors
 
 Each maps onto the `LLM` method of the same name: a server started without the feature's flag
-(``--enable-sleep-mode``, ``--profiler-config``) answers 404 naming it (`NotEnabledError`).
+(``--enable-sleep-mode``, ``--profiler-config``, ``--weight-transfer-config``) answers 404 naming
+it (`NotEnabledError`).
 Like every route but the health probes they need the API key when one is set. While the engine
 sleeps, generation requests get 503 (`EngineSleepingError`); a sleep the running requests do not
-leave time for (``timeout``, default 60 s) gets 409 and changes nothing.
+leave time for (``timeout``, default 60 s) gets 409 and changes nothing. A weight update that does
+not fit the served model gets 400, one that cannot happen now 409; neither changes anything; a safetensors body is bounded by
+``--max-request-body-bytes`` (bigger updates go through the library, `LLM.update_weights`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import anyio.to_thread
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from sonar.core.sleep import SleepState
+from sonar.core.weights import WeightUpdateError
 from sonar.engine.llm import LLM, SLEEP_DRAIN_TIMEOUT
-from sonar.http.protocol import RequestError
+from sonar.http.protocol import RequestError, decode_request
 from sonar.http.responses import json_response
 
 
@@ -45,6 +54,20 @@ def _number(request: Request, name: str, kind: type, default: float) -> float:
 
 def _state(state: SleepState) -> Response:
     return json_response({"is_sleeping": state.is_sleeping, "level": state.level, "asleep": list(state.asleep)})
+
+
+class UpdateWeightsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    path: str
+
+
+def _safetensors_body(body: bytes) -> dict[str, Any]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        return load(body)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise WeightUpdateError(f"the request body is not a safetensors file: {exc}") from None
 
 
 def admin_routes(llm: LLM) -> list[Route]:
@@ -72,7 +95,19 @@ def admin_routes(llm: LLM) -> list[Route]:
         _params(request, ())
         return json_response({"profiling": False, "traces": await llm.stop_profile()})
 
+    async def update_weights(request: Request) -> Response:
+        _params(request, ())
+        llm.weight_transfer()  # off: 404 naming the flag, before the body is looked at
+        body = await request.body()
+        if request.headers.get("content-type", "").startswith("application/octet-stream"):
+            tensors = await anyio.to_thread.run_sync(_safetensors_body, body)
+            updated = await llm.update_weights(tensors=tensors)
+        else:
+            updated = await llm.update_weights(decode_request(body, UpdateWeightsRequest).path)
+        return json_response(msgspec.to_builtins(updated))
+
     return [
+        Route("/update_weights", update_weights, methods=["POST"]),
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake_up", wake_up, methods=["POST"]),
         Route("/is_sleeping", is_sleeping, methods=["GET"]),

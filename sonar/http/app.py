@@ -12,11 +12,13 @@ not serve; LoRA adapters are listed with their ``parent``), POST /v1/load_lora_a
 server's file reads on a path the client names, a privilege), GET /health, GET|POST /ping, GET /version, POST /tokenize, POST /detokenize,
 GET /tokenizer_info (only with --enable-tokenizer-info-endpoint), and the observability routes
 GET /metrics (Prometheus), GET /actors (the supervision tree), GET /load (requests in flight; see
-`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), and the operator's routes POST /sleep, /wake_up, GET /is_sleeping, POST
-/start_profile, /stop_profile (`sonar/http/admin.py`). With API keys set, every route but /health and /ping (and /metrics with
---metrics-public) needs `Authorization: Bearer <key>`. /actors shows the actors' transport
-addresses (remote hosts, ipc paths) only to a client with the key, or, when no key is set, to a
-loopback client; others see `remote` in their place. Bodies are bounded in size and read time
+`sonar/http/metrics.py`; a 404 saying why with --no-enable-server-load-tracking), the operator's routes
+POST /sleep, /wake_up, GET /is_sleeping, POST /start_profile, /stop_profile (`sonar/http/admin.py`),
+and GET / (the web console's page, `sonar/http/console/`). With API keys set, every route but
+/health, /ping and the console's static files (and /metrics with --metrics-public) needs
+`Authorization: Bearer <key>`. /actors shows the actors' transport addresses (remote hosts, ipc
+paths) only to a client with the key, or, when no key is set, to a loopback client; others see
+`remote` in their place. Bodies are bounded in size and read time
 (`BodyLimits`).
 """
 
@@ -29,6 +31,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import anyio
+import anyio.to_thread
 import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
@@ -44,8 +47,9 @@ import sonar
 from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
 from sonar.http.admin import admin_routes
-from sonar.http.chat import create_chat_completion, template_kwargs, template_source
+from sonar.http.chat import create_chat_completion, image_token, template_kwargs, template_source
 from sonar.http.completions import create_completion
+from sonar.http.console import CONSOLE_PATHS, console_routes
 from sonar.http.content_format import shape_content
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
 from sonar.http.messages import template_messages, template_tools
@@ -68,6 +72,7 @@ from sonar.http.response_store import ResponseStore
 from sonar.http.responses import json_response
 from sonar.http.responses_api import cancel_response, create_response, delete_response, get_response
 from sonar.http.settings import ServerSettings
+from sonar.http.tracing import RequestTracer
 from sonar.log import get_logger
 from sonar.lora.registry import runtime_lora_updating
 
@@ -201,6 +206,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     """`log_stats_interval`: seconds between stats log lines while the app runs (None: none)."""
     names = settings.served_model_names
     metrics = ServerMetrics()
+    tracer = RequestTracer(settings.otlp_traces_endpoint) if settings.otlp_traces_endpoint else None
 
     def check_model(model: str | None) -> str | None:
         """The LoRA adapter `model` names (None: the base model); 404 for a name not served."""
@@ -308,8 +314,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if req.messages is None and getattr(req, name) is not None:
                 raise RequestError(f"{name} only applies to messages", name)
         if req.messages is not None:
+            urls: list[tuple[str, str]] = []  # images count by their placeholder rows; none is loaded
             source = template_source(llm, settings)
-            messages = template_messages(req.messages, source)
+            messages = template_messages(req.messages, source, image_token(llm), urls)
             ids = await llm.apply_chat_template(
                 shape_content(messages, req.messages, settings.chat_template_content_format, source),
                 add_generation_prompt=req.add_generation_prompt,
@@ -318,6 +325,9 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
                 tools=template_tools(req.tools),
                 chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
             )
+            if urls and llm.info.vision is not None:
+                vision = llm.info.vision
+                ids = [t for i in ids for t in ([i] * vision.tokens_per_image if i == vision.image_token_id else [i])]
         else:
             ids = await llm.tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
         strs = llm.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
@@ -348,8 +358,12 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with stats_logging(llm, metrics, log_stats_interval):
-            yield
+        try:
+            async with stats_logging(llm, metrics, log_stats_interval):
+                yield
+        finally:
+            if tracer is not None:  # the spans still queued go out (bounded by the export timeout)
+                await anyio.to_thread.run_sync(tracer.shutdown)
 
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
@@ -381,6 +395,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if runtime_lora_updating()
             else []
         ),
+        *console_routes(),
     ]
     if settings.enable_tokenizer_info_endpoint:
         routes.append(Route("/tokenizer_info", tokenizer_info, methods=["GET"]))
@@ -400,7 +415,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes, timeout=settings.body_read_timeout)
     )
     if settings.api_keys:
-        open_paths = OPEN_PATHS | {"/metrics"} if settings.metrics_public else OPEN_PATHS
+        open_paths = OPEN_PATHS | CONSOLE_PATHS | ({"/metrics"} if settings.metrics_public else set())
         middleware.append(Middleware(ApiKeyMiddleware, keys=settings.api_keys, open_paths=open_paths))
     if settings.enable_server_load_tracking:
         middleware.append(Middleware(LoadMiddleware, metrics=metrics))
@@ -415,6 +430,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     app.state.llm = llm
     app.state.settings = settings
     app.state.metrics = metrics
+    app.state.tracer = tracer
     return app
 
 

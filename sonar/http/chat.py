@@ -42,6 +42,8 @@ from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
 from sonar.http.tasks import cancel_on_disconnect
 from sonar.http.tools import ChoiceOutput, choice_output, finish_reason, plan_tools, whole_message
+from sonar.multimodal.media import MediaPolicy, load_images
+from sonar.protocol.engine import ImageInput
 from sonar.sampling_params import SamplingParams
 
 
@@ -56,6 +58,7 @@ async def create_chat_completion(
     check_user(settings, req.user)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
+    rec.describe(params, lora or settings.model_name)
     if req.add_generation_prompt and req.continue_final_message:
         raise RequestError(
             "add_generation_prompt and continue_final_message cannot both be set (set add_generation_prompt to false)",
@@ -64,10 +67,18 @@ async def create_chat_completion(
     tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
     plan.constrain(params, req.skip_special_tokens)
+    urls: list[tuple[str, str]] = []
     source = template_source(llm, settings)
     messages = shape_content(
-        template_messages(req.messages, source), req.messages, settings.chat_template_content_format, source
+        template_messages(req.messages, source, image_token(llm), urls),
+        req.messages,
+        settings.chat_template_content_format,
+        source,
     )
+    if len(urls) > llm.image_limit:
+        raise RequestError(
+            f"at most {llm.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {len(urls)}", "messages"
+        )
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None
     prompt_ids = await llm.apply_chat_template(
@@ -78,6 +89,11 @@ async def create_chat_completion(
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
+    images: list[ImageInput] = []
+    if urls:
+        llm.check_images(prompt_ids, len(urls), params.max_tokens)
+        policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
+        prompt_ids, images = await llm.add_images(prompt_ids, await load_images(urls, policy))
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user, lora=lora)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -89,12 +105,20 @@ async def create_chat_completion(
 
     if req.stream:
         return EventStream(
-            lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec, output, lora), rid
+            lambda emit: _stream(emit, llm, settings, req, prompt_ids, params, role, rid, rec, output, lora, images),
+            rid,
         )
     finished, result = await cancel_on_disconnect(
         request,
         lambda: rec.generate(
-            llm, prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid, lora=lora
+            llm,
+            prompt_ids,
+            params,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            request_id=rid,
+            lora=lora,
+            images=images,
         ),
         rid,
     )
@@ -136,6 +160,15 @@ def template_source(llm: LLM, settings: ServerSettings) -> str | None:
     return "\n".join(source.values()) if isinstance(source, dict) else source
 
 
+def image_token(llm: LLM) -> str | None:
+    """The text of the model's image token, which stands for an image in the rendered chat; None
+    for a model that takes no images."""
+    vision = llm.info.vision
+    if vision is None:
+        return None
+    return vision.image_text or llm.tokenizer.convert_ids_to_tokens(vision.image_token_id)
+
+
 def template_kwargs(settings: ServerSettings, given: dict[str, Any] | None) -> dict[str, Any]:
     """The template's extra variables: the request's `chat_template_kwargs` over
     --default-chat-template-kwargs."""
@@ -154,6 +187,7 @@ async def _stream(
     rec: RequestRecorder,
     output: Callable[[], ChoiceOutput | None],
     lora: str | None,
+    images: list[ImageInput],
 ) -> None:
     created = int(time.time())
 
@@ -173,7 +207,15 @@ async def _stream(
     started = False
     parsers = {i: output() for i in range(params.n)}
     deltas = rec.track(
-        llm.stream(prompt_ids, params, priority=req.priority, cache_salt=req.cache_salt, request_id=rid, lora=lora)
+        llm.stream(
+            prompt_ids,
+            params,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            request_id=rid,
+            lora=lora,
+            images=images,
+        )
     )
     async for d in batched(deltas, settings.stream_interval):
         log_delta(settings, rid, d)

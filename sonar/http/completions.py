@@ -52,6 +52,7 @@ async def create_completion(
             llm.check_token_ids(prompt)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
+    rec.describe(params, lora or settings.model_name)
     llm.check_completions(len(prompts), params)
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if isinstance(prompt, str):

@@ -12,6 +12,10 @@ instructions) reaches the template as `system` unless the template itself mentio
 role: most open models' templates know only `system`, and would render an unknown role verbatim
 or fail.
 
+An ``image_url`` part (a model that takes images, `image_token` given) becomes the model's image
+token in the text, where the part was, and its URL joins `images`; for any other model it is a
+400 saying the model takes no images.
+
 A wrong message is a 400 naming it (`messages[i].field`): an unknown role, null content on a
 message other than an assistant's, tool calls on a message other than an assistant's, a tool
 message without `tool_call_id`, arguments that are not a JSON object.
@@ -34,16 +38,31 @@ TOOL_CHOICES = ("none", "auto", "required")
 _RESPONSE_ONLY = ("refusal", "annotations", "audio", "function_call")
 
 
-def template_messages(messages: Sequence[ChatMessage], template: str | None = None) -> list[dict[str, Any]]:
+def template_messages(
+    messages: Sequence[ChatMessage],
+    template: str | None = None,
+    image_token: str | None = None,
+    images: list[tuple[str, str]] | None = None,
+) -> list[dict[str, Any]]:
     """The messages as the chat template expects them; `template` is the template's source (to
-    see whether it knows the developer role)."""
+    see whether it knows the developer role). With `image_token` (a model that takes images),
+    each image part's ``(url, where)`` is appended to `images`."""
     if not messages:
         raise RequestError("messages must not be empty", "messages")
     developer = template is not None and "developer" in template
-    return [_message(m, f"messages[{i}]", developer) for i, m in enumerate(messages)]
+    media = _Images(image_token, images if images is not None else [])
+    return [_message(m, f"messages[{i}]", developer, media) for i, m in enumerate(messages)]
 
 
-def _message(m: ChatMessage, where: str, developer: bool) -> dict[str, Any]:
+class _Images:
+    """Where image parts go: the placeholder text, and the list of their URLs."""
+
+    def __init__(self, token: str | None, urls: list[tuple[str, str]]) -> None:
+        self.token = token
+        self.urls = urls
+
+
+def _message(m: ChatMessage, where: str, developer: bool, media: _Images) -> dict[str, Any]:
     if m.role not in ROLES:
         raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {m.role!r}", f"{where}.role")
     for name in _RESPONSE_ONLY:
@@ -58,7 +77,7 @@ def _message(m: ChatMessage, where: str, developer: bool) -> dict[str, Any]:
     if m.role != "tool" and m.tool_call_id is not None:
         raise RequestError(f"{where}.tool_call_id: only a tool message answers a call", f"{where}.tool_call_id")
     role = "system" if m.role == "developer" and not developer else m.role
-    out: dict[str, Any] = {"role": role, "content": _text(m.content, f"{where}.content")}
+    out: dict[str, Any] = {"role": role, "content": _text(m.content, f"{where}.content", media)}
     if m.name is not None:
         out["name"] = m.name
     if m.tool_calls is not None:
@@ -71,19 +90,36 @@ def _message(m: ChatMessage, where: str, developer: bool) -> dict[str, Any]:
     return out
 
 
-def _text(content: str | list[TextPart] | None, where: str) -> str:
+def _text(content: str | list[TextPart] | None, where: str, media: _Images) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     texts = []
-    for part in content:
+    for j, part in enumerate(content):
+        if part.type == "image_url":
+            texts.append(_image(part, f"{where}[{j}]", where, media))
+            continue
         if part.type != "text":
             raise RequestError(f"content part type {part.type!r} is not supported (only 'text')", where)
         if part.text is None:
             raise RequestError("a 'text' content part needs its `text`", where)
         texts.append(part.text)
     return "\n".join(texts)
+
+
+def _image(part: TextPart, where: str, content: str, media: _Images) -> str:
+    if media.token is None:
+        raise RequestError("content part type 'image_url' is not supported: this model does not accept images", content)
+    if part.image_url is None:
+        raise RequestError("an 'image_url' content part needs its `image_url`", where)
+    if part.image_url.detail not in (None, "auto"):
+        raise RequestError(
+            f"image_url.detail {part.image_url.detail!r} is not supported (only 'auto': the model takes one fixed size)",
+            f"{where}.image_url.detail",
+        )
+    media.urls.append((part.image_url.url, f"{where}.image_url.url"))
+    return media.token
 
 
 def _tool_call(call: ToolCall, where: str) -> dict[str, Any]:

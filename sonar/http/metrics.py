@@ -33,7 +33,16 @@ prefix:
   `sonar:kv_offload_corrupt_chunks_total`, `sonar:kv_offload_foreign_chunks_total`,
   `sonar:kv_offload_write_errors_total`, `sonar:kv_offload_degraded` (1 while a tier takes no
   writes after one failed), and the histogram `sonar:kv_offload_load_latency_seconds` (by the
-  slowest tier a load read from); with KV events, `sonar:kv_events_dropped_total`.
+  slowest tier a load read from); with KV events, `sonar:kv_events_dropped_total`;
+- with --kv-cache-metrics, from the scheduler's stats, the histograms
+  `sonar:kv_block_lifetime_seconds`, `sonar:kv_block_idle_before_evict_seconds`,
+  `sonar:kv_block_reuse_gap_seconds` (`sonar.core.kv_residency`); with --enable-mfu-metrics
+  (`sonar.core.flops`), `sonar:estimated_flops_per_gpu_total`,
+  `sonar:estimated_read_bytes_per_gpu_total`, `sonar:model_busy_seconds_total` and, where the
+  device's peak is known, `sonar:peak_flops_per_gpu` and `sonar:model_flops_utilization`.
+
+With --otlp-traces-endpoint the `RequestRecorder` also ends each described request's spans
+(`sonar.http.tracing`).
 
 A "request" in the histograms and in `request_success_total` is one engine request: one
 completion choice (an HTTP request with `n=2` and two prompts is four). Prompt tokens count each
@@ -42,9 +51,11 @@ prompt once, as the responses' usage does.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import anyio
@@ -54,9 +65,11 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.actors.tree import ActorInfo
-from sonar.core.outputs import RequestTiming
+from sonar.core.kv_residency import RESIDENCY_BUCKETS
+from sonar.core.outputs import RequestModelTime, RequestTiming
 from sonar.engine.llm import LLM, RequestOutput, StreamDelta
 from sonar.http.protocol import PerRequestMetrics
+from sonar.http.tracing import RequestTracer, SpanTimes, span_attributes
 from sonar.log import get_logger
 from sonar.procfs import resident_bytes
 
@@ -293,6 +306,81 @@ class _EngineCollector(Collector):
                     labels = [engine, str(position)] if labelled else [str(position)]
                     positions.add_metric(labels, count)
             yield positions
+        if any(s.kv_residency is not None for _, s in series):
+            yield from _residency_metrics(series, labelled)
+        if any(s.mfu is not None for _, s in series):
+            yield from _mfu_metrics(series, labelled)
+
+
+_RESIDENCY = (
+    ("lifetime", "sonar:kv_block_lifetime_seconds", "Sampled KV blocks: allocation to eviction."),
+    (
+        "idle_before_evict",
+        "sonar:kv_block_idle_before_evict_seconds",
+        "Sampled KV blocks: last reference dropped to eviction.",
+    ),
+    ("reuse_gap", "sonar:kv_block_reuse_gap_seconds", "Sampled KV blocks: time between consecutive accesses."),
+)
+
+
+def _residency_metrics(series: list[tuple[str, Any]], labelled: bool) -> Iterator[Any]:
+    """--kv-cache-metrics: the scheduler's residency histograms (`sonar.core.kv_residency`)."""
+    bounds = [*(str(b) for b in RESIDENCY_BUCKETS), "+Inf"]
+    for field, name, doc in _RESIDENCY:
+        family = HistogramMetricFamily(name, doc, labels=["engine"] if labelled else None)
+        for engine, s in series:
+            if s.kv_residency is None:
+                continue
+            hist = getattr(s.kv_residency, field)
+            cumulative = list(itertools.accumulate(hist.counts))
+            family.add_metric([engine] if labelled else [], list(zip(bounds, cumulative)), hist.total)
+        yield family
+
+
+_MFU = (
+    (
+        CounterMetricFamily,
+        "sonar:estimated_flops_per_gpu",
+        "Estimated model FLOPs of the steps run, per device.",
+        "flops",
+    ),
+    (
+        CounterMetricFamily,
+        "sonar:estimated_read_bytes_per_gpu",
+        "Estimated bytes the steps read (weights, KV cache), per device.",
+        "read_bytes",
+    ),
+    (CounterMetricFamily, "sonar:model_busy_seconds", "Seconds the worker spent running steps.", "busy_seconds"),
+)
+
+
+def _mfu_metrics(series: list[tuple[str, Any]], labelled: bool) -> Iterator[Any]:
+    """--enable-mfu-metrics (`sonar.core.flops`): the counters, the device's peak where known,
+    and the utilization over the busy time since start."""
+    measured = [(engine, s.mfu) for engine, s in series if s.mfu is not None]
+    for kind, name, doc, field in _MFU:
+        family = kind(name, doc, labels=["engine"] if labelled else None)
+        for engine, mfu in measured:
+            family.add_metric([engine] if labelled else [], getattr(mfu, field))
+        yield family
+    known = [(engine, mfu) for engine, mfu in measured if mfu.peak_flops > 0]
+    if not known:
+        return
+    peak = GaugeMetricFamily(
+        "sonar:peak_flops_per_gpu", "The device's peak FLOP/s Sonar assumes.", labels=["engine"] if labelled else None
+    )
+    mfu_gauge = GaugeMetricFamily(
+        "sonar:model_flops_utilization",
+        "Estimated FLOPs over busy seconds times the peak, since start (0..1).",
+        labels=["engine"] if labelled else None,
+    )
+    for engine, mfu in known:
+        labels = [engine] if labelled else []
+        peak.add_metric(labels, mfu.peak_flops)
+        busy = mfu.busy_seconds * mfu.peak_flops
+        mfu_gauge.add_metric(labels, mfu.flops / busy if busy > 0 else 0.0)
+    yield peak
+    yield mfu_gauge
 
 
 _TIER_GAUGES = (
@@ -455,25 +543,34 @@ class RequestRecorder:
     the server to its first output (it includes the prefill, as the time to first token does).
     """
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, trace: Trace | None = None) -> None:
         self.metrics = metrics
         self.arrival = time.monotonic()
+        self.trace = trace
+        """--otlp-traces-endpoint: where each finished choice's span goes, once `describe` named
+        the request (routes that never do, such as pooling, export no spans)."""
+        self._described: tuple[Any, str] | None = None
+        self._prompt_tokens: dict[int, int] = {}
         self._last: dict[tuple[int, int], float] = {}  # (prompt, choice) -> time of its last output
         self._finished: set[tuple[int, int]] = set()
         self._prompts_counted: set[int] = set()
         self._first: dict[tuple[int, int], float] = {}
         self._tokens: dict[tuple[int, int], int] = {}
         self._timing: dict[tuple[int, int], RequestTiming] = {}
+        self._model_time: dict[tuple[int, int], RequestModelTime] = {}
 
     def output(self, delta: StreamDelta, prompt: int = 0) -> None:
         """Record one output delta of choice `delta.index` of the request's `prompt`-th prompt."""
         m, now, key = self.metrics, time.monotonic(), (prompt, delta.index)
         if prompt not in self._prompts_counted and delta.num_prompt_tokens:
             self._prompts_counted.add(prompt)
+            self._prompt_tokens[prompt] = delta.num_prompt_tokens
             m.prompt_tokens.inc(delta.num_prompt_tokens)
             m.total_prompt_tokens += delta.num_prompt_tokens
         if delta.timing is not None:
             self._timing[key] = delta.timing
+        if delta.model_time is not None:
+            self._model_time[key] = delta.model_time
         if delta.token_ids:
             m.generation_tokens.inc(len(delta.token_ids))
             m.total_generation_tokens += len(delta.token_ids)
@@ -490,6 +587,11 @@ class RequestRecorder:
             self._finished.add(key)
             m.request_success.labels(finished_reason=delta.finish_reason).inc()
             m.e2e.observe(now - self.arrival)
+            self._span(key, now, delta.finish_reason)
+
+    def describe(self, params: Any, model: str) -> None:
+        """Name the request's sampling parameters and model, for its spans."""
+        self._described = (params, model)
 
     def timing(self, prompt: int = 0, choice: int = 0) -> PerRequestMetrics:
         """--enable-per-request-metrics for one choice: the scheduler's queue time and time to
@@ -500,9 +602,37 @@ class RequestRecorder:
 
     def close(self) -> None:
         """The handler stopped reading: a started choice that did not finish counts as aborted."""
+        now = time.monotonic()
         for key in self._last.keys() - self._finished:
             self._finished.add(key)
             self.metrics.request_success.labels(finished_reason="abort").inc()
+            self._span(key, now, "abort")
+
+    def _span(self, key: tuple[int, int], now: float, finish_reason: str) -> None:
+        if self.trace is None or self._described is None:
+            return
+        params, model = self._described
+        times = SpanTimes(
+            self.arrival,
+            now,
+            self._first.get(key),
+            self._last.get(key),
+            self._timing.get(key),
+            self._model_time.get(key),
+        )
+        prompt, choice = key
+        attributes = span_attributes(
+            self.trace.request_id,
+            model,
+            params,
+            self._prompt_tokens.get(prompt, 0),
+            self._tokens.get(key, 0),
+            times,
+            finish_reason,
+        )
+        attributes["sonar.prompt_index"] = prompt
+        attributes["sonar.choice_index"] = choice
+        self.trace.tracer.record(self.trace.parent, attributes, times)
 
     async def track(self, deltas: AsyncIterator[StreamDelta], prompt: int = 0) -> AsyncIterator[StreamDelta]:
         """Yield `deltas` (an `llm.stream(...)`), recording each one."""
@@ -650,6 +780,21 @@ async def stats_logging(llm: LLM, metrics: ServerMetrics, interval: float | None
             tg.cancel_scope.cancel()
 
 
+@dataclass
+class Trace:
+    """Where one HTTP request's spans go: the app's tracer, the client's trace context
+    (``traceparent``) and the request's id."""
+
+    tracer: RequestTracer
+    parent: Any
+    request_id: str
+
+
 def recorder(request: Any) -> RequestRecorder:
-    """A recorder for `request`, arriving now, on its app's `ServerMetrics` (`app.state.metrics`)."""
-    return request.app.state.metrics.request()
+    """A recorder for `request`, arriving now, on its app's `ServerMetrics` (`app.state.metrics`);
+    with the app's tracer (`app.state.tracer`, --otlp-traces-endpoint) it exports the request's spans."""
+    tracer: RequestTracer | None = getattr(request.app.state, "tracer", None)
+    if tracer is None:
+        return request.app.state.metrics.request()
+    rid = getattr(request.state, "request_id", "")
+    return RequestRecorder(request.app.state.metrics, Trace(tracer, tracer.parent(request.headers), rid))

@@ -109,6 +109,8 @@ class Limits:
     """``--enable-sleep-mode``: /sleep, /wake_up and /is_sleeping are served."""
     profiling: bool = False
     """``--profiler-config``: /start_profile and /stop_profile are served."""
+    weight_updates: bool = False
+    """``--weight-transfer-config``: /update_weights is served."""
 
     @classmethod
     def of(cls, llm: Any, settings: Any) -> "Limits":
@@ -125,6 +127,7 @@ class Limits:
             pooling_tasks=None if pooling is None else tuple(pooling.tasks),
             sleep_mode=config.enable_sleep_mode,
             profiling=config.profiler() is not None,
+            weight_updates=config.weight_transfer() is not None,
             **{name: getattr(config, name) for name in LIMITS},
         )
 
@@ -362,6 +365,24 @@ def _admin_paths(limits: Limits, json_object: dict[str, Any], failures: dict[str
     if limits.profiling:
         paths["/start_profile"] = {"post": op("Start torch's profiler in the workers")}
         paths["/stop_profile"] = {"post": op("Stop the profiler and write the traces; their paths")}
+    if limits.weight_updates:
+        update = op(
+            'Write new weights into the running model, between steps: a JSON body {"path": DIR} names a '
+            "safetensors checkpoint folder; an application/octet-stream body is a safetensors file of tensors "
+            "(any subset, in the served dtype). The prefix cache is dropped",
+            refused="Another update is under way, or the weights sleep at level 2; nothing changed",
+        )
+        update["responses"]["400"] = {"description": "The update does not fit the served model; nothing changed"}
+        update["requestBody"] = {
+            "required": True,
+            "content": {
+                "application/json": {
+                    "schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
+                },
+                "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            },
+        }
+        paths["/update_weights"] = {"post": update}
     return paths
 
 

@@ -338,13 +338,21 @@ class CompletionRequest(_Structured, kw_only=True):
         )
 
 
+class ImageURL(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """An ``image_url`` part's image: a data:, file:// or http(s):// URL (`sonar.multimodal.media`)."""
+
+    url: str
+    detail: str | None = None
+    """OpenAI's resolution hint: only "auto" (the model's fixed input size) is served."""
+
+
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A content part: only "text" parts are served; the others OpenAI defines are declared so that
-    their refusal names the part's type."""
+    """A content part: "text" parts, and "image_url" parts for a model that takes images; the
+    others OpenAI defines are declared so that their refusal names the part's type."""
 
     type: str
     text: str | None = None
-    image_url: Any = None
+    image_url: ImageURL | None = None
     input_audio: Any = None
     file: Any = None
     refusal: Any = None

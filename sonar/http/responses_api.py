@@ -242,6 +242,7 @@ async def create_response(
     req.check_max_tokens(llm.info.max_model_len)
     plan, tools = _plan(req, settings)
     params = req.sampling_params(settings.default_sampling)
+    rec.describe(params, lora or settings.model_name)
     plan.constrain(params)
     cache_block = llm.config.block_size if llm.config.enable_prefix_caching else 0
     turn = _Turn(rid, req, settings, params, plan, cache_block, lora or settings.model_name)

@@ -71,8 +71,14 @@ class ServerSettings:
     #: --enable-per-request-metrics: a single-prompt, single-choice completion carries `metrics`
     #: (on a stream: the final usage chunk).
     enable_per_request_metrics: bool = False
+    #: --otlp-traces-endpoint: each finished generation request's span is exported there
+    #: (`sonar.http.tracing`).
+    otlp_traces_endpoint: str | None = None
     #: --enable-server-load-tracking: count generation requests in flight, served at GET /load.
     enable_server_load_tracking: bool = True
+    #: --allowed-local-media-path / --allowed-media-domains: where image URLs may point (`sonar.multimodal.media`).
+    allowed_local_media_path: str = ""
+    allowed_media_domains: tuple[str, ...] | None = None
     #: --middleware: the operator's middleware as starlette `Middleware` entries, outermost first
     #: (`sonar.http.middleware.load_middleware`); they wrap Sonar's own.
     middleware: tuple[Any, ...] = ()

@@ -96,7 +96,9 @@ def read(config_bytes: bytes) -> CachedConfig | None:
 def write(config_bytes: bytes, config: Any) -> None:
     """Keep `config` (a transformers config read from these bytes) for later loads."""
     path = cache_path(config_bytes)
-    if path is None:
+    if path is None or hasattr(config, "text_config"):
+        # a multimodal config's sub-configs would come back as plain dicts, without their
+        # computed attributes: it is read through transformers every time
         return
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:

@@ -49,8 +49,9 @@ other than the version's (softmax for V2, sigmoid for V3), V2's ``norm_topk_prob
 V2 ignores it; published V2 checkpoints set it false), other ``topk_method`` values, ``hidden_act``
 other than silu; quantized checkpoints (the published V3 weights are FP8: serve a bfloat16
 conversion), LoRA and EAGLE. V3's multi-token-prediction layers (``num_nextn_predict_layers``,
-stored as extra layers after the last) are not loaded: Sonar decodes one token per step from the
-main model.
+stored as extra layers after the last) are skipped here: the main model decodes without them, and
+speculative ``method: mtp`` reads the first of them from the checkpoint itself
+(`sonar.models.deepseek_mtp`).
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ class _DeepseekForCausalLM(MoeForCausalLM):
             for name, tensor in weights:
                 found = _LAYER.match(name)
                 if found is not None and layers <= int(found[1]) < layers + extra:
-                    continue  # a multi-token-prediction layer: not served
+                    continue  # a multi-token-prediction layer: `sonar.models.deepseek_mtp` reads it
                 yield name, tensor
 
         return super().load_weights(main_model())

@@ -88,6 +88,14 @@ class EagleHead(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         return self.target[0].compute_logits(hidden)
 
+    def target_features(self, hidden: Tensor, rows: Tensor) -> Tensor:
+        """The head's input features at batch rows `rows` of the target's step: its final states."""
+        return hidden[rows]
+
+    def greedy(self, hidden: Tensor) -> Tensor:
+        """The argmax token of each row of the head's states."""
+        return self.compute_logits(hidden)[:, : self.target[0].vocab_size].argmax(dim=-1)
+
 
 def load_eagle_head(path: str, target: DecoderForCausalLM, dtype: torch.dtype, device: torch.device) -> EagleHead:
     """The head in directory `path` for `target` (ModelLoadError naming what does not fit)."""

@@ -6,13 +6,11 @@ dequantized values) and the tokenizer files: the config and tokenizer of every l
 of a load with ``--dequantize-weights``, and what transformers opens as the reference. A quantized
 load reads the linear layers' blocks from the GGUF file itself (`sonar.models.gguf_quant`).
 
-Two things differ from a Hugging Face checkpoint and are undone here:
-
-* tensor names (``blk.N.attn_q.weight`` for ``model.layers.N.self_attn.q_proj.weight``);
-* llama.cpp's converter reorders the rows of the Llama q/k projections so each head's rotary
-  pairs are adjacent (interleaved layout); Sonar, like the Hugging Face checkpoints, rotates
-  pairs ``(i, i + head_dim / 2)``, so those rows are put back. Only the ``llama`` GGUF
-  architecture is stored that way; ``qwen2`` and ``qwen3`` keep the original order.
+What differs from a Hugging Face checkpoint is undone here, per architecture as
+`sonar.models.gguf_arch` describes it: tensor names (``blk.N.attn_q.weight`` for
+``model.layers.N.self_attn.q_proj.weight``), llama.cpp's q/k row order (rotary pairs adjacent;
+Sonar, like the Hugging Face checkpoints, rotates pairs ``(i, i + head_dim / 2)``), Gemma's stored
+``1 + weight`` norms, stacked experts, and the settings the metadata implies.
 """
 
 from __future__ import annotations
@@ -32,41 +30,25 @@ import torch
 
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+from sonar.models.gguf_arch import ARCHITECTURES, EXPERT_PARTS, MIXTRAL, NOT_CONVERTED, GGUFArch
 from sonar.models.gguf_quant import block_weight, served_quantized
 from sonar.models.pack_cache import PackCache
 from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-# GGUF general.architecture -> (transformers config class, HF architecture name)
-ARCHITECTURES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-}
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_PER_EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$")
 _GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""Phi-3's LongRoPE factors: read into the config, not weights."""
 
 
 def converted_dir(path: Path) -> Path:
@@ -136,27 +118,44 @@ def gguf_config(reader: Any, path: Path) -> Any:
         raise ModelLoadError(f"{path}: incomplete or invalid GGUF metadata: {exc!r}") from exc
 
 
-def _gguf_config(reader: Any, path: Path) -> Any:
-    import transformers
-
+def gguf_arch(reader: Any, path: Path) -> GGUFArch:
+    """The mapping of this file's architecture; a clear refusal for one Sonar does not convert."""
     arch = _field(reader, "general.architecture")
+    if arch in NOT_CONVERTED:
+        raise UnsupportedArchitectureError(
+            f"Sonar does not convert GGUF architecture {arch!r} ({path}): {NOT_CONVERTED[arch]}; "
+            "load the safetensors checkpoint instead"
+        )
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts {', '.join(sorted(ARCHITECTURES))}"
         )
     experts = _field(reader, f"{arch}.expert_count")
-    if experts:  # Mixtral's GGUFs say llama, with stacked expert tensors the conversion does not map
+    if experts and arch == "llama":
+        if any(_PER_EXPERT_NAME.match(t.name) for t in reader.tensors):
+            raise ModelLoadError(
+                f"{path} stores Mixtral's experts one tensor each (blk.N.ffn_gate.E.weight, an old llama.cpp "
+                "layout); Sonar reads the stacked ffn_gate_exps / ffn_up_exps / ffn_down_exps of newer converters"
+            )
+        return MIXTRAL
+    if experts and not any(part in ARCHITECTURES[arch].tensors for part in EXPERT_PARTS):
         raise UnsupportedArchitectureError(
-            f"{path} is a mixture-of-experts GGUF ({experts} experts per layer); Sonar serves Mixtral and "
-            "Qwen-MoE models from safetensors checkpoints only"
+            f"{path}: GGUF architecture {arch!r} with {experts} experts per layer is not converted by Sonar"
         )
+    return ARCHITECTURES[arch]
+
+
+def _gguf_config(reader: Any, path: Path) -> Any:
+    import transformers
+
+    spec = gguf_arch(reader, path)
+    arch = _field(reader, "general.architecture")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError(
             f"{path} carries per-frequency rope factors (rope_freqs.weight), which Sonar does not read; "
             "load the safetensors checkpoint instead"
         )
-    config_name, architecture = ARCHITECTURES[arch]
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -164,16 +163,8 @@ def _gguf_config(reader: Any, path: Path) -> Any:
     heads = meta("attention.head_count")
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = meta("vocab_size") or (int(embedding.shape[-1]) if embedding is not None else None)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
-    scaling = meta("rope.scaling.type")
-    if scaling not in (None, "none"):
-        if scaling not in ("linear", "yarn"):
-            raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
-        rope.update(rope_type=scaling, factor=float(meta("rope.scaling.factor")))
-        if scaling == "yarn":
-            rope["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
     kwargs: dict[str, Any] = dict(
-        architectures=[architecture],
+        architectures=[spec.architecture],
         vocab_size=int(vocab),
         hidden_size=int(meta("embedding_length")),
         intermediate_size=int(meta("feed_forward_length")),
@@ -182,9 +173,9 @@ def _gguf_config(reader: Any, path: Path) -> Any:
         num_key_value_heads=int(meta("attention.head_count_kv", heads)),
         max_position_embeddings=int(meta("context_length")),
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        rope_parameters=rope,
+        rope_parameters=_rope(reader, meta, names, path),
         tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names if arch != "qwen2" else None,
+        attention_bias="blk.0.attn_q.bias" in names if arch not in ("qwen2", "qwen2moe") else None,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
@@ -193,17 +184,47 @@ def _gguf_config(reader: Any, path: Path) -> Any:
     head_dim = meta("attention.key_length")
     if head_dim is not None:
         kwargs["head_dim"] = int(head_dim)
+    kwargs.update(spec.config(meta, names))
+    # a key the file lacks takes the config class's default, which is llama.cpp's default too
+    # (Gemma 2's caps of 50 and 30, no window for Phi-3 or Mixtral)
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    return getattr(transformers, config_name)(**kwargs)
+    return getattr(transformers, spec.config_class)(**kwargs)
 
 
-def hf_tensor_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None for one Sonar does not use."""
+def _rope(reader: Any, meta: Any, names: set[str], path: Path) -> dict[str, Any]:
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(meta("rope.freq_base", 10000.0))}
+    if all(n in names for n in ROPE_FACTORS):
+        tensors = {t.name: t for t in reader.tensors}
+        rope.update(
+            rope_type="longrope",
+            long_factor=[float(x) for x in np.asarray(tensors["rope_factors_long.weight"].data, np.float32)],
+            short_factor=[float(x) for x in np.asarray(tensors["rope_factors_short.weight"].data, np.float32)],
+            original_max_position_embeddings=int(meta("rope.scaling.original_context_length")),
+        )
+        attn_factor = meta("rope.scaling.attn_factor")
+        if attn_factor is not None:
+            rope["attention_factor"] = float(attn_factor)
+        return rope
+    scaling = meta("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported")
+        rope.update(rope_type=scaling, factor=float(meta("rope.scaling.factor")))
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = int(meta("rope.scaling.original_context_length"))
+    return rope
+
+
+def hf_tensor_name(name: str, spec: GGUFArch) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None for one Sonar does not use. Stacked expert
+    tensors get the module-less names of transformers' stacked experts (``mlp.experts.up_proj``)."""
     match = _LAYER_NAME.match(name)
     if match:
         layer, part, kind = match.groups()
-        hf = _LAYER_TENSORS.get(part)
-        return None if hf is None else f"model.layers.{layer}.{hf}.{kind}"
+        hf = spec.tensors.get(part)
+        if hf is None:
+            return None
+        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS else f".{kind}")
     stem, _, kind = name.rpartition(".")
     hf = _GLOBAL_TENSORS.get(stem)
     return None if hf is None else f"{hf}.{kind}"
@@ -216,9 +237,9 @@ def unpermute_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _rotary_heads(reader: Any, config: Any, name: str) -> int | None:
-    """For a llama q/k projection, the head count its rows are permuted over; else None."""
-    if _field(reader, "general.architecture") != "llama":
+def _rotary_heads(spec: GGUFArch, config: Any, name: str) -> int | None:
+    """For a q/k projection whose rows llama.cpp permuted, the head count they are permuted over."""
+    if not spec.permute_qk:
         return None
     if ".q_proj." in name:
         return config.num_attention_heads
@@ -227,23 +248,47 @@ def _rotary_heads(reader: Any, config: Any, name: str) -> int | None:
     return None
 
 
-def _dequantized(reader: Any, config: Any, tensor: Any, name: str, path: Path) -> torch.Tensor:
+def _dequantized(spec: GGUFArch, config: Any, tensor: Any, name: str, path: Path) -> torch.Tensor:
     from gguf import dequantize
 
     try:
         array = dequantize(tensor.data, tensor.tensor_type)
     except Exception as exc:
         raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}) in {path}: {exc}") from exc
-    heads = _rotary_heads(reader, config, name)
+    heads = _rotary_heads(spec, config, name)
     if heads is not None:
         array = unpermute_rotary_rows(array, heads)
+    if spec.norm_offset and name.endswith("norm.weight"):
+        array = array - np.float32(spec.norm_offset)
+    if name.endswith("shared_expert_gate.weight") and array.ndim == 1:  # llama.cpp's {n_embd}
+        array = array[None, :]
     return torch.from_numpy(np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
-def _named_tensors(reader: Any, path: Path) -> list[tuple[str, Any]]:
+def _stacked_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """Each layer's stacked gate and up experts ``[E, I, h]`` as transformers' ``gate_up_proj``
+    ``[E, 2 I, h]`` (gate rows first)."""
+    by_name = dict(tensors)
+    out = []
+    for name, tensor in tensors:
+        if name.endswith(".mlp.experts.up_proj"):
+            continue
+        if name.endswith(".mlp.experts.gate_proj"):
+            up = by_name.get(name.removesuffix("gate_proj") + "up_proj")
+            if up is None or up.shape != tensor.shape:
+                raise ModelLoadError(f"{name}: no stacked up experts of its shape {tuple(tensor.shape)}")
+            out.append((name.removesuffix("gate_proj") + "gate_up_proj", torch.cat([tensor, up], dim=1)))
+            continue
+        out.append((name, tensor))
+    return out
+
+
+def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, Any]]:
     named = []
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        if tensor.name in ROPE_FACTORS:  # read into the config
+            continue
+        name = hf_tensor_name(tensor.name, spec)
         if name is None:
             log.warning("model.gguf_tensor_skipped", tensor=tensor.name, source=str(path))
             continue
@@ -252,7 +297,9 @@ def _named_tensors(reader: Any, path: Path) -> list[tuple[str, Any]]:
 
 
 def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
-    return {name: _dequantized(reader, config, tensor, name, path) for name, tensor in _named_tensors(reader, path)}
+    spec = gguf_arch(reader, path)
+    named = [(name, _dequantized(spec, config, t, name, path)) for name, t in _named_tensors(reader, spec, path)]
+    return dict(_stacked_experts(named))
 
 
 QUANTIZED_FILE = "quantized.safetensors"
@@ -342,7 +389,8 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     quantized: dict[str, QuantizedWeight] = {}
     plain: list[tuple[str, torch.Tensor]] = []
     dequantized_types: dict[str, int] = {}
-    for name, tensor in _named_tensors(reader, path):
+    spec = gguf_arch(reader, path)
+    for name, tensor in _named_tensors(reader, spec, path):
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         if name.endswith(".weight") and len(shape) == 2 and served_quantized(kind):
@@ -350,14 +398,14 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = block_weight(kind, tensor.data, *shape)
             except ValueError as exc:
                 raise ModelLoadError(f"{path}: tensor {tensor.name}: {exc}") from exc
-            heads = _rotary_heads(reader, config, name)
+            heads = _rotary_heads(spec, config, name)
             if heads is not None:
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
         if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
             dequantized_types[kind] = dequantized_types.get(kind, 0) + 1
-        plain.append((name, _dequantized(reader, config, tensor, name, path)))
+        plain.append((name, _dequantized(spec, config, tensor, name, path)))
     if dequantized_types:
         log.warning(
             "model.gguf_served_dequantized",
@@ -365,7 +413,7 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
             types=dequantized_types,
             source=str(path),
         )
-    return quantized, plain
+    return quantized, _stacked_experts(plain)
 
 
 def _unpermuted(qw: QuantizedWeight, heads: int) -> QuantizedWeight:

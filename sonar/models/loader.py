@@ -218,6 +218,9 @@ def load_model(
     convert_seconds = time.perf_counter() - resolving if from_gguf else 0.0
     config = _read_config(model_dir, source, hf_overrides or {})
     cls = model_class(config)
+    prepare = getattr(cls, "prepare_config", None)
+    if prepare is not None:  # a multimodal model keeps its text model's fields under text_config
+        prepare(config)
     if convert == "classify":
         cls = sequence_classifier(cls)
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)

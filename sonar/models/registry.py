@@ -27,10 +27,12 @@ from sonar.models.glm4 import Glm4ForCausalLM
 from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
+from sonar.models.llava import LlavaForConditionalGeneration
 from sonar.models.mixtral import MixtralForCausalLM
 from sonar.models.olmo2 import Olmo2ForCausalLM
 from sonar.models.phi3 import Phi3ForCausalLM
 from sonar.models.qwen2 import Qwen2ForCausalLM
+from sonar.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from sonar.models.qwen3 import Qwen3ForCausalLM
 from sonar.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
@@ -54,6 +56,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         GptOssForCausalLM,
         DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM,
+        LlavaForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,

@@ -45,6 +45,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] == "mrope":  # Qwen2-VL's name for default frequencies taken in three sections
+        params["rope_type"] = "default"
     params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     original = getattr(config, "original_max_position_embeddings", None)
     if original is not None:
@@ -171,16 +173,26 @@ class RotaryEmbedding:
 
     def __init__(self, params: dict[str, Any], head_dim: int, max_position_embeddings: int) -> None:
         self.rotary_dim = rotary_dim(params, head_dim)
+        section = params.get("mrope_section")
+        self.mrope_section: list[int] | None = list(section) if section else None
+        """M-RoPE (Qwen2-VL): how many frequencies the temporal, height and width positions turn."""
         with torch.device("cpu"):  # the model may be built under a meta-device context
             self.inv_freq, self.scale = inv_freq_and_scale(params, head_dim, max_position_embeddings)
         self._on: dict[torch.device, Tensor] = {}
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``[num_tokens, rotary_dim]`` cos and sin (each half repeated), in ``dtype``."""
+        """``[num_tokens, rotary_dim]`` cos and sin (each half repeated), in ``dtype``. Positions
+        ``[3, num_tokens]`` (M-RoPE): the frequencies of each `mrope_section` turn with their row."""
         inv_freq = self._on.get(positions.device)
         if inv_freq is None:
             inv_freq = self._on[positions.device] = self.inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        if positions.dim() == 2:
+            if self.mrope_section is None:
+                raise ValueError("positions [3, num_tokens] need a model with rope mrope_section")
+            sections = (positions.to(torch.float32)[:, :, None] * inv_freq).split(self.mrope_section, dim=-1)
+            angles = torch.cat([part[i] for i, part in enumerate(sections)], dim=-1)
+        else:
+            angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return (angles.cos() * self.scale).to(dtype), (angles.sin() * self.scale).to(dtype)
 

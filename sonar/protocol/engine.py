@@ -8,12 +8,51 @@ import msgspec
 
 from sonar.actors import ActorRef, Ask
 from sonar.actors.messages import RemoteError
-from sonar.core.outputs import RequestError, RequestTiming, RequestUpdate, SchedulerOutput, SchedulerStats
+from sonar.core.outputs import (
+    RequestError,
+    RequestModelTime,
+    RequestTiming,
+    RequestUpdate,
+    SchedulerOutput,
+    SchedulerStats,
+)
 from sonar.core.request import LoRARequest
 from sonar.core.sleep import SleepState
 from sonar.errors import Rejection
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams
 from sonar.sampling_params import SamplingParams
+
+
+# -- multimodal ----------------------------------------------------------------------------------
+class VisionInfo(msgspec.Struct):
+    """What the frontend needs to turn a model's images into prompt tokens and pixels."""
+
+    image_token_id: int
+    tokens_per_image: int
+    """Placeholder tokens one image takes in the prompt (its feature rows)."""
+    image_size: int
+    """Side of the square pixel input the vision tower takes (0: any size, `patch_size` set)."""
+    image_text: str | None = None
+    """What an image part becomes in the text the chat template renders (None: the image token)."""
+    patch_size: int = 0
+    """Dynamic resolution (Qwen2-VL): the side of a patch; 0 for a tower of one input size. Each
+    image then takes ``t * h * w / merge_size ** 2`` tokens for its grid of patches ``(t, h, w)``,
+    and `tokens_per_image` is 0."""
+    merge_size: int = 0
+    temporal_patch_size: int = 0
+
+
+class ImageInput(msgspec.Struct, array_like=True):
+    """One image of a prompt: its placeholder tokens ``[offset, offset + length)`` of the prompt,
+    the hash of its pixels (which keys its blocks in the prefix cache), and the pixels the vision
+    tower takes (a float32 CPU tensor ``[3, image_size, image_size]``; with dynamic resolution its
+    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``)."""
+
+    offset: int
+    length: int
+    hash: str
+    pixel_values: Any
+    grid: list[int] | None = None
 
 
 # -- worker --------------------------------------------------------------------------------------
@@ -40,6 +79,8 @@ class WorkerInfo(msgspec.Struct):
     head_dim: int = 0
     device: str = "cpu"
     """The device type the model runs on ("cpu", "cuda")."""
+    device_name: str = ""
+    """The GPU's name (``torch.cuda.get_device_name``); empty on the CPU."""
     instance: str = ""
     """Random id of this run of the worker: a restarted worker answers with another."""
     tensor_parallel_size: int = 1
@@ -57,6 +98,8 @@ class WorkerInfo(msgspec.Struct):
     """The width of the model's input embeddings (what a prompt given as embeddings must have)."""
     sleep: SleepState = SleepState()
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
+    vision: VisionInfo | None = None
+    """A model that takes images (`sonar.models.llava`); None for a text-only model."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -73,6 +116,8 @@ class NewRequestData(msgspec.Struct, array_like=True):
     lora: LoRARequest | None = None
     pooling: PoolingParams | None = None
     """A pooling request: the worker pools its prompt instead of sampling."""
+    images: list[ImageInput] = []
+    """The prompt's images, in position order."""
     prompt_embeds: bytes | None = None
     """The prompt's input embeddings (float32, ``[len(prompt_token_ids), hidden_size]``, C order),
     fed to the model in place of the placeholder `prompt_token_ids`."""
@@ -92,6 +137,8 @@ class StepResult(msgspec.Struct):
     logprobs: dict[str, list[TokenLogprobs]] = {}
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
     seconds: float = 0.0
+    forward_seconds: float = 0.0
+    """--collect-detailed-traces model: the forward pass's share of `seconds` (else 0)."""
     failed: dict[str, str] = {}
     """Requests for which no token could be sampled (not in `sampled`), with why: the
     scheduler fails them alone."""
@@ -183,8 +230,38 @@ class StopProfile(Ask, tag="worker.stop_profile"):
     reply_type = ProfileStatus
 
 
+class WeightsUpdated(msgspec.Struct):
+    """A weight update done (`sonar.engine.weights`)."""
+
+    tensors: int
+    """Checkpoint tensors written."""
+    bytes: int
+    seconds: float
+    updates: int
+    """Updates this worker has applied since it started (a restarted worker serves the startup
+    checkpoint again, and counts from 0)."""
+
+
+class UpdateWeights(Ask, tag="worker.update_weights"):
+    """Write new weights between steps: the safetensors checkpoint folder at `path`, or `tensors`
+    (checkpoint name -> tensor, in the served dtype); checked against the served model first."""
+
+    path: str | None = None
+    tensors: dict[str, Any] | None = None
+    reply_type = WeightsUpdated
+
+
 WorkerMsg = Union[
-    DescribeWorker, ExecuteStep, StepBitmask, JoinGroup, StepDone, Sleep, WakeUp, StartProfile, StopProfile
+    DescribeWorker,
+    ExecuteStep,
+    StepBitmask,
+    JoinGroup,
+    StepDone,
+    Sleep,
+    WakeUp,
+    StartProfile,
+    StopProfile,
+    UpdateWeights,
 ]
 
 
@@ -208,6 +285,8 @@ class AddRequest(Ask, tag="scheduler.add"):
     """The LoRA adapter the request runs with (None: the base model)."""
     pooling: PoolingParams | None = None
     """A pooling request (a pooling worker only): it ends with its prompt, with a pooled result."""
+    images: list[ImageInput] = []
+    """The prompt's images, in position order (a model that takes images only)."""
     prompt_embeds: bytes | None = None
     """The prompt as input embeddings (`NewRequestData.prompt_embeds`); `prompt_token_ids` are
     placeholders then, and `cache_salt` keys the prefix cache by the embeddings."""
@@ -285,6 +364,25 @@ class GetSleepState(Ask, tag="scheduler.sleep_state"):
     reply_type = SleepReply
 
 
+class WeightUpdateReply(msgspec.Struct):
+    """The answer to `UpdateEngineWeights`: what was written, or why nothing was (`refused`: the
+    update does not fit; `failed`: the worker failed, and restarts with the startup checkpoint)."""
+
+    updated: WeightsUpdated | None = None
+    refused: str | None = None
+    failed: str | None = None
+    conflict: bool = False
+    """`refused` because it cannot happen now (another update under way, weights asleep)."""
+
+
+class UpdateEngineWeights(Ask, tag="scheduler.update_weights"):
+    """Update the worker's weights between steps (`UpdateWeights`), then drop the prefix cache."""
+
+    path: str | None = None
+    tensors: dict[str, Any] | None = None
+    reply_type = WeightUpdateReply
+
+
 SchedulerMsg = Union[
     AddRequest,
     Abort,
@@ -296,6 +394,7 @@ SchedulerMsg = Union[
     SleepEngine,
     WakeEngine,
     GetSleepState,
+    UpdateEngineWeights,
 ]
 
 
@@ -357,6 +456,8 @@ class OutputDelta(msgspec.Struct, array_like=True):
     """A pooling request's result, on its final delta."""
     timing: RequestTiming | None = None
     """On the delta of the request's first token: its queue time and time to first token."""
+    model_time: RequestModelTime | None = None
+    """--collect-detailed-traces: the request's worker time so far."""
 
 
 class Outputs(msgspec.Struct, tag="frontend.outputs"):

@@ -159,6 +159,13 @@ def test_every_server_gets_room_for_the_largest_load(tmp_path: Path) -> None:
     )
     per_token = kv_bytes_per_token(tmp_path)
     assert per_token == 2 * 30 * 3 * 64 * 2
+    # DeepSeek's latent attention: one 512 + 64 latent per token, held as K and V by Sonar
+    mla = tmp_path / "mla"
+    mla.mkdir()
+    (mla / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 61, "num_attention_heads": 128, "kv_lora_rank": 512, "qk_rope_head_dim": 64})
+    )
+    assert kv_bytes_per_token(mla) == 2 * 61 * 576 * 2
     load = Load(64, 4096, 128)
     gib = kv_gib(load, per_token)
     assert gib * (1 << 30) >= load.tokens * per_token

@@ -178,6 +178,9 @@ def test_floor_and_parameter_count() -> None:
         "tie_word_embeddings": True,
     }  # SmolLM2-135M's
     assert param_count(config) == pytest.approx(134.5e6, rel=0.005)
+    # the Llama formula would undercount a mixture of experts and miscount latent attention
+    assert param_count({**config, "num_local_experts": 8}) is None
+    assert param_count({**config, "kv_lora_rank": 512}) is None
     one = step_floor(134.5e6, "bfloat16", 1, 26.6)
     assert one.bound == "bandwidth" and one.floor_ms == pytest.approx(269e6 / 50e9 * 1e3, rel=0.01)
     sixteen = step_floor(134.5e6, "bfloat16", 16, 56.0)

@@ -1,8 +1,8 @@
 """The request limits and the API key against real `python -m sonar serve` processes, and the
 engine-side limits through `sonar.open()`.
 
-* With --api-key every route but /health and /ping answers 401 without the key (and works with
-  it); /actors shows transport addresses only to a client with the key (without a key set: only
+* With --api-key every route but /health, /ping and the web console's static page answers 401
+  without the key (and works with it); /actors shows transport addresses only to a client with the key (without a key set: only
   to a loopback client).
 * Each limit answers its status with an error naming its flag: 413 for a body over
   --max-request-body-bytes (a 16 MB body is refused before it is read: the server's resident

@@ -47,9 +47,9 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             "sonar serve: error: --speculative-config needs num_speculative_tokens (or --spec-tokens)",
         ),
         (
-            ["--spec-method", "eagle3", "--spec-tokens", "3"],
-            "sonar serve: error: --speculative-config method 'eagle3' needs an EAGLE-3, MTP or Medusa head, which "
-            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model, eagle",
+            ["--spec-method", "medusa", "--spec-tokens", "3"],
+            "sonar serve: error: --speculative-config method 'medusa' needs a Medusa or MLP-speculator head, which "
+            "Sonar does not run yet; the methods that work are ngram, suffix, draft_model, eagle, eagle3, mtp",
         ),
         (
             ["--kv-cache-dtype", "fp8_e5m2"],
@@ -114,8 +114,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--no-enable-flash-late-interaction"],
     ],
     "ModelConfig": [
-        ["--allowed-local-media-path", "/tmp"],
-        ["--allowed-media-domains", "example.com"],
         ["--code-revision", "main"],
     ],
     "LoadConfig": [
@@ -165,10 +163,8 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--offload-params", "mlp"],
     ],
     "MultiModalConfig": [
-        ["--limit-mm-per-prompt", '{"image": 2}'],
         ["--enable-mm-embeds"],
         ["--media-io-kwargs.video.num_frames", "40"],
-        ["--mm-processor-kwargs", '{"num_crops": 4}'],
         ["--mm-processor-cache-gb", "0"],
         ["--mm-processor-cache-type", "shm"],
         ["--mm-shm-cache-max-object-size-mb", "64"],
@@ -190,10 +186,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--specialize-active-lora"],
         ["--enable-mixed-moe-lora-format"],
         ["--enable-moe-shared-loras"],
-    ],
-    "ObservabilityConfig": [
-        ["--collect-detailed-traces", "all"],
-        ["--kv-cache-metrics-sample", "0.5"],
     ],
     "SchedulerConfig": [["--disable-chunked-mm-input"]],
     "KernelConfig": [

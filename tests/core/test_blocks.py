@@ -348,3 +348,20 @@ def test_hash_algorithms_work_end_to_end(algo: str) -> None:
     bm.free("a")
     bm.free("b")
     bm.check_invariants()
+
+
+def test_drop_stale_kv_keeps_the_running_requests_blocks_out_of_the_cache(bm: BlockManager) -> None:
+    """After a weight update the cache is empty, and a request that ran across it never enters
+    one of its blocks, not even those it fills afterwards; a request admitted after it does."""
+    running = make(bm, "a", range(5))
+    admit(bm, running)
+    assert bm.drop_stale_kv() == 1
+    for token in (5, 6, 7, 8):  # fills its second block with the new weights, over old KV
+        assert grow(bm, running, token)
+    assert not bm.pool.cached
+    assert admit(bm, make(bm, "b", range(9))) == 0
+    bm.free("a")
+    bm.free("b")
+    assert admit(bm, make(bm, "c", range(9))) == 8  # b's blocks: the new weights' alone
+    bm.free("c")
+    bm.check_invariants()

@@ -3,7 +3,7 @@ import pickle
 
 import pytest
 
-from sonar.core.prefix import HASH_ALGOS, PrefixHasher
+from sonar.core.prefix import HASH_ALGOS, PrefixHasher, block_keys
 
 ALGOS = list(HASH_ALGOS)
 
@@ -97,3 +97,20 @@ def test_an_adapter_separates_the_whole_chain_from_the_salt_and_the_base() -> No
     for blocks in zip(base, adapter, other, salted, both):
         assert len(set(blocks)) == 5
     assert hasher.chain(tokens, cache_salt="s") == hasher.chain(tokens, cache_salt="s", lora=None)
+
+
+def test_an_image_keys_the_blocks_that_hold_its_tokens() -> None:
+    """Blocks 1 and 2 hold tokens of the image at positions 6..9: the same image, the same
+    hashes; another image, the same chain up to them and another from them on."""
+    hasher = PrefixHasher(4)
+    tokens = list(range(100, 116))
+    plain = hasher.chain(tokens)
+    same = hasher.chain(tokens, media=[(6, 4, "aa")])
+    assert same == hasher.chain(tokens, media=[(6, 4, "aa")])
+    other = hasher.chain(tokens, media=[(6, 4, "bb")])
+    assert same[0] == other[0] == plain[0]
+    assert len({same[1], other[1], plain[1]}) == 3
+    assert same[3] != other[3]  # through the chain
+    assert block_keys(1, 4, "salt", None, [(6, 4, "aa")]) is not None
+    assert block_keys(3, 4, None, None, [(6, 4, "aa")]) is None
+    assert block_keys(0, 4, "s", None, [(2, 4, "aa")]) == ("s", ("image", "aa"))

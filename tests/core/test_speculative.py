@@ -52,10 +52,12 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
     ("raw", "message"),
     [
         ({"method": "draft_model", "num_speculative_tokens": 3}, r"needs a model \(--spec-model\)"),
-        ({"method": "eagle3", "model": "head", "num_speculative_tokens": 3}, "needs an EAGLE-3, MTP or Medusa head"),
+        ({"method": "medusa", "model": "head", "num_speculative_tokens": 3}, "needs a Medusa or MLP-speculator head"),
+        ({"method": "eagle3", "num_speculative_tokens": 3}, r"eagle3 needs a model \(--spec-model\)"),
+        ({"method": "mtp", "num_speculative_tokens": 1, "model": "x"}, "model: not for method mtp"),
         (
             {"method": "ngram", "num_speculative_tokens": 3, "model": "some/draft"},
-            "only for methods draft_model and eagle",
+            "only for methods draft_model, eagle, eagle3",
         ),
         (
             {"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},

@@ -162,6 +162,7 @@ def test_without_the_flags_the_routes_answer_404_naming_them(tmp_path: Path, tin
             ("GET", "/is_sleeping", "--enable-sleep-mode"),
             ("POST", "/start_profile", "--profiler-config"),
             ("POST", "/stop_profile", "--profiler-config"),
+            ("POST", "/update_weights", "--weight-transfer-config"),
         ):
             response = http.request(method, path)
             assert response.status_code == 404, (path, response.text)

@@ -287,17 +287,3 @@ def test_unknown_expert_tensors_are_refused(checkpoints: dict[str, tuple[Path, A
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="no place for weight model.layers.0.mlp.experts.bias"):
         load_model(str(tmp_path), dtype="float32")
-
-
-def test_a_mixtral_gguf_is_refused(checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
-    """llama.cpp writes Mixtral as architecture ``llama`` with an expert count."""
-    from sonar.models.errors import UnsupportedArchitectureError
-    from tests.models.test_gguf import close_gguf, gguf_writer
-
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf_writer(path, "llama", checkpoints["mixtral"][1].config)
-    writer.add_expert_count(4)
-    writer.add_expert_used_count(2)
-    close_gguf(writer)
-    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts GGUF \\(4 experts per layer\\)"):
-        load_model(str(path))

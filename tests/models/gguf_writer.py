@@ -1,0 +1,239 @@
+"""A transformers model written to a GGUF file as llama.cpp's ``convert_hf_to_gguf.py`` writes it
+(written here from llama.cpp's rules, independently of Sonar's reading tables): its tensor
+names, the q/k row permutation of the ``llama`` and ``granite`` converters, Gemma's norms stored
+as ``1 + weight``, fused and stacked tensors, the metadata keys, and optionally blocks of a quant
+type (2-D and stacked tensors whose rows split into whole blocks, as llama.cpp quantizes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+#: HF module -> GGUF tensor, as llama.cpp's tensor_mapping names them for the llama-like families
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.down_proj": "ffn_down_exps",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+SANDWICH = {  # Gemma 2/3's four norms per layer
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+
+
+def _gemma2(w: Any, c: Any) -> None:
+    assert c.query_pre_attn_scalar == c.head_dim, "llama.cpp implies the query scale from head_dim"
+    w.add_sliding_window(c.sliding_window)
+    w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+    w.add_final_logit_softcapping(c.final_logit_softcapping)
+
+
+def _gemma3(w: Any, c: Any) -> None:
+    assert c.query_pre_attn_scalar == c.head_dim, "llama.cpp implies the query scale from head_dim"
+    assert c.layer_types == [
+        "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(len(c.layer_types))
+    ]
+    from gguf import RopeScalingType
+
+    w.add_sliding_window(c.sliding_window)
+    full = c.rope_parameters["full_attention"]
+    assert c.rope_parameters["sliding_attention"]["rope_theta"] == 10000.0, "llama.cpp's implied local base"
+    w.add_rope_freq_base(full["rope_theta"])
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    if c.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+
+
+def _rotary_dims(c: Any) -> int:
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return int(head_dim * c.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def _phi3(w: Any, c: Any) -> None:
+    rope = c.rope_parameters
+    w.add_rope_dimension_count(_rotary_dims(c))
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    scale = c.max_position_embeddings / rope["original_max_position_embeddings"]
+    w.add_rope_scaling_attn_factors(
+        1.0 if scale <= 1 else float(np.sqrt(1 + np.log(scale) / np.log(rope["original_max_position_embeddings"])))
+    )
+    w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+
+
+def _granite(w: Any, c: Any) -> None:
+    w.add_embedding_scale(c.embedding_multiplier)
+    w.add_residual_scale(c.residual_multiplier)
+    w.add_attention_scale(c.attention_multiplier)
+    w.add_logit_scale(c.logits_scaling)
+
+
+def _linear_rope(w: Any, c: Any) -> None:
+    from gguf import RopeScalingType
+
+    if c.rope_parameters["rope_type"] == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope_parameters["factor"])
+
+
+def _experts(w: Any, c: Any) -> None:
+    w.add_expert_count(getattr(c, "num_local_experts", None) or c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    if hasattr(c, "moe_intermediate_size"):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+
+@dataclass(frozen=True)
+class Family:
+    arch: str
+    names: dict[str, str] = field(default_factory=dict)
+    """Overrides of `LAYER` for this family."""
+    metadata: Callable[[Any, Any], None] = lambda w, c: None
+    permute_qk: bool = False
+    norm_plus_one: bool = False
+
+
+FAMILIES = {
+    "gemma": Family("gemma", norm_plus_one=True),
+    "gemma2": Family("gemma2", SANDWICH, _gemma2, norm_plus_one=True),
+    "gemma3": Family("gemma3", SANDWICH, _gemma3, norm_plus_one=True),
+    "phi3": Family("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, _phi3),
+    "granite": Family("granite", {}, _granite, permute_qk=True),
+    "olmo2": Family(
+        "olmo2",
+        {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"},
+        _linear_rope,
+    ),  # fmt: skip
+    "glm4": Family(
+        "glm4",
+        {
+            "mlp.gate_up_proj": "ffn_up",
+            "post_self_attn_layernorm": "post_attention_norm",
+            "post_mlp_layernorm": "post_ffw_norm",
+        },
+        lambda w, c: w.add_rope_dimension_count(_rotary_dims(c)),
+    ),  # fmt: skip
+    "mixtral": Family("llama", {}, _experts, permute_qk=True),
+    "qwen2_moe": Family("qwen2moe", {}, _experts),
+    "qwen3_moe": Family("qwen3moe", {}, _experts),
+}
+
+
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order: each head's rotary halves interleaved into adjacent pairs."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantizable(array: np.ndarray, qtype: Any) -> bool:
+    from gguf import GGML_QUANT_SIZES
+
+    return qtype is not None and array.ndim >= 2 and array.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def quant_round_trip(tensor: torch.Tensor, qtype: Any) -> torch.Tensor:
+    """What a quantized tensor reads back as from the file: its blocks dequantized."""
+    from gguf import dequantize, quantize
+
+    array = tensor.detach().float().numpy()
+    return torch.from_numpy(dequantize(quantize(array, qtype), qtype).reshape(array.shape).copy())
+
+
+def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF name -> (the Hugging Face tensor it comes from, its array as the file holds it)."""
+    names = {**LAYER, **family.names}
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for hf_name, tensor in state.items():
+        array = tensor.detach().float().numpy()
+        if hf_name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                out["output.weight"] = (hf_name, array)
+            continue
+        if hf_name in GLOBAL:
+            name = GLOBAL[hf_name]
+        else:
+            _, _, layer, rest = hf_name.split(".", 3)
+            if rest == "mlp.experts.gate_up_proj":  # transformers' stacked [E, 2 I, h]: gate rows first
+                gate, up = np.split(array, 2, axis=1)
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = (hf_name, gate)
+                out[f"blk.{layer}.ffn_up_exps.weight"] = (hf_name, up)
+                continue
+            module, kind = (rest, "weight") if rest.startswith("mlp.experts.") else rest.rsplit(".", 1)
+            name = f"blk.{layer}.{names[module]}.{kind}"
+            if family.permute_qk and module == "self_attn.q_proj":
+                array = llama_cpp_permute(array, config.num_attention_heads)
+            elif family.permute_qk and module == "self_attn.k_proj":
+                array = llama_cpp_permute(array, config.num_key_value_heads)
+        if hf_name.endswith("shared_expert_gate.weight"):  # llama.cpp declares it {n_embd}
+            array = array.reshape(-1)
+        if family.norm_plus_one and hf_name.endswith("norm.weight"):
+            array = array + 1
+        out[name] = (hf_name, array)
+    return out
+
+
+def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, torch.Tensor]:
+    """Write `hf` (a transformers model of family `name` of `FAMILIES`) to `path`; returns its
+    state dict as the file holds it (each quantized tensor's blocks dequantized; no tied head),
+    for a transformers reference of the same weights."""
+    from gguf import GGUFWriter, quantize
+
+    family, config = FAMILIES[name], hf.config
+    state = {k: v for k, v in hf.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
+    writer = GGUFWriter(str(path), family.arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    if "rope_theta" in rope:  # Gemma 3 keeps one per layer type: its metadata writes the global one
+        writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    if getattr(config, "head_dim", None):
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+    family.metadata(writer, config)
+    quantized = set()
+    for tensor_name, (hf_name, array) in _gguf_tensors(family, config, state).items():
+        array = np.ascontiguousarray(array)
+        if quantizable(array, qtype):
+            quantized.add(hf_name)
+            writer.add_tensor(tensor_name, quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(tensor_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # blocks run along rows, so splitting or permuting rows commutes with the round trip
+    held = {k: quant_round_trip(v, qtype) if k in quantized else v.detach().float().clone() for k, v in state.items()}
+    if config.tie_word_embeddings:  # the file has no output matrix: the head is the embedding
+        held.pop("lm_head.weight", None)
+    return held

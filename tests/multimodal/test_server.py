@@ -1,0 +1,271 @@
+"""Images through the real server (`python -m sonar serve`) and the OpenAI client: a tiny random
+LLaVA answers a data: URL image as transformers does, a repeated image hits the prefix cache and
+another image does not, and bad, huge, disallowed or too many images are 400s that leave the
+server serving everyone else."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import anyio
+import httpx
+import openai
+import pytest
+import torch
+
+from sonar.multimodal.processor import ImageProcessor, expand_images
+from sonar.protocol.engine import VisionInfo
+from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
+from tests.multimodal.tiny_llava import IMAGE_SIZE, IMAGE_TOKEN_ID, random_image, save_tiny_llava
+
+MODEL = "tiny-llava"
+
+
+def png(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media_type: str = "image/png") -> str:
+    return f"data:{media_type};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def chat(*parts: dict[str, Any], text: str = "w5 w6 w7") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("media")
+    (path / "a.png").write_bytes(png(random_image(3)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def media_http(media_dir: Path) -> Iterator[str]:
+    """A real HTTP server over `media_dir` on 127.0.0.1: the base URL."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(media_dir))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> Iterator[tuple[ServerProcess, Path, Any]]:
+    path = tmp_path_factory.mktemp("tiny-llava")
+    hf = save_tiny_llava(path, seed=7)
+    server = start_server(
+        tmp_path_factory.mktemp("llava-server"),
+        str(path),
+        *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
+        *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
+        *("--enable-prompt-tokens-details", "--allowed-local-media-path", str(media_dir)),
+        *("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}'),
+    )
+    yield server, path, hf
+    stop_server_cleanly(server)
+
+
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def transformers_answer(path: Path, hf: Any, images: list[Any], text: str, n: int) -> list[str]:
+    """transformers' greedy answer (its words) for the chat the server renders: the template's
+    text with the image token where the part was, expanded, with the same pixels."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    content = "\n".join(["<image>"] * len(images) + [text])
+    ids = tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    vision = VisionInfo(IMAGE_TOKEN_ID, 16, IMAGE_SIZE)  # (16 / 4) ** 2 patches, no class token
+    processor = ImageProcessor(vision, path, None)
+    prompt, placed = expand_images(ids, vision, [processor.pixels(im) for im in images])
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            pixel_values=torch.stack([p.pixel_values for p in placed]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return tok.decode(out[0, len(prompt) :].tolist()).split()
+
+
+def test_a_data_url_image_is_answered_as_transformers_does(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, path, hf = llava
+    image = random_image(11)
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=chat(image_part(data_url(png(image)))), max_tokens=6, temperature=0
+    )
+    assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [image], "w5 w6 w7", 6)
+    assert reply.usage.prompt_tokens == 1 + 16 + 3 + 2  # w1, the image's rows, the text, w2 w4
+
+
+def test_two_images_and_a_file_url(llava: tuple[ServerProcess, Path, Any], media_dir: Path) -> None:
+    server, path, hf = llava
+    image = random_image(12)
+    from PIL import Image
+
+    local = Image.open(media_dir / "a.png").convert("RGB")
+    reply = client(server).chat.completions.create(
+        model=MODEL,
+        messages=chat(image_part(data_url(png(image))), image_part(f"file://{media_dir / 'a.png'}")),
+        max_tokens=4,
+        temperature=0,
+    )
+    assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [image, local], "w5 w6 w7", 4)
+
+
+def test_an_allowed_http_url_is_fetched(llava: tuple[ServerProcess, Path, Any], media_http: str) -> None:
+    server, path, hf = llava
+    from PIL import Image
+
+    local = Image.open(io.BytesIO(httpx.get(f"{media_http}/a.png").content)).convert("RGB")
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=chat(image_part(f"{media_http}/a.png")), max_tokens=4, temperature=0
+    )
+    assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [local], "w5 w6 w7", 4)
+
+
+def cached(reply: Any) -> int:
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_the_prefix_cache_keys_blocks_by_image(llava: tuple[ServerProcess, Path, Any]) -> None:
+    """The image's tokens fill the first block: the same image hits it, another image does not,
+    though both prompts are the same tokens."""
+    server, _, _ = llava
+    api = client(server)
+    first, second = data_url(png(random_image(21))), data_url(png(random_image(22)))
+
+    def ask(url: str) -> Any:
+        return api.chat.completions.create(
+            model=MODEL, messages=chat(image_part(url), text="w8 w9 w10"), max_tokens=1, temperature=0
+        )
+
+    cold = ask(first)
+    assert cold.usage.prompt_tokens == 22 and cached(cold) == 0
+    again = ask(first)
+    assert cached(again) == 16
+    assert again.choices[0].message.content == cold.choices[0].message.content
+    other = ask(second)
+    assert cached(other) == 0
+
+
+BAD = [
+    ("bytes", [image_part(data_url(b"not an image at all"))], "not an image"),
+    ("base64", [image_part("data:image/png;base64,@@@")], "not valid base64"),
+    ("media type", [image_part(data_url(b"x", "text/plain"))], "not an image"),
+    ("domain", [image_part("http://example.com/a.png")], "not allowed"),
+    ("scheme", [image_part("ftp://127.0.0.1/a.png")], "data:, file:// or http(s)://"),
+    ("outside", [image_part("file:///etc/hostname")], "outside"),
+    ("too many", [image_part(data_url(png(random_image(1))))] * 3, "at most 2 image(s)"),
+    ("detail", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,", "detail": "high"}}], "detail"),
+]
+
+
+@pytest.mark.parametrize("parts, expected", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_images_are_400s(llava: tuple[ServerProcess, Path, Any], parts: list[Any], expected: str) -> None:
+    server, _, _ = llava
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).chat.completions.create(model=MODEL, messages=chat(*parts), max_tokens=1)
+    assert expected in info.value.message
+
+
+def test_a_decompression_bomb_is_a_400(llava: tuple[ServerProcess, Path, Any]) -> None:
+    """A small PNG whose header declares 5000 x 5000 pixels is refused before it is decoded."""
+    from PIL import Image
+
+    bomb = png(Image.new("L", (5000, 5000)))
+    assert len(bomb) < 100_000
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server := llava[0]).chat.completions.create(
+            model=MODEL, messages=chat(image_part(data_url(bomb))), max_tokens=1
+        )
+    assert "pixels" in info.value.message
+    assert server.proc.poll() is None
+
+
+def test_the_image_token_typed_as_text_is_a_400(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, _, _ = llava
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).chat.completions.create(
+            model=MODEL, messages=chat(image_part(data_url(png(random_image(2)))), text="<image> w5"), max_tokens=1
+        )
+    assert "image placeholder" in info.value.message
+
+
+def test_bad_requests_leave_others_unaffected(llava: tuple[ServerProcess, Path, Any]) -> None:
+    """Good and bad image requests at once: the good ones are answered as alone."""
+    server, path, hf = llava
+    image = random_image(31)
+    good = {"model": MODEL, "messages": chat(image_part(data_url(png(image)))), "max_tokens": 4, "temperature": 0}
+    bad = {"model": MODEL, "messages": chat(image_part(data_url(b"\x89PNG\r\n\x1a\n broken"))), "max_tokens": 4}
+    expected = transformers_answer(path, hf, [image], "w5 w6 w7", 4)
+    results: list[httpx.Response] = []
+
+    async def main() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as http:
+
+            async def one(body: dict[str, Any]) -> None:
+                results.append(await http.post("/v1/chat/completions", json=body))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    tg.start_soon(one, good if i % 2 else bad)
+
+    anyio.run(main)
+    codes = sorted(r.status_code for r in results)
+    assert codes == [200] * 3 + [400] * 3
+    for r in results:
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["message"]["content"].split() == expected
+        else:
+            assert "image" in r.json()["error"]["message"]
+    # text-only requests to the same model still work
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w5 w6"}], max_tokens=2, temperature=0
+    )
+    assert reply.choices[0].finish_reason == "length"
+    assert json.loads(reply.model_dump_json())["usage"]["prompt_tokens"] == 5
+
+
+def test_tokenize_counts_an_image_as_its_rows(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, _, _ = llava
+    r = httpx.post(
+        f"{server.base_url}/tokenize",
+        json={"model": MODEL, "messages": chat(image_part("data:image/png;base64,"), text="w5")},
+    )
+    assert r.status_code == 200
+    assert r.json()["tokens"] == [1] + [IMAGE_TOKEN_ID] * 16 + [5, 2, 4]
+
+
+def test_streamed_and_n2_answers_equal_the_whole_one(llava: tuple[ServerProcess, Path, Any]) -> None:
+    server, path, hf = llava
+    image = random_image(13)
+    messages = chat(image_part(data_url(png(image))))
+    expected = transformers_answer(path, hf, [image], "w5 w6 w7", 4)
+    api = client(server)
+    stream = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices).split() == expected
+    both = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0, n=2)
+    assert [c.message.content.split() for c in both.choices] == [expected, expected]

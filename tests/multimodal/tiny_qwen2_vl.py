@@ -1,0 +1,101 @@
+"""A tiny random-weight Qwen2.5-VL (or Qwen2-VL) checkpoint, built and saved by transformers at
+test time: a 3-block vision tower over 4x4 patches (merged 2x2; Qwen2.5-VL: windows of 2x2 merged
+blocks, block 1 full attention), a two-layer Qwen2 decoder with M-RoPE sections (2, 3, 3), a word-level tokenizer
+(token ``i`` is ``w<i>``) with ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` added
+after the words, and a Qwen2-VL image processor config of those patch sizes (images of 256 to
+4096 pixels)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.engine.conftest import save_word_tokenizer, spread_weights
+
+WORDS = 390
+VISION_START, IMAGE_PAD, VISION_END = WORDS, WORDS + 1, WORDS + 2
+PATCH, MERGE, TEMPORAL = 4, 2, 2
+MIN_PIXELS, MAX_PIXELS = 16 * 16, 64 * 64
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}w1 {{ m.content }} w2{% else %} {{ m.content }} w3"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %} w4{% endif %}"
+)
+
+
+def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    if family == "qwen2_vl":
+        config, architecture = Qwen2VLConfig, "Qwen2VLForConditionalGeneration"
+        vision = dict(depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, hidden_act="quick_gelu")
+    else:
+        config, architecture = Qwen2_5_VLConfig, "Qwen2_5_VLForConditionalGeneration"
+        vision = dict(
+            depth=3,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            window_size=16,  # 2x2 merged blocks of 2x2 patches of 4 px
+            fullatt_block_indexes=[1],
+        )
+    return config(
+        text_config=dict(
+            vocab_size=WORDS + 3,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=0,
+        ),
+        vision_config=dict(**vision, patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL),
+        image_token_id=IMAGE_PAD,
+        vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END,
+        video_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        architectures=[architecture],
+    )
+
+
+def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Any:
+    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL) checkpoint with its tokenizer and
+    image processor under `path`; return the transformers model (float32, eval mode)."""
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    hf = model(qwen2_5_vl_config(family)).eval()
+    spread_weights(hf)
+    with torch.no_grad():  # the vision norms are "norm1"/"norm2"/"ln_q", not "...norm.weight"
+        for name, param in hf.named_parameters():
+            if name.endswith(("norm1.weight", "norm2.weight", "ln_q.weight")):
+                param.copy_(1 + 0.2 * torch.randn_like(param))
+    hf.save_pretrained(str(path))
+    save_word_tokenizer(path, WORDS)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
+    tok.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]})
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(path))
+    Qwen2VLImageProcessorPil(
+        patch_size=PATCH, merge_size=MERGE, temporal_patch_size=TEMPORAL, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+    ).save_pretrained(str(path))
+    return hf
