@@ -89,3 +89,14 @@ class MFUStats(msgspec.Struct, gc=False):
     read_bytes: int = 0
     busy_seconds: float = 0.0
     peak_flops: float = 0.0
+
+    @staticmethod
+    def summed(parts: list[MFUStats]) -> MFUStats:
+        """Several replicas' counts as one engine's; the peak stays per device (the replicas run on
+        devices of one kind)."""
+        return MFUStats(
+            sum(p.flops for p in parts),
+            sum(p.read_bytes for p in parts),
+            sum(p.busy_seconds for p in parts),
+            max(p.peak_flops for p in parts),
+        )

@@ -58,6 +58,16 @@ class KVResidencyStats(msgspec.Struct, gc=False):
     idle_before_evict: ResidencyHistogram
     reuse_gap: ResidencyHistogram
 
+    @staticmethod
+    def summed(parts: list[KVResidencyStats]) -> KVResidencyStats:
+        """Several replicas' histograms as one (bucket by bucket)."""
+
+        def total(field: str) -> ResidencyHistogram:
+            hists = [getattr(p, field) for p in parts]
+            return ResidencyHistogram([sum(c) for c in zip(*(h.counts for h in hists))], sum(h.total for h in hists))
+
+        return KVResidencyStats(total("lifetime"), total("idle_before_evict"), total("reuse_gap"))
+
 
 @dataclass
 class _Followed:

@@ -27,6 +27,8 @@ import anyio.to_thread
 import msgspec
 
 from sonar.actors import ActorError, ActorInfo, ActorNotFound, AskTimeout, Supervisor
+from sonar.core.flops import MFUStats
+from sonar.core.kv_residency import KVResidencyStats
 from sonar.core.outputs import RequestError, RequestModelTime, RequestTiming, SchedulerStats
 from sonar.core.prefix import PrefixHasher
 from sonar.core.request import LoRARequest, cache_salt_problem
@@ -1109,7 +1111,7 @@ def check_context_length(prompt_tokens: int, max_tokens: int | None, max_model_l
 def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """The stats of several replicas as one engine's: counts summed (per-position counts position
     by position), KV usage their mean (the replicas' caches are the same size)."""
-    lists = {"spec_accepted_per_position", "running_loras", "waiting_loras"}
+    lists = {"spec_accepted_per_position", "running_loras", "waiting_loras", "kv_residency", "mfu"}
     total = SchedulerStats(
         **{f: sum(getattr(s, f) for s in stats) for f in SchedulerStats.__struct_fields__ if f not in lists},
         spec_accepted_per_position=[
@@ -1118,6 +1120,10 @@ def _sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         running_loras=sorted({name for s in stats for name in s.running_loras}),
         waiting_loras=sorted({name for s in stats for name in s.waiting_loras}),
     )
+    residency = [s.kv_residency for s in stats if s.kv_residency is not None]
+    total.kv_residency = KVResidencyStats.summed(residency) if residency else None
+    mfu = [s.mfu for s in stats if s.mfu is not None]
+    total.mfu = MFUStats.summed(mfu) if mfu else None
     total.kv_usage = total.kv_usage / len(stats)
     return total
 

@@ -173,7 +173,28 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(DecoderForCausalLM):
+class ImageRowsDecoder(DecoderForCausalLM):
+    """A decoder whose step may carry image feature rows: the token embeddings at `image_rows`
+    are replaced by `image_embeds` (the runner passes them only for steps that reach an image)."""
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+        image_rows: Tensor | None = None,
+        image_embeds: Tensor | None = None,
+    ) -> Tensor:
+        if image_rows is None or image_embeds is None:
+            return super().forward(input_ids, positions, kv_caches, attn_metadata)
+        x = self.embed(input_ids)
+        x[image_rows] = image_embeds.to(x.dtype)
+        with step_metadata(attn_metadata):
+            return self.forward_tensors(input_ids, positions, kv_caches, hidden=x)
+
+
+class LlavaForConditionalGeneration(ImageRowsDecoder):
     """LLaVA 1.5: CLIP tower, MLP projector, Llama decoder (the decoder is this class's base)."""
 
     architectures = ("LlavaForConditionalGeneration",)
@@ -238,22 +259,6 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         if not self.keep_class_token:
             features = features[:, 1:]
         return self.multi_modal_projector(features).to(dtype)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata,
-        image_rows: Tensor | None = None,
-        image_embeds: Tensor | None = None,
-    ) -> Tensor:
-        if image_rows is None or image_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata)
-        x = self.embed(input_ids)
-        x[image_rows] = image_embeds.to(x.dtype)
-        with step_metadata(attn_metadata):
-            return self.forward_tensors(input_ids, positions, kv_caches, hidden=x)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The decoder's tensors as `DecoderForCausalLM` loads them (fusing q/k/v, gate/up); the

@@ -39,20 +39,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sonar.kernels.attention import AttentionMetadata
-from sonar.kernels.attention_op import step_metadata
 from sonar.models.decoder import (
     EAGLE,
     LORA,
     PIPELINE_PARALLEL,
     QUANTIZED,
     TENSOR_PARALLEL,
-    DecoderForCausalLM,
     DecoderVariant,
     sliding_windows,
 )
 from sonar.models.errors import ModelLoadError
-from sonar.models.llava import ACTIVATIONS, TEXT_FIELDS
+from sonar.models.llava import ACTIVATIONS, TEXT_FIELDS, ImageRowsDecoder
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.protocol.engine import ImageInput, VisionInfo
 
@@ -308,7 +305,7 @@ class VisionTransformer(nn.Module):
         return self.merger(x)[torch.argsort(order)]
 
 
-class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
+class Qwen2_5_VLForConditionalGeneration(ImageRowsDecoder):
     """Qwen2.5-VL: the vision transformer, then Qwen2's decoder with M-RoPE (this class's base)."""
 
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
@@ -376,22 +373,6 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         if self.visual.merger.ln_q.weight.device.type == "cpu" and dtype == torch.bfloat16:
             self.visual.float()
         return self.visual(pixels, grid).to(dtype)
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata,
-        image_rows: Tensor | None = None,
-        image_embeds: Tensor | None = None,
-    ) -> Tensor:
-        if image_rows is None or image_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata)
-        x = self.embed(input_ids)
-        x[image_rows] = image_embeds.to(x.dtype)
-        with step_metadata(attn_metadata):
-            return self.forward_tensors(input_ids, positions, kv_caches, hidden=x)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The decoder's tensors as `DecoderForCausalLM` loads them; the tower's as they are."""

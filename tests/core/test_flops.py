@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sonar.core.flops import ModelShape, StepCost, step_cost
+from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 
 PROJECTIONS = {
     "q_proj": (8, 8),
@@ -46,3 +46,8 @@ def test_drafts_are_sampled_rows() -> None:
 
 def test_a_step_without_tokens_costs_nothing() -> None:
     assert step_cost(SHAPE, []) == step_cost(SHAPE, [(7, 0, 0)]) == StepCost(0, 0)
+
+
+def test_replicas_counts_sum_and_the_peak_stays_per_device() -> None:
+    total = MFUStats.summed([MFUStats(10, 20, 1.5, 100.0), MFUStats(5, 7, 0.5, 100.0)])
+    assert (total.flops, total.read_bytes, total.busy_seconds, total.peak_flops) == (15, 27, 2.0, 100.0)

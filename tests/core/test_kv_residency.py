@@ -8,7 +8,7 @@ import pytest
 
 from sonar.core.block_pool import BlockPool
 from sonar.core.free_queue import KVBlock
-from sonar.core.kv_residency import RESIDENCY_BUCKETS, KVResidency, ResidencyHistogram
+from sonar.core.kv_residency import RESIDENCY_BUCKETS, KVResidency, KVResidencyStats, ResidencyHistogram
 
 
 class Clock:
@@ -135,3 +135,15 @@ def test_random_traffic_observes_every_hit_and_every_end() -> None:
     assert stats.lifetime.count == ends > 100
     assert stats.idle_before_evict.count <= ends
     assert min(stats.lifetime.total, stats.reuse_gap.total, stats.idle_before_evict.total) >= 0
+
+
+def test_replicas_histograms_sum_bucket_by_bucket() -> None:
+    a = KVResidencyStats(ResidencyHistogram(), ResidencyHistogram(), ResidencyHistogram())
+    b = KVResidencyStats(ResidencyHistogram(), ResidencyHistogram(), ResidencyHistogram())
+    a.lifetime.observe(0.005)
+    b.lifetime.observe(0.005)
+    b.lifetime.observe(20.0)
+    b.reuse_gap.observe(2.0)
+    total = KVResidencyStats.summed([a, b])
+    assert total.lifetime.count == 3 and total.lifetime.total == pytest.approx(20.01)
+    assert total.lifetime.counts[1] == 2 and total.reuse_gap.count == 1 and total.idle_before_evict.count == 0
