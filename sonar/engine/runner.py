@@ -603,10 +603,9 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
-        image_rows: list[int] = []  # rows whose embedding is an image's feature row
-        image_embeds: list[torch.Tensor] = []
+        given_rows: list[int] = []  # rows whose first-layer input is given: image features, prompt embeddings
+        given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
-        embed_rows: list[tuple[int, torch.Tensor]] = []  # (first row, embeddings) of embeddings prompts
         for sched in out.requests:
             n = len(sched.token_ids)
             first = len(ids)
@@ -630,10 +629,11 @@ class ModelRunner:
             if state.mrope is not None:
                 mrope.append((first, sched.start_pos, n, state))
             if state.images:
-                self._image_rows(state, first, sched.start_pos, n, image_rows, image_embeds)
+                self._image_rows(state, first, sched.start_pos, n, given_rows, given_embeds)
             if state.embeds is not None and sched.start_pos < len(state.prompt):
                 end = min(sched.start_pos + n, len(state.prompt))
-                embed_rows.append((first, state.embeds[sched.start_pos : end]))
+                given_rows += range(first, first + end - sched.start_pos)
+                given_embeds.append(state.embeds[sched.start_pos : end])
             if state.pooling is not None:
                 pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
                 pair = state.pooling.pair_start
@@ -662,8 +662,7 @@ class ModelRunner:
             and len(ids) == len(q_lens)
             and not prompt_rows
             and not pool_rows
-            and not embed_rows
-            and not image_rows
+            and not given_rows
             and not mrope  # a graph takes its cache slots from the positions
             and self.drafter is None
         ):
@@ -682,14 +681,13 @@ class ModelRunner:
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
-                elif embed_rows:
-                    hidden = self._forward_embeds(ids_t, positions_t, meta, embed_rows)
-                elif image_rows:  # eager: compiled forms and graphs take token ids alone
-                    rows_t = torch.tensor(image_rows, device=device)
-                    embeds = torch.cat(image_embeds)
+                elif given_rows:
+                    rows_t = torch.tensor(given_rows, device=device)
                     if mrope:  # image rows' three positions differ: every row's three
                         rope_t = self._mrope_positions(rope_t, mrope)
-                    hidden = self.model(ids_t, rope_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds)
+                    hidden = self.model.forward_rows(
+                        ids_t, rope_t, self.kv_caches, meta, rows_t, torch.cat(given_embeds)
+                    )
                 else:
                     hidden = self._forward_stage(ids_t, rope_t, self.kv_caches, meta)
             for rid, reason in lost.items():
@@ -936,12 +934,12 @@ class ModelRunner:
             and forward is not None
             and "hidden" in inspect.signature(forward).parameters
             and self.pooler is None
-            and vision_info(self.model) is None  # image rows and embedding rows would share one path
+            and vision_info(self.model) is None
         )
         if not takes:
             raise ModelLoadError(
                 f"--enable-prompt-embeds: {type(self.model).__name__} takes no prompt embeddings (only generative "
-                "text-only decoder models that embed their input apart do)"
+                "text-only decoder models that embed their input apart do; vision-language models not yet)"
             )
 
     def _embeds(self, rid: str, data: bytes, num_prompt: int) -> torch.Tensor:
@@ -953,21 +951,6 @@ class ModelRunner:
                 f"request {rid}: {embeds.numel()} embedding values for {num_prompt} positions of {self.hidden_size}"
             )
         return embeds.view(num_prompt, self.hidden_size).to(self.device, self.loaded.dtype)
-
-    def _forward_embeds(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        embed_rows: list[tuple[int, torch.Tensor]],
-    ) -> torch.Tensor:
-        """The forward pass of a step with rows given as embeddings: the token rows embedded as
-        usual, those rows replaced, eagerly (compiled forms and CUDA graphs take token ids)."""
-        x = self.model.embed(ids)
-        for first, rows in embed_rows:
-            x[first : first + rows.shape[0]] = rows
-        with step_metadata(meta):
-            return self.model.forward_tensors(ids, positions, self.kv_caches, x)
 
     def _process(
         self, logits: torch.Tensor, sample_ids: list[str], states: list[_RequestState], drafts: list[list[int]]
