@@ -668,8 +668,10 @@ GROUPS: tuple[Group, ...] = (
            "per-item size options are not supported yet).",
            dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
-           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
-           why="Sonar does not accept precomputed image embeddings (image_embeds content parts) yet"),
+           "Accept images given as their precomputed feature rows: chat content parts of type "
+           "\"image_embeds\" (base64 of a torch.save tensor, read without running pickled code, shape "
+           "checked) and tensors among the library's images. With an image limit of 0 they do not count "
+           "against --limit-mm-per-prompt.", to=E),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
            dotted=True, why="Sonar loads images with fixed settings (and no video or audio); none can be changed yet"),

@@ -190,6 +190,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--limit-mm-per-prompt`: most items of each modality in one prompt (`sonar.multimodal.limits`)."""
     language_model_only: bool = False
     """`--language-model-only`: accept no images (as a limit of 0)."""
+    enable_mm_embeds: bool = False
+    """`--enable-mm-embeds`: accept images given as their feature rows (`sonar.engine.image_embeds`)."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
     hf_overrides: dict[str, Any] = {}

@@ -518,15 +518,20 @@ class LLM:
 
         return await anyio.to_thread.run_sync(render)
 
-    def check_images(self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None) -> VisionInfo:
-        """Refuse `count` images for a prompt before any is loaded: a model without images, more
-        than the limit, or a prompt their rows would take past the context length."""
+    def check_images(
+        self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None, embeds: int = 0
+    ) -> VisionInfo:
+        """Refuse `count` images (`embeds` of them given as feature rows) for a prompt before any
+        is loaded: a model without images, more than the limit, or a prompt their rows would take
+        past the context length. With --enable-mm-embeds and a limit of 0, as documented,
+        embeddings do not count against it."""
         vision = self.info.vision
         if vision is None:
             raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
-        if count > self.image_limit:
+        counted = count - embeds if self.image_limit == 0 and self.config.enable_mm_embeds else count
+        if counted > self.image_limit:
             raise InvalidRequestError(
-                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}",
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {counted}",
                 param="messages",
             )
         check_context_length(
@@ -537,8 +542,43 @@ class LLM:
     async def add_images(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its image tokens (one per image, as a chat template renders them)
         expanded for the model, and the images (RGB `PIL.Image`s, in prompt order) preprocessed
-        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
-        vision = self.check_images(prompt_ids, len(images))
+        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread.
+        With --enable-mm-embeds an image may be given as its feature rows instead
+        (`sonar.engine.image_embeds`)."""
+        from sonar.engine.image_embeds import is_image_embeds, library_embeds
+        from sonar.multimodal.processor import ImageEmbeds, expand_images
+
+        items = list(images)
+        given = [i for i, item in enumerate(items) if isinstance(item, ImageEmbeds) or is_image_embeds(item)]
+        vision = self.check_images(prompt_ids, len(items), embeds=len(given))
+        if given and not self.config.enable_mm_embeds:
+            raise InvalidRequestError(
+                "images given as embeddings need a server started with --enable-mm-embeds", param="image_embeds"
+            )
+        for i in given:
+            if not isinstance(items[i], ImageEmbeds):
+                items[i] = library_embeds(items[i], self.info.hidden_size, self.info.max_model_len, f"images[{i}]")
+        pictures = [i for i in range(len(items)) if i not in given]
+        if pictures:
+            processor = await self._processor(vision)
+            pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(items[i]) for i in pictures])
+            for i, px in zip(pictures, pixels, strict=True):
+                items[i] = px
+        return expand_images(prompt_ids, vision, items)
+
+    def read_image_embeds(self, value: Any, param: str) -> Any:
+        """An ``image_embeds`` content part's value as `ImageEmbeds` (a 400 without
+        --enable-mm-embeds, or naming what is wrong with it)."""
+        from sonar.engine.image_embeds import part_embeds
+
+        if not self.config.enable_mm_embeds:
+            raise InvalidRequestError(
+                "content part type 'image_embeds' needs a server started with --enable-mm-embeds", param=param
+            )
+        return part_embeds(value, self.info.hidden_size, self.info.max_model_len, param)
+
+    async def _processor(self, vision: VisionInfo) -> Any:
+        """The image processor, made on first use (it reads the model's preprocessor config)."""
         if self._image_processor is None:
             from sonar.multimodal.processor import image_processor
 
@@ -546,11 +586,7 @@ class LLM:
             self._image_processor = await anyio.to_thread.run_sync(
                 image_processor, vision, path, self.config.mm_processor_kwargs
             )
-        processor = self._image_processor
-        from sonar.multimodal.processor import expand_images
-
-        pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(image) for image in images])
-        return expand_images(prompt_ids, vision, pixels)
+        return self._image_processor
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text` (in a worker thread), after the prompt-length limit."""

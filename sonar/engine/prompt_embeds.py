@@ -51,67 +51,73 @@ def is_embeds_prompt(prompt: Any) -> bool:
 def check_prompt_embeds(prompt: Mapping[str, Any], hidden_size: int, max_model_len: int) -> torch.Tensor:
     """The prompt's embeddings as a float32 CPU tensor ``[tokens, hidden_size]``, or a 400 naming
     what is wrong with them."""
-    import torch
-
     extra = set(prompt) - {"prompt_embeds"}
     if extra:
         raise InvalidRequestError(f"an embeddings prompt takes only prompt_embeds, not {sorted(extra)}", "prompt")
-    embeds = prompt.get("prompt_embeds")
+    return check_rows(prompt.get("prompt_embeds"), hidden_size, max_model_len, "prompt_embeds")
+
+
+def check_rows(embeds: Any, hidden_size: int, max_rows: int, param: str) -> torch.Tensor:
+    """`embeds` (first-layer inputs: a prompt's, an image's) as a finite float32 CPU tensor
+    ``[rows, hidden_size]`` with 1 to `max_rows` rows, or a 400 naming `param`."""
+    import torch
+
     if not isinstance(embeds, torch.Tensor):
-        raise InvalidRequestError(f"prompt_embeds must be a tensor, got {type(embeds).__name__}", "prompt_embeds")
+        raise InvalidRequestError(f"{param} must be a tensor, got {type(embeds).__name__}", param)
     if embeds.layout is not torch.strided or embeds.is_quantized or not embeds.dtype.is_floating_point:
         raise InvalidRequestError(
-            f"prompt_embeds must be a dense floating-point tensor, got {embeds.dtype} ({embeds.layout})",
-            "prompt_embeds",
+            f"{param} must be a dense floating-point tensor, got {embeds.dtype} ({embeds.layout})", param
         )
     if embeds.dim() == 3 and embeds.shape[0] == 1:
         embeds = embeds[0]
     if embeds.dim() != 2 or embeds.shape[1] != hidden_size:
         raise InvalidRequestError(
-            f"prompt_embeds must have the shape [tokens, {hidden_size}] (the model's hidden size), "
-            f"got {list(embeds.shape)}",
-            "prompt_embeds",
+            f"{param} must have the shape [tokens, {hidden_size}] (the model's hidden size), got {list(embeds.shape)}",
+            param,
         )
-    if not 1 <= embeds.shape[0] <= max_model_len:
+    if not 1 <= embeds.shape[0] <= max_rows:
         raise InvalidRequestError(
-            f"prompt_embeds must have between 1 and {max_model_len} rows (the context), got {embeds.shape[0]}",
-            "prompt_embeds",
+            f"{param} must have between 1 and {max_rows} rows (the context), got {embeds.shape[0]}", param
         )
     embeds = embeds.detach().to("cpu", torch.float32).contiguous()
     if not bool(torch.isfinite(embeds).all()):
-        raise InvalidRequestError("prompt_embeds must be finite (no NaN or infinity)", "prompt_embeds")
+        raise InvalidRequestError(f"{param} must be finite (no NaN or infinity)", param)
     return embeds
 
 
 def load_serialized(text: str, hidden_size: int, max_model_len: int) -> torch.Tensor:
-    """The tensor in `text`: base64 of a ``torch.save`` file (see the module docstring)."""
+    """The prompt embeddings in `text`: base64 of a ``torch.save`` file (see the module docstring)."""
+    return check_prompt_embeds(
+        {"prompt_embeds": read_tensor(text, max_model_len * hidden_size, "prompt_embeds")}, hidden_size, max_model_len
+    )
+
+
+def read_tensor(text: str, max_values: int, param: str) -> Any:
+    """What the ``torch.save`` file whose base64 is `text` holds, read safely (see the module
+    docstring): a 400 naming `param` if it is not base64 of a zip-format file whose members take
+    at most what `max_values` float64 values take, or if the restricted unpickler refuses it."""
     import torch
 
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidRequestError("prompt_embeds must be base64 (of a torch.save file)", "prompt_embeds") from None
-    limit = max_model_len * hidden_size * 8 + _FILE_OVERHEAD  # float64 at most, a whole context
+        raise InvalidRequestError(f"{param} must be base64 (of a torch.save file)", param) from None
+    limit = max_values * 8 + _FILE_OVERHEAD
     buffer = io.BytesIO(raw)
     try:
         with zipfile.ZipFile(buffer) as archive:
             declared = sum(info.file_size for info in archive.infolist())
     except (zipfile.BadZipFile, ValueError):
-        raise InvalidRequestError("prompt_embeds is not a torch.save file (zip format)", "prompt_embeds") from None
+        raise InvalidRequestError(f"{param} is not a torch.save file (zip format)", param) from None
     if declared > limit:
-        raise InvalidRequestError(
-            f"prompt_embeds unpacks to {declared} bytes, more than a prompt of {max_model_len} tokens takes",
-            "prompt_embeds",
-        )
+        raise InvalidRequestError(f"{param} unpacks to {declared} bytes, more than {max_values} values take", param)
     buffer.seek(0)
     try:
-        tensor = torch.load(buffer, map_location="cpu", weights_only=True)
+        return torch.load(buffer, map_location="cpu", weights_only=True)
     except Exception as exc:  # a hostile or broken file: whatever the unpickler says, it is a 400
         raise InvalidRequestError(
-            f"prompt_embeds could not be read as a tensor ({type(exc).__name__}): only plain tensors are accepted",
-            "prompt_embeds",
+            f"{param} could not be read as a tensor ({type(exc).__name__}): only plain tensors are accepted", param
         ) from None
-    return check_prompt_embeds({"prompt_embeds": tensor}, hidden_size, max_model_len)
 
 
 def embeds_salt(data: bytes, salt: str | None) -> str:

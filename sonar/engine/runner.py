@@ -808,7 +808,9 @@ class ModelRunner:
             features = state.features.get(index)
             if features is None:
                 pixels = image.pixel_values.to(self.device)
-                if image.grid is None:
+                if image.embeds:  # precomputed (--enable-mm-embeds): the tower's work is done
+                    features = pixels.to(self.loaded.dtype)
+                elif image.grid is None:
                     features = self.model.encode_images(pixels.unsqueeze(0))[0]
                 else:
                     features = self.model.encode_grid(pixels, image.grid)

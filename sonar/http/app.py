@@ -52,7 +52,7 @@ from sonar.http.completions import create_completion
 from sonar.http.console import CONSOLE_PATHS, console_routes
 from sonar.http.content_format import shape_content
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
-from sonar.http.messages import template_messages, template_tools
+from sonar.http.messages import MediaSource, template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
 from sonar.http.pooling import create_classification, create_embedding, create_pooling, create_rerank, create_score
@@ -314,7 +314,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if req.messages is None and getattr(req, name) is not None:
                 raise RequestError(f"{name} only applies to messages", name)
         if req.messages is not None:
-            urls: list[tuple[str, str]] = []  # images count by their placeholder rows; none is loaded
+            urls: list[tuple[MediaSource, str]] = []  # images count by their placeholder rows; none is loaded
             source = template_source(llm, settings)
             messages = template_messages(req.messages, source, image_token(llm), urls)
             ids = await llm.apply_chat_template(

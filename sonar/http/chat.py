@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from sonar.engine.llm import LLM
 from sonar.http.content_format import shape_content
-from sonar.http.messages import template_messages, template_tools
+from sonar.http.messages import EmbedsPart, MediaSource, template_messages, template_tools
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, chat_logprobs, make_usage
 from sonar.http.protocol import (
@@ -67,18 +67,14 @@ async def create_chat_completion(
     tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
     plan.constrain(params, req.skip_special_tokens)
-    urls: list[tuple[str, str]] = []
+    media: list[tuple[MediaSource, str]] = []
     source = template_source(llm, settings)
     messages = shape_content(
-        template_messages(req.messages, source, image_token(llm), urls),
+        template_messages(req.messages, source, image_token(llm), media),
         req.messages,
         settings.chat_template_content_format,
         source,
     )
-    if len(urls) > llm.image_limit:
-        raise RequestError(
-            f"at most {llm.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {len(urls)}", "messages"
-        )
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None
     prompt_ids = await llm.apply_chat_template(
@@ -90,10 +86,11 @@ async def create_chat_completion(
         chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
     images: list[ImageInput] = []
-    if urls:
-        llm.check_images(prompt_ids, len(urls), params.max_tokens)
+    if media:
+        given = sum(isinstance(source, EmbedsPart) for source, _ in media)
+        llm.check_images(prompt_ids, len(media), params.max_tokens, embeds=given)
         policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
-        prompt_ids, images = await llm.add_images(prompt_ids, await load_images(urls, policy))
+        prompt_ids, images = await llm.add_images(prompt_ids, await _load_media(llm, media, policy))
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user, lora=lora)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -158,6 +155,18 @@ def template_source(llm: LLM, settings: ServerSettings) -> str | None:
     templates, when it has several)."""
     source = settings.chat_template or getattr(llm.tokenizer, "chat_template", None)
     return "\n".join(source.values()) if isinstance(source, dict) else source
+
+
+async def _load_media(llm: LLM, media: list[tuple[MediaSource, str]], policy: MediaPolicy) -> list[Any]:
+    """The prompt's images in order: fetched and decoded (URLs), or read as feature rows
+    (``image_embeds`` parts)."""
+    out: list[Any] = []
+    for source, where in media:
+        if isinstance(source, EmbedsPart):
+            out.append(llm.read_image_embeds(source.value, where))
+        else:
+            out += await load_images([(source, where)], policy)
+    return out
 
 
 def image_token(llm: LLM) -> str | None:

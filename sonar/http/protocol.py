@@ -347,12 +347,14 @@ class ImageURL(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A content part: "text" parts, and "image_url" parts for a model that takes images; the
+    """A content part: "text" parts, and "image_url" parts for a model that takes images (and
+    "image_embeds" parts with --enable-mm-embeds: base64 text, or an object of base64 texts); the
     others OpenAI defines are declared so that their refusal names the part's type."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    image_embeds: str | dict[str, str] | None = None
     input_audio: Any = None
     file: Any = None
     refusal: Any = None

@@ -46,13 +46,16 @@ class ImageInput(msgspec.Struct, array_like=True):
     """One image of a prompt: its placeholder tokens ``[offset, offset + length)`` of the prompt,
     the hash of its pixels (which keys its blocks in the prefix cache), and the pixels the vision
     tower takes (a float32 CPU tensor ``[3, image_size, image_size]``; with dynamic resolution its
-    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``)."""
+    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``).
+    With `embeds` (--enable-mm-embeds) `pixel_values` holds the image's precomputed feature rows
+    instead, float32 ``[length, hidden_size]``, which the worker takes without the tower."""
 
     offset: int
     length: int
     hash: str
     pixel_values: Any
     grid: list[int] | None = None
+    embeds: bool = False
 
 
 # -- worker --------------------------------------------------------------------------------------
