@@ -55,8 +55,8 @@ NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
 NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
 NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
 NO_MM = (
-    "Sonar serves images to LLaVA-style models only, preprocessed per request in the API server, with no "
-    "processor cache and no video or audio; this setting is not supported yet"
+    "Sonar preprocesses images in the API server (with one LRU cache, --mm-processor-cache-gb), with no "
+    "shared-memory cache, no separate encoder process and no video or audio; this setting is not supported yet"
 )
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
@@ -679,8 +679,9 @@ GROUPS: tuple[Group, ...] = (
            "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
            "'{\"do_normalize\": false}'.", dotted=True, to=E),
         _f("--mm-processor-cache-gb", F, 4,
-           "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
-           why=NO_MM),
+           "GiB of processed images (pixels, by the SHA-256 of the image's bytes) the API server keeps, "
+           "least recently used out first, so a picture sent again is neither decoded nor preprocessed "
+           "again; 0 turns it off.", to=E),
         _f("--mm-processor-cache-type", S_, "lru",
            "Cache of processed multimodal inputs: mirrored LRU ('lru') or shared-memory FIFO ('shm').",
            choices=("lru", "shm"), why=NO_MM),

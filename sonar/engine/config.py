@@ -193,6 +193,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_mm_embeds: bool = False
     """`--enable-mm-embeds`: accept images given as their feature rows (`sonar.engine.image_embeds`)."""
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float = 4.0
+    """`--mm-processor-cache-gb`: GiB of processed images kept by their bytes (`sonar.multimodal.cache`)."""
     """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
     hf_overrides: dict[str, Any] = {}
     """Fields that replace those of the model's Hugging Face config (a reranker's
@@ -295,6 +297,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             check_processor_kwargs(self.mm_processor_kwargs)
         except ProcessorConfigError as exc:
             raise ValueError(str(exc)) from None
+        if not self.mm_processor_cache_gb >= 0:
+            raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {self.mm_processor_cache_gb}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_load_settings(self)
         capture_sizes(self)

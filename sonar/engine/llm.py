@@ -247,6 +247,10 @@ class LLM:
         self.image_limit = image_limit(config.limit_mm_per_prompt, config.language_model_only)
         """Most images one prompt may hold (--limit-mm-per-prompt, --language-model-only)."""
         self._image_processor: Any = None
+        from sonar.multimodal.cache import ProcessedCache
+
+        self.processed_images = ProcessedCache(int(config.mm_processor_cache_gb * 2**30))
+        """Processed pictures by their bytes (--mm-processor-cache-gb; a budget of 0 keeps none)."""
 
     # -- public API -------------------------------------------------------------------------
     async def generate(
@@ -546,10 +550,11 @@ class LLM:
         With --enable-mm-embeds an image may be given as its feature rows instead
         (`sonar.engine.image_embeds`)."""
         from sonar.engine.image_embeds import is_image_embeds, library_embeds
-        from sonar.multimodal.processor import ImageEmbeds, expand_images
+        from sonar.multimodal.processor import ImageEmbeds, Processed, expand_images
 
-        items = list(images)
-        given = [i for i, item in enumerate(items) if isinstance(item, ImageEmbeds) or is_image_embeds(item)]
+        done = {i for i, item in enumerate(images) if isinstance(item, Processed)}
+        given = [i for i, item in enumerate(images) if isinstance(item, ImageEmbeds) or is_image_embeds(item)]
+        items = [item.value if isinstance(item, Processed) else item for item in images]
         vision = self.check_images(prompt_ids, len(items), embeds=len(given))
         if given and not self.config.enable_mm_embeds:
             raise InvalidRequestError(
@@ -558,13 +563,31 @@ class LLM:
         for i in given:
             if not isinstance(items[i], ImageEmbeds):
                 items[i] = library_embeds(items[i], self.info.hidden_size, self.info.max_model_len, f"images[{i}]")
-        pictures = [i for i in range(len(items)) if i not in given]
+        pictures = [i for i in range(len(items)) if i not in given and i not in done]
         if pictures:
             processor = await self._processor(vision)
             pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(items[i]) for i in pictures])
             for i, px in zip(pictures, pixels, strict=True):
                 items[i] = px
         return expand_images(prompt_ids, vision, items)
+
+    async def prepare_image(self, data: bytes, decode: Callable[[bytes], Any]) -> Any:
+        """A picture's encoded bytes, decoded (`decode`, blocking) and preprocessed in a thread, as
+        `add_images` takes it; a picture whose bytes were seen before comes from the cache
+        (--mm-processor-cache-gb) without either step."""
+        from sonar.multimodal.cache import processed_bytes
+        from sonar.multimodal.processor import Processed
+
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
+        key = self.processed_images.key(data)
+        value = self.processed_images.get(key)
+        if value is None:
+            processor = await self._processor(vision)
+            value = await anyio.to_thread.run_sync(lambda: processor.pixels(decode(data)))
+            self.processed_images.put(key, value, processed_bytes(value))
+        return Processed(value)
 
     def read_image_embeds(self, value: Any, param: str) -> Any:
         """An ``image_embeds`` content part's value as `ImageEmbeds` (a 400 without

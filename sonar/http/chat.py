@@ -14,6 +14,7 @@ with the finish reason; with `stream_options.include_usage` a final chunk carrie
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable
 
 from starlette.requests import Request
@@ -42,7 +43,7 @@ from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
 from sonar.http.tasks import cancel_on_disconnect
 from sonar.http.tools import ChoiceOutput, choice_output, finish_reason, plan_tools, whole_message
-from sonar.multimodal.media import MediaPolicy, load_images
+from sonar.multimodal.media import MediaPolicy, decode_image, fetch_image_bytes
 from sonar.protocol.engine import ImageInput
 from sonar.sampling_params import SamplingParams
 
@@ -165,7 +166,8 @@ async def _load_media(llm: LLM, media: list[tuple[MediaSource, str]], policy: Me
         if isinstance(source, EmbedsPart):
             out.append(llm.read_image_embeds(source.value, where))
         else:
-            out += await load_images([(source, where)], policy)
+            data = await fetch_image_bytes(source, policy, where)
+            out.append(await llm.prepare_image(data, partial(decode_image, policy=policy, param=where)))
     return out
 
 

@@ -84,6 +84,14 @@ class ImageEmbeds:
     grid: tuple[int, int, int] | None = None
 
 
+@dataclass(frozen=True)
+class Processed:
+    """A picture the processor has already made into pixels (`LLM.prepare_image`): its
+    ``pixels(image)`` result, which `LLM.add_images` passes on as is."""
+
+    value: Any
+
+
 def image_hash(pixels: Any, grid: Sequence[int] | None = None) -> str:
     """The content hash that keys an image's prefix-cache blocks (its grid too, where it has one:
     the same values cut another way are another image)."""
