@@ -135,6 +135,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     spaces_between_special_tokens: bool = True
     #: Constrain the output to a JSON schema, regex, choice or grammar (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    #: Arguments for the server's logits processors (vLLM's `extra_args`; `vllm_xargs` over HTTP):
+    #: only a server started with --logits-processors takes them (`sonar.engine.logits_processors`).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -29,6 +29,10 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     ssl_certfile: str | None = None
     ssl_ca_certs: str | None = None
     ssl_cert_reqs: int = 0
+    enable_ssl_refresh: bool = False
+    """Reload the TLS files when they change (`sonar.http.tls`)."""
+    middleware: tuple[str, ...] = ()
+    """Import paths of the operator's ASGI middleware (`sonar.http.middleware`)."""
     h11_max_incomplete_event_size: int = 4194304
     h11_max_header_count: int = 256
     disable_fastapi_docs: bool = False
@@ -57,6 +61,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     # Requests and responses.
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    """How message content reaches the template (`sonar.http.content_format`)."""
     default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False
     response_role: str = "assistant"

@@ -286,6 +286,10 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
     ):
         raise UsageError.bad("argument --kv-cache-metrics-sample: takes effect only with --kv-cache-metrics")
     check_parser_flags(serve_args, _one_reasoning_parser(serve_args, engine_args))
+    if serve_args.get("enable_ssl_refresh") and not (serve_args.get("ssl_keyfile") and serve_args.get("ssl_certfile")):
+        raise UsageError.bad(
+            "argument --enable-ssl-refresh: it reloads TLS files, so it needs --ssl-keyfile and --ssl-certfile"
+        )
     endpoints = serve_args.pop("disable_access_log_for_endpoints")
     serve_args["disable_access_log_for_endpoints"] = tuple(p.strip() for p in (endpoints or "").split(",") if p.strip())
     names = serve_args.pop("served_model_name")

@@ -46,6 +46,22 @@ def main(argv: Sequence[str]) -> int:
         except LogConfigError as error:
             print(f"{PROG}: error: {error}", file=sys.stderr)
             return 2
+    if config.middleware:  # the operator's modules import now, before a model loads, or the start stops
+        from sonar.http.middleware import MiddlewareError, load_middleware
+
+        try:
+            load_middleware(config.middleware)
+        except MiddlewareError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 2
+    if config.engine.logits_processors:  # likewise: a name that does not import stops the start here
+        from sonar.engine.logits_processors import LogitsProcessorError, load_classes
+
+        try:
+            load_classes(config.engine.logits_processors)
+        except LogitsProcessorError as error:
+            print(f"{PROG}: error: {error}", file=sys.stderr)
+            return 2
     import anyio
 
     from sonar.actors import configure_transport
@@ -119,6 +135,7 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
             "quiet_paths": tuple(config.disable_access_log_for_endpoints),
             "header_timeout": config.header_read_timeout,
             "max_connections": config.max_connections,
+            "ssl_refresh": config.enable_ssl_refresh,
             "listening": listening,
         },
     )
@@ -309,10 +326,13 @@ async def _abort_rest(frontend: Any, llm: Any, patience: float = 3.0) -> None:
 
 
 def _settings(config: ServeConfig) -> Any:
+    from sonar.http.middleware import load_middleware
     from sonar.http.settings import ServerSettings
 
     return ServerSettings(
         served_model_names=config.served_model_name,
+        middleware=tuple(load_middleware(config.middleware)),
+        chat_template_content_format=config.chat_template_content_format,
         api_keys=config.api_key or (),
         chat_template=_chat_template(config.chat_template),
         default_chat_template_kwargs=dict(config.default_chat_template_kwargs or {}),

@@ -55,8 +55,8 @@ NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
 NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
 NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
 NO_MM = (
-    "Sonar serves images to LLaVA-style models only, preprocessed per request in the API server, with no "
-    "processor cache and no video or audio; this setting is not supported yet"
+    "Sonar preprocesses images in the API server (with one LRU cache, --mm-processor-cache-gb), with no "
+    "shared-memory cache, no separate encoder process and no video or audio; this setting is not supported yet"
 )
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
@@ -131,7 +131,7 @@ GROUPS: tuple[Group, ...] = (
         _f("--chat-template-content-format", S_, "auto",
            "How message content reaches the chat template: 'string' flattens it to text, 'openai' passes "
            "the list of typed parts, 'auto' detects what the template expects.",
-           choices=("auto", "openai", "string")),
+           choices=("auto", "openai", "string"), to=S),
         _f("--trust-request-chat-template", B, False,
            "Let a request supply its own chat template; otherwise only the server's template is used."),
         _f("--default-chat-template-kwargs", J, None,
@@ -229,14 +229,18 @@ GROUPS: tuple[Group, ...] = (
         _f("--ssl-keyfile", S_, None, "Private key file for HTTPS.", to=S),
         _f("--ssl-certfile", S_, None, "Certificate file for HTTPS.", to=S),
         _f("--ssl-ca-certs", S_, None, "CA certificates used to verify client certificates.", to=S),
-        _f("--enable-ssl-refresh", B, False, "Reload the TLS context whenever the certificate files change."),
+        _f("--enable-ssl-refresh", B, False,
+           "Reload the TLS certificate and key (and CA certificates) when their files change; new "
+           "connections get the new ones (needs --ssl-keyfile and --ssl-certfile).", to=S),
         _f("--ssl-cert-reqs", I, 0,
            "Whether clients must show a certificate, as Python's ssl.CERT_* number: 0 no, 1 optional, "
            "2 required.", choices=(0, 1, 2), to=S),
         _f("--ssl-ciphers", S_, None, "TLS cipher suites to allow (OpenSSL list syntax; TLS 1.2 and older)."),
         _f("--root-path", S_, None, "Path prefix under which a path-routing proxy exposes this server.", to=S),
-        _f("--middleware", L, (), "Import path of an extra ASGI middleware; repeat the flag to add several.",
-           extend=True),
+        _f("--middleware", L, (),
+           "Import path (module:attr or module.attr) of an extra ASGI middleware: a class is added "
+           "with app.add_middleware, a function as an HTTP middleware (async (request, call_next)); "
+           "repeat the flag to add several.", extend=True, to=S),
         _f("--enable-request-id-headers", B, False, "Add an X-Request-Id header to every response.", to=S),
         _f("--disable-fastapi-docs", B, False,
            "Turn off the OpenAPI schema (/openapi.json). Sonar serves no interactive documentation pages.",
@@ -339,7 +343,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--skip-tokenizer-init", B, False,
            "Load no tokenizer or detokenizer; requests then send token ids and get token ids back."),
         _f("--enable-prompt-embeds", B, False,
-           "Accept prompts as precomputed embeddings (prompt_embeds); malformed ones can crash the engine."),
+           "Accept completion prompts as their input embeddings (prompt_embeds: base64 of a torch-saved "
+           "float tensor [tokens, hidden size], read with weights_only and checked for shape, dtype and "
+           "finite values).", to=E),
         _f("--served-model-name", L, None,
            "Names under which clients address the model; the first is the one reported in responses and "
            "metrics.", to=S, default_note="the --model value"),
@@ -379,7 +385,10 @@ GROUPS: tuple[Group, ...] = (
            choices=("aphrodite", "auto", "terratorch", "transformers"), accepts=("aphrodite",),
            metavar="{aphrodite,auto,terratorch,transformers}"),
         _f("--override-attention-dtype", S_, None, "Run attention in this dtype instead of the model's."),
-        _f("--logits-processors", L, None, "Logits processors to load, by fully qualified class name."),
+        _f("--logits-processors", L, None,
+           "Logits processor classes to load in the worker, by fully qualified name (module.Class or "
+           "module:Class); each sees every step's logits before sampling, and a request's vllm_xargs "
+           "as its SamplingParams.extra_args (`sonar.engine.logits_processors`).", to=E),
         _f("--io-processor-plugin", S_, None, "Name of an IOProcessor plugin to load at startup."),
         _f("--renderer-num-workers", I, 1,
            "Threads that tokenize prompts and render chat templates for the API server."),
@@ -659,8 +668,10 @@ GROUPS: tuple[Group, ...] = (
            "per-item size options are not supported yet).",
            dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
-           "Accept precomputed multimodal embeddings as inputs; malformed ones can crash the engine.",
-           why="Sonar does not accept precomputed image embeddings (image_embeds content parts) yet"),
+           "Accept images given as their precomputed feature rows: chat content parts of type "
+           "\"image_embeds\" (base64 of a torch.save tensor, read without running pickled code, shape "
+           "checked) and tensors among the library's images. With an image limit of 0 they do not count "
+           "against --limit-mm-per-prompt.", to=E),
         _f("--media-io-kwargs", J, {},
            "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
            dotted=True, why="Sonar loads images with fixed settings (and no video or audio); none can be changed yet"),
@@ -668,8 +679,9 @@ GROUPS: tuple[Group, ...] = (
            "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
            "'{\"do_normalize\": false}'.", dotted=True, to=E),
         _f("--mm-processor-cache-gb", F, 4,
-           "GiB for caching processed multimodal inputs, per API and engine process; 0 turns it off.",
-           why=NO_MM),
+           "GiB of processed images (pixels, by the SHA-256 of the image's bytes) the API server keeps, "
+           "least recently used out first, so a picture sent again is neither decoded nor preprocessed "
+           "again; 0 turns it off.", to=E),
         _f("--mm-processor-cache-type", S_, "lru",
            "Cache of processed multimodal inputs: mirrored LRU ('lru') or shared-memory FIFO ('shm').",
            choices=("lru", "shm"), why=NO_MM),

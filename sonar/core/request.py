@@ -161,6 +161,7 @@ class Request:
         "sampling_params",
         "pooling_params",
         "grammar",
+        "prompt_embeds",
         "status",
         "num_computed_tokens",
         "num_placeholders",
@@ -196,6 +197,7 @@ class Request:
         sampling_params: Any = None,
         pooling_params: Any = None,
         grammar: GrammarMatcher | None = None,
+        prompt_embeds: bytes | None = None,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise RequestRejectedError(request_id, f"max_tokens must be >= 1, got {max_tokens}")
@@ -237,6 +239,9 @@ class Request:
         """A pooling request's (opaque here too): it ends with its prompt (``max_tokens`` 1, and
         `Scheduler.finish_pooled` when its result is back)."""
         self.grammar = grammar
+        #: The prompt as input embeddings (opaque here: the worker reads them); salted into the block
+        #: hashes through `cache_salt` by the engine client.
+        self.prompt_embeds = prompt_embeds
         """Structured outputs: the matcher of the request's grammar, advanced with every token the
         request keeps (`sonar.core.grammar`); None for free text."""
         self.status = RequestStatus.WAITING

@@ -190,7 +190,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--limit-mm-per-prompt`: most items of each modality in one prompt (`sonar.multimodal.limits`)."""
     language_model_only: bool = False
     """`--language-model-only`: accept no images (as a limit of 0)."""
+    enable_mm_embeds: bool = False
+    """`--enable-mm-embeds`: accept images given as their feature rows (`sonar.engine.image_embeds`)."""
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float = 4.0
+    """`--mm-processor-cache-gb`: GiB of processed images kept by their bytes (`sonar.multimodal.cache`)."""
     """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
     hf_overrides: dict[str, Any] = {}
     """Fields that replace those of the model's Hugging Face config (a reranker's
@@ -217,6 +221,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_sleep_mode: bool = False
     """Allow `LLM.sleep` / `wake_up` (``POST /sleep``, ``/wake_up``): free the KV cache and move
     or drop the weights while the engine is not needed (`sonar.core.sleep`)."""
+    enable_prompt_embeds: bool = False
+    """`--enable-prompt-embeds`: a prompt may be given as its input embeddings instead of token ids
+    (`sonar.engine.prompt_embeds`)."""
+    logits_processors: tuple[str, ...] | None = None
+    """`--logits-processors`: classes the worker loads and applies to every step's logits before
+    sampling (`sonar.engine.logits_processors`)."""
     profiler_config: dict[str, Any] = {}
     """`--profiler-config` (`sonar.engine.profiler.ProfilerConfig`): with ``profiler`` ``torch``,
     `LLM.start_profile` / `stop_profile` trace the workers' steps into ``torch_profiler_dir``."""
@@ -287,6 +297,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             check_processor_kwargs(self.mm_processor_kwargs)
         except ProcessorConfigError as exc:
             raise ValueError(str(exc)) from None
+        if not self.mm_processor_cache_gb >= 0:
+            raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {self.mm_processor_cache_gb}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_load_settings(self)
         capture_sizes(self)
@@ -335,6 +347,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self.profiler()
         self._check_sleep_mode()
         self._check_weight_transfer()
+        if self.enable_prompt_embeds and self.world_size > 1:
+            raise ValueError(
+                "--enable-prompt-embeds with tensor or pipeline parallelism is not supported yet (only one worker "
+                "rank feeds embeddings to the model)"
+            )
         if offload is not None and not self.enable_prefix_caching:
             raise ValueError(
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "

@@ -37,6 +37,8 @@ from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_t
 from sonar.core.weights import WeightTransferConfig, WeightUpdateConflictError, WeightUpdateError
 from sonar.engine.client_actor import DeltaStream, Failed
 from sonar.engine.config import EngineConfig
+from sonar.engine.logits_processors import load_classes, validate_params
+from sonar.engine.prompt_embeds import PLACEHOLDER, check_prompt_embeds, embeds_salt, is_embeds_prompt
 from sonar.engine.replicas import Replicas
 from sonar.engine.tree import worker_ref
 from sonar.errors import (
@@ -78,7 +80,8 @@ from sonar.protocol.engine import (
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 from sonar.structured import compiler_for
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
+"""Text, token ids, or ``{"prompt_embeds": tensor}`` (`sonar.engine.prompt_embeds`)."""
 
 ADD_TIMEOUT = 30.0
 """Seconds the scheduler may take to accept or refuse a request before it counts as saturated."""
@@ -228,6 +231,8 @@ class LLM:
         self._ids = itertools.count()
         self._prefix = secrets.token_hex(4)
         self._closed = False
+        self._processor_classes: list[type] | None = None
+        """--logits-processors, imported on the first request (for their `validate_params`)."""
         self.dead: str | None = None
         """Why the engine can serve no more (it gave up), or None."""
         self.root: Supervisor | None = None
@@ -242,6 +247,10 @@ class LLM:
         self.image_limit = image_limit(config.limit_mm_per_prompt, config.language_model_only)
         """Most images one prompt may hold (--limit-mm-per-prompt, --language-model-only)."""
         self._image_processor: Any = None
+        from sonar.multimodal.cache import ProcessedCache
+
+        self.processed_images = ProcessedCache(int(config.mm_processor_cache_gb * 2**30))
+        """Processed pictures by their bytes (--mm-processor-cache-gb; a budget of 0 keeps none)."""
 
     # -- public API -------------------------------------------------------------------------
     async def generate(
@@ -263,11 +272,13 @@ class LLM:
         `on_delta`, if given, sees each `StreamDelta` as it arrives (for timing metrics)."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
-        prompt_ids, text = await self._prepare(prompt, params)
+        prompt_ids, text, embeds = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, images=images):
+        async for delta in self._run(
+            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds
+        ):
             if on_delta is not None:
                 on_delta(delta)
             out = outputs[delta.index]
@@ -299,9 +310,11 @@ class LLM:
         """Yield `StreamDelta`s as tokens are produced; leaving the loop early aborts the request."""
         params = params or SamplingParams()
         adapter = self._adapter(lora)
-        prompt_ids, _ = await self._prepare(prompt, params)
+        prompt_ids, _, embeds = await self._prepare(prompt, params)
         rid = request_id or self._new_id()
-        async for delta in self._run(rid, prompt_ids, params, priority, cache_salt, adapter, images=images):
+        async for delta in self._run(
+            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds
+        ):
             yield delta
 
     async def encode(
@@ -320,6 +333,8 @@ class LLM:
         A prompt longer than the model's context is refused unless `truncate_prompt_tokens` says
         how many tokens to keep (-1: as many as the model takes): text is cut by its tokenizer
         (which keeps its special tokens), token ids keep their last ones."""
+        if is_embeds_prompt(prompt):
+            raise InvalidRequestError("pooling requests take text or token ids, not prompt_embeds", "prompt_embeds")
         info = self.pooling_info()
         pooling = pooling or PoolingParams(task=info.tasks[0])
         try:
@@ -507,15 +522,20 @@ class LLM:
 
         return await anyio.to_thread.run_sync(render)
 
-    def check_images(self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None) -> VisionInfo:
-        """Refuse `count` images for a prompt before any is loaded: a model without images, more
-        than the limit, or a prompt their rows would take past the context length."""
+    def check_images(
+        self, prompt_ids: Sequence[int], count: int, max_tokens: int | None = None, embeds: int = 0
+    ) -> VisionInfo:
+        """Refuse `count` images (`embeds` of them given as feature rows) for a prompt before any
+        is loaded: a model without images, more than the limit, or a prompt their rows would take
+        past the context length. With --enable-mm-embeds and a limit of 0, as documented,
+        embeddings do not count against it."""
         vision = self.info.vision
         if vision is None:
             raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
-        if count > self.image_limit:
+        counted = self.counted_images(count, embeds)
+        if counted > self.image_limit:
             raise InvalidRequestError(
-                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}",
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {counted}",
                 param="messages",
             )
         check_context_length(
@@ -523,11 +543,71 @@ class LLM:
         )
         return vision
 
+    def counted_images(self, count: int, embeds: int) -> int:
+        """Of `count` images, `embeds` given as feature rows, how many count against the image
+        limit: all, except that with --enable-mm-embeds and a limit of 0, as documented, the
+        embeddings do not."""
+        return count - embeds if self.image_limit == 0 and self.config.enable_mm_embeds else count
+
     async def add_images(self, prompt_ids: Sequence[int], images: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
         """The prompt with its image tokens (one per image, as a chat template renders them)
         expanded for the model, and the images (RGB `PIL.Image`s, in prompt order) preprocessed
-        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread."""
-        vision = self.check_images(prompt_ids, len(images))
+        and placed on them: what `generate` and `stream` take. Preprocessing runs in a thread.
+        With --enable-mm-embeds an image may be given as its feature rows instead
+        (`sonar.engine.image_embeds`)."""
+        from sonar.engine.image_embeds import is_image_embeds, library_embeds
+        from sonar.multimodal.processor import ImageEmbeds, Processed, expand_images
+
+        done = {i for i, item in enumerate(images) if isinstance(item, Processed)}
+        given = [i for i, item in enumerate(images) if isinstance(item, ImageEmbeds) or is_image_embeds(item)]
+        items = [item.value if isinstance(item, Processed) else item for item in images]
+        vision = self.check_images(prompt_ids, len(items), embeds=len(given))
+        if given and not self.config.enable_mm_embeds:
+            raise InvalidRequestError(
+                "images given as embeddings need a server started with --enable-mm-embeds", param="image_embeds"
+            )
+        for i in given:
+            if not isinstance(items[i], ImageEmbeds):
+                items[i] = library_embeds(items[i], self.info.hidden_size, self.info.max_model_len, f"images[{i}]")
+        pictures = [i for i in range(len(items)) if i not in given and i not in done]
+        if pictures:
+            processor = await self._processor(vision)
+            pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(items[i]) for i in pictures])
+            for i, px in zip(pictures, pixels, strict=True):
+                items[i] = px
+        return expand_images(prompt_ids, vision, items)
+
+    async def prepare_image(self, data: bytes, decode: Callable[[bytes], Any]) -> Any:
+        """A picture's encoded bytes, decoded (`decode`, blocking) and preprocessed in a thread, as
+        `add_images` takes it; a picture whose bytes were seen before comes from the cache
+        (--mm-processor-cache-gb) without either step."""
+        from sonar.multimodal.cache import processed_bytes
+        from sonar.multimodal.processor import Processed
+
+        vision = self.info.vision
+        if vision is None:
+            raise InvalidRequestError(f"the model {self.model_name!r} does not accept images", param="messages")
+        key = self.processed_images.key(data)
+        value = self.processed_images.get(key)
+        if value is None:
+            processor = await self._processor(vision)
+            value = await anyio.to_thread.run_sync(lambda: processor.pixels(decode(data)))
+            self.processed_images.put(key, value, processed_bytes(value))
+        return Processed(value)
+
+    def read_image_embeds(self, value: Any, param: str) -> Any:
+        """An ``image_embeds`` content part's value as `ImageEmbeds` (a 400 without
+        --enable-mm-embeds, or naming what is wrong with it)."""
+        from sonar.engine.image_embeds import part_embeds
+
+        if not self.config.enable_mm_embeds:
+            raise InvalidRequestError(
+                "content part type 'image_embeds' needs a server started with --enable-mm-embeds", param=param
+            )
+        return part_embeds(value, self.info.hidden_size, self.info.max_model_len, param)
+
+    async def _processor(self, vision: VisionInfo) -> Any:
+        """The image processor, made on first use (it reads the model's preprocessor config)."""
         if self._image_processor is None:
             from sonar.multimodal.processor import image_processor
 
@@ -535,11 +615,7 @@ class LLM:
             self._image_processor = await anyio.to_thread.run_sync(
                 image_processor, vision, path, self.config.mm_processor_kwargs
             )
-        processor = self._image_processor
-        from sonar.multimodal.processor import expand_images
-
-        pixels = await anyio.to_thread.run_sync(lambda: [processor.pixels(image) for image in images])
-        return expand_images(prompt_ids, vision, pixels)
+        return self._image_processor
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """The token ids of `text` (in a worker thread), after the prompt-length limit."""
@@ -880,7 +956,27 @@ class LLM:
         if self._closed:
             raise EngineDeadError("the engine is shut down")
 
-    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None]:
+    def _check_processor_args(self, params: SamplingParams) -> None:
+        """`extra_args` go to the --logits-processors, which may refuse them (`validate_params`)."""
+        names = self.config.logits_processors
+        if not names:
+            if params.extra_args is not None:
+                raise InvalidRequestError(
+                    "extra_args (vllm_xargs in an HTTP request) are read only by logits processors, and this "
+                    "server loads none (--logits-processors)",
+                    param="vllm_xargs",
+                )
+            return
+        if self._processor_classes is None:
+            self._processor_classes = load_classes(names)
+        try:
+            validate_params(self._processor_classes, params)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequestError(f"vllm_xargs: {exc}", param="vllm_xargs") from None
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams) -> tuple[list[int], str | None, bytes | None]:
+        """The prompt's token ids (placeholders for an embeddings prompt), its text (when given as
+        text) and its embeddings as float32 bytes (for an embeddings prompt)."""
         self._check_open()
         if self.info.pooling is not None:
             raise InvalidRequestError(
@@ -903,8 +999,13 @@ class LLM:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         if params.structured_outputs is not None:
             await self._check_structured(params)
+        self._check_processor_args(params)
         self.check_completions(1, params)
-        if isinstance(prompt, str):
+        embeds = None
+        if is_embeds_prompt(prompt):
+            text, embeds = None, self._prompt_embeds(prompt, params)
+            ids = [PLACEHOLDER] * (len(embeds) // (4 * self.info.hidden_size))
+        elif isinstance(prompt, str):
             text = prompt
             ids = await self.tokenize(prompt)
         else:
@@ -914,7 +1015,23 @@ class LLM:
         if not ids:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         check_context_length(len(ids), params.max_tokens, self.info.max_model_len)
-        return list(ids), text
+        return list(ids), text, embeds
+
+    def _prompt_embeds(self, prompt: Mapping[str, Any], params: SamplingParams) -> bytes:
+        """An embeddings prompt's float32 bytes, or a 400 (`sonar.engine.prompt_embeds`)."""
+        if not self.config.enable_prompt_embeds:
+            raise InvalidRequestError(
+                "prompt_embeds: prompts given as embeddings need a server started with --enable-prompt-embeds",
+                param="prompt_embeds",
+            )
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                "prompt logprobs (echo with logprobs) need the prompt's tokens, which an embeddings prompt does not "
+                "have",
+                param="prompt_logprobs",
+            )
+        embeds = check_prompt_embeds(prompt, self.info.hidden_size, self.info.max_model_len)
+        return embeds.numpy().tobytes()
 
     async def _check_structured(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached) so a bad spec is refused before admission, and
@@ -948,11 +1065,14 @@ class LLM:
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
         images: Sequence[ImageInput] = (),
+        prompt_embeds: bytes | None = None,
     ) -> AsyncIterator[StreamDelta]:
         """Submit the request (n completions as n engine requests) and yield their deltas."""
         problem = cache_salt_problem(cache_salt)
         if problem is not None:
             raise InvalidRequestError(problem, param="cache_salt")
+        if prompt_embeds is not None:  # the prefix cache keys these placeholders by the embeddings
+            cache_salt = embeds_salt(prompt_embeds, cache_salt)
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         # The prompt is scored once: only the first completion asks for its logprobs.
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]
@@ -980,6 +1100,7 @@ class LLM:
                         lora=lora,
                         pooling=pooling,
                         images=list(images),
+                        prompt_embeds=prompt_embeds,
                     ),
                 )
             while pending:

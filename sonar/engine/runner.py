@@ -16,6 +16,7 @@ and every step runs eagerly and unpadded.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import os
 import time
@@ -33,6 +34,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
 from sonar.engine.drafter import Drafter, EagleDrafter, StepView
+from sonar.engine.logits_processors import ProcessorChain, load_classes
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
@@ -49,7 +51,7 @@ from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transf
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
 from sonar.protocol.engine import ExecuteStep, ImageInput, StepResult, TokenLogprobs, VisionInfo, WorkerInfo
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import GREEDY_EPS, SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
 
@@ -95,6 +97,15 @@ class _RequestState:
         prompt = self.mrope.shape[1]
         inside = self.mrope[0, start : min(start + n, prompt)].tolist()
         return inside + list(range(max(start, prompt) + self.mrope_delta, start + n + self.mrope_delta))
+
+    embeds: torch.Tensor | None = None
+    """A prompt given as input embeddings (`sonar.engine.prompt_embeds`): ``[prompt, hidden]``."""
+
+    @property
+    def prompt_tokens(self) -> list[int] | None:
+        """The prompt's tokens as sampling sees them: None for an embeddings prompt (its ids are
+        placeholders)."""
+        return None if self.embeds is not None else self.prompt
 
 
 def vision_info(model: Any) -> VisionInfo | None:
@@ -347,6 +358,13 @@ class ModelRunner:
         self.vocab_size = int(self.loaded.config.vocab_size)
         self.eos_token_ids = self.loaded.eos_token_ids
         self.sampler = Sampler()
+        if cfg.enable_prompt_embeds:
+            self._check_prompt_embeds()
+        self.processors = (
+            ProcessorChain([cls(cfg, device, cuda) for cls in load_classes(cfg.logits_processors)])
+            if cfg.logits_processors
+            else None
+        )
         tokenizer = cfg.tokenizer or (str(self.loaded.tokenizer_path) if self.loaded.tokenizer_path else None)
         compile_seconds = self.compiled.compile_seconds if self.compiled is not None else 0.0
         phases = {
@@ -381,6 +399,7 @@ class ModelRunner:
             num_hidden_layers=int(self.loaded.config.num_hidden_layers),
             pooling=None if self.pooler is None else self.pooler.info,
             vision=vision_info(self.model),
+            hidden_size=self.hidden_size,
         )
         log.info(
             "kv_cache.allocated",
@@ -560,6 +579,8 @@ class ModelRunner:
             state.images = new.images
             if new.images and hasattr(self.model, "rope_index"):
                 state.mrope, state.mrope_delta = self.model.rope_index(len(new.prompt_token_ids), new.images)
+            if new.prompt_embeds is not None:
+                state.embeds = self._embeds(new.req_id, new.prompt_embeds, len(new.prompt_token_ids))
             if new.pooling is not None:
                 if self.pooler is None:
                     raise ValueError(f"request {new.req_id}: a pooling request, but this model is not a pooling model")
@@ -582,8 +603,8 @@ class ModelRunner:
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
-        image_rows: list[int] = []  # rows whose embedding is an image's feature row
-        image_embeds: list[torch.Tensor] = []
+        given_rows: list[int] = []  # rows whose first-layer input is given: image features, prompt embeddings
+        given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
         for sched in out.requests:
             n = len(sched.token_ids)
@@ -608,7 +629,11 @@ class ModelRunner:
             if state.mrope is not None:
                 mrope.append((first, sched.start_pos, n, state))
             if state.images:
-                self._image_rows(state, first, sched.start_pos, n, image_rows, image_embeds)
+                self._image_rows(state, first, sched.start_pos, n, given_rows, given_embeds)
+            if state.embeds is not None and sched.start_pos < len(state.prompt):
+                end = min(sched.start_pos + n, len(state.prompt))
+                given_rows += range(first, first + end - sched.start_pos)
+                given_embeds.append(state.embeds[sched.start_pos : end])
             if state.pooling is not None:
                 pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
                 pair = state.pooling.pair_start
@@ -637,7 +662,7 @@ class ModelRunner:
             and len(ids) == len(q_lens)
             and not prompt_rows
             and not pool_rows
-            and not image_rows
+            and not given_rows
             and not mrope  # a graph takes its cache slots from the positions
             and self.drafter is None
         ):
@@ -656,12 +681,13 @@ class ModelRunner:
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
-                elif image_rows:  # eager: compiled forms and graphs take token ids alone
-                    rows_t = torch.tensor(image_rows, device=device)
-                    embeds = torch.cat(image_embeds)
+                elif given_rows:
+                    rows_t = torch.tensor(given_rows, device=device)
                     if mrope:  # image rows' three positions differ: every row's three
                         rope_t = self._mrope_positions(rope_t, mrope)
-                    hidden = self.model(ids_t, rope_t, self.kv_caches, meta, image_rows=rows_t, image_embeds=embeds)
+                    hidden = self.model.forward_rows(
+                        ids_t, rope_t, self.kv_caches, meta, rows_t, torch.cat(given_embeds)
+                    )
                 else:
                     hidden = self._forward_stage(ids_t, rope_t, self.kv_caches, meta)
             for rid, reason in lost.items():
@@ -700,6 +726,14 @@ class ModelRunner:
                     where[rid] += 1
                 apply_token_bitmask(logits, wait_bitmask(), masked)
             states = [self.requests[rid] for rid in sample_ids]
+            processor_failure = None
+            if self.processors is not None:
+                try:
+                    logits = self._process(logits, sample_ids, states, drafts)
+                except Exception as exc:  # the operator's code: its requests fail, the worker serves on
+                    log.error("logits_processor.failed", error=f"{type(exc).__name__}: {exc}")
+                    processor_failure = f"a logits processor failed: {type(exc).__name__}: {exc}"
+                    logits = torch.full_like(logits, float("-inf"))
             if all(s.plain_greedy for s in states):
                 sampled = Sampler.greedy(logits)
             else:
@@ -708,7 +742,7 @@ class ModelRunner:
                     for j in range(1 + len(guesses)):  # each row sees the drafts before it as output
                         params.append(state.params)
                         outputs.append(state.output + guesses[:j] if j else state.output)
-                        prompts.append(state.prompt)
+                        prompts.append(state.prompt_tokens or [])
                 batch = SamplingBatch.build(
                     params,
                     outputs,
@@ -735,7 +769,7 @@ class ModelRunner:
                     # a failed row's id is 0, a valid token: a step already sent behind this one can
                     # feed it before the scheduler drops the request
                     state.output.append(0)
-                    result.failed[rid] = (
+                    result.failed[rid] = processor_failure or (
                         "no token could be sampled: every logit was -inf or NaN after the "
                         "request's penalties, logit_bias and min_tokens"
                     )
@@ -774,7 +808,9 @@ class ModelRunner:
             features = state.features.get(index)
             if features is None:
                 pixels = image.pixel_values.to(self.device)
-                if image.grid is None:
+                if image.embeds:  # precomputed (--enable-mm-embeds): the tower's work is done
+                    features = pixels.to(self.loaded.dtype)
+                elif image.grid is None:
                     features = self.model.encode_images(pixels.unsqueeze(0))[0]
                 else:
                     features = self.model.encode_grid(pixels, image.grid)
@@ -890,6 +926,49 @@ class ModelRunner:
                 self.model.compute_logits(hidden[-1:]).argmax(dim=-1)
             if not self.causal:  # an encoder attends whole prompts: no decode step to warm
                 break
+
+    def _check_prompt_embeds(self) -> None:
+        """--enable-prompt-embeds needs a generative model that embeds its input apart
+        (`embed`) and takes the embeddings back (`forward_tensors`'s `hidden`)."""
+        forward = getattr(self.model, "forward_tensors", None)
+        takes = (
+            hasattr(self.model, "embed")
+            and forward is not None
+            and "hidden" in inspect.signature(forward).parameters
+            and self.pooler is None
+            and vision_info(self.model) is None
+        )
+        if not takes:
+            raise ModelLoadError(
+                f"--enable-prompt-embeds: {type(self.model).__name__} takes no prompt embeddings (only generative "
+                "text-only decoder models that embed their input apart do; vision-language models not yet)"
+            )
+
+    def _embeds(self, rid: str, data: bytes, num_prompt: int) -> torch.Tensor:
+        """A request's prompt embeddings (float32 bytes) as a ``[prompt, hidden]`` tensor on the
+        model's device and in its dtype (the runner checked at start that the model takes them)."""
+        embeds = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        if embeds.numel() != num_prompt * self.hidden_size:
+            raise ValueError(
+                f"request {rid}: {embeds.numel()} embedding values for {num_prompt} positions of {self.hidden_size}"
+            )
+        return embeds.view(num_prompt, self.hidden_size).to(self.device, self.loaded.dtype)
+
+    def _process(
+        self, logits: torch.Tensor, sample_ids: list[str], states: list[_RequestState], drafts: list[list[int]]
+    ) -> torch.Tensor:
+        """The --logits-processors over the step's logits, one row per request and draft position
+        (`sonar.engine.logits_processors`)."""
+        assert self.processors is not None
+        keys, params, prompts, outputs = [], [], [], []
+        for rid, state, guesses in zip(sample_ids, states, drafts):
+            for j in range(1 + len(guesses)):
+                keys.append((rid, j))
+                params.append(state.params)
+                prompts.append(state.prompt_tokens)
+                outputs.append(state.output if j == 0 else state.output + guesses[:j])
+        all_greedy = all(p.temperature < GREEDY_EPS for p in params)
+        return self.processors.apply(logits, keys, params, prompts, outputs, all_greedy)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rid: str, start: int) -> list[TokenLogprobs | None]:
         """Logprobs of prompt tokens start+1 .. start+rows (row t predicts token t+1)."""

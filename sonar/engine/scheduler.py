@@ -368,7 +368,7 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
-        problem = _images_problem(msg, self.info.vision)
+        problem = _images_problem(msg, self.info.vision, self.info.hidden_size)
         if problem is not None:
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
@@ -399,6 +399,7 @@ class SchedulerActor(Actor):
                 pooling_params=msg.pooling,
                 skip_reading_prefix_cache=skip_cache,
                 grammar=grammar,
+                prompt_embeds=msg.prompt_embeds,
             )
             self.core.add_request(request)
         except RequestRejectedError as exc:
@@ -533,6 +534,7 @@ class SchedulerActor(Actor):
                         req.lora,
                         req.pooling_params,
                         req.media_inputs or [],
+                        req.prompt_embeds,
                     )
                 )
         fault = self.faults.next_fault(s.token_ids for s in output.requests) if self.faults is not None else None
@@ -928,28 +930,34 @@ def _never_ran(failure: Exception | None) -> bool:
     return isinstance(failure, ActorError) and failure.error.type.endswith((".ActorNotFound", ".UnknownRequestError"))
 
 
-def _image_shape(image: ImageInput, vision: VisionInfo) -> tuple[int | None, tuple[int, ...] | None]:
-    """The tokens and the pixel shape `image` must have on this model (Nones: a grid that cannot be)."""
+def _image_shape(image: ImageInput, vision: VisionInfo, hidden_size: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """The tokens and the pixel (or feature row) shape `image` must have on this model (Nones: a
+    grid that cannot be)."""
     if not vision.patch_size:
         side = vision.image_size
-        return vision.tokens_per_image, (3, side, side)
+        tokens = vision.tokens_per_image
+        return tokens, (tokens, hidden_size) if image.embeds else (3, side, side)
     grid, merge = image.grid, vision.merge_size
     if grid is None or len(grid) != 3 or grid[0] != 1 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
         return None, None
     t, h, w = grid
-    return t * h * w // merge**2, (t * h * w, 3 * vision.temporal_patch_size * vision.patch_size**2)
+    tokens = t * h * w // merge**2
+    return tokens, (tokens, hidden_size) if image.embeds else (
+        t * h * w,
+        3 * vision.temporal_patch_size * vision.patch_size**2,
+    )
 
 
-def _images_problem(msg: AddRequest, vision: VisionInfo | None) -> str | None:
+def _images_problem(msg: AddRequest, vision: VisionInfo | None, hidden_size: int) -> str | None:
     """Why the request's images cannot run on this model, or None: each must sit on exactly
-    `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size,
-    and no image token may be left without its image."""
+    `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size (or
+    feature rows of the model's width), and no image token may be left without its image."""
     prompt = msg.prompt_token_ids
     if vision is None:
         return "this model does not accept images" if msg.images else None
     end = 0
     for i, image in enumerate(msg.images):
-        length, shape = _image_shape(image, vision)
+        length, shape = _image_shape(image, vision, hidden_size)
         if length is None or shape is None:
             return f"image {i} needs a grid (1, h, w) of patches, h and w multiples of {vision.merge_size} (videos are not served)"
         if image.offset < end or image.length != length or image.offset + image.length > len(prompt):

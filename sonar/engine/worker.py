@@ -46,6 +46,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -321,25 +322,16 @@ class WorkerActor(Actor):
         """Sleep or wake between steps and answer with the new state. A refused transition is
         answered as an error; a failure to free or restore memory also crashes the worker (its
         successor starts awake, whole)."""
-        node = get_node()
-        try:
+
+        async def work() -> Any:
             if self.sleeper is None:
                 raise NotEnabledError(
                     "sleep mode is off: start the engine with enable_sleep_mode (--enable-sleep-mode)"
                 )
             async with self.lock:
-                state = await self._compute(self._apply_sleep if isinstance(msg, Sleep) else self._apply_wake, msg)
-        except SonarError as exc:
-            if msg.reply_to is not None:
-                await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
-            return
-        except Exception as exc:
-            if msg.reply_to is not None:
-                with anyio.CancelScope(shield=True):
-                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
-            raise
-        if msg.reply_to is not None:
-            await node.reply(msg.reply_to, state)
+                return await self._compute(self._apply_sleep if isinstance(msg, Sleep) else self._apply_wake, msg)
+
+        await self._reply_with(msg, work, refused=(SonarError,))
 
     def _apply_sleep(self, msg: Sleep) -> Any:
         sleeper = self.sleeper
@@ -360,28 +352,20 @@ class WorkerActor(Actor):
         wrote nothing and is answered as an error; any other failure (a checkpoint file that
         breaks while it is read) also crashes the worker, whose successor serves the startup
         checkpoint whole rather than a mix."""
-        node = get_node()
-        try:
+
+        async def work() -> Any:
             if self.updater is None:
                 raise NotEnabledError("weight updates are off: start the engine with --weight-transfer-config")
             async with self.lock:
-                updated = await self._compute(self.updater.apply, self.runner, msg.path, msg.tensors)
-        except (WeightUpdateError, NotEnabledError) as exc:
-            if msg.reply_to is not None:
-                await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
-            return
-        except Exception as exc:
-            if msg.reply_to is not None:
-                with anyio.CancelScope(shield=True):
-                    await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
-            raise
-        if msg.reply_to is not None:
-            await node.reply(msg.reply_to, updated)
+                return await self._compute(self.updater.apply, self.runner, msg.path, msg.tensors)
+
+        await self._reply_with(msg, work, refused=(WeightUpdateError, NotEnabledError))
 
     async def _profile(self, msg: StartProfile | StopProfile) -> None:
-        """Start or stop the profiler between steps, here and on the other ranks of the group."""
-        node = get_node()
-        try:
+        """Start or stop the profiler between steps, here and on the other ranks of the group; a
+        failure is answered, never a crash (the profiler holds nothing the steps need)."""
+
+        async def work() -> ProfileStatus:
             if self.profiler is None:
                 raise NotEnabledError("profiling is off: start the engine with a --profiler-config")
             async with self.lock:
@@ -391,13 +375,29 @@ class WorkerActor(Actor):
             for ref in self.followers:
                 status = await ref.ask(type(msg)(), timeout=self.config.step_timeout)
                 traces = (traces or []) + status.traces
+            return ProfileStatus(self.profiler.running, traces or [])
+
+        await self._reply_with(msg, work, refused=(Exception,))
+
+    async def _reply_with(
+        self, msg: Any, work: Callable[[], Awaitable[Any]], refused: tuple[type[Exception], ...]
+    ) -> None:
+        """Run an ask's `work` and reply with its result. An exception of the `refused` kinds is
+        replied as the error; any other is replied too, then crashes the worker (raised)."""
+        node = get_node()
+        try:
+            result = await work()
+        except refused as exc:
+            if msg.reply_to is not None:
+                await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
+            return
         except Exception as exc:
             if msg.reply_to is not None:
                 with anyio.CancelScope(shield=True):
                     await node.reply(msg.reply_to, error=RemoteError.from_exception(exc))
-            return
+            raise
         if msg.reply_to is not None:
-            await node.reply(msg.reply_to, ProfileStatus(self.profiler.running, traces or []))
+            await node.reply(msg.reply_to, result)
 
     def _release(self) -> None:
         """Let a step's thread go: an injected hang, a wait for a bitmask."""

@@ -50,8 +50,9 @@ from sonar.http.admin import admin_routes
 from sonar.http.chat import create_chat_completion, image_token, template_kwargs, template_source
 from sonar.http.completions import create_completion
 from sonar.http.console import CONSOLE_PATHS, console_routes
+from sonar.http.content_format import shape_content
 from sonar.http.errors import EXCEPTION_HANDLERS, ErrorStackLogging, error_response
-from sonar.http.messages import template_messages, template_tools
+from sonar.http.messages import MediaSource, template_messages, template_tools
 from sonar.http.metrics import LoadMiddleware, ServerMetrics, stats_logging
 from sonar.http.openapi import openapi_endpoint
 from sonar.http.pooling import create_classification, create_embedding, create_pooling, create_rerank, create_score
@@ -313,9 +314,11 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
             if req.messages is None and getattr(req, name) is not None:
                 raise RequestError(f"{name} only applies to messages", name)
         if req.messages is not None:
-            urls: list[tuple[str, str]] = []  # images count by their placeholder rows; none is loaded
+            urls: list[tuple[MediaSource, str]] = []  # images count by their placeholder rows; none is loaded
+            source = template_source(llm, settings)
+            messages = template_messages(req.messages, source, image_token(llm), urls)
             ids = await llm.apply_chat_template(
-                template_messages(req.messages, template_source(llm, settings), image_token(llm), urls),
+                shape_content(messages, req.messages, settings.chat_template_content_format, source),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 chat_template=settings.chat_template,
@@ -399,13 +402,14 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
     if settings.enable_openapi:
         routes.append(Route("/openapi.json", openapi_endpoint(llm, settings), methods=["GET"]))
     middleware = [
+        *settings.middleware,
         Middleware(
             CORSMiddleware,
             allow_origins=list(settings.allowed_origins),
             allow_methods=list(settings.allowed_methods),
             allow_headers=list(settings.allowed_headers),
             allow_credentials=settings.allow_credentials,
-        )
+        ),
     ]
     middleware.append(
         Middleware(BodyLimits, max_bytes=settings.max_request_body_bytes, timeout=settings.body_read_timeout)

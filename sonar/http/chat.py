@@ -14,13 +14,15 @@ with the finish reason; with `stream_options.include_usage` a final chunk carrie
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
-from sonar.http.messages import template_messages, template_tools
+from sonar.http.content_format import shape_content
+from sonar.http.messages import EmbedsPart, MediaSource, template_messages, template_tools
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, chat_logprobs, make_usage
 from sonar.http.protocol import (
@@ -41,7 +43,7 @@ from sonar.http.settings import ServerSettings
 from sonar.http.sse import Emit, EventStream
 from sonar.http.tasks import cancel_on_disconnect
 from sonar.http.tools import ChoiceOutput, choice_output, finish_reason, plan_tools, whole_message
-from sonar.multimodal.media import MediaPolicy, load_images
+from sonar.multimodal.media import MediaPolicy, decode_image, fetch_image_bytes
 from sonar.protocol.engine import ImageInput
 from sonar.sampling_params import SamplingParams
 
@@ -66,9 +68,15 @@ async def create_chat_completion(
     tools = template_tools(req.tools)
     plan = plan_tools(req, settings)
     plan.constrain(params, req.skip_special_tokens)
-    urls: list[tuple[str, str]] = []
-    messages = template_messages(req.messages, template_source(llm, settings), image_token(llm), urls)
-    check_image_count(llm, len(urls), "messages")
+    media: list[tuple[MediaSource, str]] = []
+    source = template_source(llm, settings)
+    messages = shape_content(
+        template_messages(req.messages, source, image_token(llm), media),
+        req.messages,
+        settings.chat_template_content_format,
+        source,
+    )
+    check_image_count(llm, media, "messages")
     if plan.mode == "none" and settings.exclude_tools_when_tool_choice_none:
         tools = None
     prompt_ids = await llm.apply_chat_template(
@@ -79,7 +87,7 @@ async def create_chat_completion(
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, req.chat_template_kwargs),
     )
-    prompt_ids, images = await prompt_images(llm, settings, prompt_ids, urls, params.max_tokens)
+    prompt_ids, images = await prompt_images(llm, settings, prompt_ids, media, params.max_tokens)
     if settings.enable_log_requests:
         log_request(settings, rid, [llm.tokenizer.decode(prompt_ids)], params, user=req.user, lora=lora)
     role = settings.response_role if req.add_generation_prompt else req.messages[-1].role
@@ -146,23 +154,48 @@ def template_source(llm: LLM, settings: ServerSettings) -> str | None:
     return "\n".join(source.values()) if isinstance(source, dict) else source
 
 
-def check_image_count(llm: LLM, count: int, param: str) -> None:
-    """A 400 when a request brings more images than --limit-mm-per-prompt allows."""
+def check_image_count(llm: LLM, media: list[tuple[MediaSource, str]], param: str) -> None:
+    """A 400 when a request brings more images than --limit-mm-per-prompt allows (images given as
+    feature rows count as `LLM.counted_images` says)."""
+    count = llm.counted_images(len(media), _given(media))
     if count > llm.image_limit:
         raise RequestError(f"at most {llm.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {count}", param)
 
 
 async def prompt_images(
-    llm: LLM, settings: ServerSettings, prompt_ids: list[int], urls: list[tuple[str, str]], max_tokens: int | None
+    llm: LLM,
+    settings: ServerSettings,
+    prompt_ids: list[int],
+    media: list[tuple[MediaSource, str]],
+    max_tokens: int | None,
 ) -> tuple[list[int], list[ImageInput]]:
-    """The rendered prompt with each image's placeholder expanded, and the images: `urls` are
-    ``(url, param)`` in prompt order, loaded under the server's media policy (a bad one is a 400
-    naming its `param`). Without images, the prompt as it is."""
-    if not urls:
+    """The rendered prompt with each image's placeholder expanded, and the images: `media` are
+    ``(source, param)`` in prompt order, URLs loaded under the server's media policy and
+    ``image_embeds`` parts read (a bad one is a 400 naming its `param`). Without images, the
+    prompt as it is."""
+    if not media:
         return prompt_ids, []
-    llm.check_images(prompt_ids, len(urls), max_tokens)
+    llm.check_images(prompt_ids, len(media), max_tokens, embeds=_given(media))
     policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
-    return await llm.add_images(prompt_ids, await load_images(urls, policy))
+    return await llm.add_images(prompt_ids, await _load_media(llm, media, policy))
+
+
+def _given(media: list[tuple[MediaSource, str]]) -> int:
+    """How many of the images are given as feature rows."""
+    return sum(isinstance(source, EmbedsPart) for source, _ in media)
+
+
+async def _load_media(llm: LLM, media: list[tuple[MediaSource, str]], policy: MediaPolicy) -> list[Any]:
+    """The prompt's images in order: fetched, decoded and preprocessed (URLs; a picture seen before
+    comes from the processed cache), or read as feature rows (``image_embeds`` parts)."""
+    out: list[Any] = []
+    for source, where in media:
+        if isinstance(source, EmbedsPart):
+            out.append(llm.read_image_embeds(source.value, where))
+        else:
+            data = await fetch_image_bytes(source, policy, where)
+            out.append(await llm.prepare_image(data, partial(decode_image, policy=policy, param=where)))
+    return out
 
 
 def image_token(llm: LLM) -> str | None:

@@ -11,13 +11,14 @@ The engine samples one token to get there, which the response leaves out (`_scor
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.gather import gather
 from sonar.engine.llm import LLM, RequestOutput
+from sonar.engine.prompt_embeds import load_serialized
 from sonar.http.metrics import RequestRecorder, recorder
 from sonar.http.outputs import batched, completion_logprobs, make_usage, merge_completion_logprobs
 from sonar.http.protocol import (
@@ -25,6 +26,7 @@ from sonar.http.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    RequestError,
     decode_request,
 )
 from sonar.http.request_log import check_user, log_delta, log_output, log_request
@@ -44,9 +46,9 @@ async def create_completion(
     req = decode_request(await request.body(), CompletionRequest)
     lora = check_model(req.model)
     check_user(settings, req.user)
-    prompts = req.prompts()
+    prompts = embeds_prompts(req, llm) if req.prompt_embeds is not None else req.prompts()
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
-        if not isinstance(prompt, str):
+        if isinstance(prompt, list):
             llm.check_token_ids(prompt)
     req.check_max_tokens(llm.info.max_model_len)
     params = req.sampling_params(settings.default_sampling)
@@ -55,7 +57,7 @@ async def create_completion(
     for prompt in prompts:  # every prompt before any starts (a stream would have begun)
         if isinstance(prompt, str):
             llm.check_prompt_chars(prompt)
-    log_request(settings, rid, prompts, params, user=req.user, lora=lora)
+    log_request(settings, rid, [_loggable(p) for p in prompts], params, user=req.user, lora=lora)
     if req.stream:
         return EventStream(lambda emit: _stream(emit, llm, settings, req, prompts, params, rid, rec, lora), rid)
     finished, outputs = await cancel_on_disconnect(
@@ -94,6 +96,29 @@ async def create_completion(
         response.usage.completion_tokens if response.usage else 0,
     )
     return json_response(response)
+
+
+def embeds_prompts(req: CompletionRequest, llm: LLM) -> list[Any]:
+    """The request's `prompt_embeds` as `{"prompt_embeds": tensor}` prompts; decoded only on a
+    server started with --enable-prompt-embeds (`sonar.engine.prompt_embeds`)."""
+    if not llm.config.enable_prompt_embeds:
+        raise RequestError("prompt_embeds needs a server started with --enable-prompt-embeds", "prompt_embeds")
+    if req.prompt is not None:
+        raise RequestError("give either prompt or prompt_embeds, not both", "prompt_embeds")
+    if req.echo:
+        raise RequestError("echo needs the prompt's text, which prompt_embeds do not have", "echo")
+    given = [req.prompt_embeds] if isinstance(req.prompt_embeds, str) else req.prompt_embeds
+    if not given:
+        raise RequestError("prompt_embeds must not be empty", "prompt_embeds")
+    info = llm.info
+    return [{"prompt_embeds": load_serialized(text, info.hidden_size, info.max_model_len)} for text in given]
+
+
+def _loggable(prompt: Any) -> Any:
+    """What the request log shows of a prompt: an embeddings prompt as its shape."""
+    if isinstance(prompt, dict):
+        return f"<prompt_embeds {list(prompt['prompt_embeds'].shape)}>"
+    return prompt
 
 
 def _scored(result: RequestOutput) -> RequestOutput:

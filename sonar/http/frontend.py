@@ -83,9 +83,11 @@ class FrontendActor(Actor):
         linger: float = 3.0,
         header_timeout: float = 10.0,
         max_connections: int = 2048,
+        ssl_refresh: bool = False,
         listening: threading.Event | None = None,
     ) -> None:
-        """`listening`: set once the server listens (the process may load what it serves then)."""
+        """`listening`: set once the server listens (the process may load what it serves then);
+        `ssl_refresh`: reload the TLS files of `uvicorn_args` when they change (`sonar.http.tls`)."""
         import uvicorn
 
         from sonar.http.connection import guarded_protocol
@@ -99,6 +101,12 @@ class FrontendActor(Actor):
         )
         _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
         self.uds = uvicorn_args.get("uds")
+        self.ssl_refresh = ssl_refresh
+        self.tls_files = (
+            uvicorn_args.get("ssl_certfile"),
+            uvicorn_args.get("ssl_keyfile"),
+            uvicorn_args.get("ssl_ca_certs"),
+        )
         self.listening = listening
         self.linger = linger
         self.done = anyio.Event()
@@ -113,6 +121,12 @@ class FrontendActor(Actor):
         if not self.server.started:
             reason = failure[0] if failure else "uvicorn stopped"
             raise FrontendStartError(f"the HTTP server did not start: {reason}")
+        if self.ssl_refresh:
+            from sonar.http.tls import CertRefresher, TlsFiles
+
+            certfile, keyfile, ca_certs = self.tls_files
+            files = TlsFiles(certfile, keyfile, ca_certs)
+            self.task_group.start_soon(CertRefresher(self.server.config.ssl, files).run)
         if self.listening is not None:
             self.listening.set()
 

@@ -14,7 +14,9 @@ or fail.
 
 An ``image_url`` part (a model that takes images, `image_token` given) becomes the model's image
 token in the text, where the part was, and its URL joins `images`; for any other model it is a
-400 saying the model takes no images.
+400 saying the model takes no images. An ``image_embeds`` part (an image given as its feature
+rows, --enable-mm-embeds) does the same with its value, as an `EmbedsPart`, for the engine to
+read (`sonar.engine.image_embeds`).
 
 A wrong message is a 400 naming it (`messages[i].field`): an unknown role, null content on a
 message other than an assistant's, tool calls on a message other than an assistant's, a tool
@@ -24,6 +26,7 @@ message without `tool_call_id`, arguments that are not a JSON object.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import msgspec
@@ -38,15 +41,26 @@ TOOL_CHOICES = ("none", "auto", "required")
 _RESPONSE_ONLY = ("refusal", "annotations", "audio", "function_call")
 
 
+@dataclass(frozen=True)
+class EmbedsPart:
+    """An ``image_embeds`` part's value, unread (base64 text, or an object of base64 texts)."""
+
+    value: str | dict[str, str]
+
+
+MediaSource = str | EmbedsPart
+"""Where an image part's image comes from: a URL, or its feature rows."""
+
+
 def template_messages(
     messages: Sequence[ChatMessage],
     template: str | None = None,
     image_token: str | None = None,
-    images: list[tuple[str, str]] | None = None,
+    images: list[tuple[MediaSource, str]] | None = None,
 ) -> list[dict[str, Any]]:
     """The messages as the chat template expects them; `template` is the template's source (to
     see whether it knows the developer role). With `image_token` (a model that takes images),
-    each image part's ``(url, where)`` is appended to `images`."""
+    each image part's ``(source, where)`` is appended to `images`, in order."""
     if not messages:
         raise RequestError("messages must not be empty", "messages")
     developer = template is not None and "developer" in template
@@ -57,7 +71,7 @@ def template_messages(
 class _Images:
     """Where image parts go: the placeholder text, and the list of their URLs."""
 
-    def __init__(self, token: str | None, urls: list[tuple[str, str]]) -> None:
+    def __init__(self, token: str | None, urls: list[tuple[MediaSource, str]]) -> None:
         self.token = token
         self.urls = urls
 
@@ -97,7 +111,7 @@ def _text(content: str | list[TextPart] | None, where: str, media: _Images) -> s
         return content
     texts = []
     for j, part in enumerate(content):
-        if part.type == "image_url":
+        if part.type in ("image_url", "image_embeds"):
             texts.append(_image(part, f"{where}[{j}]", where, media))
             continue
         if part.type != "text":
@@ -110,7 +124,14 @@ def _text(content: str | list[TextPart] | None, where: str, media: _Images) -> s
 
 def _image(part: TextPart, where: str, content: str, media: _Images) -> str:
     if media.token is None:
-        raise RequestError("content part type 'image_url' is not supported: this model does not accept images", content)
+        raise RequestError(
+            f"content part type {part.type!r} is not supported: this model does not accept images", content
+        )
+    if part.type == "image_embeds":
+        if part.image_embeds is None:
+            raise RequestError("an 'image_embeds' content part needs its `image_embeds`", where)
+        media.urls.append((EmbedsPart(part.image_embeds), f"{where}.image_embeds"))
+        return media.token
     if part.image_url is None:
         raise RequestError("an 'image_url' content part needs its `image_url`", where)
     if part.image_url.detail not in (None, "auto"):

@@ -83,18 +83,18 @@ _REFUSED: dict[str, Refusal] = {
     "allowed_token_ids": Refusal("restricting the vocabulary is not implemented (see structured_outputs)"),
     "bad_words": Refusal("banned words are not implemented"),
     "request_id": Refusal("Sonar names each request itself (see --enable-request-id-headers)"),
-    "logits_processors": Refusal("custom logits processors are not implemented"),
+    "logits_processors": Refusal(
+        "a request cannot bring logits processors; the server loads them (--logits-processors)"
+    ),
     "return_tokens_as_token_ids": Refusal("it is set for the whole server (--return-tokens-as-token-ids)", (False,)),
     "return_token_ids": Refusal("responses carry no token ids", (False,)),
     "kv_transfer_params": Refusal("KV transfer between servers is not implemented"),
-    "vllm_xargs": Refusal("Sonar takes no request extensions"),
 }
 
 #: The fields /v1/completions declares and refuses -> why.
 COMPLETION_REFUSED: dict[str, Refusal] = {
     **_REFUSED,
     "prompt_logprobs": Refusal("prompt logprobs come with echo and logprobs"),
-    "prompt_embeds": Refusal("prompts are text or token ids"),
     "add_special_tokens": Refusal("the tokenizer always adds its special tokens to a text prompt", (True,)),
 }
 
@@ -213,6 +213,8 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise RequestError("stream_options is only allowed with stream: true (as OpenAI)", "stream_options")
         fields = {k: v for k, v in (defaults or {}).items() if k in names}
         fields.update({name: getattr(self, name) for name in names if getattr(self, name) is not None})
+        if self.vllm_xargs is not None:
+            fields["extra_args"] = self.vllm_xargs
         return fields
 
     @property
@@ -244,7 +246,8 @@ class _Structured(_Sampling, kw_only=True):
     return_tokens_as_token_ids: Any = None
     return_token_ids: Any = None
     kv_transfer_params: Any = None
-    vllm_xargs: Any = None
+    #: Arguments for the server's --logits-processors (`SamplingParams.extra_args`).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint the structured-output fields ask for (None: free text)."""
@@ -265,7 +268,7 @@ class CompletionRequest(_Structured, kw_only=True):
 
     # str | list[str] | list[int] | list[list[int]]: msgspec takes one array type per union, so
     # the list is checked by `prompts()`.
-    prompt: str | list[Any]
+    prompt: str | list[Any] | None = None
     #: Absent: 16, or the generation config's max_new_tokens (null: up to the context). 0 only
     #: with `echo`: the prompt is scored, nothing is generated.
     max_tokens: NonNegative | None | msgspec.UnsetType = msgspec.UNSET
@@ -274,7 +277,9 @@ class CompletionRequest(_Structured, kw_only=True):
     suffix: str | None = None
     best_of: NumCompletions | None = None
     prompt_logprobs: Any = None
-    prompt_embeds: Any = None
+    #: Base64 of a torch-saved tensor [tokens, hidden size] each (--enable-prompt-embeds), in place
+    #: of `prompt` (`sonar.engine.prompt_embeds`).
+    prompt_embeds: str | list[str] | None = None
     add_special_tokens: Any = None
 
     @property
@@ -285,6 +290,8 @@ class CompletionRequest(_Structured, kw_only=True):
     def prompts(self) -> list[str | list[int]]:
         """The prompt(s) as a list: each a string or a list of token ids."""
         p = self.prompt
+        if p is None:
+            raise RequestError("prompt is required (or prompt_embeds, on a server that takes them)", "prompt")
         if isinstance(p, str):
             return [p]
         if not p:
@@ -340,12 +347,14 @@ class ImageURL(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A content part: "text" parts, and "image_url" parts for a model that takes images; the
+    """A content part: "text" parts, and "image_url" parts for a model that takes images (and
+    "image_embeds" parts with --enable-mm-embeds: base64 text, or an object of base64 texts); the
     others OpenAI defines are declared so that their refusal names the part's type."""
 
     type: str
     text: str | None = None
     image_url: ImageURL | None = None
+    image_embeds: str | dict[str, str] | None = None
     input_audio: Any = None
     file: Any = None
     refusal: Any = None

@@ -29,7 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar.engine.llm import LLM
-from sonar.http.chat import check_image_count, image_token, prompt_images, template_kwargs
+from sonar.http.chat import check_image_count, image_token, prompt_images, template_kwargs, template_source
+from sonar.http.content_format import text_as_parts
 from sonar.http.errors import error_from_exception
 from sonar.http.messages import template_tools
 from sonar.http.metrics import RequestRecorder, recorder
@@ -260,11 +261,11 @@ async def create_response(
     # the images in prompt order: the stored turns' (sent again), then this input's
     urls = [(url, "previous_response_id") for m in history for url in m.get(IMAGES, ())]
     turn.conversation = [*history, *input_messages(req.input, image_token=image_token(llm), images=urls)]
-    check_image_count(llm, len(urls), "input")
+    check_image_count(llm, urls, "input")
     system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     rendered = [{k: v for k, v in m.items() if k != IMAGES} for m in (*system, *turn.conversation)]
     prompt_ids = await llm.apply_chat_template(
-        rendered,
+        text_as_parts(rendered, settings.chat_template_content_format, template_source(llm, settings)),
         chat_template=settings.chat_template,
         tools=tools,
         chat_template_kwargs=template_kwargs(settings, None),

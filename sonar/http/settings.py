@@ -79,6 +79,11 @@ class ServerSettings:
     #: --allowed-local-media-path / --allowed-media-domains: where image URLs may point (`sonar.multimodal.media`).
     allowed_local_media_path: str = ""
     allowed_media_domains: tuple[str, ...] | None = None
+    #: --middleware: the operator's middleware as starlette `Middleware` entries, outermost first
+    #: (`sonar.http.middleware.load_middleware`); they wrap Sonar's own.
+    middleware: tuple[Any, ...] = ()
+    #: --chat-template-content-format: "auto", "string" or "openai" (`sonar.http.content_format`).
+    chat_template_content_format: str = "auto"
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

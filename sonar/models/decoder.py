@@ -346,6 +346,23 @@ class DecoderForCausalLM(nn.Module):
         with step_metadata(attn_metadata):
             return self.forward_tensors(input_ids, positions, kv_caches)
 
+    def forward_rows(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[Tensor],
+        attn_metadata: AttentionMetadata,
+        rows: Tensor,
+        embeds: Tensor,
+    ) -> Tensor:
+        """`forward` with the first layer's input given at `rows` (``embeds``, one per row): an
+        image's feature rows, or a prompt given as embeddings. Always eager: compiled forms and
+        CUDA graphs take token ids alone."""
+        x = self.embed(input_ids)
+        x[rows] = embeds.to(x.dtype)
+        with step_metadata(attn_metadata):
+            return self.forward_tensors(input_ids, positions, kv_caches, hidden=x)
+
     def forward_tensors(
         self,
         input_ids: Tensor,

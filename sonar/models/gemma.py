@@ -291,6 +291,13 @@ class GemmaForCausalLM(DecoderForCausalLM):
             rope_by_kind(config, self.spec.layer_kinds), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
 
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The token embeddings scaled by sqrt(hidden_size) rounded to the model's dtype, as
+        transformers' scaled embedding layer gives them (its ``get_input_embeddings``)."""
+        x = self.model.embed_tokens(input_ids)
+        # a fill, not a host-to-device copy, so a CUDA graph can capture it
+        return x * torch.full((), self.config.hidden_size**0.5, device=x.device).to(x.dtype)
+
     def forward_tensors(
         self,
         input_ids: Tensor,
@@ -299,11 +306,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
         hidden: Tensor | None = None,
         residual: Tensor | None = None,
     ) -> Any:
-        """`DecoderForCausalLM.forward_tensors` for Gemma's layers (one whole model: no stages)."""
-        x = self.model.embed_tokens(input_ids)
-        # sqrt(hidden_size) rounded to the model's dtype, as transformers scales; a fill, not a
-        # host-to-device copy, so a CUDA graph can capture it
-        x = x * torch.full((), self.config.hidden_size**0.5, device=x.device).to(x.dtype)
+        """`DecoderForCausalLM.forward_tensors` for Gemma's layers (one whole model: no stages).
+        A given `hidden` is `embed`'s output (already scaled)."""
+        x = self.embed(input_ids) if hidden is None else hidden
         tables = self.rotary.tables(positions, x.dtype)
         for layer, kv_cache in zip(self.own_layers, kv_caches, strict=True):
             x, residual = layer(x, residual, *tables[layer.kind], kv_cache)

@@ -8,9 +8,9 @@ text model's hidden size. The prompt holds one image token (``image_token_index`
 row, expanded from the chat's single placeholder by `sonar.multimodal.processor`.
 
 The runner's contract beyond `DecoderForCausalLM`'s: `encode_images` gives an image's feature
-rows, and `forward` takes ``image_rows`` (rows of the flat batch) with ``image_embeds`` (one
-feature row each) that replace those rows' token embeddings. A step over part of an image's
-tokens (a chunked prefill, a prefix-cache hit inside it) passes only that part's rows.
+rows, which the runner gives `DecoderForCausalLM.forward_rows` in place of the image tokens'
+embeddings. A step over part of an image's tokens (a chunked prefill, a prefix-cache hit inside
+it) passes only that part's rows.
 
 Checkpoint names: transformers writes ``language_model.model.*``, ``language_model.lm_head``,
 ``vision_tower.*`` and ``multi_modal_projector.*`` (older checkpoints ``vision_tower.vision_model.*``,
@@ -26,8 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from sonar.kernels.attention import AttentionMetadata
-from sonar.kernels.attention_op import step_metadata
 from sonar.models.decoder import (
     EAGLE,
     LORA,
@@ -173,28 +171,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class ImageRowsDecoder(DecoderForCausalLM):
-    """A decoder whose step may carry image feature rows: the token embeddings at `image_rows`
-    are replaced by `image_embeds` (the runner passes them only for steps that reach an image)."""
-
-    def forward(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        kv_caches: list[Tensor],
-        attn_metadata: AttentionMetadata,
-        image_rows: Tensor | None = None,
-        image_embeds: Tensor | None = None,
-    ) -> Tensor:
-        if image_rows is None or image_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata)
-        x = self.embed(input_ids)
-        x[image_rows] = image_embeds.to(x.dtype)
-        with step_metadata(attn_metadata):
-            return self.forward_tensors(input_ids, positions, kv_caches, hidden=x)
-
-
-class LlavaForConditionalGeneration(ImageRowsDecoder):
+class LlavaForConditionalGeneration(DecoderForCausalLM):
     """LLaVA 1.5: CLIP tower, MLP projector, Llama decoder (the decoder is this class's base)."""
 
     architectures = ("LlavaForConditionalGeneration",)

@@ -45,11 +45,12 @@ from sonar.models.decoder import (
     PIPELINE_PARALLEL,
     QUANTIZED,
     TENSOR_PARALLEL,
+    DecoderForCausalLM,
     DecoderVariant,
     sliding_windows,
 )
 from sonar.models.errors import ModelLoadError
-from sonar.models.llava import ACTIVATIONS, TEXT_FIELDS, ImageRowsDecoder
+from sonar.models.llava import ACTIVATIONS, TEXT_FIELDS
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.protocol.engine import ImageInput, VisionInfo
 
@@ -305,7 +306,7 @@ class VisionTransformer(nn.Module):
         return self.merger(x)[torch.argsort(order)]
 
 
-class Qwen2_5_VLForConditionalGeneration(ImageRowsDecoder):
+class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
     """Qwen2.5-VL: the vision transformer, then Qwen2's decoder with M-RoPE (this class's base)."""
 
     architectures = ("Qwen2_5_VLForConditionalGeneration",)

@@ -174,14 +174,3 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str) -> Any:
         ) from None
     except (OSError, ValueError, SyntaxError) as exc:
         raise MediaError(f"the image data is malformed: {exc}", param) from None
-
-
-async def load_images(urls: list[tuple[str, str]], policy: MediaPolicy) -> list[Any]:
-    """The RGB images of ``(url, param)`` pairs, in order: fetched, then decoded in a thread each."""
-    import anyio.to_thread
-
-    images = []
-    for url, param in urls:
-        data = await fetch_image_bytes(url, policy, param)
-        images.append(await anyio.to_thread.run_sync(decode_image, data, policy, param))
-    return images

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +74,24 @@ class ImageProcessor:
         return out["pixel_values"][0].float().contiguous()
 
 
+@dataclass(frozen=True)
+class ImageEmbeds:
+    """An image given as its feature rows (--enable-mm-embeds, `sonar.engine.image_embeds`): a
+    float32 CPU tensor ``[rows, hidden_size]`` and, for a dynamic-resolution model, the grid of
+    patches ``(t, h, w)`` they stand for (which places the rows' M-RoPE positions)."""
+
+    rows: Any
+    grid: tuple[int, int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Processed:
+    """A picture the processor has already made into pixels (`LLM.prepare_image`): its
+    ``pixels(image)`` result, which `LLM.add_images` passes on as is."""
+
+    value: Any
+
+
 def image_hash(pixels: Any, grid: Sequence[int] | None = None) -> str:
     """The content hash that keys an image's prefix-cache blocks (its grid too, where it has one:
     the same values cut another way are another image)."""
@@ -87,8 +106,8 @@ def expand_images(
 ) -> tuple[list[int], list[ImageInput]]:
     """The prompt with each image token repeated once per feature row, and each image's place;
     `pixels` are the images' in prompt order (a dynamic-resolution model's: ``(patches, grid)``
-    pairs). An `InvalidRequestError` when the prompt holds a different number of image tokens
-    than there are images."""
+    pairs; `ImageEmbeds` for an image given as its feature rows). An `InvalidRequestError` when
+    the prompt holds a different number of image tokens than there are images."""
     token, n = vision.image_token_id, vision.tokens_per_image
     found = sum(1 for t in prompt_ids if t == token)
     if found != len(pixels):
@@ -102,6 +121,10 @@ def expand_images(
     for t in prompt_ids:
         if t == token:
             px = pixels[len(images)]
+            if isinstance(px, ImageEmbeds):
+                images.append(_embeds_input(px, vision, len(ids), f"image_embeds[{len(images)}]"))
+                ids += [token] * images[-1].length
+                continue
             if vision.patch_size:
                 px, grid = px
                 rows = grid[0] * grid[1] * grid[2] // vision.merge_size**2
@@ -113,3 +136,28 @@ def expand_images(
         else:
             ids.append(t)
     return ids, images
+
+
+def _embeds_input(embeds: ImageEmbeds, vision: VisionInfo, offset: int, param: str) -> ImageInput:
+    """The `ImageInput` of an image given as feature rows at `offset`, or a 400 when their count
+    is not what the model's placeholder takes (a grid for a dynamic-resolution model)."""
+    rows = embeds.rows.shape[0]
+    if vision.patch_size:
+        if embeds.grid is None:
+            raise InvalidRequestError(f"{param}: this model's image embeddings need their image_grid_thw", param)
+        t, h, w = embeds.grid
+        merge = vision.merge_size
+        if t != 1 or h % merge or w % merge:
+            raise InvalidRequestError(
+                f"{param}: image_grid_thw must be (1, h, w) with h and w multiples of {merge}, got {embeds.grid}", param
+            )
+        want = t * h * w // merge**2
+    else:
+        want = vision.tokens_per_image
+    if rows != want:
+        raise InvalidRequestError(f"{param} has {rows} rows, the model's image placeholder takes {want}", param)
+    digest = hashlib.sha256(b"embeds")  # never the key of pixels that happen to share the bytes
+    digest.update(embeds.rows.numpy().tobytes())
+    digest.update(repr(embeds.grid).encode())
+    grid = list(embeds.grid) if embeds.grid is not None else None
+    return ImageInput(offset, rows, digest.hexdigest(), embeds.rows, grid, embeds=True)

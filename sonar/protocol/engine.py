@@ -46,13 +46,16 @@ class ImageInput(msgspec.Struct, array_like=True):
     """One image of a prompt: its placeholder tokens ``[offset, offset + length)`` of the prompt,
     the hash of its pixels (which keys its blocks in the prefix cache), and the pixels the vision
     tower takes (a float32 CPU tensor ``[3, image_size, image_size]``; with dynamic resolution its
-    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``)."""
+    patches ``[t * h * w, 3 * temporal_patch_size * patch_size ** 2]`` and their `grid` ``(t, h, w)``).
+    With `embeds` (--enable-mm-embeds) `pixel_values` holds the image's precomputed feature rows
+    instead, float32 ``[length, hidden_size]``, which the worker takes without the tower."""
 
     offset: int
     length: int
     hash: str
     pixel_values: Any
     grid: list[int] | None = None
+    embeds: bool = False
 
 
 # -- worker --------------------------------------------------------------------------------------
@@ -94,6 +97,8 @@ class WorkerInfo(msgspec.Struct):
     """The model's decoder layers (all stages')."""
     pooling: PoolingInfo | None = None
     """A pooling model (``--runner pooling``): what it serves; None for a generative model."""
+    hidden_size: int = 0
+    """The width of the model's input embeddings (what a prompt given as embeddings must have)."""
     sleep: SleepState = SleepState()
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
     vision: VisionInfo | None = None
@@ -116,6 +121,9 @@ class NewRequestData(msgspec.Struct, array_like=True):
     """A pooling request: the worker pools its prompt instead of sampling."""
     images: list[ImageInput] = []
     """The prompt's images, in position order."""
+    prompt_embeds: bytes | None = None
+    """The prompt's input embeddings (float32, ``[len(prompt_token_ids), hidden_size]``, C order),
+    fed to the model in place of the placeholder `prompt_token_ids`."""
 
 
 class TokenLogprobs(msgspec.Struct, array_like=True):
@@ -282,6 +290,9 @@ class AddRequest(Ask, tag="scheduler.add"):
     """A pooling request (a pooling worker only): it ends with its prompt, with a pooled result."""
     images: list[ImageInput] = []
     """The prompt's images, in position order (a model that takes images only)."""
+    prompt_embeds: bytes | None = None
+    """The prompt as input embeddings (`NewRequestData.prompt_embeds`); `prompt_token_ids` are
+    placeholders then, and `cache_salt` keys the prefix cache by the embeddings."""
     reply_type = Accepted
 
 

@@ -163,9 +163,7 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--offload-params", "mlp"],
     ],
     "MultiModalConfig": [
-        ["--enable-mm-embeds"],
         ["--media-io-kwargs.video.num_frames", "40"],
-        ["--mm-processor-cache-gb", "0"],
         ["--mm-processor-cache-type", "shm"],
         ["--mm-shm-cache-max-object-size-mb", "64"],
         ["--mm-encoder-tp-mode", "data"],

@@ -103,7 +103,7 @@ async def test_a_row_with_no_token_fails_its_request_alone(llm) -> None:
     texts: list[str] = []
 
     async def doomed() -> None:
-        ids, _ = await llm._prepare(PROMPTS[0], SamplingParams())  # tokenized, not checked with `masked`
+        ids, _, _ = await llm._prepare(PROMPTS[0], SamplingParams())  # tokenized, not checked with `masked`
         try:
             async for _ in llm._run("masked-row", ids, masked, 0, None):
                 pass

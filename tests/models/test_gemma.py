@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.eagle import load_eagle_head
@@ -125,6 +126,25 @@ def test_mixed_batch_equals_plain_batch(case: Any) -> None:
     """Chunked prefills (chunks shorter than the window) next to decodes, staggered joins."""
     _, loaded = case
     assert_mixed_batch_equals_plain_batch(loaded.model, _prompts(loaded.config.vocab_size), NEW_TOKENS)
+
+
+@torch.inference_mode()
+def test_given_rows_are_transformers_input_embeddings(case: Any) -> None:
+    """`forward_rows` (image features, prompts given as embeddings) takes the first layer's input
+    as transformers' embedding layer gives it, already scaled by sqrt(hidden_size): the logits
+    equal transformers' for ``inputs_embeds``, with half the rows given and half from token ids."""
+    hf, loaded = case
+    model = loaded.model
+    prompt = _prompts(loaded.config.vocab_size)[2]
+    embeds = hf.get_input_embeddings()(torch.tensor([prompt]))
+    want = hf(inputs_embeds=embeds).logits[0]
+    caches = allocate_kv_caches(model.num_layers, 32, 4, model.num_kv_heads, model.head_dim, torch.float32)
+    meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(10))], 4)
+    rows = torch.arange(0, len(prompt), 2)
+    ids = torch.tensor(prompt)
+    ids[rows] = 0  # the given rows' token ids must not matter
+    hidden = model.forward_rows(ids, torch.arange(len(prompt)), caches, meta, rows, embeds[0, rows])
+    torch.testing.assert_close(model.compute_logits(hidden), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,10 @@ def _sonar_greedy(model: Any, prompt: list[int], images: list[ImageInput], chunk
                 embeds.append(features[i][lo - im.offset : hi - im.offset])
         meta = AttentionMetadata.build([size], [start + size], [blocks], BLOCK)
         ids, positions = torch.tensor(tokens[start : start + size]), torch.arange(start, start + size)
-        extra = dict(image_rows=torch.tensor(rows), image_embeds=torch.cat(embeds)) if rows else {}
-        hidden = model(ids, positions, caches, meta, **extra)
+        if rows:
+            hidden = model.forward_rows(ids, positions, caches, meta, torch.tensor(rows), torch.cat(embeds))
+        else:
+            hidden = model(ids, positions, caches, meta)
         logits = model.compute_logits(hidden)
         computed += size
         if start < len(prompt):

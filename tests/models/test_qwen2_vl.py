@@ -72,11 +72,10 @@ def _sonar_greedy(model: Any, prompt: list[int], images: list[ImageInput], chunk
         ids = torch.tensor(tokens[start : start + size])
         positions = _positions(model, prompt, images, start, size)
         if rows:
-            extra = dict(image_rows=torch.tensor(rows), image_embeds=torch.cat(embeds))
+            hidden = model.forward_rows(ids, positions, caches, meta, torch.tensor(rows), torch.cat(embeds))
         else:  # text rows: the three positions agree, the ordinary 1D path serves them
             assert bool((positions == positions[0]).all())
-            positions, extra = positions[0], {}
-        hidden = model(ids, positions, caches, meta, **extra)
+            hidden = model(ids, positions[0], caches, meta)
         logits = model.compute_logits(hidden)
         computed += size
         if start < len(prompt):

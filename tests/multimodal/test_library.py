@@ -114,3 +114,33 @@ async def test_images_past_the_context_are_refused_before_loading(llm: sonar.LLM
         llm.check_images([3] * 100 + [IMAGE_TOKEN_ID] * 2, 2)
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         await llm.add_images([3] * 100 + [IMAGE_TOKEN_ID] * 2, [random_image(1), random_image(2)])
+
+
+async def test_a_picture_sent_again_comes_from_the_processed_cache(llm: sonar.LLM) -> None:
+    """`prepare_image` (what the chat route calls with an image's bytes): the second time the
+    same bytes are neither decoded nor preprocessed, and the answer is the picture's."""
+    import io
+
+    from sonar.multimodal.media import MediaPolicy, decode_image
+    from sonar.multimodal.processor import Processed
+
+    buf = io.BytesIO()
+    picture = random_image(70)
+    picture.save(buf, format="PNG")
+    data, decoded = buf.getvalue(), []
+
+    def decode(raw: bytes) -> Any:
+        decoded.append(raw)
+        return decode_image(raw, MediaPolicy(), "image")
+
+    hits = llm.processed_images.stats.hits
+    first = await llm.prepare_image(data, decode)
+    again = await llm.prepare_image(data, decode)
+    assert isinstance(again, Processed) and again.value is first.value
+    assert len(decoded) == 1 and llm.processed_images.stats.hits == hits + 1
+    ids, images = await llm.add_images([3, IMAGE_TOKEN_ID, 4], [again])
+    by_picture = await llm.add_images([3, IMAGE_TOKEN_ID, 4], [picture])
+    assert images[0].hash == by_picture[1][0].hash
+    assert (await llm.generate(ids, GREEDY, images=images)).outputs[0].token_ids == (
+        (await llm.generate(*by_picture[:1], GREEDY, images=by_picture[1])).outputs[0].token_ids
+    )

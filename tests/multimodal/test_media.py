@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from sonar.errors import InvalidRequestError, SonarError
-from sonar.multimodal.media import MediaError, MediaPolicy, decode_image, fetch_image_bytes, load_images
+from sonar.multimodal.media import MediaError, MediaPolicy, decode_image, fetch_image_bytes
 
 
 def encoded(image: Image.Image, fmt: str) -> bytes:
@@ -138,18 +138,6 @@ def test_a_slow_server_times_out() -> None:
         assert "longer than 0.5 s" in message or "ReadTimeout" in message
     finally:
         listener.close()
-
-
-def test_load_images_keeps_order_and_names_the_bad_one() -> None:
-    urls = [
-        (f"data:image/png;base64,{base64.b64encode(encoded(Image.new('RGB', (w, 5)), 'PNG')).decode()}", f"m[{w}]")
-        for w in (3, 4)
-    ]
-    images = anyio.run(load_images, urls, MediaPolicy())
-    assert [im.size for im in images] == [(3, 5), (4, 5)]
-    with pytest.raises(MediaError) as info:
-        anyio.run(load_images, [urls[0], ("data:image/png;base64,AAAA", "m[9]")], MediaPolicy())
-    assert info.value.param == "m[9]"
 
 
 def test_unknown_schemes() -> None:

@@ -76,7 +76,7 @@ def llava(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> Iterator
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
         *("--enable-prompt-tokens-details", "--allowed-local-media-path", str(media_dir)),
-        *("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}'),
+        *("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds"),
     )
     yield server, path, hf
     stop_server_cleanly(server)
@@ -145,6 +145,41 @@ def test_an_allowed_http_url_is_fetched(llava: tuple[ServerProcess, Path, Any], 
         model=MODEL, messages=chat(image_part(f"{media_http}/a.png")), max_tokens=4, temperature=0
     )
     assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [local], "w5 w6 w7", 4)
+
+
+def saved(tensor: Any) -> str:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_an_image_given_as_its_features_is_answered_as_its_picture(llava: tuple[ServerProcess, Path, Any]) -> None:
+    """An ``image_embeds`` part holding transformers' features of a picture (--enable-mm-embeds),
+    beside an image_url part: the answer is the two pictures'."""
+    server, path, hf = llava
+    first, second = random_image(13), random_image(14)
+    vision = VisionInfo(IMAGE_TOKEN_ID, 16, IMAGE_SIZE)
+    pixels = ImageProcessor(vision, path, None).pixels(second)
+    with torch.inference_mode():
+        features = hf.model.get_image_features(pixel_values=pixels[None]).pooler_output[0]
+    embeds = {"type": "image_embeds", "image_embeds": saved(features)}
+    reply = client(server).chat.completions.create(
+        model=MODEL, messages=chat(image_part(data_url(png(first))), embeds), max_tokens=4, temperature=0
+    )
+    assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [first, second], "w5 w6 w7", 4)
+    for bad, expected in [
+        (saved(features[:15]), "has 15 rows"),
+        (saved({"rows": features}), "takes only"),
+        (saved([features]), "must be a tensor"),
+        (base64.b64encode(b"\x80\x04K\x01.").decode(), "not a torch.save file"),
+        ({"image_embeds": saved(features), "image_grid_thw": "@@"}, "image_grid_thw must be base64"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client(server).chat.completions.create(
+                model=MODEL, messages=chat({"type": "image_embeds", "image_embeds": bad}), max_tokens=1
+            )
+        assert expected in info.value.message
+        assert "image_embeds" in info.value.body["param"]
 
 
 def cached(reply: Any) -> int:
