@@ -4,6 +4,8 @@ worker maps to torch dtypes, and the server's flags and supervision tree import 
 import subprocess
 import sys
 
+import pytest
+
 from sonar.engine import memory
 from sonar.engine.settings import KV_CACHE_DTYPE_NAMES
 
@@ -24,3 +26,12 @@ def test_flags_and_tree_need_no_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_ray_backend_without_ray_is_refused_with_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sonar.cli.errors import UsageError
+    from sonar.cli.parse import parse_serve_args
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray imports
+    with pytest.raises(UsageError, match=r"'ray' needs Ray: pip install sonar\[ray\]"):
+        parse_serve_args(["-tp", "2", "--distributed-executor-backend", "ray"])

@@ -1,0 +1,140 @@
+"""The ``ray`` executor backend (`sonar.actors.ray_runner`): the ranks of a tensor-parallel group
+placed by a real local Ray runtime, which the module starts (2 CPUs, a small object store, no
+dashboard).
+
+* tp = 2 through ``distributed_executor_backend="ray"`` gives the single worker's greedy tokens,
+  through the library and through one HTTP server (``sonar serve`` joining the test's runtime by
+  ``RAY_ADDRESS``); each rank's process is a child of a Ray actor in one bundle of the group's
+  placement group, which closing the engine removes.
+* A rank's Ray actor killed (`ray.kill`) or its process SIGKILLed mid-stream: the group restarts in
+  new bundles and all 16 requests complete with the text they have without the kill.
+* Without Ray installed the backend is refused with the extra to install (tests/engine/test_settings.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any, Iterator
+
+import anyio
+import httpx
+import pytest
+
+import sonar
+from sonar.sampling_params import SamplingParams
+from tests.engine.conftest import TinyCheckpoint
+from tests.http.conftest import serving
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
+
+TEXTS = ["w5 w17 w33 w2 w9", "w100 w250 w7", "w1 w2 w3 w4 w5 w6 w7 w8", "w42"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+BASE: dict[str, Any] = {"dtype": "float32", "num_gpu_blocks_override": 64}
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def ray_runtime() -> Iterator[str]:
+    """A local Ray runtime for the module; its address (for a server to join)."""
+    ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
+
+
+@pytest.fixture(scope="module")
+async def single(llama: TinyCheckpoint) -> tuple[list[list[int]], list[str]]:
+    """The single worker's greedy tokens and texts."""
+    async with sonar.open(str(llama.path), **BASE) as llm:
+        outputs = await llm.generate_many(TEXTS, GREEDY)
+    return [o.token_ids for o in outputs], [o.text for o in outputs]
+
+
+def _groups() -> list[dict[str, Any]]:
+    return [g for g in ray.util.placement_group_table().values() if g["name"].startswith("sonar-")]
+
+
+async def test_tp2_on_ray_equals_the_single_worker(llama: TinyCheckpoint, single: Any, ray_runtime: str) -> None:
+    async with sonar.open(str(llama.path), **BASE, tensor_parallel_size=2, distributed_executor_backend="ray") as llm:
+        greedy = [o.token_ids for o in await llm.generate_many(TEXTS, GREEDY)]
+        group = llm.supervisor.child("worker").child
+        assert [r.placement for r in group.runners] == ["ray", "ray"]
+        keepers = [r.proc.keeper for r in group.runners]
+        # each rank's process is the child of its Ray actor, one bundle each of one placement group
+        for runner, keeper in zip(group.runners, keepers):
+            keeper_pid = await keeper.pid.remote()
+            assert _parent_pid(runner.pid) == keeper_pid
+        (live,) = [g for g in _groups() if g["state"] == "CREATED"]
+        assert live["bundles"] == {0: {"CPU": 1.0}, 1: {"CPU": 1.0}} and live["strategy"] == "STRICT_PACK"
+    assert greedy == single[0]
+    assert all(g["state"] == "REMOVED" for g in _groups())
+    for keeper in keepers:  # the Ray actors went with the engine
+        with pytest.raises(ray.exceptions.RayActorError):
+            await keeper.pid.remote()
+
+
+@pytest.mark.slow
+async def test_a_killed_rank_restarts_the_group_and_no_request_fails(llama: TinyCheckpoint, ray_runtime: str) -> None:
+    """The first kill is `ray.kill` of rank 1's Ray actor, the second a SIGKILL of rank 0's actor
+    process (its host follows it down)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [f"w{i} w{i + 7} w{2 * i + 1} w{i + 50}" for i in range(16)]
+    args = {**BASE, "num_gpu_blocks_override": 24, "tensor_parallel_size": 2, "distributed_executor_backend": "ray"}
+    async with sonar.open(str(llama.path), **args) as llm:
+        undisturbed = [o.text for o in await llm.generate_many(prompts, params)]
+        group = llm.supervisor.child("worker").child
+        for victim, how in (("rank1", "ray.kill"), ("rank0", "SIGKILL")):
+            runner = group.child(victim)
+            before = {r.name: r.pid for r in group.runners}
+            results: dict[int, str] = {}
+
+            async def one(i: int) -> None:
+                results[i] = (await llm.generate(prompts[i], params)).text
+
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(one, i)
+                await anyio.sleep(0.5)
+                keeper = runner.proc.keeper
+                if how == "ray.kill":
+                    ray.kill(keeper)
+                else:
+                    os.kill(await keeper.pid.remote(), signal.SIGKILL)
+            assert [results[i] for i in range(16)] == undisturbed, how
+            after = {r.name: r.pid for r in group.runners}
+            assert all(after[name] != pid for name, pid in before.items()), how  # the whole group restarted
+        assert len([g for g in _groups() if g["state"] == "CREATED"]) == 1
+    assert all(g["state"] == "REMOVED" for g in _groups())
+
+
+@pytest.mark.slow
+async def test_a_server_with_ray_ranks_answers_as_the_single_worker(
+    llama: TinyCheckpoint, single: Any, ray_runtime: str, tmp_path: Path
+) -> None:
+    args = (str(llama.path), "--dtype", "float32", "--num-gpu-blocks-override", "64", "-tp", "2")
+    with serving(tmp_path, *args, "--distributed-executor-backend", "ray", env={"RAY_ADDRESS": ray_runtime}) as srv:
+        for text, want in zip(TEXTS, single[1]):
+            body = {"model": str(llama.path), "prompt": text, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+            reply = httpx.post(f"{srv.base_url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["text"] == want
+        assert "ray.rank_placed" in srv.log() + srv.out()
+
+
+def _parent_pid(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1])
