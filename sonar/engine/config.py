@@ -370,6 +370,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         else:
             what = f"{tp} x {pp} ranks (tensor x pipeline)"
         backend = self.distributed_executor_backend
+        if backend == "external_launcher":
+            raise ValueError(
+                "distributed_executor_backend 'external_launcher' is not supported yet: torchrun's ranks "
+                "would each run their own scheduler, and Sonar's asynchronous scheduler does not yet make "
+                "the same steps in every rank; start the ranks with 'mp' (this machine) or 'ray'"
+            )
         if backend not in (None, "uni", "mp", "ray"):
             raise ValueError(
                 f"distributed_executor_backend {backend!r} is not supported yet "
