@@ -383,6 +383,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         if backend == "ray" and not ray_installed():
             raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install sonar[ray]")
+        if backend == "ray" and isinstance(self.placement_of("worker"), Remote):
+            raise ValueError(
+                "distributed_executor_backend 'ray' places the workers itself; drop the worker placement "
+                f"{self.placement['worker']}"
+            )
         for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
             value = getattr(self, name)
             if value is not None and value <= 0:

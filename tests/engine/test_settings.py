@@ -35,3 +35,12 @@ def test_the_ray_backend_without_ray_is_refused_with_the_extra(monkeypatch: pyte
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without Ray imports
     with pytest.raises(UsageError, match=r"'ray' needs Ray: pip install sonar\[ray\]"):
         parse_serve_args(["-tp", "2", "--distributed-executor-backend", "ray"])
+
+
+def test_the_ray_backend_takes_no_remote_worker_placement() -> None:
+    from sonar.engine.config import EngineConfig, ray_installed
+
+    if not ray_installed():
+        pytest.skip("the backend is refused for want of Ray first")
+    with pytest.raises(ValueError, match="'ray' places the workers itself"):
+        EngineConfig.from_args(None, distributed_executor_backend="ray", placement="worker=tcp://10.0.0.1:5000")
