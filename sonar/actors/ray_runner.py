@@ -102,7 +102,8 @@ class RankKeeper:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def pid(self) -> int:
+    async def pid(self) -> int:
+        """The pid of this actor's own process (the host's parent)."""
         return os.getpid()
 
 
