@@ -23,6 +23,9 @@ def test_flags_and_tree_need_no_torch() -> None:
         "from sonar.cli.serve import root_spec\n"
         "root_spec(parse_serve_args(['--kv-cache-dtype', 'fp8']))\n"
         "root_spec(parse_serve_args(['--kv-offloading-size', '1']))\n"
+        "from sonar.engine.config import ray_installed\n"
+        "if ray_installed():  # the ray backend's tree (Ray imported, not torch)\n"
+        "    root_spec(parse_serve_args(['-tp', '2', '--distributed-executor-backend', 'ray']))\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
