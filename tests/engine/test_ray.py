@@ -138,3 +138,22 @@ async def test_a_server_with_ray_ranks_answers_as_the_single_worker(
 def _parent_pid(pid: int) -> int:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[1])
+
+
+async def test_a_group_ray_cannot_place_fails_its_start_naming_what_is_free(ray_runtime: str) -> None:
+    """Three one-CPU bundles on the module's two-CPU runtime (a runtime-level test: it shares the
+    module's Ray runtime rather than start another)."""
+    from sonar.actors import ChildSpec, SupervisorSpec, supervise
+    from sonar.actors.ray_runner import RayPlacementError
+    from sonar.actors.spec import RayBundle
+    from tests.actors.sample import SampleMsg
+
+    children = [
+        ChildSpec(f"r{r}", "tests.actors.sample:Sample", protocol=SampleMsg, placement=RayBundle(r, 3, place_timeout=2))
+        for r in range(3)
+    ]
+    spec = SupervisorSpec("root", [SupervisorSpec("group", children, start_together=True)])
+    with pytest.raises(RayPlacementError, match=r"did not place 3 bundles .* free"):
+        async with supervise(spec):
+            pass
+    assert all(g["state"] == "REMOVED" for g in _groups())
