@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 
@@ -319,15 +319,9 @@ class ChildProcessRunner(_HostedRunner):
         env.update(node.credentials.to_env())
         env[allow.ENV] = ",".join(p for p in (os.environ.get(allow.ENV, ""), _target(self.spec)) if p)
         env[MAX_FRAME_ENV] = str(node.max_frame_bytes)
-        cmd = [
-            sys.executable,
-            "-m",
-            "sonar",
-            "actor",
+        args = [
             "--parent",
             parent,
-            "--parent-pid",
-            str(os.getpid()),
             "--hello",
             hello_id,
             "--bind",
@@ -337,9 +331,7 @@ class ChildProcessRunner(_HostedRunner):
             "--expect",
             self.mailbox_name,
         ]
-        proc = await anyio.open_process(
-            cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env, start_new_session=True
-        )
+        proc = await self._open(args, env)
         self.proc = proc
         self.pid = proc.pid
         self._force_reason = None
@@ -361,6 +353,14 @@ class ChildProcessRunner(_HostedRunner):
             raise _unwrap(exc) from None
         self._exit_event = anyio.Event()
         self.sup.tg.start_soon(self._watch, incarnation, proc, self._exit_event)
+
+    async def _open(self, args: list[str], env: dict[str, str]) -> Any:
+        """Start the actor host with `args` (`python -m sonar actor ARGS`, less ``--parent-pid``,
+        which is the pid of whoever starts it) as this process's child."""
+        cmd = [sys.executable, "-m", "sonar", "actor", "--parent-pid", str(os.getpid()), *args]
+        return await anyio.open_process(
+            cmd, stdin=subprocess.DEVNULL, stdout=None, stderr=None, env=env, start_new_session=True
+        )
 
     async def _watch(self, incarnation: int, proc: anyio.abc.Process, exited: anyio.Event) -> None:
         infos: list[ExitInfo] = []
@@ -537,6 +537,11 @@ class SupervisorRunner(Runner):
         return info
 
 
+EXTRA_RUNNERS: dict[type, Callable[[ChildSpec, "Supervisor"], Runner]] = {}
+"""Runners of the placements an optional module adds when it is imported (`RayBundle`:
+`sonar.actors.ray_runner`, which needs the ``ray`` extra)."""
+
+
 def make_runner(spec: "ChildSpec | SupervisorSpec", sup: "Supervisor") -> Runner:
     if isinstance(spec, SupervisorSpec):
         return SupervisorRunner(spec, sup)
@@ -546,6 +551,9 @@ def make_runner(spec: "ChildSpec | SupervisorSpec", sup: "Supervisor") -> Runner
         return ChildProcessRunner(spec, sup)
     if isinstance(spec.placement, Remote):
         return RemoteRunner(spec, sup)
+    extra = EXTRA_RUNNERS.get(type(spec.placement))
+    if extra is not None:
+        return extra(spec, sup)
     raise TypeError(f"unknown placement {spec.placement!r}")
 
 

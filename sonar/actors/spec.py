@@ -28,6 +28,19 @@ class Remote(msgspec.Struct, frozen=True, tag="remote"):
     start_timeout: float = 60.0
 
 
+class RayBundle(msgspec.Struct, frozen=True, tag="ray"):
+    """A `python -m sonar actor` process kept by a Ray actor in bundle `bundle` of the placement
+    group its supervisor's children share (`sonar.actors.ray_runner`): Ray places the process, the
+    supervisor runs it as a child process. Chosen by a launcher (the ``ray`` executor backend),
+    not by a placement flag."""
+
+    bundle: int
+    bundles: int
+    start_timeout: float = 60.0
+    place_timeout: float = 60.0
+    """Seconds Ray may take to place the whole group (resources free on one node)."""
+
+
 Placement = Union[InProcess, ChildProcess, Remote]
 
 

@@ -462,8 +462,10 @@ GROUPS: tuple[Group, ...] = (
         "ParallelConfig", "Spreading one model over several devices, processes or nodes.",
         _f("--distributed-executor-backend", S_, None,
            "How model workers are started: 'uni' (one worker, placed by --placement), 'mp' (one process "
-           "per tensor-parallel rank on this machine), 'ray' (a Ray cluster) or 'external_launcher' (e.g. "
-           "torchrun); Sonar starts 'uni' and 'mp' so far.",
+           "per rank on this machine), 'ray' (each rank's process kept by a Ray actor in one placement "
+           "group, a CPU or GPU bundle per rank, on RAY_ADDRESS's cluster, else the one `ray start` "
+           "began here, else a local Ray runtime; needs pip install sonar[ray]) or 'external_launcher' "
+           "(torchrun starts the ranks: refused so far).",
            choices=("external_launcher", "mp", "ray", "uni"), to=E, default_note="'uni' for one rank, 'mp' for several",
            metavar="{external_launcher,mp,ray,uni}"),
         _f("--pipeline-parallel-size -pp", I, 1,

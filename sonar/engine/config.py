@@ -6,6 +6,7 @@ the CLI use; unknown names are a `TypeError`, bad values a `ValueError` naming t
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import msgspec
@@ -386,9 +387,23 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         else:
             what = f"{tp} x {pp} ranks (tensor x pipeline)"
         backend = self.distributed_executor_backend
-        if backend not in (None, "uni", "mp"):
+        if backend == "external_launcher":
             raise ValueError(
-                f"distributed_executor_backend {backend!r} is not supported yet (Sonar starts ranks with 'uni' or 'mp')"
+                "distributed_executor_backend 'external_launcher' is not supported yet: torchrun's ranks "
+                "would each run their own scheduler, and Sonar's asynchronous scheduler does not yet make "
+                "the same steps in every rank; start the ranks with 'mp' (this machine) or 'ray'"
+            )
+        if backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend {backend!r} is not supported yet "
+                "(Sonar starts ranks with 'uni', 'mp' or 'ray')"
+            )
+        if backend == "ray" and not ray_installed():
+            raise ValueError("distributed_executor_backend 'ray' needs Ray: pip install sonar[ray]")
+        if backend == "ray" and isinstance(self.placement_of("worker"), Remote):
+            raise ValueError(
+                "distributed_executor_backend 'ray' places the workers itself; drop the worker placement "
+                f"{self.placement['worker']}"
             )
         for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
             value = getattr(self, name)
@@ -642,6 +657,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         """Where each actor of this engine runs (the offload manager only when it runs)."""
         actors = [a for a in ACTORS if a != "offload" or self.offload_manager_needed]
         return {a: placement_name(self.placement_of(a)) for a in actors}
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported (the ``sonar[ray]`` extra), without importing it."""
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ValueError:  # ``sys.modules["ray"] = None``: an import of it fails
+        return False
 
 
 def _json_object(text: str, name: str) -> dict[str, Any]:

@@ -155,7 +155,10 @@ def leave() -> None:
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
     """The CUDA device of `rank`: the rank-th from the one chosen for rank 0 (NCCL takes one
-    rank per GPU)."""
+    rank per GPU). A process that Ray gave a GPU of its own (``SONAR_OWN_GPU``, set by
+    `sonar.actors.ray_runner`) sees that one alone, as device 0."""
+    if os.environ.get("SONAR_OWN_GPU"):
+        return torch.device("cuda", 0)
     index = (device.index or 0) + rank
     if index >= torch.cuda.device_count():
         raise RuntimeError(

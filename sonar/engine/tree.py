@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from sonar.actors import ActorRef, ChildProcess, ChildSpec, Remote, SiblingRef, Supervisor, SupervisorSpec
+from sonar.actors.spec import RayBundle
 from sonar.engine.config import EngineConfig
 from sonar.protocol.engine import DetokenizerMsg, SchedulerMsg, WorkerMsg
 from sonar.protocol.offload import OffloadMsg
@@ -46,8 +47,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     """
     raw = msgspec.to_builtins(config)
     worker_at = config.placement_of("worker")
-    if config.world_size > 1:  # torch.distributed takes one process per rank
-        worker_at = ChildProcess()
+    if config.world_size > 1 or config.distributed_executor_backend == "ray":
+        worker_at = ChildProcess()  # torch.distributed takes one process per rank (Ray places them)
     if isinstance(worker_at, (ChildProcess, Remote)):
         # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
         # graphs captured: a cold compile alone takes minutes on a small CPU
@@ -141,7 +142,7 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
             WORKER,
             protocol=WorkerMsg,
             kwargs=kwargs,
-            placement=placement,
+            placement=_rank_placement(config, placement, kwargs.get("rank", 0)),
             ping_interval=2.0,
             ping_timeout=15.0,
             shutdown=5.0,
@@ -166,3 +167,13 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
         period=60,
         start_together=True,
     )
+
+
+def _rank_placement(config: EngineConfig, placement: Any, rank: int) -> Any:
+    """Where rank `rank` runs: a process of this machine, or with the ``ray`` backend one kept by
+    a Ray actor in bundle `rank` of the group's placement group (`sonar.actors.ray_runner`)."""
+    if config.distributed_executor_backend != "ray":
+        return placement
+    import sonar.actors.ray_runner  # noqa: F401  (the runner of `RayBundle`; ray is an optional extra)
+
+    return RayBundle(bundle=rank, bundles=config.world_size, start_timeout=placement.start_timeout)
