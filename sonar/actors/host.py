@@ -190,7 +190,7 @@ async def _host_main(args: argparse.Namespace) -> int:
     if args.expect:
         node.await_mailbox(args.expect)
     address = node.ensure_bound(args.bind or args.listen)
-    host = HostActor(exit_with_actor=args.parent is not None)
+    host = HostActor(exit_with_actor=args.parent is not None or args.exit_with_actor)
     try:
         async with anyio.create_task_group() as tg:
             await launch(tg, host, HOST_NAME, 256)
@@ -204,8 +204,9 @@ async def _host_main(args: argparse.Namespace) -> int:
         return host.exit_code
     finally:
         node.close(linger_ms=500)
-        if args.parent is not None:
-            # A child has nothing left to clean up: skip the interpreter's slow teardown.
+        if host.exit_with_actor:
+            # Nothing left to clean up (a rank's threads may still wait in a dead collective):
+            # skip the interpreter's slow teardown.
             sys.stderr.flush()
             os._exit(host.exit_code)
 
@@ -286,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="N",
         help=f"largest message frame sent or accepted (default: ${MAX_FRAME_ENV} or 4 GiB)",
+    )
+    ap.add_argument(
+        "--exit-with-actor",
+        action="store_true",
+        help="with --listen: exit once the first actor spawned here ends (a tensor-parallel rank: "
+        "torch.distributed holds one group per process, so each incarnation needs a fresh one)",
     )
     ap.add_argument("--parent", help="address of the parent node (child mode)")
     ap.add_argument("--parent-pid", type=int, default=0)

@@ -298,4 +298,21 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
         engine = EngineConfig.from_args(model, **engine_args)
     except (TypeError, ValueError) as exc:
         raise UsageError.bad(str(exc)) from None
+    _check_headless(engine.nnodes, engine.node_rank, serve_args["headless"])
     return ServeConfig(engine=engine, served_model_name=tuple(names), **serve_args)
+
+
+def _check_headless(nnodes: int, node_rank: int, headless: bool) -> None:
+    """Node 0 serves the API; every other node runs --headless (`sonar.engine.nodes`)."""
+    if headless and nnodes == 1:
+        raise UsageError.bad(
+            "argument --headless: runs the ranks of a secondary node, so it needs --nnodes > 1 and "
+            "--node-rank 1 or more (data-parallel secondary nodes are not supported yet)"
+        )
+    if headless and node_rank == 0:
+        raise UsageError.bad(
+            "argument --headless: node 0 (--node-rank 0) is the head, which serves the API; give the "
+            f"headless node its rank, --node-rank 1 .. {nnodes - 1}"
+        )
+    if node_rank > 0 and not headless:
+        raise UsageError.bad(f"argument --node-rank: node {node_rank} runs no API server (node 0 does): add --headless")
