@@ -214,6 +214,22 @@ def test_a_node_that_never_comes_fails_the_start_in_time(llama: TinyCheckpoint, 
     assert "--distributed-timeout-seconds" in proc.stderr and "--headless" in proc.stderr
 
 
+def test_a_headless_node_without_a_head_gives_up_in_time(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    keys = keygen(tmp_path / "keys")
+    args = _node_args(llama.path, keys, _two_free_ports())
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonar", "serve", *args, "--headless", "--node-rank", "1"]
+        + ["--distributed-timeout-seconds", "2"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "no head answered at 127.0.0.1:" in proc.stderr and "--distributed-timeout-seconds" in proc.stderr
+
+
 def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -> None:
     args = [str(llama.path), *ENGINE_ARGS, "-tp", "2", "--nnodes", "2", "--master-port", str(_two_free_ports())]
     env = {k: v for k, v in _env().items() if not k.startswith("SONAR_ACTOR_")}
