@@ -32,6 +32,7 @@ from sonar.actors import allow, keys
 from sonar.actors.actor import NO_REPLY, Actor, Incarnation, launch
 from sonar.actors.messages import Ask, ExitInfo, RemoteError
 from sonar.actors.node import MAX_FRAME_ENV, configure_transport, get_node
+from sonar.errors import SonarError
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -71,6 +72,11 @@ class Kill(Ask, tag="sonar.kill"):
 
 
 HostMsg = Union[Spawn, Monitor, Kill]
+
+
+class HostEnding(SonarError, RuntimeError):
+    """A Spawn at a host that has run its one actor (``--exit-with-actor``) and is exiting: the
+    spawn belongs to its successor at the same address (`RemoteRunner` asks again)."""
 
 
 class HostActor(Actor):
@@ -128,6 +134,8 @@ class HostActor(Actor):
         raise TypeError(f"unexpected {msg!r}")
 
     async def _spawn(self, msg: Spawn) -> Spawned:
+        if self.exit_with_actor and self.actors:
+            raise HostEnding(f"this host ran its one actor and is exiting: spawn {msg.name!r} at its successor")
         cls = allow.load_actor(msg.target, Actor)
         old = self.actors.get(msg.name)
         if old is not None and not old.done.is_set():

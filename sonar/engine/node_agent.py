@@ -117,7 +117,9 @@ class RankHost:
     starts: deque = field(default_factory=deque)
 
     def start(self, keys_dir: str | None, max_frame_bytes: int | None) -> None:
+        # --expect: a step or JoinGroup from rank 0 that overtakes the head's Spawn waits for the rank
         cmd = [sys.executable, "-m", "sonar", "actor", "--listen", self.address, "--exit-with-actor"]
+        cmd += ["--expect", f"rank{self.rank}"]
         if keys_dir:
             cmd += ["--keys", keys_dir]
         if max_frame_bytes:

@@ -178,6 +178,34 @@ def test_a_killed_rank_on_the_headless_node_loses_no_request(
 
 
 @pytest.mark.slow
+def test_a_rank_host_that_comes_back_late_still_takes_the_spawn(
+    two_nodes: tuple[ServerProcess, Any], single_texts: list[str]
+) -> None:
+    """The node's agent is paused while its rank's host is killed, so the head's restarted group
+    spawns the rank (and rank 0 calls it in) before anything listens there: both wait in the
+    transport until the agent's fresh host is up, and the group comes back in one restart."""
+    head, headless = two_nodes
+    victim = psutil.Process(headless.pid).children()[0]
+    restarts = head.log().count("actor.restart ")
+    os.kill(headless.pid, signal.SIGSTOP)
+    try:
+        os.kill(victim.pid, signal.SIGKILL)
+
+        async def run() -> str:
+            async with httpx.AsyncClient() as client:
+                task = asyncio.create_task(_complete(client, head.base_url, PROMPTS[0]))
+                await asyncio.sleep(15)  # past the group's restart: its spawn waits for a host
+                os.kill(headless.pid, signal.SIGCONT)
+                return await task
+
+        assert asyncio.run(run()) == single_texts[0]
+    finally:
+        os.kill(headless.pid, signal.SIGCONT)
+    assert head.log().count("actor.restart ") - restarts == 2, "one restart of the group (two ranks)"
+    assert "restart_failed" not in head.log()
+
+
+@pytest.mark.slow
 def test_the_heads_shutdown_stops_the_headless_node(two_nodes: tuple[ServerProcess, Any]) -> None:
     head, headless = two_nodes
     hosts = psutil.Process(headless.pid).children()
