@@ -5,7 +5,8 @@ The head (`open_head`) opens torch's `TCPStore` at ``--master-addr:--master-port
 for its lifetime, then waits, up to ``--distributed-timeout-seconds``, for every headless node to
 leave its address there; a node that never comes fails the start with a message naming it.
 
-A headless node (`run_headless`, ``sonar serve --headless``) keeps one actor host per rank of its
+A headless node (`run_headless`, ``sonar serve --headless``) checks that it shares the head's
+layout (ranks, nodes), then keeps one actor host per rank of its
 own (``python -m sonar actor --listen tcp://ADDR:PORT --exit-with-actor``, CURVE with the
 deployment's keys), where the head's group supervisor spawns that rank. Each host lives for one
 incarnation of its rank: torch.distributed holds one group per process, so when the rank ends
@@ -32,7 +33,7 @@ import msgspec
 
 from sonar.actors import keys
 from sonar.engine.config import EngineConfig
-from sonar.engine.nodes import HEAD_KEY, NodePlan, node_key
+from sonar.engine.nodes import HEAD_KEY, LAYOUT_KEY, NodePlan, node_key
 from sonar.errors import SonarError
 from sonar.log import get_logger
 
@@ -81,6 +82,7 @@ def open_head(config: EngineConfig) -> tuple[object, EngineConfig]:
     wait = plan.wait_seconds(config.distributed_timeout_seconds)
     store = _store(plan, master=True, timeout=wait)
     store.set(HEAD_KEY, str(os.getpid()))
+    store.set(LAYOUT_KEY, plan.layout)
     missing = list(range(1, plan.nnodes))
     deadline = time.monotonic() + wait
     while missing and time.monotonic() < deadline:
@@ -166,6 +168,12 @@ def run_headless(
             f"no head answered at {plan.master_addr}:{plan.master_port} within {wait:g} s "
             f"(--master-addr, --master-port, --distributed-timeout-seconds): {type(exc).__name__}: {exc}"
         ) from None
+    head_layout = store.get(LAYOUT_KEY).decode()
+    if head_layout != plan.layout:
+        raise NodesError(
+            f"the head at {plan.master_addr}:{plan.master_port} runs {head_layout}, this node was started for "
+            f"{plan.layout}: give every node the same --tensor-parallel-size, --pipeline-parallel-size and --nnodes"
+        )
     address = advertised_host(plan.master_addr, plan.master_port)
     hosts = [RankHost(r, plan.host_address(r, address)) for r in plan.ranks_of(plan.node_rank)]
     for host in hosts:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 HEAD_KEY = "sonar/head"
 """Set by the head in its rendezvous store: a headless node that can no longer read it has lost
 the head."""
+LAYOUT_KEY = "sonar/layout"
+"""Set by the head: its `NodePlan.layout`, which every headless node must share."""
 NODE_WAIT = 600.0
 """Seconds a node waits for the others to arrive when ``--distributed-timeout-seconds`` is unset."""
 
@@ -69,6 +71,11 @@ class NodePlan:
     def host_address(self, rank: int, host: str) -> str:
         """Where the actor host of `rank` (on a headless node reachable at `host`) listens."""
         return f"tcp://{host}:{self.master_port + rank}"
+
+    @property
+    def layout(self) -> str:
+        """What every node must agree on: the world's ranks and the nodes they are split over."""
+        return f"{self.world_size} ranks over {self.nnodes} nodes"
 
     def wait_seconds(self, timeout: float | None) -> float:
         return NODE_WAIT if timeout is None else timeout

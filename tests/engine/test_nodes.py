@@ -258,6 +258,31 @@ def test_a_headless_node_without_a_head_gives_up_in_time(llama: TinyCheckpoint, 
     assert "no head answered at 127.0.0.1:" in proc.stderr and "--distributed-timeout-seconds" in proc.stderr
 
 
+def test_a_headless_node_of_another_layout_is_refused(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    """The head runs 2 ranks over 2 nodes; a node started with -tp 4 would wait for ranks that never
+    come: it refuses at once, naming the flags."""
+    import torch.distributed as dist
+
+    from sonar.engine.nodes import LAYOUT_KEY
+
+    keys = keygen(tmp_path / "keys")
+    port = _two_free_ports()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(LAYOUT_KEY, "2 ranks over 2 nodes")  # what a head with -tp 2 --nnodes 2 says
+    argv = [str(llama.path), "-tp", "4", "--nnodes", "2", "--master-port", str(port), "--actor-keys", str(keys)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonar", "serve", *argv, "--headless", "--node-rank", "1"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "runs 2 ranks over 2 nodes, this node was started for 4 ranks over 2 nodes" in proc.stderr
+    assert not store.check(["sonar/node/1"]), "a node that does not fit never reports to the head"
+
+
 def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -> None:
     args = [str(llama.path), *ENGINE_ARGS, "-tp", "2", "--nnodes", "2", "--master-port", str(_two_free_ports())]
     env = {k: v for k, v in _env().items() if not k.startswith("SONAR_ACTOR_")}
