@@ -24,7 +24,8 @@ the collectives keep the ranks in step) and passes grammar bitmasks on to the sa
 sampler sends rank 0 the result (`StepDone`), which rank 0 answers the scheduler with while its own
 stage already runs the next step. Any
 rank that fails takes the group down with it: its peers' collectives fail or hang, and the
-supervisor restarts all.
+supervisor restarts all. Over several nodes (`sonar.engine.nodes`) the ranks of the other nodes
+run in actor hosts there, and each incarnation meets at the head's store under a prefix of its own.
 
 Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
 samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
