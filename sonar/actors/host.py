@@ -32,6 +32,7 @@ from sonar.actors import allow, keys
 from sonar.actors.actor import NO_REPLY, Actor, Incarnation, launch
 from sonar.actors.messages import Ask, ExitInfo, RemoteError
 from sonar.actors.node import MAX_FRAME_ENV, configure_transport, get_node
+from sonar.errors import SonarError
 from sonar.log import get_logger
 
 log = get_logger("sonar.actors")
@@ -71,6 +72,11 @@ class Kill(Ask, tag="sonar.kill"):
 
 
 HostMsg = Union[Spawn, Monitor, Kill]
+
+
+class HostEnding(SonarError, RuntimeError):
+    """A Spawn at a host that has run its one actor (``--exit-with-actor``) and is exiting: the
+    spawn belongs to its successor at the same address (`RemoteRunner` asks again)."""
 
 
 class HostActor(Actor):
@@ -128,6 +134,8 @@ class HostActor(Actor):
         raise TypeError(f"unexpected {msg!r}")
 
     async def _spawn(self, msg: Spawn) -> Spawned:
+        if self.exit_with_actor and self.actors:
+            raise HostEnding(f"this host ran its one actor and is exiting: spawn {msg.name!r} at its successor")
         cls = allow.load_actor(msg.target, Actor)
         old = self.actors.get(msg.name)
         if old is not None and not old.done.is_set():
@@ -190,7 +198,7 @@ async def _host_main(args: argparse.Namespace) -> int:
     if args.expect:
         node.await_mailbox(args.expect)
     address = node.ensure_bound(args.bind or args.listen)
-    host = HostActor(exit_with_actor=args.parent is not None)
+    host = HostActor(exit_with_actor=args.parent is not None or args.exit_with_actor)
     try:
         async with anyio.create_task_group() as tg:
             await launch(tg, host, HOST_NAME, 256)
@@ -204,8 +212,9 @@ async def _host_main(args: argparse.Namespace) -> int:
         return host.exit_code
     finally:
         node.close(linger_ms=500)
-        if args.parent is not None:
-            # A child has nothing left to clean up: skip the interpreter's slow teardown.
+        if host.exit_with_actor:
+            # Nothing left to clean up (a rank's threads may still wait in a dead collective):
+            # skip the interpreter's slow teardown.
             sys.stderr.flush()
             os._exit(host.exit_code)
 
@@ -286,6 +295,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar="N",
         help=f"largest message frame sent or accepted (default: ${MAX_FRAME_ENV} or 4 GiB)",
+    )
+    ap.add_argument(
+        "--exit-with-actor",
+        action="store_true",
+        help="with --listen: exit once the first actor spawned here ends (a tensor-parallel rank: "
+        "torch.distributed holds one group per process, so each incarnation needs a fresh one)",
     )
     ap.add_argument("--parent", help="address of the parent node (child mode)")
     ap.add_argument("--parent-pid", type=int, default=0)

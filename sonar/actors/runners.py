@@ -20,8 +20,8 @@ import anyio
 
 from sonar.actors import allow, keys
 from sonar.actors.actor import Actor, Incarnation, launch
-from sonar.actors.host import HOST_NAME, HostMsg, Kill, Monitor, Spawn
-from sonar.actors.messages import ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
+from sonar.actors.host import HOST_NAME, HostEnding, HostMsg, Kill, Monitor, Spawn
+from sonar.actors.messages import ActorError, ActorNotFound, AskTimeout, ExitInfo, Pong, RemoteError, Stop
 from sonar.actors.node import MAX_FRAME_ENV, get_node
 from sonar.actors.ref import ActorRef
 from sonar.actors.spec import ChildProcess, ChildSpec, InProcess, Remote, SiblingRef, SupervisorSpec
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = get_logger("sonar.actors")
 
 KILL_GRACE = 1.0  # seconds between SIGTERM and SIGKILL, and to wait after a cancel
+HOST_ENDING = f"{HostEnding.__module__}.{HostEnding.__qualname__}"
 
 
 class Runner:
@@ -446,8 +447,17 @@ class RemoteRunner(_HostedRunner):
                 f"placement {self.address}: an actor host elsewhere needs the deployment's keys here too "
                 f"(python -m sonar actor keygen DIR; then {keys.ENV_DIR}=DIR, or sonar serve --actor-keys DIR)"
             )
+        deadline = time.monotonic() + self.spec.placement.start_timeout
         try:
-            await self._spawn(incarnation, self.spec.placement.start_timeout)
+            while True:
+                try:
+                    await self._spawn(incarnation, self.spec.placement.start_timeout)
+                    break
+                except ActorError as exc:
+                    # a one-actor host (--exit-with-actor) still ending its last run: ask its successor
+                    if exc.error.type != HOST_ENDING or time.monotonic() > deadline:
+                        raise
+                    await anyio.sleep(0.2)
         except AskTimeout:
             raise RuntimeError(
                 f"no actor host answered at {self.address} (is it running with this "

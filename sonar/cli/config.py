@@ -45,6 +45,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_stored_responses: int = 1024
     max_stored_response_bytes: int = 64 * 2**20
 
+    headless: bool = False
+    """Run only this node's ranks, no API server (`sonar.engine.node_agent.run_headless`)."""
+
     # The actor transport between processes and machines (`sonar.actors.keys`).
     actor_keys: str | None = None
     actor_max_frame_bytes: int = 4 * 2**30

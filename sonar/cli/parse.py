@@ -302,4 +302,29 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
         engine = EngineConfig.from_args(model, **engine_args)
     except (TypeError, ValueError) as exc:
         raise UsageError.bad(str(exc)) from None
+    _check_nodes(explicit, engine.nnodes, engine.node_rank, serve_args["headless"])
     return ServeConfig(engine=engine, served_model_name=tuple(names), **serve_args)
+
+
+def _check_nodes(explicit: dict[str, Any], nnodes: int, node_rank: int, headless: bool) -> None:
+    """Node 0 serves the API; every other node runs --headless (`sonar.engine.nodes`); the head's
+    address means something only with several nodes."""
+    if nnodes == 1:
+        for name in ("--master-addr", "--master-port"):
+            value = explicit.get(name)
+            if value is not None and value != FLAGS[name].default:
+                raise UsageError.bad(
+                    f"argument {name}: takes effect only with --nnodes > 1 (the head's rendezvous), got {value}"
+                )
+    if headless and nnodes == 1:
+        raise UsageError.bad(
+            "argument --headless: runs the ranks of a secondary node, so it needs --nnodes > 1 and "
+            "--node-rank 1 or more (data-parallel secondary nodes are not supported yet)"
+        )
+    if headless and node_rank == 0:
+        raise UsageError.bad(
+            "argument --headless: node 0 (--node-rank 0) is the head, which serves the API; give the "
+            f"headless node its rank, --node-rank 1 .. {nnodes - 1}"
+        )
+    if node_rank > 0 and not headless:
+        raise UsageError.bad(f"argument --node-rank: node {node_rank} runs no API server (node 0 does): add --headless")

@@ -72,9 +72,32 @@ def main(argv: Sequence[str]) -> int:
     except KeysError as error:
         print(f"sonar serve: {error}", file=sys.stderr)
         return 2
+    if config.headless:
+        return _headless(config)
     code = anyio.run(serve, config, backend="asyncio")
     if _is_process_entry():
         _exit_now(code)
+    return code
+
+
+def _headless(config: ServeConfig) -> int:
+    """A secondary node: keep this node's ranks' actor hosts up (no API server, no engine here)
+    until the head is gone or SIGTERM/SIGINT."""
+    from sonar.engine.node_agent import NodesError, run_headless
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    engine = config.engine
+    _say(
+        f"headless node {engine.node_rank} of {engine.nnodes}: rendezvous at {engine.master_addr}:{engine.master_port}"
+    )
+    try:
+        code = run_headless(engine, config.actor_keys, config.actor_max_frame_bytes, stop)
+    except NodesError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    _say("stopped" if code == 0 else f"exiting with code {code}")
     return code
 
 
@@ -153,6 +176,7 @@ async def serve(config: ServeConfig) -> int:
     the exit code."""
     import anyio
     import anyio.to_thread
+    import msgspec
 
     from sonar.actors import supervise
     from sonar.actors.supervisor import SupervisorGaveUp
@@ -205,6 +229,13 @@ async def serve(config: ServeConfig) -> int:
             holder: dict[str, Any] = {}
             tg.start_soon(watch_signals)
             try:
+                if config.engine.nnodes > 1:  # the head: the other nodes report before the ranks start
+                    from sonar.engine.node_agent import open_head
+
+                    holder["rendezvous"], engine_config = await anyio.to_thread.run_sync(
+                        open_head, config.engine, abandon_on_cancel=True
+                    )
+                    config = msgspec.structs.replace(config, engine=engine_config)
                 async with supervise(root_spec(config, listening)) as root:
                     frontend = holder["frontend"] = root.child("frontend").ref
                     engine = root.child("engine").child

@@ -44,7 +44,6 @@ ONE_MACHINE = (
     "over several machines is not supported yet"
 )
 MULTI_PORT = "multi-port external load balancing is not supported yet"
-MULTI_NODE = "Sonar runs on one machine; several nodes together (--nnodes > 1) are not supported yet"
 NO_DCP = "decode context parallelism (--decode-context-parallel-size > 1) is not supported yet"
 NO_ALL2ALL = (
     "Sonar's expert parallelism exchanges no tokens: every rank has every token (tensor parallelism "
@@ -92,8 +91,9 @@ GROUPS: tuple[Group, ...] = (
            "name contains NAME (e.g. --help=max-model-len, --help=CacheConfig, --help=prefix); "
            "--help=all prints every flag.", target="help", metavar="[=NAME]"),
         _f("--headless", B, False,
-           "Run only the engine, with no API server (a secondary node of a multi-node data-parallel "
-           "deployment).", negatable=False),
+           "Run no API server: this node (--node-rank 1 .. --nnodes - 1) only runs its share of the "
+           "tensor-parallel ranks, which the head (node 0) starts and supervises. Data-parallel secondary "
+           "nodes are not supported yet.", negatable=False, to=S),
         _f("--api-server-count -asc", I, None,
            "How many API server processes to start; unset means one per data-parallel rank.",
            accepts=(1,), why=ONE_API_SERVER),
@@ -472,12 +472,18 @@ GROUPS: tuple[Group, ...] = (
            "Number of pipeline stages the layers are split into: consecutive layers per stage (an even "
            "split; SONAR_PP_LAYER_PARTITION=8,8,7,7 sets the counts), each stage its own worker processes "
            "(--tensor-parallel-size of them), hidden states passed on point to point.", to=E),
-        _f("--master-addr", S_, "127.0.0.1", "Address of the first node in a multi-node 'mp' deployment.",
-           why=MULTI_NODE),
-        _f("--master-port", I, 29501, "Port of the first node in a multi-node 'mp' deployment.",
-           why=MULTI_NODE),
-        _f("--nnodes -n", I, 1, "Number of nodes in a multi-node 'mp' deployment."),
-        _f("--node-rank -r", I, 0, "Rank of this node in a multi-node 'mp' deployment."),
+        _f("--master-addr", S_, "127.0.0.1",
+           "Address of the first node (the head) in a multi-node 'mp' deployment: torch's rendezvous store "
+           "listens there, where the other nodes report.", to=E),
+        _f("--master-port", I, 29501,
+           "Port of the head's rendezvous store; a headless node's rank R listens on --master-port + R "
+           "(its actor host, authenticated with --actor-keys).", to=E),
+        _f("--nnodes -n", I, 1,
+           "Number of nodes the tensor-parallel ranks are split over, evenly and in order (--actor-keys "
+           "on every node; the others run --headless).", to=E),
+        _f("--node-rank -r", I, 0,
+           "Rank of this node: 0 is the head (API server, scheduler, rank 0), the others run --headless.",
+           to=E),
         _f("--distributed-timeout-seconds", I, None,
            "Timeout of torch.distributed operations such as creating the process groups (the "
            "tensor-parallel group's rendezvous and collectives).", to=E, default_note="torch's default"),

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from sonar.actors.spec import ChildProcess, InProcess, Remote, parse_placement, placement_name
+from sonar.engine.nodes import check_nodes
 from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
@@ -119,6 +120,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Bound on the group's rendezvous and collectives (NCCL); None: torch's default."""
     cpu_distributed_timeout_seconds: float | None = None
     """The same for gloo groups (the CPU); None: `distributed_timeout_seconds`, else torch's default."""
+    nnodes: int = 1
+    """Machines the group's ranks are split over, evenly and in order (`sonar.engine.nodes`)."""
+    node_rank: int = 0
+    """This machine's node: 0 is the head (API server, scheduler, rank 0), the others run
+    ``sonar serve --headless``."""
+    master_addr: str = "127.0.0.1"
+    """The head's address: torch's rendezvous store listens there, at `master_port`."""
+    master_port: int = 29501
+    """The rendezvous store's port; a headless node's rank ``r`` listens on ``master_port + r``."""
+    node_hosts: tuple[str, ...] = ()
+    """The head only: the address of each headless node (1 .. nnodes-1), as they reported it at
+    the rendezvous (`sonar.engine.node_agent.open_head`)."""
     data_parallel_size: int = 1
     """Engine replicas (`sonar.engine.replicas`): each a whole engine with its own worker,
     scheduler, detokenizer and KV cache; requests go to the one holding the longest cached prefix
@@ -409,6 +422,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        check_nodes(self)
         if self.world_size == 1:
             return
         if backend == "uni":

@@ -9,7 +9,9 @@ hands the step's result back to rank 0.
 Every incarnation of a group meets anew: its leader (rank 0) opens a `TCPStore` on a port the
 system picks and tells the other ranks where it is (`JoinGroup`, over Sonar's own transport), so a
 group rebuilt after a crash never meets a stale store. On one machine the store and gloo's pair
-sockets listen on the loopback interface only.
+sockets listen on the loopback interface only. Over several nodes (`sonar.engine.nodes`) the store
+is the head's, at ``--master-addr:--master-port`` for the head's lifetime, and each incarnation
+meets under a key prefix of its own there instead (`connect_store`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ def open_store(host: str, size: int, timeout: float | None) -> dist.TCPStore:
     """The leader's rendezvous store, on a port the system picks (`store.port`)."""
     kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
     return dist.TCPStore(host, 0, size, is_master=True, wait_for_workers=False, **kwargs)
+
+
+def connect_store(host: str, port: int, prefix: str, timeout: float | None) -> dist.Store:
+    """The store at host:port as a client, its keys under `prefix` (one incarnation's)."""
+    kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
+    store = dist.TCPStore(host, port, is_master=False, **kwargs)
+    return dist.PrefixStore(prefix, store) if prefix else store
 
 
 @dataclass(frozen=True)
@@ -107,16 +116,17 @@ def join(
     device: torch.device,
     timeout: float | None,
     layer_counts: tuple[int, ...] | None = None,
+    prefix: str = "",
 ) -> Topology:
-    """Join the world whose store listens at host:port (`store`: rank 0's own) as `rank`: NCCL on
-    CUDA, gloo on the CPU; then every stage's tensor-parallel group (each rank takes part in making
-    all of them). `layer_counts`: layers per stage, else an even partition."""
+    """Join the world whose store listens at host:port (`store`: rank 0's own; `prefix`: this
+    incarnation's keys in a store that outlives it) as `rank`: NCCL on CUDA, gloo on the CPU; then
+    every stage's tensor-parallel group (each rank takes part in making all of them).
+    `layer_counts`: layers per stage, else an even partition."""
     if _is_loopback(host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     size = tp_size * pp_size
     if store is None:
-        kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
-        store = dist.TCPStore(host, port, size, is_master=False, **kwargs)
+        store = connect_store(host, port, prefix, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_timeout(timeout))
     stage, tp_rank = divmod(rank, tp_size)

@@ -8,6 +8,7 @@ import msgspec
 
 from sonar.actors import ActorRef, ChildProcess, ChildSpec, Remote, SiblingRef, Supervisor, SupervisorSpec
 from sonar.actors.spec import RayBundle
+from sonar.engine import nodes
 from sonar.engine.config import EngineConfig
 from sonar.protocol.engine import DetokenizerMsg, SchedulerMsg, WorkerMsg
 from sonar.protocol.offload import OffloadMsg
@@ -136,7 +137,7 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
     """
     size = config.world_size
 
-    def rank(name: str, kwargs: dict[str, Any]) -> ChildSpec:
+    def rank(name: str, kwargs: dict[str, Any], placement: Any = placement) -> ChildSpec:
         return ChildSpec(
             name,
             WORKER,
@@ -154,7 +155,12 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
     leader = {k: SiblingRef(f"../{v.name}") if isinstance(v, SiblingRef) else v for k, v in kwargs.items()}
     leader["followers"] = [SiblingRef(f"rank{r}") for r in range(1, size)]
     followers = [
-        rank(f"rank{r}", {"config": kwargs["config"], "own_process": True, "rank": r, "leader": SiblingRef("rank0")})
+        rank(
+            f"rank{r}",
+            {"config": kwargs["config"], "own_process": True, "rank": r, "leader": SiblingRef("rank0")},
+            # a rank of another node runs in the actor host that node keeps for it
+            nodes.rank_placement(config, r, placement, WORKER_START_TIMEOUT),
+        )
         for r in range(1, size)
     ]
     # A rank lost is the group lost (its peers' collectives fail or hang): restart all of them.

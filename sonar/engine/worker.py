@@ -24,7 +24,8 @@ the collectives keep the ranks in step) and passes grammar bitmasks on to the sa
 sampler sends rank 0 the result (`StepDone`), which rank 0 answers the scheduler with while its own
 stage already runs the next step. Any
 rank that fails takes the group down with it: its peers' collectives fail or hang, and the
-supervisor restarts all.
+supervisor restarts all. Over several nodes (`sonar.engine.nodes`) the ranks of the other nodes
+run in actor hosts there, and each incarnation meets at the head's store under a prefix of its own.
 
 Structured outputs: a step with `grammar_rows` waits, after its forward pass and before it
 samples, for the `StepBitmask` of its step id (the scheduler sends it once the matchers have the
@@ -61,7 +62,7 @@ from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.core.weights import WeightUpdateError
-from sonar.engine import ranks
+from sonar.engine import nodes, ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
 from sonar.engine.profiler import ProfilerConfig, TraceProfiler
@@ -193,16 +194,23 @@ class WorkerActor(Actor):
 
     # -- parallel groups -------------------------------------------------------------------------
     async def _lead_group(self) -> ModelRunner:
-        """Rank 0: open this incarnation's rendezvous, tell the other ranks, join and load with them."""
-        host = ranks.LOOPBACK
-        timeout = self.config.collective_timeout(select_device(self.config.device_ids).type)
-        store = await anyio.to_thread.run_sync(ranks.open_store, host, self.config.world_size, timeout)
-        join = JoinGroup(host, store.port)
+        """Rank 0: open this incarnation's rendezvous, tell the other ranks, join and load with them.
+        Over several nodes the rendezvous is the head's store, under a prefix of this incarnation."""
+        cfg = self.config
+        timeout = cfg.collective_timeout(select_device(cfg.device_ids).type)
+        if cfg.nnodes > 1:
+            host, port, prefix = cfg.master_addr, cfg.master_port, f"sonar/group/{secrets.token_hex(8)}/"
+            store = await anyio.to_thread.run_sync(ranks.connect_store, host, port, prefix, timeout)
+        else:
+            host, prefix = ranks.LOOPBACK, ""
+            store = await anyio.to_thread.run_sync(ranks.open_store, host, cfg.world_size, timeout)
+            port = store.port
+        join = JoinGroup(host, port, prefix)
         runner: list[ModelRunner] = []
 
         async def load() -> None:
             runner.append(
-                await anyio.to_thread.run_sync(self._join_and_load, store, host, store.port, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(self._join_and_load, store, host, port, abandon_on_cancel=True)
             )
 
         try:
@@ -214,14 +222,16 @@ class WorkerActor(Actor):
             raise group.exceptions[0] from None
         return runner[0]
 
-    def _join_and_load(self, store: Any, host: str, port: int) -> ModelRunner:
-        """Join the world as this worker's rank and load its shards of its stage (in a thread)."""
+    def _join_and_load(self, store: Any, host: str, port: int, prefix: str = "") -> ModelRunner:
+        """Join the world as this worker's rank and load its shards of its stage (in a thread).
+        Its device and cores are its node's: it is the local rank-th of the node's ranks."""
         cfg = self.config
+        plan = nodes.NodePlan.of(cfg)
         device = select_device(cfg.device_ids)
         if device.type == "cuda":
-            device = ranks.rank_device(device, self.rank)
+            device = ranks.rank_device(device, plan.local_rank(self.rank))
         else:
-            ranks.pin_to_cores(self.rank, cfg.world_size)
+            ranks.pin_to_cores(plan.local_rank(self.rank), plan.per_node)
         topology = ranks.join(
             store,
             host,
@@ -232,6 +242,7 @@ class WorkerActor(Actor):
             device,
             cfg.collective_timeout(device.type),
             ranks.layer_counts_from_env(os.environ.get("SONAR_PP_LAYER_PARTITION")),
+            prefix,
         )
         return ModelRunner(cfg, topology, device)
 
@@ -245,7 +256,7 @@ class WorkerActor(Actor):
         node = get_node()
         try:
             self.runner = await anyio.to_thread.run_sync(
-                self._join_and_load, None, msg.host, msg.port, abandon_on_cancel=True
+                self._join_and_load, None, msg.host, msg.port, msg.prefix, abandon_on_cancel=True
             )
         except Exception as exc:
             if msg.reply_to is not None:

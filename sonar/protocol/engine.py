@@ -181,10 +181,13 @@ class StepBitmask(msgspec.Struct, tag="worker.bitmask"):
 class JoinGroup(Ask, tag="worker.join"):
     """To a tensor-parallel rank other than 0, from rank 0: join this incarnation of the group at
     the rendezvous store ``host:port`` and load the model's shards; answered once it has (no value).
-    From then on the rank runs every `ExecuteStep` rank 0 forwards to it, and answers none."""
+    From then on the rank runs every `ExecuteStep` rank 0 forwards to it, and answers none.
+    ``prefix``: this incarnation's keys in a store that outlives it (several nodes meet at
+    ``--master-addr:--master-port``, one store for the head's lifetime); empty: a store of its own."""
 
     host: str
     port: int
+    prefix: str = ""
 
 
 class StepDone(msgspec.Struct, tag="worker.done"):

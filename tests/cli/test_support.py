@@ -126,8 +126,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--mamba-cache-philox-rounds", "7"],
     ],
     "ParallelConfig": [
-        ["--master-addr", "10.0.0.2"],
-        ["--master-port", "1234"],
         ["--numa-bind-nodes", "0", "1"],
         ["--numa-bind-cpus", "0-3", "4-7"],
         ["--dcp-comm-backend", "a2a"],

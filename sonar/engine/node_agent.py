@@ -1,0 +1,210 @@
+"""The I/O of several nodes (`sonar.engine.nodes` decides the layout): the head's rendezvous,
+and the agent a headless node runs instead of a server.
+
+The head (`open_head`) opens torch's `TCPStore` at ``--master-addr:--master-port`` and keeps it
+for its lifetime, then waits, up to ``--distributed-timeout-seconds``, for every headless node to
+leave its address there; a node that never comes fails the start with a message naming it.
+
+A headless node (`run_headless`, ``sonar serve --headless``) checks that it shares the head's
+layout (ranks, nodes), then keeps one actor host per rank of its
+own (``python -m sonar actor --listen tcp://ADDR:PORT --exit-with-actor``, CURVE with the
+deployment's keys), where the head's group supervisor spawns that rank. Each host lives for one
+incarnation of its rank: torch.distributed holds one group per process, so when the rank ends
+(the head restarts the group, or the process is killed) its host exits and the agent starts a
+fresh one at the same address, which the head's next spawn reaches. The agent itself decides
+nothing about the group: one-for-all supervision stays with the head. It exits when the head is
+gone (its store no longer answers) or on SIGTERM, stopping its hosts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import msgspec
+
+from sonar.actors import keys
+from sonar.engine.config import EngineConfig
+from sonar.engine.nodes import HEAD_KEY, LAYOUT_KEY, NodePlan, node_key
+from sonar.errors import SonarError
+from sonar.log import get_logger
+
+log = get_logger("sonar.nodes")
+
+HOST_RESTARTS = 30
+"""Restarts of one rank's host allowed within `HOST_PERIOD` seconds before the agent gives up
+(each group restart is one; a host that cannot start at all loops much faster)."""
+HOST_PERIOD = 60.0
+HEAD_POLL = 1.0
+"""Seconds between the agent's checks that the head is still there."""
+
+
+class NodesError(SonarError, RuntimeError):
+    """A node of a multi-node deployment that did not arrive, or could not join."""
+
+
+def require_keys() -> None:
+    """Refuse to go on with this process tree's ephemeral keys: ranks on other machines are
+    reached over tcp, authenticated with the deployment's keys only."""
+    if keys.current().ephemeral:
+        raise NodesError(
+            "--nnodes > 1 places ranks on other machines: every node needs the deployment's actor keys "
+            f"(python -m sonar actor keygen DIR, copied to each node; then --actor-keys DIR or {keys.ENV_DIR}=DIR)"
+        )
+
+
+def _store(plan: NodePlan, master: bool, timeout: float) -> "object":
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        plan.master_addr,
+        plan.master_port,
+        is_master=master,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def open_head(config: EngineConfig) -> tuple[object, EngineConfig]:
+    """The head: open the rendezvous store and wait for every headless node's address (blocking).
+    Returns the store (keep it: the nodes meet there while the head runs) and `config` with the
+    nodes' addresses."""
+    require_keys()
+    plan = NodePlan.of(config)
+    wait = plan.wait_seconds(config.distributed_timeout_seconds)
+    store = _store(plan, master=True, timeout=wait)
+    store.set(HEAD_KEY, str(os.getpid()))
+    store.set(LAYOUT_KEY, plan.layout)
+    missing = list(range(1, plan.nnodes))
+    deadline = time.monotonic() + wait
+    while missing and time.monotonic() < deadline:
+        missing = [k for k in missing if not store.check([node_key(k)])]
+        if missing:
+            time.sleep(0.1)
+    if missing:
+        names = ", ".join(str(k) for k in missing)
+        raise NodesError(
+            f"node(s) {names} of --nnodes {plan.nnodes} did not arrive at {plan.master_addr}:{plan.master_port} "
+            f"within {wait:g} s (--distributed-timeout-seconds): start `sonar serve MODEL --headless --nnodes "
+            f"{plan.nnodes} --node-rank K --master-addr {plan.master_addr} --master-port {plan.master_port}` "
+            "with the same model and parallel flags on each of them"
+        )
+    hosts = tuple(store.get(node_key(k)).decode() for k in range(1, plan.nnodes))
+    log.info("nodes.arrived", nodes=plan.nnodes, hosts=list(hosts), rendezvous=f"{plan.master_addr}:{plan.master_port}")
+    return store, msgspec.structs.replace(config, node_hosts=hosts)
+
+
+def advertised_host(master_addr: str, master_port: int) -> str:
+    """This machine's address on the route to the head (what the head will connect to)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_addr, master_port))  # UDP: picks the route, sends nothing
+        return s.getsockname()[0]
+
+
+@dataclass
+class RankHost:
+    """The actor host one rank of this node runs in, restarted whenever it ends."""
+
+    rank: int
+    address: str
+    proc: subprocess.Popen | None = None
+    starts: deque = field(default_factory=deque)
+
+    def start(self, keys_dir: str | None, max_frame_bytes: int | None) -> None:
+        # --expect: a step or JoinGroup from rank 0 that overtakes the head's Spawn waits for the rank
+        cmd = [sys.executable, "-m", "sonar", "actor", "--listen", self.address, "--exit-with-actor"]
+        cmd += ["--expect", f"rank{self.rank}"]
+        if keys_dir:
+            cmd += ["--keys", keys_dir]
+        if max_frame_bytes:
+            cmd += ["--max-frame-bytes", str(max_frame_bytes)]
+        self.starts.append(time.monotonic())
+        while self.starts and self.starts[0] < time.monotonic() - HOST_PERIOD:
+            self.starts.popleft()
+        # its own session: a signal to the agent's terminal does not reach it before the agent's stop
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        log.info("nodes.rank_host_started", rank=self.rank, address=self.address, pid=self.proc.pid)
+
+    @property
+    def crash_looping(self) -> bool:
+        return len(self.starts) > HOST_RESTARTS
+
+    def stop(self, grace: float = 5.0) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run_headless(
+    config: EngineConfig,
+    keys_dir: str | None = None,
+    max_frame_bytes: int | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """A headless node: keep its ranks' actor hosts up until the head is gone or `stop` is set
+    (SIGTERM); the exit code."""
+    stop = stop or threading.Event()
+    require_keys()
+    plan = NodePlan.of(config)
+    wait = plan.wait_seconds(config.distributed_timeout_seconds)
+    try:
+        store = _store(plan, master=False, timeout=wait)
+    except Exception as exc:  # torch's error says only that a connect timed out
+        raise NodesError(
+            f"no head answered at {plan.master_addr}:{plan.master_port} within {wait:g} s "
+            f"(--master-addr, --master-port, --distributed-timeout-seconds): {type(exc).__name__}: {exc}"
+        ) from None
+    head_layout = store.get(LAYOUT_KEY).decode()
+    if head_layout != plan.layout:
+        raise NodesError(
+            f"the head at {plan.master_addr}:{plan.master_port} runs {head_layout}, this node was started for "
+            f"{plan.layout}: give every node the same --tensor-parallel-size, --pipeline-parallel-size and --nnodes"
+        )
+    address = advertised_host(plan.master_addr, plan.master_port)
+    hosts = [RankHost(r, plan.host_address(r, address)) for r in plan.ranks_of(plan.node_rank)]
+    for host in hosts:
+        host.start(keys_dir, max_frame_bytes)
+    store.set(node_key(plan.node_rank), address)
+    log.info("nodes.joined", node=plan.node_rank, ranks=[h.rank for h in hosts], address=address)
+    code = 0
+    next_poll = time.monotonic() + HEAD_POLL
+    try:
+        while not stop.is_set():
+            for host in hosts:
+                if host.proc is not None and host.proc.poll() is not None:
+                    log.info("nodes.rank_host_ended", rank=host.rank, code=host.proc.returncode)
+                    if host.crash_looping:
+                        log.error("nodes.gave_up", rank=host.rank, restarts=len(host.starts), period=HOST_PERIOD)
+                        return 1
+                    host.start(keys_dir, max_frame_bytes)
+            if time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + HEAD_POLL
+                if not _head_alive(store):
+                    log.info("nodes.head_gone", rendezvous=f"{plan.master_addr}:{plan.master_port}")
+                    break
+            stop.wait(0.1)
+    finally:
+        for host in hosts:
+            host.stop()
+    return code
+
+
+def _head_alive(store: object) -> bool:
+    try:
+        return bool(store.check([HEAD_KEY]))
+    except Exception:  # the connection to the head's store is gone
+        return False

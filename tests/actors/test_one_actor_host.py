@@ -1,0 +1,59 @@
+"""A one-actor host (`python -m sonar actor --listen ADDRESS --exit-with-actor`), as a headless
+node keeps one per tensor-parallel rank (`sonar.engine.node_agent`): it runs one actor and exits
+with it, a second spawn is refused as `HostEnding`, and a supervisor's `Remote` placement reaches
+the successor a restarter starts at the same address."""
+
+import subprocess
+import threading
+
+import pytest
+
+from sonar.actors import ActorError, ActorRef, ChildSpec, Remote, SupervisorSpec, supervise
+from sonar.actors.host import HOST_NAME, HostMsg, Spawn
+from tests.actors.helpers import free_tcp_address, start_host, stop_host, wait_for
+from tests.actors.sample import Crash, Echo, Whoami
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_a_one_actor_host_refuses_a_second_spawn(deployment):
+    address = free_tcp_address()
+    proc = start_host(address, deployment, "--exit-with-actor")
+    try:
+        host = ActorRef(HOST_NAME, HostMsg, address)
+        spawn = Spawn(name="only", target="tests.actors.sample:Sample")
+        assert (await host.ask(spawn, timeout=30)).pid == proc.pid
+        with pytest.raises(ActorError, match="HostEnding: this host ran its one actor"):
+            await host.ask(spawn, timeout=10)
+    finally:
+        stop_host(proc)
+
+
+async def test_a_crashed_actor_takes_its_host_and_the_restart_reaches_the_successor(deployment):
+    address = free_tcp_address()
+    hosts: list[subprocess.Popen] = [start_host(address, deployment, "--exit-with-actor")]
+    done = threading.Event()
+
+    def restarter() -> None:  # what a headless node's agent does
+        while not done.is_set():
+            if hosts[-1].poll() is not None:
+                hosts.append(start_host(address, deployment, "--exit-with-actor"))
+            done.wait(0.1)
+
+    thread = threading.Thread(target=restarter, daemon=True)
+    thread.start()
+    spec = SupervisorSpec("root", [ChildSpec("far", "tests.actors.sample:Sample", placement=Remote(address))])
+    try:
+        async with supervise(spec) as sup:
+            far = sup.child("far")
+            first = (await far.ref.ask(Whoami(), timeout=10))["pid"]
+            await far.ref.send(Crash())
+            await wait_for(lambda: far.restarts == 1 and far.state == "running", timeout=30)
+            assert hosts[0].wait(10) == 1  # the host ended with its crashed actor
+            assert (await far.ref.ask(Whoami(), timeout=10))["pid"] == hosts[-1].pid != first
+            assert await far.ref.ask(Echo("again"), timeout=10) == "again"
+    finally:
+        done.set()
+        thread.join()
+        for proc in hosts:
+            stop_host(proc)
