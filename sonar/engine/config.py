@@ -465,10 +465,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "
                 "target's KV only, not the draft's); drop one of the two"
             )
-        if self.async_scheduling:
+        if self.async_scheduling and spec.lookahead:
             raise ValueError(
-                "speculative decoding with --async-scheduling is not supported yet (a request's drafts come "
-                "from its last token, which an overlapped step does not have yet); drop one of the two"
+                f"speculative method {spec.method} with --async-scheduling is not supported yet (its drafts come "
+                "from the request's last token, which an overlapped step does not have yet); ngram and suffix "
+                "work with it"
             )
 
     def profiler(self) -> Any:

@@ -25,7 +25,8 @@ N+1 is scheduled and sent while step N runs, before its tokens are back (the cor
 placeholders, the worker puts them in), so the worker starts the next step as soon as it
 finishes one instead of waiting for the round trip through this actor; then step N's result is
 fed back. At most one step is in flight besides the one running. A failed step takes the one
-sent after it down too. Off with KV offloading and with speculative decoding.
+sent after it down too. Off with KV offloading and with a draft model or head; with ``ngram`` and
+``suffix`` the worker makes the drafts (`SchedulerConfig.worker_drafts`).
 
 Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
 (`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.
@@ -204,8 +205,11 @@ class SchedulerActor(Actor):
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.stages = info.pipeline_parallel_size
         speculative = cfg.speculative()
-        # a request's drafts follow its last token, which an overlapped step would not have yet
-        self.pipelined = wanted and self.offload_bpc == 0 and self.stages == 1 and speculative is None
+        # a draft model's or head's drafts follow a request's last token, which an overlapped step
+        # would not have yet; n-gram and suffix drafts are made by the worker instead
+        self.pipelined = (
+            wanted and self.offload_bpc == 0 and self.stages == 1 and (speculative is None or not speculative.lookahead)
+        )
         blocks = BlockManager(
             info.num_blocks,
             info.block_size,
@@ -234,6 +238,7 @@ class SchedulerActor(Actor):
                 scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
                 pipeline_stages=self.stages,
                 speculative=speculative,
+                worker_drafts=self.pipelined and speculative is not None,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
             ),
             blocks,
@@ -636,7 +641,7 @@ class SchedulerActor(Actor):
             elapsed_ms = round((time.perf_counter() - sent) * 1000, 3)
             worker_ms = round(result.seconds * 1000, 3)
             log.info("scheduler.iteration", step=result.step_id, **details, elapsed_ms=elapsed_ms, worker_ms=worker_ms)
-        updates = self.core.update_from_output(result.sampled, result.proposed)
+        updates = self.core.update_from_output(result.sampled, result.proposed, result.drafted)
         if result.pooled:
             updates += self.core.finish_pooled(result.pooled)
         if bitmask_of is not None:
