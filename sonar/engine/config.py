@@ -454,11 +454,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
-        if self.world_size > 1 and spec.lookahead:
+        if self.world_size > 1 and spec.lookahead and spec.method != "draft_model":
             raise ValueError(
                 f"speculative method {spec.method} with tensor_parallel_size {self.tensor_parallel_size} / "
                 f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet (the draft runs on one "
-                "worker); ngram and suffix work with them"
+                "worker and reads the target's embedding and LM head, which the ranks split); ngram, suffix and "
+                "draft_model work with them"
             )
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(

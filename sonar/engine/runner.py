@@ -263,7 +263,9 @@ class ModelRunner:
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         self.drafter: Drafter | EagleDrafter | None = None
-        if spec is not None and spec.method == "draft_model":
+        # a draft model runs on the sampler alone (whole, on one device): its drafts go back with
+        # the step's result and come to every rank as the next step's tokens
+        if spec is not None and spec.method == "draft_model" and topology.samples:
             self.drafter = Drafter(
                 spec,
                 dtype=cfg.dtype,
