@@ -33,8 +33,10 @@ step before, plus ``lookahead`` KV slots for the draft's own KV), after its last
 budget and KV slots like any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
 moves the request's computed tokens back to the last of them, so the KV of rejected drafts is
 overwritten by the tokens that follow (their slots stay the request's). A request with a token in
-flight (async scheduling) gets no drafts; a request's grammar cuts its drafts to what it allows
-(`GrammarMatcher.valid_prefix`). Speculation backs off where it does not
+flight (async scheduling) gets no drafts from the core; with ``worker_drafts`` (async scheduling
+with ngram or suffix) it gets draft slots that the worker fills, placed as if every draft in flight
+were kept, and ``update_from_output`` gives back what a step did not keep. A request's grammar cuts
+its drafts to what it allows (`GrammarMatcher.valid_prefix`). Speculation backs off where it does not
 pay: a request whose drafts were all rejected runs 1, 2, 4 .. `MAX_SPEC_SKIP` decode steps without
 drafts before it proposes again (one accepted draft resets it).
 
