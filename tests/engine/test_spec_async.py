@@ -120,3 +120,16 @@ async def test_an_abort_with_drafts_in_flight_frees_everything(engines) -> None:
                 await anyio.sleep(0.05)
         assert (await llm.stats()).num_free_blocks == BLOCKS
         assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+
+
+async def test_a_worker_crash_with_draft_slots_in_flight_loses_no_text(engines) -> None:
+    """The steps in flight die with the worker; the new worker's proposer starts empty and the
+    requests are recomputed from the tokens the scheduler has."""
+    params = SamplingParams(max_tokens=32, temperature=0)
+    expected = (await engines[0].generate(CODE, params)).outputs[0].token_ids
+    spec = dict(COMMON, num_gpu_blocks_override=BLOCKS, speculative_config=NGRAM, async_scheduling=True)
+    async with sonar.open(fault_injection="raise@step=4", **spec) as llm:
+        assert (await llm.generate(CODE, params)).outputs[0].token_ids == expected
+        worker = next(c for c in llm.tree().children if c.name == "worker")
+        assert worker.restarts == 1
+        assert (await llm.stats()).spec_num_accepted_tokens > 0
