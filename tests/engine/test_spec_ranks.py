@@ -64,3 +64,17 @@ async def test_a_draft_model_in_a_group_keeps_the_single_workers_text(
     # greedy: the target as its own draft is always right
     assert before_greedy.spec_num_accepted_tokens == before_greedy.spec_num_draft_tokens > 0
     assert stats.spec_num_draft_tokens > before_greedy.spec_num_draft_tokens  # seeded rows verified drafts too
+
+
+async def test_async_ngram_drafts_in_tensor_ranks_keep_the_single_workers_text(
+    llama: TinyCheckpoint, single: Any
+) -> None:
+    """With async scheduling every tensor rank fills the draft slots from its own proposer, over the
+    tokens the sampler shared: the same drafts, the same rows."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    greedy, seeded, stats = await _run(
+        llama.path, tensor_parallel_size=2, async_scheduling=True, speculative_config=ngram
+    )
+    assert greedy == single[0]
+    assert seeded == single[1]
+    assert stats.spec_num_draft_tokens > 0 and stats.steps_overlapped > 0
