@@ -194,6 +194,8 @@ class SchedulerActor(Actor):
         """--collect-detailed-traces: the requests of each step in flight,"""
         self._model_time: dict[str, list[float]] = {}
         """and each request's worker time so far: [execute, forward] seconds."""
+        self._sent: set[PendingReply] = set()
+        """Steps sent whose result the loop has not started waiting for."""
         self.updating: anyio.Event | None = None
         """A weight update is under way: the step loop waits for this event before its next step."""
 
@@ -414,9 +416,18 @@ class SchedulerActor(Actor):
         return Accepted()
 
     async def run(self) -> None:
-        if self.stages > 1:
-            await self._run_stages()
-            return
+        try:
+            if self.stages > 1:
+                await self._run_stages()
+            else:
+                await self._run_steps()
+        finally:  # stopping: steps still out (async scheduling, stages) are not waited for
+            for step in self._sent:
+                step.abandon()
+
+    async def _run_steps(self) -> None:
+        """The loop with one stage: synchronous, or with async scheduling one step in flight
+        besides the one running."""
         in_flight: PendingReply | None = None
         """Async scheduling: the step sent before the last one, its result not fed back yet."""
         in_flight_output: SchedulerOutput | None = None
@@ -552,7 +563,9 @@ class SchedulerActor(Actor):
                 self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
             if self.config.collect_detailed_traces:
                 self._step_requests[output.step_id] = [s.req_id for s in output.requests]
-            return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
+            step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
+            self._sent.add(step)
+            return step
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
@@ -616,6 +629,7 @@ class SchedulerActor(Actor):
         """Wait for a step's result and feed it back (unless `apply` is false); False when the
         step failed (`self.failure` says how). `bitmask_of`: the step sent after this one, whose
         bitmask goes out right after the tokens are fed, before the outputs are passed on."""
+        self._sent.discard(step)
         try:
             result = await step.result(timeout=self.config.step_timeout)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
