@@ -120,3 +120,14 @@ class PendingReply:
             raise AskTimeout(f"actor {self._label!r} did not answer {self._name} in {timeout} s") from None
         finally:
             get_node().forget_ask(self._id)
+
+    def abandon(self) -> None:
+        """Nobody will wait for this reply (its asker is stopping): forget the ask, and let a
+        failure that still comes (the actor stopping too) go unreported."""
+        get_node().forget_ask(self._id)
+        self._future.add_done_callback(_consume)
+
+
+def _consume(future: Any) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -826,8 +826,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--async-scheduling", B, None,
            "Schedule and send the next step while the current one runs, so the device never waits for "
            "the scheduler; a request that stops on a token computes one token more, which is dropped.",
-           to=E, default_note="on for a CUDA device, off on the CPU (measured slower there on 2 cores) and "
-                              "with KV offloading"),
+           to=E, default_note="on for a CUDA device, off on the CPU (measured slower there on 2 cores), "
+                              "with KV offloading and with a draft model or head (refused with them "
+                              "when given; ngram and suffix drafts are then made by the worker)"),
         _f("--stream-interval", I, 1,
            "Tokens collected before a streaming chunk is sent; 1 sends every token at once, larger values "
            "save overhead.", to=S, check=positive),

@@ -166,6 +166,7 @@ class Request:
         "num_computed_tokens",
         "num_placeholders",
         "spec_token_ids",
+        "draft_slots",
         "proposed",
         "spec_misses",
         "spec_skip",
@@ -255,6 +256,10 @@ class Request:
         self.spec_token_ids: list[int] = []
         """Speculative decoding: the drafts the step in flight verifies after the request's last
         token (`sonar.core.speculative`); empty otherwise."""
+        self.draft_slots: list[int] = []
+        """Speculation with async scheduling (`SchedulerConfig.worker_drafts`): per sampling step in
+        flight, oldest first, how many draft slots it had; each such step counts ``1 + slots``
+        placeholders (as if every draft were kept), given back when its result shows how many were."""
         self.proposed: list[int] = []
         """Drafts the worker's draft model proposed with the request's last step, for its next."""
         self.spec_misses = 0

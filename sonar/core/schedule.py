@@ -33,8 +33,10 @@ step before, plus ``lookahead`` KV slots for the draft's own KV), after its last
 budget and KV slots like any token. ``update_from_output`` takes the drafts the runner kept plus its sampled token, and
 moves the request's computed tokens back to the last of them, so the KV of rejected drafts is
 overwritten by the tokens that follow (their slots stay the request's). A request with a token in
-flight (async scheduling) gets no drafts; a request's grammar cuts its drafts to what it allows
-(`GrammarMatcher.valid_prefix`). Speculation backs off where it does not
+flight (async scheduling) gets no drafts from the core; with ``worker_drafts`` (async scheduling
+with ngram or suffix) it gets draft slots that the worker fills, placed as if every draft in flight
+were kept, and ``update_from_output`` gives back what a step did not keep. A request's grammar cuts
+its drafts to what it allows (`GrammarMatcher.valid_prefix`). Speculation backs off where it does not
 pay: a request whose drafts were all rejected runs 1, 2, 4 .. `MAX_SPEC_SKIP` decode steps without
 drafts before it proposes again (one accepted draft resets it).
 
@@ -114,6 +116,14 @@ class SchedulerConfig:
     proposer, or those the worker's draft proposed with its last step), within the step's token
     budget and its ``max_tokens`` and ``max_model_len``; a request whose drafts are in flight is
     not scheduled again until they are back."""
+    worker_drafts: bool = False
+    """Speculation with async scheduling (``ngram``, ``suffix``): the worker makes the drafts, from
+    the tokens it has sampled, when it runs the step. A decoding request is scheduled while its
+    step in flight (drafts and all) is out, with ``k`` draft slots of `PLACEHOLDER_TOKEN` after its
+    last token, at positions that assume every draft in flight is kept; the runner moves the
+    step's positions back by the drafts that were not, and uses as many of the slots as its
+    proposer fills. ``update_from_output`` gives back what the step did not use
+    (`Request.draft_slots`)."""
     max_loras: int = 0
     """LoRA: the most distinct adapters among the running requests (the worker's slots); a waiting
     request of another adapter waits while that many run, and those behind it may go first. 0:
@@ -144,6 +154,8 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len}) so every prompt fits a step"
             )
+        if self.worker_drafts and (self.speculative is None or self.speculative.lookahead or self.pipeline_stages > 1):
+            raise ValueError("worker_drafts needs ngram or suffix speculation and one pipeline stage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +226,8 @@ class Scheduler:
         self.quarantine = Quarantine()
         """Requests that were in a failed step and have not sampled since (see the module doc)."""
         spec = config.speculative
-        self.proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        # with worker drafts the worker's runner holds the proposer (`sonar.engine.runner`)
+        self.proposer: Proposer | None = None if spec is None or config.worker_drafts else make_proposer(spec)
         self.spec_stats = SpecDecodeStats()
 
     # Requests in and out.
@@ -323,6 +336,7 @@ class Scheduler:
         # a micro-batch's share of the requests (no cap without pipeline stages)
         cap = -(-(len(running) + len(self.waiting)) // stages) if stages > 1 else len(running) + len(self.waiting)
         spec = config.speculative
+        worker_drafts = config.worker_drafts
         speculating = spec is not None and (
             spec.disable_by_batch_size is None or len(running) < spec.disable_by_batch_size
         )
@@ -342,7 +356,14 @@ class Scheduler:
                 ):
                     i += 1
                     continue
-                if decodes and speculating and not request.num_placeholders:
+                if decodes and speculating and worker_drafts:
+                    slots = self._draft_slots(request, budget - 1)
+                    if slots and bm.allocate_slots(request, 1 + slots):
+                        scheduled[request.request_id] = 1 + slots
+                        budget -= 1 + slots
+                        i += 1
+                        continue
+                elif decodes and speculating and not request.num_placeholders:
                     drafts = self._propose(request, budget - 1)
                     if drafts and bm.allocate_slots(
                         request, 1 + len(drafts) + self._lookahead(request, 1 + len(drafts))
@@ -382,11 +403,14 @@ class Scheduler:
             known = len(request.all_token_ids)
             token_ids = request.all_token_ids[start:end]
             drafts = request.spec_token_ids
+            num_drafts = len(drafts)
             if drafts:
                 token_ids += drafts
-            elif end > known:  # tokens the step in flight samples
+            elif end > known:  # tokens the steps in flight sample (and worker drafts' slots)
                 token_ids += [PLACEHOLDER_TOKEN] * (end - max(start, known))
-            sample = end - len(drafts) == known + request.num_placeholders
+                if worker_drafts:
+                    num_drafts = max(0, end - (known + request.num_placeholders))
+            sample = end - num_drafts == known + request.num_placeholders
             step.append(
                 ScheduledRequest(
                     request_id,
@@ -396,12 +420,14 @@ class Scheduler:
                     sample,
                     request_id in admitted or request_id in self._fresh,
                     request.num_prompt_tokens,
-                    len(drafts),
+                    num_drafts,
                 )
             )
             request.num_computed_tokens = end
             if sample:
-                request.num_placeholders += 1
+                request.num_placeholders += 1 + (num_drafts if worker_drafts else 0)
+                if worker_drafts:
+                    request.draft_slots.append(num_drafts)
             total += num_new
         if self._fresh:
             self._fresh.difference_update(scheduled)
@@ -445,12 +471,31 @@ class Scheduler:
             drafts = drafts[: request.grammar.valid_prefix(drafts)]
         return drafts
 
-    def _ends_in_flight(self, request: Request) -> bool:
-        """The tokens the steps in flight sample for ``request`` are sure to finish it."""
+    def _draft_slots(self, request: Request, room: int) -> int:
+        """Worker drafts: how many draft slots a decode of ``request`` gets, at most ``room``, and
+        none its step could not keep even if every draft in flight is kept (counting the token
+        sampled after the last draft). 0 while it backs off, and under a grammar (the shell
+        fills a grammar's bitmask rows from drafts it knows)."""
+        assert self.config.speculative is not None
+        if request.spec_skip:
+            request.spec_skip -= 1
+            return 0
+        if request.grammar is not None:
+            return 0
         ahead = request.num_tokens + request.num_placeholders
+        limit = min(self.config.speculative.num_speculative_tokens, room, self.config.max_model_len - ahead - 1)
+        if request.max_tokens is not None:
+            limit = min(limit, request.max_tokens - request.num_output_tokens - request.num_placeholders - 1)
+        return max(limit, 0)
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """The tokens the steps in flight sample for ``request`` are sure to finish it. With worker
+        drafts a step in flight is sure of one token only, but its positions assume all of them
+        (``max_model_len`` bounds those)."""
+        ahead = request.num_tokens + request.num_placeholders
+        sure = len(request.draft_slots) if self.config.worker_drafts else request.num_placeholders
         return ahead >= self.config.max_model_len or (
-            request.max_tokens is not None
-            and request.num_output_tokens + request.num_placeholders >= request.max_tokens
+            request.max_tokens is not None and request.num_output_tokens + sure >= request.max_tokens
         )
 
     def _admit(self, budget: int, threshold: int, scheduled: dict[str, int], admitted: set[str], cap: int) -> int:
@@ -675,6 +720,7 @@ class Scheduler:
         self,
         sampled: Mapping[str, Sequence[int]],
         proposed: Mapping[str, list[int]] | None = None,
+        drafted: Mapping[str, int] | None = None,
     ) -> list[RequestUpdate]:
         """Apply a step's results: append sampled tokens, finish what ended, free its blocks.
 
@@ -687,7 +733,8 @@ class Scheduler:
         finished meanwhile) are ignored, except a request preempted while this step was in
         flight, which keeps the token it computed. Returns one update per request that got
         tokens or ended. ``proposed``: a draft model's drafts for the next step of requests of this
-        one (`SchedulerConfig.speculative`).
+        one (`SchedulerConfig.speculative`). ``drafted``: with worker drafts, how many drafts the
+        runner made for each request of this step.
         """
         max_model_len = self.config.max_model_len
         bm = self.block_manager
@@ -698,7 +745,9 @@ class Scheduler:
             if request is None or not token_ids:
                 continue
             in_flight = request.num_placeholders > 0
-            if in_flight:
+            if request.draft_slots:
+                self._give_back_slots(request, len(token_ids), (drafted or {}).get(request_id, 0))
+            elif in_flight:
                 request.num_placeholders -= 1
             drafts = request.spec_token_ids
             if drafts:
@@ -771,6 +820,23 @@ class Scheduler:
                 sampled, [rid for rid in self.quarantine.suspects if self.requests[rid].status not in busy]
             )
         return updates
+
+    def _give_back_slots(self, request: Request, kept: int, drafted: int) -> None:
+        """Worker drafts: a step of ``request`` came back with ``kept`` tokens from ``drafted``
+        drafts; the placeholders and positions it counted for the slots it did not fill or keep go
+        back (its later steps in flight were placed past them: the runner moved them back)."""
+        slots = request.draft_slots.pop(0)
+        request.num_placeholders -= 1 + slots
+        if drafted:
+            accepted = max(0, min(drafted, kept - 1))
+            self.spec_stats.record(drafted, accepted, self.config.speculative.num_speculative_tokens)
+            if accepted:
+                request.spec_misses = 0
+            else:
+                request.spec_misses += 1
+                request.spec_skip = min(1 << (request.spec_misses - 1), MAX_SPEC_SKIP)
+        if request.status == _RUNNING:
+            request.num_computed_tokens -= 1 + slots - kept
 
     def finish_pooled(self, request_ids: Iterable[str]) -> list[RequestUpdate]:
         """Finish pooling requests whose prompt a step computed through (their result travels
@@ -849,6 +915,7 @@ class Scheduler:
             ids.append(request.request_id)
         for request in self.requests.values():  # the steps in flight died too
             request.num_placeholders = 0
+            request.draft_slots = []
         # Loads in flight died with the worker: recompute those requests too.
         self._load_of.clear()
         for request_id, request in list(self.loading.items()):

@@ -28,6 +28,7 @@ import torch
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
 from sonar.core.request import LoRARequest
+from sonar.core.speculative import Proposer, make_proposer
 from sonar.engine import memory
 from sonar.engine.compile import CompiledForward, compile_forward
 from sonar.engine.config import EngineConfig
@@ -273,7 +274,9 @@ class ModelRunner:
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         self.drafter: Drafter | EagleDrafter | None = None
-        if spec is not None and spec.method == "draft_model":
+        # a draft model runs on the sampler alone (whole, on one device): its drafts go back with
+        # the step's result and come to every rank as the next step's tokens
+        if spec is not None and spec.method == "draft_model" and topology.samples:
             self.drafter = Drafter(
                 spec,
                 dtype=cfg.dtype,
@@ -290,6 +293,10 @@ class ModelRunner:
                 block_size=cfg.block_size,
                 checkpoint=self.loaded.model_dir,
             )
+        self.spec = spec
+        self.proposer: Proposer | None = None
+        """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the
+        first such step (`SchedulerConfig.worker_drafts`)."""
         t1 = time.perf_counter()
         kv_bytes = None
         profile = None
@@ -569,7 +576,11 @@ class ModelRunner:
         started = time.perf_counter()
         out = msg.output
         for rid in out.finished_req_ids:
-            self.requests.pop(rid, None)
+            ended = self.requests.pop(rid, None)
+            if self.proposer is not None:  # suffix keeps finished outputs for later requests
+                if ended is not None and ended.output:
+                    self.proposer.propose(rid, ended.prompt, ended.output, 0)
+                self.proposer.finish(rid)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in msg.new_requests:
@@ -600,6 +611,7 @@ class ModelRunner:
         sample_ids: list[str] = []
         drafts: list[list[int]] = []  # per sampled request: the guesses its rows verify
         request_rows: list[int] = []  # per request: the row of its first token (for a drafter)
+        num_rows: list[int] = []  # per request: its rows (worker drafts may fill fewer than its slots)
         prompt_rows: list[tuple[str, int, int, int]] = []  # (req, first row, rows, start position)
         pool_rows: list[tuple[_RequestState, str, int, int, int, bool]] = []  # (.., last chunk)
         token_types: list[int] | None = None  # BERT's, where a request is a text pair
@@ -607,33 +619,43 @@ class ModelRunner:
         given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
         for sched in out.requests:
-            n = len(sched.token_ids)
             first = len(ids)
-            if sched.token_ids[-1] == PLACEHOLDER_TOKEN:  # async scheduling: sampled here, not known there
-                ids += self._fill_placeholders(sched)
+            start = sched.start_pos
+            if sched.token_ids[-1] == PLACEHOLDER_TOKEN and len(sched.token_ids) == 1 + sched.num_drafts:
+                start, tokens = self._draft_into_slots(sched)  # a decode, maybe with worker draft slots
+                guesses = tokens[1:]
+                if sched.num_drafts:
+                    result.drafted[sched.req_id] = len(guesses)
             else:
-                ids += sched.token_ids
-            positions += range(sched.start_pos, sched.start_pos + n)
+                if sched.token_ids[-1] == PLACEHOLDER_TOKEN:  # async scheduling: sampled here, not known there
+                    tokens = self._fill_placeholders(sched)
+                else:
+                    tokens = sched.token_ids
+                guesses = tokens[len(tokens) - sched.num_drafts :]
+            n = len(tokens)
+            ids += tokens
+            num_rows.append(n)
+            positions += range(start, start + n)
             if sched.num_drafts:
                 # a decode row per token, each attending up to itself: the step stays a decode
                 # step (the fused CPU path, CUDA graphs), and a step writes every row's KV before
                 # any row attends, so each draft sees the ones before it
                 q_lens += [1] * n
-                s_lens += range(sched.start_pos + 1, sched.start_pos + n + 1)
+                s_lens += range(start + 1, start + n + 1)
                 tables += [sched.block_ids] * n
             else:
                 q_lens.append(n)
-                s_lens.append(sched.start_pos + n)
+                s_lens.append(start + n)
                 tables.append(sched.block_ids)
             state = self.requests[sched.req_id]
             if state.mrope is not None:
-                mrope.append((first, sched.start_pos, n, state))
+                mrope.append((first, start, n, state))
             if state.images:
-                self._image_rows(state, first, sched.start_pos, n, given_rows, given_embeds)
-            if state.embeds is not None and sched.start_pos < len(state.prompt):
-                end = min(sched.start_pos + n, len(state.prompt))
-                given_rows += range(first, first + end - sched.start_pos)
-                given_embeds.append(state.embeds[sched.start_pos : end])
+                self._image_rows(state, first, start, n, given_rows, given_embeds)
+            if state.embeds is not None and start < len(state.prompt):
+                end = min(start + n, len(state.prompt))
+                given_rows += range(first, first + end - start)
+                given_embeds.append(state.embeds[start:end])
             if state.pooling is not None:
                 pool_rows.append((state, sched.req_id, first, n, sched.start_pos, sched.sample))
                 pair = state.pooling.pair_start
@@ -650,9 +672,9 @@ class ModelRunner:
                 rows = min(n, sched.num_prompt_tokens - sched.start_pos)
                 prompt_rows.append((sched.req_id, first, rows, sched.start_pos))
             if sched.sample:  # the last position, and each draft's before it (speculative decoding)
-                sample_rows += range(len(ids) - 1 - sched.num_drafts, len(ids))
+                sample_rows += range(len(ids) - 1 - len(guesses), len(ids))
                 sample_ids.append(sched.req_id)
-                drafts.append(sched.token_ids[n - sched.num_drafts :])
+                drafts.append(guesses)
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
@@ -677,7 +699,7 @@ class ModelRunner:
                 for first, start, n, state in mrope:
                     rope[first : first + n] = state.rope_positions(start, n)
                 rope_t = torch.tensor(rope, device=device)
-            with self._adapters(out.requests, lost):
+            with self._adapters(out.requests, num_rows, lost):
                 if token_types is not None:
                     types = torch.tensor(token_types, device=device)
                     hidden = self.forward(ids_t, positions_t, self.kv_caches, meta, token_type_ids=types)
@@ -846,7 +868,7 @@ class ModelRunner:
                 result.pooled[rid] = self.pooler.finish(state.pool, chunk[-1], state.pooling)
 
     def _adapters(
-        self, scheduled: list[ScheduledRequest], lost: dict[str, str]
+        self, scheduled: list[ScheduledRequest], num_rows: list[int], lost: dict[str, str]
     ) -> contextlib.AbstractContextManager[None]:
         """Within: forward passes whose rows use the LoRA adapters of their requests (each row of
         a request, its drafts' too, the request's slot). A request whose adapter cannot be loaded
@@ -856,11 +878,11 @@ class ModelRunner:
         states = [self.requests[s.req_id] for s in scheduled]
         where, failed = self.lora.activate(s.lora for s in states if s.lora is not None)
         rows: list[int] = []
-        for sched, state in zip(scheduled, states):
+        for sched, state, n in zip(scheduled, states, num_rows):
             slot = -1 if state.lora is None else where.get(state.lora.digest, -1)
             if state.lora is not None and state.lora.digest in failed:
                 lost[sched.req_id] = str(failed[state.lora.digest])
-            rows += [slot] * len(sched.token_ids)
+            rows += [slot] * n
         return self.lora.context.step(rows)
 
     def _next_token(self, sched: ScheduledRequest) -> int:
@@ -880,6 +902,33 @@ class ModelRunner:
         tokens, failed = shared.tolist()
         for rid, guesses, row in zip(sample_ids, drafts, first_rows):
             self.requests[rid].output += _verify(tokens, failed, row, guesses) or [0]
+
+    def _draft_into_slots(self, sched: ScheduledRequest) -> tuple[int, list[int]]:
+        """A decode of a token sampled here, or with worker draft slots (async scheduling with
+        ngram or suffix): its start position and tokens, the request's last token then up to
+        ``num_drafts`` drafts from this runner's proposer. With draft slots the scheduler placed a
+        request's next step as if every draft of this one were kept; it starts where the kept
+        tokens end instead."""
+        state = self.requests[sched.req_id]
+        prompt, output = state.prompt, state.output
+        if sched.token_ids[0] == PLACEHOLDER_TOKEN:  # sampled by the step before, here
+            start = len(prompt) + len(output) - 1
+            if not output or start > sched.start_pos:
+                raise UnknownRequestError(
+                    f"request {sched.req_id}: a placeholder at position {sched.start_pos}, past the "
+                    f"{len(prompt) + len(output)} tokens this worker holds"
+                )
+            token = output[-1]
+        else:
+            start, token = sched.start_pos, sched.token_ids[0]
+        if not sched.num_drafts:
+            return start, [token]
+        if self.proposer is None:
+            assert self.spec is not None, "draft slots without --speculative-config"
+            self.proposer = make_proposer(self.spec)
+            assert self.proposer is not None, f"draft slots with speculative method {self.spec.method}"
+        guesses = self.proposer.propose(sched.req_id, prompt, output, sched.num_drafts)
+        return start, [token, *guesses[: sched.num_drafts]]
 
     def _fill_placeholders(self, sched: ScheduledRequest) -> list[int]:
         """The step's tokens with each `PLACEHOLDER_TOKEN` replaced by the token this runner

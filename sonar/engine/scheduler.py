@@ -25,7 +25,8 @@ N+1 is scheduled and sent while step N runs, before its tokens are back (the cor
 placeholders, the worker puts them in), so the worker starts the next step as soon as it
 finishes one instead of waiting for the round trip through this actor; then step N's result is
 fed back. At most one step is in flight besides the one running. A failed step takes the one
-sent after it down too. Off with KV offloading and with speculative decoding.
+sent after it down too. Off with KV offloading and with a draft model or head; with ``ngram`` and
+``suffix`` the worker makes the drafts (`SchedulerConfig.worker_drafts`).
 
 Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
 (`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.
@@ -193,6 +194,8 @@ class SchedulerActor(Actor):
         """--collect-detailed-traces: the requests of each step in flight,"""
         self._model_time: dict[str, list[float]] = {}
         """and each request's worker time so far: [execute, forward] seconds."""
+        self._sent: set[PendingReply] = set()
+        """Steps sent whose result the loop has not started waiting for."""
         self.updating: anyio.Event | None = None
         """A weight update is under way: the step loop waits for this event before its next step."""
 
@@ -204,8 +207,11 @@ class SchedulerActor(Actor):
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.stages = info.pipeline_parallel_size
         speculative = cfg.speculative()
-        # a request's drafts follow its last token, which an overlapped step would not have yet
-        self.pipelined = wanted and self.offload_bpc == 0 and self.stages == 1 and speculative is None
+        # a draft model's or head's drafts follow a request's last token, which an overlapped step
+        # would not have yet; n-gram and suffix drafts are made by the worker instead
+        self.pipelined = (
+            wanted and self.offload_bpc == 0 and self.stages == 1 and (speculative is None or not speculative.lookahead)
+        )
         blocks = BlockManager(
             info.num_blocks,
             info.block_size,
@@ -234,6 +240,7 @@ class SchedulerActor(Actor):
                 scheduler_reserve_full_isl=cfg.scheduler_reserve_full_isl,
                 pipeline_stages=self.stages,
                 speculative=speculative,
+                worker_drafts=self.pipelined and speculative is not None,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
             ),
             blocks,
@@ -410,9 +417,18 @@ class SchedulerActor(Actor):
         return Accepted()
 
     async def run(self) -> None:
-        if self.stages > 1:
-            await self._run_stages()
-            return
+        try:
+            if self.stages > 1:
+                await self._run_stages()
+            else:
+                await self._run_steps()
+        finally:  # stopping: steps still out (async scheduling, stages) are not waited for
+            for step in self._sent:
+                step.abandon()
+
+    async def _run_steps(self) -> None:
+        """The loop with one stage: synchronous, or with async scheduling one step in flight
+        besides the one running."""
         in_flight: PendingReply | None = None
         """Async scheduling: the step sent before the last one, its result not fed back yet."""
         in_flight_output: SchedulerOutput | None = None
@@ -549,7 +565,9 @@ class SchedulerActor(Actor):
                 self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
             if self.config.collect_detailed_traces:
                 self._step_requests[output.step_id] = [s.req_id for s in output.requests]
-            return await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
+            step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
+            self._sent.add(step)
+            return step
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
             self._iterations.pop(output.step_id, None)
@@ -613,6 +631,7 @@ class SchedulerActor(Actor):
         """Wait for a step's result and feed it back (unless `apply` is false); False when the
         step failed (`self.failure` says how). `bitmask_of`: the step sent after this one, whose
         bitmask goes out right after the tokens are fed, before the outputs are passed on."""
+        self._sent.discard(step)
         try:
             result = await step.result(timeout=self.config.step_timeout)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
@@ -638,7 +657,7 @@ class SchedulerActor(Actor):
             elapsed_ms = round((time.perf_counter() - sent) * 1000, 3)
             worker_ms = round(result.seconds * 1000, 3)
             log.info("scheduler.iteration", step=result.step_id, **details, elapsed_ms=elapsed_ms, worker_ms=worker_ms)
-        updates = self.core.update_from_output(result.sampled, result.proposed)
+        updates = self.core.update_from_output(result.sampled, result.proposed, result.drafted)
         if result.pooled:
             updates += self.core.finish_pooled(result.pooled)
         if bitmask_of is not None:

@@ -147,6 +147,9 @@ class StepResult(msgspec.Struct):
     scheduler fails them alone."""
     proposed: dict[str, list[int]] = {}
     """Speculative decoding with a draft model: the drafts for each sampled request's next step."""
+    drafted: dict[str, int] = {}
+    """Speculation with async scheduling: how many drafts the runner made for each request whose
+    step had draft slots (`SchedulerConfig.worker_drafts`)."""
     uncache: list[str] = []
     """Of the `failed` requests, those whose KV of this step is not theirs (their LoRA adapter
     could not be loaded): their blocks must leave the prefix cache."""

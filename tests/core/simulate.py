@@ -10,11 +10,17 @@ Like the real runner, it keeps each request's tokens as it knows them (``seq``: 
 every token it sampled) and puts those in for `PLACEHOLDER_TOKEN`. ``step`` is the synchronous
 loop; ``step_async`` schedules and runs step N+1 before it feeds back step N's tokens, as the
 scheduler actor does with async scheduling.
+
+With worker drafts (`SchedulerConfig.worker_drafts`), ``propose`` stands for the worker's proposer:
+a step's draft slots are filled, as the real runner does, after the request's last sampled token,
+which is where the kept tokens end rather than where the scheduler placed the step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+
+import msgspec
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, RequestUpdate, SchedulerOutput
 from sonar.core.request import Request
@@ -32,8 +38,12 @@ def fingerprint(prev: Fingerprint | None, token: int, salt: object) -> Fingerpri
 class FakeRunner:
     """Simulates the worker's KV cache and checks each step the scheduler produces."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, propose: Callable[[list[int], int], list[int]] | None = None) -> None:
+        """`propose`: with worker drafts, up to ``n`` drafts after a request's tokens."""
         self.scheduler = scheduler
+        self.propose = propose
+        self.drafted: dict[str, int] = {}
+        """Worker drafts: how many drafts each request of the last step run got."""
         self.block_size = scheduler.block_manager.block_size
         self.kv: dict[tuple[int, int], Fingerprint] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -141,7 +151,7 @@ class FakeRunner:
     ) -> tuple[SchedulerOutput, list[RequestUpdate]]:
         """One full step: schedule, check, execute, feed the sampled tokens back."""
         out = self._run(sample, model)
-        return out, self._feed_back(self.in_flight or {}, stopped)
+        return out, self._feed_back(self.in_flight or {}, stopped, self.drafted)
 
     def step_async(
         self,
@@ -149,10 +159,10 @@ class FakeRunner:
         stopped: Mapping[str, int | str | None] | None = None,
     ) -> tuple[SchedulerOutput, list[RequestUpdate]]:
         """Schedule and run step N+1, then feed back step N's tokens (async scheduling)."""
-        previous = self.in_flight
+        previous, drafted = self.in_flight, self.drafted
         out = self._run(sample)
         current, self.in_flight = self.in_flight, None
-        updates = self._feed_back(previous, stopped) if previous is not None else []
+        updates = self._feed_back(previous, stopped, drafted) if previous is not None else []
         self.in_flight = current
         return out, updates
 
@@ -160,16 +170,48 @@ class FakeRunner:
         scheduler = self.scheduler
         out = scheduler.schedule()
         scheduler.check_invariants()
+        out = self._fill_draft_slots(out)
         self.check_output(out)
         self.in_flight = self.execute(out, sample, model)
         return out
 
+    def _fill_draft_slots(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Worker drafts: each request with draft slots starts at its last sampled token and gets
+        up to as many drafts as slots from `propose` (what the real runner does)."""
+        self.drafted = {}
+        if not self.scheduler.config.worker_drafts:
+            return out
+        requests = []
+        for r in out.requests:
+            # a decode after a step with draft slots: placed as if all its drafts were kept
+            if r.token_ids[-1] == PLACEHOLDER_TOKEN and len(r.token_ids) == 1 + r.num_drafts:
+                if r.is_new:
+                    self.seq[r.req_id] = list(self.tokens[r.req_id])
+                    self.expected[r.req_id] = []
+                seq = self.seq[r.req_id]
+                start = len(seq) - 1 if r.token_ids[0] == PLACEHOLDER_TOKEN else r.start_pos
+                assert start <= r.start_pos, r
+                drafts = []
+                if r.num_drafts:
+                    assert self.propose is not None, "draft slots without a proposer"
+                    drafts = self.propose(seq, r.num_drafts)[: r.num_drafts]
+                    self.drafted[r.req_id] = len(drafts)
+                r = msgspec.structs.replace(
+                    r, token_ids=[r.token_ids[0], *drafts], start_pos=start, num_drafts=len(drafts), is_new=False
+                )
+            requests.append(r)
+        total = sum(len(r.token_ids) for r in requests)  # slots left empty are not computed
+        return msgspec.structs.replace(out, requests=requests, num_scheduled_tokens=total)
+
     def _feed_back(
-        self, sampled: dict[str, list[int]], stopped: Mapping[str, int | str | None] | None
+        self,
+        sampled: dict[str, list[int]],
+        stopped: Mapping[str, int | str | None] | None,
+        drafted: Mapping[str, int] | None = None,
     ) -> list[RequestUpdate]:
         scheduler = self.scheduler
         self.in_flight = None
-        updates = scheduler.update_from_output(sampled)
+        updates = scheduler.update_from_output(sampled, None, drafted)
         scheduler.check_invariants()
         for update in updates:
             self.tokens[update.req_id].extend(update.new_token_ids)
@@ -198,7 +240,7 @@ class FakeRunner:
         for steps in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
                 if self.in_flight is not None:
-                    self._feed_back(self.in_flight, None)
+                    self._feed_back(self.in_flight, None, self.drafted)
                 return steps
             self.step_async() if self.in_flight is not None else self.step()
         raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -14,6 +14,7 @@ import pytest
 from sonar.core.blocks import BlockManager
 from sonar.core.request import Request
 from sonar.core.schedule import Scheduler, SchedulerConfig
+from sonar.core.speculative import SpeculativeConfig
 from tests.core.simulate import FakeRunner
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -29,6 +30,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "no-reserve": {"scheduler_reserve_full_isl": False, "max_num_seqs": 6},
     "no-prefix-caching": {"prefix_caching": False},
     "xxhash-cbor": {"hash_algo": "xxhash_cbor"},
+    # async scheduling with n-gram drafts made by the worker, guessing right about half the time
+    "worker-drafts": {
+        "speculative": SpeculativeConfig("ngram", 3, prompt_lookup_min=2, prompt_lookup_max=2),
+        "worker_drafts": True,
+        "alphabet": 2,
+    },
 }
 
 STOP_TOKEN = 3
@@ -40,11 +47,16 @@ def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool
     block_size = rng.choice([2, 4, 8])
     prefix_caching = options.pop("prefix_caching", True)
     hash_algo = options.pop("hash_algo", "sha256")
+    alphabet = options.pop("alphabet", 60)
     config = SchedulerConfig(**{"max_model_len": 48, "max_num_batched_tokens": 16, "max_num_seqs": 4, **options})
     num_blocks = -(-config.max_model_len // block_size) + rng.randint(0, 8)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_algo=hash_algo)
     scheduler = Scheduler(config, bm)
-    runner = FakeRunner(scheduler)
+
+    def propose(seq: list[int], n: int) -> list[int]:  # the worker's proposer: 0 to n guesses
+        return [rng.randrange(0, alphabet) for _ in range(rng.randint(0, n))]
+
+    runner = FakeRunner(scheduler, propose)
     prefixes = [[rng.randrange(4, 60) for _ in range(rng.randint(1, 30))] for _ in range(4)]
     ids = iter(range(10**6))
 
@@ -87,7 +99,7 @@ def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool
         if scheduler.running and rng.random() < 0.03:
             stopped = {rng.choice(scheduler.running).request_id: "stop-string"}
         step = runner.step_async if pipelined else runner.step
-        step(sample=lambda _: rng.randrange(0, 60), stopped=stopped)
+        step(sample=lambda _: rng.randrange(0, alphabet), stopped=stopped)
 
     runner.drain()
     scheduler.check_invariants()
@@ -109,3 +121,5 @@ def test_random_workload(name: str, seed: int, pipelined: bool) -> None:
     assert stats.kv_usage == 0.0
     if CONFIGS[name].get("prefix_caching", True):
         assert stats.prefix_hits > 0
+    if CONFIGS[name].get("worker_drafts"):
+        assert stats.spec_num_accepted_tokens > 0
