@@ -568,7 +568,7 @@ class LLM:
             )
         for i in given:
             if not isinstance(items[i], ImageEmbeds):
-                items[i] = library_embeds(items[i], self.info.hidden_size, self.info.max_model_len, f"images[{i}]")
+                items[i] = library_embeds(items[i], self._feature_width(), self.info.max_model_len, f"images[{i}]")
         pictures = [i for i in range(len(items)) if i not in given and i not in done]
         if pictures:
             processor = await self._processor(vision)
@@ -604,7 +604,12 @@ class LLM:
             raise InvalidRequestError(
                 "content part type 'image_embeds' needs a server started with --enable-mm-embeds", param=param
             )
-        return part_embeds(value, self.info.hidden_size, self.info.max_model_len, param)
+        return part_embeds(value, self._feature_width(), self.info.max_model_len, param)
+
+    def _feature_width(self) -> int:
+        """Columns of an image's feature row on this model (`VisionInfo.feature_width`)."""
+        vision = self.info.vision
+        return (vision.feature_width if vision is not None else 0) or self.info.hidden_size
 
     async def _processor(self, vision: VisionInfo) -> Any:
         """The image processor, made on first use (it reads the model's preprocessor config)."""

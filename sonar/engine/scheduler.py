@@ -952,16 +952,17 @@ def _never_ran(failure: Exception | None) -> bool:
 def _image_shape(image: ImageInput, vision: VisionInfo, hidden_size: int) -> tuple[int | None, tuple[int, ...] | None]:
     """The tokens and the pixel (or feature row) shape `image` must have on this model (Nones: a
     grid that cannot be)."""
+    width = vision.feature_width or hidden_size
     if not vision.patch_size:
         side = vision.image_size
         tokens = vision.tokens_per_image
-        return tokens, (tokens, hidden_size) if image.embeds else (3, side, side)
+        return tokens, (tokens, width) if image.embeds else (3, side, side)
     grid, merge = image.grid, vision.merge_size
     if grid is None or len(grid) != 3 or grid[0] != 1 or min(grid) <= 0 or grid[1] % merge or grid[2] % merge:
         return None, None
     t, h, w = grid
     tokens = t * h * w // merge**2
-    return tokens, (tokens, hidden_size) if image.embeds else (
+    return tokens, (tokens, width) if image.embeds else (
         t * h * w,
         3 * vision.temporal_patch_size * vision.patch_size**2,
     )

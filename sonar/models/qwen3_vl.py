@@ -51,6 +51,7 @@ from sonar.models.errors import ModelLoadError
 from sonar.models.llava import ACTIVATIONS
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 from sonar.models.qwen2_vl import PatchEmbed, Qwen2_5_VLForConditionalGeneration, VisionAttention, patch_positions
+from sonar.protocol.engine import VisionInfo
 
 _NOT_YET = "not implemented for Qwen3-VL yet"
 
@@ -196,28 +197,34 @@ class Qwen3VLForConditionalGeneration(Qwen2_5_VLForConditionalGeneration):
             qkv_bias=bias, o_bias=bias, qk_norm=True, mlp_bias=False, sliding_windows=sliding_windows(config)
         )
 
-    def forward(
+    def vision_info(self) -> VisionInfo:
+        """Qwen2.5-VL's, with feature rows that carry their DeepStack rows beside them."""
+        info = super().vision_info()
+        info.feature_width = self.config.hidden_size * (1 + self.deepstack)
+        return info
+
+    def forward_rows(
         self,
         input_ids: Tensor,
         positions: Tensor,
         kv_caches: list[Tensor],
         attn_metadata: AttentionMetadata,
-        image_rows: Tensor | None = None,
-        image_embeds: Tensor | None = None,
+        rows: Tensor,
+        embeds: Tensor,
     ) -> Tensor:
-        """`ImageRowsDecoder.forward`, with each DeepStack set added at `image_rows` after its layer."""
-        if image_rows is None or image_embeds is None:
-            return super().forward(input_ids, positions, kv_caches, attn_metadata)
+        """`DecoderForCausalLM.forward_rows` for image rows that carry their DeepStack sets
+        (`encode_grid`): the first set replaces the rows' embeddings, each other is added at
+        `rows` after its layer."""
         x = self.embed(input_ids)
         width = x.shape[-1]
-        rows = image_embeds.to(x.dtype)
-        x[image_rows] = rows[:, :width]
-        deep = rows[:, width:].split(width, dim=-1) if rows.shape[1] > width else ()
+        features = embeds.to(x.dtype)
+        x[rows] = features[:, :width]
+        deep = features[:, width:].split(width, dim=-1) if features.shape[1] > width else ()
         with step_metadata(attn_metadata):
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
             residual = None
             for i, (layer, kv_cache) in enumerate(zip(self.own_layers, kv_caches, strict=True)):
                 x, residual = layer(x, residual, cos, sin, kv_cache)
                 if i < len(deep):  # `x` is the layer's output before its residual add: adding here adds to the sum
-                    x = x.index_add(0, image_rows, deep[i])
+                    x = x.index_add(0, rows, deep[i])
             return self.model.norm(x, residual)[0]

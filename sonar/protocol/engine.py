@@ -40,6 +40,9 @@ class VisionInfo(msgspec.Struct):
     and `tokens_per_image` is 0."""
     merge_size: int = 0
     temporal_patch_size: int = 0
+    feature_width: int = 0
+    """Columns of an image's feature row where they are more than the model's hidden size
+    (Qwen3-VL: its DeepStack rows beside it); 0: the hidden size."""
 
 
 class ImageInput(msgspec.Struct, array_like=True):

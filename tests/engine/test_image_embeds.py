@@ -53,10 +53,10 @@ def llava(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     return path, save_tiny_llava(path, seed=4)
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("tiny-qwen-embeds")
-    return path, save_tiny_qwen2_5_vl(path, seed=6)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}-embeds")
+    return path, save_tiny_qwen2_5_vl(path, seed=6, family=request.param)
 
 
 async def test_llava_features_give_the_pictures_tokens_and_skip_a_zero_limit(
@@ -98,7 +98,9 @@ async def test_llava_features_give_the_pictures_tokens_and_skip_a_zero_limit(
 
 
 async def test_qwen_rows_with_their_grid_give_the_pictures_tokens(one_thread: None, qwen: tuple[Path, Any]) -> None:
-    """The grid places the rows' M-RoPE positions: without it the rows are refused."""
+    """The grid places the rows' M-RoPE positions: without it the rows are refused. Qwen3-VL's rows
+    carry their DeepStack sets beside them (``[rows, hidden * (1 + sets)]``); rows without them
+    are refused, never served without DeepStack."""
     path, hf = qwen
     prompt = [3, VISION_START, IMAGE_PAD, VISION_END, 4, 5]
     async with sonar.open(str(path), max_model_len=256, block_size=16, **ENGINE) as llm:
@@ -107,7 +109,11 @@ async def test_qwen_rows_with_their_grid_give_the_pictures_tokens(one_thread: No
         grid = images[0].grid
         with torch.inference_mode():
             out = hf.model.get_image_features(pixel_values=images[0].pixel_values, image_grid_thw=torch.tensor([grid]))
-        features = out.pooler_output[0]
+        deep = [sets[0] for sets in getattr(out, "deepstack_features", None) or []]
+        features = torch.cat([out.pooler_output[0], *deep], dim=-1)
+        if deep:
+            with pytest.raises(InvalidRequestError, match="must have the shape"):
+                await llm.add_images(prompt, [{"image_embeds": out.pooler_output[0], "image_grid_thw": grid}])
         given_ids, given = await llm.add_images(prompt, [{"image_embeds": features, "image_grid_thw": grid}])
         assert given_ids == ids and given[0].grid == grid
         by_rows = await llm.generate(given_ids, GREEDY, images=given)
