@@ -37,7 +37,7 @@ from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -302,9 +302,10 @@ def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torc
     return dict(_stacked_experts(named))
 
 
-QUANTIZED_FILE = "quantized.safetensors"
+QUANTIZED_FILE = "quants/quantized.safetensors"
 """In a converted directory: what `gguf_quantized_weights` returns, so later loads skip the GGUF
-reader (seconds, most of it parsing the tokenizer's metadata) and the unpacking."""
+reader (seconds, most of it parsing the tokenizer's metadata) and the unpacking. In a
+subdirectory, so a load of the directory's own weights (``model.safetensors``) never reads it."""
 
 
 def gguf_quantized_weights(
@@ -321,12 +322,13 @@ def gguf_quantized_weights(
         except Exception as exc:  # a damaged cache is rebuilt, not fatal
             log.warning("model.gguf_quantized_cache_unreadable", path=str(cache), error=str(exc))
     quantized, plain = _unpack_gguf(path, config)
-    if cache.parent.is_dir():
+    if cache.parent.parent.is_dir():
+        cache.parent.mkdir(exist_ok=True)
         _write_quantized(cache, quantized, plain)
     return quantized, plain
 
 
-PACKED_FILE = "packed.safetensors"
+PACKED_FILE = "quants/packed.safetensors"
 """In a converted directory: the quantized layers as the CPU kernels read them (`PackCache`)."""
 
 
@@ -403,7 +405,10 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
-        if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
+        if len(shape) == 3 and name.rpartition(".")[2] in _STACKED and served_quantized(kind):
+            quantized.update(_expert_weights(kind, tensor, name, shape, path))
+            continue
+        if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16"):
             dequantized_types[kind] = dequantized_types.get(kind, 0) + 1
         plain.append((name, _dequantized(spec, config, tensor, name, path)))
     if dequantized_types:
@@ -414,6 +419,22 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
             source=str(path),
         )
     return quantized, _stacked_experts(plain)
+
+
+_STACKED = {"gate_proj", "up_proj", "down_proj"}
+"""The projections of a stacked expert tensor's Hugging Face name (``mlp.experts.gate_proj``)."""
+
+
+def _expert_weights(kind: str, tensor: Any, name: str, shape: list[int], path: Path) -> dict[str, QuantizedWeight]:
+    """A stacked ``[E, rows, cols]`` expert tensor as one `QuantizedWeight` per expert, named as
+    the per-expert checkpoints name them (``mlp.experts.3.gate_proj``)."""
+    experts, rows, cols = shape
+    prefix, _, proj = name.rpartition(".")
+    data = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(experts, -1)
+    try:
+        return {f"{prefix}.{e}.{proj}": block_weight(kind, data[e], rows, cols) for e in range(experts)}
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {exc}") from exc
 
 
 def _unpermuted(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
