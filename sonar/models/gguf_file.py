@@ -30,7 +30,15 @@ import torch
 
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
-from sonar.models.gguf_arch import ARCHITECTURES, EXPERT_PARTS, MIXTRAL, NOT_CONVERTED, GGUFArch
+from sonar.models.gguf_arch import (
+    ARCHITECTURES,
+    EXPERT_PARTS,
+    MIXTRAL,
+    NOT_CONVERTED,
+    PARAMETER_PARTS,
+    GGUFArch,
+    deepseek2,
+)
 from sonar.models.gguf_quant import block_weight, served_quantized
 from sonar.models.pack_cache import PackCache
 from sonar.paths import cache_root
@@ -126,9 +134,12 @@ def gguf_arch(reader: Any, path: Path) -> GGUFArch:
             f"Sonar does not convert GGUF architecture {arch!r} ({path}): {NOT_CONVERTED[arch]}; "
             "load the safetensors checkpoint instead"
         )
+    if arch == "deepseek2":  # V2 or V3, by the router's scores
+        return deepseek2(_field(reader, "deepseek2.expert_gating_func"))
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts {', '.join(sorted(ARCHITECTURES))}"
+            f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts "
+            f"{', '.join(sorted([*ARCHITECTURES, 'deepseek2']))}"
         )
     experts = _field(reader, f"{arch}.expert_count")
     if experts and arch == "llama":
@@ -187,7 +198,7 @@ def _gguf_config(reader: Any, path: Path) -> Any:
     kwargs.update(spec.config(meta, names))
     # a key the file lacks takes the config class's default, which is llama.cpp's default too
     # (Gemma 2's caps of 50 and 30, no window for Phi-3 or Mixtral)
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in spec.keep_none}
     return getattr(transformers, spec.config_class)(**kwargs)
 
 
@@ -224,7 +235,7 @@ def hf_tensor_name(name: str, spec: GGUFArch) -> str | None:
         hf = spec.tensors.get(part)
         if hf is None:
             return None
-        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS else f".{kind}")
+        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS + PARAMETER_PARTS else f".{kind}")
     stem, _, kind = name.rpartition(".")
     hf = _GLOBAL_TENSORS.get(stem)
     return None if hf is None else f"{hf}.{kind}"
@@ -283,6 +294,26 @@ def _stacked_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str,
     return out
 
 
+def _joined_kv_b(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """DeepSeek's ``kv_b_proj`` ``[H * (qk_nope + v_head), kv_lora_rank]`` from llama.cpp's split
+    ``k_b_proj`` ``[H, kv_lora_rank, qk_nope]`` (transposed per head) and ``v_b_proj``
+    ``[H, v_head, kv_lora_rank]``: each head's key rows, then its value rows."""
+    by_name = dict(tensors)
+    out = []
+    for name, tensor in tensors:
+        if name.endswith(".self_attn.v_b_proj.weight"):
+            continue
+        if name.endswith(".self_attn.k_b_proj.weight"):
+            v_b = by_name.get(name.replace(".k_b_proj.", ".v_b_proj."))
+            if v_b is None or tensor.dim() != 3 or v_b.dim() != 3 or v_b.shape[::2] != tensor.shape[:2]:
+                raise ModelLoadError(f"{name}: no v_b_proj of a matching shape to join it with")
+            kv_b = torch.cat([tensor.transpose(1, 2), v_b], dim=1)
+            out.append((name.replace(".k_b_proj.", ".kv_b_proj."), kv_b.reshape(-1, kv_b.shape[-1]).contiguous()))
+            continue
+        out.append((name, tensor))
+    return out
+
+
 def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, Any]]:
     named = []
     for tensor in reader.tensors:
@@ -299,7 +330,7 @@ def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, A
 def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
     spec = gguf_arch(reader, path)
     named = [(name, _dequantized(spec, config, t, name, path)) for name, t in _named_tensors(reader, spec, path)]
-    return dict(_stacked_experts(named))
+    return dict(_joined_kv_b(_stacked_experts(named)))
 
 
 QUANTIZED_FILE = "quants/quantized.safetensors"
@@ -395,6 +426,10 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     for name, tensor in _named_tensors(reader, spec, path):
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
+        layer_part = _LAYER_NAME.match(tensor.name)
+        if layer_part is not None and layer_part[2] in spec.plain:
+            plain.append((name, _dequantized(spec, config, tensor, name, path)))
+            continue
         if name.endswith(".weight") and len(shape) == 2 and served_quantized(kind):
             try:
                 qw = block_weight(kind, tensor.data, *shape)
@@ -418,7 +453,7 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
             types=dequantized_types,
             source=str(path),
         )
-    return quantized, _stacked_experts(plain)
+    return quantized, _joined_kv_b(_stacked_experts(plain))
 
 
 _STACKED = {"gate_proj", "up_proj", "down_proj"}
