@@ -129,3 +129,38 @@ def test_a_block_with_some_experts_not_quantized_is_refused(models: dict[str, An
     del quantized["model.layers.0.mlp.experts.3.down_proj"]
     with pytest.raises(ModelLoadError, match=r"experts.3.down_proj is not.*--dequantize-weights"):
         install_quantized(loaded.model, quantized, reference=True)
+
+
+def _meta_qwen3_moe(parallel: Any) -> Any:
+    from sonar.models.qwen_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        return Qwen3MoeForCausalLM(_configs()["qwen3_moe"], parallel)
+
+
+def _int8(rows: int, cols: int) -> Any:
+    from sonar.kernels.quant import QuantizedWeight
+
+    return QuantizedWeight("int8", torch.zeros(rows, cols, dtype=torch.int8), torch.ones(rows, cols // 32), None, 32)
+
+
+def test_quantized_experts_are_refused_under_tensor_parallelism() -> None:
+    from sonar.models.parallel import TensorParallel
+
+    model = _meta_qwen3_moe(TensorParallel(rank=0, size=2))
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.gate_proj.*not split.*--dequantize-weights"):
+        model.shard_quantized({"model.layers.0.mlp.experts.0.gate_proj": _int8(32, 64)})
+
+
+def test_quantized_experts_off_the_cpu_are_refused() -> None:
+    """The check that refuses CUDA, seen on a model whose parameters are not on the CPU (meta)."""
+    from sonar.models.parallel import SINGLE
+
+    model = _meta_qwen3_moe(SINGLE)
+    weights = {
+        f"model.layers.0.mlp.experts.{e}.{p}": _int8(64, 32) if p == "down_proj" else _int8(32, 64)
+        for e in range(8)
+        for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    with pytest.raises(ModelLoadError, match="quantized experts run on the CPU only, not on meta"):
+        model.prepare_quantized(weights)
