@@ -27,7 +27,7 @@ GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file sto
 type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
 `QuantLinear` per expert and projection, and the routed rows run through each active expert's
 quantized kernels (grouped by expert: one call per expert with tokens, not a fused GEMM). Served
-on the CPU, one process; on CUDA, or split by tensor or expert parallelism, such a file is
+on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
 refused by name (serve it with ``--dequantize-weights``).
 
 Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
@@ -252,12 +252,12 @@ class MoeForCausalLM(DecoderForCausalLM):
         return e < block.spec.num_experts and e not in block.local_experts
 
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-        """As every decoder's; quantized experts (GGUF's) only in one process."""
+        """As every decoder's; quantized experts (GGUF's) not split between tensor- or expert-parallel ranks."""
         experts = next((name for name in weights if _QUANTIZED_EXPERT.fullmatch(name)), None)
         if experts is not None and self.parallel.size > 1:
             raise ModelLoadError(
                 f"{type(self).__name__}: quantized experts ({experts}) are not split between tensor- or "
-                "expert-parallel ranks; serve it with --dequantize-weights, or in one process"
+                "expert-parallel ranks; serve it with --dequantize-weights, or without tensor or expert parallelism"
             )
         return super().shard_quantized(weights)
 
