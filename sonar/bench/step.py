@@ -38,7 +38,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear, prepack_linears
 from sonar.models.loader import load_model
-from sonar.models.moe import SparseMoeBlock
+from sonar.models.moe import QuantizedExperts, SparseMoeBlock
 from sonar.protocol.engine import ExecuteStep, NewRequestData
 from sonar.sampling_params import SamplingParams
 
@@ -118,7 +118,8 @@ def step_weights(model: torch.nn.Module, batch: int) -> tuple[float, float]:
     if not getattr(model, "tie_word_embeddings", True):  # a lookup reads one row per token, not the table
         read = per_token = read - model.model.embed_tokens.weight.numel()
     for module in model.modules():
-        if isinstance(module, SparseMoeBlock):
+        if isinstance(module, SparseMoeBlock) and not isinstance(module.experts, QuantizedExperts):
+            # (quantized experts hold buffers, not parameters: not counted above either)
             experts, k = module.spec.num_experts, module.spec.top_k
             expert = (module.experts.gate_up_proj.numel() + module.experts.down_proj.numel()) / experts
             touched = experts * (1 - (1 - k / experts) ** batch)

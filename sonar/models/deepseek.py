@@ -47,8 +47,10 @@ parallelism included. Pipeline parallelism splits the layers as for every decode
 Refused, each naming the field or feature: ``moe_layer_freq`` other than 1, a ``scoring_func``
 other than the version's (softmax for V2, sigmoid for V3), V2's ``norm_topk_prob`` (transformers'
 V2 ignores it; published V2 checkpoints set it false), other ``topk_method`` values, ``hidden_act``
-other than silu; quantized checkpoints (the published V3 weights are FP8: serve a bfloat16
-conversion), LoRA and EAGLE. V3's multi-token-prediction layers (``num_nextn_predict_layers``,
+other than silu; quantized safetensors checkpoints (the published V3 weights are FP8: serve a
+bfloat16 conversion), LoRA and EAGLE. GGUF files (llama.cpp's ``deepseek2``, `sonar.models.gguf_arch`)
+are served as their quants: the linear layers and the experts quantized (`sonar.models.moe`), the
+router and ``kv_b_proj`` (which absorbed attention reads as a tensor) dequantized. V3's multi-token-prediction layers (``num_nextn_predict_layers``,
 stored as extra layers after the last) are skipped here: the main model decodes without them, and
 speculative ``method: mtp`` reads the first of them from the checkpoint itself
 (`sonar.models.deepseek_mtp`).
@@ -67,7 +69,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from sonar.kernels.attention_op import attention
-from sonar.kernels.moe import fused_experts, route_group_limited, route_noaux_tc
+from sonar.kernels.moe import route_group_limited, route_noaux_tc
 from sonar.models.decoder import QUANTIZED, DecoderLayer, DecoderVariant, RMSNorm
 from sonar.models.errors import ModelLoadError
 from sonar.models.moe import GatedMLP, MoeForCausalLM, MoeSpec, SparseMoeBlock
@@ -205,7 +207,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
         ids = self.parallel.local_expert_ids(ids, self.spec.num_experts)
-        out = fused_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return self.parallel.all_reduce(out)
@@ -231,7 +233,8 @@ class _DeepseekForCausalLM(MoeForCausalLM):
     layer_class = DeepseekDecoderLayer
     refused: ClassVar[dict[str, str]] = {
         **MoeForCausalLM.refused,
-        QUANTIZED: "Sonar serves DeepSeek unquantized (the published V3 weights are FP8): serve a bfloat16 checkpoint",
+        QUANTIZED: "Sonar serves DeepSeek's GGUF quants but no quantized safetensors checkpoint (the published V3 "
+        "weights are FP8): serve a bfloat16 checkpoint",
     }
     topk_methods: ClassVar[tuple[str, ...]] = ()
     """The ``topk_method`` values served, the first the default where the config has none."""

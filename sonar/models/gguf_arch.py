@@ -13,13 +13,20 @@ The quirks, from llama.cpp's ``convert_hf_to_gguf.py``:
   ``down_proj``; Mixtral is architecture ``llama`` with an ``expert_count``;
 * settings the file does not store are implied by the architecture as llama.cpp implies them
   (Gemma 2/3's query scale, Gemma 3's sliding-window pattern and local rope base, Qwen-MoE's
-  top-k renormalization).
+  top-k renormalization);
+* ``deepseek2`` (DeepSeek-V2 and V3; V3 told apart by its sigmoid ``expert_gating_func``) stores
+  multi-head latent attention as llama.cpp runs it: newer converters write ``kv_b_proj`` split per
+  head into ``attn_k_b`` (``[H, kv_lora_rank, qk_nope]``, transposed) and ``attn_v_b``
+  (``[H, v_head, kv_lora_rank]``) and the head sizes as ``key_length_mla`` / ``value_length_mla``
+  (``key_length`` is then the latent's), older ones ``attn_kv_b`` and the heads' sizes; yarn's
+  ``mscale_all_dim`` is stored as ``yarn_log_multiplier`` (times 0.1), the V3 router's
+  ``e_score_correction_bias`` as ``exp_probs_b.bias``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sonar.models.errors import ModelLoadError
@@ -58,6 +65,8 @@ _SANDWICH_NORMS = {  # Gemma 2/3: a norm before and after each of attention and 
 
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """Stacked ``[n_expert, ...]`` tensors: their Hugging Face names carry no ``.weight``."""
+PARAMETER_PARTS = ("exp_probs_b",)
+"""Tensors whose Hugging Face name is a whole parameter's (no ``.weight`` / ``.bias`` added)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,11 @@ class GGUFArch:
     """Family-specific config fields from the metadata and the file's tensor names."""
     permute_qk: bool = False
     norm_offset: float = 0.0
+    plain: frozenset[str] = frozenset()
+    """GGUF tensors always read dequantized: the model keeps them as tensors, not linear layers
+    (DeepSeek's router and latent expansion ``kv_b_proj``)."""
+    keep_none: frozenset[str] = frozenset()
+    """Config fields whose None from `config` is meant (not "the config class's default")."""
 
 
 def _gemma_query_scalar(meta: Meta, head_dim: int, layers_of_27b: int) -> int:
@@ -195,6 +209,63 @@ def _mixtral(meta: Meta, names: set[str]) -> dict[str, Any]:
     }
 
 
+_GATING_SIGMOID = 2
+"""llama.cpp's ``expert_gating_func``: 1 softmax (DeepSeek-V2), 2 sigmoid (V3)."""
+
+
+def _deepseek2(meta: Meta, names: set[str]) -> dict[str, Any]:
+    heads, rope = int(meta("attention.head_count")), int(meta("rope.dimension_count"))
+    mla = meta("attention.key_length_mla") is not None  # newer converters: key_length is the latent's
+    qk = int(meta("attention.key_length_mla" if mla else "attention.key_length"))
+    v_head = int(meta("attention.value_length_mla" if mla else "attention.value_length"))
+    groups, top_groups = int(meta("expert_group_count", 1) or 1), int(meta("expert_group_used_count", 1) or 1)
+    sigmoid = int(meta("expert_gating_func", 1)) == _GATING_SIGMOID
+    q_lora = meta("attention.q_lora_rank")
+    out: dict[str, Any] = {
+        "num_key_value_heads": heads,
+        "head_dim": rope,
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "kv_lora_rank": int(meta("attention.kv_lora_rank")),
+        "qk_nope_head_dim": qk - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v_head,
+        "n_routed_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "n_shared_experts": int(meta("expert_shared_count", 0)),
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "first_k_dense_replace": int(meta("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(meta("expert_weights_scale", 1.0)),
+        "n_group": groups,
+        "topk_group": top_groups,
+    }
+    if sigmoid:  # V3: llama.cpp rotates adjacent pairs, transformers' V3 does with rope_interleave
+        out.update(
+            topk_method="noaux_tc", norm_topk_prob=bool(meta("expert_weights_norm", False)), rope_interleave=True
+        )
+        if "blk.{}.exp_probs_b.bias".format(out["first_k_dense_replace"]) not in names:
+            raise ModelLoadError("a deepseek2 GGUF with sigmoid gating lacks its exp_probs_b (noaux_tc) biases")
+    else:
+        out["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+        if meta("expert_weights_norm", False):
+            raise ModelLoadError(
+                "a DeepSeek-V2 GGUF with expert_weights_norm true is not served (V2 does not renormalize)"
+            )
+    if meta("rope.scaling.type") == "yarn":
+        # llama.cpp keeps 0.1 * mscale_all_dim; the published configs have mscale == mscale_all_dim
+        m_all = float(meta("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        out["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": float(meta("rope.freq_base", 10000.0)),
+            "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": m_all,
+            "mscale_all_dim": m_all,
+        }
+    return out
+
+
 _LLAMA_TENSORS = {**_PRE_NORMS, **_ATTENTION, **_MLP}
 
 ARCHITECTURES: dict[str, GGUFArch] = {
@@ -247,12 +318,45 @@ ARCHITECTURES: dict[str, GGUFArch] = {
     ),
 }
 
+DEEPSEEK_V2 = GGUFArch(
+    "DeepseekV2Config",
+    "DeepseekV2ForCausalLM",
+    {
+        **_PRE_NORMS,
+        **_MLP,
+        **_EXPERTS,
+        "attn_q": "self_attn.q_proj",
+        "attn_q_a": "self_attn.q_a_proj",
+        "attn_q_a_norm": "self_attn.q_a_layernorm",
+        "attn_q_b": "self_attn.q_b_proj",
+        "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+        "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+        "attn_kv_b": "self_attn.kv_b_proj",
+        "attn_k_b": "self_attn.k_b_proj",  # joined with v_b into kv_b_proj (`gguf_file`)
+        "attn_v_b": "self_attn.v_b_proj",
+        "attn_output": "self_attn.o_proj",
+        "exp_probs_b": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    },
+    _deepseek2,
+    plain=frozenset({"ffn_gate_inp", "attn_kv_b", "attn_k_b", "attn_v_b"}),
+    keep_none=frozenset({"q_lora_rank"}),
+)
+DEEPSEEK_V3 = replace(DEEPSEEK_V2, config_class="DeepseekV3Config", architecture="DeepseekV3ForCausalLM")
+"""A ``deepseek2`` file with sigmoid gating (`_GATING_SIGMOID`)."""
+
+
+def deepseek2(gating: Any) -> GGUFArch:
+    """The mapping of a ``deepseek2`` file by its ``expert_gating_func``."""
+    return DEEPSEEK_V3 if gating is not None and int(gating) == _GATING_SIGMOID else DEEPSEEK_V2
+
+
 MIXTRAL = GGUFArch("MixtralConfig", "MixtralForCausalLM", {**_LLAMA_TENSORS, **_EXPERTS}, _mixtral, permute_qk=True)
 """A ``llama`` file with an ``expert_count``."""
 
 NOT_CONVERTED = {
-    "deepseek2": "its latent attention (kv_b split into attn_k_b / attn_v_b, heads stored as one KV head), "
-    "grouped routing and yarn mscale are not mapped",
     "gpt-oss": "its MXFP4 experts, expert and router biases and attention sinks are not mapped",
 }
 """GGUF architectures of families Sonar serves from safetensors only, and why."""

@@ -30,14 +30,22 @@ import torch
 
 from sonar.kernels.quant import QuantizedWeight
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
-from sonar.models.gguf_arch import ARCHITECTURES, EXPERT_PARTS, MIXTRAL, NOT_CONVERTED, GGUFArch
+from sonar.models.gguf_arch import (
+    ARCHITECTURES,
+    EXPERT_PARTS,
+    MIXTRAL,
+    NOT_CONVERTED,
+    PARAMETER_PARTS,
+    GGUFArch,
+    deepseek2,
+)
 from sonar.models.gguf_quant import block_weight, served_quantized
 from sonar.models.pack_cache import PackCache
 from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -126,9 +134,12 @@ def gguf_arch(reader: Any, path: Path) -> GGUFArch:
             f"Sonar does not convert GGUF architecture {arch!r} ({path}): {NOT_CONVERTED[arch]}; "
             "load the safetensors checkpoint instead"
         )
+    if arch == "deepseek2":  # V2 or V3, by the router's scores
+        return deepseek2(_field(reader, "deepseek2.expert_gating_func"))
     if arch not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts {', '.join(sorted(ARCHITECTURES))}"
+            f"unsupported GGUF architecture {arch!r} in {path}; Sonar converts "
+            f"{', '.join(sorted([*ARCHITECTURES, 'deepseek2']))}"
         )
     experts = _field(reader, f"{arch}.expert_count")
     if experts and arch == "llama":
@@ -187,7 +198,7 @@ def _gguf_config(reader: Any, path: Path) -> Any:
     kwargs.update(spec.config(meta, names))
     # a key the file lacks takes the config class's default, which is llama.cpp's default too
     # (Gemma 2's caps of 50 and 30, no window for Phi-3 or Mixtral)
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in spec.keep_none}
     return getattr(transformers, spec.config_class)(**kwargs)
 
 
@@ -224,7 +235,7 @@ def hf_tensor_name(name: str, spec: GGUFArch) -> str | None:
         hf = spec.tensors.get(part)
         if hf is None:
             return None
-        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS else f".{kind}")
+        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS + PARAMETER_PARTS else f".{kind}")
     stem, _, kind = name.rpartition(".")
     hf = _GLOBAL_TENSORS.get(stem)
     return None if hf is None else f"{hf}.{kind}"
@@ -283,6 +294,26 @@ def _stacked_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str,
     return out
 
 
+def _joined_kv_b(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """DeepSeek's ``kv_b_proj`` ``[H * (qk_nope + v_head), kv_lora_rank]`` from llama.cpp's split
+    ``k_b_proj`` ``[H, kv_lora_rank, qk_nope]`` (transposed per head) and ``v_b_proj``
+    ``[H, v_head, kv_lora_rank]``: each head's key rows, then its value rows."""
+    by_name = dict(tensors)
+    out = []
+    for name, tensor in tensors:
+        if name.endswith(".self_attn.v_b_proj.weight"):
+            continue
+        if name.endswith(".self_attn.k_b_proj.weight"):
+            v_b = by_name.get(name.replace(".k_b_proj.", ".v_b_proj."))
+            if v_b is None or tensor.dim() != 3 or v_b.dim() != 3 or v_b.shape[::2] != tensor.shape[:2]:
+                raise ModelLoadError(f"{name}: no v_b_proj of a matching shape to join it with")
+            kv_b = torch.cat([tensor.transpose(1, 2), v_b], dim=1)
+            out.append((name.replace(".k_b_proj.", ".kv_b_proj."), kv_b.reshape(-1, kv_b.shape[-1]).contiguous()))
+            continue
+        out.append((name, tensor))
+    return out
+
+
 def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, Any]]:
     named = []
     for tensor in reader.tensors:
@@ -299,12 +330,13 @@ def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, A
 def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
     spec = gguf_arch(reader, path)
     named = [(name, _dequantized(spec, config, t, name, path)) for name, t in _named_tensors(reader, spec, path)]
-    return dict(_stacked_experts(named))
+    return dict(_joined_kv_b(_stacked_experts(named)))
 
 
-QUANTIZED_FILE = "quantized.safetensors"
+QUANTIZED_FILE = "quants/quantized.safetensors"
 """In a converted directory: what `gguf_quantized_weights` returns, so later loads skip the GGUF
-reader (seconds, most of it parsing the tokenizer's metadata) and the unpacking."""
+reader (seconds, most of it parsing the tokenizer's metadata) and the unpacking. In a
+subdirectory, so a load of the directory's own weights (``model.safetensors``) never reads it."""
 
 
 def gguf_quantized_weights(
@@ -321,12 +353,13 @@ def gguf_quantized_weights(
         except Exception as exc:  # a damaged cache is rebuilt, not fatal
             log.warning("model.gguf_quantized_cache_unreadable", path=str(cache), error=str(exc))
     quantized, plain = _unpack_gguf(path, config)
-    if cache.parent.is_dir():
+    if cache.parent.parent.is_dir():
+        cache.parent.mkdir(exist_ok=True)
         _write_quantized(cache, quantized, plain)
     return quantized, plain
 
 
-PACKED_FILE = "packed.safetensors"
+PACKED_FILE = "quants/packed.safetensors"
 """In a converted directory: the quantized layers as the CPU kernels read them (`PackCache`)."""
 
 
@@ -393,6 +426,10 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     for name, tensor in _named_tensors(reader, spec, path):
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
+        layer_part = _LAYER_NAME.match(tensor.name)
+        if layer_part is not None and layer_part[2] in spec.plain:
+            plain.append((name, _dequantized(spec, config, tensor, name, path)))
+            continue
         if name.endswith(".weight") and len(shape) == 2 and served_quantized(kind):
             try:
                 qw = block_weight(kind, tensor.data, *shape)
@@ -403,7 +440,10 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
-        if len(shape) == 2 and kind not in ("F32", "F16", "BF16"):
+        if len(shape) == 3 and name.rpartition(".")[2] in _STACKED and served_quantized(kind):
+            quantized.update(_expert_weights(kind, tensor, name, shape, path))
+            continue
+        if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16"):
             dequantized_types[kind] = dequantized_types.get(kind, 0) + 1
         plain.append((name, _dequantized(spec, config, tensor, name, path)))
     if dequantized_types:
@@ -413,7 +453,23 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
             types=dequantized_types,
             source=str(path),
         )
-    return quantized, _stacked_experts(plain)
+    return quantized, _joined_kv_b(_stacked_experts(plain))
+
+
+_STACKED = {"gate_proj", "up_proj", "down_proj"}
+"""The projections of a stacked expert tensor's Hugging Face name (``mlp.experts.gate_proj``)."""
+
+
+def _expert_weights(kind: str, tensor: Any, name: str, shape: list[int], path: Path) -> dict[str, QuantizedWeight]:
+    """A stacked ``[E, rows, cols]`` expert tensor as one `QuantizedWeight` per expert, named as
+    the per-expert checkpoints name them (``mlp.experts.3.gate_proj``)."""
+    experts, rows, cols = shape
+    prefix, _, proj = name.rpartition(".")
+    data = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(experts, -1)
+    try:
+        return {f"{prefix}.{e}.{proj}": block_weight(kind, data[e], rows, cols) for e in range(experts)}
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name}: {exc}") from exc
 
 
 def _unpermuted(qw: QuantizedWeight, heads: int) -> QuantizedWeight:

@@ -23,9 +23,16 @@ computes the (token, expert) pairs routed to its own experts, skips the others (
 the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors, and with
 ``--enable-ep-weight-filter`` does not read the others' per-expert tensors (`foreign_expert_tensor`).
 
-Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized checkpoints
-(unless dequantized), LoRA adapters, EAGLE heads, the native fused decode loop (these layers are
-not the ones it computes; `sonar.models.fused` skips them).
+GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file stores in a block
+type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
+`QuantLinear` per expert and projection, and the routed rows run through each active expert's
+quantized kernels (grouped by expert: one call per expert with tokens, not a fused GEMM). Served
+on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
+refused by name (serve it with ``--dequantize-weights``).
+
+Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
+checkpoints (GPTQ, AWQ, FP8, ...; unless dequantized), LoRA adapters, EAGLE heads, the native fused
+decode loop (these layers are not the ones it computes; `sonar.models.fused` skips them).
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ from torch import Tensor, nn
 
 from sonar.kernels import ops
 from sonar.kernels.moe import fused_experts, route
-from sonar.kernels.quant import QuantizedWeight
-from sonar.models.decoder import EAGLE, LORA, MLP, DecoderForCausalLM, DecoderVariant, MissingLayer
+from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
+from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
 
@@ -85,6 +92,48 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate), requires_grad=False)
 
 
+class ExpertMLP(nn.Module):
+    """One expert's projections as linear layers (``gate_up_proj`` ``[2 I, h]``, ``down_proj``
+    ``[h, I]``): the places `sonar.models.quantized.install_quantized` puts its `QuantLinear`s."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+
+class QuantizedExperts(nn.ModuleList):
+    """The experts of a block as quantized layers, one `ExpertMLP` per (local) expert; computes
+    what `sonar.kernels.moe.fused_experts_reference` states, each active expert's rows through its
+    own quantized kernels."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
+        self.num_experts = num_experts
+        self.intermediate = intermediate
+
+    @torch.compiler.disable  # which experts run depends on the routing: a graph break, not a trace
+    def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: another rank's),
+        weighted by `weights`; the weighted sum in float32, rounded once to ``x``'s dtype."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat[flat >= 0], minlength=self.num_experts).tolist()  # one host sync
+        start = int((flat < 0).sum())
+        top_k = ids.shape[1]
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            token = pairs // top_k
+            expert = self[e]
+            y = expert.down_proj(ops.silu_and_mul(expert.gate_up_proj(x[token])))
+            out.index_add_(0, token, y.float() * weights.reshape(-1)[pairs, None].float())
+        return out.to(x.dtype)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, spec: MoeSpec, parallel: TensorParallel) -> None:
         super().__init__()
@@ -109,15 +158,22 @@ class SparseMoeBlock(nn.Module):
         spec = self.spec
         weights, ids = route(self.gate(x), spec.top_k, spec.renormalize)
         ids = self.parallel.local_expert_ids(ids, spec.num_experts)
-        out = fused_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.parallel.all_reduce(out)
+
+    def run_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """The routed experts' weighted sum: the fused operator, or the quantized experts."""
+        if isinstance(self.experts, QuantizedExperts):
+            return self.experts(x, weights, ids)
+        return fused_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
 
 
 _MLP_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
 _EXPERT_PART = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 _DENSE_PART = re.compile(r"(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight")
+_QUANTIZED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 
 
 class MoeForCausalLM(DecoderForCausalLM):
@@ -128,6 +184,8 @@ class MoeForCausalLM(DecoderForCausalLM):
     refused: ClassVar[dict[str, str]] = {
         LORA: "the adapters' target modules are dense MLPs, and a mixture-of-experts layer has none",
         EAGLE: "the EAGLE heads Sonar loads are built for dense, not mixture-of-experts, targets",
+        QUANTIZED: "Sonar serves the GGUF quants of mixture-of-experts models, not their quantized safetensors "
+        "checkpoints; serve it with --dequantize-weights",
     }
 
     @classmethod
@@ -194,12 +252,50 @@ class MoeForCausalLM(DecoderForCausalLM):
         return e < block.spec.num_experts and e not in block.local_experts
 
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-        if weights:
+        """As every decoder's; quantized experts (GGUF's) not split between tensor- or expert-parallel ranks."""
+        experts = next((name for name in weights if _QUANTIZED_EXPERT.fullmatch(name)), None)
+        if experts is not None and self.parallel.size > 1:
             raise ModelLoadError(
-                f"{type(self).__name__}: quantized checkpoints of mixture-of-experts models are not supported; "
-                "serve it with --dequantize-weights"
+                f"{type(self).__name__}: quantized experts ({experts}) are not split between tensor- or "
+                "expert-parallel ranks; serve it with --dequantize-weights, or without tensor or expert parallelism"
             )
-        return weights
+        return super().shard_quantized(weights)
+
+    def prepare_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """Before `install_quantized`: gate and up stacked into ``gate_up_proj`` (dense MLPs,
+        shared experts, each expert), and each block whose experts are all quantized given a
+        `QuantizedExperts` for them (``mlp.experts.E.gate_up_proj`` / ``down_proj``)."""
+        out = dict(weights)
+        for gate in [name for name in out if name.endswith(".gate_proj")]:
+            up = gate.removesuffix("gate_proj") + "up_proj"
+            if up in out:
+                try:
+                    out[gate.removesuffix("gate_proj") + "gate_up_proj"] = stack_rows([out.pop(gate), out.pop(up)])
+                except QuantizationError as exc:
+                    raise ModelLoadError(f"{gate} and {up} cannot be served as one quantized matrix: {exc}") from exc
+        for i, layer in enumerate(self.model.layers):
+            block = getattr(layer, "mlp", None)
+            prefix = f"model.layers.{i}.mlp.experts"
+            if not isinstance(block, SparseMoeBlock) or not any(n.startswith(f"{prefix}.") for n in out):
+                continue
+            experts = block.experts.num_experts
+            wanted = [f"{prefix}.{e}.{p}" for e in range(experts) for p in ("gate_up_proj", "down_proj")]
+            lacking = [name for name in wanted if name not in out]
+            if lacking:
+                raise ModelLoadError(
+                    f"{type(self).__name__}: some of {prefix}'s projections are stored in a block type Sonar serves "
+                    f"quantized and some not ({lacking[0]} is not); serve it with --dequantize-weights"
+                )
+            device = block.experts.gate_up_proj.device
+            if device.type != "cpu":
+                raise ModelLoadError(
+                    f"{type(self).__name__}: quantized experts run on the CPU only, not on {device.type}; "
+                    "serve it with --dequantize-weights"
+                )
+            hidden = block.experts.gate_up_proj.shape[-1]
+            with torch.device("meta"):  # places for the quantized layers, which bring their own tensors
+                block.experts = QuantizedExperts(experts, hidden, block.experts.intermediate)
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         loader = _MlpLoader(self)

@@ -66,7 +66,8 @@ def install_quantized(
     backend: Backend | None = ReferenceBackend() if reference else None
     device = model.lm_head.weight.device if isinstance(model.lm_head, nn.Linear) else torch.device("cpu")
     dtype = model.model.norm.weight.dtype
-    pending = dict(weights)
+    prepare = getattr(model, "prepare_quantized", None)  # a family's own layout (MoE experts)
+    pending = dict(weights if prepare is None else prepare(weights))
     done = Installed()
     modules = dict(model.named_modules())
 

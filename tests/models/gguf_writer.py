@@ -108,6 +108,61 @@ def _experts(w: Any, c: Any) -> None:
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
 
 
+DEEPSEEK = {
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.kv_b_proj": "attn_kv_b",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def _deepseek2(split_kv_b: bool) -> Callable[[Any, Any], None]:
+    """llama.cpp's ``DeepseekV2Model.set_gguf_parameters``: the MLA sizes as the newer converters
+    (`split_kv_b`: ``kv_b_proj`` written as ``attn_k_b`` / ``attn_v_b``) or the older ones write them."""
+
+    def metadata(w: Any, c: Any) -> None:
+        from gguf import ExpertGatingFuncType, RopeScalingType
+
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        if c.q_lora_rank:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        if split_kv_b:
+            w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+            w.add_value_length(c.kv_lora_rank)
+            w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+            w.add_value_length_mla(c.v_head_dim)
+        else:
+            w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+            w.add_value_length(c.v_head_dim)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_count(c.n_routed_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        w.add_expert_weights_norm(bool(c.norm_topk_prob))
+        v3 = c.model_type == "deepseek_v3"
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if v3 else ExpertGatingFuncType.SOFTMAX)
+        if (c.n_group or 1) > 1:
+            w.add_expert_group_count(c.n_group)
+            w.add_expert_group_used_count(c.topk_group)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        rope = c.rope_parameters
+        if rope["rope_type"] == "yarn":
+            assert rope["mscale"] == rope["mscale_all_dim"], "llama.cpp stores mscale_all_dim only"
+            w.add_rope_scaling_type(RopeScalingType.YARN)
+            w.add_rope_scaling_factor(rope["factor"])
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+    return metadata
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str
@@ -116,6 +171,11 @@ class Family:
     metadata: Callable[[Any, Any], None] = lambda w, c: None
     permute_qk: bool = False
     norm_plus_one: bool = False
+    split_kv_b: bool = False
+    """DeepSeek's ``kv_b_proj`` per head into ``attn_k_b`` (transposed) and ``attn_v_b``; the
+    writer keeps both float (their blocks would not follow the Hugging Face tensor's rows)."""
+    head_dim_keys: bool = True
+    """Whether ``head_dim`` is written as the key/value lengths (DeepSeek writes its own)."""
 
 
 FAMILIES = {
@@ -141,7 +201,11 @@ FAMILIES = {
     "mixtral": Family("llama", {}, _experts, permute_qk=True),
     "qwen2_moe": Family("qwen2moe", {}, _experts),
     "qwen3_moe": Family("qwen3moe", {}, _experts),
+    "deepseek_v2": Family("deepseek2", DEEPSEEK, _deepseek2(False), head_dim_keys=False),
+    "deepseek_v3": Family("deepseek2", DEEPSEEK, _deepseek2(True), split_kv_b=True, head_dim_keys=False),
 }
+NOT_QUANTIZED = ("ffn_gate_inp", "attn_k_b", "attn_v_b")
+"""Kept float: llama.cpp never quantizes a router; the split ``kv_b`` (`Family.split_kv_b`)."""
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -182,6 +246,15 @@ def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -
                 out[f"blk.{layer}.ffn_gate_exps.weight"] = (hf_name, gate)
                 out[f"blk.{layer}.ffn_up_exps.weight"] = (hf_name, up)
                 continue
+            if rest == "mlp.gate.e_score_correction_bias":
+                out[f"blk.{layer}.exp_probs_b.bias"] = (hf_name, array)
+                continue
+            if family.split_kv_b and rest == "self_attn.kv_b_proj.weight":  # llama.cpp's MLA layout
+                c = config
+                kv_b = array.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+                out[f"blk.{layer}.attn_k_b.weight"] = (hf_name, kv_b[:, : c.qk_nope_head_dim].transpose(0, 2, 1))
+                out[f"blk.{layer}.attn_v_b.weight"] = (hf_name, kv_b[:, c.qk_nope_head_dim :])
+                continue
             module, kind = (rest, "weight") if rest.startswith("mlp.experts.") else rest.rsplit(".", 1)
             name = f"blk.{layer}.{names[module]}.{kind}"
             if family.permute_qk and module == "self_attn.q_proj":
@@ -216,14 +289,14 @@ def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, t
     if "rope_theta" in rope:  # Gemma 3 keeps one per layer type: its metadata writes the global one
         writer.add_rope_freq_base(rope["rope_theta"])
     writer.add_vocab_size(config.vocab_size)
-    if getattr(config, "head_dim", None):
+    if family.head_dim_keys and getattr(config, "head_dim", None):
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     family.metadata(writer, config)
     quantized = set()
     for tensor_name, (hf_name, array) in _gguf_tensors(family, config, state).items():
         array = np.ascontiguousarray(array)
-        if quantizable(array, qtype):
+        if quantizable(array, qtype) and not any(f".{part}." in tensor_name for part in NOT_QUANTIZED):
             quantized.add(hf_name)
             writer.add_tensor(tensor_name, quantize(array, qtype), raw_dtype=qtype)
         else:

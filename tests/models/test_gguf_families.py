@@ -115,6 +115,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 NAMES = tuple(ARCHITECTURES)
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @pytest.fixture(autouse=True)
@@ -204,7 +205,7 @@ def test_q8_0_file_equals_transformers_on_its_dequantized_weights(
     """Dequantized (``--dequantize-weights``): transformers on the same dequantized weights,
     within float32's 1e-4. Served as quants where the family takes quantized weights: the
     quantized kernels take bfloat16 activations, so every prompt token's logits within
-    `QUANT_TOLERANCE` of the largest."""
+    `QUANT_TOLERANCE` of the largest (MoE: 90 % of them, a router's near tie may flip)."""
     from gguf import GGMLQuantizationType
 
     hf = models[name]
@@ -225,10 +226,13 @@ def test_q8_0_file_equals_transformers_on_its_dequantized_weights(
     gen = GreedyDriver(quantized.model, torch.bfloat16, num_blocks=64, block_size=4).generate(
         prompts, 1, prompt_logits=True
     )
+    close = []
     for prompt, got in zip(prompts, gen.prompt_logits):
         with torch.inference_mode():
             want = ref(torch.tensor([prompt])).logits[0]
-        assert (got.float() - want).abs().max() < QUANT_TOLERANCE * want.abs().max()
+        close.append((got.float() - want).abs().amax(-1) < QUANT_TOLERANCE * want.abs().max())
+    # an MoE router's near-tied choice may flip at a token (`tests/models/test_gguf_moe.py`)
+    assert torch.cat(close).float().mean() >= (0.9 if name in MOE else 1.0)
 
 
 def _metadata_only(path: Path, arch: str, **keys: int) -> None:
@@ -245,7 +249,7 @@ def _metadata_only(path: Path, arch: str, **keys: int) -> None:
     writer.close()
 
 
-@pytest.mark.parametrize(("arch", "says"), [("deepseek2", "latent attention"), ("gpt-oss", "MXFP4")])
+@pytest.mark.parametrize(("arch", "says"), [("gpt-oss", "MXFP4")])
 def test_families_not_converted_are_refused_by_name(arch: str, says: str, tmp_path: Path) -> None:
     path = tmp_path / f"{arch}.gguf"
     _metadata_only(path, arch)

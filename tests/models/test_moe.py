@@ -240,16 +240,14 @@ async def test_engine_greedy_equals_transformers(checkpoints: dict[str, tuple[Pa
 # -- what these families refuse ------------------------------------------------------------------
 
 
-def test_quantized_experts_are_refused(case: Any) -> None:
-    from sonar.kernels.quant import QuantizedWeight
+def test_quantized_safetensors_checkpoints_are_refused(case: Any) -> None:
+    """GGUF quants are served (`tests/models/test_gguf_moe.py`); GPTQ / AWQ / FP8 ones are not."""
+    from sonar.models.decoder import QUANTIZED
     from sonar.models.errors import ModelLoadError
 
     _, _, loaded = case
-    qw = QuantizedWeight("int4", torch.zeros(4, 64, dtype=torch.uint8), torch.ones(4, 2), None, group=32)
-    with pytest.raises(
-        ModelLoadError, match="quantized checkpoints of mixture-of-experts models.*--dequantize-weights"
-    ):
-        loaded.model.shard_quantized({"model.layers.0.self_attn.q_proj": qw})
+    with pytest.raises(ModelLoadError, match="quantized weights.*--dequantize-weights"):
+        loaded.model.require_support(QUANTIZED)
 
 
 def test_lora_and_eagle_are_refused(checkpoints: dict[str, tuple[Path, Any]]) -> None:
