@@ -176,13 +176,19 @@ def _load() -> bool:
     except (NativeBuildError, OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native.unavailable", detail="using the torch references", reason=str(e).splitlines()[0])
         return False
-    set_quant_isa(os.environ.get(ISA_ENV) or "auto")
+    _apply_isa(os.environ.get(ISA_ENV) or "auto")
     log.info("native.quant_isa", isa=str(torch.ops.sonar_cpu.quant_isa()), cpu_best=best_isa(cpu_flags()))
     return True
 
 
 def set_quant_isa(name: str) -> None:
     """Run the quantized kernel's `name` path (one of `ISAS`, or ``auto``: the fastest)."""
+    if not available():
+        raise NativeIsaError(f"{ISA_ENV}={name}: the native kernels are not available here")
+    _apply_isa(name)
+
+
+def _apply_isa(name: str) -> None:
     try:
         torch.ops.sonar_cpu.set_quant_isa(name)
     except RuntimeError as e:

@@ -322,3 +322,20 @@ def test_replace_keeps_perm_semantics() -> None:
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     permuted = QuantLinear(replace(qw, perm=perm), None)(x)
     assert torch.equal(permuted, QuantLinear(qw, None)(x[:, perm].contiguous()))
+
+
+def test_the_environment_picks_the_path() -> None:
+    """``SONAR_CPU_ISA`` at load (a fresh process: the library reads it once); an unknown name is
+    refused with a message naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    script = "from sonar.kernels import native; print(native.quant_isa())"
+    for name, want in (("portable", "portable"), ("auto", RUNNABLE[-1])):
+        env = {**os.environ, native.ISA_ENV: name}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0 and proc.stdout.split()[-1] == want, proc.stderr[-2000:]
+    env = {**os.environ, native.ISA_ENV: "avx1024"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and "SONAR_CPU_ISA=avx1024" in proc.stderr

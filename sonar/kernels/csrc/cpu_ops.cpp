@@ -1347,7 +1347,8 @@ bool has_linear_bf16() {
 
 // --- quantized linear layers ---------------------------------------------------------------------
 //
-// y = x @ W.T (+ bias) for bfloat16 x [M, K] and W in the logical layout of
+// y = x @ W.T (+ bias) for bfloat16 or float32 x [M, K] (y and bias of x's dtype; float32 x takes
+// the AVX2 path below, or the portable loop) and W in the logical layout of
 // sonar/kernels/quant.py (w = v * scale + offset per group of `group` input columns of a row),
 // packed once at load by sonar/kernels/quant_cpu.py as a byte tensor [ceil(N / 16), G, B]: per tile
 // of 16 output columns and per group g, the group's weights in 64-byte lines, then the 16 columns'
@@ -1381,8 +1382,9 @@ bool has_linear_bf16() {
 //     (as float32 subnormals); times 2^120, rounded (exactly) to bfloat16 by vcvtne2ps2bf16 (a
 //     bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
 //     encoding, which no weight holds, reads as 480).
-// Without AVX512-VNNI and AVX512-BF16 a portable loop reads the same packing with the same
-// quantized x for int8 (same results up to float rounding of the per-group terms).
+// Without AVX512-VNNI and AVX512-BF16 the AVX2 path (below) runs, or a portable loop that reads the
+// same packing with the same quantized x for int8 bfloat16 x (same results up to float rounding of
+// the per-group terms).
 
 enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
 
