@@ -286,7 +286,8 @@ GROUPS: tuple[Group, ...] = (
                 "(a config's auto_map is not followed), so the permission is never used"),
         _f("--dtype", S_, "auto",
            "Precision of weights and activations. 'auto' keeps a bfloat16 checkpoint in bfloat16 and "
-           "runs others in float16 (bfloat16 on CPU); 'half' is float16 and 'float' is float32.",
+           "runs others in float16 (bfloat16 on CPU; float32 on a CPU without bfloat16 instructions, where "
+           "bfloat16 is emulated); 'half' is float16 and 'float' is float32.",
            choices=("auto", "bfloat16", "float", "float16", "float32", "half"),
            value_aliases={"half": "float16", "float": "float32"}, to=E),
         _f("--seed", I, 0, "Seed for the random number generators, for reproducible sampling.", to=E),

@@ -14,6 +14,13 @@ milliseconds. Concurrent builders each write a temporary file and rename it into
 
 When no compiler is found or the build fails, a warning is logged once and every caller keeps the
 torch references (same contracts). ``SONAR_NATIVE_KERNELS=0`` turns the kernels off (A/B checks).
+
+The quantized linear kernel has three paths (`ISAS`): AVX-512 (compiled in by ``-march=native`` on
+a CPU with AVX512-BF16 and VNNI), AVX2 + FMA (compiled into every x86 build through a target
+attribute) and a portable loop. The library runs the fastest one the CPU reports
+(`best_isa` says which from ``/proc/cpuinfo``'s flags; the C++ side checks ``__builtin_cpu_supports``);
+``SONAR_CPU_ISA=portable|avx2|avx512`` picks a slower one (tests, A/B measurements), and a path the
+CPU cannot run is refused with `NativeIsaError`.
 """
 
 from __future__ import annotations
@@ -39,10 +46,22 @@ log = get_logger("sonar.kernels.native")
 SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 LIBRARY_NAME = "sonar_cpu_ops.so"
 ENV = "SONAR_NATIVE_KERNELS"
+ISA_ENV = "SONAR_CPU_ISA"
+#: The quantized kernel's paths, slowest first.
+ISAS = ("portable", "avx2", "avx512")
+#: The CPU flags (``/proc/cpuinfo``'s names) each vector path needs.
+ISA_FLAGS = {
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}),
+    "avx2": frozenset({"avx2", "fma"}),
+}
 
 
 class NativeBuildError(SonarError, RuntimeError):
     """The C++ kernels did not compile (the message carries the compiler's output)."""
+
+
+class NativeIsaError(SonarError, ValueError):
+    """``SONAR_CPU_ISA`` names a path that is unknown or that this CPU cannot run."""
 
 
 def enabled() -> bool:
@@ -62,6 +81,19 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as ``/proc/cpuinfo`` lists them (empty where it is not readable)."""
+    return frozenset(_cpu_flags().partition(":")[2].split())
+
+
+def best_isa(flags: frozenset[str]) -> str:
+    """The quantized kernel's fastest path for a CPU reporting `flags`."""
+    for isa in ("avx512", "avx2"):
+        if ISA_FLAGS[isa] <= flags:
+            return isa
+    return "portable"
 
 
 def _command(compiler: str, output: Path, flags: tuple[str, ...] = ()) -> list[str]:
@@ -144,7 +176,30 @@ def _load() -> bool:
     except (NativeBuildError, OSError, RuntimeError, subprocess.SubprocessError) as e:
         log.warning("native.unavailable", detail="using the torch references", reason=str(e).splitlines()[0])
         return False
+    _apply_isa(os.environ.get(ISA_ENV) or "auto")
+    log.info("native.quant_isa", isa=str(torch.ops.sonar_cpu.quant_isa()), cpu_best=best_isa(cpu_flags()))
     return True
+
+
+def set_quant_isa(name: str) -> None:
+    """Run the quantized kernel's `name` path (one of `ISAS`, or ``auto``: the fastest)."""
+    if not available():
+        raise NativeIsaError(f"{ISA_ENV}={name}: the native kernels are not available here")
+    _apply_isa(name)
+
+
+def _apply_isa(name: str) -> None:
+    try:
+        torch.ops.sonar_cpu.set_quant_isa(name)
+    except RuntimeError as e:
+        raise NativeIsaError(
+            f"{ISA_ENV}={name}: {str(e).splitlines()[0].split(': ', 1)[-1]} (paths: auto, {', '.join(ISAS)})"
+        ) from None
+
+
+def quant_isa() -> str:
+    """The path the quantized kernel runs now (``reference`` without the native kernels)."""
+    return str(torch.ops.sonar_cpu.quant_isa()) if available() else "reference"
 
 
 def available() -> bool:

@@ -11,12 +11,15 @@ tile is one contiguous run of bytes, so a GEMV streams the weight front to back.
 logical layout's numbers unchanged: `rows` dequantizes out of it exactly as
 `sonar.kernels.quant.dequantize` does.
 
-For int8 the kernel quantizes each bfloat16 row of x to int8 per group (as llama.cpp does; the
-output carries that error, at most scale_x / 2 * sum |w| per group) and multiplies in integers;
-int4 and fp8 keep x bfloat16, their weights unpacked to bfloat16 in registers (exact). Without
-AVX512-VNNI and AVX512-BF16 the same library runs a portable loop over the same packing. Other
-activation dtypes (float32 models) get the reference arithmetic on the weight dequantized from the
-packing. An act-order permutation gathers x's columns before the kernel.
+x is bfloat16 or float32 (`ACTIVATION_DTYPES`), y of x's dtype. Three paths read the packing, the
+fastest this CPU runs chosen at run time (`sonar.kernels.native.quant_isa`): AVX-512 (bfloat16 x on
+CPUs with AVX512-VNNI and AVX512-BF16: int8 quantizes each row of x to int8 per group, as
+llama.cpp does, the output carrying that error, at most scale_x / 2 * sum |w| per group, and
+multiplies in integers; int4 and fp8 unpack to bfloat16 in registers, exact); AVX2 + FMA (float32
+x, and bfloat16 x widened to float32, on every CPU with AVX2: every format unpacked to float32 in
+registers, no activation rounding); a portable loop (bfloat16 x as the AVX-512 path computes it,
+float32 x as the AVX2 one). float16 x gets the reference arithmetic on the weight dequantized from
+the packing. An act-order permutation gathers x's columns before the kernel.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ FORMAT_CODES: dict[str, int] = {"int4": 0, "int8": 1, "fp8": 2}
 #: Input columns per 64-byte line of a tile (16 rows each): groups are whole lines.
 COLUMNS_PER_LINE: dict[str, int] = {"int4": 8, "int8": 4, "fp8": 4}
 TILE = 16
+#: The activation dtypes the kernel takes; others run the reference on the dequantized weight.
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _group_bytes(meta: QuantMeta) -> int:
@@ -122,7 +127,7 @@ class NativeBackend:
 
     def linear(self, x: Tensor, packed: dict[str, Tensor], meta: QuantMeta, bias: Tensor | None) -> Tensor:
         perm = packed.get("perm")
-        if x.dtype != torch.bfloat16 or not native.available():
+        if x.dtype not in ACTIVATION_DTYPES or not native.available():
             index = torch.arange(meta.out_features)
             return quant.reference_linear(x, unpack_rows(packed["packed"], meta, index, perm), bias)
         if perm is not None:
@@ -130,7 +135,7 @@ class NativeBackend:
         return torch.ops.sonar_cpu.linear_quant(
             x.contiguous(),
             packed["packed"],
-            None if bias is None else bias.to(torch.bfloat16),
+            None if bias is None else bias.to(x.dtype),
             FORMAT_CODES[meta.format],
             meta.out_features,
             meta.group,

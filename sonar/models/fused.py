@@ -9,7 +9,7 @@ bit for bit the per-op path's (`tests/models/test_fused.py` checks it).
 
 It serves only what those kernels serve (and one whole model: the loop makes no collective calls): CPU tensors in one of `ops.NATIVE_DTYPES`, a KV cache of
 the model's dtype, no per-head q/k norm (Qwen3 keeps the per-op path), every linear packed for
-Sonar's bf16 kernel, a plain ``nn.Linear``, or (bfloat16 models) a `QuantLinear` on the native
+Sonar's bf16 kernel, a plain ``nn.Linear``, or (bfloat16 and float32 models) a `QuantLinear` on the native
 quantized backend without an act-order permutation; the kinds and quantized formats may differ from
 one linear to the next (a GGUF Q4_K_M file mixes int4 and int8 layers). A `LoRALinear` serves as its
 base layer does, its adapters in the model's dtype added after it by the same native ``lora_add``
@@ -126,7 +126,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     typed = [t for values in lists.values() for t in values if id(t) not in quantized]
     if not ops.use_native(final_norm, *typed, *adapters.tensors()):
         return None
-    if quantized and final_norm.dtype != torch.bfloat16:  # the quantized kernel takes bfloat16 x
+    if quantized and final_norm.dtype not in quant_cpu.ACTIVATION_DTYPES:
         return None
     return LayerWeights(
         **lists,

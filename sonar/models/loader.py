@@ -172,7 +172,8 @@ def load_model(
 
     `dtype` ``auto`` keeps a bfloat16 checkpoint in bfloat16 and serves float32/float16
     checkpoints (and GGUF) in float16, except on CPU, where float16 is slow and bfloat16 is
-    chosen instead. `load_format` ``dummy`` builds the model from its config with random weights.
+    chosen instead, and float32 on a CPU whose bfloat16 products are emulated
+    (`bfloat16_emulated`). `load_format` ``dummy`` builds the model from its config with random weights.
     `quantization`: the method the weights are in (None: what the checkpoint says; a GGUF file
     is ``gguf``). `dequantize_weights`: serve a quantized checkpoint's weights dequantized to
     `dtype` (the reference path: more memory, slower decode). `parallel`: the tensor-parallel rank
@@ -251,8 +252,6 @@ def load_model(
     tokenizer_path = _tokenizer_dir(model_dir, model, source, tokenizer_revision, hub)
     if getattr(module, "classifier_from_token", ()) and load_format != "dummy":
         module.classifier_token_ids = _token_ids(module.classifier_from_token, tokenizer_path, source)
-    if (from_gguf or method is not None) and not dequantize_weights and load_format != "dummy":
-        dequantize_weights = _float32_on_cpu(resolved, device, quantization, source)
     if load_format == "dummy":
         if quantization is not None or method is not None:
             raise ModelLoadError(
@@ -336,9 +335,15 @@ def checkpoint_dtype(config: Any) -> torch.dtype | None:
     return value if isinstance(value, torch.dtype) else None
 
 
+def bfloat16_emulated(device: torch.device) -> bool:
+    """Whether bfloat16 matrix products on `device` are emulated: a CPU without AVX512-BF16 / AMX
+    (nor AVX-NE-CONVERT), where oneDNN widens every operand to float32 in software."""
+    return device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch.device) -> torch.dtype:
     chosen = _resolve_dtype(requested, checkpoint, device)
-    if chosen == torch.bfloat16 and device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if chosen == torch.bfloat16 and bfloat16_emulated(device):
         # measured on an AVX2-only EPYC, 2 threads: bfloat16 F.linear 19 GFLOP/s against 146 in float32
         log.warning(
             "model.bfloat16_emulated",
@@ -356,20 +361,26 @@ def _resolve_dtype(requested: str, checkpoint: torch.dtype | None, device: torch
                 "model.float16_on_cpu", detail="float16 is slow on the CPU; bfloat16 is the fast half precision there"
             )
         return chosen
+    checkpoint_name = str(checkpoint).removeprefix("torch.")
+    if bfloat16_emulated(device):
+        log.info(
+            "model.dtype_auto",
+            dtype="float32",
+            detail="float32 on this CPU: it has no bfloat16 matrix instructions (AVX512-BF16, AMX), so "
+            "bfloat16 and float16 products are emulated, several times slower than float32",
+            checkpoint_dtype=checkpoint_name,
+        )
+        return torch.float32
     chosen = torch.bfloat16 if checkpoint == torch.bfloat16 else torch.float16
     if chosen == torch.float16 and device.type == "cpu":
         log.info(
             "model.dtype_auto",
             dtype="bfloat16",
             detail="bfloat16 on the CPU (float16 would be slow there)",
-            checkpoint_dtype=str(checkpoint).removeprefix("torch."),
+            checkpoint_dtype=checkpoint_name,
         )
         return torch.bfloat16
-    log.info(
-        "model.dtype_auto",
-        dtype=str(chosen).removeprefix("torch."),
-        checkpoint_dtype=str(checkpoint).removeprefix("torch."),
-    )
+    log.info("model.dtype_auto", dtype=str(chosen).removeprefix("torch."), checkpoint_dtype=checkpoint_name)
     return chosen
 
 
@@ -545,26 +556,6 @@ def _token_ids(tokens: tuple[str, ...], tokenizer_path: Path | None, source: str
     if unknown:
         raise ModelLoadError(f"{source}: classifier_from_token {unknown} are not tokens of the model's vocabulary")
     return ids
-
-
-def _float32_on_cpu(dtype: torch.dtype, device: torch.device, requested: str | None, source: str) -> bool:
-    """Whether a quantized checkpoint must be served dequantized: float32 on the CPU, whose
-    quantized kernels take bfloat16 activations. Asked for by ``--quantization``, that is an error;
-    read from the checkpoint, the weights are dequantized (exact, then float32), with a warning."""
-    if device.type != "cpu" or dtype != torch.float32:
-        return False
-    if requested is not None:
-        raise ModelLoadError(
-            f"--quantization {requested} with --dtype float32: Sonar's quantized CPU kernels take bfloat16 "
-            f"activations; serve {source} with --dtype bfloat16, or dequantized with --dequantize-weights"
-        )
-    log.warning(
-        "model.quantized_served_dequantized",
-        detail="float32 on the CPU: the quantized kernels take bfloat16 activations, so the weights are "
-        "dequantized (exactly) and served in float32; --dtype bfloat16 serves them quantized",
-        source=source,
-    )
-    return True
 
 
 def _written(installed: Installed) -> set[str]:

@@ -1,16 +1,20 @@
 """The native quantized linear kernel (``torch.ops.sonar_cpu.linear_quant``, `sonar.kernels.quant_cpu`)
 against `sonar.kernels.quant.reference_linear`: every format and group size, with and without
 offsets, act-order, bias, row counts around the register blocks, a tile count not a multiple of
-16; exactly where every sum is exact; `rows` against `dequantize`; the portable build.
+16; exactly where every sum is exact; `rows` against `dequantize`; every path this CPU can run
+(portable, AVX2, AVX-512: `sonar.kernels.native.set_quant_isa`) in bfloat16 and float32; the
+selection of the path from the CPU's flags; the portable build.
 
-Tolerance (bfloat16 output, compared in float32): both sides round a float32 sum to bfloat16, so
-they may differ by one bfloat16 step (2^-7 relative) plus float32 rounding (at most
-about 2 K 2^-24 < 3e-5 of sum |x| |w|, K = 256). For int8 weights the kernel also quantizes x to int8 per row and group (scale_x = max |x| /
-127, rounded to nearest): each x is off by at most scale_x / 2, so a group's sum by at most
-scale_x / 2 * sum |w| over the group, and the output by the sum of that over the groups."""
+Tolerance (compared in float32): float32 rounding of the sums, at most about 2 K 2^-24 < 3e-5 of
+sum |x| |w| (K = 256); with bfloat16 output both sides round a float32 sum to bfloat16, so they may
+differ by one bfloat16 step (2^-7 relative) more. For int8 weights and bfloat16 x the AVX-512 and
+portable paths also quantize x to int8 per row and group (scale_x = max |x| / 127, rounded to
+nearest): each x is off by at most scale_x / 2, so a group's sum by at most scale_x / 2 * sum |w|
+over the group, and the output by the sum of that over the groups."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -71,10 +75,11 @@ def exact_weight(fmt: str, group: int, offsets: bool, gen: torch.Generator) -> Q
 
 
 def quantization_error_bound(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
-    """[rows, N]: the most that quantizing x per group (int8 weights) moves x @ w.T, the sum over
-    groups of scale_x / 2 * sum |w| (zero for int4 and fp8, whose x stays bfloat16)."""
+    """[rows, N]: the most that quantizing x per group (int8 weights, bfloat16 x) moves x @ w.T,
+    the sum over groups of scale_x / 2 * sum |w| (zero for int4 and fp8, and for float32 x: those
+    stay unrounded)."""
     rows, k = x.shape
-    if qw.format != "int8":
+    if qw.format != "int8" or x.dtype != torch.bfloat16:
         return torch.zeros(rows, qw.values.shape[0])
     w = quant.dequantize(qw).abs()  # in x's column order (act-order gathers x's columns)
     xg = (x.float() if qw.perm is None else x.float()[:, qw.perm]).reshape(rows, -1, qw.group)
@@ -88,7 +93,8 @@ def assert_close_to_reference(
 ) -> None:
     want = quant.reference_linear(x, qw, bias).float()
     spread = x.float().abs() @ quant.dequantize(qw).abs().T
-    bound = 2**-7 * want.abs() + 3e-5 * spread + quantization_error_bound(x, qw) + 1e-6
+    step = 2**-7 if x.dtype == torch.bfloat16 else 0.0
+    bound = step * want.abs() + 3e-5 * spread + quantization_error_bound(x, qw) + 1e-6
     error = (got.float() - want).abs()
     assert got.dtype == x.dtype and got.shape == want.shape
     assert bool((error <= bound).all()), f"error up to {(error / bound).max().item():.2f}x the bound"
@@ -166,8 +172,73 @@ def test_packing_holds_the_layout_unchanged() -> None:
 
 def test_other_activation_dtypes_take_the_reference() -> None:
     qw = random_weight("int8", 32, True, perm=True)
-    x = torch.randn(3, K)
+    x = torch.randn(3, K).to(torch.float16)
     assert torch.equal(QuantLinear(qw, None)(x), quant.reference_linear(x, qw))
+
+
+# --- the paths: portable, AVX2, AVX-512 ----------------------------------------------------------
+
+RUNNABLE = native.ISAS[: native.ISAS.index(native.best_isa(native.cpu_flags())) + 1]
+
+
+@pytest.fixture(params=native.ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path the quantized kernel has, forced for the test; those this CPU cannot run skip."""
+    if request.param not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    native.set_quant_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        native.set_quant_isa("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_every_path_matches_the_reference(isa: str, dtype: torch.dtype, fmt: str) -> None:
+    assert native.quant_isa() == isa
+    gen = torch.Generator().manual_seed(11)
+    for group, offsets, perm in ((16, True, False), (32, False, True), (64, True, True), (K, True, False)):
+        qw = random_weight(fmt, group, offsets, perm, seed=group)
+        layer = QuantLinear(qw, None)
+        for rows in (1, 2, 3, 4, 5, 8, 17):
+            x = torch.randn(rows, K, generator=gen).to(dtype)
+            bias = torch.randn(N, generator=gen).to(dtype) if rows % 2 else None
+            layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+            assert_close_to_reference(layer(x), x, qw, bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_path_is_exact_where_every_sum_is(isa: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    for fmt in ("int4", "int8", "fp8"):
+        for group, offsets in ((16, True), (K, False)):
+            qw = exact_weight(fmt, group, offsets, gen)
+            layer = QuantLinear(qw, torch.randint(-3, 3, (N,), generator=gen).to(dtype))
+            for rows in (1, 3, 4, 9):
+                x = exact_x(rows, group, gen).to(dtype)
+                assert torch.equal(layer(x), quant.reference_linear(x, qw, layer.bias)), (fmt, group, rows)
+
+
+def test_the_path_follows_the_cpus_flags() -> None:
+    """What the library runs by default is what `best_isa` reads from the CPU's flags; the choice
+    itself, for the CPUs CI has (AVX-512 with BF16 and VNNI, AVX2-only) and older ones."""
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
+    zen4 = avx2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"}
+    assert native.best_isa(zen4) == "avx512"
+    assert native.best_isa(zen4 - {"avx512_bf16"}) == "avx2"  # the AVX-512 path needs bfloat16 pairs
+    assert native.best_isa(avx2) == "avx2"
+    assert native.best_isa(avx2 - {"fma"}) == "portable"
+    assert native.best_isa(frozenset()) == "portable"
+    if native.cpu_flags():
+        assert native.quant_isa() == native.best_isa(native.cpu_flags())
+
+
+def test_a_path_the_cpu_cannot_run_is_refused() -> None:
+    for name in ("avx1024", *(i for i in native.ISAS if i not in RUNNABLE)):
+        with pytest.raises(native.NativeIsaError, match=f"SONAR_CPU_ISA={name}"):
+            native.set_quant_isa(name)
+    assert native.quant_isa() == RUNNABLE[-1]
 
 
 def test_what_the_backend_does_not_serve() -> None:
@@ -185,8 +256,10 @@ def test_bad_input_is_refused() -> None:
     packed = quant_cpu.pack(qw)
     x = torch.randn(2, K).to(torch.bfloat16)
     op = torch.ops.sonar_cpu.linear_quant
-    with pytest.raises(RuntimeError, match="bfloat16 x"):
-        op(x.float(), packed, None, 0, N, 32, True)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32 x"):
+        op(x.half(), packed, None, 0, N, 32, True)
+    with pytest.raises(RuntimeError, match="bias"):
+        op(x.float(), packed, torch.zeros(N, dtype=torch.bfloat16), 0, N, 32, True)
     with pytest.raises(RuntimeError, match="bytes per group"):
         op(x, packed, None, 0, N, 32, False)  # offsets missing from the packing
     with pytest.raises(RuntimeError, match="output features"):
@@ -215,6 +288,7 @@ from sonar.kernels import quant, quant_cpu
 from tests.kernels.test_quant_cpu import K, N, assert_close_to_reference, exact_weight, exact_x, random_weight
 
 assert not torch.ops.sonar_cpu.has_linear_quant()
+torch.ops.sonar_cpu.set_quant_isa("portable")
 gen = torch.Generator().manual_seed(0)
 for fmt in ("int4", "int8", "fp8"):
     for group, offsets in ((16, True), (32, False), (K, True)):
@@ -234,8 +308,8 @@ print("ok")
 
 
 def test_portable_build_matches_the_reference() -> None:
-    """The kernel as a CPU without AVX-512 gets it (``-mno-avx512f``: the portable loop over the
-    same packing), in a fresh process (one process can load one ``sonar_cpu`` library). Built
+    """The kernel as a CPU without AVX-512 gets it (``-mno-avx512f``; the portable loop forced: the
+    AVX2 path is compiled in regardless and chosen where the CPU has it), in a fresh process (one process can load one ``sonar_cpu`` library). Built
     into the usual cache, so it compiles once per source."""
     library = native.build(flags=("-mno-avx512f",))
     assert_portable_check_passes(PORTABLE_CHECK, library)
@@ -248,3 +322,20 @@ def test_replace_keeps_perm_semantics() -> None:
     x = torch.randn(4, K, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
     permuted = QuantLinear(replace(qw, perm=perm), None)(x)
     assert torch.equal(permuted, QuantLinear(qw, None)(x[:, perm].contiguous()))
+
+
+def test_the_environment_picks_the_path() -> None:
+    """``SONAR_CPU_ISA`` at load (a fresh process: the library reads it once); an unknown name is
+    refused with a message naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    script = "from sonar.kernels import native; print(native.quant_isa())"
+    for name, want in (("portable", "portable"), ("auto", RUNNABLE[-1])):
+        env = {**os.environ, native.ISA_ENV: name}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0 and proc.stdout.split()[-1] == want, proc.stderr[-2000:]
+    env = {**os.environ, native.ISA_ENV: "avx1024"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0 and "SONAR_CPU_ISA=avx1024" in proc.stderr

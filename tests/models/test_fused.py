@@ -182,10 +182,10 @@ def _quantize(weight: torch.Tensor, fmt: str, group: int, offsets: bool) -> Quan
     return QuantizedWeight(fmt, values.reshape(n, k), scale, middle if offsets else None, group)
 
 
-def _quantized_model(path: Any) -> Any:
-    """A tiny checkpoint in bfloat16 with every linear layer quantized, formats mixed as a GGUF
+def _quantized_model(path: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A tiny checkpoint in `dtype` with every linear layer quantized, formats mixed as a GGUF
     Q4_K_M file mixes them, and its tied output layer in int8 serving the embedding too."""
-    loaded = load_model(str(path), dtype="bfloat16")
+    loaded = load_model(str(path), dtype=str(dtype).removeprefix("torch."))
     model = loaded.model
     plan = {"qkv_proj": ("int4", 32, True), "o_proj": ("fp8", 64, False), "gate_up_proj": ("int4", 16, False)}
     plan["down_proj"] = ("int8", 32, False)
@@ -200,17 +200,20 @@ def _quantized_model(path: Any) -> Any:
         plan["o_proj"] = ("int8", 64, True)  # the next layers: another format in the same slot
     head = QuantLinear(_quantize(model.lm_head.weight.detach(), "int8", 32, False), None)
     model.lm_head = head
-    model.model.embed_tokens = QuantEmbedding(head, torch.bfloat16)
+    model.model.embed_tokens = QuantEmbedding(head, dtype)
     return loaded
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2"])
+@pytest.mark.parametrize(
+    ("name", "dtype"), [("llama3", torch.bfloat16), ("qwen2", torch.bfloat16), ("llama3", torch.float32)]
+)
 def test_quantized_layers_equal_the_per_op_path(
-    name: str, tiny_checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+    name: str, dtype: torch.dtype, tiny_checkpoints: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """int4 (with and without offsets), int8 and fp8 layers, several group sizes, biases (Qwen2),
-    through ``linear_quant`` in the loop and in the layers: the same bits."""
-    loaded = _quantized_model(tiny_checkpoints[name].path)
+    through ``linear_quant`` in the loop and in the layers: the same bits, in bfloat16 and in
+    float32 (what ``--dtype auto`` serves on an AVX2-only CPU)."""
+    loaded = _quantized_model(tiny_checkpoints[name].path, dtype)
     weights = layer_weights(loaded.model)
     assert weights is not None
     # int4 with offsets, fp8, int4, int8; then int8 with offsets in the second layer's o_proj
@@ -223,7 +226,7 @@ def test_quantized_layers_equal_the_per_op_path(
     assert weights.groups[:4] == [32, 64, 16, 32]
     fused, per_op, a, b, calls = _both(
         loaded.model,
-        torch.bfloat16,
+        dtype,
         _prompts(loaded.config.vocab_size),
         10,
         monkeypatch,
@@ -235,8 +238,8 @@ def test_quantized_layers_equal_the_per_op_path(
 
 
 def test_quantized_layers_the_loop_does_not_serve(tiny_checkpoints: dict[str, Any]) -> None:
-    """An act-order permutation, the reference backend, and a float32 model with quantized layers
-    take the per-op path."""
+    """An act-order permutation, the reference backend, and a float16 model with quantized layers
+    (the kernel takes bfloat16 and float32 x) take the per-op path."""
     path = tiny_checkpoints["llama3"].path
     loaded = _quantized_model(path)
     layer = loaded.model.model.layers[1].mlp
@@ -247,9 +250,9 @@ def test_quantized_layers_the_loop_does_not_serve(tiny_checkpoints: dict[str, An
     assert layer_weights(loaded.model) is None
     layer.down_proj = QuantLinear(qw, None)
     assert layer_weights(loaded.model) is not None
-    model32 = load_model(str(path), dtype="float32").model
-    model32.model.layers[0].mlp.down_proj = QuantLinear(qw, None)
-    assert layer_weights(model32) is None
+    model16 = load_model(str(path), dtype="float16").model
+    model16.model.layers[0].mlp.down_proj = QuantLinear(qw, None)
+    assert layer_weights(model16) is None
 
 
 # --- LoRA adapters -------------------------------------------------------------------------------

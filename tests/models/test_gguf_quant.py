@@ -82,7 +82,7 @@ def test_embedded_model_is_served_as_quants(served_pair: tuple[Any, Any]) -> Non
     assert model.model.embed_tokens.source is model.lm_head
     ref = reference.model
     layer, ref_layer = model.model.layers[3].self_attn.qkv_proj, ref.model.layers[3].self_attn.qkv_proj
-    x = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    x = torch.eye(layer.in_features, dtype=quantized.dtype)  # bfloat16, or float32 where it is emulated
     torch.testing.assert_close(layer(x).T, ref_layer.weight, rtol=2**-8, atol=1e-6)
     ids = torch.tensor([0, 5, 49151, 1234])
     torch.testing.assert_close(model.model.embed_tokens(ids), ref.model.embed_tokens(ids), rtol=0, atol=0)
@@ -110,11 +110,12 @@ def test_quantized_serving_agrees_with_the_dequantized_path(served_pair: tuple[A
     quantized, reference = served_pair
     _, prompts = smollm2_prompts
     n = 16
-    ref = GreedyDriver(reference.model, torch.bfloat16, num_blocks=64).generate(prompts, n)
+    assert quantized.dtype == reference.dtype  # what --dtype auto serves on this CPU
+    ref = GreedyDriver(reference.model, reference.dtype, num_blocks=64).generate(prompts, n)
     # teacher-forced: the quantized model reads the reference's tokens and picks its own next one at
     # each of them, so one near-tie does not turn the rest of an answer into a different text
     forced = [p + t for p, t in zip(prompts, ref.tokens)]
-    ours = GreedyDriver(quantized.model, torch.bfloat16, num_blocks=64).generate(forced, 1, prompt_logits=True)
+    ours = GreedyDriver(quantized.model, quantized.dtype, num_blocks=64).generate(forced, 1, prompt_logits=True)
     same = 0
     for prompt, tokens, logits in zip(prompts, ref.tokens, ours.prompt_logits):
         picks = logits[len(prompt) - 1 : len(prompt) - 1 + n].argmax(dim=-1).tolist()
@@ -124,7 +125,7 @@ def test_quantized_serving_agrees_with_the_dequantized_path(served_pair: tuple[A
     tokens = quantized.load_tokenizer()(PASSAGE).input_ids
     ppl = []
     for loaded in served_pair:
-        gen = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate([tokens], 1, prompt_logits=True)
+        gen = GreedyDriver(loaded.model, loaded.dtype, num_blocks=64).generate([tokens], 1, prompt_logits=True)
         logprobs = torch.log_softmax(gen.prompt_logits[0][:-1].float(), dim=-1)
         nll = -logprobs.gather(1, torch.tensor(tokens[1:]).unsqueeze(1)).mean()
         ppl.append(float(torch.exp(nll)))
@@ -208,8 +209,8 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
     monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
     path = tmp_path / f"{mix}.gguf"
     _tiny_quantized_gguf(path, MIXES[mix])
-    quantized = load_model(str(path))
-    reference = load_model(str(path), dequantize_weights=True)
+    quantized = load_model(str(path), dtype="bfloat16")
+    reference = load_model(str(path), dtype="bfloat16", dequantize_weights=True)
     installed = quantized.quantized
     served = {name.rsplit(".", 1)[-1] for name in installed.quantized}
     if mix == "unserved":
@@ -217,7 +218,7 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
         assert isinstance(quantized.model.model.layers[0].self_attn.o_proj, torch.nn.Linear)
     else:
         assert served == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "embed_tokens"}
-    exact = load_model(str(path), dtype="float32")  # the CPU serves float32 dequantized: the truth
+    exact = load_model(str(path), dtype="float32", dequantize_weights=True)  # the truth
     assert exact.quantization is None
     prompts = [[5, 17, 300, 2, 99, 120, 4, 8, 15, 16, 23, 42], [7, 7, 7]]
 
@@ -233,7 +234,7 @@ def test_a_quantized_file_serves_the_dequantized_logits(mix: str, tmp_path: Any,
         ref_error = float(torch.linalg.norm(ref - true) / torch.linalg.norm(true))
         print(f"{mix}: relative error of the prompt logits, quantized {error:.4f}, dequantized {ref_error:.4f}")
         assert error <= max(3 * ref_error, 0.08)
-    again = load_model(str(path))  # from the cache of unpacked quants now
+    again = load_model(str(path), dtype="bfloat16")  # from the cache of unpacked quants now
     assert again.quantized.formats == installed.formats
 
 

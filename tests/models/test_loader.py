@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from sonar.models import loader
 from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
-from sonar.models.loader import cached_tokenizer_dir, load_model, resolve_dtype
+from sonar.models.loader import bfloat16_emulated, cached_tokenizer_dir, load_model, resolve_dtype
 
 
 @pytest.fixture
@@ -144,11 +145,39 @@ def test_dtype_auto(tiny_checkpoints: dict[str, Any], llama_copy: Path) -> None:
     assert resolve_dtype("auto", torch.float16, gpu) == torch.float16
     assert resolve_dtype("auto", torch.bfloat16, gpu) == torch.bfloat16
     assert resolve_dtype("auto", None, gpu) == torch.float16
-    assert resolve_dtype("auto", torch.float32, cpu) == torch.bfloat16
+    served = torch.float32 if bfloat16_emulated(cpu) else torch.bfloat16
+    assert resolve_dtype("auto", torch.float32, cpu) == served
+    assert resolve_dtype("auto", torch.bfloat16, cpu) == served
     assert resolve_dtype("float32", torch.bfloat16, cpu) == torch.float32
+    assert resolve_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16  # honoured, with a warning if emulated
     loaded = load_model(str(tiny_checkpoints["qwen2"].path))
-    assert loaded.dtype == torch.bfloat16
-    assert all(p.dtype == torch.bfloat16 for p in loaded.model.parameters())
+    assert loaded.dtype == served
+    assert all(p.dtype == served for p in loaded.model.parameters())
+
+
+@pytest.mark.parametrize("emulated", [False, True])
+def test_dtype_auto_follows_the_cpus_bfloat16(emulated: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto picks float32 where bfloat16 products are emulated (AVX2-only CPUs), bfloat16 where the
+    CPU multiplies it natively; an explicit dtype is kept either way; a GPU is unaffected."""
+    monkeypatch.setattr(loader, "bfloat16_emulated", lambda device: emulated and device.type == "cpu")
+    cpu = torch.device("cpu")
+    for checkpoint in (torch.float32, torch.bfloat16, torch.float16, None):
+        assert resolve_dtype("auto", checkpoint, cpu) == (torch.float32 if emulated else torch.bfloat16)
+    assert resolve_dtype("bfloat16", None, cpu) == torch.bfloat16
+    assert resolve_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+
+
+def test_bfloat16_emulated_reads_the_cpu() -> None:
+    """The answer is oneDNN's: not emulated with AVX512-BF16 or AMX, emulated without AVX-512 and
+    AVX-NE-CONVERT (an AVX2-only CPU); between the two (AVX-512 without BF16) it is oneDNN's call."""
+    from sonar.kernels import native
+
+    flags = native.cpu_flags()
+    if {"avx512_bf16", "amx_bf16"} & flags:
+        assert not bfloat16_emulated(torch.device("cpu"))
+    elif flags and not {"avx512f", "avx_ne_convert"} & flags:
+        assert bfloat16_emulated(torch.device("cpu"))
+    assert not bfloat16_emulated(torch.device("cuda"))
 
 
 def test_embedded_default(smollm2_fp32: Any) -> None:

@@ -101,7 +101,7 @@ def test_bfloat16_is_sane(smollm2_prompts: Any, smollm2_fp32: Any) -> None:
 
     texts, prompts = smollm2_prompts
     n = 16
-    loaded = load_model(None, dequantize_weights=True)  # dtype auto on CPU -> bfloat16
+    loaded = load_model(None, dtype="bfloat16", dequantize_weights=True)  # the bf16 serving path
     assert loaded.dtype == torch.bfloat16
     ours = GreedyDriver(loaded.model, torch.bfloat16, num_blocks=64).generate(prompts, n)
     hf = AutoModelForCausalLM.from_pretrained(str(loaded.model_dir), dtype=torch.bfloat16).eval()

@@ -16,11 +16,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -1345,7 +1347,8 @@ bool has_linear_bf16() {
 
 // --- quantized linear layers ---------------------------------------------------------------------
 //
-// y = x @ W.T (+ bias) for bfloat16 x [M, K] and W in the logical layout of
+// y = x @ W.T (+ bias) for bfloat16 or float32 x [M, K] (y and bias of x's dtype; float32 x takes
+// the AVX2 path below, or the portable loop) and W in the logical layout of
 // sonar/kernels/quant.py (w = v * scale + offset per group of `group` input columns of a row),
 // packed once at load by sonar/kernels/quant_cpu.py as a byte tensor [ceil(N / 16), G, B]: per tile
 // of 16 output columns and per group g, the group's weights in 64-byte lines, then the 16 columns'
@@ -1379,8 +1382,9 @@ bool has_linear_bf16() {
 //     (as float32 subnormals); times 2^120, rounded (exactly) to bfloat16 by vcvtne2ps2bf16 (a
 //     bfloat16 subnormal would be read as zero by vdpbf16ps, hence the float32 detour; the NaN
 //     encoding, which no weight holds, reads as 480).
-// Without AVX512-VNNI and AVX512-BF16 a portable loop reads the same packing with the same
-// quantized x for int8 (same results up to float rounding of the per-group terms).
+// Without AVX512-VNNI and AVX512-BF16 the AVX2 path (below) runs, or a portable loop that reads the
+// same packing with the same quantized x for int8 bfloat16 x (same results up to float rounding of
+// the per-group terms).
 
 enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
 
@@ -1426,7 +1430,8 @@ struct QuantX {
 };
 
 // Per row of x and group: the sum of the row's values in the group, float32.
-std::vector<float> group_sums(const Bf16* x, int64_t rows, int64_t k, int64_t group) {
+template <typename T>
+std::vector<float> group_sums(const T* x, int64_t rows, int64_t k, int64_t group) {
   const int64_t groups = k / group;
   std::vector<float> sums(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
@@ -1742,11 +1747,14 @@ void linear_quant_avx512(const QuantX& xs, int64_t rows, const uint8_t* ws, cons
 }
 #endif
 
-// The portable loop: per tile and group, the group's weights unpacked once (int8: as the stored
-// unsigned bytes; int4 / fp8: to float32), then every row's 16 column sums over them.
-void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const Bf16* bs,
-                           Bf16* ys, int64_t out_features) {
-  const bool integer = geo.format == kInt8;
+// The portable loop: per tile and group, the group's weights unpacked once (int8 with bfloat16 x:
+// as the stored unsigned bytes, multiplied with the quantized x; otherwise to float32), then every
+// row's 16 column sums over them. T is x's (and y's) element type: float x keeps every format in
+// float32, int8 included (no activation rounding).
+template <typename T>
+void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const T* bs,
+                           T* ys, int64_t out_features) {
+  const bool integer = geo.format == kInt8 && std::is_same_v<T, Bf16>;
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(geo.group * 16), out(rows * 16);
     std::vector<int32_t> wi(geo.group * 16);
@@ -1762,7 +1770,9 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
               const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
               wf[i * 16 + c] = static_cast<float>((word >> (4 * (within / 2))) & 0xf);
             } else if (geo.format == kInt8) {
-              wi[i * 16 + c] = wg[line * 64 + c * 4 + within];
+              const uint8_t byte = wg[line * 64 + c * 4 + within];
+              wi[i * 16 + c] = byte;
+              wf[i * 16 + c] = static_cast<float>(static_cast<int8_t>(byte ^ 0x80));
             } else {
               const uint8_t byte = wg[line * 64 + (within / 2) * 32 + c * 2 + within % 2];
               const uint32_t bits =
@@ -1789,7 +1799,7 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
               o[c] += static_cast<float>(acc[c]) * (scale[c] * xr.scales[g]) + off * s;
             }
           } else {
-            const Bf16* xb = reinterpret_cast<const Bf16*>(xr.x) + g * geo.group;
+            const T* xb = reinterpret_cast<const T*>(xr.x) + g * geo.group;
             float acc[16] = {};
             for (int64_t i = 0; i < geo.group; ++i) {
               const float xi = to_float(xb[i]);
@@ -1804,10 +1814,203 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < columns; ++c) {
           const float b = bs ? to_float(bs[t * 16 + c]) : 0.f;
-          ys[r * out_features + t * 16 + c] = from_float<Bf16>(out[r * 16 + c] + b);
+          ys[r * out_features + t * 16 + c] = from_float<T>(out[r * 16 + c] + b);
         }
     }
   });
+}
+
+// --- the AVX2 + FMA path -------------------------------------------------------------------------
+//
+// For CPUs without AVX-512 (AVX2-only EPYCs and Cores) and for float32 x on every x86 CPU: x in
+// float32 (a bfloat16 x is widened once per call), every format unpacked in registers to exact
+// float32 values, 8 output columns per 256-bit vector, multiplied by `vfmadd` and accumulated in
+// float32 one group at a time, then y += scale * sum_k(v x) + offset * sum_k(x) as on the other
+// paths. No activation rounding for int8 either: the result is the float32 reference's up to
+// summation order. Compiled with the target attribute rather than -march, so it is in every x86
+// build and chosen at run time (`set_quant_isa`, `__builtin_cpu_supports`).
+//   int4: a 32-bit lane per column holds 8 nibbles (k = 2 pair + parity at bits 16 parity + 4 pair);
+//     shift, mask, convert.
+//   int8: a lane holds 4 consecutive k as v + 128; xor 0x80 gives v's bits, shifted up and back
+//     down arithmetically to sign-extend each byte.
+//   fp8: bytes (pair, column, parity); a pair's 16 bytes widened as 8 16-bit words, each parity
+//     sign-extended, then the float32 bit trick of the AVX-512 path (exact, subnormals included).
+
+#if defined(__x86_64__) || defined(__i386__)
+#define SONAR_AVX2 1
+#include <immintrin.h>
+#define SONAR_AVX2_FN __attribute__((target("avx2,fma"))) inline
+
+// Value kk (0 .. k per line - 1) of the 8 columns of half `h` of a 64-byte line, as float32.
+template <int FORMAT, int KK>
+SONAR_AVX2_FN __m256 avx2_value(const uint8_t* line, int h) {
+  if constexpr (FORMAT == kInt4) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+    constexpr int shift = 16 * (KK % 2) + 4 * (KK / 2);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(0xf)));
+  } else if constexpr (FORMAT == kInt8) {
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h)),
+                                       _mm256_set1_epi32(int32_t(0x80808080u)));
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * KK), 24));
+  } else {
+    const __m256i words =
+        _mm256_cvtepi16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(line + (KK / 2) * 32 + h * 16)));
+    const __m256i b = KK % 2 ? _mm256_srai_epi32(words, 8) : _mm256_srai_epi32(_mm256_slli_epi32(words, 24), 24);
+    const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32(int32_t(0x87f00000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+  }
+}
+
+// Independent accumulator chains per block (FMA latency x throughput ~ 8 in flight).
+template <int ROWS, int TILES>
+constexpr int kAvx2Split = ROWS * TILES * 2 >= 8 ? 1 : 8 / (ROWS * TILES * 2);
+
+template <int FORMAT, int ROWS, int TILES, int SPLIT, int KK>
+SONAR_AVX2_FN void avx2_step(const uint8_t* wl, int64_t tile_bytes, const float* xk, int64_t x_stride,
+                             __m256 (&acc)[SPLIT][ROWS][2 * TILES]) {
+  __m256 v[2 * TILES];
+  for (int t = 0; t < TILES; ++t)
+    for (int h = 0; h < 2; ++h) v[2 * t + h] = avx2_value<FORMAT, KK>(wl + t * tile_bytes, h);
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256 xb = _mm256_broadcast_ss(xk + r * x_stride + KK);
+    for (int j = 0; j < 2 * TILES; ++j) acc[KK % SPLIT][r][j] = _mm256_fmadd_ps(v[j], xb, acc[KK % SPLIT][r][j]);
+  }
+  if constexpr (KK + 1 < (FORMAT == kInt4 ? 8 : 4))
+    avx2_step<FORMAT, ROWS, TILES, SPLIT, KK + 1>(wl, tile_bytes, xk, x_stride, acc);
+}
+
+// ROWS rows of x (float32, `x_stride` apart; `sums` their per-group sums, `groups` apart) against
+// TILES tiles from `w`: out[r * 16 TILES + c] = the rows' dot products with the tiles' columns.
+template <int FORMAT, int ROWS, int TILES>
+SONAR_AVX2_FN void avx2_block(const float* x, int64_t x_stride, const float* sums, const uint8_t* w,
+                              const QuantGeometry& geo, float* out) {
+  constexpr int SPLIT = kAvx2Split<ROWS, TILES>, H = 2 * TILES;
+  constexpr int64_t KL = FORMAT == kInt4 ? 8 : 4;
+  const int64_t lines = geo.group / KL;
+  __m256 total[ROWS][H];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < H; ++j) total[r][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < geo.groups; ++g) {
+    const uint8_t* wg = w + g * geo.stride_g;
+    __m256 acc[SPLIT][ROWS][H];
+    for (int s = 0; s < SPLIT; ++s)
+      for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < H; ++j) acc[s][r][j] = _mm256_setzero_ps();
+    for (int64_t l = 0; l < lines; ++l) {
+      for (int t = 0; t < TILES; ++t) _mm_prefetch(wg + t * geo.tile_bytes + l * 64 + 512, _MM_HINT_T0);
+      avx2_step<FORMAT, ROWS, TILES, SPLIT, 0>(wg + l * 64, geo.tile_bytes, x + g * geo.group + l * KL, x_stride, acc);
+    }
+    for (int s = 1; s < SPLIT; ++s)
+      for (int r = 0; r < ROWS; ++r)
+        for (int j = 0; j < H; ++j) acc[0][r][j] = _mm256_add_ps(acc[0][r][j], acc[s][r][j]);
+    for (int t = 0; t < TILES; ++t) {
+      const float* meta = reinterpret_cast<const float*>(wg + t * geo.tile_bytes + geo.group_bytes);
+      for (int h = 0; h < 2; ++h) {
+        const __m256 scale = _mm256_loadu_ps(meta + 8 * h);
+        for (int r = 0; r < ROWS; ++r) total[r][2 * t + h] = _mm256_fmadd_ps(acc[0][r][2 * t + h], scale, total[r][2 * t + h]);
+        if (geo.offsets) {
+          const __m256 offset = _mm256_loadu_ps(meta + 16 + 8 * h);
+          for (int r = 0; r < ROWS; ++r)
+            total[r][2 * t + h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sums[r * geo.groups + g]), total[r][2 * t + h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < H; ++j) _mm256_storeu_ps(out + r * 16 * TILES + 8 * j, total[r][j]);
+}
+
+// Per tile, rows are taken 4 at a time (the unpacked weights reused by 4 rows), the last 1-3 in one
+// block; a lone row (a decode at batch 1) runs over two tiles at a time (8 accumulator chains).
+constexpr int kAvx2Rows = 4;
+
+template <int FORMAT>
+__attribute__((target("avx2,fma"))) void linear_quant_avx2(const float* x, const float* sums, int64_t rows,
+                                                          const uint8_t* ws, const QuantGeometry& geo, float* y,
+                                                          int64_t out_features) {
+  at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
+    float out[kAvx2Rows * 32];
+    const auto emit = [&](int64_t r0, int64_t nrows, int64_t t, int64_t tiles) {
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t c = 0; c < std::min<int64_t>(16 * tiles, out_features - t * 16); ++c)
+          y[(r0 + r) * out_features + t * 16 + c] = out[r * 16 * tiles + c];
+    };
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* w = ws + t * geo.tile_bytes;
+      int64_t r = 0;
+      for (; r + kAvx2Rows <= rows; r += kAvx2Rows) {
+        avx2_block<FORMAT, kAvx2Rows, 1>(x + r * geo.k, geo.k, sums + r * geo.groups, w, geo, out);
+        emit(r, kAvx2Rows, t, 1);
+      }
+      const int64_t left = rows - r;
+      const float* xr = x + r * geo.k;
+      const float* sr = sums + r * geo.groups;
+      if (rows == 1 && t + 1 < end) {  // a decode: two tiles at once
+        avx2_block<FORMAT, 1, 2>(xr, geo.k, sr, w, geo, out);
+        emit(r, 1, t, 2);
+        ++t;
+      } else if (left == 1) {
+        avx2_block<FORMAT, 1, 1>(xr, geo.k, sr, w, geo, out);
+        emit(r, 1, t, 1);
+      } else if (left == 2) {
+        avx2_block<FORMAT, 2, 1>(xr, geo.k, sr, w, geo, out);
+        emit(r, 2, t, 1);
+      } else if (left == 3) {
+        avx2_block<FORMAT, 3, 1>(xr, geo.k, sr, w, geo, out);
+        emit(r, 3, t, 1);
+      }
+    }
+  });
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+}
+#else
+bool cpu_has_avx2() { return false; }
+#endif
+
+// --- which path runs ---------------------------------------------------------------------------
+//
+// The fastest path this build and CPU can run, unless `set_quant_isa` chose a slower one (tests,
+// A/B measurements: SONAR_CPU_ISA, read by sonar/kernels/native.py). avx512 (compiled in with
+// -march=native on a CPU with AVX512-BF16 and VNNI) serves bfloat16 x; float32 x takes avx2 there.
+enum QuantIsa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+QuantIsa best_quant_isa() {
+#ifdef SONAR_LINEAR_QUANT
+  return kAvx512;
+#else
+  return cpu_has_avx2() ? kAvx2 : kPortable;
+#endif
+}
+
+std::atomic<int64_t> g_quant_isa{-1};  // -1: best_quant_isa()
+
+QuantIsa quant_isa_now() {
+  const int64_t chosen = g_quant_isa.load(std::memory_order_relaxed);
+  return chosen < 0 ? best_quant_isa() : static_cast<QuantIsa>(chosen);
+}
+
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+
+std::string quant_isa() { return kIsaNames[quant_isa_now()]; }
+
+// Chooses the path by name ("auto": the best one); a path this build or CPU cannot run is refused.
+void set_quant_isa(const std::string& name) {
+  if (name == "auto") {
+    g_quant_isa.store(-1);
+    return;
+  }
+  for (int64_t i = kPortable; i <= kAvx512; ++i) {
+    if (name != kIsaNames[i]) continue;
+    TORCH_CHECK(i <= best_quant_isa(), "sonar_cpu::set_quant_isa: ", name, " cannot run here (the best is ",
+                kIsaNames[best_quant_isa()], ")");
+    g_quant_isa.store(i);
+    return;
+  }
+  TORCH_CHECK(false, "sonar_cpu::set_quant_isa: unknown path ", name, " (auto, portable, avx2, avx512)");
 }
 
 // y = x @ W.T (+ bias) over a packed quantized weight; `next` as in linear_bf16_then.
@@ -1816,16 +2019,42 @@ at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, cons
   check_cpu(x, "x");
   check_cpu(packed, "packed");
   const QuantGeometry geo(packed, format, group, offsets);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous() && x.size(1) == geo.k,
-              "sonar_cpu::linear_quant: contiguous bfloat16 x [M, ", geo.k, "]");
+  const bool is_float = x.scalar_type() == at::kFloat;
+  TORCH_CHECK((is_float || x.scalar_type() == at::kBFloat16) && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) == geo.k,
+              "sonar_cpu::linear_quant: contiguous bfloat16 or float32 x [M, ", geo.k, "]");
   TORCH_CHECK(out_features <= geo.tiles * 16 && out_features > (geo.tiles - 1) * 16,
               "sonar_cpu::linear_quant: ", out_features, " output features in ", geo.tiles, " tiles of 16");
   if (bias) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
-                "sonar_cpu::linear_quant: bfloat16 bias [N]");
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() && bias->numel() == out_features,
+                "sonar_cpu::linear_quant: a bias [N] of x's dtype");
   }
   const int64_t rows = x.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
+  const QuantIsa isa = quant_isa_now();
+#ifdef SONAR_AVX2
+  if (isa == kAvx2 || (isa == kAvx512 && is_float)) {
+    at::Tensor xf = is_float ? x : x.to(at::kFloat);
+    const float* xs = data<const float>(xf);
+    std::vector<float> sums = group_sums(xs, rows, geo.k, group);
+    at::Tensor yf = is_float ? y : at::empty({rows, out_features}, x.options().dtype(at::kFloat));
+    if (format == kInt4) linear_quant_avx2<kInt4>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
+    else if (format == kInt8) linear_quant_avx2<kInt8>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
+    else linear_quant_avx2<kFp8>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
+    if (bias) yf.add_(*bias);
+    if (!is_float) y.copy_(yf);
+    return y;
+  }
+#endif
+  const uint8_t* ws = data<const uint8_t>(packed);
+  if (is_float) {
+    const float* xs = data<const float>(x);
+    std::vector<float> sums = group_sums(xs, rows, geo.k, group);
+    const QuantX qx{reinterpret_cast<const int32_t*>(xs), geo.k, sums.data(), nullptr, geo.groups};
+    linear_quant_portable<float>(qx, rows, ws, geo, bias ? data<const float>(*bias) : nullptr, data<float>(y),
+                                 out_features);
+    return y;
+  }
   const Bf16* xb = data<const Bf16>(x);
   std::vector<float> sums, scales;
   std::vector<int32_t> xq;  // int8: the quantized x, 4 bytes per word
@@ -1840,16 +2069,18 @@ at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, cons
     xs = {xq.data(), geo.k / 4, nullptr, scales.data(), geo.groups};
   }
   xs.sums = sums.data();
-  const uint8_t* ws = data<const uint8_t>(packed);
   const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
   Bf16* ys = data<Bf16>(y);
 #ifdef SONAR_LINEAR_QUANT
-  if (format == kInt4) linear_quant_avx512<kInt4>(xs, rows, ws, geo, bs, ys, out_features, next);
-  else if (format == kInt8) linear_quant_avx512<kInt8>(xs, rows, ws, geo, bs, ys, out_features, next);
-  else linear_quant_avx512<kFp8>(xs, rows, ws, geo, bs, ys, out_features, next);
-#else
-  linear_quant_portable(xs, rows, ws, geo, bs, ys, out_features);
+  if (isa == kAvx512) {
+    if (format == kInt4) linear_quant_avx512<kInt4>(xs, rows, ws, geo, bs, ys, out_features, next);
+    else if (format == kInt8) linear_quant_avx512<kInt8>(xs, rows, ws, geo, bs, ys, out_features, next);
+    else linear_quant_avx512<kFp8>(xs, rows, ws, geo, bs, ys, out_features, next);
+    return y;
+  }
 #endif
+  (void)next;
+  linear_quant_portable<Bf16>(xs, rows, ws, geo, bs, ys, out_features);
   return y;
 }
 
@@ -2264,6 +2495,8 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("linear_quant(Tensor x, Tensor packed, Tensor? bias, int format, int out_features, int group, bool offsets) "
         "-> Tensor");
   m.def("has_linear_quant() -> bool", &has_linear_quant);
+  m.def("quant_isa() -> str", &quant_isa);
+  m.def("set_quant_isa(str name) -> ()", &set_quant_isa);
   m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor rows, int[] splits) -> ()");
 }
 
