@@ -1,7 +1,13 @@
 import os
 from pathlib import Path
 
-import pytest
+# Triton's interpreter runs the Triton kernels on CPU tensors (tests/kernels). TRITON_INTERPRET is
+# read when `triton.language` defines its own jitted helpers (tl.zeros, ...), i.e. at the first
+# import of triton, which torch may do while any test module is collected (torch._dynamo imports
+# it): set before pytest collects anything, or an interpreted kernel calls an uninterpreted helper.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
