@@ -21,13 +21,12 @@ from typing import Any, Iterator
 import anyio
 import httpx
 import pytest
+import ray  # noqa: E402  (the test extra installs it: these tests fail, not skip, without it)
 
 import sonar
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint
 from tests.http.conftest import serving
-
-ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import shutil
 import ssl
 import subprocess
 import sys
@@ -26,8 +25,6 @@ import torch
 from tests.http.conftest import ROOT, ServerProcess, free_port, stop_server_cleanly
 from tests.http.test_content_format import PARTS_TEMPLATE
 from tests.http.test_tls import install, make_cert
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
 BASE = ("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--seed", "0")
 

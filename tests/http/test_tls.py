@@ -16,8 +16,6 @@ import pytest
 
 from sonar.http.tls import CertRefresher, TlsFiles
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
-
 
 def make_cert(folder: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 (EC P-256: quick to make) and its key."""
