@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sonar.actors.runners import EXTRA_RUNNERS, ChildProcessRunner
 from sonar.actors.spec import ChildSpec, RayBundle
+from sonar.engine.ranks import OWN_GPU_ENV
 from sonar.errors import SonarError
 from sonar.log import get_logger
 
@@ -41,9 +42,6 @@ if TYPE_CHECKING:
     from sonar.actors.supervisor import Supervisor
 
 log = get_logger("sonar.actors")
-
-OWN_GPU_ENV = "SONAR_OWN_GPU"
-"""Set in a host that Ray gave one GPU of its own (it sees only that one, as device 0)."""
 
 
 _connecting = threading.Lock()

@@ -24,11 +24,13 @@ KNOWN = frozenset(
         "SONAR_ACTOR_SERVER_SECRET",
         "SONAR_ALLOW_RUNTIME_LORA_UPDATING",
         "SONAR_CACHE_ROOT",
+        "SONAR_CPU_ISA",
         "SONAR_DEVICE",
         "SONAR_FORCE_AOT_LOAD",
         "SONAR_LOG_CONFIG_FILE",
         "SONAR_LOG_LEVEL",
         "SONAR_NATIVE_KERNELS",
+        "SONAR_OWN_GPU",
         "SONAR_PP_LAYER_PARTITION",
         "SONAR_USE_TRITON",
     }

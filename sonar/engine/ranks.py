@@ -32,6 +32,9 @@ log = get_logger("sonar.ranks")
 
 LOOPBACK = "127.0.0.1"
 
+OWN_GPU_ENV = "SONAR_OWN_GPU"
+"""Set in a host that Ray gave one GPU of its own (it sees only that one, as device 0)."""
+
 
 def _timeout(seconds: float | None) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
@@ -167,7 +170,7 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     """The CUDA device of `rank`: the rank-th from the one chosen for rank 0 (NCCL takes one
     rank per GPU). A process that Ray gave a GPU of its own (``SONAR_OWN_GPU``, set by
     `sonar.actors.ray_runner`) sees that one alone, as device 0."""
-    if os.environ.get("SONAR_OWN_GPU"):
+    if os.environ.get(OWN_GPU_ENV):
         return torch.device("cuda", 0)
     index = (device.index or 0) + rank
     if index >= torch.cuda.device_count():
