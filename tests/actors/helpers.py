@@ -13,8 +13,10 @@ def alive(pid: int) -> bool:
         return False
 
 
-async def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
-    """Poll `predicate` until it is true; fail the test after `timeout` seconds."""
+async def wait_for(predicate, timeout: float = 60.0, interval: float = 0.02):
+    """Poll `predicate` until it is true; fail the test after `timeout` seconds. The default is the
+    process placements' start timeout: on a loaded CI machine one child process took 20 s to spawn
+    and import, so a restart of two of them does not fit in 10 s."""
     import anyio
 
     deadline = time.monotonic() + timeout
