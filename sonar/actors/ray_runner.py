@@ -33,8 +33,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sonar.actors.runners import EXTRA_RUNNERS, ChildProcessRunner
-from sonar.actors.spec import ChildSpec, RayBundle
-from sonar.engine.ranks import OWN_GPU_ENV
+from sonar.actors.spec import OWN_GPU_ENV, ChildSpec, RayBundle
 from sonar.errors import SonarError
 from sonar.log import get_logger
 

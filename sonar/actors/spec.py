@@ -28,6 +28,10 @@ class Remote(msgspec.Struct, frozen=True, tag="remote"):
     start_timeout: float = 60.0
 
 
+OWN_GPU_ENV = "SONAR_OWN_GPU"
+"""Set in a host that Ray gave one GPU of its own (it sees only that one, as device 0)."""
+
+
 class RayBundle(msgspec.Struct, frozen=True, tag="ray"):
     """A `python -m sonar actor` process kept by a Ray actor in bundle `bundle` of the placement
     group its supervisor's children share (`sonar.actors.ray_runner`): Ray places the process, the

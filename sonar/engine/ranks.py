@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sonar.actors.spec import OWN_GPU_ENV
 from sonar.engine import cores
 from sonar.log import get_logger
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
@@ -31,9 +32,6 @@ from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 log = get_logger("sonar.ranks")
 
 LOOPBACK = "127.0.0.1"
-
-OWN_GPU_ENV = "SONAR_OWN_GPU"
-"""Set in a host that Ray gave one GPU of its own (it sees only that one, as device 0)."""
 
 
 def _timeout(seconds: float | None) -> datetime.timedelta | None:
