@@ -22,7 +22,14 @@ from sonar.protocol.engine import ImageInput
 from tests.models.against import ATOL, RTOL
 from tests.models.test_llava import sonar_greedy
 from tests.multimodal.tiny_llava import IMAGE_SIZE, IMAGE_TOKEN_ID, PATCH, random_image
-from tests.multimodal.tiny_llava_next import PINPOINTS, TALL, WIDE, llava_next_config, save_tiny_llava_next
+from tests.multimodal.tiny_llava_next import (
+    PINPOINTS,
+    TALL,
+    WIDE,
+    batched_tiles,
+    llava_next_config,
+    save_tiny_llava_next,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +75,12 @@ def test_expansion_matches_llava_next_processor(tiny: tuple[Path, Any, Any], siz
 def test_logits_and_greedy_tokens_equal_transformers(tiny: tuple[Path, Any, Any], sizes: list[Any]) -> None:
     path, hf, model = tiny
     prompt, images = _prompt(path, model, [random_image(i, size) for i, size in enumerate(sizes)])
-    most = max(im.pixel_values.shape[0] for im in images)
-    pixels = torch.zeros(len(images), most, 3, IMAGE_SIZE, IMAGE_SIZE)
-    for i, im in enumerate(images):  # batched as transformers pads them
-        pixels[i, : im.pixel_values.shape[0]] = im.pixel_values
-    image_sizes = torch.tensor([im.grid for im in images])
+    inputs = batched_tiles(images)
     with torch.inference_mode():
-        full = hf(input_ids=torch.tensor([prompt]), pixel_values=pixels, image_sizes=image_sizes).logits[0]
+        full = hf(input_ids=torch.tensor([prompt]), **inputs).logits[0]
         ref = hf.generate(
             torch.tensor([prompt]),
-            pixel_values=pixels,
-            image_sizes=image_sizes,
+            **inputs,
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=4,

@@ -15,8 +15,8 @@ import torch
 
 import sonar
 from sonar import InvalidRequestError, SamplingParams
-from tests.multimodal.tiny_llava import IMAGE_SIZE, IMAGE_TOKEN_ID, random_image
-from tests.multimodal.tiny_llava_next import TALL, WIDE, save_tiny_llava_next
+from tests.multimodal.tiny_llava import IMAGE_TOKEN_ID, random_image
+from tests.multimodal.tiny_llava_next import TALL, WIDE, batched_tiles, save_tiny_llava_next
 
 pytestmark = pytest.mark.anyio
 
@@ -42,15 +42,10 @@ async def llm(one_thread, tiny: tuple[Path, Any]):
 
 def transformers_greedy(hf: Any, prompt: list[int], images: list[Any], n: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their logprobs."""
-    most = max(im.pixel_values.shape[0] for im in images)
-    pixels = torch.zeros(len(images), most, 3, IMAGE_SIZE, IMAGE_SIZE)
-    for i, im in enumerate(images):
-        pixels[i, : im.pixel_values.shape[0]] = im.pixel_values
     with torch.inference_mode():
         out = hf.generate(
             torch.tensor([prompt]),
-            pixel_values=pixels,
-            image_sizes=torch.tensor([im.grid for im in images]),
+            **batched_tiles(images),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=n,

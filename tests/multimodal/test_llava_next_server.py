@@ -17,8 +17,8 @@ from sonar.multimodal.processor import expand_images, image_processor
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
 from tests.multimodal.test_server import cached, chat, client, data_url, image_part, png, saved
 from tests.multimodal.test_server import transformers_answer as llava_answer
-from tests.multimodal.tiny_llava import IMAGE_SIZE, random_image, save_tiny_llava
-from tests.multimodal.tiny_llava_next import TALL, WIDE, save_tiny_llava_next
+from tests.multimodal.tiny_llava import random_image, save_tiny_llava
+from tests.multimodal.tiny_llava_next import TALL, WIDE, batched_tiles, save_tiny_llava_next
 
 MODEL = "tiny-llava-next"
 BACKGROUND = (0, 0, 255)
@@ -58,15 +58,10 @@ def transformers_answer(path: Path, hf: Any, images: list[Any], text: str, n: in
     vision = _vision(path)
     processor = image_processor(vision, path, None)
     prompt, placed = expand_images(ids, vision, [processor.pixels(im) for im in images])
-    most = max(p.pixel_values.shape[0] for p in placed)
-    pixels = torch.zeros(len(placed), most, 3, IMAGE_SIZE, IMAGE_SIZE)
-    for i, p in enumerate(placed):
-        pixels[i, : p.pixel_values.shape[0]] = p.pixel_values
     with torch.inference_mode():
         out = hf.generate(
             torch.tensor([prompt]),
-            pixel_values=pixels,
-            image_sizes=torch.tensor([p.grid for p in placed]),
+            **batched_tiles(placed),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=n,

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from tests.engine.conftest import save_word_tokenizer, spread_weights
-from tests.multimodal.tiny_llava import CHAT_TEMPLATE, IMAGE_SIZE, IMAGE_TOKEN_ID, WORDS, llava_config
+from tests.multimodal.tiny_llava import IMAGE_SIZE, IMAGE_TOKEN_ID, llava_config, save_weights_and_tokenizer
 
 PINPOINTS = [[16, 32], [32, 16], [32, 32]]
 
@@ -38,25 +37,24 @@ def llava_next_config() -> Any:
 def save_tiny_llava_next(path: Path, seed: int = 0) -> Any:
     """Save a tiny LLaVA-NeXT checkpoint with its tokenizer and image processor under `path`;
     return the transformers model (float32, eval mode)."""
-    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil, PreTrainedTokenizerFast
+    from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil
 
     torch.manual_seed(seed)
     hf = LlavaNextForConditionalGeneration(llava_next_config()).eval()
-    spread_weights(hf)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "layer_norm" in name and name.endswith("weight") or name.endswith("layrnorm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-    hf.save_pretrained(str(path))
-    save_word_tokenizer(path, WORDS)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(path))
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    assert tok.convert_tokens_to_ids("<image>") == IMAGE_TOKEN_ID
-    tok.chat_template = CHAT_TEMPLATE
-    tok.save_pretrained(str(path))
+    save_weights_and_tokenizer(path, hf)
     LlavaNextImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE},
         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
         image_grid_pinpoints=PINPOINTS,
     ).save_pretrained(str(path))
     return hf
+
+
+def batched_tiles(images: list[Any]) -> dict[str, torch.Tensor]:
+    """transformers' LLaVA-NeXT inputs for `ImageInput`s: their tiles padded to one count
+    (``pixel_values [n, most, 3, side, side]``, as its processor batches them) and ``image_sizes``."""
+    most = max(im.pixel_values.shape[0] for im in images)
+    pixels = torch.zeros(len(images), most, *images[0].pixel_values.shape[1:])
+    for i, im in enumerate(images):
+        pixels[i, : im.pixel_values.shape[0]] = im.pixel_values
+    return {"pixel_values": pixels, "image_sizes": torch.tensor([im.grid for im in images])}
