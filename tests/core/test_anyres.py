@@ -39,3 +39,25 @@ def test_pinpoints_must_be_whole_tiles() -> None:
     assert check_pinpoints(PINPOINTS, TILE) is None
     assert "multiples of the 16-pixel tile" in (check_pinpoints([[16, 24]], TILE) or "")
     assert "empty" in (check_pinpoints([], TILE) or "")
+
+
+def test_token_counts_equal_llava_next_processors_at_llava_1_6_shapes() -> None:
+    """transformers' own count (`LlavaNextProcessor._get_number_of_features`, less the class
+    token) for llava-v1.6's 336 px tiles of 14 px patches, over pictures of random sizes."""
+    import random
+    from types import SimpleNamespace
+
+    from transformers import LlavaNextProcessor
+
+    pinpoints = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]
+    counter = SimpleNamespace(
+        image_processor=SimpleNamespace(image_grid_pinpoints=pinpoints), patch_size=14, num_additional_image_tokens=1
+    )
+    counter._get_unpadded_features = lambda *args: LlavaNextProcessor._get_unpadded_features(counter, *args)
+    rng = random.Random(0)
+    for size in [(480, 640), (336, 672), (1, 4096), (4096, 1)] + [
+        (rng.randint(1, 4096), rng.randint(1, 4096)) for _ in range(500)
+    ]:
+        want = LlavaNextProcessor._get_number_of_features(counter, *size, 336, 336) - 1
+        assert feature_rows(size, pinpoints, 336, 14) == want, size
+    assert feature_rows((480, 640), pinpoints, 336, 14) == 2340
