@@ -682,8 +682,11 @@ GROUPS: tuple[Group, ...] = (
            "checked) and tensors among the library's images. With an image limit of 0 they do not count "
            "against --limit-mm-per-prompt.", to=E),
         _f("--media-io-kwargs", J, {},
-           "Settings for loading media, per modality, e.g. '{\"video\": {\"num_frames\": 40}}'.",
-           dotted=True, why="Sonar loads images with fixed settings (and no video or audio); none can be changed yet"),
+           "Settings for loading media, per modality: images take image_mode (the PIL mode a decoded image "
+           "is converted to, RGB by default) and rgba_background_color (what an RGBA image is laid over when "
+           "made RGB, white by default), e.g. '{\"image\": {\"image_mode\": \"L\"}}'; video and audio "
+           "settings are refused (Sonar serves neither).",
+           dotted=True, to=E),
         _f("--mm-processor-kwargs", J, None,
            "Overrides for the image processor's settings (resize, crop, normalization), e.g. "
            "'{\"do_normalize\": false}'.", dotted=True, to=E),

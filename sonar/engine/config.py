@@ -207,6 +207,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_mm_embeds: bool = False
     """`--enable-mm-embeds`: accept images given as their feature rows (`sonar.engine.image_embeds`)."""
     mm_processor_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, Any] = {}
+    """`--media-io-kwargs`: how images are loaded (`sonar.multimodal.media.image_io`)."""
     mm_processor_cache_gb: float = 4.0
     """`--mm-processor-cache-gb`: GiB of processed images kept by their bytes (`sonar.multimodal.cache`)."""
     """`--mm-processor-kwargs`: settings over the image processor's (`sonar.multimodal.processor`)."""
@@ -305,12 +307,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             parse_device_ids,
         )
         from sonar.multimodal.limits import ProcessorConfigError, check_processor_kwargs, image_limit
+        from sonar.multimodal.media import image_io
 
         try:
             image_limit(self.limit_mm_per_prompt, self.language_model_only)
             check_processor_kwargs(self.mm_processor_kwargs)
+            loader = image_io(self.media_io_kwargs)
         except ProcessorConfigError as exc:
             raise ValueError(str(exc)) from None
+        if loader.image_mode != "RGB" and (self.mm_processor_kwargs or {}).get("do_convert_rgb") is False:
+            raise ValueError(
+                f"--media-io-kwargs image_mode {loader.image_mode!r} needs the image processor's do_convert_rgb "
+                "(--mm-processor-kwargs sets it false): the vision tower takes RGB"
+            )
         if not self.mm_processor_cache_gb >= 0:
             raise ValueError(f"mm_processor_cache_gb must be 0 (off) or more, got {self.mm_processor_cache_gb}")
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -55,6 +55,7 @@ from sonar.errors import (
 from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
 from sonar.multimodal.limits import image_limit
+from sonar.multimodal.media import image_io
 from sonar.pooling_params import PooledData, PoolingInfo, PoolingParams, PoolingParamsError
 from sonar.protocol.engine import (
     Abort,
@@ -246,6 +247,8 @@ class LLM:
             self.lora_registry = LoRARegistry(shapes, config.lora_limits())
         self.image_limit = image_limit(config.limit_mm_per_prompt, config.language_model_only)
         """Most images one prompt may hold (--limit-mm-per-prompt, --language-model-only)."""
+        self.image_io = image_io(config.media_io_kwargs)
+        """How the server decodes a request's images (--media-io-kwargs)."""
         self._image_processor: Any = None
         from sonar.multimodal.cache import ProcessedCache
 

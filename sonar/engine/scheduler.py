@@ -76,6 +76,7 @@ from sonar.actors.actor import NO_REPLY
 from sonar.actors.node import get_node
 from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
+from sonar.core.anyres import feature_rows, num_tiles
 from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
@@ -953,6 +954,8 @@ def _image_shape(image: ImageInput, vision: VisionInfo, hidden_size: int) -> tup
     """The tokens and the pixel (or feature row) shape `image` must have on this model (Nones: a
     grid that cannot be)."""
     width = vision.feature_width or hidden_size
+    if vision.grid_pinpoints:
+        return _tiles_shape(image, vision, width)
     if not vision.patch_size:
         side = vision.image_size
         tokens = vision.tokens_per_image
@@ -968,6 +971,19 @@ def _image_shape(image: ImageInput, vision: VisionInfo, hidden_size: int) -> tup
     )
 
 
+def _tiles_shape(image: ImageInput, vision: VisionInfo, width: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """`_image_shape` for an any-resolution model: an image's tokens follow from its original size
+    (its grid), its pixels are its tiles; feature rows may be of any count."""
+    if image.embeds:
+        return image.length, (image.length, width)
+    size = image.grid
+    if size is None or len(size) != 2 or min(size) <= 0:
+        return None, None
+    tile, pinpoints = vision.image_size, vision.grid_pinpoints or []
+    tokens = feature_rows((size[0], size[1]), pinpoints, tile, vision.tile_patch_size)
+    return tokens, (num_tiles((size[0], size[1]), pinpoints, tile), 3, tile, tile)
+
+
 def _images_problem(msg: AddRequest, vision: VisionInfo | None, hidden_size: int) -> str | None:
     """Why the request's images cannot run on this model, or None: each must sit on exactly
     `tokens_per_image` image tokens of the prompt, in order, with pixels of the tower's size (or
@@ -979,6 +995,8 @@ def _images_problem(msg: AddRequest, vision: VisionInfo | None, hidden_size: int
     for i, image in enumerate(msg.images):
         length, shape = _image_shape(image, vision, hidden_size)
         if length is None or shape is None:
+            if vision.grid_pinpoints:
+                return f"image {i} needs its (height, width) in pixels"
             return f"image {i} needs a grid (1, h, w) of patches, h and w multiples of {vision.merge_size} (videos are not served)"
         if image.offset < end or image.length != length or image.offset + image.length > len(prompt):
             return f"image {i} does not fit the prompt's image tokens"

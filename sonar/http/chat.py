@@ -176,7 +176,7 @@ async def prompt_images(
     if not media:
         return prompt_ids, []
     llm.check_images(prompt_ids, len(media), max_tokens, embeds=_given(media))
-    policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains)
+    policy = MediaPolicy(settings.allowed_local_media_path, settings.allowed_media_domains, image_io=llm.image_io)
     return await llm.add_images(prompt_ids, await _load_media(llm, media, policy))
 
 

@@ -175,6 +175,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
     """LLaVA 1.5: CLIP tower, MLP projector, Llama decoder (the decoder is this class's base)."""
 
     architectures = ("LlavaForConditionalGeneration",)
+    own_weights: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    """Prefixes of the tensors loaded as they are (not the decoder's)."""
     refused: ClassVar[dict[str, str]] = {
         TENSOR_PARALLEL: _NOT_YET,
         PIPELINE_PARALLEL: _NOT_YET,
@@ -245,7 +247,7 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
 
         def decoder_weights() -> Iterator[tuple[str, Tensor]]:
             for name, tensor in _renamed(weights):
-                if not name.startswith(("vision_tower.", "multi_modal_projector.")):
+                if not name.startswith(self.own_weights):
                     yield name, tensor
                     continue
                 target = params.get(name)
@@ -267,6 +269,7 @@ def _renamed(weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tenso
         for old, new in (
             ("model.vision_tower.", "vision_tower."),
             ("model.multi_modal_projector.", "multi_modal_projector."),
+            ("model.image_newline", "image_newline"),  # LLaVA-NeXT's
             ("vision_tower.vision_model.", "vision_tower."),
             ("language_model.model.", "model."),
             ("language_model.lm_head.", "lm_head."),

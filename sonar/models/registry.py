@@ -28,6 +28,7 @@ from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.granite import GraniteForCausalLM
 from sonar.models.llama import LlamaForCausalLM, MistralForCausalLM
 from sonar.models.llava import LlavaForConditionalGeneration
+from sonar.models.llava_next import LlavaNextForConditionalGeneration
 from sonar.models.mixtral import MixtralForCausalLM
 from sonar.models.olmo2 import Olmo2ForCausalLM
 from sonar.models.phi3 import Phi3ForCausalLM
@@ -58,6 +59,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM,
         LlavaForConditionalGeneration,
+        LlavaNextForConditionalGeneration,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,

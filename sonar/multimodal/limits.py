@@ -39,7 +39,7 @@ DYNAMIC_ONLY = ("min_pixels", "max_pixels")
 
 
 class ProcessorConfigError(InvalidRequestError):
-    """--mm-processor-kwargs or --limit-mm-per-prompt is not one Sonar can apply."""
+    """--mm-processor-kwargs, --media-io-kwargs or --limit-mm-per-prompt is not one Sonar can apply."""
 
 
 def image_limit(limit_mm_per_prompt: dict[str, Any], language_model_only: bool = False) -> int:

@@ -14,6 +14,10 @@ Every source is bounded: at most `MediaPolicy.max_bytes` of encoded image, fetch
 `MediaPolicy.max_pixels` pixels (Pillow's decompression-bomb check, on the header alone), and only
 in the formats of `FORMATS`. Anything else is a `MediaError` (an HTTP 400) naming the problem.
 
+A decoded image takes the mode of ``--media-io-kwargs '{"image": {"image_mode": M}}'`` (``RGB`` by
+default); an RGBA picture made RGB is laid over ``rgba_background_color`` (white by default), as
+vLLM's image loader does (`ImageIO`). The processors then make every mode RGB.
+
 `decode_image` is pure and blocking (call it off the event loop); `fetch_image_bytes` is the
 async part (files and HTTP).
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sonar.errors import InvalidRequestError
+from sonar.multimodal.limits import ProcessorConfigError
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 """The image formats Pillow may decode for a request."""
@@ -42,6 +47,68 @@ class MediaError(InvalidRequestError):
     """An image a request names cannot be used: malformed, too large, or not allowed."""
 
 
+#: The modes ``image_mode`` may name: those the image processors can make RGB of.
+IMAGE_MODES = ("RGB", "RGBA", "L", "LA", "P", "CMYK", "YCbCr", "I", "F", "1")
+
+
+@dataclass(frozen=True)
+class ImageIO:
+    """How a decoded image is converted (``--media-io-kwargs``' image settings, as vLLM's
+    `ImageMediaIO` takes them)."""
+
+    image_mode: str = "RGB"
+    rgba_background_color: tuple[int, int, int] = (255, 255, 255)
+
+    def convert(self, image: Any) -> Any:
+        """`image` in `image_mode`; RGBA to RGB over the background color."""
+        if image.mode == self.image_mode:
+            return image
+        if image.mode == "RGBA" and self.image_mode == "RGB":
+            from PIL import Image
+
+            out = Image.new("RGB", image.size, self.rgba_background_color)
+            out.paste(image, mask=image.getchannel("A"))
+            return out
+        return image.convert(self.image_mode)
+
+
+#: What --media-io-kwargs may set for images, and why the other modalities are refused.
+IMAGE_IO_KWARGS = ("image_mode", "rgba_background_color")
+_NO_LOADER = {"video": "Sonar serves no video", "audio": "Sonar serves no audio"}
+
+
+def image_io(media_io_kwargs: dict[str, Any] | None) -> ImageIO:
+    """The image loader settings of ``--media-io-kwargs``; a `ProcessorConfigError` naming any
+    modality, key or value Sonar cannot apply."""
+    kwargs = dict(media_io_kwargs or {})
+    for modality in kwargs:
+        if modality != "image":
+            why = _NO_LOADER.get(modality, f"unknown modality {modality!r} (image)")
+            raise ProcessorConfigError(f"--media-io-kwargs: {modality} settings are not supported: {why}")
+    image = kwargs.get("image") or {}
+    if not isinstance(image, dict):
+        raise ProcessorConfigError(f"--media-io-kwargs: image must be an object of settings, got {image!r}")
+    unknown = sorted(set(image) - set(IMAGE_IO_KWARGS))
+    if unknown:
+        raise ProcessorConfigError(
+            f"--media-io-kwargs: image {', '.join(unknown)} not supported (the image loader takes "
+            f"{', '.join(IMAGE_IO_KWARGS)})"
+        )
+    mode = image.get("image_mode", "RGB")
+    if mode not in IMAGE_MODES:
+        raise ProcessorConfigError(f"--media-io-kwargs: image_mode {mode!r} is not one of {', '.join(IMAGE_MODES)}")
+    color = image.get("rgba_background_color", (255, 255, 255))
+    if (
+        not isinstance(color, list | tuple)
+        or len(color) != 3
+        or not all(type(c) is int and 0 <= c <= 255 for c in color)
+    ):
+        raise ProcessorConfigError(
+            f"--media-io-kwargs: rgba_background_color must be three integers 0 to 255 (R, G, B), got {color!r}"
+        )
+    return ImageIO(mode, (color[0], color[1], color[2]))
+
+
 @dataclass(frozen=True)
 class MediaPolicy:
     """Where images may come from and how large they may be."""
@@ -53,6 +120,7 @@ class MediaPolicy:
     max_bytes: int = MAX_IMAGE_BYTES
     max_pixels: int = MAX_IMAGE_PIXELS
     fetch_timeout: float = FETCH_TIMEOUT
+    image_io: ImageIO = ImageIO()
 
 
 def _too_large(size: int, policy: MediaPolicy, param: str) -> MediaError:
@@ -145,8 +213,8 @@ async def fetch_image_bytes(url: str, policy: MediaPolicy, param: str) -> bytes:
 
 
 def decode_image(data: bytes, policy: MediaPolicy, param: str) -> Any:
-    """The image in `data` as an RGB `PIL.Image`, once its header shows an allowed format and
-    size. Blocking: run it off the event loop."""
+    """The image in `data` as a `PIL.Image` in the policy's image mode (RGB by default), once its
+    header shows an allowed format and size. Blocking: run it off the event loop."""
     import warnings
 
     from PIL import Image
@@ -163,7 +231,7 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str) -> Any:
                     f"the image has {width}x{height} pixels, more than the {policy.max_pixels} allowed", param
                 )
             image.load()
-            return image.convert("RGB")
+            return policy.image_io.convert(image)
     except MediaError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):

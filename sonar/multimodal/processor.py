@@ -12,7 +12,9 @@ its pixels, so two requests with the same picture share prefix-cache blocks.
 
 A dynamic-resolution model (Qwen2-VL, `VisionInfo.patch_size` set) takes its pixels from
 `sonar.multimodal.qwen2_vl` instead (`image_processor` picks): patches and their grid, an image's
-token count following from its grid.
+token count following from its grid. An any-resolution model (LLaVA-NeXT, `VisionInfo.grid_pinpoints`
+set) takes its tiles from `sonar.multimodal.llava_next`, an image's token count following from
+its original size (`sonar.core.anyres`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sonar.core.anyres import feature_rows
 from sonar.errors import InvalidRequestError
 from sonar.multimodal.limits import DYNAMIC_ONLY, ProcessorConfigError, check_processor_kwargs
 from sonar.protocol.engine import ImageInput, VisionInfo
 
 
 def image_processor(vision: VisionInfo, model_dir: str | Path | None, overrides: dict[str, Any] | None) -> Any:
-    """The processor for `vision`'s model: `ImageProcessor` (one input size) or the dynamic-resolution
-    `GridImageProcessor`; both have ``pixels(image)``, whose results `expand_images` takes."""
+    """The processor for `vision`'s model: `ImageProcessor` (one input size), the dynamic-resolution
+    `GridImageProcessor` or the any-resolution `TileImageProcessor`; all have ``pixels(image)``,
+    whose results `expand_images` takes."""
+    if vision.grid_pinpoints:
+        check_processor_kwargs(overrides)
+        from sonar.multimodal.llava_next import TileImageProcessor
+
+        return TileImageProcessor(vision, model_dir, dict(overrides or {}))
     if not vision.patch_size:
         return ImageProcessor(vision, model_dir, overrides)
     check_processor_kwargs(overrides)
@@ -106,7 +115,8 @@ def expand_images(
 ) -> tuple[list[int], list[ImageInput]]:
     """The prompt with each image token repeated once per feature row, and each image's place;
     `pixels` are the images' in prompt order (a dynamic-resolution model's: ``(patches, grid)``
-    pairs; `ImageEmbeds` for an image given as its feature rows). An `InvalidRequestError` when
+    pairs, an any-resolution model's ``(tiles, size)`` pairs; `ImageEmbeds` for an image given as
+    its feature rows). An `InvalidRequestError` when
     the prompt holds a different number of image tokens than there are images."""
     token, n = vision.image_token_id, vision.tokens_per_image
     found = sum(1 for t in prompt_ids if t == token)
@@ -124,6 +134,14 @@ def expand_images(
             if isinstance(px, ImageEmbeds):
                 images.append(_embeds_input(px, vision, len(ids), f"image_embeds[{len(images)}]"))
                 ids += [token] * images[-1].length
+                continue
+            if vision.grid_pinpoints:
+                px, size = px
+                rows = feature_rows(
+                    (size[0], size[1]), vision.grid_pinpoints, vision.image_size, vision.tile_patch_size
+                )
+                images.append(ImageInput(len(ids), rows, image_hash(px, size), px, list(size)))
+                ids += [token] * rows
                 continue
             if vision.patch_size:
                 px, grid = px
@@ -152,6 +170,10 @@ def _embeds_input(embeds: ImageEmbeds, vision: VisionInfo, offset: int, param: s
                 f"{param}: image_grid_thw must be (1, h, w) with h and w multiples of {merge}, got {embeds.grid}", param
             )
         want = t * h * w // merge**2
+    elif embeds.grid is not None:
+        raise InvalidRequestError(f"{param}: image_grid_thw applies to dynamic-resolution models only", param)
+    elif vision.grid_pinpoints:  # the rows say how large the image was: any count fits
+        want = rows
     else:
         want = vision.tokens_per_image
     if rows != want:

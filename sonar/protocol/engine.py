@@ -43,6 +43,13 @@ class VisionInfo(msgspec.Struct):
     feature_width: int = 0
     """Columns of an image's feature row where they are more than the model's hidden size
     (Qwen3-VL: its DeepStack rows beside it); 0: the hidden size."""
+    grid_pinpoints: list[list[int]] | None = None
+    """Any resolution (LLaVA-NeXT, `sonar.core.anyres`): the ``(height, width)`` resolutions an
+    image is tiled into, in tiles of `image_size` pixels. An image's pixels are then its tiles
+    ``[n, 3, image_size, image_size]`` (the base image first), its `ImageInput.grid` its original
+    ``(height, width)``, which fixes its token count; `tokens_per_image` is 0."""
+    tile_patch_size: int = 0
+    """With `grid_pinpoints`: the tower's patch side (a tile gives ``(image_size / tile_patch_size) ** 2`` rows)."""
 
 
 class ImageInput(msgspec.Struct, array_like=True):

@@ -43,6 +43,20 @@ from sonar.cli import FLAGS, Status, parse_serve_args
         ),
         (["--grpc"], "sonar serve: --grpc is not supported yet"),
         (
+            ["--media-io-kwargs.video.num_frames", "40"],
+            "sonar serve: error: --media-io-kwargs: video settings are not supported: Sonar serves no video",
+        ),
+        (
+            ["--media-io-kwargs", '{"image": {"image_mode": "RGB", "size": 3}}'],
+            "sonar serve: error: --media-io-kwargs: image size not supported (the image loader takes image_mode, "
+            "rgba_background_color)",
+        ),
+        (
+            ["--media-io-kwargs.image.image_mode", "L", "--mm-processor-kwargs", '{"do_convert_rgb": false}'],
+            "sonar serve: error: --media-io-kwargs image_mode 'L' needs the image processor's do_convert_rgb "
+            "(--mm-processor-kwargs sets it false): the vision tower takes RGB",
+        ),
+        (
             ["--speculative-config.method", "ngram"],
             "sonar serve: error: --speculative-config needs num_speculative_tokens (or --spec-tokens)",
         ),
@@ -161,7 +175,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--offload-params", "mlp"],
     ],
     "MultiModalConfig": [
-        ["--media-io-kwargs.video.num_frames", "40"],
         ["--mm-processor-cache-type", "shm"],
         ["--mm-shm-cache-max-object-size-mb", "64"],
         ["--mm-encoder-tp-mode", "data"],

@@ -45,14 +45,20 @@ def _prompt(path: Path, model: Any, images: list[Any]) -> tuple[list[int], list[
 
 
 @torch.inference_mode()
-def _sonar_greedy(model: Any, prompt: list[int], images: list[ImageInput], chunk: int, n: int) -> tuple[Any, Any]:
+def sonar_greedy(model: Any, prompt: list[int], images: list[ImageInput], chunk: int, n: int) -> tuple[Any, Any]:
     """Prefill in chunks of `chunk` tokens over a shuffled paged cache, then `n` greedy tokens:
-    (the prompt positions' logits, the tokens and their logits)."""
+    (the prompt positions' logits, the tokens and their logits). An image with a grid (LLaVA-NeXT's
+    original size) goes through `encode_grid`, as the runner sends it."""
     caches = allocate_kv_caches(model.num_layers, 64, BLOCK, model.num_kv_heads, model.head_dim, torch.float32)
     for cache in caches:
         cache.fill_(float("nan"))
     blocks = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
-    features = {i: model.encode_images(im.pixel_values.unsqueeze(0))[0] for i, im in enumerate(images)}
+    features = {
+        i: model.encode_images(im.pixel_values.unsqueeze(0))[0]
+        if im.grid is None
+        else model.encode_grid(im.pixel_values, im.grid)
+        for i, im in enumerate(images)
+    }
     tokens, computed, prompt_logits, out, out_logits = list(prompt), 0, [], [], []
     while len(out) < n:
         start = computed
@@ -128,7 +134,7 @@ def test_logits_and_greedy_tokens_equal_transformers(tiny: tuple[Path, Any, Any]
         )
     ref_tokens, ref_logits = ref.sequences[0, len(prompt) :].tolist(), torch.cat(ref.logits).float()
     for chunk in (len(prompt), 5):  # whole, and in chunks that cut through the images' tokens
-        prompt_logits, (tokens, logits) = _sonar_greedy(model, prompt, images, chunk, 4)
+        prompt_logits, (tokens, logits) = sonar_greedy(model, prompt, images, chunk, 4)
         torch.testing.assert_close(prompt_logits, full.float(), atol=ATOL, rtol=RTOL)
         assert tokens == ref_tokens
         torch.testing.assert_close(logits, ref_logits, atol=ATOL, rtol=RTOL)
@@ -140,8 +146,8 @@ def test_a_different_image_gives_different_logits(tiny: tuple[Path, Any, Any]) -
     a_prompt, a = _prompt(path, model, [random_image(0)])
     b_prompt, b = _prompt(path, model, [random_image(1)])
     assert a_prompt == b_prompt and a[0].hash != b[0].hash
-    logits_a, _ = _sonar_greedy(model, a_prompt, a, len(a_prompt), 1)
-    logits_b, _ = _sonar_greedy(model, b_prompt, b, len(b_prompt), 1)
+    logits_a, _ = sonar_greedy(model, a_prompt, a, len(a_prompt), 1)
+    logits_b, _ = sonar_greedy(model, b_prompt, b, len(b_prompt), 1)
     assert not torch.allclose(logits_a[-1], logits_b[-1])
 
 
@@ -149,7 +155,7 @@ def test_text_only_prompt_equals_transformers(tiny: tuple[Path, Any, Any]) -> No
     _, hf, model = tiny
     prompt = [5, 6, 7, 8, 9]
     tokens, logits = transformers_greedy(hf, prompt, 3)
-    _, (ours, our_logits) = _sonar_greedy(model, prompt, [], 3, 3)
+    _, (ours, our_logits) = sonar_greedy(model, prompt, [], 3, 3)
     assert ours == tokens
     torch.testing.assert_close(our_logits, logits, atol=ATOL, rtol=RTOL)
 

@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from sonar.errors import InvalidRequestError, SonarError
-from sonar.multimodal.media import MediaError, MediaPolicy, decode_image, fetch_image_bytes
+from sonar.multimodal.limits import ProcessorConfigError
+from sonar.multimodal.media import ImageIO, MediaError, MediaPolicy, decode_image, fetch_image_bytes, image_io
 
 
 def encoded(image: Image.Image, fmt: str) -> bytes:
@@ -143,3 +144,39 @@ def test_a_slow_server_times_out() -> None:
 def test_unknown_schemes() -> None:
     assert "data:, file:// or http(s)://" in refused(fetch, "ftp://x/a.png", MediaPolicy())
     assert "non-empty" in refused(fetch, "", MediaPolicy())
+
+
+def test_rgba_is_laid_over_the_background_color() -> None:
+    """As vLLM's image loader: transparent pixels take the background color (white by default),
+    opaque ones keep theirs."""
+    rgba = Image.new("RGBA", (4, 2), (10, 20, 30, 0))
+    rgba.putpixel((0, 0), (10, 20, 30, 255))
+    data = encoded(rgba, "PNG")
+    white = decode_image(data, MediaPolicy(), "p")
+    assert white.mode == "RGB" and white.getpixel((0, 0)) == (10, 20, 30) and white.getpixel((1, 0)) == (255, 255, 255)
+    blue = decode_image(data, MediaPolicy(image_io=image_io({"image": {"rgba_background_color": [0, 0, 255]}})), "p")
+    assert blue.getpixel((0, 0)) == (10, 20, 30) and blue.getpixel((1, 1)) == (0, 0, 255)
+
+
+def test_image_mode_converts_the_decoded_image() -> None:
+    grey = decode_image(encoded(PICTURE, "PNG"), MediaPolicy(image_io=image_io({"image": {"image_mode": "L"}})), "p")
+    assert grey.mode == "L" and grey.getpixel((0, 0)) == PICTURE.convert("L").getpixel((0, 0))
+    assert image_io(None) == image_io({}) == ImageIO("RGB", (255, 255, 255))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"video": {"num_frames": 40}}, "video settings are not supported: Sonar serves no video"),
+        ({"audio": {}}, "audio settings are not supported: Sonar serves no audio"),
+        ({"text": {}}, "unknown modality 'text'"),
+        ({"image": {"image_mode": "RGB", "size": 3}}, "image size not supported"),
+        ({"image": {"image_mode": "Q"}}, "image_mode 'Q' is not one of"),
+        ({"image": {"rgba_background_color": [0, 0, 256]}}, "three integers 0 to 255"),
+        ({"image": {"rgba_background_color": "white"}}, "three integers 0 to 255"),
+        ({"image": "RGB"}, "image must be an object"),
+    ],
+)
+def test_media_io_kwargs_apply_or_are_refused_by_name(kwargs: dict[str, Any], expected: str) -> None:
+    with pytest.raises(ProcessorConfigError, match=expected):
+        image_io(kwargs)

@@ -61,10 +61,22 @@ def llava_config(strategy: str = "default", feature_layer: int | list[int] = -2)
 def save_tiny_llava(path: Path, seed: int = 0, **config: Any) -> Any:
     """Save a tiny LLaVA checkpoint with its tokenizer and image processor under `path`; return
     the transformers model (float32, eval mode)."""
-    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration
 
     torch.manual_seed(seed)
     hf = LlavaForConditionalGeneration(llava_config(**config)).eval()
+    save_weights_and_tokenizer(path, hf)
+    CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    ).save_pretrained(str(path))
+    return hf
+
+
+def save_weights_and_tokenizer(path: Path, hf: Any) -> None:
+    """Spread `hf`'s random weights (from torch's current seed) and save them with the word-level
+    tokenizer, ``<image>`` and the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     spread_weights(hf)
     with torch.no_grad():  # CLIP's LayerNorms end in "layer_norm1.weight" etc., not "norm.weight"
         for name, param in hf.named_parameters():
@@ -77,10 +89,6 @@ def save_tiny_llava(path: Path, seed: int = 0, **config: Any) -> Any:
     assert tok.convert_tokens_to_ids("<image>") == IMAGE_TOKEN_ID
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(path))
-    CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    ).save_pretrained(str(path))
-    return hf
 
 
 def random_image(seed: int, size: tuple[int, int] = (20, 24)) -> Any:
