@@ -42,7 +42,7 @@ POOLING_REFUSED: dict[str, Refusal] = {
     "truncation_side": Refusal("truncate_prompt_tokens keeps a prompt's first tokens", ("right",)),
     "padding": Refusal("prompts are never padded", ("do_not_pad",)),
     "cache_salt": Refusal("pooling requests do not salt the prefix cache"),
-    "mm_processor_kwargs": Refusal("Sonar serves text-only models"),
+    "mm_processor_kwargs": Refusal("pooling models take text only"),
     "messages": Refusal("chat-style pooling inputs are not implemented; send input"),
     "chat_template": Refusal("chat-style pooling inputs are not implemented; send input"),
     "chat_template_kwargs": Refusal("chat-style pooling inputs are not implemented; send input"),

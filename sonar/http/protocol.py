@@ -125,8 +125,10 @@ CHAT_REFUSED: dict[str, Refusal] = {
     "add_special_tokens": Refusal("the chat template writes the special tokens itself", (False,)),
     "documents": Refusal("documents for retrieval-augmented templates are not implemented"),
     "chat_template": Refusal("a request cannot bring its own chat template (--chat-template sets the server's)"),
-    "mm_processor_kwargs": Refusal("Sonar serves text-only models"),
-    "media_io_kwargs": Refusal("Sonar serves text-only models"),
+    "mm_processor_kwargs": Refusal(
+        "image processing cannot be set per request (--mm-processor-kwargs sets the server's)"
+    ),
+    "media_io_kwargs": Refusal("image loading cannot be set per request (--media-io-kwargs sets the server's)"),
     "include_reasoning": Refusal("reasoning text cannot be left out", (True,)),
     "thinking_token_budget": Refusal("the model's thinking cannot be bounded"),
 }

@@ -54,7 +54,7 @@ REFUSED = {
     "prompt_cache_options": "the prefix cache keeps blocks while memory allows; it takes no options",
     "safety_identifier": "there is no usage-policy monitoring to identify users to",
     "context_management": "context management (compaction) is not supported",
-    "image": "image inputs are not supported (text-only models)",
+    "image": "images go in input_image content parts of the input",
     "moderation": "moderation is not supported",
     "access_programs": "access programs are not supported",
     "background_options": "background responses are not supported",
