@@ -255,28 +255,35 @@ def frontends(root: Any) -> Iterator[ActorRef]:
 
 async def feed(root: Any, engine: Any) -> None:
     """Keep the other API servers' view of the engine current until cancelled: forward the
-    engine's supervision events, send the tree every `TREE_INTERVAL` seconds."""
+    engine's supervision events, send the tree every `TREE_INTERVAL` seconds and as soon as an
+    API server (re)started."""
     events: list[EngineEvent] = []
     wake = anyio.Event()
 
     def on_event(event: Any) -> None:
-        nonlocal wake
         events.append(EngineEvent(event.kind, event.child, str(event.detail)))
         wake.set()
 
+    def on_server_event(event: Any) -> None:
+        if event.kind == "start":
+            wake.set()
+
+    servers = root.child(SUPERVISOR).child
     engine.listeners.append(on_event)
+    servers.listeners.append(on_server_event)
     try:
         while True:
-            with anyio.move_on_after(TREE_INTERVAL):
-                await wake.wait()
             wake = anyio.Event()
             sending, events[:] = list(events), []
             tree = EngineTree(root.tree())
             for ref in api_server_refs(root):
                 for msg in (*sending, tree):
                     await _send(ref, msg)
+            with anyio.move_on_after(TREE_INTERVAL):
+                await wake.wait()
     finally:
         engine.listeners.remove(on_event)
+        servers.listeners.remove(on_server_event)
 
 
 async def _send(ref: ActorRef, msg: Any) -> None:

@@ -264,6 +264,8 @@ async def serve(config: ServeConfig) -> int:
                     holder["root"] = root
                     frontend = root.child("frontend").ref
                     engine = root.child("engine").child
+                    if (config.api_server_count or 1) > 1:
+                        tg.start_soon(feed, root, engine)
                     await anyio.to_thread.run_sync(importing.join)
                     from sonar.engine.client import connect
                     from sonar.http.app import build_app
@@ -291,8 +293,6 @@ async def serve(config: ServeConfig) -> int:
                             phase = "serving"
                         interval = None if config.disable_log_stats else 10.0
                         async with stats_logging(llm, app.state.metrics, interval):
-                            if (config.api_server_count or 1) > 1:
-                                tg.start_soon(feed, root, engine)
                             await finished.wait()
             except SupervisorGaveUp as exc:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
