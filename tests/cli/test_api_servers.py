@@ -280,3 +280,36 @@ def test_sigterm_aborts_the_requests_on_both_servers_and_stops_every_process(ser
         ended = [events for s, events in streams if s == index]
         assert ended and all(events[-1] == "[DONE]" and '"finish_reason":"abort"' in events[-2] for events in ended)
     assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+def test_an_engine_that_gives_up_ends_the_requests_of_both_servers_with_503(tmp_path: Path) -> None:
+    """The owner forwards the engine's give-up to the other API server: its requests end with a
+    503 OpenAI error as the owner's do (not a dropped connection), and every process exits."""
+    server = start_server(tmp_path, "--api-server-count", "2", *ARGS, "--fault-injection", "raise@p=1")
+    try:
+        pid = wait_for_second_server(server)
+        results: dict[int, httpx.Response | Exception] = {}
+
+        def one(i: int) -> None:
+            try:
+                payload = {**COMPLETION, "prompt": PROMPTS[i % len(PROMPTS)]}
+                results[i] = httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=150)
+            except httpx.TransportError as exc:
+                results[i] = exc
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=200)
+        assert sorted(results) == list(range(10))
+        served_by = set()
+        for r in results.values():
+            assert isinstance(r, httpx.Response), f"a request lost its connection: {r!r}\n{server.log()[-3000:]}"
+            assert r.status_code == 503 and r.json()["error"]["type"] == "ServiceUnavailableError", r.text
+            served_by.add(r.headers[HEADER])
+        assert served_by == {"0", "1"}
+        assert server.proc.wait(timeout=30) == 1
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    finally:
+        stop_server(server)
