@@ -317,6 +317,7 @@ def _check_api_servers(serve_args: dict[str, Any], engine: Any) -> None:
     stays = "lives in the engine's own API server process, so the other API servers would not see it"
     clashes = [
         (serve_args.get("headless"), "--headless", "a headless node runs no API server"),
+        (serve_args.get("port") == 0, "--port 0", "each API server would pick another free port"),
         (
             serve_args.get("uds"),
             "--uds",

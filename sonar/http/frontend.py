@@ -141,6 +141,8 @@ class FrontendActor(Actor):
                 await self.server.serve()
             else:
                 config = self.server.config
+                if self.server_index == 0:  # the first to bind: nobody else may hold the port
+                    check_port_free(config.host, config.port)
                 await self.server.serve(sockets=[shared_port_socket(config.host, config.port)])
         except OSError as exc:  # the shared port's bind
             failure.append(RuntimeError(f"cannot listen on {self.server.config.host}:{self.server.config.port}: {exc}"))
@@ -202,6 +204,18 @@ class _Stamped:
             await send(message)
 
         await self.app(scope, receive, stamped)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE) when a socket listens on `host`:`port` already. SO_REUSEPORT
+    would otherwise let a stale server of the same user share the port with the new one, each
+    answering some of the connections."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no owner
+        probe.bind(address)
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:

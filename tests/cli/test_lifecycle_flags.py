@@ -29,6 +29,7 @@ def test_api_server_count_starts_more_api_servers_and_refuses_what_one_server_ho
         (("--enable-sleep-mode",), "--enable-sleep-mode"),
         (("--weight-transfer-config", '{"backend": "sonar"}'), "--weight-transfer-config"),
         (("--uds", "/tmp/sonar.sock"), "--uds"),
+        (("--port", "0"), "--port 0"),
     ]:
         message = usage_error(*two, *flags)
         assert message.startswith(
