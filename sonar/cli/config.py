@@ -45,6 +45,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_stored_responses: int = 1024
     max_stored_response_bytes: int = 64 * 2**20
 
+    api_server_count: int | None = None
+    """API server processes over the one engine (None: one; `sonar.http.api_servers`)."""
     headless: bool = False
     """Run only this node's ranks, no API server (`sonar.engine.node_agent.run_headless`)."""
 

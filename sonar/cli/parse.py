@@ -303,7 +303,52 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
     except (TypeError, ValueError) as exc:
         raise UsageError.bad(str(exc)) from None
     _check_nodes(explicit, engine.nnodes, engine.node_rank, serve_args["headless"])
+    _check_api_servers(serve_args, engine)
     return ServeConfig(engine=engine, served_model_name=tuple(names), **serve_args)
+
+
+def _check_api_servers(serve_args: dict[str, Any], engine: Any) -> None:
+    """--api-server-count > 1 runs more API server processes over the one engine
+    (`sonar.http.api_servers`); what lives in one API server's memory and cannot be shared
+    between them stops the start, naming the flag."""
+    count = serve_args.get("api_server_count")
+    if count is None or count == 1:
+        return
+    stays = "lives in the engine's own API server process, so the other API servers would not see it"
+    clashes = [
+        (serve_args.get("headless"), "--headless", "a headless node runs no API server"),
+        (serve_args.get("port") == 0, "--port 0", "each API server would pick another free port"),
+        (
+            serve_args.get("uds"),
+            "--uds",
+            "the API servers share a TCP port (SO_REUSEPORT); a Unix socket has no such sharing",
+        ),
+        (
+            engine.data_parallel_size > 1,
+            "--data-parallel-size",
+            "the data-parallel router (which replica holds which prefix) " + stays,
+        ),
+        (engine.enable_lora, "--enable-lora", "the LoRA adapter registry (load and unload by name) " + stays),
+        (
+            engine.enable_sleep_mode,
+            "--enable-sleep-mode",
+            "sleep and wake-up drain only the requests of the API server asked",
+        ),
+        (
+            engine.weight_transfer_config is not None,
+            "--weight-transfer-config",
+            "weight updates drain only the requests of the API server asked",
+        ),
+        (
+            serve_args.get("max_stored_responses", 0) > 0,
+            "--max-stored-responses",
+            "the Responses API's store is kept in each API server's memory, so a response stored by one would be "
+            "missing on the others; start with --max-stored-responses 0",
+        ),
+    ]
+    for clash, flag, why in clashes:
+        if clash:
+            raise UsageError.bad(f"argument --api-server-count: {count} API servers cannot run with {flag}: {why}")
 
 
 def _check_nodes(explicit: dict[str, Any], nnodes: int, node_rank: int, headless: bool) -> None:

@@ -134,16 +134,28 @@ def server_engine_config(config: ServeConfig) -> Any:
     return msgspec.structs.replace(engine, placement={**engine.placement, "worker": "process"})
 
 
-def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> Any:
-    """The server's supervision tree: the frontend (uvicorn), then the engine.
+def root_spec(config: ServeConfig, listening: threading.Event | None = None, settings: Any = None) -> Any:
+    """The server's supervision tree: the frontend (uvicorn), then the engine, then with
+    `--api-server-count` N > 1 the other N - 1 API servers (`sonar.cli.api_servers`; `settings`:
+    the app's `ServerSettings` they serve with, by default `_settings(config)`).
 
-    Restart intensity 0: the engine's own supervisor restarts what crashed inside it; when it
-    gives up, or the frontend dies, the root gives up too and the process exits 1 (so an
-    orchestrator restarts the server rather than believing it ended well)."""
+    Restart intensity 0: the engine's own supervisor restarts what crashed inside it (and the API
+    servers' supervisor the API server processes); when it gives up, or the frontend dies, the
+    root gives up too and the process exits 1 (so an orchestrator restarts the server rather
+    than believing it ended well)."""
     from sonar.actors import ChildSpec, InProcess, SupervisorSpec
     from sonar.engine.replicas import data_parallel_spec
     from sonar.http.frontend import FrontendActor
 
+    count = config.api_server_count or 1
+    shared = {
+        "request_id_headers": config.enable_request_id_headers,
+        "max_header_count": config.h11_max_header_count,
+        "quiet_paths": list(config.disable_access_log_for_endpoints),
+        "header_timeout": config.header_read_timeout,
+        "max_connections": config.max_connections,
+        "ssl_refresh": config.enable_ssl_refresh,
+    }
     frontend = ChildSpec(
         "frontend",
         FrontendActor,
@@ -153,18 +165,29 @@ def root_spec(config: ServeConfig, listening: threading.Event | None = None) -> 
         shutdown=5.0,
         kwargs={
             "uvicorn_args": _uvicorn_args(config),
-            "request_id_headers": config.enable_request_id_headers,
-            "max_header_count": config.h11_max_header_count,
-            "quiet_paths": tuple(config.disable_access_log_for_endpoints),
-            "header_timeout": config.header_read_timeout,
-            "max_connections": config.max_connections,
-            "ssl_refresh": config.enable_ssl_refresh,
+            **shared,
             "listening": listening,
+            "server_index": 0 if count > 1 else None,
         },
     )
+    others = []
+    if count > 1:
+        from sonar.cli.api_servers import api_servers_spec
+
+        others.append(
+            api_servers_spec(
+                count,
+                _uvicorn_args(config),
+                shared,
+                settings or _settings(config),
+                config.middleware,
+                server_engine_config(config),
+                config.served_model_name[0],
+            )
+        )
     return SupervisorSpec(
         "sonar",
-        [frontend, data_parallel_spec(server_engine_config(config))],
+        [frontend, data_parallel_spec(server_engine_config(config)), *others],
         strategy="one_for_one",
         max_restarts=0,
         period=60,
@@ -180,6 +203,7 @@ async def serve(config: ServeConfig) -> int:
 
     from sonar.actors import supervise
     from sonar.actors.supervisor import SupervisorGaveUp
+    from sonar.cli.api_servers import feed, tell_all
     from sonar.http.frontend import ServeApp, SetPhase
 
     started_at = time.monotonic()
@@ -215,15 +239,14 @@ async def serve(config: ServeConfig) -> int:
                         return
 
             async def shut_down() -> None:
-                frontend = holder["frontend"]
-                status = await _tell(frontend, SetPhase("draining"))
-                in_flight = 0 if status is None else status.in_flight
+                root = holder["root"]
+                in_flight = sum(s.in_flight for s in await tell_all(root, SetPhase("draining")))
                 if in_flight:
                     _say(f"draining: {in_flight} request(s) in flight, up to {config.shutdown_timeout:g} s to finish")
                 with waiting:
                     with anyio.move_on_after(config.shutdown_timeout):
-                        await _wait_idle(frontend)
-                await _abort_rest(frontend, holder["llm"])
+                        await _wait_idle(root)
+                await _abort_rest(root, holder["llm"])
                 finished.set()
 
             holder: dict[str, Any] = {}
@@ -236,9 +259,13 @@ async def serve(config: ServeConfig) -> int:
                         open_head, config.engine, abandon_on_cancel=True
                     )
                     config = msgspec.structs.replace(config, engine=engine_config)
-                async with supervise(root_spec(config, listening)) as root:
-                    frontend = holder["frontend"] = root.child("frontend").ref
+                settings = _settings(config)
+                async with supervise(root_spec(config, listening, settings)) as root:
+                    holder["root"] = root
+                    frontend = root.child("frontend").ref
                     engine = root.child("engine").child
+                    if (config.api_server_count or 1) > 1:
+                        tg.start_soon(feed, root, engine)
                     await anyio.to_thread.run_sync(importing.join)
                     from sonar.engine.client import connect
                     from sonar.http.app import build_app
@@ -252,7 +279,7 @@ async def serve(config: ServeConfig) -> int:
                             nonlocal phase
                             if event.kind == "give_up":
                                 phase = "dead"
-                                tg.start_soon(_tell, frontend, SetPhase("dead", "it gave up after repeated crashes"))
+                                tg.start_soon(tell_all, root, SetPhase("dead", "it gave up after repeated crashes"))
                                 _say(
                                     f"error: the engine gave up ({event.detail}); failing requests with 503 and exiting"
                                 )
@@ -260,7 +287,7 @@ async def serve(config: ServeConfig) -> int:
                         engine.listeners.append(on_event)
                         for line in startup_summary(config, llm, time.monotonic() - started_at):
                             _say(line)
-                        app = build_app(llm, _settings(config))
+                        app = build_app(llm, settings)
                         status = await _tell(frontend, ServeApp(app))
                         if phase == "starting" and status is not None and status.phase == "serving":
                             phase = "serving"
@@ -323,35 +350,38 @@ async def _tell(frontend: Any, msg: Any) -> Any:
         return None
 
 
-async def _in_flight(frontend: Any) -> int:
-    """The HTTP requests the frontend is answering."""
+async def _in_flight(root: Any) -> int:
+    """The HTTP requests the API servers (the frontend, and any others) are answering."""
+    from sonar.cli.api_servers import tell_all
     from sonar.http.frontend import GetFrontendStatus
 
-    status = await _tell(frontend, GetFrontendStatus())
-    return 0 if status is None else status.in_flight
+    return sum(status.in_flight for status in await tell_all(root, GetFrontendStatus()))
 
 
-async def _wait_idle(frontend: Any, poll: float = 0.05) -> None:
-    """Until the frontend answers no HTTP request."""
+async def _wait_idle(root: Any, poll: float = 0.05) -> None:
+    """Until the API servers answer no HTTP request."""
     import anyio
 
-    while await _in_flight(frontend):
+    while await _in_flight(root):
         await anyio.sleep(poll)
 
 
-async def _abort_rest(frontend: Any, llm: Any, patience: float = 3.0) -> None:
-    """End the requests still in flight with finish_reason "abort", and wait (up to `patience`
-    seconds) for their responses to go out. Repeated, for requests still tokenizing the first time."""
+async def _abort_rest(root: Any, llm: Any, patience: float = 3.0) -> None:
+    """End the requests still in flight on every API server with finish_reason "abort", and wait
+    (up to `patience` seconds) for their responses to go out. Repeated, for requests still
+    tokenizing the first time."""
     import anyio
 
+    from sonar.cli.api_servers import abort_others
     from sonar.http.lifecycle import abort_all
 
     aborted: set[str] = set()
     with anyio.move_on_after(patience):
-        while await _in_flight(frontend):
+        while await _in_flight(root):
             aborted.update(await abort_all(llm))
+            aborted.update(await abort_others(root))
             with anyio.move_on_after(0.1):
-                await _wait_idle(frontend, 0.01)
+                await _wait_idle(root, 0.01)
     if aborted:
         _say(f"aborted {len(aborted)} request(s) still running")
 
@@ -600,6 +630,10 @@ def describe(config: ServeConfig) -> list[str]:
     placed = server_engine_config(config).describe_placement()  # where the actors run, not the flag
     placement = ", ".join(f"{actor}={where}" for actor, where in placed.items())
     lines.append(f"placement: {placement}")
+    if (config.api_server_count or 1) > 1:
+        lines.append(
+            f"API servers: {config.api_server_count} processes sharing the port (SO_REUSEPORT) over one engine"
+        )
     if engine.data_parallel_size > 1:
         lines.append(
             f"data parallel: {engine.data_parallel_size} replicas, requests routed by {engine.data_parallel_routing}"

@@ -59,11 +59,6 @@ NO_MM = (
 )
 NO_POOLING = "late-interaction (multi-vector, ColBERT-style) models are not supported yet"
 NO_PREFETCH = "Sonar does not prefetch checkpoint files (--safetensors-load-strategy prefetch is not supported yet)"
-ONE_API_SERVER = (
-    "one API server process serves the engine; several would each need an engine client that attaches to "
-    "the running schedulers and detokenizer over the transport, which the in-process LLM handle (it owns "
-    "the engine's supervision tree, LoRA registry and replica router) is not yet"
-)
 NO_WEIGHT_OFFLOAD = "weight offloading (--cpu-offload-gb / --offload-group-size) is not supported yet"
 
 
@@ -95,8 +90,8 @@ GROUPS: tuple[Group, ...] = (
            "tensor-parallel ranks, which the head (node 0) starts and supervises. Data-parallel secondary "
            "nodes are not supported yet.", negatable=False, to=S),
         _f("--api-server-count -asc", I, None,
-           "How many API server processes to start; unset means one per data-parallel rank.",
-           accepts=(1,), why=ONE_API_SERVER),
+           "How many API server processes to run over the one engine, sharing the listening port "
+           "(sonar.http.api_servers); unset means one.", to=S, check=positive),
         _f("--config", S_, None,
            "Read flag values from a YAML file whose keys are flag names (dashes or underscores, e.g. "
            "max-num-seqs: 64). Flags on the command line take precedence over the file.",

@@ -13,6 +13,7 @@ guarded (`sonar.http.connection`): a header read timeout and a cap on open conne
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Literal, Sequence, Union
@@ -85,19 +86,23 @@ class FrontendActor(Actor):
         max_connections: int = 2048,
         ssl_refresh: bool = False,
         listening: threading.Event | None = None,
+        server_index: int | None = None,
     ) -> None:
         """`listening`: set once the server listens (the process may load what it serves then);
-        `ssl_refresh`: reload the TLS files of `uvicorn_args` when they change (`sonar.http.tls`)."""
+        `ssl_refresh`: reload the TLS files of `uvicorn_args` when they change (`sonar.http.tls`);
+        `server_index`: this API server's number among several sharing the port
+        (`--api-server-count`): the port is then bound with SO_REUSEPORT, and every response
+        says which server answered (`API_SERVER_HEADER`)."""
         import uvicorn
 
         from sonar.http.connection import guarded_protocol
 
         self.drain = drain = Drain()
         self.door = FrontDoor(None, drain, request_id_headers=request_id_headers, max_header_count=max_header_count)
+        self.server_index = server_index
+        app: Any = self.door if server_index is None else _Stamped(self.door, server_index)
         self.server = _make_server(
-            uvicorn.Config(
-                self.door, lifespan="off", http=guarded_protocol(header_timeout, max_connections), **uvicorn_args
-            )
+            uvicorn.Config(app, lifespan="off", http=guarded_protocol(header_timeout, max_connections), **uvicorn_args)
         )
         _quiet_access_log(quiet_paths)  # after uvicorn.Config, which configures its loggers
         self.uds = uvicorn_args.get("uds")
@@ -132,7 +137,15 @@ class FrontendActor(Actor):
 
     async def _serve(self, failure: list[BaseException]) -> None:
         try:
-            await self.server.serve()
+            if self.server_index is None:
+                await self.server.serve()
+            else:
+                config = self.server.config
+                if self.server_index == 0:  # the first to bind: nobody else may hold the port
+                    check_port_free(config.host, config.port)
+                await self.server.serve(sockets=[shared_port_socket(config.host, config.port)])
+        except OSError as exc:  # the shared port's bind
+            failure.append(RuntimeError(f"cannot listen on {self.server.config.host}:{self.server.config.port}: {exc}"))
         except SystemExit as exc:  # uvicorn exits when it cannot bind
             failure.append(RuntimeError(f"cannot listen (uvicorn exited with {exc.code})"))
         finally:
@@ -163,6 +176,64 @@ class FrontendActor(Actor):
                 await anyio.sleep_until(self.dead_at + DEAD_GRACE)
         self.server.should_exit = True
         await self.done.wait()
+
+
+API_SERVER_HEADER = "x-sonar-api-server"
+"""With several API servers (`--api-server-count`): the number of the one that answered (0 is the
+one in the process that runs the engine)."""
+
+
+class _Stamped:
+    """The ASGI app `app`, each of its HTTP responses carrying `API_SERVER_HEADER`."""
+
+    def __init__(self, app: Any, index: int) -> None:
+        self.app = app
+        self.value = str(index).encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def stamped(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", ()), (API_SERVER_HEADER.encode(), self.value)],
+                }
+            await send(message)
+
+        await self.app(scope, receive, stamped)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE) when a socket listens on `host`:`port` already. SO_REUSEPORT
+    would otherwise let a stale server of the same user share the port with the new one, each
+    answering some of the connections."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no owner
+        probe.bind(address)
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` with SO_REUSEPORT, so every API server process binds the
+    same port and the kernel spreads new connections over them. Linux lets only processes of
+    the same user join a port's group."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[
+        0
+    ]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _make_server(uvicorn_config: Any) -> Any:

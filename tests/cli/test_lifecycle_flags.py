@@ -16,7 +16,22 @@ def test_weight_transfer_config_reaches_the_engine_and_refuses_group_backends(us
     assert "max_update_bytes must be positive" in usage_error("--weight-transfer-config.max_update_bytes", "0")
 
 
-def test_api_server_count_above_one_is_refused_with_the_reason(usage_error) -> None:
-    assert parse_serve_args(["--api-server-count", "1"]) is not None
-    message = usage_error("--api-server-count", "2")
-    assert "--api-server-count is not supported yet" in message and "engine client" in message
+def test_api_server_count_starts_more_api_servers_and_refuses_what_one_server_holds(usage_error) -> None:
+    assert parse_serve_args([]).api_server_count is None
+    assert parse_serve_args(["-asc", "1"]).api_server_count == 1
+    assert parse_serve_args(["--api-server-count", "3", "--max-stored-responses", "0"]).api_server_count == 3
+    assert "must be positive" in usage_error("--api-server-count", "0")
+    two = ("--api-server-count", "2", "--max-stored-responses", "0")
+    assert "--max-stored-responses 0" in usage_error("--api-server-count", "2")
+    for flags, named in [
+        (("--enable-lora",), "--enable-lora"),
+        (("-dp", "2"), "--data-parallel-size"),
+        (("--enable-sleep-mode",), "--enable-sleep-mode"),
+        (("--weight-transfer-config", '{"backend": "sonar"}'), "--weight-transfer-config"),
+        (("--uds", "/tmp/sonar.sock"), "--uds"),
+        (("--port", "0"), "--port 0"),
+    ]:
+        message = usage_error(*two, *flags)
+        assert message.startswith(
+            "sonar serve: error: argument --api-server-count: 2 API servers cannot run with " + named
+        )

@@ -57,6 +57,18 @@ from sonar.cli import FLAGS, Status, parse_serve_args
             "(--mm-processor-kwargs sets it false): the vision tower takes RGB",
         ),
         (
+            ["--api-server-count", "2"],
+            "sonar serve: error: argument --api-server-count: 2 API servers cannot run with --max-stored-responses: "
+            "the Responses API's store is kept in each API server's memory, so a response stored by one would be "
+            "missing on the others; start with --max-stored-responses 0",
+        ),
+        (
+            ["-asc", "4", "--max-stored-responses", "0", "--enable-lora"],
+            "sonar serve: error: argument --api-server-count: 4 API servers cannot run with --enable-lora: the LoRA "
+            "adapter registry (load and unload by name) lives in the engine's own API server process, so the other "
+            "API servers would not see it",
+        ),
+        (
             ["--speculative-config.method", "ngram"],
             "sonar serve: error: --speculative-config needs num_speculative_tokens (or --spec-tokens)",
         ),
@@ -102,6 +114,8 @@ def test_unsupported_still_checks_the_value_first(usage_error) -> None:
         ["--tensor-parallel-size", "1"],
         ["--pipeline-parallel-size", "1"],
         ["--data-parallel-size", "1"],
+        ["--api-server-count", "1"],
+        ["-asc", "2", "--max-stored-responses", "0"],
         ["--kv-cache-dtype", "auto"],
         ["--no-enable-lora"],
         ["--distributed-executor-backend", "uni"],
