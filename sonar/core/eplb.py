@@ -28,6 +28,8 @@ perfectly balanced; summed over layers before dividing).
 
 from __future__ import annotations
 
+import heapq
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -102,9 +104,12 @@ def replicate(load: Sequence[float], num_slots: int) -> list[int]:
     """Replicas per expert: one each, then each of the ``num_slots - E`` others to the expert of the
     highest load per replica (the lowest id on a tie)."""
     counts = [1] * len(load)
+    hottest = [(-float(w), e) for e, w in enumerate(load)]  # a heap: the highest load per replica first
+    heapq.heapify(hottest)
     for _ in range(num_slots - len(load)):
-        hottest = max(range(len(load)), key=lambda e: (load[e] / counts[e], -e))
-        counts[hottest] += 1
+        _, e = heapq.heappop(hottest)
+        counts[e] += 1
+        heapq.heappush(hottest, (-load[e] / counts[e], e))
     return counts
 
 
@@ -163,29 +168,18 @@ def keep_slots(rank_experts: list[list[int]], previous: Sequence[int], ranks_per
     rank an expert it already holds keeps its slot."""
     per_rank = len(rank_experts[0])
     old = [list(previous[r * per_rank : (r + 1) * per_rank]) for r in range(len(rank_experts))]
+    held = [Counter(experts) for experts in old]
+    wanted = [Counter(experts) for experts in rank_experts]
     placed: list[list[int] | None] = [None] * len(rank_experts)
+    given: set[int] = set()
     for node in range(0, len(rank_experts), ranks_per_node):
-        free_ranks = list(range(node, node + ranks_per_node))
-        packs = list(range(node, node + ranks_per_node))
-        while packs:
-            k, r = max(
-                ((k, r) for k in packs for r in free_ranks),
-                key=lambda kr: (_overlap(rank_experts[kr[0]], old[kr[1]]), -kr[0], -kr[1]),
-            )
-            placed[r] = _lay_out(rank_experts[k], old[r])
-            packs.remove(k)
-            free_ranks.remove(r)
+        ranks = range(node, node + ranks_per_node)
+        shared = {(k, r): sum((wanted[k] & held[r]).values()) for k in ranks for r in ranks}
+        for k, r in sorted(shared, key=lambda kr: (-shared[kr], kr)):  # the largest overlaps first
+            if placed[r] is None and k not in given:
+                placed[r] = _lay_out(rank_experts[k], old[r])
+                given.add(k)
     return [e for experts in placed if experts is not None for e in experts]
-
-
-def _overlap(new: list[int], old: list[int]) -> int:
-    remaining = list(old)
-    shared = 0
-    for e in new:
-        if e in remaining:
-            remaining.remove(e)
-            shared += 1
-    return shared
 
 
 def _lay_out(new: list[int], old: list[int]) -> list[int]:

@@ -367,7 +367,8 @@ class ModelRunner:
         if eplb_config is not None:
             blocks = {n: m for n, m in self.model.named_modules() if getattr(m, "expert_map", None) is not None}
             if blocks:
-                self.eplb = ExpertBalancer(blocks, eplb_config, topology.tp)
+                nodes = cfg.nnodes if topology.stage.size == 1 else 1  # the nodes one stage's group spans
+                self.eplb = ExpertBalancer(blocks, eplb_config, topology.tp, num_nodes=nodes)
             elif topology.stage.size == 1:  # a pipeline stage may hold only dense layers
                 raise ModelLoadError(
                     f"--enable-eplb: {self.loaded.architecture} has no mixture-of-experts layers whose experts "

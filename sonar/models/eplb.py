@@ -90,8 +90,9 @@ class ExpertMap(nn.Module):
         rank's), each pair dealt to one replica of its expert; counts the pairs into `load`."""
         flat = ids.reshape(-1)
         self.load.index_add_(0, flat, torch.ones_like(flat))
-        pick = torch.arange(flat.numel(), device=ids.device) % self.replicas[flat]
-        local = self.physical[flat, pick] - self.first
+        pick = torch.arange(flat.numel(), device=ids.device) % self.replicas.index_select(0, flat)
+        slot = self.physical.view(-1).index_select(0, flat * self.physical.shape[1] + pick)
+        local = slot - self.first
         return torch.where((local >= 0) & (local < self.per_rank), local, -1).reshape(ids.shape)
 
 
@@ -112,10 +113,15 @@ class Rebalance:
 class ExpertBalancer:
     """The worker's side of EPLB over `blocks` (name -> a sparse block with an `ExpertMap`)."""
 
-    def __init__(self, blocks: dict[str, nn.Module], config: eplb.EplbConfig, parallel: TensorParallel) -> None:
+    def __init__(
+        self, blocks: dict[str, nn.Module], config: eplb.EplbConfig, parallel: TensorParallel, num_nodes: int = 1
+    ) -> None:
         self.blocks = blocks
         self.config = config
         self.parallel = parallel
+        self.num_nodes = num_nodes
+        """Machines the group's ranks are spread over, in order: with DeepSeek's expert groups
+        (``n_group``) the hierarchical policy keeps whole groups on a node."""
         maps = self.maps
         first = maps[0].load
         self.window = torch.zeros(
@@ -162,8 +168,15 @@ class ExpertBalancer:
         maps = self.maps
         before = [list(m.placement) for m in maps]
         after = [
-            eplb.rebalance(layer, len(m.placement), self.parallel.size, previous=m.placement)
-            for layer, m in zip(loads, maps)
+            eplb.rebalance(
+                layer,
+                len(block.expert_map.placement),
+                self.parallel.size,
+                previous=block.expert_map.placement,
+                num_groups=getattr(block, "num_groups", 1),
+                num_nodes=self.num_nodes,
+            )
+            for layer, block in zip(loads, self.blocks.values())
         ]
         moved = 0
         for block, old, new in zip(self.blocks.values(), before, after):
