@@ -122,20 +122,17 @@ class ExpertBalancer:
         self.num_nodes = num_nodes
         """Machines the group's ranks are spread over, in order: with DeepSeek's expert groups
         (``n_group``) the hierarchical policy keeps whole groups on a node."""
-        maps = self.maps
-        first = maps[0].load
+        self.maps: list[ExpertMap] = [block.expert_map for block in blocks.values()]  # type: ignore[misc]
+        device = self.maps[0].load.device
         self.window = torch.zeros(
-            config.window_size, len(maps), maps[0].num_experts, dtype=torch.long, device=first.device
+            config.window_size, len(self.maps), self.maps[0].num_experts, dtype=torch.long, device=device
         )
+        """Each step's routed pairs per layer and logical expert, ``[window_size, layers, E]``, a ring."""
         self.steps = 0
         self._rebalanced_at = 0
         self.history: list[Rebalance] = []
-        for m in maps:
+        for m in self.maps:
             m.load.zero_()  # what warm-up and profiling routed is not load
-
-    @property
-    def maps(self) -> list[ExpertMap]:
-        return [block.expert_map for block in self.blocks.values()]  # type: ignore[misc]
 
     @property
     def due(self) -> bool:
@@ -165,18 +162,17 @@ class ExpertBalancer:
         if self.parallel.size > 1:  # the ranks' counts are the same routing; rank 0's are the ones used
             dist.broadcast(load, group=self.parallel.group, group_src=0)
         loads = load.tolist()
-        maps = self.maps
-        before = [list(m.placement) for m in maps]
+        before = [list(m.placement) for m in self.maps]
         after = [
             eplb.rebalance(
                 layer,
-                len(block.expert_map.placement),
+                len(old),
                 self.parallel.size,
-                previous=block.expert_map.placement,
-                num_groups=getattr(block, "num_groups", 1),
+                previous=old,
+                num_groups=getattr(block, "num_groups", 1),  # DeepSeek's expert groups (n_group)
                 num_nodes=self.num_nodes,
             )
-            for layer, block in zip(loads, self.blocks.values())
+            for layer, old, block in zip(loads, before, self.blocks.values())
         ]
         moved = 0
         for block, old, new in zip(self.blocks.values(), before, after):
