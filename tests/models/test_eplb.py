@@ -128,6 +128,7 @@ def _group(size: int, sources: list[str], out: Path) -> list[list[dict[str, Any]
     return [torch.load(f"{out}.{rank}") for rank in range(size)]
 
 
+@pytest.mark.slow  # two rank processes, each loading both models: ~20 s here
 def test_a_rebalance_moves_experts_between_ranks_and_keeps_the_logits(
     checkpoints: dict[str, Any], tmp_path: Path
 ) -> None:
