@@ -79,3 +79,42 @@ def test_expert_parallel_ranks_sum_to_the_whole_layer_in_a_cuda_graph(placement:
     total = sum(out.float() for out in outs)
     want = moe.fused_experts_reference(x, weights, ids, w13, w2)
     torch.testing.assert_close(total, want.float(), atol=6e-2, rtol=3e-2)
+
+
+def test_eplb_replicas_sum_to_the_whole_layer_in_a_cuda_graph() -> None:
+    """Expert load balancing's maps (`sonar.models.eplb.ExpertMap`) on four ranks with 8 replica
+    slots, inside the capture: the ranks sum to the whole layer, each replay counts its routed
+    pairs on the device, and a new placement written between replays (maps and stacked weights in
+    place, as a rebalance does) is what the next replay computes."""
+    from sonar.core import eplb
+    from sonar.models.eplb import ExpertMap
+
+    x, weights, ids, w13, w2 = _case(SHAPES["qwen3_moe_decode"], torch.bfloat16)
+    experts, slots = w13.shape[0], w13.shape[0] + 8
+    maps = [ExpertMap(experts, slots, TensorParallel(r, 4, expert_placement="linear")).cuda() for r in range(4)]
+    stacked = [(w13[m.local_experts].contiguous(), w2[m.local_experts].contiguous()) for m in maps]
+
+    def run() -> list[torch.Tensor]:
+        return [fused_moe.fused_experts(x, weights, m.local_ids(ids), a, b) for m, (a, b) in zip(maps, stacked)]
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for m in maps:
+        m.load.zero_()
+    load = torch.randint(0, 1000, (experts,)).tolist()
+    placement = eplb.rebalance(load, slots, 4, previous=maps[0].placement)
+    for m, (a, b) in zip(maps, stacked):
+        m.set_placement(placement)
+        a.copy_(w13[m.local_experts])
+        b.copy_(w2[m.local_experts])
+    new_weights, new_ids = moe.route(torch.randn(ids.shape[0], experts, device="cuda"), ids.shape[1], True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    total = sum(out.float() for out in outs)
+    want = moe.fused_experts_reference(x, weights, ids, w13, w2)
+    torch.testing.assert_close(total, want.float(), atol=6e-2, rtol=3e-2)
+    counted = torch.bincount(ids.reshape(-1), minlength=experts)
+    assert all(torch.equal(m.load, counted) for m in maps)

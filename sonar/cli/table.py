@@ -12,6 +12,7 @@ from typing import Any
 
 from sonar.cli.flags import Flag, Group, Kind
 from sonar.cli.values import (
+    eplb_config,
     fraction,
     logprobs_cap,
     non_negative,
@@ -49,7 +50,6 @@ NO_ALL2ALL = (
     "Sonar's expert parallelism exchanges no tokens: every rank has every token (tensor parallelism "
     "replicates them) and the all-reduce that ends each MoE layer sums the ranks' experts"
 )
-NO_EPLB = "expert load balancing (--enable-eplb) is not supported yet"
 NO_MOE_LORA = "LoRA adapters on mixture-of-experts models are not supported yet"
 NO_DBO = "dual batch overlap (--enable-dbo) is not supported yet"
 NO_MAMBA = "Sonar serves no Mamba, state-space or gated delta-net models yet"
@@ -566,9 +566,20 @@ GROUPS: tuple[Group, ...] = (
            "Synchronize data-parallel ranks over Gloo rather than NCCL (unset: on with async scheduling).",
            why="Sonar's data-parallel replicas step on their own and never synchronize, so there is no backend "
                "to choose"),
-        _f("--enable-eplb", B, False, "Rebalance MoE experts over ranks by their observed load."),
-        _f("--eplb-config", J, {}, "Settings of expert load balancing (window, interval, redundant experts...).",
-           dotted=True, why=NO_EPLB, reference_default="EPLBConfig(...) with every field at its default"),
+        _f("--enable-eplb", B, False,
+           "Expert load balancing: count the tokens routed to each expert of every MoE layer and, every "
+           "step_interval steps, re-place the experts over the expert-parallel ranks (with replicas of the "
+           "hottest) so each rank computes about as much; the outputs do not change. Needs "
+           "--enable-expert-parallel and --tensor-parallel-size > 1.", to=E),
+        _f("--eplb-config", J, {},
+           "Settings of expert load balancing, as JSON or one key at a time (--eplb-config.window_size 500): "
+           "window_size (steps of load counted, 1000), step_interval (steps between rebalances, 3000), "
+           "num_redundant_experts (replica slots per layer over all ranks, 0; experts plus these must divide "
+           "over the ranks), log_balancedness (false), log_balancedness_interval (1), policy ('default' only), "
+           "use_async (false: the weights move between two steps; true is refused), communicator (unset: "
+           "torch.distributed over the tensor-parallel group). Needs --enable-eplb.",
+           dotted=True, to=E, check=eplb_config,
+           reference_default="EPLBConfig(...) with every field at its default"),
         _f("--expert-placement-strategy", S_, "linear",
            "How experts are dealt to ranks: in contiguous ranges ('linear') or in turn ('round_robin').",
            choices=("linear", "round_robin"), to=E),

@@ -246,6 +246,12 @@ def profiler_config(value: dict[str, Any]) -> None:
     ProfilerConfig.parse(value)
 
 
+def eplb_config(value: dict[str, Any]) -> None:
+    from sonar.core.eplb import EplbConfig
+
+    EplbConfig.parse(value)
+
+
 def weight_transfer_config(value: dict[str, Any]) -> None:
     from sonar.core.weights import WeightTransferConfig
 

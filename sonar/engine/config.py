@@ -113,6 +113,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     enable_ep_weight_filter: bool = False
     """With expert parallelism, do not read other ranks' per-expert tensors from safetensors files
     (lazy reads; a stacked-experts tensor is read whole)."""
+    enable_eplb: bool = False
+    """With expert parallelism, rebalance each MoE layer's experts over the ranks by the load the
+    router gives them (`sonar.models.eplb`), as `eplb_config` says."""
+    eplb_config: dict[str, Any] = {}
+    """`--eplb-config` (`sonar.core.eplb.EplbConfig`): window_size, step_interval,
+    num_redundant_experts, log_balancedness, log_balancedness_interval."""
     distributed_executor_backend: str | None = None
     """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
     machine); None: ``uni`` for one rank, ``mp`` for several."""
@@ -266,6 +272,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             "model_loader_extra_config",
             "profiler_config",
             "weight_transfer_config",
+            "eplb_config",
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
@@ -534,6 +541,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         from sonar.engine.profiler import ProfilerConfig
 
         return ProfilerConfig.parse(self.profiler_config)
+
+    def eplb(self) -> Any:
+        """The `EplbConfig` of ``--eplb-config`` when ``--enable-eplb`` is on, else None
+        (ValueError naming a bad or unsupported field)."""
+        from sonar.core.eplb import EplbConfig
+
+        return EplbConfig.parse(self.eplb_config) if self.enable_eplb else None
 
     def weight_transfer(self) -> Any:
         """The `WeightTransferConfig` of ``--weight-transfer-config``, None when weight updates

@@ -46,6 +46,7 @@ from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
+from sonar.models.eplb import ExpertBalancer
 from sonar.models.errors import ModelLoadError
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
@@ -202,6 +203,7 @@ class ModelRunner:
                 reserved=torch.cuda.memory_reserved(device),
             )
         torch.manual_seed(cfg.seed)
+        eplb_config = cfg.eplb()
         t0 = time.perf_counter()
         self.loaded = load_model(
             cfg.model,
@@ -215,6 +217,7 @@ class ModelRunner:
             parallel=topology.tp,
             expert_placement=cfg.expert_placement_strategy if cfg.enable_expert_parallel else None,
             ep_weight_filter=cfg.enable_ep_weight_filter,
+            redundant_experts=eplb_config.num_redundant_experts if eplb_config is not None else None,
             stage=topology.stage,
             hf_overrides=cfg.hf_overrides,
             convert=cfg.convert,
@@ -359,6 +362,18 @@ class ModelRunner:
             )
         t3 = time.perf_counter()
         self._warm_up()
+        self.eplb: ExpertBalancer | None = None
+        """``--enable-eplb``: counts the experts' load each step and rebalances them (`sonar.models.eplb`)."""
+        if eplb_config is not None:
+            blocks = {n: m for n, m in self.model.named_modules() if getattr(m, "expert_map", None) is not None}
+            if blocks:
+                nodes = cfg.nnodes if topology.stage.size == 1 else 1  # the nodes one stage's group spans
+                self.eplb = ExpertBalancer(blocks, eplb_config, topology.tp, num_nodes=nodes)
+            elif topology.stage.size == 1:  # a pipeline stage may hold only dense layers
+                raise ModelLoadError(
+                    f"--enable-eplb: {self.loaded.architecture} has no mixture-of-experts layers whose experts "
+                    "Sonar balances"
+                )
         t4 = time.perf_counter()
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype)
         kv_total = memory.reproduce_bytes(self.num_blocks, per_block)
@@ -678,6 +693,8 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
+        if self.eplb is not None and self.eplb.due:  # between two steps' forward passes, on every rank
+            self.eplb.rebalance()
         forward_started = time.perf_counter()
         if (
             self.graphs is not None
@@ -715,6 +732,8 @@ class ModelRunner:
             for rid, reason in lost.items():
                 result.failed[rid] = reason
                 result.uncache.append(rid)
+        if self.eplb is not None:
+            self.eplb.step_done()
         if self.config.trace_model:  # the device runs ahead of the host: wait for it to time the pass
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)

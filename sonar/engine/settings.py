@@ -91,6 +91,7 @@ def check_expert_parallel(config: Any) -> None:
     strategy = config.expert_placement_strategy
     if strategy not in EXPERT_PLACEMENTS:
         raise ValueError(f"expert_placement_strategy must be one of {', '.join(EXPERT_PLACEMENTS)}, got {strategy!r}")
+    check_eplb(config)
     if not config.enable_expert_parallel:
         return
     if config.tensor_parallel_size == 1 and config.data_parallel_size > 1:
@@ -99,4 +100,29 @@ def check_expert_parallel(config: Any) -> None:
             "is not supported: Sonar splits experts over the tensor-parallel ranks of one engine, and its "
             "data-parallel replicas are independent engines that each hold every expert; "
             "set tensor_parallel_size > 1 to split them"
+        )
+
+
+def check_eplb(config: Any) -> None:
+    """Raise ValueError for expert load balancing settings that cannot take effect: EPLB moves
+    experts between expert-parallel ranks, so it needs expert parallelism over several of them."""
+    from sonar.core.eplb import EplbConfig
+
+    if not config.enable_eplb:
+        if config.eplb_config:
+            raise ValueError(
+                f"eplb_config ({', '.join(sorted(config.eplb_config))}) is set but expert load balancing is off: "
+                "add enable_eplb (--enable-eplb)"
+            )
+        return
+    EplbConfig.parse(config.eplb_config)
+    if not config.enable_expert_parallel:
+        raise ValueError(
+            "enable_eplb needs enable_expert_parallel (--enable-expert-parallel): it balances whole experts "
+            "between expert-parallel ranks, and without expert parallelism every rank holds a slice of every expert"
+        )
+    if config.tensor_parallel_size == 1:
+        raise ValueError(
+            "enable_eplb with tensor_parallel_size 1 is not supported: the expert-parallel ranks are the "
+            "tensor-parallel ones, and one rank holding every expert has nothing to balance"
         )

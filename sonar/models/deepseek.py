@@ -206,8 +206,7 @@ class DeepseekMoeBlock(SparseMoeBlock):
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = self.route(x)
-        ids = self.parallel.local_expert_ids(ids, self.spec.num_experts)
-        out = self.run_experts(x, weights, ids)
+        out = self.run_experts(x, weights, self.local_ids(ids))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return self.parallel.all_reduce(out)

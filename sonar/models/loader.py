@@ -159,6 +159,7 @@ def load_model(
     parallel: TensorParallel = SINGLE,
     expert_placement: str | None = None,
     ep_weight_filter: bool = False,
+    redundant_experts: int | None = None,
     stage: PipelineStage = WHOLE,
     hf_overrides: dict[str, Any] | None = None,
     convert: str = "none",
@@ -181,6 +182,8 @@ def load_model(
     `expert_placement` (``--enable-expert-parallel``): deal a MoE model's experts whole over
     `parallel`'s ranks, ``linear`` or ``round_robin`` (None: `parallel`'s own setting);
     `ep_weight_filter`: then skip reading other ranks' per-expert tensors from safetensors files.
+    `redundant_experts` (``--enable-eplb``): give each MoE layer that many more expert slots and a
+    placement that follows the load (`sonar.models.eplb`; None: `parallel`'s own setting).
     `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
     (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
     without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
@@ -195,6 +198,8 @@ def load_model(
     started = time.perf_counter()
     if expert_placement is not None:
         parallel = replace(parallel, expert_placement=expert_placement)
+    if redundant_experts is not None:
+        parallel = replace(parallel, redundant_experts=redundant_experts)
     check_load_format(load_format)
     reading = _Reading(
         load_format, loader_extra(load_format, model_loader_extra_config or {}), tuple(ignore_patterns),

@@ -49,6 +49,7 @@ from sonar.kernels import ops
 from sonar.kernels.moe import fused_experts, route
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
 from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
+from sonar.models.eplb import ExpertMap
 from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
 
@@ -144,8 +145,15 @@ class SparseMoeBlock(nn.Module):
             self.intermediate = spec.intermediate
         else:
             self.intermediate = parallel.split(spec.intermediate, "MoE intermediate size")
-        self.local_experts = parallel.local_experts(spec.num_experts)
-        """The global ids of the experts this rank holds, in the order they are stacked."""
+        self.expert_map: ExpertMap | None = None
+        """Expert load balancing (`sonar.models.eplb`): the placement that follows the load."""
+        if self.expert_parallel and parallel.redundant_experts is not None:
+            self.expert_map = ExpertMap(spec.num_experts, spec.num_experts + parallel.redundant_experts, parallel)
+            self.local_experts = self.expert_map.local_experts
+        else:
+            self.local_experts = parallel.local_experts(spec.num_experts)
+        """The global ids of the experts this rank holds, in the order they are stacked (under
+        EPLB one per slot: an expert may fill several)."""
         self.gate = nn.Linear(hidden, spec.num_experts, bias=False)
         self.experts = FusedExperts(len(self.local_experts), hidden, self.intermediate)
         self.shared_expert: GatedMLP | None = None
@@ -157,11 +165,17 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         spec = self.spec
         weights, ids = route(self.gate(x), spec.top_k, spec.renormalize)
-        ids = self.parallel.local_expert_ids(ids, spec.num_experts)
-        out = self.run_experts(x, weights, ids)
+        out = self.run_experts(x, weights, self.local_ids(ids))
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.parallel.all_reduce(out)
+
+    def local_ids(self, ids: Tensor) -> Tensor:
+        """The router's global expert `ids` as indices into this rank's stacked experts (-1: another
+        rank's), through the EPLB map where there is one."""
+        if self.expert_map is not None:
+            return self.expert_map.local_ids(ids)
+        return self.parallel.local_expert_ids(ids, self.spec.num_experts)
 
     def run_experts(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """The routed experts' weighted sum: the fused operator, or the quantized experts."""
@@ -311,7 +325,7 @@ class _MlpLoader:
         self.model = model
         self.params = dict(model.named_parameters())
         self.parts: dict[str, set[tuple[int, str]]] = {}
-        self.local: dict[str, dict[int, int]] = {}
+        self.local: dict[str, dict[int, list[int]]] = {}
 
     def take(self, name: str, tensor: Tensor) -> bool:
         """Whether `name` is an MLP tensor (placed, or skipped: another stage's layer)."""
@@ -353,23 +367,27 @@ class _MlpLoader:
             if e >= block.spec.num_experts:
                 raise ModelLoadError(f"weight {name}: expert {e} of a model of {block.spec.num_experts} experts")
             return  # another expert-parallel rank's expert
-        e, inter = local[e], block.experts.intermediate
+        inter = block.experts.intermediate
         # expert parallelism keeps whole experts; tensor parallelism this rank's slice of each
         first_row = 0 if block.expert_parallel else self.model.parallel.rank * inter
-        if proj == "down_proj":
-            param = f"{prefix}.experts.down_proj"
-            dest = self._param(param, name)[e]
-            self._copy(param, dest, Shard(1, first_row, inter).tensor(tensor), name, (e, proj))
-            return
-        param = f"{prefix}.experts.gate_up_proj"
-        first = 0 if proj == "gate_proj" else inter
-        dest = self._param(param, name)[e].narrow(0, first, inter)
-        self._copy(param, dest, Shard(0, first_row, inter).tensor(tensor), name, (e, proj))
+        for slot in local[e]:  # under EPLB an expert may fill several slots
+            if proj == "down_proj":
+                param = f"{prefix}.experts.down_proj"
+                dest = self._param(param, name)[slot]
+                self._copy(param, dest, Shard(1, first_row, inter).tensor(tensor), name, (slot, proj))
+                continue
+            param = f"{prefix}.experts.gate_up_proj"
+            first = 0 if proj == "gate_proj" else inter
+            dest = self._param(param, name)[slot].narrow(0, first, inter)
+            self._copy(param, dest, Shard(0, first_row, inter).tensor(tensor), name, (slot, proj))
 
-    def _local(self, prefix: str, block: SparseMoeBlock) -> dict[int, int]:
-        """A sparse block's global expert id -> its index in the stacked weights, this rank's only."""
+    def _local(self, prefix: str, block: SparseMoeBlock) -> dict[int, list[int]]:
+        """A sparse block's global expert id -> its indices in the stacked weights, this rank's only."""
         if prefix not in self.local:
-            self.local[prefix] = {e: i for i, e in enumerate(block.local_experts)}
+            slots: dict[int, list[int]] = {}
+            for i, e in enumerate(block.local_experts):
+                slots.setdefault(e, []).append(i)
+            self.local[prefix] = slots
         return self.local[prefix]
 
     def _stacked(self, prefix: str, rest: str, tensor: Tensor, name: str) -> None:

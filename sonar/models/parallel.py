@@ -53,6 +53,10 @@ class TensorParallel:
     """Expert parallelism (``--enable-expert-parallel``): how a MoE layer's whole experts are dealt
     over the group's ranks, ``linear`` or ``round_robin`` (`local_experts`); None: each expert is
     sliced over the ranks like a dense MLP."""
+    redundant_experts: int | None = None
+    """Expert load balancing (``--enable-eplb``, `sonar.models.eplb`): each MoE layer has this many
+    expert slots beyond its experts, for replicas, and a placement that changes with the load;
+    None: the fixed placement of `local_experts`."""
 
     @property
     def leader(self) -> bool:

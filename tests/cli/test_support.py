@@ -168,7 +168,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--dbo-prefill-token-threshold", "1024"],
         ["--disable-nccl-for-dp-synchronization"],
         ["--no-disable-nccl-for-dp-synchronization"],
-        ["--eplb-config.window_size", "500"],
         ["--max-parallel-loading-workers", "2"],
         ["--ray-workers-use-nsight"],
         ["--fault-tolerance-config", '{"engine_recovery_timeout": 30}'],
@@ -264,15 +263,38 @@ def test_refused_values_are_still_validated(usage_error) -> None:
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--enable-eplb"],
         ["--moe-backend", "triton"],
         ["--enable-return-routed-experts"],
     ],
 )
-def test_expert_load_balancing_and_moe_kernel_choices_are_refused(usage_error, argv: list[str]) -> None:
+def test_moe_kernel_choices_are_refused(usage_error, argv: list[str]) -> None:
     """Sonar serves MoE models (tensor- or expert-parallel experts, its own kernels): what would
     change that is refused by name, not accepted and ignored."""
     assert f"{argv[0]} is not supported yet" in usage_error(*argv)
+
+
+def test_expert_load_balancing_reaches_the_engine() -> None:
+    argv = ["-tp", "2", "-ep", "--enable-eplb", "--eplb-config.window_size", "500"]
+    engine = parse_serve_args([*argv, "--eplb-config.num_redundant_experts", "2"]).engine
+    assert engine.enable_eplb and engine.eplb_config == {"window_size": 500, "num_redundant_experts": 2}
+    assert engine.eplb().step_interval == 3000  # the reference's default
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--enable-eplb"], "enable_eplb needs enable_expert_parallel (--enable-expert-parallel)"),
+        (["-ep", "--enable-eplb"], "enable_eplb with tensor_parallel_size 1 is not supported"),
+        (["--eplb-config.window_size", "500"], "eplb_config (window_size) is set but expert load balancing is off"),
+        (["-tp", "2", "-ep", "--enable-eplb", "--eplb-config.use_async", "true"], "use_async true is not supported"),
+        (["-tp", "2", "-ep", "--enable-eplb", "--eplb-config.policy", "x"], "policy 'x' is not supported"),
+        (["-tp", "2", "-ep", "--enable-eplb", "--eplb-config.step_interval", "0"], "step_interval must be at least 1"),
+    ],
+)
+def test_expert_load_balancing_settings_that_cannot_work_are_refused(
+    usage_error, argv: list[str], expected: str
+) -> None:
+    assert expected in usage_error(*argv)
 
 
 @pytest.mark.parametrize("flag", ["--enable-expert-parallel", "-ep"])
