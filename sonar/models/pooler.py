@@ -193,6 +193,13 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
             )
         if pooler.dimensions is not None:
             raise ModelLoadError(f"--pooler-config dimensions applies to embeddings, not to {what}")
+        rows = "token_classify" if head else "token_embed"  # what its rows are
+        if rows == "token_classify" and pooler.normalize is not None:
+            raise ModelLoadError(f"--pooler-config normalize applies to embeddings, not to {what}'s label logits")
+        if rows == "token_embed" and pooler.use_activation is not None:
+            raise ModelLoadError(
+                f"--pooler-config use_activation applies to classifiers, not to {what}'s hidden states"
+            )
     st_type, st_normalize = sentence_transformers_pooling(model_dir)
     default_type = getattr(model, "default_pooling_type", None) or ("last" if causal else "cls")
     pooling_type = "all" if kind in ("reward", "token_classify") else pooler.pooling_type or st_type or default_type

@@ -80,6 +80,10 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
         info_of(lm, "reward", pooling_type="LAST")
     with pytest.raises(ModelLoadError, match="dimensions applies to embeddings, not to --convert reward"):
         info_of(lm, "reward", dimensions=64)
+    with pytest.raises(ModelLoadError, match="use_activation applies to classifiers, not to --convert reward"):
+        info_of(lm, "reward", use_activation=True)
+    with pytest.raises(ModelLoadError, match="normalize applies to embeddings, not to BertForTokenClassification"):
+        info_of(ner, normalize=False)
     with pytest.raises(ModelLoadError, match="--convert reward makes a pooling model"):
         wants_pooling(type(load_model(str(lm), dtype="float32").model), "generate", "reward")
     write_sentence_transformers(lm, "last", normalize=False)
