@@ -5,6 +5,7 @@ a tiny Qwen3ForSequenceClassification served with ``--convert reward`` (per-toke
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -12,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from tests.chaos.test_schema import CHECKS, run_schemathesis
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
 from tests.models.tiny_pooling import save_tiny_bert, save_tiny_decoder_classifier
 
@@ -19,28 +21,34 @@ TEXTS = ["the capital of france is paris", "a cat sat on the mat"]
 FLAGS = ("--dtype", "float32", "--num-gpu-blocks-override", "64", "--disable-uvicorn-access-log")
 
 
-def serve(tmp: Path, model: Path, *args: str) -> Iterator[httpx.Client]:
+def serve(tmp: Path, model: Path, *args: str) -> Iterator[tuple[httpx.Client, ServerProcess]]:
     srv: ServerProcess = start_server(tmp, str(model), *FLAGS, *args)
     try:
         with httpx.Client(base_url=srv.base_url, timeout=60) as client:
-            yield client
+            yield client, srv
     finally:
         stop_server_cleanly(srv)
 
 
 @pytest.fixture(scope="module")
-def token_classifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Any, Path]]:
+def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, ServerProcess, Any, Path]]:
     path = tmp_path_factory.mktemp("bert-ner")
     hf = save_tiny_bert(path, "bert", num_labels=3, head="token", id2label={0: "O", 1: "B-LOC", 2: "I-LOC"})
-    for client in serve(tmp_path_factory.mktemp("srv"), path):
-        yield client, hf, path
+    for client, srv in serve(tmp_path_factory.mktemp("srv"), path):
+        yield client, srv, hf, path
+
+
+@pytest.fixture(scope="module")
+def token_classifier(token_server: tuple[httpx.Client, ServerProcess, Any, Path]) -> tuple[httpx.Client, Any, Path]:
+    client, _, hf, path = token_server
+    return client, hf, path
 
 
 @pytest.fixture(scope="module")
 def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Any]]:
     path = tmp_path_factory.mktemp("qwen3-rm")
     hf = save_tiny_decoder_classifier(path, "qwen3", num_labels=1)
-    for client in serve(tmp_path_factory.mktemp("srv"), path, "--convert", "reward"):
+    for client, _ in serve(tmp_path_factory.mktemp("srv"), path, "--convert", "reward"):
         yield client, hf
 
 
@@ -96,3 +104,41 @@ def test_rewards_over_pooling(reward_model: tuple[httpx.Client, Any]) -> None:
     assert (got - expected).abs().max() < 1e-4 and (got[-1] - reward).abs().max() < 1e-4
     refused = http.post("/classify", json={"input": [ids]})
     assert refused.status_code == 400 and "reward model" in refused.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_schemathesis_on_token_classification(
+    token_server: tuple[httpx.Client, ServerProcess, Any, Path], tmp_path: Path
+) -> None:
+    """The published schema of /pooling and /classify (its task enum: token_classify) against the
+    token classifier: cases that follow it (inputs kept short) answer what it documents, never a 5xx."""
+    http, srv, _, _ = token_server
+    schema = http.get("/openapi.json").json()
+    schema["paths"] = {path: schema["paths"][path] for path in ("/pooling", "/classify")}
+    assert schema["components"]["schemas"]["PoolingRequest"]["properties"]["task"]["anyOf"][0]["enum"] == [
+        "token_classify"
+    ]
+
+    def shorten(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                shorten(item)
+        elif isinstance(node, dict):
+            if node.get("type") == "string" and "enum" not in node:
+                node["maxLength"] = min(node.get("maxLength", 40), 40)
+            if node.get("type") == "array":
+                node["maxItems"] = min(node.get("maxItems", 3), 3)
+            for value in node.values():
+                shorten(value)
+
+    for name in ("PoolingRequest", "ClassificationRequest"):
+        shorten(schema["components"]["schemas"][name])
+    location = tmp_path / "tokens.json"
+    location.write_text(json.dumps(schema))
+    run_schemathesis(
+        srv,
+        str(location),
+        tmp_path,
+        *("--mode", "positive", "--max-examples", "10", "--phases", "examples,coverage,fuzzing", "--checks", CHECKS),
+        timeout=150,
+    )
