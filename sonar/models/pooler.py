@@ -216,7 +216,7 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
     if head:
         id2label = getattr(model, "id2label", None) or {}
         labels = [str(id2label.get(i, f"LABEL_{i}")) for i in range(head)]
-    tasks, why_not = _tasks(kind, pooling_type, head, name)
+    tasks, why_not = _tasks(kind, pooling_type, head, name, causal)
     normalize = kind != "reward" and (st_normalize if st_normalize is not None else True)
     return PoolingInfo(
         tasks=tasks,
@@ -237,8 +237,10 @@ def pooling_info(model: Any, hf_config: Any, model_dir: Path, convert: str, pool
     )
 
 
-def _tasks(kind: str, pooling_type: str, head: int, name: str) -> tuple[list[str], dict[str, str]]:
+def _tasks(kind: str, pooling_type: str, head: int, name: str, causal: bool) -> tuple[list[str], dict[str, str]]:
     """The tasks a model served as `kind` answers, and why not the others."""
+    # a decoder's head applies to each token (transformers computes it for all); a cross-encoder's does not
+    per_token_head = "; its head's logits per token: --convert reward" if causal else ""
     if kind == "reward":
         task = "token_classify" if head else "token_embed"
         rest = "it is served as a reward model (--convert reward): one reward per token, the " + task + " task"
@@ -263,14 +265,13 @@ def _tasks(kind: str, pooling_type: str, head: int, name: str) -> tuple[list[str
         }
     if pooling_type == "all":
         raise ModelLoadError(
-            "--pooler-config pooling_type ALL gives one vector per token: not a classifier's input "
-            "(per-token rewards from its head: --convert reward)"
+            f"--pooler-config pooling_type ALL gives one vector per token: not a classifier's input{per_token_head}"
         )
     not_embed = "it is served as a classifier; serve it with --convert embed for embeddings"
     return ["classify"], {
         "embed": not_embed,
         "token_embed": not_embed,
-        "token_classify": f"{name} classifies whole sequences; its head's logits per token: --convert reward",
+        "token_classify": f"{name} classifies whole sequences{per_token_head}",
     }
 
 

@@ -76,6 +76,10 @@ def test_refusals_name_what_is_wrong(tmp_path: Path) -> None:
         info_of(ner, pooling_type="mean")
     with pytest.raises(ModelLoadError, match="head reads the first token only"):
         info_of(cross, "reward")
+    assert info_of(cross).why_not["token_classify"] == "BertForSequenceClassification classifies whole sequences"
+    decoder = tmp_path / "decoder"
+    save_tiny_decoder_classifier(decoder, "qwen3", num_labels=1)
+    assert info_of(decoder).why_not["token_classify"].endswith("its head's logits per token: --convert reward")
     with pytest.raises(ModelLoadError, match="pooling_type LAST: --convert reward"):
         info_of(lm, "reward", pooling_type="LAST")
     with pytest.raises(ModelLoadError, match="dimensions applies to embeddings, not to --convert reward"):
