@@ -10,7 +10,9 @@ tokens. Its *task* says which:
 - ``classify``: the pooled vector through the model's classification head; with the activation,
   probabilities (softmax over the labels, or a sigmoid where the model has one label: a
   cross-encoder's relevance score).
-- ``token_embed`` / ``token_classify``: the same per prompt token, unpooled.
+- ``token_embed`` / ``token_classify``: the same per prompt token, unpooled: a token classifier's
+  label probabilities for each token, or a reward model's (``--convert reward``) raw per-token
+  rewards (its head's logits, or the hidden states of a model without one).
 
 Torch-free: the frontend checks requests with it before the worker is up.
 """
@@ -176,6 +178,13 @@ class PoolingInfo(msgspec.Struct, frozen=True):
     """The dimensions a Matryoshka model was trained for (empty: any up to its size)."""
     why_not: dict[str, str] = {}
     """For a task it does not serve, why (the 400 says it)."""
+    reward: bool = False
+    """Served as a reward model (``--convert reward``): its token task gives per-token rewards,
+    neither normalized nor activated unless ``--pooler-config`` or the request says so."""
+    lower_case: bool = False
+    """Text inputs are lowercased before tokenizing (``do_lower_case`` of a sentence-transformers
+    folder's ``sentence_bert_config.json``, for an embedding model: sentence-transformers'
+    CrossEncoder does not read it)."""
 
 
 class PooledData(msgspec.Struct, frozen=True, array_like=True):

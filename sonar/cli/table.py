@@ -264,9 +264,10 @@ GROUPS: tuple[Group, ...] = (
            "(a speculative draft model), or 'auto' to decide from the model.",
            choices=("auto", "draft", "generate", "pooling"), to=E),
         _f("--convert", S_, "auto",
-           "Adapt the model to another task, e.g. serve a generative model as an embedding ('embed') or "
-           "classification ('classify') model; 'none' keeps it as is.",
-           choices=("auto", "classify", "embed", "none"), to=E),
+           "Adapt the model to another task, e.g. serve a generative model as an embedding ('embed'), "
+           "classification ('classify') or per-token reward ('reward') model; 'none' keeps it as is.",
+           # reward: vLLM's, which the reference's choices lack (docs/pooling.md)
+           choices=("auto", "classify", "embed", "none", "reward"), to=E),
         _f("--tokenizer", S_, None, "Tokenizer to use (repo id or path); unset uses the model's own.", to=E),
         _f("--tokenizer-mode", S_, "auto",
            "Tokenizer implementation: 'hf' (fast Hugging Face tokenizer), 'slow', 'mistral' "
@@ -357,7 +358,7 @@ GROUPS: tuple[Group, ...] = (
            "Map architecture names to 'module:Class' implementations to use instead (for development).",
            dotted=True),
         _f("--pooler-config", J, None,
-           "How a pooling model pools: JSON with pooling_type (LAST, MEAN, CLS), normalize, dimensions "
+           "How a pooling model pools: JSON with pooling_type (LAST, MEAN, CLS, ALL), normalize, dimensions "
            "(the default of embedding requests) and use_activation (softmax / sigmoid of classifiers).",
            dotted=True, to=E),
         _f("--generation-config", S_, "auto",

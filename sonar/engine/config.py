@@ -200,9 +200,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     rows (row-parallel layers) too, exchanging the shrink's result (`sonar.models.lora`)."""
     runner: str = "auto"
     """``generate``, ``pooling`` (embeddings, classification, scores: `sonar.models.pooler`), or
-    ``auto``: pooling for a model that can only pool (an encoder, a classifier)."""
+    ``auto``: pooling for a model that can only pool (an encoder, a classifier of sequences or tokens)."""
     convert: str = "auto"
-    """``embed`` / ``classify``: serve the model as an embedding model / a classifier; ``none`` as it is."""
+    """``embed`` / ``classify`` / ``reward``: serve the model as an embedding model / a classifier /
+    a per-token reward model (vLLM's, beyond the reference's choices); ``none`` as it is."""
     pooler_config: dict[str, Any] | None = None
     """`--pooler-config` (`sonar.pooling_params.PoolerConfig`): pooling type, normalize, dimensions,
     use_activation."""
@@ -616,7 +617,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
 
     def pooling_requested(self) -> bool:
         """Whether the flags make this a pooling model whatever the checkpoint (``auto`` may too)."""
-        return self.runner == "pooling" or self.convert in ("embed", "classify")
+        return self.runner == "pooling" or self.convert in ("embed", "classify", "reward")
 
     def pooler(self) -> Any:
         """The `PoolerConfig` of ``--pooler-config``."""
@@ -625,13 +626,14 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         return PoolerConfig.parse(self.pooler_config)
 
     def _check_pooling(self) -> None:
-        runners, converts = ("auto", "generate", "pooling"), ("auto", "none", "embed", "classify")
+        # reward is vLLM's, beyond the reference's choices (docs/pooling.md)
+        runners, converts = ("auto", "generate", "pooling"), ("auto", "none", "embed", "classify", "reward")
         if self.runner not in runners:
             hint = " (a draft model is given with --speculative-config)" if self.runner == "draft" else ""
             raise ValueError(f"runner {self.runner!r} is not supported; choose one of {', '.join(runners)}{hint}")
         if self.convert not in converts:
             raise ValueError(f"convert {self.convert!r} is not supported; choose one of {', '.join(converts)}")
-        if self.runner == "generate" and self.convert in ("embed", "classify"):
+        if self.runner == "generate" and self.convert in ("embed", "classify", "reward"):
             raise ValueError(f"convert {self.convert} makes a pooling model: it cannot run with runner generate")
         self.pooler()  # a PoolingParamsError is a ValueError naming the field
         if self.pooler_config is not None and self.runner == "generate":

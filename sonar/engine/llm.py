@@ -335,7 +335,8 @@ class LLM:
 
         A prompt longer than the model's context is refused unless `truncate_prompt_tokens` says
         how many tokens to keep (-1: as many as the model takes): text is cut by its tokenizer
-        (which keeps its special tokens), token ids keep their last ones."""
+        (which keeps its special tokens), token ids keep their last ones. Text is lowercased first
+        where the model's sentence-transformers folder says ``do_lower_case``."""
         if is_embeds_prompt(prompt):
             raise InvalidRequestError("pooling requests take text or token ids, not prompt_embeds", "prompt_embeds")
         info = self.pooling_info()
@@ -345,6 +346,8 @@ class LLM:
         except PoolingParamsError as exc:
             raise InvalidRequestError(str(exc), param=exc.param) from None
         adapter = self._adapter(lora)
+        if isinstance(prompt, str) and info.lower_case:  # as sentence-transformers does before tokenizing
+            prompt = prompt.lower()
         ids = await self._pooling_prompt(prompt, truncate_prompt_tokens)
         if pooling.pair_start is not None and not 0 < pooling.pair_start < len(ids):
             raise InvalidRequestError(
@@ -390,12 +393,38 @@ class LLM:
             prompt, params, truncate_prompt_tokens=truncate_prompt_tokens, priority=priority, request_id=request_id
         )
 
+    async def reward(
+        self,
+        prompt: Prompt,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> PoolingOutput:
+        """A reward model's (``--convert reward``) per-token rewards: `encode` with its token task,
+        one row per prompt token (its head's logits, or its hidden states without a head; the last
+        row is a sequence classifier's reward of the whole prompt). `InvalidRequestError` for a
+        model not served as one."""
+        info = self.pooling_info()
+        if not info.reward:
+            raise InvalidRequestError(
+                "this model is not served as a reward model: serve it with --convert reward for per-token rewards",
+                param="model",
+            )
+        return await self.encode(
+            prompt,
+            PoolingParams(task=info.tasks[0]),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            priority=priority,
+            request_id=request_id,
+        )
+
     def pooling_info(self) -> PoolingInfo:
         """What the pooling model serves; `InvalidRequestError` for a generative model."""
         if self.info.pooling is None:
             raise InvalidRequestError(
                 "this model is not a pooling model: serve it with --runner pooling (or --convert embed / "
-                "--convert classify) for embeddings, classification and scores",
+                "--convert classify / --convert reward) for embeddings, classification, scores and rewards",
                 param="model",
             )
         return self.info.pooling

@@ -61,7 +61,8 @@ def pooling_info(llm: LLM, path: str) -> PoolingInfo:
     if info is None:
         raise RequestError(
             f"{path} needs a pooling model, and this one generates text: serve an embedding, classification "
-            "or reranking model with --runner pooling, or this one as an embedding model with --convert embed",
+            "or reranking model with --runner pooling, or this one as an embedding model with --convert embed "
+            "(per-token rewards: --convert reward)",
             "model",
         )
     return info

@@ -22,8 +22,9 @@ dequantized copy of the weights (the reference, and what ``dequantize_weights`` 
 converted once into a safetensors directory under the cache root (`sonar.models.gguf_file`).
 
 Besides causal LMs, `load_model` loads pooling models (no LM head; `LoadedModel.is_pooling_model`):
-encoders (`sonar.models.bert`), decoder classifiers (`sonar.models.classifier`), and causal LMs
-with ``convert="embed"`` (an LM head not tied to the embeddings dropped) or ``convert="classify"``.
+encoders (`sonar.models.bert`), decoder classifiers (`sonar.models.classifier`), token
+classifiers (`sonar.models.token_classifier`), and causal LMs with ``convert="embed"`` or
+``convert="reward"`` (an LM head not tied to the embeddings dropped) or ``convert="classify"``.
 Models without an LM head load unquantized weights only.
 
 Every failure raises `ModelLoadError` (a `ValueError`) whose message names the source.
@@ -80,7 +81,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
-CONVERTS = ("auto", "none", "embed", "classify")
+CONVERTS = ("auto", "none", "embed", "classify", "reward")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -188,9 +189,10 @@ def load_model(
     (``--hf-overrides``; not ``model_type``). `convert` (``--convert``): ``embed`` loads a causal LM
     without its LM head, to be pooled; ``classify`` loads it as its ``*ForSequenceClassification``
     (a ``score.weight`` in the checkpoint, or ``classifier_from_token`` in the overrides);
-    ``auto`` and ``none`` load the class the config names. `hf_token` authenticates hub downloads
-    (None: ``HF_TOKEN``); `ignore_patterns` names files neither downloaded nor read (globs relative
-    to the model directory); `model_loader_extra_config` holds the load format's own settings
+    ``reward`` loads the class the config names, a causal LM without its LM head (its per-token
+    hidden states are the rewards); ``auto`` and ``none`` load the class the config names.
+    `hf_token` authenticates hub downloads (None: ``HF_TOKEN``); `ignore_patterns` names files
+    neither downloaded nor read (globs relative to the model directory); `model_loader_extra_config` holds the load format's own settings
     (`sonar.models.load_formats`); `safetensors_load_strategy` is ``lazy`` (None) or ``eager`` (`sonar.models.weights`).
     `tokenizer_revision`: for a hub id, the revision whose tokenizer files are served (downloaded
     apart from the model's); None: the model's revision.
@@ -239,7 +241,7 @@ def load_model(
     module = module.to(dtype=resolved).to_empty(device=device)
     # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
     # so a quantized checkpoint's embedding can still read its rows from the packed output layer
-    if convert == "embed" and hasattr(module, "lm_head") and not module.tie_word_embeddings:
+    if convert in ("embed", "reward") and hasattr(module, "lm_head") and not module.tie_word_embeddings:
         del module.lm_head
         module.tie_word_embeddings = False
     if module.tie_word_embeddings:
@@ -311,7 +313,7 @@ def load_model(
         convert_seconds=convert_seconds,
         quantization=method_name,
         quantized=installed if method_name is not None else None,
-        is_pooling_model=convert == "embed" or not hasattr(module, "lm_head"),
+        is_pooling_model=convert in ("embed", "reward") or not hasattr(module, "lm_head"),
     )
 
 

@@ -37,6 +37,15 @@ from sonar.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLFor
 from sonar.models.qwen3 import Qwen3ForCausalLM
 from sonar.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from sonar.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from sonar.models.token_classifier import (
+    BertForTokenClassification,
+    LlamaForTokenClassification,
+    MistralForTokenClassification,
+    Qwen2ForTokenClassification,
+    Qwen3ForTokenClassification,
+    RobertaForTokenClassification,
+    XLMRobertaForTokenClassification,
+)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     name: cls
@@ -73,11 +82,19 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         BertForSequenceClassification,
         RobertaForSequenceClassification,
         XLMRobertaForSequenceClassification,
+        BertForTokenClassification,
+        RobertaForTokenClassification,
+        XLMRobertaForTokenClassification,
+        LlamaForTokenClassification,
+        MistralForTokenClassification,
+        Qwen2ForTokenClassification,
+        Qwen3ForTokenClassification,
     )
     for name in cls.architectures
 }
-"""Causal LMs (`DecoderForCausalLM`), decoder classifiers (`sonar.models.classifier`) and
-encoders (`sonar.models.bert`): see each base class for the runner's contract."""
+"""Causal LMs (`DecoderForCausalLM`), decoder classifiers (`sonar.models.classifier`), encoders
+(`sonar.models.bert`) and token classifiers (`sonar.models.token_classifier`): see each base class
+for the runner's contract."""
 
 
 #: Architectures Sonar knows of and does not serve, with why (a clearer refusal than "unsupported").

@@ -150,7 +150,8 @@ async def test_pooling_refusals(tiny_engine_checkpoints: dict[str, TinyCheckpoin
     ("args", "message"),
     [
         ({"runner": "draft"}, "speculative-config"),
-        ({"convert": "reward"}, "not supported"),
+        ({"convert": "rewards"}, "not supported"),
+        ({"runner": "generate", "convert": "reward"}, "cannot run with runner generate"),
         ({"runner": "generate", "convert": "embed"}, "cannot run with runner generate"),
         ({"runner": "pooling", "enable_lora": True}, "enable_lora is not supported with a pooling model"),
         ({"pooler_config": {"pooling_type": "max"}}, "unknown pooling_type"),

@@ -150,8 +150,8 @@ def test_refusals(reranker: tuple[Path, Any]) -> None:
     path, _ = reranker
     with pytest.raises(ModelLoadError, match="hf_overrides cannot change model_type"):
         load_model(str(path), hf_overrides={"model_type": "llama"})
-    with pytest.raises(ModelLoadError, match="unknown convert 'reward'"):
-        load_model(str(path), convert="reward")
+    with pytest.raises(ModelLoadError, match="unknown convert 'rewards'"):
+        load_model(str(path), convert="rewards")
     with pytest.raises(ModelLoadError, match=r"classifier_from_token \['zebra'\] are not tokens"):
         load_model(str(path), hf_overrides={**RERANKER_OVERRIDES, "classifier_from_token": ["no", "zebra"]})
     with pytest.raises(ModelLoadError, match="needs classifier_from_token of two tokens"):

@@ -27,6 +27,8 @@ WORDS = (
 """The tokenizers' words, "yes" and "no" among them."""
 
 EncoderKind = Literal["bert", "roberta", "xlm-roberta"]
+Head = Literal["sequence", "token"]
+HEADS = {"sequence": "ForSequenceClassification", "token": "ForTokenClassification"}
 
 
 def spread_weights(model: torch.nn.Module, scale: float = 0.15) -> None:
@@ -39,13 +41,14 @@ def spread_weights(model: torch.nn.Module, scale: float = 0.15) -> None:
                 param.copy_(scale * torch.randn_like(param))
 
 
-def save_bert_tokenizer(path: Path) -> int:
-    """A lowercasing WordPiece tokenizer of whole `WORDS` with BERT's specials (ids 0-4: [PAD]
-    [UNK] [CLS] [SEP] [MASK]); a pair gets token type ids 0 then 1. Returns the vocabulary size."""
+def save_bert_tokenizer(path: Path, lower_case: bool = True) -> int:
+    """A WordPiece tokenizer of whole `WORDS` with BERT's specials (ids 0-4: [PAD] [UNK] [CLS]
+    [SEP] [MASK]), lowercasing unless `lower_case` is False (then a capitalized word is [UNK]); a
+    pair gets token type ids 0 then 1. Returns the vocabulary size."""
     from transformers import BertTokenizer
 
     vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
-    BertTokenizer(vocab=vocab).save_pretrained(str(path))
+    BertTokenizer(vocab=vocab, do_lower_case=lower_case).save_pretrained(str(path))
     return len(vocab)
 
 
@@ -91,12 +94,19 @@ def save_word_tokenizer(path: Path) -> int:
 
 
 def save_tiny_bert(
-    path: Path, kind: EncoderKind = "bert", num_labels: int | None = None, seed: int = 0, **config: Any
+    path: Path,
+    kind: EncoderKind = "bert",
+    num_labels: int | None = None,
+    seed: int = 0,
+    head: Head = "sequence",
+    lower_case: bool = True,
+    **config: Any,
 ) -> Any:
     """A tiny ``BertModel`` / ``RobertaModel`` / ``XLMRobertaModel`` (hidden 64, 2 layers, 4
     heads, 128 positions; `config` sets other fields), or with `num_labels` its
-    ``*ForSequenceClassification``; saved with its tokenizer under `path`. Returns the
-    transformers model (eval mode)."""
+    ``*ForSequenceClassification`` (``*ForTokenClassification`` with `head` ``token``); saved
+    with its tokenizer under `path` (a BERT tokenizer that keeps case unless `lower_case`).
+    Returns the transformers model (eval mode)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
@@ -111,7 +121,7 @@ def save_tiny_bert(
         | config
     )
     if kind == "bert":
-        hf_config = transformers.BertConfig(vocab_size=save_bert_tokenizer(path), **common)
+        hf_config = transformers.BertConfig(vocab_size=save_bert_tokenizer(path, lower_case), **common)
         prefix = "Bert"
     else:
         vocab_size = save_roberta_tokenizer(path)
@@ -120,20 +130,23 @@ def save_tiny_bert(
         common["max_position_embeddings"] += 2  # positions start at pad_token_id + 1
         prefix = "Roberta" if kind == "roberta" else "XLMRoberta"
         hf_config = getattr(transformers, f"{prefix}Config")(**extra, **common)
-    head = "Model" if num_labels is None else "ForSequenceClassification"
+    suffix = "Model" if num_labels is None else HEADS[head]
     if num_labels is not None:
         hf_config.num_labels = num_labels
-    hf_config.architectures = [f"{prefix}{head}"]
+    hf_config.architectures = [f"{prefix}{suffix}"]
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}{head}")(hf_config).eval()
+    model = getattr(transformers, f"{prefix}{suffix}")(hf_config).eval()
     spread_weights(model)
     model.save_pretrained(str(path))
     return model
 
 
-def write_sentence_transformers(path: Path, pooling: str, normalize: bool, max_seq_length: int = 128) -> None:
-    """Make the checkpoint folder `path` a sentence-transformers model: Transformer, Pooling
-    (``cls``, ``mean`` or ``last``) and, with `normalize`, Normalize."""
+def write_sentence_transformers(
+    path: Path, pooling: str, normalize: bool, max_seq_length: int = 128, do_lower_case: bool = False
+) -> None:
+    """Make the checkpoint folder `path` a sentence-transformers model: Transformer (lowercasing
+    its input with `do_lower_case`), Pooling (``cls``, ``mean`` or ``last``) and, with
+    `normalize`, Normalize."""
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
@@ -143,7 +156,7 @@ def write_sentence_transformers(path: Path, pooling: str, normalize: bool, max_s
         (path / "2_Normalize").mkdir(exist_ok=True)
     (path / "modules.json").write_text(json.dumps(modules, indent=2))
     (path / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
+        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": do_lower_case})
     )
     (path / "1_Pooling").mkdir(exist_ok=True)
     dim = json.loads((path / "config.json").read_text())["hidden_size"]
@@ -198,17 +211,20 @@ def tiny_decoder_config(family: Family, vocab_size: int, **extra: Any) -> Any:
     )
 
 
-def save_tiny_decoder_classifier(path: Path, family: Family = "qwen3", num_labels: int = 1, seed: int = 0) -> Any:
-    """A tiny ``<Family>ForSequenceClassification`` (a ``score`` head, no ``lm_head``) with a
-    word tokenizer. Returns the transformers model (eval mode)."""
+def save_tiny_decoder_classifier(
+    path: Path, family: Family = "qwen3", num_labels: int = 1, seed: int = 0, head: Head = "sequence"
+) -> Any:
+    """A tiny ``<Family>ForSequenceClassification`` (``<Family>ForTokenClassification`` with `head`
+    ``token``): a ``score`` head, no ``lm_head``, with a word tokenizer. Returns the transformers
+    model (eval mode)."""
     import transformers
 
     path.mkdir(parents=True, exist_ok=True)
     config = tiny_decoder_config(family, save_word_tokenizer(path), num_labels=num_labels)
     name = {"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama", "mistral": "Mistral"}[family]
-    config.architectures = [f"{name}ForSequenceClassification"]
+    config.architectures = [f"{name}{HEADS[head]}"]
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{name}ForSequenceClassification")(config).eval()
+    model = getattr(transformers, f"{name}{HEADS[head]}")(config).eval()
     spread_weights(model)
     model.save_pretrained(str(path))
     return model
