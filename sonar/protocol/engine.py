@@ -43,6 +43,12 @@ class VisionInfo(msgspec.Struct):
     feature_width: int = 0
     """Columns of an image's feature row where they are more than the model's hidden size
     (Qwen3-VL: its DeepStack rows beside it); 0: the hidden size."""
+    processor: str = "clip"
+    """A fixed-size tower's image processor: ``clip`` (resize, center crop) or ``gemma3`` (resize
+    to the square, no crop: `sonar.multimodal.gemma3`)."""
+    bidirectional: bool = False
+    """An image's tokens attend to each other in prefill (Gemma 3): the scheduler never ends a
+    prefill chunk inside an image."""
 
 
 class ImageInput(msgspec.Struct, array_like=True):
