@@ -242,6 +242,7 @@ class SchedulerActor(Actor):
                 speculative=speculative,
                 worker_drafts=self.pipelined and speculative is not None,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
+                whole_media=info.vision is not None and info.vision.bidirectional,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,
@@ -375,7 +376,7 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
-        problem = _images_problem(msg, self.info.vision, self.info.hidden_size)
+        problem = _images_problem(msg, self.info.vision, self.info.hidden_size) or self._image_too_long(msg)
         if problem is not None:
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
@@ -415,6 +416,18 @@ class SchedulerActor(Actor):
         self.kicked = True
         self.wake.set()
         return Accepted()
+
+    def _image_too_long(self, msg: AddRequest) -> str | None:
+        """Why an image cannot be computed in one step (`SchedulerConfig.whole_media`), or None."""
+        config = self.core.config
+        limit = config.max_num_batched_tokens
+        for i, image in enumerate(msg.images if config.whole_media else ()):
+            if image.length > limit:
+                return (
+                    f"image {i} takes {image.length} tokens, more than one step's {limit} "
+                    "(--max-num-batched-tokens): this model computes an image's tokens in one step"
+                )
+        return None
 
     async def run(self) -> None:
         try:
