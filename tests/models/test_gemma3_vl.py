@@ -191,3 +191,25 @@ def test_bfloat16_on_cpu_runs_the_tower_in_float32(tiny: tuple[Path, Any, Any]) 
         ours, ref = bf16.encode_images(pixels), model.encode_images(pixels)
     assert ours.dtype == torch.bfloat16 and bf16.vision_tower.post_layernorm.weight.dtype == torch.float32
     torch.testing.assert_close(ours.float(), ref, atol=0.1, rtol=0.05)
+
+
+def test_an_image_prompt_next_to_another_sequence_in_one_step(tiny: tuple[Path, Any, Any]) -> None:
+    """A text prompt and an image prompt prefilled in one step: each sequence's rows equal
+    transformers' for that prompt alone (the image mask is per sequence)."""
+    path, hf, model = tiny
+    text = [12, 13, IMAGE_TOKEN - 1, 14, 15, 16]
+    prompt, images = _prompt(path, model, [random_image(5)])
+    full, _, _ = _transformers(hf, prompt, images, 1)
+    with torch.inference_mode():
+        text_ref = hf(input_ids=torch.tensor([text])).logits[0].float()
+        caches = allocate_kv_caches(model.num_layers, 64, BLOCK, model.num_kv_heads, model.head_dim, torch.float32)
+        blocks = torch.randperm(64, generator=torch.Generator().manual_seed(1)).tolist()
+        a, b = blocks[:2], blocks[2:12]
+        meta = AttentionMetadata.build([len(text), len(prompt)], [len(text), len(prompt)], [a, b], BLOCK)
+        ids = torch.tensor(text + prompt)
+        positions = torch.cat([torch.arange(len(text)), torch.arange(len(prompt))])
+        rows = torch.arange(images[0].offset, images[0].offset + images[0].length) + len(text)
+        features = model.encode_images(images[0].pixel_values.unsqueeze(0))[0]
+        logits = model.compute_logits(model.forward_rows(ids, positions, caches, meta, rows, features))
+    torch.testing.assert_close(logits[: len(text)], text_ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(logits[len(text) :], full, atol=ATOL, rtol=RTOL)
