@@ -133,7 +133,8 @@ class SchedulerConfig:
     attend to each other, so they are computed in one step): it ends before the span instead, or,
     when it starts inside or at the span, after it (past ``long_prefill_token_threshold`` if need
     be); a chunk that does not fit the step's budget waits for a later step. A span longer than
-    ``max_num_batched_tokens`` would never fit: the caller refuses such requests."""
+    ``max_num_batched_tokens`` would never fit: the caller refuses such requests. Spans that
+    touch count as one (`media_runs`)."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -1032,13 +1033,26 @@ class Scheduler:
             raise AssertionError(f"suspects {in_flight} run together")
 
 
+def media_runs(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Prompt ranges ``[first, end)`` of media spans ``(offset, length)`` (in prompt order), spans
+    that touch merged into one: their tokens are one run of image tokens, which attend to each
+    other as one block where media are kept whole."""
+    runs: list[tuple[int, int]] = []
+    for offset, length in spans:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + length)
+        else:
+            runs.append((offset, offset + length))
+    return runs
+
+
 def _whole_media(request: Request, start: int, num_new: int, limit: int) -> int:
-    """`num_new` tokens from `start`, changed so that they do not end inside a media span of
-    `request` (`SchedulerConfig.whole_media`): to end before the span, or after it where the
+    """`num_new` tokens from `start`, changed so that they do not end inside a run of media spans
+    of `request` (`SchedulerConfig.whole_media`): to end before the run, or after it where the
     chunk starts inside it or at its first token; 0 when that is more than `limit`."""
     end = start + num_new
-    for offset, length, _ in request.media:
-        if offset < end < offset + length:
-            end = offset if offset > start else offset + length
+    for first, last in media_runs((offset, length) for offset, length, _ in request.media):
+        if first < end < last:
+            end = first if first > start else last
             break
     return end - start if end - start <= limit else 0

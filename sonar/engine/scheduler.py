@@ -81,6 +81,7 @@ from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.kv_residency import KVResidency
 from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
+from sonar.core.schedule import media_runs
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
@@ -418,13 +419,16 @@ class SchedulerActor(Actor):
         return Accepted()
 
     def _image_too_long(self, msg: AddRequest) -> str | None:
-        """Why an image cannot be computed in one step (`SchedulerConfig.whole_media`), or None."""
+        """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`:
+        images that touch in one), or None."""
         config = self.core.config
         limit = config.max_num_batched_tokens
-        for i, image in enumerate(msg.images if config.whole_media else ()):
-            if image.length > limit:
+        if not config.whole_media:
+            return None
+        for first, end in media_runs((image.offset, image.length) for image in msg.images):
+            if end - first > limit:
                 return (
-                    f"image {i} takes {image.length} tokens, more than one step's {limit} "
+                    f"the image tokens at {first}..{end - 1} are {end - first}, more than one step's {limit} "
                     "(--max-num-batched-tokens): this model computes an image's tokens in one step"
                 )
         return None

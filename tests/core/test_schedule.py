@@ -845,3 +845,20 @@ def test_an_image_that_does_not_fit_the_budget_left_waits() -> None:
     assert chunks(out) == {"dec": (4, 1)}  # the image (8 tokens) needs a whole step's budget
     runner.drain()
     assert_all_free(scheduler)
+
+
+def test_images_that_touch_are_kept_whole_together() -> None:
+    """Two images with no token between are one run of image tokens (one block of the mask)."""
+    scheduler, runner = make_runner(max_num_batched_tokens=16, whole_media=True)
+    runner.add(req("a", 20, media=[(2, 6, "a"), (8, 6, "b")], max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 16)}  # past the run: no cut
+    runner.drain()
+    scheduler, runner = make_runner(max_num_batched_tokens=12, whole_media=True)
+    runner.add(req("a", 20, media=[(2, 6, "a"), (8, 6, "b")], max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 2)}  # 0-12 ends inside the run 2-14: before it
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (2, 12)}
+    runner.drain()
+    assert_all_free(scheduler)

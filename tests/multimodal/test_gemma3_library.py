@@ -101,6 +101,6 @@ async def test_image_features_give_the_pictures_tokens(llm: sonar.LLM, tiny: tup
 async def test_an_image_longer_than_a_step_is_refused(one_thread, tiny: tuple[Path, Any]) -> None:
     async with sonar.open(str(tiny[0]), max_num_batched_tokens=8, **ENGINE) as small:
         ids, images = await small.add_images([3, *IMAGE, 4], [random_image(31)])
-        with pytest.raises(InvalidRequestError, match="takes 16 tokens, more than one step's 8"):
+        with pytest.raises(InvalidRequestError, match="are 16, more than one step's 8"):
             await small.generate(ids, GREEDY, images=images)
         assert len((await small.generate([3, 4, 5], GREEDY)).outputs[0].token_ids) == 6
