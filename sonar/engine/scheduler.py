@@ -419,13 +419,18 @@ class SchedulerActor(Actor):
         return Accepted()
 
     def _image_too_long(self, msg: AddRequest) -> str | None:
-        """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`:
-        images that touch in one), or None."""
+        """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`), or
+        None; images that touch are refused."""
         config = self.core.config
         limit = config.max_num_batched_tokens
         if not config.whole_media:
             return None
-        for first, end in media_runs((image.offset, image.length) for image in msg.images):
+        runs = media_runs((image.offset, image.length) for image in msg.images)
+        if len(runs) < len(msg.images):
+            # one block of attention, but each image's cache blocks are keyed by its own hash: a
+            # hit on the first could bring keys computed beside another second image
+            return "images with no token between them are not supported by this model (put a token between)"
+        for first, end in runs:
             if end - first > limit:
                 return (
                     f"the image tokens at {first}..{end - 1} are {end - first}, more than one step's {limit} "

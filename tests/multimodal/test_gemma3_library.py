@@ -2,7 +2,8 @@
 runner): image prompts batched with a text-only one, prefilled in steps of at most 17 tokens
 (ended before an image, never inside one), give transformers' greedy tokens; an image given as
 transformers' own image features (--enable-mm-embeds) gives the picture's tokens, and a repeat
-hits the prefix cache; an image longer than a step's token budget is refused, not cut."""
+hits the prefix cache; an image longer than a step's token budget is refused, not cut, and so are
+images with no token between them."""
 
 from __future__ import annotations
 
@@ -104,3 +105,9 @@ async def test_an_image_longer_than_a_step_is_refused(one_thread, tiny: tuple[Pa
         with pytest.raises(InvalidRequestError, match="are 16, more than one step's 8"):
             await small.generate(ids, GREEDY, images=images)
         assert len((await small.generate([3, 4, 5], GREEDY)).outputs[0].token_ids) == 6
+
+
+async def test_images_with_no_token_between_are_refused(llm: sonar.LLM) -> None:
+    ids, images = await llm.add_images([3, IMAGE_TOKEN, IMAGE_TOKEN, 4], [random_image(32), random_image(33)])
+    with pytest.raises(InvalidRequestError, match="no token between them"):
+        await llm.generate(ids, GREEDY, images=images)
