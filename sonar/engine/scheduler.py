@@ -377,7 +377,7 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
-        problem = _images_problem(msg, self.info.vision, self.info.hidden_size) or self._image_too_long(msg)
+        problem = _images_problem(msg, self.info.vision, self.info.hidden_size) or self._whole_media_problem(msg)
         if problem is not None:
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
@@ -418,7 +418,7 @@ class SchedulerActor(Actor):
         self.wake.set()
         return Accepted()
 
-    def _image_too_long(self, msg: AddRequest) -> str | None:
+    def _whole_media_problem(self, msg: AddRequest) -> str | None:
         """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`), or
         None; images that touch are refused."""
         config = self.core.config

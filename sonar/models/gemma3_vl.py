@@ -158,7 +158,6 @@ class ImageBlocks:
         fp8 = kv_cache.dtype == torch.float8_e4m3fn  # written with unit scales (Gemma passes none)
         flat = kv_cache.view(torch.uint8 if fp8 else kv_cache.dtype).view(2, -1, num_kv_heads, head_dim)
         plan = meta.reference_plan(block_size)
-        out = out.clone()
         for seq, runs in self.runs:
             start, q_len, seq_len = plan.query_starts[seq], plan.query_lens[seq], plan.seq_lens[seq]
             slots = plan.prefill_slots(seq)
