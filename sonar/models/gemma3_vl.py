@@ -1,6 +1,6 @@
 """Gemma 3 with images: a SigLIP vision tower, Gemma 3's projector and the Gemma 3 text decoder.
 
-**Tower.** SigLIP's vision transformer: 14-pixel patches (a Conv2d with a bias) plus a learned
+**Tower.** SigLIP's vision transformer: square patches (14 px in the released checkpoints; a Conv2d with a bias) plus a learned
 position per patch (no class token), pre-LayerNorm layers as CLIP's (`sonar.models.llava`'s),
 then the post-LayerNorm. The image processor resizes every picture to the tower's square
 (`sonar.multimodal.gemma3`), so an image always gives ``(image_size / patch_size) ** 2`` patches.
@@ -8,7 +8,7 @@ then the post-LayerNorm. The image processor resizes every picture to the tower'
 **Projector.** The patches' grid is average-pooled to ``mm_tokens_per_image`` rows (896 px, 64x64
 patches, 4x4 pools: 256 rows), each normed with Gemma's RMSNorm (``mm_soft_emb_norm``) and
 multiplied by ``mm_input_projection_weight`` into the text model's hidden size. The rows replace
-the embeddings of the prompt's ``<image_soft_token>`` s unscaled (the text tokens' embeddings are
+the embeddings of the prompt's image tokens (``<image_soft_token>``) unscaled (the text tokens' embeddings are
 scaled by ``sqrt(hidden_size)``, as in Gemma 3 text).
 
 **Attention among an image's tokens.** transformers lets every token of a run of image tokens
