@@ -128,6 +128,13 @@ class SchedulerConfig:
     """LoRA: the most distinct adapters among the running requests (the worker's slots); a waiting
     request of another adapter waits while that many run, and those behind it may go first. 0:
     no adapters."""
+    whole_media: bool = False
+    """A chunk of a prefill never ends inside a request's media span (Gemma 3: an image's tokens
+    attend to each other, so they are computed in one step): it ends before the span instead, or,
+    when it starts inside or at the span, after it (past ``long_prefill_token_threshold`` if need
+    be); a chunk that does not fit the step's budget waits for a later step. A span longer than
+    ``max_num_batched_tokens`` would never fit: the caller refuses such requests. Spans that
+    touch count as one (`media_runs`)."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -378,6 +385,11 @@ class Scheduler:
                     num_new = threshold
                 if num_new > budget:
                     num_new = budget
+                if config.whole_media and request.media:
+                    num_new = _whole_media(request, request.num_computed_tokens, num_new, min(budget, remaining))
+                    if not num_new:
+                        i += 1
+                        continue
                 ahead = self._lookahead(request, num_new) if num_new == remaining else 0
                 while not bm.allocate_slots(request, num_new + ahead):
                     victim = running.pop()
@@ -611,6 +623,12 @@ class Scheduler:
                 num_new = threshold
             if num_new > budget:
                 num_new = budget
+            if config.whole_media and request.media:
+                num_new = _whole_media(
+                    request, num_hit_tokens, num_new, min(budget, request.num_tokens - num_hit_tokens)
+                )
+                if not num_new:
+                    return None
         elif num_new > budget:
             return None
         completes = num_hit_tokens + num_new == request.num_tokens  # it samples: room for a draft's KV
@@ -1013,3 +1031,28 @@ class Scheduler:
         in_flight = [rid for rid in suspects if self.requests[rid].status in (_RUNNING, _LOADING)]
         if len(in_flight) > 1:
             raise AssertionError(f"suspects {in_flight} run together")
+
+
+def media_runs(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Prompt ranges ``[first, end)`` of media spans ``(offset, length)`` (in prompt order), spans
+    that touch merged into one: their tokens are one run of image tokens, which attend to each
+    other as one block where media are kept whole."""
+    runs: list[tuple[int, int]] = []
+    for offset, length in spans:
+        if runs and runs[-1][1] == offset:
+            runs[-1] = (runs[-1][0], offset + length)
+        else:
+            runs.append((offset, offset + length))
+    return runs
+
+
+def _whole_media(request: Request, start: int, num_new: int, limit: int) -> int:
+    """`num_new` tokens from `start`, changed so that they do not end inside a run of media spans
+    of `request` (`SchedulerConfig.whole_media`): to end before the run, or after it where the
+    chunk starts inside it or at its first token; 0 when that is more than `limit`."""
+    end = start + num_new
+    for first, last in media_runs((offset, length) for offset, length, _ in request.media):
+        if first < end < last:
+            end = first if first > start else last
+            break
+    return end - start if end - start <= limit else 0

@@ -82,6 +82,7 @@ from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.kv_residency import KVResidency
 from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
+from sonar.core.schedule import media_runs
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
@@ -243,6 +244,7 @@ class SchedulerActor(Actor):
                 speculative=speculative,
                 worker_drafts=self.pipelined and speculative is not None,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
+                whole_media=info.vision is not None and info.vision.bidirectional,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,
@@ -376,7 +378,7 @@ class SchedulerActor(Actor):
         if (msg.pooling is None) != (pooling is None):
             what = "generates no text" if pooling is not None else "is not a pooling model"
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: this model {what}"))
-        problem = _images_problem(msg, self.info.vision, self.info.hidden_size)
+        problem = _images_problem(msg, self.info.vision, self.info.hidden_size) or self._whole_media_problem(msg)
         if problem is not None:
             return Accepted(Rejection(RejectKind.INVALID, f"request {msg.request_id!r}: {problem}"))
         try:
@@ -416,6 +418,26 @@ class SchedulerActor(Actor):
         self.kicked = True
         self.wake.set()
         return Accepted()
+
+    def _whole_media_problem(self, msg: AddRequest) -> str | None:
+        """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`), or
+        None; images that touch are refused."""
+        config = self.core.config
+        limit = config.max_num_batched_tokens
+        if not config.whole_media:
+            return None
+        runs = media_runs((image.offset, image.length) for image in msg.images)
+        if len(runs) < len(msg.images):
+            # one block of attention, but each image's cache blocks are keyed by its own hash: a
+            # hit on the first could bring keys computed beside another second image
+            return "images with no token between them are not supported by this model (put a token between)"
+        for first, end in runs:
+            if end - first > limit:
+                return (
+                    f"the image tokens at {first}..{end - 1} are {end - first}, more than one step's {limit} "
+                    "(--max-num-batched-tokens): this model computes an image's tokens in one step"
+                )
+        return None
 
     async def run(self) -> None:
         try:

@@ -27,6 +27,7 @@ leaves them alone.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -94,7 +95,11 @@ class GemmaAttention(nn.Module):
             self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, attend: Callable[..., Tensor] | None = None
+    ) -> Tensor:
+        """`attend` replaces the causal `attention` (same arguments), for a step whose image tokens
+        attend to each other (`sonar.models.gemma3_vl.ImageBlocks.attend`)."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -103,7 +108,7 @@ class GemmaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        o = attention(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap)
+        o = (attend or attention)(q, k, v, kv_cache, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(o.reshape(n, self.q_size))
 
 
@@ -136,16 +141,23 @@ class GemmaDecoderLayer(nn.Module):
         self.mlp = GemmaMLP(config)
 
     def forward(
-        self, x: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, kv_cache: Tensor
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        attend: Callable[..., Tensor] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """As `sonar.models.decoder.DecoderLayer.forward`: returns this layer's output and the
-        residual stream it is still to be added to (inside the next norm)."""
+        residual stream it is still to be added to (inside the next norm); `attend` as
+        `GemmaAttention.forward`'s."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache)
+        h = self.self_attn(h, cos, sin, kv_cache, attend)
         if not self.sandwich:
             h, residual = self.post_attention_layernorm(h, residual)
             return self.mlp(h), residual

@@ -23,6 +23,7 @@ from sonar.models.classifier import (
 from sonar.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sonar.models.errors import UnsupportedArchitectureError
 from sonar.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, GemmaForCausalLM
+from sonar.models.gemma3_vl import Gemma3ForConditionalGeneration
 from sonar.models.glm4 import Glm4ForCausalLM
 from sonar.models.gpt_oss import GptOssForCausalLM
 from sonar.models.granite import GraniteForCausalLM
@@ -64,6 +65,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         GemmaForCausalLM,
         Gemma2ForCausalLM,
         Gemma3ForCausalLM,
+        Gemma3ForConditionalGeneration,
         GptOssForCausalLM,
         DeepseekV2ForCausalLM,
         DeepseekV3ForCausalLM,

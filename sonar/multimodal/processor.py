@@ -32,9 +32,13 @@ from sonar.protocol.engine import ImageInput, VisionInfo
 
 
 def image_processor(vision: VisionInfo, model_dir: str | Path | None, overrides: dict[str, Any] | None) -> Any:
-    """The processor for `vision`'s model: `ImageProcessor` (one input size), the dynamic-resolution
-    `GridImageProcessor` or the any-resolution `TileImageProcessor`; all have ``pixels(image)``,
-    whose results `expand_images` takes."""
+    """The processor for `vision`'s model: `ImageProcessor` (one input size), Gemma 3's
+    (`sonar.multimodal.gemma3`), the dynamic-resolution `GridImageProcessor` or the any-resolution
+    `TileImageProcessor`; all have ``pixels(image)``, whose results `expand_images` takes."""
+    if vision.processor == "gemma3":
+        from sonar.multimodal.gemma3 import Gemma3ImageProcessor
+
+        return Gemma3ImageProcessor(vision, model_dir, overrides)
     if vision.grid_pinpoints:
         check_processor_kwargs(overrides)
         from sonar.multimodal.llava_next import TileImageProcessor

@@ -50,6 +50,12 @@ class VisionInfo(msgspec.Struct):
     ``(height, width)``, which fixes its token count; `tokens_per_image` is 0."""
     tile_patch_size: int = 0
     """With `grid_pinpoints`: the tower's patch side (a tile gives ``(image_size / tile_patch_size) ** 2`` rows)."""
+    processor: str = "clip"
+    """A fixed-size tower's image processor: ``clip`` (resize, center crop) or ``gemma3`` (resize
+    to the square, no crop: `sonar.multimodal.gemma3`)."""
+    bidirectional: bool = False
+    """An image's tokens attend to each other in prefill (Gemma 3): the scheduler never ends a
+    prefill chunk inside an image."""
 
 
 class ImageInput(msgspec.Struct, array_like=True):

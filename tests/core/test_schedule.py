@@ -806,3 +806,59 @@ def test_the_first_token_update_carries_queue_time_and_time_to_first_token() -> 
     assert (timing.queue_seconds, timing.first_token_seconds) == pytest.approx((0.75, 0.75))
     _, updates = runner.step()
     assert updates[0].new_token_ids == [7] and updates[0].timing is None
+
+
+# Media kept whole (Gemma 3: an image's tokens attend to each other).
+
+
+def test_a_chunk_never_ends_inside_an_image_with_whole_media() -> None:
+    """Chunks end before an image, or after it where they start at it (past the long-prefill
+    threshold); without whole_media the same prompt is cut through the images."""
+    media = [(5, 6, "a"), (13, 6, "b")]
+    scheduler, runner = make_runner(max_num_batched_tokens=8, long_prefill_token_threshold=4, whole_media=True)
+    runner.add(req("a", 24, media=media, max_tokens=1))
+    ends = []
+    for _ in range(6):
+        out, _ = runner.step()
+        ends += [start + n for start, n in chunks(out).values()]
+    # 0-4 (the threshold), 4-5 (before image a), 5-11 (image a whole, past the threshold), 11-13, 13-19, 19-23, 23-24
+    assert ends[:6] == [4, 5, 11, 13, 19, 23]
+    runner.drain()
+    assert_all_free(scheduler)
+    scheduler, runner = make_runner(max_num_batched_tokens=8, long_prefill_token_threshold=4)
+    runner.add(req("a", 24, media=media, max_tokens=1))
+    out, _ = runner.step()
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (4, 4)}  # 4-8: inside image a
+    runner.drain()
+
+
+def test_an_image_that_does_not_fit_the_budget_left_waits() -> None:
+    """Decodes take part of the budget: the image's chunk waits for a step with room, whole."""
+    scheduler, runner = make_runner(max_num_batched_tokens=8, whole_media=True)
+    runner.add(req("dec", 3, max_tokens=4))
+    runner.step()
+    runner.add(req("img", 10, media=[(1, 8, "x")], max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"dec": (3, 1), "img": (0, 1)}  # the budget left (7) ends before the image
+    out, _ = runner.step()
+    assert chunks(out) == {"dec": (4, 1)}  # the image (8 tokens) needs a whole step's budget
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_images_that_touch_are_kept_whole_together() -> None:
+    """Two images with no token between are one run of image tokens (one block of the mask)."""
+    scheduler, runner = make_runner(max_num_batched_tokens=16, whole_media=True)
+    runner.add(req("a", 20, media=[(2, 6, "a"), (8, 6, "b")], max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 16)}  # past the run: no cut
+    runner.drain()
+    scheduler, runner = make_runner(max_num_batched_tokens=12, whole_media=True)
+    runner.add(req("a", 20, media=[(2, 6, "a"), (8, 6, "b")], max_tokens=1))
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (0, 2)}  # 0-12 ends inside the run 2-14: before it
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (2, 12)}
+    runner.drain()
+    assert_all_free(scheduler)

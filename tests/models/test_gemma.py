@@ -20,7 +20,7 @@ from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches
 from sonar.lora.limits import LoRALimits, ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.eagle import load_eagle_head
-from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+from sonar.models.errors import ModelLoadError
 from sonar.models.fused import layer_weights
 from sonar.models.gemma import FULL, SLIDING, Gemma2ForCausalLM, Gemma3ForCausalLM
 from sonar.models.loader import load_model
@@ -223,11 +223,15 @@ def test_lora_and_eagle_are_refused(case: Any, tmp_path: Path) -> None:
         load_eagle_head(str(tmp_path), model, torch.float32, torch.device("cpu"))
 
 
-def test_multimodal_gemma3_is_not_taken_for_text() -> None:
-    """Gemma 3's vision-language checkpoints (``Gemma3ForConditionalGeneration``) are another
-    architecture: refused at startup, the text one listed."""
-    with pytest.raises(UnsupportedArchitectureError, match="Gemma3ForCausalLM"):
+def test_multimodal_gemma3_is_its_own_architecture() -> None:
+    """Gemma 3's vision-language checkpoints (``Gemma3ForConditionalGeneration``) get the class
+    with the vision tower (`sonar.models.gemma3_vl`, tested in test_gemma3_vl.py), not the text one."""
+    from sonar.models.gemma3_vl import Gemma3ForConditionalGeneration
+
+    assert (
         model_class({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"})
+        is Gemma3ForConditionalGeneration
+    )
     assert model_class({"architectures": ["Gemma2ForCausalLM"]}) is Gemma2ForCausalLM
 
 
