@@ -500,12 +500,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
-        if self.world_size > 1 and spec.lookahead and spec.method != "draft_model":
+        if spec.method == "eagle3" and self.pipeline_parallel_size > 1:
             raise ValueError(
-                f"speculative method {spec.method} with tensor_parallel_size {self.tensor_parallel_size} / "
-                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet (the draft runs on one "
-                "worker and reads the target's embedding and LM head, which the ranks split); ngram, suffix and "
-                "draft_model work with them"
+                f"speculative method eagle3 with pipeline_parallel_size {self.pipeline_parallel_size} is not "
+                "supported yet (the head reads three target layers' inputs, which live on different stages, and "
+                "only the final states reach the last one); eagle, mtp, draft_model, ngram and suffix work with it"
             )
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(

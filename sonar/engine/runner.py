@@ -47,6 +47,7 @@ from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
 from sonar.models.errors import ModelLoadError
+from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
@@ -285,14 +286,19 @@ class ModelRunner:
                 block_size=cfg.block_size,
             )
         elif spec is not None and spec.method in ("eagle", "eagle3", "mtp"):
-            self.drafter = EagleDrafter(
-                spec,
-                target=self.model,
-                dtype=self.loaded.dtype,
-                device=device,
-                block_size=cfg.block_size,
-                checkpoint=self.loaded.model_dir,
-            )
+            # a head too runs on the sampler alone, on the last stage's final states; where the
+            # target's vocabulary is split over tensor ranks, the stage's group gathers it whole
+            vocab = gather_vocab(self.model) if topology.tp.size > 1 and topology.stage.last else None
+            if topology.samples:
+                self.drafter = EagleDrafter(
+                    spec,
+                    target=self.model,
+                    dtype=self.loaded.dtype,
+                    device=device,
+                    block_size=cfg.block_size,
+                    checkpoint=self.loaded.model_dir,
+                    vocab=vocab,
+                )
         self.spec = spec
         self.proposer: Proposer | None = None
         """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the

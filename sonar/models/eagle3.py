@@ -42,6 +42,7 @@ from sonar.models.decoder import (
 )
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
+from sonar.models.head_vocab import HeadVocab, TargetVocab
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
 
@@ -139,6 +140,8 @@ class Eagle3Head(nn.Module):
         """Draft id ``d`` is target id ``d + d2t[d]``."""
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embeddings else None
         self.target = [target]  # in a list: not a submodule (its weights stay the target's)
+        self.vocab: HeadVocab = TargetVocab(target)
+        """The target's embeddings, or a copy of them (`sonar.models.head_vocab`)."""
         self.rotary = RotaryEmbedding(
             rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
@@ -162,7 +165,7 @@ class Eagle3Head(nn.Module):
         """(normed states for the logits, states to feed back) ``[n, hidden]`` for tokens
         `input_ids` at `positions`, each beside the feature of the position before its token."""
         with step_metadata(attn_metadata):
-            embed = self.embed_tokens or self.target[0].model.embed_tokens
+            embed = self.embed_tokens or self.vocab.embed_tokens
             cos, sin = self.rotary.cos_sin(positions, features.dtype)
             [kv_cache] = kv_caches
             h, residual = self.midlayer(embed(input_ids).to(features.dtype), features, cos, sin, kv_cache)
