@@ -500,12 +500,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
-        if spec.method == "eagle3" and self.pipeline_parallel_size > 1:
-            raise ValueError(
-                f"speculative method eagle3 with pipeline_parallel_size {self.pipeline_parallel_size} is not "
-                "supported yet (the head reads three target layers' inputs, which live on different stages, and "
-                "only the final states reach the last one); eagle, mtp, draft_model, ngram and suffix work with it"
-            )
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(
                 f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "

@@ -46,6 +46,7 @@ from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
+from sonar.models.eagle3 import AuxCapture, head_aux_layer_ids
 from sonar.models.errors import ModelLoadError
 from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
@@ -299,6 +300,16 @@ class ModelRunner:
                     checkpoint=self.loaded.model_dir,
                     vocab=vocab,
                 )
+        self.aux: AuxCapture | None = None
+        """EAGLE-3 across pipeline stages: the states of its target layers, which each stage sends
+        on to the next with its activations (`_forward_stage`)."""
+        if spec is not None and spec.method == "eagle3" and pipelined:
+            if isinstance(self.drafter, EagleDrafter):
+                self.aux = self.drafter.head.aux
+            else:
+                assert spec.model is not None
+                ids = head_aux_layer_ids(spec.model, int(self.loaded.config.num_hidden_layers))
+                self.aux = AuxCapture(self.model, ids)
         self.spec = spec
         self.proposer: Proposer | None = None
         """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the
@@ -476,14 +487,19 @@ class ModelRunner:
         stage = self.topology.stage
         if stage.size == 1:
             return self.forward(ids, positions, kv_caches, meta)
+        owned = self.model.stage.owned(self.model.config.num_hidden_layers)  # the model's: resolved
+        aux = self.aux
         with step_metadata(meta):
-            received = (
-                () if stage.first else self.topology.recv_hidden(ids.shape[0], self.hidden_size, self.loaded.dtype)
-            )
-            out = self.model.forward_tensors(ids, positions, kv_caches, *received)
+            received: tuple[torch.Tensor, ...] = ()
+            if not stage.first:
+                carried = 0 if aux is None else sum(i < owned.start for i in aux.layer_ids)
+                received = self.topology.recv_hidden(ids.shape[0], self.hidden_size, self.loaded.dtype, 2 + carried)
+                if aux is not None:
+                    aux.receive(list(received[2:]))
+            out = self.model.forward_tensors(ids, positions, kv_caches, *received[:2])
         if stage.last:
             return out
-        self.topology.send_hidden(*out)
+        self.topology.send_hidden(*out, *(aux.before(owned.stop) if aux is not None else ()))
         return None
 
     def _compile(self) -> CompiledForward:

@@ -96,8 +96,7 @@ def test_engine_flags_merge_into_the_config_and_conflicts_are_refused() -> None:
     for method in ("eagle", "eagle3"):
         assert EngineConfig.from_args(spec_method=method, spec_model="head", spec_tokens=2, tensor_parallel_size=2)
     assert EngineConfig.from_args(spec_method="mtp", spec_tokens=2, pipeline_parallel_size=2).speculative()
-    with pytest.raises(ValueError, match="eagle3 with pipeline_parallel_size 2 is not supported yet"):
-        EngineConfig.from_args(spec_method="eagle3", spec_model="head", spec_tokens=2, pipeline_parallel_size=2)
+    assert EngineConfig.from_args(spec_method="eagle3", spec_model="head", spec_tokens=2, pipeline_parallel_size=2)
     assert EngineConfig.from_args(spec_tokens=2, spec_model="tiny").speculative().method == "draft_model"
     with pytest.raises(ValueError, match="speculative method draft_model with KV offloading"):
         EngineConfig.from_args(spec_tokens=2, spec_model="tiny", kv_offloading_size=1)

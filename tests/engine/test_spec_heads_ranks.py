@@ -3,7 +3,8 @@ processes on gloo).
 
 A head runs on the sampler (tensor rank 0 of the last stage) on the last stage's final states; with
 tensor parallelism the group gathers the target's embeddings and LM head whole for it once at load
-(`sonar.models.head_vocab`). Random heads (drafts nearly always wrong): greedy and seeded ``n = 2``
+(`sonar.models.head_vocab`). EAGLE-3 reads target layers 2, 4 and 5 of 8: across two stages the
+first stage sends layer 2's input on with its activations, and layer 4 is the second's first. Random heads (drafts nearly always wrong): greedy and seeded ``n = 2``
 text is the single worker's without speculation, and the head drafts and gets accepted exactly as
 often as on one worker (the same drafts). Heads built for an echoing target: every draft is kept,
 which only a head reading the right states and vocabulary can do.
@@ -17,7 +18,6 @@ from typing import Any
 import pytest
 
 import sonar
-from sonar.engine.config import EngineConfig
 from sonar.sampling_params import SamplingParams
 from tests.models.test_deepseek_mtp import Mtp
 from tests.models.test_eagle import reference_head
@@ -86,7 +86,7 @@ async def single(heads: dict[str, tuple[Path, dict[str, Any]]]) -> dict[str, tup
 
 @pytest.mark.parametrize(
     ("method", "layout"),
-    [("eagle", "tp2"), ("eagle", "pp2"), ("eagle3", "tp2"), ("mtp", "tp2"), ("mtp", "pp2")],
+    [("eagle", "tp2"), ("eagle", "pp2"), ("eagle3", "tp2"), ("eagle3", "pp2"), ("mtp", "tp2"), ("mtp", "pp2")],
 )
 async def test_a_head_in_a_group_keeps_the_single_workers_text(
     heads: dict[str, Any], single: dict[str, Any], method: str, layout: str
@@ -102,7 +102,9 @@ async def test_a_head_in_a_group_keeps_the_single_workers_text(
     )
 
 
-@pytest.mark.parametrize(("method", "layout"), [("eagle3_echo", "tp2"), ("mtp_echo", "tp2"), ("mtp_echo", "pp2")])
+@pytest.mark.parametrize(
+    ("method", "layout"), [("eagle3_echo", "tp2"), ("eagle3_echo", "pp2"), ("mtp_echo", "tp2"), ("mtp_echo", "pp2")]
+)
 async def test_a_head_that_knows_the_answer_has_every_draft_kept_in_a_group(
     heads: dict[str, Any], method: str, layout: str
 ) -> None:
@@ -112,10 +114,3 @@ async def test_a_head_that_knows_the_answer_has_every_draft_kept_in_a_group(
         stats = await llm.stats()
     assert all(len(set(out)) == 1 and len(out) == GREEDY.max_tokens for out in outs)  # the target repeats itself
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
-
-
-def test_eagle3_across_pipeline_stages_is_refused_by_name(heads: dict[str, Any]) -> None:
-    path, spec = heads["eagle3"]
-    with pytest.raises(ValueError, match="speculative method eagle3 with pipeline_parallel_size 2 is not supported"):
-        EngineConfig.from_args(str(path), pipeline_parallel_size=2, speculative_config=spec)
-    EngineConfig.from_args(str(path), tensor_parallel_size=2, speculative_config=spec)
