@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
@@ -314,6 +315,11 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the
         first such step (`SchedulerConfig.worker_drafts`)."""
+        self.worker_drafts = cfg.async_scheduling is True and spec is not None and spec.lookahead > 0
+        """A draft model or head with async scheduling: its drafts stay here (`drafted`) and fill
+        the request's draft slots in its next step, instead of going back to the scheduler."""
+        self.drafted: dict[str, list[int]] = {}
+        """With `worker_drafts`: each request's drafts after the last token this worker sampled."""
         t1 = time.perf_counter()
         kv_bytes = None
         profile = None
@@ -603,8 +609,10 @@ class ModelRunner:
                 if ended is not None and ended.output:
                     self.proposer.propose(rid, ended.prompt, ended.output, 0)
                 self.proposer.finish(rid)
+            self.drafted.pop(rid, None)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.drafted.pop(rid, None)
         for new in msg.new_requests:
             self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
@@ -640,6 +648,7 @@ class ModelRunner:
         given_rows: list[int] = []  # rows whose first-layer input is given: image features, prompt embeddings
         given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
+        computed: list[ScheduledRequest] = []  # what each request's rows are (for a drafter)
         for sched in out.requests:
             first = len(ids)
             start = sched.start_pos
@@ -648,6 +657,8 @@ class ModelRunner:
                 guesses = tokens[1:]
                 if sched.num_drafts:
                     result.drafted[sched.req_id] = len(guesses)
+                if self.drafter is not None:  # it reads the rows as computed, not as scheduled
+                    sched = msgspec.structs.replace(sched, token_ids=tokens, start_pos=start, num_drafts=len(guesses))
             else:
                 if sched.token_ids[-1] == PLACEHOLDER_TOKEN:  # async scheduling: sampled here, not known there
                     tokens = self._fill_placeholders(sched)
@@ -657,6 +668,7 @@ class ModelRunner:
             n = len(tokens)
             ids += tokens
             num_rows.append(n)
+            computed.append(sched)
             positions += range(start, start + n)
             if sched.num_drafts:
                 # a decode row per token, each attending up to itself: the step stays a decode
@@ -826,7 +838,7 @@ class ModelRunner:
                     ]
         if self.drafter is not None:  # every step: a draft's KV follows every position computed
             view = StepView(
-                out.requests,
+                computed,
                 request_rows,
                 ids_t,
                 positions_t,
@@ -835,7 +847,12 @@ class ModelRunner:
                 result.sampled,
                 {s.req_id: self._next_token(s) for s in out.requests if not s.sample},
             )
-            result.proposed = self.drafter.draft(view)
+            proposed = self.drafter.draft(view)
+            if self.worker_drafts:
+                for rid in result.sampled:
+                    self.drafted[rid] = proposed.get(rid, [])
+            else:
+                result.proposed = proposed
         result.seconds = time.perf_counter() - started
         return result
 
@@ -945,6 +962,8 @@ class ModelRunner:
             start, token = sched.start_pos, sched.token_ids[0]
         if not sched.num_drafts:
             return start, [token]
+        if self.drafter is not None:  # made after the step that sampled `token`
+            return start, [token, *self.drafted.pop(sched.req_id, [])[: sched.num_drafts]]
         if self.proposer is None:
             assert self.spec is not None, "draft slots without --speculative-config"
             self.proposer = make_proposer(self.spec)
