@@ -505,13 +505,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "
                 "target's KV only, not the draft's); drop one of the two"
             )
-        if self.async_scheduling and spec.lookahead and self.world_size > 1:
-            raise ValueError(
-                f"speculative method {spec.method} with --async-scheduling and tensor_parallel_size "
-                f"{self.tensor_parallel_size} / pipeline_parallel_size {self.pipeline_parallel_size} is not supported "
-                "yet (the sampler alone makes its drafts, after the step the other ranks run the next one with); "
-                "ngram and suffix work with both"
-            )
 
     def profiler(self) -> Any:
         """The `ProfilerConfig` of ``--profiler-config``, None when profiling is off (ValueError

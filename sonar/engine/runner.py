@@ -315,9 +315,12 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the
         first such step (`SchedulerConfig.worker_drafts`)."""
-        self.worker_drafts = cfg.async_scheduling is True and spec is not None and spec.lookahead > 0
-        """A draft model or head with async scheduling: its drafts stay here (`drafted`) and fill
-        the request's draft slots in its next step, instead of going back to the scheduler."""
+        self.worker_drafts = (
+            cfg.async_scheduling is True and topology.stage.size == 1 and spec is not None and spec.lookahead > 0
+        )
+        """A draft model or head with async scheduling: its drafts stay in the worker (`drafted`) and
+        fill the request's draft slots in its next step, instead of going back to the scheduler;
+        the sampler shares them with the other tensor ranks (`_share_drafts`)."""
         self.drafted: dict[str, list[int]] = {}
         """With `worker_drafts`: each request's drafts after the last token this worker sampled."""
         t1 = time.perf_counter()
@@ -771,6 +774,8 @@ class ModelRunner:
             if not self.topology.samples:
                 if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
                     self._follow_sampling(sample_ids, drafts, first_rows, len(sample_rows))
+                    if self.worker_drafts:
+                        self._share_drafts(sample_ids, {})
                 return result
             if msg.grammar_rows:
                 if wait_bitmask is None:
@@ -849,8 +854,8 @@ class ModelRunner:
             )
             proposed = self.drafter.draft(view)
             if self.worker_drafts:
-                for rid in result.sampled:
-                    self.drafted[rid] = proposed.get(rid, [])
+                if sample_ids:
+                    self._share_drafts(sample_ids, {rid: proposed.get(rid, []) for rid in result.sampled})
             else:
                 result.proposed = proposed
         result.seconds = time.perf_counter() - started
@@ -942,10 +947,27 @@ class ModelRunner:
         for rid, guesses, row in zip(sample_ids, drafts, first_rows):
             self.requests[rid].output += _verify(tokens, failed, row, guesses) or [0]
 
+    def _share_drafts(self, sample_ids: list[str], proposed: dict[str, list[int]]) -> None:
+        """With `worker_drafts`: keep the drafts of this step's sampled requests for their next
+        steps. The sampler has them (`proposed`); with tensor ranks it sends them to the others
+        (called with none), which fill the same slots with the same tokens."""
+        if self.topology.tp.size > 1:
+            assert self.spec is not None
+            rows = torch.full((len(sample_ids), self.spec.num_speculative_tokens), -1, dtype=torch.int64)
+            for i, rid in enumerate(sample_ids):
+                guesses = proposed.get(rid, [])
+                rows[i, : len(guesses)] = torch.tensor(guesses, dtype=torch.int64)
+            # the sampled tokens' broadcast, once more: every rank of the one stage joins it
+            shared = self.topology.share_tokens(rows.to(self.device)).tolist()
+            proposed = {rid: [t for t in row if t >= 0] for rid, row in zip(sample_ids, shared)}
+        for rid in sample_ids:
+            self.drafted[rid] = proposed.get(rid, [])
+
     def _draft_into_slots(self, sched: ScheduledRequest) -> tuple[int, list[int]]:
         """A decode of a token sampled here, or with worker draft slots (async scheduling with
-        ngram or suffix): its start position and tokens, the request's last token then up to
-        ``num_drafts`` drafts from this runner's proposer. With draft slots the scheduler placed a
+        speculation): its start position and tokens, the request's last token then up to
+        ``num_drafts`` drafts from this runner's proposer, or those its draft model or head made
+        after the step that sampled that token (`drafted`). With draft slots the scheduler placed a
         request's next step as if every draft of this one were kept; it starts where the kept
         tokens end instead."""
         state = self.requests[sched.req_id]
@@ -962,7 +984,7 @@ class ModelRunner:
             start, token = sched.start_pos, sched.token_ids[0]
         if not sched.num_drafts:
             return start, [token]
-        if self.drafter is not None:  # made after the step that sampled `token`
+        if self.worker_drafts:  # made after the step that sampled `token`
             return start, [token, *self.drafted.pop(sched.req_id, [])[: sched.num_drafts]]
         if self.proposer is None:
             assert self.spec is not None, "draft slots without --speculative-config"

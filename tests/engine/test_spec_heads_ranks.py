@@ -57,6 +57,7 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dic
 
     return {
         "eagle": (llama.path, spec("eagle", root / "eagle")),
+        "draft_model": (llama.path, spec("draft_model", llama.path)),
         "eagle3": (llama.path, spec("eagle3", save_head(root / "eagle3", random_head()))),
         "mtp": (Mtp().save(root / "mtp"), spec("mtp")),
         "eagle3_echo": (echo.path, spec("eagle3", save_head(root / "e3echo", echo_head(echo), draft_vocab_size=VOCAB))),
@@ -114,3 +115,17 @@ async def test_a_head_that_knows_the_answer_has_every_draft_kept_in_a_group(
         stats = await llm.stats()
     assert all(len(set(out)) == 1 and len(out) == GREEDY.max_tokens for out in outs)  # the target repeats itself
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle3", "mtp"])
+async def test_async_drafts_in_tensor_ranks_keep_the_single_workers_text(
+    heads: dict[str, Any], single: dict[str, Any], method: str
+) -> None:
+    """With async scheduling the sampler keeps each step's drafts for the request's next step and
+    sends them to the other tensor rank, which fills the same draft slots with the same tokens."""
+    path, spec = heads[method]
+    text, stats = await _run(path, speculative_config=spec, async_scheduling=True, tensor_parallel_size=2)
+    assert text == single[str(path)][0]
+    assert stats.steps_overlapped > 0 and stats.spec_num_draft_tokens > 0
+    if method == "draft_model":
+        assert stats.spec_num_accepted_tokens > 0
