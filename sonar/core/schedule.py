@@ -117,8 +117,9 @@ class SchedulerConfig:
     budget and its ``max_tokens`` and ``max_model_len``; a request whose drafts are in flight is
     not scheduled again until they are back."""
     worker_drafts: bool = False
-    """Speculation with async scheduling (``ngram``, ``suffix``): the worker makes the drafts, from
-    the tokens it has sampled, when it runs the step. A decoding request is scheduled while its
+    """Speculation with async scheduling: the worker makes the drafts, from the tokens it has
+    sampled, when it runs the step (a draft model or head: after the step before, with
+    ``lookahead`` KV slots past each sampling step as without async scheduling). A decoding request is scheduled while its
     step in flight (drafts and all) is out, with ``k`` draft slots of `PLACEHOLDER_TOKEN` after its
     last token, at positions that assume every draft in flight is kept; the runner moves the
     step's positions back by the drafts that were not, and uses as many of the slots as its
@@ -161,8 +162,8 @@ class SchedulerConfig:
                 f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                 f"must be at least max_model_len ({self.max_model_len}) so every prompt fits a step"
             )
-        if self.worker_drafts and (self.speculative is None or self.speculative.lookahead or self.pipeline_stages > 1):
-            raise ValueError("worker_drafts needs ngram or suffix speculation and one pipeline stage")
+        if self.worker_drafts and (self.speculative is None or self.pipeline_stages > 1):
+            raise ValueError("worker_drafts needs speculation and one pipeline stage")
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,7 +366,7 @@ class Scheduler:
                     continue
                 if decodes and speculating and worker_drafts:
                     slots = self._draft_slots(request, budget - 1)
-                    if slots and bm.allocate_slots(request, 1 + slots):
+                    if slots and bm.allocate_slots(request, 1 + slots + self._lookahead(request, 1 + slots)):
                         scheduled[request.request_id] = 1 + slots
                         budget -= 1 + slots
                         i += 1

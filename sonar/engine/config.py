@@ -517,23 +517,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
-        if self.world_size > 1 and spec.lookahead and spec.method != "draft_model":
-            raise ValueError(
-                f"speculative method {spec.method} with tensor_parallel_size {self.tensor_parallel_size} / "
-                f"pipeline_parallel_size {self.pipeline_parallel_size} is not supported yet (the draft runs on one "
-                "worker and reads the target's embedding and LM head, which the ranks split); ngram, suffix and "
-                "draft_model work with them"
-            )
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(
                 f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "
                 "target's KV only, not the draft's); drop one of the two"
-            )
-        if self.async_scheduling and spec.lookahead:
-            raise ValueError(
-                f"speculative method {spec.method} with --async-scheduling is not supported yet (its drafts come "
-                "from the request's last token, which an overlapped step does not have yet); ngram and suffix "
-                "work with it"
             )
 
     def profiler(self) -> Any:

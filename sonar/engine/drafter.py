@@ -36,6 +36,7 @@ from sonar.models.deepseek_mtp import load_mtp_head
 from sonar.models.eagle import load_eagle_head
 from sonar.models.eagle3 import load_eagle3_head
 from sonar.models.errors import ModelLoadError
+from sonar.models.head_vocab import HeadVocab
 from sonar.models.loader import LoadedModel, load_model
 
 log = get_logger("sonar.drafter")
@@ -209,7 +210,10 @@ class EagleDrafter(_DraftKV):
         device: torch.device,
         block_size: int,
         checkpoint: Path | None = None,
+        vocab: HeadVocab | None = None,
     ):
+        """`vocab`: copies of the target's embeddings and LM head (`gather_vocab`) where the
+        target's are split over tensor ranks; None: the target's own."""
         self.k = spec.num_speculative_tokens
         if spec.method == "mtp":
             if checkpoint is None:
@@ -222,6 +226,8 @@ class EagleDrafter(_DraftKV):
             load = load_eagle3_head if spec.method == "eagle3" else load_eagle_head
             self.head = load(spec.model, target, dtype, device)
             source = spec.model
+        if vocab is not None:
+            self.head.vocab = vocab
         self.vocab_size = target.vocab_size
         super().__init__(self.head.num_layers, self.head.num_kv_heads, self.head.head_dim, block_size, device)
         log.info("drafter.loaded", model=source, architecture=type(self.head).__name__, layers=self.head.num_layers)

@@ -88,20 +88,20 @@ class Topology:
             dist.broadcast(tokens, src=self.sampler)
         return tokens
 
-    def send_hidden(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        """To the next stage's rank of the same tensor rank: this stage's output and residual."""
+    def send_hidden(self, *tensors: torch.Tensor) -> None:
+        """To the next stage's rank of the same tensor rank: this stage's output and residual
+        (and what else the next stage must have: EAGLE-3's captured states)."""
         dst = self.rank + self.tp.size
-        dist.send(hidden.contiguous(), dst=dst)
-        dist.send(residual.contiguous(), dst=dst)
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), dst=dst)
 
-    def recv_hidden(self, rows: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """From the previous stage: its output and residual, ``[rows, width]`` each."""
+    def recv_hidden(self, rows: int, width: int, dtype: torch.dtype, count: int = 2) -> tuple[torch.Tensor, ...]:
+        """From the previous stage: its output and residual (and ``count - 2`` more), ``[rows, width]`` each."""
         src = self.rank - self.tp.size
-        hidden = torch.empty(rows, width, dtype=dtype, device=self.device)
-        residual = torch.empty(rows, width, dtype=dtype, device=self.device)
-        dist.recv(hidden, src=src)
-        dist.recv(residual, src=src)
-        return hidden, residual
+        tensors = tuple(torch.empty(rows, width, dtype=dtype, device=self.device) for _ in range(count))
+        for tensor in tensors:
+            dist.recv(tensor, src=src)
+        return tensors
 
 
 SOLO = Topology()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
@@ -46,8 +47,10 @@ from sonar.kernels.linear import prepack_linears
 from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.slots import AdapterSlots
+from sonar.models.eagle3 import AuxCapture, head_aux_layer_ids
 from sonar.models.eplb import ExpertBalancer
 from sonar.models.errors import ModelLoadError
+from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
@@ -288,18 +291,41 @@ class ModelRunner:
                 block_size=cfg.block_size,
             )
         elif spec is not None and spec.method in ("eagle", "eagle3", "mtp"):
-            self.drafter = EagleDrafter(
-                spec,
-                target=self.model,
-                dtype=self.loaded.dtype,
-                device=device,
-                block_size=cfg.block_size,
-                checkpoint=self.loaded.model_dir,
-            )
+            # a head too runs on the sampler alone, on the last stage's final states; where the
+            # target's vocabulary is split over tensor ranks, the stage's group gathers it whole
+            vocab = gather_vocab(self.model) if topology.tp.size > 1 and topology.stage.last else None
+            if topology.samples:
+                self.drafter = EagleDrafter(
+                    spec,
+                    target=self.model,
+                    dtype=self.loaded.dtype,
+                    device=device,
+                    block_size=cfg.block_size,
+                    checkpoint=self.loaded.model_dir,
+                    vocab=vocab,
+                )
+        self.aux: AuxCapture | None = None
+        """EAGLE-3 across pipeline stages: the states of its target layers, which each stage sends
+        on to the next with its activations (`_forward_stage`)."""
+        if spec is not None and spec.method == "eagle3" and pipelined:
+            if isinstance(self.drafter, EagleDrafter):
+                self.aux = self.drafter.head.aux
+            else:
+                assert spec.model is not None
+                ids = head_aux_layer_ids(spec.model, int(self.loaded.config.num_hidden_layers))
+                self.aux = AuxCapture(self.model, ids)
         self.spec = spec
         self.proposer: Proposer | None = None
         """ngram/suffix with async scheduling: the proposer of the steps' draft slots, made at the
         first such step (`SchedulerConfig.worker_drafts`)."""
+        self.worker_drafts = (
+            cfg.async_scheduling is True and topology.stage.size == 1 and spec is not None and spec.lookahead > 0
+        )
+        """A draft model or head with async scheduling: its drafts stay in the worker (`drafted`) and
+        fill the request's draft slots in its next step, instead of going back to the scheduler;
+        the sampler shares them with the other tensor ranks (`_share_drafts`)."""
+        self.drafted: dict[str, list[int]] = {}
+        """With `worker_drafts`: each request's drafts after the last token this worker sampled."""
         t1 = time.perf_counter()
         kv_bytes = None
         profile = None
@@ -485,14 +511,19 @@ class ModelRunner:
         stage = self.topology.stage
         if stage.size == 1:
             return self.forward(ids, positions, kv_caches, meta)
+        owned = self.model.stage.owned(self.model.config.num_hidden_layers)  # the model's: resolved
+        aux = self.aux
         with step_metadata(meta):
-            received = (
-                () if stage.first else self.topology.recv_hidden(ids.shape[0], self.hidden_size, self.loaded.dtype)
-            )
-            out = self.model.forward_tensors(ids, positions, kv_caches, *received)
+            received: tuple[torch.Tensor, ...] = ()
+            if not stage.first:
+                carried = 0 if aux is None else sum(i < owned.start for i in aux.layer_ids)
+                received = self.topology.recv_hidden(ids.shape[0], self.hidden_size, self.loaded.dtype, 2 + carried)
+                if aux is not None:
+                    aux.receive(list(received[2:]))
+            out = self.model.forward_tensors(ids, positions, kv_caches, *received[:2])
         if stage.last:
             return out
-        self.topology.send_hidden(*out)
+        self.topology.send_hidden(*out, *(aux.before(owned.stop) if aux is not None else ()))
         return None
 
     def _compile(self) -> CompiledForward:
@@ -596,8 +627,10 @@ class ModelRunner:
                 if ended is not None and ended.output:
                     self.proposer.propose(rid, ended.prompt, ended.output, 0)
                 self.proposer.finish(rid)
+            self.drafted.pop(rid, None)
         for rid in out.preempted_req_ids:
             self.requests.pop(rid, None)
+            self.drafted.pop(rid, None)
         for new in msg.new_requests:
             self.requests[new.req_id] = state = _RequestState(
                 new.params, new.prompt_token_ids, list(new.output_token_ids), is_plain_greedy(new.params), new.lora
@@ -633,6 +666,7 @@ class ModelRunner:
         given_rows: list[int] = []  # rows whose first-layer input is given: image features, prompt embeddings
         given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
+        computed: list[ScheduledRequest] = []  # what each request's rows are (for a drafter)
         for sched in out.requests:
             first = len(ids)
             start = sched.start_pos
@@ -641,6 +675,8 @@ class ModelRunner:
                 guesses = tokens[1:]
                 if sched.num_drafts:
                     result.drafted[sched.req_id] = len(guesses)
+                if self.drafter is not None:  # it reads the rows as computed, not as scheduled
+                    sched = msgspec.structs.replace(sched, token_ids=tokens, start_pos=start, num_drafts=len(guesses))
             else:
                 if sched.token_ids[-1] == PLACEHOLDER_TOKEN:  # async scheduling: sampled here, not known there
                     tokens = self._fill_placeholders(sched)
@@ -650,6 +686,7 @@ class ModelRunner:
             n = len(tokens)
             ids += tokens
             num_rows.append(n)
+            computed.append(sched)
             positions += range(start, start + n)
             if sched.num_drafts:
                 # a decode row per token, each attending up to itself: the step stays a decode
@@ -756,6 +793,8 @@ class ModelRunner:
             if not self.topology.samples:
                 if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
                     self._follow_sampling(sample_ids, drafts, first_rows, len(sample_rows))
+                    if self.worker_drafts:
+                        self._share_drafts(sample_ids, {})
                 return result
             if msg.grammar_rows:
                 if wait_bitmask is None:
@@ -823,7 +862,7 @@ class ModelRunner:
                     ]
         if self.drafter is not None:  # every step: a draft's KV follows every position computed
             view = StepView(
-                out.requests,
+                computed,
                 request_rows,
                 ids_t,
                 positions_t,
@@ -832,7 +871,12 @@ class ModelRunner:
                 result.sampled,
                 {s.req_id: self._next_token(s) for s in out.requests if not s.sample},
             )
-            result.proposed = self.drafter.draft(view)
+            proposed = self.drafter.draft(view)
+            if self.worker_drafts:
+                if sample_ids:
+                    self._share_drafts(sample_ids, {rid: proposed.get(rid, []) for rid in result.sampled})
+            else:
+                result.proposed = proposed
         result.seconds = time.perf_counter() - started
         return result
 
@@ -922,10 +966,27 @@ class ModelRunner:
         for rid, guesses, row in zip(sample_ids, drafts, first_rows):
             self.requests[rid].output += _verify(tokens, failed, row, guesses) or [0]
 
+    def _share_drafts(self, sample_ids: list[str], proposed: dict[str, list[int]]) -> None:
+        """With `worker_drafts`: keep the drafts of this step's sampled requests for their next
+        steps. The sampler has them (`proposed`); with tensor ranks it sends them to the others
+        (called with none), which fill the same slots with the same tokens."""
+        if self.topology.tp.size > 1:
+            assert self.spec is not None
+            rows = torch.full((len(sample_ids), self.spec.num_speculative_tokens), -1, dtype=torch.int64)
+            for i, rid in enumerate(sample_ids):
+                guesses = proposed.get(rid, [])
+                rows[i, : len(guesses)] = torch.tensor(guesses, dtype=torch.int64)
+            # the sampled tokens' broadcast, once more: every rank of the one stage joins it
+            shared = self.topology.share_tokens(rows.to(self.device)).tolist()
+            proposed = {rid: [t for t in row if t >= 0] for rid, row in zip(sample_ids, shared)}
+        for rid in sample_ids:
+            self.drafted[rid] = proposed.get(rid, [])
+
     def _draft_into_slots(self, sched: ScheduledRequest) -> tuple[int, list[int]]:
         """A decode of a token sampled here, or with worker draft slots (async scheduling with
-        ngram or suffix): its start position and tokens, the request's last token then up to
-        ``num_drafts`` drafts from this runner's proposer. With draft slots the scheduler placed a
+        speculation): its start position and tokens, the request's last token then up to
+        ``num_drafts`` drafts from this runner's proposer, or those its draft model or head made
+        after the step that sampled that token (`drafted`). With draft slots the scheduler placed a
         request's next step as if every draft of this one were kept; it starts where the kept
         tokens end instead."""
         state = self.requests[sched.req_id]
@@ -942,6 +1003,8 @@ class ModelRunner:
             start, token = sched.start_pos, sched.token_ids[0]
         if not sched.num_drafts:
             return start, [token]
+        if self.worker_drafts:  # made after the step that sampled `token`
+            return start, [token, *self.drafted.pop(sched.req_id, [])[: sched.num_drafts]]
         if self.proposer is None:
             assert self.spec is not None, "draft slots without --speculative-config"
             self.proposer = make_proposer(self.spec)

@@ -209,10 +209,13 @@ class SchedulerActor(Actor):
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
         self.stages = info.pipeline_parallel_size
         speculative = cfg.speculative()
-        # a draft model's or head's drafts follow a request's last token, which an overlapped step
-        # would not have yet; n-gram and suffix drafts are made by the worker instead
+        # left unset, async scheduling is off with a draft model or head; given, the worker fills
+        # the draft slots with the drafts it made after the request's step before
         self.pipelined = (
-            wanted and self.offload_bpc == 0 and self.stages == 1 and (speculative is None or not speculative.lookahead)
+            wanted
+            and self.offload_bpc == 0
+            and self.stages == 1
+            and (speculative is None or not speculative.lookahead or cfg.async_scheduling is True)
         )
         blocks = BlockManager(
             info.num_blocks,

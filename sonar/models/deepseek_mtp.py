@@ -27,6 +27,7 @@ from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.attention_op import step_metadata
 from sonar.models.decoder import RMSNorm
 from sonar.models.errors import ModelLoadError
+from sonar.models.head_vocab import HeadVocab, TargetVocab
 from sonar.models.weights import iter_safetensors, safetensors_files
 
 __all__ = ["MtpHead", "load_mtp_head", "mtp_layer_count"]
@@ -62,6 +63,8 @@ class MtpHead(nn.Module):
         """A `DeepseekDecoderLayer` (MLA and MoE) with the checkpoint's MTP weights."""
         self.shared_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.target = [target]  # in a list: not a submodule (its weights stay the target's)
+        self.vocab: HeadVocab = TargetVocab(target)
+        """The target's embeddings and LM head, or copies of them (`sonar.models.head_vocab`)."""
         self.num_layers = 1
         self.num_kv_heads = 1
         self.head_dim = target.head_dim
@@ -81,7 +84,7 @@ class MtpHead(nn.Module):
         """(normed states for the logits, states to feed back) ``[n, hidden]``."""
         target = self.target[0]
         with step_metadata(attn_metadata):
-            embeds = target.embed(input_ids).to(features.dtype)
+            embeds = self.vocab.embed_tokens(input_ids).to(features.dtype)
             embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0)  # no token before position 0
             x = self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(features)), dim=-1))
             cos, sin = target.rotary.cos_sin(positions, x.dtype)
@@ -91,7 +94,7 @@ class MtpHead(nn.Module):
             return self.shared_norm(out), out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.target[0].compute_logits(hidden)
+        return self.vocab.compute_logits(hidden)
 
     def greedy(self, hidden: Tensor) -> Tensor:
         return self.compute_logits(hidden)[:, : self.target[0].vocab_size].argmax(dim=-1)

@@ -36,6 +36,7 @@ from sonar.models.decoder import (
     stacked_params,
 )
 from sonar.models.errors import ModelLoadError
+from sonar.models.head_vocab import HeadVocab, TargetVocab
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
 
@@ -60,6 +61,8 @@ class EagleHead(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size) if own_embeddings else None
         """Its own embeddings, if its checkpoint has them; else the target's."""
         self.target = [target]  # in a list: not a submodule (its weights stay the target's)
+        self.vocab: HeadVocab = TargetVocab(target)
+        """The target's embeddings and LM head, or copies of them (`sonar.models.head_vocab`)."""
         self.rotary = RotaryEmbedding(
             rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
@@ -77,7 +80,7 @@ class EagleHead(nn.Module):
         """The head's hidden states ``[n, hidden]`` for tokens `input_ids` at `positions`, each
         beside the feature of the position before its token (the target's, or the head's own)."""
         with step_metadata(attn_metadata):
-            embed = self.embed_tokens or self.target[0].model.embed_tokens
+            embed = self.embed_tokens or self.vocab.embed_tokens
             x = self.fc(torch.cat((embed(input_ids).to(features.dtype), features), dim=-1))
             cos, sin = self.rotary.cos_sin(positions, x.dtype)
             residual = None
@@ -86,7 +89,7 @@ class EagleHead(nn.Module):
             return x + residual
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        return self.target[0].compute_logits(hidden)
+        return self.vocab.compute_logits(hidden)
 
     def target_features(self, hidden: Tensor, rows: Tensor) -> Tensor:
         """The head's input features at batch rows `rows` of the target's step: its final states."""

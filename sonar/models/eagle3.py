@@ -42,10 +42,11 @@ from sonar.models.decoder import (
 )
 from sonar.models.errors import ModelLoadError
 from sonar.models.fused import FusedDecode
+from sonar.models.head_vocab import HeadVocab, TargetVocab
 from sonar.models.rotary import RotaryEmbedding, rope_parameters
 from sonar.models.weights import iter_safetensors, safetensors_files
 
-__all__ = ["Eagle3Head", "aux_layer_ids", "load_eagle3_head"]
+__all__ = ["AuxCapture", "Eagle3Head", "aux_layer_ids", "head_aux_layer_ids", "load_eagle3_head"]
 
 
 def aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, int, int]:
@@ -66,10 +67,22 @@ def aux_layer_ids(config: Any, num_target_layers: int) -> tuple[int, int, int]:
     return tuple(sorted(ids))  # type: ignore[return-value]
 
 
+def head_aux_layer_ids(path: str, num_target_layers: int) -> tuple[int, int, int]:
+    """`aux_layer_ids` of the head in directory `path` (for a pipeline stage that does not load it)."""
+    config = Path(path).expanduser() / "config.json"
+    if not config.is_file():
+        raise ModelLoadError(f"EAGLE-3 head {path}: no config.json (a local directory is needed)")
+    return aux_layer_ids(SimpleNamespace(**json.loads(config.read_text())), num_target_layers)
+
+
 class AuxCapture:
     """The residual stream entering each chosen target layer during the target's last forward
     pass, caught by forward pre-hooks (the layers must run one by one: the native fused decode
-    loop is turned off for this target)."""
+    loop is turned off for this target).
+
+    On a pipeline stage the hooks of the layers other stages hold never fire: a stage sends the
+    states of the chosen layers before its end on with its activations (`before`), and the next
+    takes them (`receive`), so the last stage has all three."""
 
     def __init__(self, target: DecoderForCausalLM, layer_ids: tuple[int, ...]) -> None:
         self.layer_ids = layer_ids
@@ -85,6 +98,14 @@ class AuxCapture:
             self.states[layer] = x if residual is None else x + residual
 
         return catch
+
+    def before(self, end: int) -> list[Tensor]:
+        """The states of the chosen layers before layer `end`, in layer order."""
+        return [self.states[i] for i in self.layer_ids if i < end]
+
+    def receive(self, states: list[Tensor]) -> None:
+        """The states of the first ``len(states)`` chosen layers, from an earlier stage."""
+        self.states.update(zip(self.layer_ids, states))
 
     def rows(self, rows: Tensor) -> Tensor:
         """``[len(rows), 3 * hidden]``: the captured states of batch rows `rows`, in layer order."""
@@ -139,6 +160,8 @@ class Eagle3Head(nn.Module):
         """Draft id ``d`` is target id ``d + d2t[d]``."""
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden) if own_embeddings else None
         self.target = [target]  # in a list: not a submodule (its weights stay the target's)
+        self.vocab: HeadVocab = TargetVocab(target)
+        """The target's embeddings, or a copy of them (`sonar.models.head_vocab`)."""
         self.rotary = RotaryEmbedding(
             rope_parameters(config), self.head_dim, getattr(config, "max_position_embeddings", 0)
         )
@@ -162,7 +185,7 @@ class Eagle3Head(nn.Module):
         """(normed states for the logits, states to feed back) ``[n, hidden]`` for tokens
         `input_ids` at `positions`, each beside the feature of the position before its token."""
         with step_metadata(attn_metadata):
-            embed = self.embed_tokens or self.target[0].model.embed_tokens
+            embed = self.embed_tokens or self.vocab.embed_tokens
             cos, sin = self.rotary.cos_sin(positions, features.dtype)
             [kv_cache] = kv_caches
             h, residual = self.midlayer(embed(input_ids).to(features.dtype), features, cos, sin, kv_cache)

@@ -36,6 +36,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "worker_drafts": True,
         "alphabet": 2,
     },
+    # the same with a draft model's (or head's) lookahead: KV slots past each sampling step
+    "worker-drafts-lookahead": {
+        "speculative": SpeculativeConfig("draft_model", 3, model="draft"),
+        "worker_drafts": True,
+        "alphabet": 2,
+    },
 }
 
 STOP_TOKEN = 3

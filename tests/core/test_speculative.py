@@ -88,13 +88,15 @@ def test_engine_flags_merge_into_the_config_and_conflicts_are_refused() -> None:
         )
     assert EngineConfig.from_args(spec_method="ngram", spec_tokens=2, async_scheduling=True).speculative()
     assert EngineConfig.from_args(spec_method="suffix", spec_tokens=2, async_scheduling=True).speculative()
-    with pytest.raises(ValueError, match="speculative method draft_model with --async-scheduling"):
-        EngineConfig.from_args(spec_model="tiny", spec_tokens=2, async_scheduling=True)
+    assert EngineConfig.from_args(spec_model="tiny", spec_tokens=2, async_scheduling=True).speculative()
+    assert EngineConfig.from_args(spec_model="tiny", spec_tokens=2, async_scheduling=True, tensor_parallel_size=2)
     assert EngineConfig.from_args(spec_method="ngram", spec_tokens=2, tensor_parallel_size=2).speculative()
     assert EngineConfig.from_args(spec_model="tiny", spec_tokens=2, tensor_parallel_size=2).speculative()
     assert EngineConfig.from_args(spec_model="tiny", spec_tokens=2, pipeline_parallel_size=2).speculative()
-    with pytest.raises(ValueError, match="eagle with tensor_parallel_size 2"):
-        EngineConfig.from_args(spec_method="eagle", spec_model="head", spec_tokens=2, tensor_parallel_size=2)
+    for method in ("eagle", "eagle3"):
+        assert EngineConfig.from_args(spec_method=method, spec_model="head", spec_tokens=2, tensor_parallel_size=2)
+    assert EngineConfig.from_args(spec_method="mtp", spec_tokens=2, pipeline_parallel_size=2).speculative()
+    assert EngineConfig.from_args(spec_method="eagle3", spec_model="head", spec_tokens=2, pipeline_parallel_size=2)
     assert EngineConfig.from_args(spec_tokens=2, spec_model="tiny").speculative().method == "draft_model"
     with pytest.raises(ValueError, match="speculative method draft_model with KV offloading"):
         EngineConfig.from_args(spec_tokens=2, spec_model="tiny", kv_offloading_size=1)
