@@ -273,11 +273,13 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
     mode, fingerprint = serve_args.get("fingerprint_mode"), serve_args.get("fingerprint_value")
     if mode == "custom" and not fingerprint:
         raise UsageError.bad("argument --fingerprint-mode: 'custom' needs --fingerprint-value")
-    if engine_args.get("collect_detailed_traces") and not serve_args.get("otlp_traces_endpoint"):
-        raise UsageError.bad(
-            "argument --collect-detailed-traces: needs --otlp-traces-endpoint (the details are attributes "
-            "of the exported request spans)"
-        )
+    if engine_args.get("collect_detailed_traces"):
+        if not serve_args.get("otlp_traces_endpoint"):
+            raise UsageError.bad(
+                "argument --collect-detailed-traces: needs --otlp-traces-endpoint (the details are attributes "
+                "of the exported request spans, and the per-step spans go there too)"
+            )
+        engine_args["otlp_traces_endpoint"] = serve_args["otlp_traces_endpoint"]  # the scheduler's step spans
     sample = explicit.get("--kv-cache-metrics-sample")
     if (
         sample is not None

@@ -144,6 +144,15 @@ class RequestTiming(msgspec.Struct, array_like=True, gc=False):
     """From its first scheduling to its first token."""
 
 
+class StepRef(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """--collect-detailed-traces: the OpenTelemetry context of one ``scheduler.step`` span, which a
+    request's span links to."""
+
+    trace_id: bytes
+    """16 bytes, big-endian."""
+    span_id: int
+
+
 class RequestModelTime(msgspec.Struct, array_like=True, gc=False):
     """--collect-detailed-traces: a request's share of the worker so far, summed over the steps it
     was in (each step counts whole for each of its requests, as vLLM counts them)."""
@@ -153,6 +162,11 @@ class RequestModelTime(msgspec.Struct, array_like=True, gc=False):
     unless asked."""
     forward_seconds: float | None
     """Of which the model's forward pass (``model``; device-synchronized); None unless asked."""
+    steps: int = 0
+    """The steps the request was in so far (with step spans exported, else 0)."""
+    links: list[StepRef] = []
+    """The step spans of the steps since the request's previous update, while it has had fewer
+    than `MAX_STEP_LINKS` (`sonar.engine.step_spans`): the receiver adds them up."""
 
 
 class RequestUpdate(msgspec.Struct, gc=False):

@@ -165,6 +165,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     collect_detailed_traces: str | None = None
     """``model``, ``worker``, ``all`` or two of them comma-separated: each request's updates carry
     its worker time (`RequestModelTime`; ``model`` times the forward pass, synchronizing the device)."""
+    otlp_traces_endpoint: str | None = None
+    """With `collect_detailed_traces`: the OTLP/HTTP collector the scheduler exports its per-step
+    spans to (`sonar.engine.step_spans`; `serve` sets it from --otlp-traces-endpoint)."""
     """Count each step's estimated FLOPs and bytes read, and the worker's time (`sonar.core.flops`)."""
     kv_offloading_size: float | None = None
     """GiB of CPU memory for a second KV tier (`--kv-offloading-size`); None: no offloading."""
@@ -307,6 +310,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(f"optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.otlp_traces_endpoint is not None:
+            if not self.collect_detailed_traces:
+                raise ValueError(
+                    "otlp_traces_endpoint: the engine exports only the step spans of collect_detailed_traces; "
+                    "set that too"
+                )
+            from sonar.engine.otlp import TracingConfigError, traces_url
+
+            try:
+                traces_url(self.otlp_traces_endpoint)
+            except TracingConfigError as exc:
+                raise ValueError(f"otlp_traces_endpoint: {exc}") from None
         from sonar.engine.settings import (
             capture_sizes,
             check_expert_parallel,
@@ -388,6 +403,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "KV offloading needs prefix caching (offloaded chunks are keyed by its block hashes); "
                 "drop --no-enable-prefix-caching"
             )
+
+    @property
+    def step_spans(self) -> bool:
+        """Per-step spans are exported (`sonar.engine.step_spans`)."""
+        return bool(self.collect_detailed_traces) and self.otlp_traces_endpoint is not None
 
     @property
     def trace_worker(self) -> bool:

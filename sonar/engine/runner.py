@@ -37,6 +37,7 @@ from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
 from sonar.engine.drafter import Drafter, EagleDrafter, StepView
 from sonar.engine.logits_processors import ProcessorChain, load_classes
+from sonar.engine.otlp import clock_pair, epoch_ns
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
 from sonar.errors import SonarError
@@ -55,7 +56,15 @@ from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.pooling_params import PoolingParams
-from sonar.protocol.engine import ExecuteStep, ImageInput, StepResult, TokenLogprobs, VisionInfo, WorkerInfo
+from sonar.protocol.engine import (
+    ExecuteStep,
+    ImageInput,
+    StepResult,
+    TokenLogprobs,
+    VisionInfo,
+    WorkerInfo,
+    WorkerSpan,
+)
 from sonar.sampling_params import GREEDY_EPS, SamplingParams
 from sonar.structured.bitmask import apply_token_bitmask
 from sonar.units import format_memory_size
@@ -69,6 +78,21 @@ def compile_wanted(config: EngineConfig, device: torch.device) -> bool:
     if config.enforce_eager:
         return False
     return config.optimization_level >= (2 if device.type == "cuda" else 3)
+
+
+def worker_spans(
+    config: EngineConfig, execute: tuple[int, int], forward: tuple[int, int], sample: tuple[int, int]
+) -> list[WorkerSpan]:
+    """A step's parts as spans, for the modules --collect-detailed-traces names: ``worker`` the
+    whole step and its sampling, ``model`` the forward pass; `time.monotonic_ns` intervals, of
+    which ``(0, 0)`` were not timed, converted to the epoch here, in the process that read them."""
+    now = clock_pair()
+    parts = []
+    if config.trace_worker:
+        parts += [("worker.execute", execute), ("worker.sample", sample)]
+    if config.trace_model:
+        parts.append(("model.forward", forward))
+    return [WorkerSpan(name, epoch_ns(start, now), epoch_ns(end, now)) for name, (start, end) in parts if end]
 
 
 class UnknownRequestError(SonarError, RuntimeError):
@@ -620,6 +644,9 @@ class ModelRunner:
         block until the scheduler has sent it): called after the forward pass, applied to those
         rows' logits before either sampler sees them."""
         started = time.perf_counter()
+        spans = self.config.step_spans  # --collect-detailed-traces: time the step's parts for its span
+        execute_ns = time.monotonic_ns() if spans else 0
+        forward_ns = sample_ns = (0, 0)
         out = msg.output
         for rid in out.finished_req_ids:
             ended = self.requests.pop(rid, None)
@@ -733,6 +760,7 @@ class ModelRunner:
         if self.eplb is not None and self.eplb.due:  # between two steps' forward passes, on every rank
             self.eplb.rebalance()
         forward_started = time.perf_counter()
+        forward_start_ns = time.monotonic_ns() if spans else 0
         if (
             self.graphs is not None
             and len(ids) == len(q_lens)
@@ -775,6 +803,8 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             result.forward_seconds = time.perf_counter() - forward_started
+            if spans:
+                forward_ns = (forward_start_ns, time.monotonic_ns())
         if hidden is None:  # a stage before the last: the sampler has the logits, and answers
             return result
         for rid, first, rows, start in prompt_rows:
@@ -782,6 +812,7 @@ class ModelRunner:
         if pool_rows and self.topology.samples:
             self._pool(pool_rows, hidden, result)
         if sample_rows:
+            sample_start_ns = time.monotonic_ns() if spans else 0
             # a pure decode step samples every row: no gather of the rows needed
             rows = (
                 hidden
@@ -835,6 +866,8 @@ class ModelRunner:
             # one copy to the host for both: ids and whether each row failed
             shared = torch.stack((sampled.sampled_token_ids, sampled.failed.long()))
             tokens, failed = shared.tolist()
+            if spans:  # the copy to the host waited for the device: the sampling is done
+                sample_ns = (sample_start_ns, time.monotonic_ns())
             if self.topology.tp.size > 1 and self.topology.stage.size == 1:
                 # the other tensor ranks feed these tokens to later steps too and keep the same
                 # drafts (with several stages no step carries a token still in flight:
@@ -878,6 +911,8 @@ class ModelRunner:
             else:
                 result.proposed = proposed
         result.seconds = time.perf_counter() - started
+        if spans:
+            result.spans = worker_spans(self.config, (execute_ns, time.monotonic_ns()), forward_ns, sample_ns)
         return result
 
     def _image_rows(

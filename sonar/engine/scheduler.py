@@ -81,13 +81,14 @@ from sonar.core.events import AllBlocksCleared, BlockRemoved
 from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.kv_residency import KVResidency
-from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput
+from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput, StepRef
 from sonar.core.schedule import media_runs
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
 from sonar.engine.config import EngineConfig
 from sonar.engine.faults import FaultPlan
 from sonar.engine.peak import peak_flops
+from sonar.engine.step_spans import MAX_STEP_LINKS, StepMarks, StepTracer, iteration_details, step_tracer
 from sonar.errors import InvalidRequestError, Rejection, RejectKind
 from sonar.log import get_logger
 from sonar.protocol.engine import (
@@ -195,7 +196,15 @@ class SchedulerActor(Actor):
         self._step_requests: dict[int, list[str]] = {}
         """--collect-detailed-traces: the requests of each step in flight,"""
         self._model_time: dict[str, list[float]] = {}
-        """and each request's worker time so far: [execute, forward] seconds."""
+        """and each request's worker time so far: [execute, forward] seconds, steps."""
+        self.tracer: StepTracer | None = None
+        """--collect-detailed-traces with an OTLP endpoint: the per-step spans' exporter."""
+        self._scheduled = (0, 0)
+        """With `tracer`: when the last `schedule()` call started and ended (`time.monotonic_ns`)."""
+        self._marks: dict[int, StepMarks] = {}
+        """With `tracer`: each step in flight's scheduling times and work."""
+        self._links: dict[str, list[StepRef]] = {}
+        """With `tracer`: each request's step spans not yet sent on an update."""
         self._sent: set[PendingReply] = set()
         """Steps sent whose result the loop has not started waiting for."""
         self.updating: anyio.Event | None = None
@@ -229,6 +238,8 @@ class SchedulerActor(Actor):
             blocks.pool.residency = KVResidency(cfg.kv_cache_metrics_sample, seed=cfg.seed)
         if cfg.enable_mfu_metrics:
             self._start_mfu(info)
+        if cfg.step_spans and cfg.otlp_traces_endpoint is not None:
+            self.tracer = step_tracer(cfg.otlp_traces_endpoint)
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
         self.core = Scheduler(
@@ -442,6 +453,10 @@ class SchedulerActor(Actor):
                 )
         return None
 
+    async def stopping(self) -> None:
+        if self.tracer is not None:  # the step spans still queued go out (bounded: a dead collector)
+            await anyio.to_thread.run_sync(self.tracer.flush, abandon_on_cancel=True)
+
     async def run(self) -> None:
         try:
             if self.stages > 1:
@@ -546,7 +561,12 @@ class SchedulerActor(Actor):
         if self.updating is not None:  # the steps already sent finish, then the weights change
             await self.updating.wait()
         self.kicked = False
-        output = self.core.schedule()
+        if self.tracer is not None:
+            started = time.monotonic_ns()
+            output = self.core.schedule()
+            self._scheduled = (started, time.monotonic_ns())
+        else:
+            output = self.core.schedule()
         await self._publish_kv_events()
         return output
 
@@ -591,6 +611,8 @@ class SchedulerActor(Actor):
                 self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
             if self.config.collect_detailed_traces:
                 self._step_requests[output.step_id] = [s.req_id for s in output.requests]
+            if self.tracer is not None:
+                self._marks[output.step_id] = StepMarks(output, *self._scheduled)
             step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
             self._sent.add(step)
             return step
@@ -599,6 +621,7 @@ class SchedulerActor(Actor):
             self._iterations.pop(output.step_id, None)
             self._costs.pop(output.step_id, None)
             self._step_requests.pop(output.step_id, None)
+            self._marks.pop(output.step_id, None)
             self.failure = exc
             return None
 
@@ -666,9 +689,11 @@ class SchedulerActor(Actor):
             self._iterations.clear()  # what is in flight is voided or recomputed
             self._costs.clear()
             self._step_requests.clear()
+            self._marks.clear()
             return False
         cost = self._costs.pop(result.step_id, None)
         stepped = self._step_requests.pop(result.step_id, None)
+        marks = self._marks.pop(result.step_id, None)
         if not apply:
             return True
         self.steps += 1
@@ -700,7 +725,11 @@ class SchedulerActor(Actor):
                 uncache=lost,
             )
         if stepped is not None:
-            self._add_model_time(stepped, result, updates)
+            # the step's span ends once its tokens are fed back: what it served is known
+            ref = None
+            if marks is not None and self.tracer is not None:
+                ref = self.tracer.record(marks, result, time.monotonic_ns())
+            self._add_model_time(stepped, result, updates, ref)
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
@@ -715,23 +744,36 @@ class SchedulerActor(Actor):
             )
         return True
 
-    def _add_model_time(self, stepped: list[str], result: StepResult, updates: list[RequestUpdate]) -> None:
+    def _add_model_time(
+        self, stepped: list[str], result: StepResult, updates: list[RequestUpdate], ref: StepRef | None
+    ) -> None:
         """--collect-detailed-traces: add a step's worker time to each of its requests, and give
         every update its request's total so far (a stop string or an abort ends a request on the
-        frontend's side with the last one it got)."""
-        times = self._model_time
+        frontend's side with the last one it got). With step spans (`ref`: this step's), each
+        update also carries the request's step count and the step spans it has not been given yet,
+        the first `MAX_STEP_LINKS` only."""
+        times, links = self._model_time, self._links
         for rid in stepped:
-            acc = times.setdefault(rid, [0.0, 0.0])
+            acc = times.setdefault(rid, [0.0, 0.0, 0])
             acc[0] += result.seconds
             acc[1] += result.forward_seconds
+            acc[2] += 1
+            if ref is not None and acc[2] <= MAX_STEP_LINKS:
+                links.setdefault(rid, []).append(ref)
         worker, model = self.config.trace_worker, self.config.trace_model
         for update in updates:
             acc = times.get(update.req_id)
             if acc is not None:
-                update.model_time = RequestModelTime(acc[0] if worker else None, acc[1] if model else None)
+                update.model_time = RequestModelTime(
+                    acc[0] if worker else None,
+                    acc[1] if model else None,
+                    int(acc[2]) if self.tracer is not None else 0,
+                    links.pop(update.req_id, []),
+                )
         if len(times) > len(self.core.requests):  # ended requests (finished, stopped, aborted) go
             for rid in [rid for rid in times if rid not in self.core.requests]:
                 del times[rid]
+                links.pop(rid, None)
 
     # -- KV offloading -------------------------------------------------------------------------
     def _in_tiers(self, block_hash: bytes) -> bool:
@@ -940,26 +982,6 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 def step_chunks(output: SchedulerOutput) -> list[tuple[int, int, int]]:
     """Each request's ``(start, tokens, sampled rows)`` in a step, for `step_cost`."""
     return [(s.start_pos, len(s.token_ids), 1 + s.num_drafts if s.sample else 0) for s in output.requests]
-
-
-def iteration_details(output: SchedulerOutput) -> dict[str, int]:
-    """A step's composition, as vLLM's iteration log counts it: context requests (computing prompt
-    tokens: a prefill or a chunk of one, or a recompute after preemption) and their tokens, and
-    generation requests (decoding, drafts included) and their tokens."""
-    context_requests = context_tokens = generation_requests = generation_tokens = 0
-    for sched in output.requests:
-        if sched.start_pos < sched.num_prompt_tokens:
-            context_requests += 1
-            context_tokens += len(sched.token_ids)
-        else:
-            generation_requests += 1
-            generation_tokens += len(sched.token_ids)
-    return {
-        "context_requests": context_requests,
-        "context_tokens": context_tokens,
-        "generation_requests": generation_requests,
-        "generation_tokens": generation_tokens,
-    }
 
 
 def _nothing_to_run(output: SchedulerOutput) -> bool:

@@ -66,7 +66,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sonar.actors.tree import ActorInfo
 from sonar.core.kv_residency import RESIDENCY_BUCKETS
-from sonar.core.outputs import RequestModelTime, RequestTiming
+from sonar.core.outputs import RequestModelTime, RequestTiming, StepRef
 from sonar.engine.llm import LLM, RequestOutput, StreamDelta
 from sonar.http.protocol import PerRequestMetrics
 from sonar.http.tracing import RequestTracer, SpanTimes, span_attributes
@@ -558,6 +558,9 @@ class RequestRecorder:
         self._tokens: dict[tuple[int, int], int] = {}
         self._timing: dict[tuple[int, int], RequestTiming] = {}
         self._model_time: dict[tuple[int, int], RequestModelTime] = {}
+        self._steps: dict[tuple[int, int], list[StepRef]] = {}
+        """--collect-detailed-traces: the step spans each choice's span links to (sent a few at a
+        time, bounded by the scheduler)."""
 
     def output(self, delta: StreamDelta, prompt: int = 0) -> None:
         """Record one output delta of choice `delta.index` of the request's `prompt`-th prompt."""
@@ -571,6 +574,8 @@ class RequestRecorder:
             self._timing[key] = delta.timing
         if delta.model_time is not None:
             self._model_time[key] = delta.model_time
+            if delta.model_time.links:
+                self._steps.setdefault(key, []).extend(delta.model_time.links)
         if delta.token_ids:
             m.generation_tokens.inc(len(delta.token_ids))
             m.total_generation_tokens += len(delta.token_ids)
@@ -619,6 +624,7 @@ class RequestRecorder:
             self._last.get(key),
             self._timing.get(key),
             self._model_time.get(key),
+            self._steps.get(key, []),
         )
         prompt, choice = key
         attributes = span_attributes(

@@ -9,49 +9,28 @@ and scheduling to first token: the prefill) and the frontend's arrival, first an
 The client's W3C ``traceparent`` (and ``tracestate``) header makes the span a child of the
 client's trace. With ``--collect-detailed-traces`` the span adds the request's worker time
 (``gen_ai.latency.time_in_model_execute`` for ``worker``, ``time_in_model_forward`` for ``model``),
-summed by the scheduler over the steps the request was in (`RequestModelTime`).
+summed by the scheduler over the steps the request was in (`RequestModelTime`), and links to the
+scheduler's ``scheduler.step`` spans of the first `MAX_STEP_LINKS` of those steps
+(`sonar.engine.step_spans`; ``sonar.steps`` counts them all).
 
-Spans go out over OTLP/HTTP (protobuf) from the SDK's `BatchSpanProcessor`: ending
-a span only appends it to a bounded queue (a full queue drops it), and a background thread posts
-the batches, so a slow or absent collector never blocks the event loop or fails a request.
+Spans go out over OTLP/HTTP (protobuf) from the SDK's `BatchSpanProcessor` (`sonar.engine.otlp`):
+ending a span only appends it to a bounded queue, so a slow or absent collector never blocks the
+event loop or fails a request.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
-from sonar.core.outputs import RequestModelTime, RequestTiming
-from sonar.errors import SonarError
+from sonar.core.outputs import RequestModelTime, RequestTiming, StepRef
+from sonar.engine.otlp import TracingConfigError, otlp_provider, traces_url
 
 __all__ = ["SpanTimes", "TracingConfigError", "RequestTracer", "span_attributes", "traces_url"]
 
 SPAN_NAME = "llm_request"
-#: Spans held for export at most; past it, spans are dropped rather than memory grown.
-MAX_QUEUED_SPANS = 2048
-EXPORT_DELAY_MS = 500
-EXPORT_TIMEOUT_S = 5.0
-
-
-class TracingConfigError(SonarError):
-    """--otlp-traces-endpoint is not an http(s) URL."""
-
-
-def traces_url(endpoint: str) -> str:
-    """The URL spans are posted to: `endpoint` as given, with OTLP's ``/v1/traces`` path added when
-    it names no path (``http://collector:4318``)."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise TracingConfigError(
-            f"{endpoint!r} is not the http:// or https:// URL of an OTLP/HTTP collector (Sonar exports "
-            "OTLP over HTTP with protobuf; gRPC is not supported)"
-        )
-    if parts.path in ("", "/"):
-        parts = parts._replace(path="/v1/traces")
-    return urlunsplit(parts)
 
 
 @dataclass
@@ -66,6 +45,9 @@ class SpanTimes:
     timing: RequestTiming | None = None
     model_time: RequestModelTime | None = None
     """--collect-detailed-traces: the request's worker time, from its last update."""
+    steps: list[StepRef] = field(default_factory=list)
+    """--collect-detailed-traces: the step spans the request's span links to (the first
+    `MAX_STEP_LINKS` steps it was in)."""
 
 
 def span_attributes(
@@ -108,6 +90,9 @@ def span_attributes(
             attrs["gen_ai.latency.time_in_model_execute"] = times.model_time.execute_seconds
         if times.model_time.forward_seconds is not None:
             attrs["gen_ai.latency.time_in_model_forward"] = times.model_time.forward_seconds
+        if times.model_time.steps:
+            attrs["sonar.steps"] = times.model_time.steps
+            attrs["sonar.steps.linked"] = len(times.steps)
     return attrs
 
 
@@ -119,27 +104,15 @@ class RequestTracer:
     """The app's tracer provider and exporter (one per app; never the SDK's global provider)."""
 
     def __init__(self, endpoint: str, service_name: str = "sonar") -> None:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.url = traces_url(endpoint)
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-        exporter = OTLPSpanExporter(endpoint=self.url, timeout=EXPORT_TIMEOUT_S)
-        self.provider.add_span_processor(
-            BatchSpanProcessor(
-                exporter,
-                max_queue_size=MAX_QUEUED_SPANS,
-                schedule_delay_millis=EXPORT_DELAY_MS,
-                export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000),
-            )
-        )
+        self.provider = otlp_provider(endpoint, service_name)
         self.tracer = self.provider.get_tracer("sonar")
         self._kind = SpanKind.SERVER
         self._propagator = TraceContextTextMapPropagator()
+        self._link, self._context, self._sampled = Link, SpanContext, TraceFlags(TraceFlags.SAMPLED)
 
     def parent(self, headers: Mapping[str, str]) -> Any:
         """The trace context of a request's ``traceparent`` header (an empty context without one,
@@ -155,8 +128,15 @@ class RequestTracer:
             kind=self._kind,
             attributes=attributes,
             start_time=_wall_ns(times.arrival, now_mono, now_ns),
+            links=[self._step_link(ref) for ref in times.steps],
         )
         span.end(end_time=_wall_ns(times.end, now_mono, now_ns))
+
+    def _step_link(self, ref: StepRef) -> Any:
+        context = self._context(
+            int.from_bytes(ref.trace_id, "big"), ref.span_id, is_remote=True, trace_flags=self._sampled
+        )
+        return self._link(context)
 
     def shutdown(self) -> None:
         """Export what is queued (bounded by the export timeout) and stop the exporter."""

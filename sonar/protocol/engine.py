@@ -150,6 +150,15 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
+class WorkerSpan(msgspec.Struct, array_like=True, gc=False):
+    """--collect-detailed-traces: one timed part of a step on the worker, in nanoseconds since the
+    epoch (the worker's monotonic clock, converted where it was read)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+
+
 class StepResult(msgspec.Struct):
     step_id: int
     sampled: dict[str, list[int]]
@@ -171,6 +180,10 @@ class StepResult(msgspec.Struct):
     could not be loaded): their blocks must leave the prefix cache."""
     pooled: dict[str, PooledData] = {}
     """Pooling requests whose prompt this step completed, with their result: they are done."""
+    spans: list[WorkerSpan] = []
+    """--collect-detailed-traces with step spans exported (`EngineConfig.step_spans`): the
+    worker's ``worker.execute`` and ``worker.sample`` (``worker``) and ``model.forward``
+    (``model``), children of the scheduler's span of the step."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):

@@ -1,25 +1,21 @@
 """The telemetry flags on one real `python -m sonar serve`: --otlp-traces-endpoint, --kv-cache-metrics
 (every block followed) and --enable-mfu-metrics.
 
-Tracing exports to a real OTLP/HTTP receiver started here: an HTTP server taking POST /v1/traces,
-whose protobuf bodies are decoded with `opentelemetry.proto`. The spans must name the request,
-count its tokens, time it, and continue the client's trace (``traceparent``); a receiver gone must
-not fail or slow a request (that test comes last: the receiver stays down).
+Tracing exports to a real OTLP/HTTP receiver started here (`tests.otlp_receiver`: POST /v1/traces,
+the protobuf bodies decoded with `opentelemetry.proto`). The spans must name the request, count its
+tokens, time it, continue the client's trace (``traceparent``) and, with --collect-detailed-traces,
+link to the scheduler's step spans that served it; a receiver gone must not fail or slow a request
+(that test comes last: the receiver stays down).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator
 
 import httpx
 import pytest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from prometheus_client.parser import text_string_to_metric_families
 
 from sonar.cli import parse_serve_args
@@ -27,7 +23,8 @@ from sonar.cli.errors import UsageError
 from sonar.core.outputs import RequestModelTime
 from sonar.http.tracing import SpanTimes, TracingConfigError, span_attributes, traces_url
 from sonar.sampling_params import SamplingParams
-from tests.http.conftest import ServerProcess, free_port, serving, sse_events
+from tests.http.conftest import ServerProcess, serving, sse_events
+from tests.otlp_receiver import Receiver, attributes
 
 SERVER_ARGS = (
     *("--dtype", "float32", "--max-model-len", "256", "--num-gpu-blocks-override", "64", "--seed", "0"),
@@ -38,77 +35,17 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
 
 
-class Receiver:
-    """An OTLP/HTTP trace receiver: every span posted to /v1/traces, decoded, with its resource."""
-
-    def __init__(self, port: int) -> None:
-        self.spans: list[Any] = []
-        self.resources: list[Any] = []
-        self.paths: list[str] = []
-        self.lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                export = ExportTraceServiceRequest()
-                export.ParseFromString(body)
-                with receiver.lock:
-                    receiver.paths.append(self.path)
-                    for rs in export.resource_spans:
-                        receiver.resources.append(rs.resource)
-                        for ss in rs.scope_spans:
-                            receiver.spans.extend(ss.spans)
-                reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-    def spans_of(self, request_id: str, count: int = 1, timeout: float = 15.0) -> list[Any]:
-        """The spans whose ``gen_ai.request.id`` is `request_id`, once `count` of them arrived."""
-        deadline = time.monotonic() + timeout
-        while True:
-            with self.lock:
-                found = [s for s in self.spans if attributes(s).get("gen_ai.request.id") == request_id]
-            if len(found) >= count:
-                return found
-            assert time.monotonic() < deadline, f"{len(found)} spans of {request_id} arrived, not {count}"
-            time.sleep(0.1)
-
-
-def attributes(span: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for kv in span.attributes:
-        v = kv.value
-        kind = v.WhichOneof("value")
-        out[kv.key] = [x.string_value for x in v.array_value.values] if kind == "array_value" else getattr(v, kind)
-    return out
-
-
 @pytest.fixture(scope="module")
 def receiver() -> Iterator[Receiver]:
-    r = Receiver(free_port())
+    r = Receiver()
     yield r
     r.stop()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[ServerProcess]:
-    endpoint = f"http://127.0.0.1:{receiver.server.server_address[1]}"  # no path: /v1/traces is added
-    with serving(tmp_path_factory.mktemp("tracing"), *SERVER_ARGS, "--otlp-traces-endpoint", endpoint) as srv:
+    # no path: /v1/traces is added
+    with serving(tmp_path_factory.mktemp("tracing"), *SERVER_ARGS, "--otlp-traces-endpoint", receiver.endpoint) as srv:
         yield srv
 
 
@@ -155,11 +92,60 @@ def test_a_completion_is_one_span_in_the_clients_trace(http: httpx.Client, recei
     assert 0 < forward < execute < e2e
     span_seconds = (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
     assert span_seconds == pytest.approx(e2e, abs=0.01)
+    # and links to the scheduler's spans of those five steps (one prefill, four decodes)
+    assert a["sonar.steps"] == a["sonar.steps.linked"] == len(span.links) == 5
+    steps = receiver.spans_by_id({link.span_id for link in span.links})
+    assert {s.name for s in steps.values()} == {"scheduler.step"}
+    assert {s.trace_id for s in steps.values()} == {link.trace_id for link in span.links}
+    assert all(span.start_time_unix_nano <= s.start_time_unix_nano < span.end_time_unix_nano for s in steps.values())
     assert all(path == "/v1/traces" for path in receiver.paths)
     services = {
         kv.value.string_value for res in receiver.resources for kv in res.attributes if kv.key == "service.name"
     }
     assert services == {"sonar"}
+
+
+def test_three_requests_steps_add_up_to_the_tokens_served(http: httpx.Client, receiver: Receiver) -> None:
+    """Three requests at once: the step spans their spans link to are every step they were in,
+    and what those steps computed and sampled is exactly what the requests were served."""
+    bodies = [
+        {"prompt": f"Request {name} asks about the {topic}", "max_tokens": n, "ignore_eos": True}
+        for name, topic, n in (("one", "tides", 4), ("two", "reefs and kelp", 6), ("three", "gulls", 3))
+    ]
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda body: http.post("/v1/completions", json=body), bodies))
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    usages = [r.json()["usage"] for r in replies]
+    request_spans = [receiver.spans_of(r.json()["id"])[0] for r in replies]
+    linked: set[bytes] = set()
+    for span, usage in zip(request_spans, usages):
+        # a prompt computed in one step, then a step per generated token but the last
+        assert len(span.links) == attributes(span)["sonar.steps"] == usage["completion_tokens"]
+        linked |= {link.span_id for link in span.links}
+    steps = list(receiver.spans_by_id(linked).values())
+    served = sum(u["completion_tokens"] for u in usages)
+    computed = sum(u["prompt_tokens"] - u["prompt_tokens_details"]["cached_tokens"] for u in usages) + served - 3
+    a = [attributes(s) for s in steps]
+    assert sum(x["sonar.step.batch_size"] for x in a) == served  # each request is in one step per token
+    assert sum(x["sonar.step.sampled_tokens"] for x in a) == served
+    assert sum(x["sonar.step.tokens"] for x in a) == computed
+    assert sum(x["sonar.step.prefill_requests"] for x in a) == 3
+    assert all(x["sonar.step.prefill_tokens"] + x["sonar.step.decode_tokens"] == x["sonar.step.tokens"] for x in a)
+    assert all(x["sonar.step.preemptions"] == 0 for x in a)
+    for step in steps:  # --collect-detailed-traces all: the scheduler's and the worker's parts, inside the step
+        children = {c.name: c for c in receiver.wait_for(lambda c: c.parent_span_id == step.span_id, 4)}
+        assert set(children) == {"scheduler.schedule", "worker.execute", "worker.sample", "model.forward"}
+        for child in children.values():
+            assert child.trace_id == step.trace_id
+            assert child.start_time_unix_nano <= child.end_time_unix_nano
+            # the worker's clock is read in its own process: allow a millisecond of conversion skew
+            assert step.start_time_unix_nano - 1_000_000 <= child.start_time_unix_nano
+            assert child.end_time_unix_nano <= step.end_time_unix_nano + 1_000_000
+        execute, forward, sample = children["worker.execute"], children["model.forward"], children["worker.sample"]
+        assert execute.start_time_unix_nano <= forward.start_time_unix_nano <= forward.end_time_unix_nano
+        assert forward.end_time_unix_nano <= sample.start_time_unix_nano <= sample.end_time_unix_nano
+        assert sample.end_time_unix_nano <= execute.end_time_unix_nano
+        assert children["scheduler.schedule"].end_time_unix_nano <= execute.start_time_unix_nano + 1_000_000
 
 
 def test_a_streamed_chat_with_two_choices_is_two_spans_of_a_new_trace(
