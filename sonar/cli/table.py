@@ -774,8 +774,9 @@ GROUPS: tuple[Group, ...] = (
            "collector URL (http://host:4318 posts to /v1/traces); a client's traceparent header makes it "
            "the parent.", to=S, check=otlp_endpoint, metavar="URL"),
         _f("--collect-detailed-traces", S_, None,
-           "Add each request's worker time to its span (needs --otlp-traces-endpoint): 'worker' the "
-           "worker's time on the steps the request was in, 'model' their forward passes' (timed with a "
+           "Add each request's worker time to its span and export a span per engine step, linked from "
+           "the requests' spans (needs --otlp-traces-endpoint): 'worker' the worker's time on the steps "
+           "(worker.execute, worker.sample), 'model' their forward passes' (model.forward, timed with a "
            "device synchronization: costly), 'all' both; or two of them comma-separated.",
            choices=("all", "model", "worker", None, "model,worker", "model,all", "worker,model", "worker,all",
                     "all,model", "all,worker"),
