@@ -41,15 +41,16 @@ def traces_url(endpoint: str) -> str:
     return urlunsplit(parts)
 
 
-def otlp_provider(endpoint: str, service_name: str = "sonar") -> Any:
+def otlp_provider(endpoint: str, service_name: str = "sonar", id_generator: Any = None) -> Any:
     """A tracer provider of its own (never the SDK's global one) exporting to `endpoint` (made a
-    URL by `traces_url`) behind a bounded `BatchSpanProcessor`."""
+    URL by `traces_url`) behind a bounded `BatchSpanProcessor`; `id_generator`: the SDK's random
+    one unless given."""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}), id_generator=id_generator)
     exporter = OTLPSpanExporter(endpoint=traces_url(endpoint), timeout=EXPORT_TIMEOUT_S)
     provider.add_span_processor(
         BatchSpanProcessor(

@@ -16,14 +16,20 @@ served it: the scheduler sends each request, with its updates, the `StepRef` of 
 all its steps goes along. Trace volume is thus one span per step plus up to three children,
 whatever the batch size, and a bounded number of links per request.
 
-Export costs the step loop only the spans' creation: the SDK's batch processor queues them (a full
-queue drops them) and a thread of its own posts them. One provider per process and endpoint
-serves every scheduler incarnation there (a restarted scheduler does not start another thread).
+The step loop only picks a finished step's span ids and queues it (a few microseconds): a thread
+of the tracer makes the spans (tens of microseconds each with the SDK) every 50 ms, and the SDK's
+batch processor queues them (a full queue drops them) for its own thread to post. One tracer per
+process and endpoint serves every scheduler incarnation there (a restarted scheduler starts no
+other thread).
 """
 
 from __future__ import annotations
 
+import atexit
+import random
 import threading
+import time
+from collections import deque
 from typing import Any
 
 from sonar.core.outputs import SchedulerOutput, StepRef
@@ -38,6 +44,10 @@ SCHEDULE_SPAN = "scheduler.schedule"
 MAX_STEP_LINKS = 32
 #: Seconds a stopping scheduler waits for its queued spans to go out.
 FLUSH_TIMEOUT_S = 2.0
+#: Finished steps waiting for their spans to be made at most (past it, the oldest are dropped), and
+#: how often the tracer's thread makes them.
+MAX_PENDING_STEPS = 1024
+DRAIN_INTERVAL_S = 0.05
 
 
 def iteration_details(output: SchedulerOutput) -> dict[str, int]:
@@ -91,22 +101,75 @@ class StepMarks:
         self.schedule_end = schedule_end
 
 
+class _ChosenIds:
+    """The provider's id generator: a step span's ids are chosen when the step ends, on the
+    scheduler's loop (its requests link to them at once), and taken here when the span is made,
+    later, by the tracer's thread; every other span id is random."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self.trace_id = 0
+        self.span_id = 0
+
+    def generate_trace_id(self) -> int:
+        return self.trace_id
+
+    def generate_span_id(self) -> int:
+        span_id, self.span_id = self.span_id, 0
+        return span_id or self._random.generate_span_id()
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
 class StepTracer:
-    """Makes and queues the spans of finished steps (never blocks on the collector)."""
+    """Queues finished steps on the scheduler's loop (no span is made there: `record` only picks
+    the step span's ids and appends) and makes their spans on a thread of its own, every
+    `DRAIN_INTERVAL_S`, for the SDK's batch processor to export."""
 
     def __init__(self, endpoint: str) -> None:
         from opentelemetry import trace
         from opentelemetry.trace import SpanKind
 
-        self.provider = otlp_provider(endpoint)
+        self._ids = _ChosenIds()
+        self.provider = otlp_provider(endpoint, id_generator=self._ids)
         self.tracer = self.provider.get_tracer("sonar.scheduler")
         self._kind = SpanKind.INTERNAL
         self._child_of = trace.set_span_in_context
+        self._pending: deque[tuple[int, int, StepMarks, StepResult, int]] = deque(maxlen=MAX_PENDING_STEPS)
+        self._lock = threading.Lock()  # one maker of spans at a time: `_ids` is shared state
+        self._thread = threading.Thread(target=self._drain_forever, name="sonar-step-spans", daemon=True)
+        self._thread.start()
+        atexit.register(self._drain)  # before the provider's own exit flush (atexit runs last first)
 
     def record(self, marks: StepMarks, result: StepResult, end: int) -> StepRef:
         """Queue a step's span and its children; `end` (`time.monotonic_ns`) is when its result
         was fed back. The reference its requests' spans link to."""
-        now = clock_pair()
+        trace_id, span_id = random.getrandbits(128) or 1, random.getrandbits(64) or 1
+        self._pending.append((trace_id, span_id, marks, result, end))  # full: the oldest step is dropped
+        return StepRef(trace_id.to_bytes(16, "big"), span_id)
+
+    def flush(self) -> None:
+        """Make the queued steps' spans and send them, waiting at most `FLUSH_TIMEOUT_S` for the
+        collector (blocking: call it in a thread)."""
+        self._drain()
+        self.provider.force_flush(timeout_millis=int(FLUSH_TIMEOUT_S * 1000))
+
+    def _drain_forever(self) -> None:
+        while True:
+            time.sleep(DRAIN_INTERVAL_S)
+            self._drain()
+
+    def _drain(self) -> None:
+        with self._lock:
+            now = clock_pair()  # the monotonic readings are this process's: one offset for all
+            while self._pending:
+                self._make(*self._pending.popleft(), now)
+
+    def _make(self, trace_id: int, span_id: int, marks: StepMarks, result: StepResult, end: int, now: Any) -> None:
+        self._ids.trace_id, self._ids.span_id = trace_id, span_id
         span = self.tracer.start_span(
             STEP_SPAN,
             kind=self._kind,
@@ -122,12 +185,6 @@ class StepTracer:
             child = self.tracer.start_span(part.name, context=parent, kind=self._kind, start_time=part.start_ns)
             child.end(end_time=part.end_ns)
         span.end(end_time=epoch_ns(end, now))
-        context = span.get_span_context()
-        return StepRef(context.trace_id.to_bytes(16, "big"), context.span_id)
-
-    def flush(self) -> None:
-        """Send what is queued, waiting at most `FLUSH_TIMEOUT_S` (blocking: call it in a thread)."""
-        self.provider.force_flush(timeout_millis=int(FLUSH_TIMEOUT_S * 1000))
 
 
 _tracers: dict[str, StepTracer] = {}
