@@ -18,7 +18,7 @@ from sonar.core.outputs import ScheduledRequest, SchedulerOutput, StepRef
 from sonar.engine.config import EngineConfig
 from sonar.engine.otlp import epoch_ns
 from sonar.engine.runner import worker_spans
-from sonar.engine.step_spans import MAX_STEP_LINKS, step_attributes
+from sonar.engine.step_spans import MAX_PENDING_STEPS, MAX_STEP_LINKS, StepMarks, StepTracer, step_attributes
 from sonar.protocol.engine import StepResult
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models.conftest import _tiny_configs
@@ -190,7 +190,25 @@ async def test_a_dead_collector_never_holds_up_serving(tiny_llama: str, one_thre
     async with sonar.open(tiny_llama, **ENGINE, collect_detailed_traces="all", otlp_traces_endpoint=dead) as llm:
         opened = time.monotonic()
         seen = await stream_all(llm, [[5, 6, 7], [8, 9]], [24, 24])
-        served = time.monotonic() - opened
+        served = time.monotonic()
     assert [r["tokens"] for r in seen] == [24, 24]
-    assert served < 10  # the exporter's retries run in its own thread
+    assert served - opened < 10  # the exporter's retries run in its own thread
+    assert time.monotonic() - served < 10  # stopping waits for the queued spans a bounded time
     assert time.monotonic() - started < 120
+
+
+def test_steps_waiting_for_their_spans_are_bounded(receiver: Receiver) -> None:
+    """A tracer thread that falls behind drops the oldest steps instead of growing; the newest
+    still become spans with the ids their requests were given."""
+    tracer = StepTracer(receiver.endpoint)
+    output = SchedulerOutput(step_id=1, requests=[], num_scheduled_tokens=0, preempted_req_ids=[], finished_req_ids=[])
+    now = time.monotonic_ns()
+    with tracer._lock:  # the thread cannot drain meanwhile
+        refs = [
+            tracer.record(StepMarks(output, now, now), StepResult(1, {}), now) for _ in range(MAX_PENDING_STEPS + 10)
+        ]
+        assert len(tracer._pending) == MAX_PENDING_STEPS
+    tracer.flush()
+    spans = receiver.spans_by_id({span_id(ref) for ref in refs[-MAX_PENDING_STEPS:]})
+    assert {s.trace_id for s in spans.values()} == {ref.trace_id for ref in refs[-MAX_PENDING_STEPS:]}
+    assert not {span_id(ref) for ref in refs[:10]} & {s.span_id for s in receiver.spans}
