@@ -348,8 +348,11 @@ class KVEventConsumer:
         index: KVBlockIndex | None = None,
         server_key_file: str | None = None,
         client_key_file: str | None = None,
+        replay_timeout: float = 5.0,
     ) -> None:
         self.index = index or KVBlockIndex()
+        self.replay_timeout = replay_timeout
+        """Seconds `poll` gives one replay that fills a gap (a large gap on a busy machine takes longer)."""
         self.last_seq = -1
         self.replay_endpoint = replay_endpoint
         self._ctx = zmq.Context.instance()
@@ -442,7 +445,7 @@ class KVEventConsumer:
             if seq > self.last_seq + 1 and self.replay_endpoint is not None:
                 self.gaps += 1
                 try:
-                    out += self.replay(self.last_seq + 1)
+                    out += self.replay(self.last_seq + 1, self.replay_timeout)
                 except ReplayRefusedError as exc:
                     log.warning("kv_events.gap_not_filled", error=str(exc))
             out += self._apply(seq, payload)

@@ -302,7 +302,8 @@ def test_a_subscriber_that_never_reads_does_not_stall_the_publisher():
     n = 5000
     with (
         KVEventPublisher(cfg(hwm=10, buffer_steps=n + 10, replay_burst=n)) as pub,
-        KVEventConsumer(pub.endpoint, pub.replay_endpoint, topic="kv") as consumer,
+        # replaying up to 5000 batches of 1024 tokens took over 5 s on a loaded CI machine
+        KVEventConsumer(pub.endpoint, pub.replay_endpoint, topic="kv", replay_timeout=60) as consumer,
     ):
         wait_subscribed(pub, consumer)
         start = pub.next_seq
