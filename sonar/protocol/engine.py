@@ -171,6 +171,10 @@ class StepResult(msgspec.Struct):
     could not be loaded): their blocks must leave the prefix cache."""
     pooled: dict[str, PooledData] = {}
     """Pooling requests whose prompt this step completed, with their result: they are done."""
+    images_encoded: int = 0
+    """Images this step ran through the vision tower,"""
+    images_reused: int = 0
+    """and images whose rows it took from the worker's encoder cache instead."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):
