@@ -234,6 +234,8 @@ class ModelRunner:
             pictures=image_limit(cfg.limit_mm_per_prompt, cfg.language_model_only) > 0,
         )
         self.model = self.loaded.model
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The parameters' bytes as loaded (before any CPU repacking): this rank's share."""
         self.hidden_size = int(self.loaded.config.hidden_size)
         # as the scheduler's shell raises it: the step's token budget is at least max_num_seqs
         self.encoder_cache = EncoderCache(max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
@@ -454,6 +456,7 @@ class ModelRunner:
             pooling=None if self.pooler is None else self.pooler.info,
             vision=vision_info(self.model),
             hidden_size=self.hidden_size,
+            weights_bytes=self.weights_bytes,
         )
         log.info(
             "kv_cache.allocated",

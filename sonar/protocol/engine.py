@@ -119,6 +119,9 @@ class WorkerInfo(msgspec.Struct):
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
     vision: VisionInfo | None = None
     """A model that takes images (`sonar.models.llava`); None for a text-only model."""
+    weights_bytes: int = 0
+    """The model's parameter bytes as loaded on this rank (a vision model served with an image
+    limit of 0 holds no tower: `sonar.models.loader.drop_tower`)."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

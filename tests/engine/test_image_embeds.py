@@ -91,7 +91,13 @@ async def test_llava_features_give_the_pictures_tokens_and_skip_a_zero_limit(
             with pytest.raises(InvalidRequestError, match=says):
                 await llm.add_images(prompt, [bad])
 
+        with_tower = llm.info.weights_bytes
+    # transformers' tower and projector, less CLIP's post-LayerNorm, which Sonar never loads (never read)
+    unread = hf.model.vision_tower.post_layernorm
+    parts = (hf.model.vision_tower, hf.model.multi_modal_projector)
+    tower = sum(p.nbytes for m in parts for p in m.parameters()) - sum(p.nbytes for p in unread.parameters())
     async with sonar.open(str(path), max_model_len=128, limit_mm_per_prompt={"image": 0}, **ENGINE) as llm:
+        assert llm.info.weights_bytes == with_tower - tower  # the worker holds no tower
         given_ids, given = await llm.add_images(prompt, [features])
         assert (await llm.generate(given_ids, GREEDY, images=given)).outputs[0].token_ids == (
             by_picture.outputs[0].token_ids
