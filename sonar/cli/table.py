@@ -677,11 +677,11 @@ GROUPS: tuple[Group, ...] = (
     ),
     _group(
         "MultiModalConfig", "Images, audio and video inputs of multimodal models.",
-        _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0).",
+        _f("--language-model-only", B, False, "Accept no multimodal inputs at all (every modality limited to 0; the vision tower is not loaded).",
            to=E),
         _f("--limit-mm-per-prompt", J, {},
            "Most items per prompt for each modality, e.g. '{\"image\": 4}' (999 for a modality not named; "
-           "per-item size options are not supported yet).",
+           "per-item size options are not supported yet). With images limited to 0 the vision tower is not loaded.",
            dotted=True, to=E),
         _f("--enable-mm-embeds", B, False,
            "Accept images given as their precomputed feature rows: chat content parts of type "

@@ -205,6 +205,13 @@ class SchedulerStats(msgspec.Struct, gc=False):
     """Prompt tokens loaded back from the offload tiers instead of being recomputed (cumulative)."""
     num_loading: int = 0
     """Requests waiting for their prefix to be loaded from the offload tiers."""
+    num_steps: int = 0
+    """Engine steps run since start (a prompt prefilled in chunks takes one per chunk); the
+    scheduler's shell counts them."""
+    mm_encoder_runs: int = 0
+    """Images the worker ran through the vision tower since start,"""
+    mm_encoder_cache_hits: int = 0
+    """and images whose feature rows came from its encoder cache instead."""
     steps_overlapped: int = 0
     """Steps sent while an earlier one was still running (async scheduling, pipeline stages),
     since start; the scheduler's shell counts them."""

@@ -1110,6 +1110,12 @@ class LLM:
             raise InvalidRequestError(problem, param="cache_salt")
         if prompt_embeds is not None:  # the prefix cache keys these placeholders by the embeddings
             cache_salt = embeds_salt(prompt_embeds, cache_salt)
+        counted = self.counted_images(len(images), sum(im.embeds for im in images)) if images else 0
+        if counted > self.image_limit:  # with a limit of 0 the worker has no tower to run
+            raise InvalidRequestError(
+                f"at most {self.image_limit} image(s) per prompt (--limit-mm-per-prompt), got {counted}",
+                param="images",
+            )
         children = [params] if params.n == 1 else [params.for_child(i) for i in range(params.n)]
         # The prompt is scored once: only the first completion asks for its logprobs.
         children[1:] = [msgspec.structs.replace(c, prompt_logprobs=None) for c in children[1:]]

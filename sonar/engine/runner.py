@@ -36,6 +36,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.cudagraph import CudaGraphs, DecodeBuffers
 from sonar.engine.device import memory_info, select_device
 from sonar.engine.drafter import Drafter, EagleDrafter, StepView
+from sonar.engine.encoder_cache import EncoderCache
 from sonar.engine.logits_processors import ProcessorChain, load_classes
 from sonar.engine.otlp import clock_pair, epoch_ns
 from sonar.engine.ranks import SOLO, Topology
@@ -55,6 +56,7 @@ from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
+from sonar.multimodal.limits import image_limit
 from sonar.pooling_params import PoolingParams
 from sonar.protocol.engine import (
     ExecuteStep,
@@ -253,9 +255,15 @@ class ModelRunner:
             model_loader_extra_config=cfg.model_loader_extra_config,
             safetensors_load_strategy=cfg.safetensors_load_strategy,
             tokenizer_revision=cfg.tokenizer_revision,
+            pictures=image_limit(cfg.limit_mm_per_prompt, cfg.language_model_only) > 0,
         )
         self.model = self.loaded.model
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """The parameters' bytes as loaded (before any CPU repacking): this rank's share."""
         self.hidden_size = int(self.loaded.config.hidden_size)
+        # as the scheduler's shell raises it: the step's token budget is at least max_num_seqs
+        self.encoder_cache = EncoderCache(max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+        """A vision model's image feature rows by image hash (`sonar.engine.encoder_cache`)."""
         self.pooler: Pooler | None = None
         """A pooling model (`sonar.models.pooler`): pools prompts instead of sampling."""
         self.causal = bool(getattr(self.model, "is_causal", True))
@@ -472,6 +480,7 @@ class ModelRunner:
             pooling=None if self.pooler is None else self.pooler.info,
             vision=vision_info(self.model),
             hidden_size=self.hidden_size,
+            weights_bytes=self.weights_bytes,
         )
         log.info(
             "kv_cache.allocated",
@@ -493,6 +502,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.release()
         self.requests.clear()
+        self.encoder_cache.clear()
         self.kv_caches = []
 
     def allocate_kv_cache(self) -> None:
@@ -677,6 +687,7 @@ class ModelRunner:
         result = StepResult(step_id=out.step_id, sampled={})
         if not out.requests:
             return result
+        runs, hits = self.encoder_cache.runs, self.encoder_cache.hits
         ids: list[int] = []
         positions: list[int] = []
         q_lens: list[int] = []
@@ -759,6 +770,8 @@ class ModelRunner:
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
         if self.eplb is not None and self.eplb.due:  # between two steps' forward passes, on every rank
             self.eplb.rebalance()
+        result.images_encoded = self.encoder_cache.runs - runs
+        result.images_reused = self.encoder_cache.hits - hits
         forward_started = time.perf_counter()
         forward_start_ns = time.monotonic_ns() if spans else 0
         if (
@@ -919,22 +932,26 @@ class ModelRunner:
         self, state: _RequestState, first: int, start: int, n: int, rows: list[int], embeds: list[torch.Tensor]
     ) -> None:
         """Add the rows of positions ``[start, start + n)`` that are image placeholders (at batch
-        row ``first`` for ``start``) and their feature rows; an image's features are computed the
-        first time a step reaches it."""
+        row ``first`` for ``start``) and their feature rows. The request keeps an image's rows
+        from the first step that reaches it to the one that passes its last token; they come from
+        the encoder cache when an earlier request left them there, else from the tower (once)."""
         for index, image in enumerate(state.images):
             lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
             if lo >= hi:
                 continue
             features = state.features.get(index)
-            if features is None:
-                pixels = image.pixel_values.to(self.device)
-                if image.embeds:  # precomputed (--enable-mm-embeds): the tower's work is done
-                    features = pixels.to(self.loaded.dtype)
-                elif image.grid is None:
-                    features = self.model.encode_images(pixels.unsqueeze(0))[0]
-                else:
-                    features = self.model.encode_grid(pixels, image.grid)
-                state.features[index] = features
+            if features is None and image.embeds:  # precomputed (--enable-mm-embeds): no tower to spare
+                features = image.pixel_values.to(self.device, self.loaded.dtype)
+            elif features is None:
+                features = self.encoder_cache.get(image.hash, image.length)
+                if features is None:
+                    pixels = image.pixel_values.to(self.device)
+                    if image.grid is None:
+                        features = self.model.encode_images(pixels.unsqueeze(0))[0]
+                    else:
+                        features = self.model.encode_grid(pixels, image.grid)
+                    self.encoder_cache.put(image.hash, features)
+            state.features[index] = features
             rows += range(first + lo - start, first + hi - start)
             embeds.append(features[lo - image.offset : hi - image.offset])
             if hi == image.offset + image.length:

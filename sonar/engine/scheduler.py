@@ -156,6 +156,10 @@ class SchedulerActor(Actor):
         self.kicked = False
         """A message changed what the next `schedule()` can do (set by `handle`)."""
         self.steps = 0
+        self.images_encoded = 0
+        """Images the worker ran through its vision tower (`SchedulerStats.mm_encoder_runs`),"""
+        self.images_reused = 0
+        """and images it took from its encoder cache (`SchedulerStats.mm_encoder_cache_hits`)."""
         self.failure: Exception | None = None
         """Why the last failed step failed (logged by `_recover`)."""
         self.faults = FaultPlan.parse(self.config.fault_injection, seed=self.config.seed)
@@ -303,6 +307,8 @@ class SchedulerActor(Actor):
         if isinstance(msg, GetStats):
             stats = self.core.stats()
             stats.steps_overlapped = self.steps_overlapped
+            stats.num_steps = self.steps
+            stats.mm_encoder_runs, stats.mm_encoder_cache_hits = self.images_encoded, self.images_reused
             stats.mfu = self.mfu
             return stats
         if isinstance(msg, CountRequests):
@@ -697,6 +703,8 @@ class SchedulerActor(Actor):
         if not apply:
             return True
         self.steps += 1
+        self.images_encoded += result.images_encoded
+        self.images_reused += result.images_reused
         if cost is not None and self.mfu is not None:
             ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
             self.mfu.flops += cost.flops // ranks

@@ -140,6 +140,7 @@ class WeightUpdater:
 
         with torch.no_grad():
             runner.model.load_weights(counted())
+        runner.encoder_cache.clear()  # rows the old tower gave
         for module in runner.model.modules():
             if isinstance(module, PackedLinear):
                 module.repack()

@@ -13,7 +13,9 @@ prefix:
 - engine-side, read from `llm.stats()` when `/metrics` is scraped (a custom collector: the engine
   keeps the counts, nothing here increments them): `sonar:num_requests_running`,
   `sonar:num_requests_waiting`, `sonar:kv_cache_usage_perc`, `sonar:num_preemptions_total`,
-  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`; with data parallelism, one
+  `sonar:prefix_cache_queries_total`, `sonar:prefix_cache_hits_total`, `sonar:engine_steps_total`
+  (with a vision model also `sonar:mm_encoder_runs_total`, `sonar:mm_encoder_cache_hits_total`:
+  images through the tower, images from the worker's encoder cache); with data parallelism, one
   series per replica, labelled `engine` with its index as vLLM labels its engines
   (`llm.replica_stats()`);
 - `sonar:requests_tracked{actor}`: requests the frontend, the scheduler and the detokenizer hold
@@ -169,6 +171,8 @@ class _EngineCollector(Collector):
         """The engine decodes speculatively (the ``spec_decode`` metrics apply)."""
         self.max_loras = 0
         """The engine's LoRA slots (0: LoRA is off, no ``lora_requests_info``)."""
+        self.vision = False
+        """The model takes images (the ``mm_encoder`` metrics apply)."""
 
     def collect(self) -> Iterator[Any]:
         if self.stats is not None:
@@ -230,7 +234,23 @@ class _EngineCollector(Collector):
                 "Prompt tokens served from the prefix cache.",
                 "prefix_hits",
             ),
+            (CounterMetricFamily, "sonar:engine_steps", "Engine steps run since start.", "num_steps"),
         ]
+        if self.vision:
+            families += [
+                (
+                    CounterMetricFamily,
+                    "sonar:mm_encoder_runs",
+                    "Images run through the vision tower.",
+                    "mm_encoder_runs",
+                ),
+                (
+                    CounterMetricFamily,
+                    "sonar:mm_encoder_cache_hits",
+                    "Images whose feature rows came from the worker's encoder cache.",
+                    "mm_encoder_cache_hits",
+                ),
+            ]
         if self.offloading:
             families += [
                 (
@@ -522,6 +542,7 @@ class ServerMetrics:
             self.engine.stats = self.engine.tracked = None
         self.engine.offloading = llm.config.offload_config() is not None
         self.engine.speculating = llm.config.speculative() is not None
+        self.engine.vision = llm.info.vision is not None
         self.engine.max_loras = llm.config.max_loras if llm.config.enable_lora else 0
         self.engine.offload = await _offload_stats(llm, timeout) if llm.config.offload_manager_needed else None
         try:

@@ -215,6 +215,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         QUANTIZED: _NOT_YET,
         EAGLE: _NOT_YET,
     }
+    tower_modules: ClassVar[tuple[str, ...]] = ("vision_tower", "multi_modal_projector")
+    """What only pictures need (`sonar.models.loader.drop_tower`)."""
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         text, vision = config.text_config, config.vision_config
@@ -301,6 +303,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
                     yield name, tensor
                     continue
                 target = params.get(name)
+                if target is None and not hasattr(self, "vision_tower"):  # dropped (`drop_tower`)
+                    continue
                 if target is None:
                     raise ModelLoadError(f"weight {name} is not one of Gemma 3's vision tower or projector")
                 if tuple(target.shape) != tuple(tensor.shape):

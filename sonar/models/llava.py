@@ -176,6 +176,8 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
 
     architectures = ("LlavaForConditionalGeneration",)
     own_weights: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.")
+    tower_modules: ClassVar[tuple[str, ...]] = ("vision_tower", "multi_modal_projector")
+    """What only pictures need (`sonar.models.loader.drop_tower`)."""
     """Prefixes of the tensors loaded as they are (not the decoder's)."""
     refused: ClassVar[dict[str, str]] = {
         TENSOR_PARALLEL: _NOT_YET,

@@ -33,6 +33,7 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
 
     architectures = ("LlavaNextForConditionalGeneration",)
     own_weights: ClassVar[tuple[str, ...]] = ("vision_tower.", "multi_modal_projector.", "image_newline")
+    tower_modules: ClassVar[tuple[str, ...]] = ("vision_tower", "multi_modal_projector", "image_newline")
 
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         strategy = config.vision_feature_select_strategy

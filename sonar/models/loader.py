@@ -169,6 +169,7 @@ def load_model(
     model_loader_extra_config: dict[str, Any] | None = None,
     safetensors_load_strategy: str | None = None,
     tokenizer_revision: str | None = None,
+    pictures: bool = True,
 ) -> LoadedModel:
     """Load a model for serving; see the module docstring for what `model` may name.
 
@@ -183,6 +184,7 @@ def load_model(
     `expert_placement` (``--enable-expert-parallel``): deal a MoE model's experts whole over
     `parallel`'s ranks, ``linear`` or ``round_robin`` (None: `parallel`'s own setting);
     `ep_weight_filter`: then skip reading other ranks' per-expert tensors from safetensors files.
+    `pictures` False: a vision model without its tower (`drop_tower`; an image limit of 0).
     `redundant_experts` (``--enable-eplb``): give each MoE layer that many more expert slots and a
     placement that follows the load (`sonar.models.eplb`; None: `parallel`'s own setting).
     `hf_overrides`: config fields set over ``config.json``'s before the architecture is chosen
@@ -238,6 +240,8 @@ def load_model(
     resolved = resolve_dtype(dtype, checkpoint_dtype(config), device)
     with torch.device("meta"):
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
+    if not pictures:
+        drop_tower(module)
     module = module.to(dtype=resolved).to_empty(device=device)
     # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
     # so a quantized checkpoint's embedding can still read its rows from the packed output layer
@@ -568,6 +572,15 @@ def _token_ids(tokens: tuple[str, ...], tokenizer_path: Path | None, source: str
 def _written(installed: Installed) -> set[str]:
     """The parameters `install_quantized` wrote: the weights of the layers it served dequantized."""
     return {f"{name}.weight" for name in installed.dequantized}
+
+
+def drop_tower(module: nn.Module) -> None:
+    """Remove a vision model's tower, projector and whatever else only pictures need (its
+    ``tower_modules``), before any weight is read: a server that takes no pictures (an image limit
+    of 0) holds only the language model, and its checkpoint's tower tensors are skipped. Images
+    given as their feature rows need none of it."""
+    for name in getattr(module, "tower_modules", ()):
+        delattr(module, name)
 
 
 def _check_complete(module: nn.Module, loaded: set[str], source: str) -> None:

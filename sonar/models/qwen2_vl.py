@@ -318,6 +318,9 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         EAGLE: _NOT_YET,
     }
 
+    tower_modules: ClassVar[tuple[str, ...]] = ("visual",)
+    """What only pictures need (`sonar.models.loader.drop_tower`)."""
+
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         text, vision = config.text_config, config.vision_config
         super().__init__(text, parallel, stage)

@@ -119,6 +119,9 @@ class WorkerInfo(msgspec.Struct):
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
     vision: VisionInfo | None = None
     """A model that takes images (`sonar.models.llava`); None for a text-only model."""
+    weights_bytes: int = 0
+    """The model's parameter bytes as loaded on this rank (a vision model served with an image
+    limit of 0 holds no tower: `sonar.models.loader.drop_tower`)."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
@@ -184,6 +187,10 @@ class StepResult(msgspec.Struct):
     """--collect-detailed-traces with step spans exported (`EngineConfig.step_spans`): the
     worker's ``worker.execute`` and ``worker.sample`` (``worker``) and ``model.forward``
     (``model``), children of the scheduler's span of the step."""
+    images_encoded: int = 0
+    """Images this step ran through the vision tower,"""
+    images_reused: int = 0
+    """and images whose rows it took from the worker's encoder cache instead."""
 
 
 class ExecuteStep(Ask, tag="worker.step"):

@@ -26,7 +26,10 @@ from tests.multimodal.tiny_qwen2_vl import IMAGE_PAD, VISION_END, VISION_START, 
 pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8, seed=0, enable_mm_embeds=True)
+# the step's token budget is at least max_num_seqs: 8 tokens a step only with a small one
+ENGINE = dict(
+    dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=2, seed=0, enable_mm_embeds=True
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,13 +91,25 @@ async def test_llava_features_give_the_pictures_tokens_and_skip_a_zero_limit(
             with pytest.raises(InvalidRequestError, match=says):
                 await llm.add_images(prompt, [bad])
 
+        with_tower = llm.info.weights_bytes
+    # transformers' tower and projector, less CLIP's post-LayerNorm, which Sonar never loads (never read)
+    unread = hf.model.vision_tower.post_layernorm
+    parts = (hf.model.vision_tower, hf.model.multi_modal_projector)
+    tower = sum(p.nbytes for m in parts for p in m.parameters()) - sum(p.nbytes for p in unread.parameters())
     async with sonar.open(str(path), max_model_len=128, limit_mm_per_prompt={"image": 0}, **ENGINE) as llm:
+        assert llm.info.weights_bytes == with_tower - tower  # the worker holds no tower
         given_ids, given = await llm.add_images(prompt, [features])
         assert (await llm.generate(given_ids, GREEDY, images=given)).outputs[0].token_ids == (
             by_picture.outputs[0].token_ids
         )
         with pytest.raises(InvalidRequestError, match="at most 0 image"):
             await llm.add_images(prompt, [random_image(30)])
+        # this worker has no tower (`sonar.models.loader.drop_tower`): pictures made elsewhere are refused too
+        with pytest.raises(InvalidRequestError, match="at most 0 image"):
+            await llm.generate(ids, GREEDY, images=images)
+        assert (await llm.generate(given_ids, GREEDY, images=given)).outputs[0].token_ids == (
+            by_picture.outputs[0].token_ids
+        )
 
 
 async def test_qwen_rows_with_their_grid_give_the_pictures_tokens(one_thread: None, qwen: tuple[Path, Any]) -> None:

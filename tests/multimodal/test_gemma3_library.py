@@ -75,9 +75,14 @@ async def test_batched_image_prompts_equal_transformers(llm: sonar.LLM, tiny: tu
         ids, images = prepared[i]
         results[i] = await llm.generate(ids, GREEDY, images=images)
 
+    before = await llm.stats()
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
+    after = await llm.stats()
+    total = sum(len(ids) for ids, _ in prepared)
+    assert after.num_steps - before.num_steps >= -(-total // 17)  # at most 17 tokens a step
+    assert after.mm_encoder_runs - before.mm_encoder_runs == 3  # one tower run per image
     for (ids, images), result in zip(prepared, results):
         expected = transformers_tokens(hf, ids, [im.pixel_values for im in images], 6)
         assert result.outputs[0].token_ids == expected

@@ -39,6 +39,7 @@ async def llm(one_thread, tiny: tuple[Path, Any]):
         max_model_len=128,
         num_gpu_blocks_override=64,
         max_num_batched_tokens=8,
+        max_num_seqs=2,  # the step budget is at least max_num_seqs: 8 tokens only with this
         limit_mm_per_prompt={"image": 2},
         seed=0,
     ) as engine:
@@ -73,12 +74,43 @@ async def test_chunked_batched_image_prompts_equal_transformers(llm: sonar.LLM, 
         ids, images = prepared[i]
         results[i] = await llm.generate(ids, GREEDY, images=images)
 
+    before = await llm.stats()
     async with anyio.create_task_group() as tg:
         for i in range(2):
             tg.start_soon(one, i)
+    after = await llm.stats()
+    # 54 prompt tokens at most 8 a step: at least 7 prefill steps, one tower run per image
+    assert after.num_steps - before.num_steps >= 7 + 4
+    assert after.mm_encoder_runs - before.mm_encoder_runs == 3
     for (ids, images), result in zip(prepared, results):
         pixels = torch.stack([im.pixel_values for im in images])
         assert result.outputs[0].token_ids == transformers_tokens(hf, ids, pixels, 5)
+
+
+async def test_the_tower_runs_once_per_image(llm: sonar.LLM, tiny: tuple[Path, Any]) -> None:
+    """A 20-token prompt takes three steps, the image's 16 rows cut by two of them: the tower runs
+    once; the same picture after other tokens (no prefix hit) takes its rows from the encoder cache."""
+    picture = random_image(70)
+    ids, images = await llm.add_images([3, IMAGE_TOKEN_ID, 4, 5, 6], [picture])
+    before = await llm.stats()
+    first = await llm.generate(ids, SamplingParams(temperature=0, max_tokens=1), images=images)
+    after = await llm.stats()
+    assert after.num_steps - before.num_steps == 3
+    assert (
+        after.mm_encoder_runs - before.mm_encoder_runs,
+        after.mm_encoder_cache_hits - before.mm_encoder_cache_hits,
+    ) == (1, 0)
+    pixels = images[0].pixel_values.unsqueeze(0)
+    assert first.outputs[0].token_ids == transformers_tokens(tiny[1], ids, pixels, 1)
+    again, images = await llm.add_images([9, 8, IMAGE_TOKEN_ID, 4], [picture])
+    second = await llm.generate(again, GREEDY, images=images)
+    last = await llm.stats()
+    assert second.num_cached_tokens == 0
+    assert (last.mm_encoder_runs - after.mm_encoder_runs, last.mm_encoder_cache_hits - after.mm_encoder_cache_hits) == (
+        0,
+        1,
+    )
+    assert second.outputs[0].token_ids == transformers_tokens(tiny[1], again, pixels, 5)
 
 
 async def test_a_repeated_image_hits_the_prefix_cache(llm: sonar.LLM) -> None:

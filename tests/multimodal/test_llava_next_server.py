@@ -15,7 +15,7 @@ import torch
 
 from sonar.multimodal.processor import expand_images, image_processor
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
-from tests.multimodal.test_server import cached, chat, client, data_url, image_part, png, saved
+from tests.multimodal.test_server import cached, chat, client, counters, data_url, image_part, png, saved
 from tests.multimodal.test_server import transformers_answer as llava_answer
 from tests.multimodal.tiny_llava import random_image, save_tiny_llava
 from tests.multimodal.tiny_llava_next import TALL, WIDE, batched_tiles, save_tiny_llava_next
@@ -33,6 +33,7 @@ def next_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
         str(path),
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0", "--max-num-batched-tokens", "16"),
+        *("--max-num-seqs", "2"),  # the step budget is at least max_num_seqs
         *("--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds"),
         *("--media-io-kwargs", '{"image": {"rgba_background_color": [0, 0, 255]}}'),
     )
@@ -76,13 +77,20 @@ def test_pictures_of_two_aspect_ratios_are_answered_as_transformers_does(
     next_server: tuple[ServerProcess, Path, Any], sizes: list[Any]
 ) -> None:
     server, path, hf = next_server
-    images = [random_image(30 + i, size) for i, size in enumerate(sizes)]
+    # pictures of their own (no prefix hit from another case), so every prompt token is computed
+    images = [random_image(30 + 10 * len(sizes) + i, size) for i, size in enumerate(sizes)]
+    before = counters(server)
     reply = client(server).chat.completions.create(
         model=MODEL, messages=chat(*(image_part(data_url(png(im))) for im in images)), max_tokens=6, temperature=0
     )
+    after = counters(server)
     words, prompt_tokens = transformers_answer(path, hf, images, "w5 w6 w7", 6)
     assert reply.choices[0].message.content.split() == words
     assert reply.usage.prompt_tokens == prompt_tokens
+    # a step per 16 prompt tokens (and one per later token), one tower pass per picture
+    assert cached(reply) == 0
+    assert after["engine_steps"] - before["engine_steps"] == -(-prompt_tokens // 16) + 5
+    assert after["mm_encoder_runs"] - before["mm_encoder_runs"] == len(images)
 
 
 def test_a_repeated_picture_hits_the_prefix_cache(next_server: tuple[ServerProcess, Path, Any]) -> None:

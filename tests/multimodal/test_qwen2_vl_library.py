@@ -1,8 +1,9 @@
-"""Qwen2.5-VL images through the library (`sonar.open`) on the real engine (scheduler, worker,
-runner): prompts prefilled in chunks of 8 tokens, so an image's rows and its M-RoPE positions
-span several steps, batched with another image request; greedy tokens equal transformers'; a
-repeated image hits the prefix cache (the hit's first step gets the right 3D positions) and a
-different one does not."""
+"""Qwen2.5-VL and Qwen3-VL images through the library (`sonar.open`) on the real engine
+(scheduler, worker, runner): prompts prefilled in chunks of 8 tokens (the step counter shows
+it), so an image's rows, its M-RoPE positions and Qwen3-VL's DeepStack rows span several steps,
+batched with another image request, with one tower run per image; greedy tokens equal
+transformers'; a repeated image hits the prefix cache (the hit's first step gets the right 3D
+positions, its last rows come from the encoder cache) and a different one does not."""
 
 from __future__ import annotations
 
@@ -30,10 +31,10 @@ def anyio_backend():
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    path = tmp_path_factory.mktemp("tiny-qwen2_5_vl-lib")
-    return path, save_tiny_qwen2_5_vl(path, seed=5)
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}-lib")
+    return path, save_tiny_qwen2_5_vl(path, seed=5, family=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +45,7 @@ async def llm(one_thread, tiny: tuple[Path, Any]):
         max_model_len=256,
         num_gpu_blocks_override=64,
         max_num_batched_tokens=8,
+        max_num_seqs=2,  # the step budget is at least max_num_seqs: 8 tokens only with this
         block_size=16,
         limit_mm_per_prompt={"image": 2},
         seed=0,
@@ -83,9 +85,14 @@ async def test_chunked_batched_image_prompts_equal_transformers(llm: sonar.LLM, 
         ids, images = prepared[i]
         results[i] = await llm.generate(ids, GREEDY, images=images)
 
+    before = await llm.stats()
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
+    after = await llm.stats()
+    total = sum(len(ids) for ids, _ in prepared)
+    assert after.num_steps - before.num_steps >= -(-total // 8)  # at most 8 tokens a step
+    assert after.mm_encoder_runs - before.mm_encoder_runs == 3  # once per image, whatever the chunks
     for (ids, images), result in zip(prepared, results):
         assert result.outputs[0].token_ids == transformers_tokens(hf, ids, images, 6)
 
@@ -94,9 +101,18 @@ async def test_a_repeated_image_hits_the_prefix_cache(llm: sonar.LLM, tiny: tupl
     ids, images = await llm.add_images([3, *IMAGE, 4, 5, 6], [random_image(50, (48, 64))])
     # the hit's three blocks end inside the image: its first step embeds the image's last rows
     assert images[0].offset == 2 and images[0].length == 48 and len(ids) == 54
+    before = await llm.stats()
     cold = await llm.generate(ids, GREEDY, images=images)
+    middle = await llm.stats()
     warm = await llm.generate(ids, GREEDY, images=images)
+    after = await llm.stats()
     assert cold.num_cached_tokens == 0 and warm.num_cached_tokens == 48
+    # cold: 54 tokens in 7 steps of 8, one tower run; warm: the image's last rows from the encoder cache
+    assert middle.num_steps - before.num_steps >= 7 and middle.mm_encoder_runs - before.mm_encoder_runs == 1
+    assert (
+        after.mm_encoder_runs - middle.mm_encoder_runs,
+        after.mm_encoder_cache_hits - middle.mm_encoder_cache_hits,
+    ) == (0, 1)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids == transformers_tokens(tiny[1], ids, images, 6)
     _, other = await llm.add_images([3, *IMAGE, 4, 5, 6], [random_image(51, (48, 64))])
     assert (await llm.generate(ids, GREEDY, images=other)).num_cached_tokens == 0

@@ -1,7 +1,7 @@
 """Qwen2.5-VL and Qwen3-VL through the real server (`python -m sonar serve`) and the OpenAI client:
 image parts of different sizes are answered as transformers answers the same rendered chat
-(Qwen3-VL's prompts prefilled in chunks of 8 tokens, so an image's rows, with their DeepStack
-rows, span several engine steps); a repeated image hits the prefix cache and another does not; a
+(prompts prefilled in chunks of 8 tokens, so an image's rows, with Qwen3-VL's DeepStack rows,
+span several engine steps, as the server's step counter shows, with one tower run per image); a repeated image hits the prefix cache and another does not; a
 bad image is a 400 (the other bad inputs are LLaVA's tests: the request path is the same)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sonar.models.qwen2_vl import IMAGE_TEXT
 from sonar.multimodal.processor import expand_images, image_processor
 from sonar.protocol.engine import VisionInfo
 from tests.http.conftest import ServerProcess, start_server, stop_server_cleanly
-from tests.multimodal.test_server import chat, client, data_url, image_part, png
+from tests.multimodal.test_server import chat, client, counters, data_url, image_part, png
 from tests.multimodal.tiny_llava import random_image
 from tests.multimodal.tiny_qwen2_vl import IMAGE_PAD, MERGE, PATCH, TEMPORAL, save_tiny_qwen2_5_vl
 
@@ -31,7 +31,8 @@ def qwen(
 ) -> Iterator[tuple[ServerProcess, Path, Any]]:
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf = save_tiny_qwen2_5_vl(path, seed=9, family=request.param)
-    chunked = ("--max-num-batched-tokens", "8") if request.param == "qwen3_vl" else ()
+    # the step's token budget is at least max_num_seqs: 8 tokens a step only with a small one
+    chunked = ("--max-num-batched-tokens", "8", "--max-num-seqs", "2")
     server = start_server(
         tmp_path_factory.mktemp("qwen-vl-server"),
         str(path),
@@ -72,12 +73,17 @@ def transformers_answer(path: Path, hf: Any, images: list[Any], text: str, n: in
 def test_images_are_answered_as_transformers_does(qwen: tuple[ServerProcess, Path, Any], sizes: list[Any]) -> None:
     server, path, hf = qwen
     images = [random_image(10 + i, size) for i, size in enumerate(sizes)]
+    before = counters(server)
     reply = client(server).chat.completions.create(
         model=MODEL, messages=chat(*(image_part(data_url(png(im))) for im in images)), max_tokens=6, temperature=0
     )
+    after = counters(server)
     words, prompt_tokens = transformers_answer(path, hf, images, "w5 w6 w7", 6)
     assert reply.choices[0].message.content.split() == words
     assert reply.usage.prompt_tokens == prompt_tokens
+    # the prompt took a step per 8 tokens (and one per later token), the tower one run per image
+    assert after["engine_steps"] - before["engine_steps"] == -(-prompt_tokens // 8) + 5
+    assert after["mm_encoder_runs"] - before["mm_encoder_runs"] == len(images)
 
 
 def test_the_prefix_cache_keys_blocks_by_image(qwen: tuple[ServerProcess, Path, Any]) -> None:

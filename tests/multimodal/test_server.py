@@ -75,11 +75,21 @@ def llava(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> Iterator
         str(path),
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
+        # 8 tokens a step (the step's budget is at least max_num_seqs): an image's 16 rows span steps
+        *("--max-num-batched-tokens", "8", "--max-num-seqs", "2"),
         *("--enable-prompt-tokens-details", "--allowed-local-media-path", str(media_dir)),
         *("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds"),
     )
     yield server, path, hf
     stop_server_cleanly(server)
+
+
+def counters(server: ServerProcess) -> dict[str, float]:
+    """The engine's step and vision tower counters, from `/metrics`."""
+    names = ("sonar:engine_steps_total", "sonar:mm_encoder_runs_total", "sonar:mm_encoder_cache_hits_total")
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    found = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith(names)}
+    return {name.removeprefix("sonar:").removesuffix("_total"): found[name] for name in names}
 
 
 def client(server: ServerProcess) -> openai.OpenAI:
@@ -114,11 +124,16 @@ def transformers_answer(path: Path, hf: Any, images: list[Any], text: str, n: in
 def test_a_data_url_image_is_answered_as_transformers_does(llava: tuple[ServerProcess, Path, Any]) -> None:
     server, path, hf = llava
     image = random_image(11)
+    before = counters(server)
     reply = client(server).chat.completions.create(
         model=MODEL, messages=chat(image_part(data_url(png(image)))), max_tokens=6, temperature=0
     )
+    after = counters(server)
     assert reply.choices[0].message.content.split() == transformers_answer(path, hf, [image], "w5 w6 w7", 6)
     assert reply.usage.prompt_tokens == 1 + 16 + 3 + 2  # w1, the image's rows, the text, w2 w4
+    # 22 prompt tokens in three steps of at most 8 (the image cut twice), five more tokens; one tower run
+    assert after["engine_steps"] - before["engine_steps"] == 3 + 5
+    assert after["mm_encoder_runs"] - before["mm_encoder_runs"] == 1
 
 
 def test_two_images_and_a_file_url(llava: tuple[ServerProcess, Path, Any], media_dir: Path) -> None:
