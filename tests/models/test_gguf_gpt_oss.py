@@ -80,6 +80,7 @@ def _mxfp4() -> Any:
     return GGMLQuantizationType.MXFP4
 
 
+@pytest.mark.slow
 def test_float32_file_equals_transformers(hf: Any, tmp_path: Path) -> None:
     path = tmp_path / "gpt-oss-f32.gguf"
     write_gguf(path, "gpt_oss", hf)
