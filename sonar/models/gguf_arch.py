@@ -20,7 +20,13 @@ The quirks, from llama.cpp's ``convert_hf_to_gguf.py``:
   (``[H, v_head, kv_lora_rank]``) and the head sizes as ``key_length_mla`` / ``value_length_mla``
   (``key_length`` is then the latent's), older ones ``attn_kv_b`` and the heads' sizes; yarn's
   ``mscale_all_dim`` is stored as ``yarn_log_multiplier`` (times 0.1), the V3 router's
-  ``e_score_correction_bias`` as ``exp_probs_b.bias``.
+  ``e_score_correction_bias`` as ``exp_probs_b.bias``;
+* ``gpt-oss`` splits transformers' interleaved ``gate_up_proj`` (and its bias) into stacked
+  ``ffn_gate_exps`` / ``ffn_up_exps`` with ``.bias`` tensors beside them, stores the router as
+  ``ffn_gate_inp`` (with a bias) and the sinks as ``attn_sinks``; llama.cpp implies the
+  alternating sliding window (even layers slide), the rest of YaRN (``beta_fast`` 32,
+  ``beta_slow`` 1, no truncation) and the clamped SwiGLU (limit 7, alpha 1.702: transformers'
+  defaults). Its experts are MXFP4 in the published files: read dequantized (`quantized_experts`).
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ _SANDWICH_NORMS = {  # Gemma 2/3: a norm before and after each of attention and 
 
 EXPERT_PARTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 """Stacked ``[n_expert, ...]`` tensors: their Hugging Face names carry no ``.weight``."""
-PARAMETER_PARTS = ("exp_probs_b",)
+PARAMETER_PARTS = ("exp_probs_b", "attn_sinks")
 """Tensors whose Hugging Face name is a whole parameter's (no ``.weight`` / ``.bias`` added)."""
 
 
@@ -84,6 +90,12 @@ class GGUFArch:
     (DeepSeek's router and latent expansion ``kv_b_proj``)."""
     keep_none: frozenset[str] = frozenset()
     """Config fields whose None from `config` is meant (not "the config class's default")."""
+    quantized_experts: bool = True
+    """Whether stacked experts of a block type Sonar runs are served as `QuantizedExperts`; when
+    not, they are read dequantized like a type Sonar has no kernel for (and logged so)."""
+    interleaved_experts: bool = False
+    """Whether the experts convert to GPT-OSS's layout: ``gate_up_proj`` ``[E, h, 2 I]`` with gate
+    and up in alternating columns, ``down_proj`` ``[E, I, h]``, and their biases."""
 
 
 def _gemma_query_scalar(meta: Meta, head_dim: int, layers_of_27b: int) -> int:
@@ -266,6 +278,39 @@ def _deepseek2(meta: Meta, names: set[str]) -> dict[str, Any]:
     return out
 
 
+_GPT_OSS_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+"""What llama.cpp's GPT-OSS graph hardcodes (the published configs' values)."""
+
+
+def _gpt_oss(meta: Meta, names: set[str]) -> dict[str, Any]:
+    layers = int(meta("block_count"))
+    out: dict[str, Any] = {
+        "num_local_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "intermediate_size": int(meta("expert_feed_forward_length") or meta("feed_forward_length")),
+        "sliding_window": int(meta("attention.sliding_window")),
+        # llama.cpp's swa pattern 2: the even layers slide, as transformers' default layer_types
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        **_GPT_OSS_SWIGLU,
+    }
+    if _dense_layers(meta, names):
+        raise ModelLoadError(f"layers {_dense_layers(meta, names)} of a gpt-oss GGUF have no router")
+    scaling = meta("rope.scaling.type")
+    if scaling == "yarn":
+        out["rope_parameters"] = {
+            "rope_type": "yarn",
+            "rope_theta": float(meta("rope.freq_base", 10000.0)),
+            "factor": float(meta("rope.scaling.factor")),
+            "original_max_position_embeddings": int(meta("rope.scaling.original_context_length")),
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        }
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"gpt-oss rope scaling {scaling!r} is not supported (only yarn)")
+    return out
+
+
 _LLAMA_TENSORS = {**_PRE_NORMS, **_ATTENTION, **_MLP}
 
 ARCHITECTURES: dict[str, GGUFArch] = {
@@ -316,6 +361,21 @@ ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch(
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM", {**_LLAMA_TENSORS, **_EXPERTS}, _qwen_moe(renormalize=True)
     ),
+    "gpt-oss": GGUFArch(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {
+            **_ATTENTION,
+            **_EXPERTS,
+            "attn_norm": "input_layernorm",
+            "post_attention_norm": "post_attention_layernorm",
+            "attn_sinks": "self_attn.sinks",
+            "ffn_gate_inp": "mlp.router",
+        },
+        _gpt_oss,
+        quantized_experts=False,
+        interleaved_experts=True,
+    ),
 }
 
 DEEPSEEK_V2 = GGUFArch(
@@ -355,8 +415,3 @@ def deepseek2(gating: Any) -> GGUFArch:
 
 MIXTRAL = GGUFArch("MixtralConfig", "MixtralForCausalLM", {**_LLAMA_TENSORS, **_EXPERTS}, _mixtral, permute_qk=True)
 """A ``llama`` file with an ``expert_count``."""
-
-NOT_CONVERTED = {
-    "gpt-oss": "its MXFP4 experts, expert and router biases and attention sinks are not mapped",
-}
-"""GGUF architectures of families Sonar serves from safetensors only, and why."""

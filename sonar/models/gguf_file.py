@@ -10,7 +10,8 @@ What differs from a Hugging Face checkpoint is undone here, per architecture as
 `sonar.models.gguf_arch` describes it: tensor names (``blk.N.attn_q.weight`` for
 ``model.layers.N.self_attn.q_proj.weight``), llama.cpp's q/k row order (rotary pairs adjacent;
 Sonar, like the Hugging Face checkpoints, rotates pairs ``(i, i + head_dim / 2)``), Gemma's stored
-``1 + weight`` norms, stacked experts, and the settings the metadata implies.
+``1 + weight`` norms, stacked experts (GPT-OSS's back into its interleaved ``gate_up_proj``), and
+the settings the metadata implies.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from sonar.models.gguf_arch import (
     ARCHITECTURES,
     EXPERT_PARTS,
     MIXTRAL,
-    NOT_CONVERTED,
     PARAMETER_PARTS,
     GGUFArch,
     deepseek2,
@@ -99,7 +99,8 @@ def convert_gguf(path: Path, tokenizer_from: Path | None = None) -> Path:
 
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "source": path.name})
         config.save_pretrained(str(tmp))
-        _write_tokenizer(path, tmp, tokenizer_from, "tokenizer.ggml.tokens" in reader.fields)
+        has_tokenizer = "tokenizer.ggml.tokens" in reader.fields
+        _write_tokenizer(path, tmp, tokenizer_from, has_tokenizer, _field(reader, "general.architecture"))
         try:
             tmp.rename(out)
         except OSError:  # another process finished the same conversion first
@@ -129,11 +130,6 @@ def gguf_config(reader: Any, path: Path) -> Any:
 def gguf_arch(reader: Any, path: Path) -> GGUFArch:
     """The mapping of this file's architecture; a clear refusal for one Sonar does not convert."""
     arch = _field(reader, "general.architecture")
-    if arch in NOT_CONVERTED:
-        raise UnsupportedArchitectureError(
-            f"Sonar does not convert GGUF architecture {arch!r} ({path}): {NOT_CONVERTED[arch]}; "
-            "load the safetensors checkpoint instead"
-        )
     if arch == "deepseek2":  # V2 or V3, by the router's scores
         return deepseek2(_field(reader, "deepseek2.expert_gating_func"))
     if arch not in ARCHITECTURES:
@@ -228,14 +224,17 @@ def _rope(reader: Any, meta: Any, names: set[str], path: Path) -> dict[str, Any]
 
 def hf_tensor_name(name: str, spec: GGUFArch) -> str | None:
     """The Hugging Face name of a GGUF tensor, or None for one Sonar does not use. Stacked expert
-    tensors get the module-less names of transformers' stacked experts (``mlp.experts.up_proj``)."""
+    tensors get the module-less names of transformers' stacked experts (``mlp.experts.up_proj``,
+    their biases GPT-OSS's ``mlp.experts.up_proj_bias``)."""
     match = _LAYER_NAME.match(name)
     if match:
         layer, part, kind = match.groups()
         hf = spec.tensors.get(part)
         if hf is None:
             return None
-        return f"model.layers.{layer}.{hf}" + ("" if part in EXPERT_PARTS + PARAMETER_PARTS else f".{kind}")
+        if part in EXPERT_PARTS:
+            return f"model.layers.{layer}.{hf}" + ("" if kind == "weight" else "_bias")
+        return f"model.layers.{layer}.{hf}" + ("" if part in PARAMETER_PARTS else f".{kind}")
     stem, _, kind = name.rpartition(".")
     hf = _GLOBAL_TENSORS.get(stem)
     return None if hf is None else f"{hf}.{kind}"
@@ -294,6 +293,31 @@ def _stacked_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str,
     return out
 
 
+def _interleaved_experts(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """GPT-OSS's experts as transformers stores them, from llama.cpp's stacked gate / up ``[E, I, h]``
+    and down ``[E, h, I]`` (and their biases ``[E, I]`` / ``[E, h]``): ``gate_up_proj``
+    ``[E, h, 2 I]`` with gate and up in alternating columns, ``gate_up_proj_bias`` ``[E, 2 I]``
+    alternating too, ``down_proj`` ``[E, I, h]``."""
+    by_name = dict(tensors)
+    out = []
+    for name, tensor in tensors:
+        part = name.rpartition(".mlp.experts.")[2] if ".mlp.experts." in name else None
+        if part in ("up_proj", "up_proj_bias"):  # joined with its gate
+            continue
+        if part in ("gate_proj", "gate_proj_bias"):
+            up = by_name.get(name.replace(".gate_proj", ".up_proj"))
+            if up is None or up.shape != tensor.shape:
+                raise ModelLoadError(f"{name}: no stacked up experts of its shape {tuple(tensor.shape)}")
+            if part == "gate_proj":  # [E, I, 2, h] -> rows gate 0, up 0, gate 1, ... -> columns
+                joined = torch.stack([tensor, up], dim=2).flatten(1, 2).transpose(1, 2)
+            else:
+                joined = torch.stack([tensor, up], dim=-1).flatten(-2)
+            out.append((name.replace(".gate_proj", ".gate_up_proj"), joined.contiguous()))
+            continue
+        out.append((name, tensor.transpose(1, 2).contiguous() if part == "down_proj" else tensor))
+    return out
+
+
 def _joined_kv_b(tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """DeepSeek's ``kv_b_proj`` ``[H * (qk_nope + v_head), kv_lora_rank]`` from llama.cpp's split
     ``k_b_proj`` ``[H, kv_lora_rank, qk_nope]`` (transposed per head) and ``v_b_proj``
@@ -327,10 +351,14 @@ def _named_tensors(reader: Any, spec: GGUFArch, path: Path) -> list[tuple[str, A
     return named
 
 
+def _joined_experts(spec: GGUFArch, tensors: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    return _interleaved_experts(tensors) if spec.interleaved_experts else _joined_kv_b(_stacked_experts(tensors))
+
+
 def _dequantized_tensors(reader: Any, config: Any, path: Path) -> dict[str, torch.Tensor]:
     spec = gguf_arch(reader, path)
     named = [(name, _dequantized(spec, config, t, name, path)) for name, t in _named_tensors(reader, spec, path)]
-    return dict(_joined_kv_b(_stacked_experts(named)))
+    return dict(_joined_experts(spec, named))
 
 
 QUANTIZED_FILE = "quants/quantized.safetensors"
@@ -440,7 +468,12 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
-        if len(shape) == 3 and name.rpartition(".")[2] in _STACKED and served_quantized(kind):
+        if (
+            len(shape) == 3
+            and name.rpartition(".")[2] in _STACKED
+            and served_quantized(kind)
+            and spec.quantized_experts
+        ):
             quantized.update(_expert_weights(kind, tensor, name, shape, path))
             continue
         if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16"):
@@ -449,11 +482,12 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     if dequantized_types:
         log.warning(
             "model.gguf_served_dequantized",
-            detail="Sonar has no kernel for these GGUF block types; their matrices are served in the model's dtype",
+            detail="Sonar has no kernel for these GGUF block types (or, for GPT-OSS, for these experts); "
+            "their matrices are served in the model's dtype",
             types=dequantized_types,
             source=str(path),
         )
-    return quantized, _joined_kv_b(_stacked_experts(plain))
+    return quantized, _joined_experts(spec, plain)
 
 
 _STACKED = {"gate_proj", "up_proj", "down_proj"}
@@ -479,7 +513,13 @@ def _unpermuted(qw: QuantizedWeight, heads: int) -> QuantizedWeight:
     return QuantizedWeight(qw.format, rows(qw.values), rows(qw.scales), rows(qw.offsets), qw.group)
 
 
-def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_tokenizer: bool) -> None:
+BARE_TOKENIZER_ARCHS = ("gpt-oss",)
+"""GGUF architectures whose tokenizer is built without transformers' GGUF config reader, which
+fails on them (on gpt-oss's ``rope.scaling`` keys): as the plain fast tokenizer the reader would
+pick for them anyway (transformers maps no tokenizer class to ``gpt_oss``)."""
+
+
+def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_tokenizer: bool, arch: str) -> None:
     if tokenizer_from is not None:
         for name in TOKENIZER_FILES:
             if (tokenizer_from / name).is_file():
@@ -488,10 +528,11 @@ def _write_tokenizer(path: Path, dest: Path, tokenizer_from: Path | None, has_to
     if not has_tokenizer:
         log.warning("model.gguf_no_tokenizer", detail="the model loads without a tokenizer", source=str(path))
         return
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    cls = PreTrainedTokenizerFast if arch in BARE_TOKENIZER_ARCHS else AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        tokenizer = cls.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot build a tokenizer from the metadata of {path}: {exc}") from exc
     tokenizer.save_pretrained(str(dest))

@@ -17,9 +17,10 @@ with gate and up in alternating columns, ``experts.down_proj`` ``[E, I, h]``, an
 ``[E, 2 I]`` (alternating too) / ``[E, h]``. `GptOssForCausalLM.load_weights` de-interleaves and
 transposes them into the operator's ``[E, 2 I, h]`` (gate rows, then up rows) / ``[E, h, I]``.
 
-Not served, each refused naming the feature: the published checkpoints' MXFP4 expert weights
-(``quantization_config`` ``quant_method: mxfp4``: serve a dequantized bfloat16 checkpoint), other
-quantization, LoRA adapters, EAGLE heads, tensor and pipeline parallelism; the native decode loop
+A ``gpt-oss`` GGUF file converts to this layout too (`sonar.models.gguf_arch`), its MXFP4
+experts dequantized at load. Not served, each refused naming the feature: the published
+safetensors checkpoints' MXFP4 expert weights (``quantization_config`` ``quant_method: mxfp4``:
+serve a dequantized bfloat16 checkpoint, or the GGUF file), other quantization, LoRA adapters, EAGLE heads, tensor and pipeline parallelism; the native decode loop
 (`sonar.models.fused`) leaves these layers alone.
 """
 

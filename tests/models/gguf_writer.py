@@ -163,6 +163,59 @@ def _deepseek2(split_kv_b: bool) -> Callable[[Any, Any], None]:
     return metadata
 
 
+def _gpt_oss(w: Any, c: Any) -> None:
+    """llama.cpp's ``GptOssModel.set_gguf_parameters``: the experts, the window, YaRN's factor and
+    original context (the rest of YaRN, the layer pattern and the SwiGLU clamp are implied)."""
+    from gguf import RopeScalingType
+
+    rope = c.rope_parameters
+    assert (rope["beta_fast"], rope["beta_slow"], rope.get("truncate")) == (32.0, 1.0, False), "llama.cpp implies them"
+    assert c.layer_types == ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(c.layer_types))]
+    assert (c.swiglu_limit, c.swiglu_alpha) == (7.0, 1.702), "llama.cpp hardcodes them"
+    _experts(w, c)
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
+GPT_OSS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.router": "ffn_gate_inp",
+}
+
+
+def _gpt_oss_experts(layer: str, rest: str, array: np.ndarray) -> dict[str, np.ndarray] | None:
+    """llama.cpp's split of GPT-OSS's experts: transformers' ``gate_up_proj`` ``[E, h, 2 I]``
+    (gate and up in alternating columns) transposed and de-interleaved into stacked gate / up
+    ``[E, I, h]``, ``down_proj`` ``[E, I, h]`` transposed, the biases split the same way."""
+    if rest == "mlp.experts.gate_up_proj":
+        rows = array.swapaxes(1, 2)
+        return {f"blk.{layer}.ffn_gate_exps.weight": rows[:, 0::2], f"blk.{layer}.ffn_up_exps.weight": rows[:, 1::2]}
+    if rest == "mlp.experts.gate_up_proj_bias":
+        return {f"blk.{layer}.ffn_gate_exps.bias": array[:, 0::2], f"blk.{layer}.ffn_up_exps.bias": array[:, 1::2]}
+    if rest == "mlp.experts.down_proj":
+        return {f"blk.{layer}.ffn_down_exps.weight": array.swapaxes(1, 2)}
+    if rest == "mlp.experts.down_proj_bias":
+        return {f"blk.{layer}.ffn_down_exps.bias": array}
+    if rest == "self_attn.sinks":
+        return {f"blk.{layer}.attn_sinks.weight": array}
+    return None
+
+
+def _gpt_oss_read_back(config: Any, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """The inverse of `_gpt_oss_experts` on the experts as the file holds them."""
+    out = {}
+    for layer in range(config.num_hidden_layers):
+        gate, up = arrays[f"blk.{layer}.ffn_gate_exps.weight"], arrays[f"blk.{layer}.ffn_up_exps.weight"]
+        joined = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, gate.shape[2]).swapaxes(1, 2)
+        out[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(joined))
+        down = arrays[f"blk.{layer}.ffn_down_exps.weight"].swapaxes(1, 2)
+        out[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.from_numpy(np.ascontiguousarray(down))
+    return out
+
+
 @dataclass(frozen=True)
 class Family:
     arch: str
@@ -203,6 +256,7 @@ FAMILIES = {
     "qwen3_moe": Family("qwen3moe", {}, _experts),
     "deepseek_v2": Family("deepseek2", DEEPSEEK, _deepseek2(False), head_dim_keys=False),
     "deepseek_v3": Family("deepseek2", DEEPSEEK, _deepseek2(True), split_kv_b=True, head_dim_keys=False),
+    "gpt_oss": Family("gpt-oss", GPT_OSS, _gpt_oss),
 }
 NOT_QUANTIZED = ("ffn_gate_inp", "attn_k_b", "attn_v_b")
 """Kept float: llama.cpp never quantizes a router; the split ``kv_b`` (`Family.split_kv_b`)."""
@@ -213,10 +267,14 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def quantizable(array: np.ndarray, qtype: Any) -> bool:
-    from gguf import GGML_QUANT_SIZES
+def quantizable(array: np.ndarray, qtype: Any, tensor_name: str = "") -> bool:
+    """Whether llama.cpp would write this tensor in `qtype`: matrices whose rows split into whole
+    blocks, never a bias, and MXFP4 only for stacked experts (llama.cpp's MXFP4 files)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return qtype is not None and array.ndim >= 2 and array.shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0
+    if qtype is None or array.ndim < 2 or array.shape[-1] % GGML_QUANT_SIZES[qtype][0] or tensor_name.endswith(".bias"):
+        return False
+    return qtype != GGMLQuantizationType.MXFP4 or "_exps." in tensor_name
 
 
 def quant_round_trip(tensor: torch.Tensor, qtype: Any) -> torch.Tensor:
@@ -241,6 +299,10 @@ def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -
             name = GLOBAL[hf_name]
         else:
             _, _, layer, rest = hf_name.split(".", 3)
+            split = _gpt_oss_experts(layer, rest, array) if family.arch == "gpt-oss" else None
+            if split is not None:
+                out.update({name: (hf_name, part) for name, part in split.items()})
+                continue
             if rest == "mlp.experts.gate_up_proj":  # transformers' stacked [E, 2 I, h]: gate rows first
                 gate, up = np.split(array, 2, axis=1)
                 out[f"blk.{layer}.ffn_gate_exps.weight"] = (hf_name, gate)
@@ -269,11 +331,42 @@ def _gguf_tensors(family: Family, config: Any, state: dict[str, torch.Tensor]) -
     return out
 
 
-def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, torch.Tensor]:
+def add_bpe_tokenizer(writer: Any, tokenizer: Any, vocab_size: int, chat_template: str | None = None) -> None:
+    """A byte-level BPE `tokenizers.Tokenizer` as llama.cpp's ``_set_vocab_gpt2`` writes it: the
+    tokens by id (ids the tokenizer lacks padded with unused ``[PAD{i}]``), special tokens as
+    control tokens, the merges, and the chat template."""
+    import json
+
+    from gguf import TokenType
+
+    spec = json.loads(tokenizer.to_str())
+    by_id = {i: t for t, i in spec["model"]["vocab"].items()}
+    special = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    by_id.update({i: t for t, i in special.items()})
+    tokens, types = [], []
+    for i in range(vocab_size):
+        tokens.append(by_id.get(i, f"[PAD{i}]"))
+        types.append(
+            TokenType.CONTROL if i in special.values() else TokenType.NORMAL if i in by_id else TokenType.UNUSED
+        )
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(min(special.values()))
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+
+def write_gguf(
+    path: Path, name: str, hf: Any, qtype: Any = None, tokenizer: Callable[[Any], None] | None = None
+) -> dict[str, torch.Tensor]:
     """Write `hf` (a transformers model of family `name` of `FAMILIES`) to `path`; returns its
     state dict as the file holds it (each quantized tensor's blocks dequantized; no tied head),
-    for a transformers reference of the same weights."""
-    from gguf import GGUFWriter, quantize
+    for a transformers reference of the same weights. `tokenizer`: writes the tokenizer's
+    metadata (`add_bpe_tokenizer`); without it the file carries none."""
+    from gguf import GGUFWriter, dequantize, quantize
 
     family, config = FAMILIES[name], hf.config
     state = {k: v for k, v in hf.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
@@ -293,20 +386,30 @@ def write_gguf(path: Path, name: str, hf: Any, qtype: Any = None) -> dict[str, t
         writer.add_key_length(config.head_dim)
         writer.add_value_length(config.head_dim)
     family.metadata(writer, config)
-    quantized = set()
+    if tokenizer is not None:
+        tokenizer(writer)
+    quantized, read_back = set(), {}
     for tensor_name, (hf_name, array) in _gguf_tensors(family, config, state).items():
         array = np.ascontiguousarray(array)
-        if quantizable(array, qtype) and not any(f".{part}." in tensor_name for part in NOT_QUANTIZED):
+        if quantizable(array, qtype, tensor_name) and not any(f".{part}." in tensor_name for part in NOT_QUANTIZED):
             quantized.add(hf_name)
-            writer.add_tensor(tensor_name, quantize(array, qtype), raw_dtype=qtype)
+            blocks = quantize(array, qtype)
+            writer.add_tensor(tensor_name, blocks, raw_dtype=qtype)
+            read_back[tensor_name] = dequantize(blocks, qtype).reshape(array.shape)
         else:
             writer.add_tensor(tensor_name, array)
+            read_back[tensor_name] = array
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     # blocks run along rows, so splitting or permuting rows commutes with the round trip
-    held = {k: quant_round_trip(v, qtype) if k in quantized else v.detach().float().clone() for k, v in state.items()}
+    # (GPT-OSS's experts are transposed for the file: read back from its blocks)
+    exact = _gpt_oss_read_back(config, read_back) if family.arch == "gpt-oss" else {}
+    held = {
+        k: exact[k] if k in exact else quant_round_trip(v, qtype) if k in quantized else v.detach().float().clone()
+        for k, v in state.items()
+    }
     if config.tie_word_embeddings:  # the file has no output matrix: the head is the embedding
         held.pop("lm_head.weight", None)
     return held

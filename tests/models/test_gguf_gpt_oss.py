@@ -1,0 +1,162 @@
+"""GPT-OSS from GGUF: a tiny random GPT-OSS written as llama.cpp's converter writes it
+(`tests.models.gguf_writer`: gate/up de-interleaved and split, sinks as ``attn_sinks``, the router
+as ``ffn_gate_inp``, biases beside the stacked experts), in float32 and with MXFP4 experts.
+
+- float32 file: transformers' greedy tokens and logits within 1e-4, through the loader's
+  conversion and the served (non-``--dequantize-weights``) path alike;
+- MXFP4 experts: served dequantized (Sonar has no MXFP4 kernel; the load logs it), equal to
+  transformers on the file's dequantized weights (1e-4), the blocks having rounded;
+- the tokenizer and chat template from the file's metadata (a byte-level BPE, as llama.cpp writes
+  GPT-OSS's), equal to the tokenizer they were written from;
+- a Q8_0 file (attention and head in Q8_0, experts too): the attention served as quants, the
+  experts read dequantized, equal to transformers on the file's dequantized weights (float32);
+- through the engine, with the file's tokenizer: batched, chunked and from the prefix cache,
+  transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch
+
+import sonar
+from sonar.models.gguf_file import gguf_quantized_weights
+from sonar.models.loader import load_model
+from tests.conftest import fresh_cache_root
+from tests.models.against import assert_greedy_equals_transformers, transformers_greedy
+from tests.models.gguf_writer import add_bpe_tokenizer, write_gguf
+from tests.models.test_gguf_families import _reference
+from tests.models.test_gpt_oss import WINDOW, _hf, _prompts, tiny_config
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SONAR_CACHE_ROOT", str(fresh_cache_root(tmp_path / "cache")))
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    # an intermediate size of whole 32-value blocks, so MXFP4 covers down_proj too
+    return _hf(tiny_config(intermediate_size=64), seed=3)
+
+
+TEMPLATE = "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def bpe() -> Any:
+    """A byte-level BPE of 300 tokens (two of them special), trained on a few sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>", "<|start|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog " * 20, "hello world, hello sonar"], trainer
+    )
+    return tokenizer
+
+
+def _with_tokenizer(bpe: Any, vocab_size: int) -> Any:
+    return functools.partial(add_bpe_tokenizer, tokenizer=bpe, vocab_size=vocab_size, chat_template=TEMPLATE)
+
+
+def _mxfp4() -> Any:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType.MXFP4
+
+
+@pytest.mark.slow
+def test_float32_file_equals_transformers(hf: Any, tmp_path: Path) -> None:
+    path = tmp_path / "gpt-oss-f32.gguf"
+    write_gguf(path, "gpt_oss", hf)
+    loaded = load_model(str(path), dtype="float32")
+    assert loaded.architecture == "GptOssForCausalLM"
+    config = loaded.config
+    assert config.layer_types == hf.config.layer_types and config.sliding_window == WINDOW
+    assert config.rope_parameters == hf.config.rope_parameters
+    assert (config.swiglu_limit, config.swiglu_alpha) == (hf.config.swiglu_limit, hf.config.swiglu_alpha)
+    assert [layer.self_attn.sliding_window for layer in loaded.model.own_layers] == [WINDOW, None, WINDOW, None]
+    assert_greedy_equals_transformers(loaded.model, hf, _prompts(hf.config.vocab_size), NEW_TOKENS)
+
+
+def test_mxfp4_experts_are_served_dequantized_equal_to_transformers_on_the_dequantized_weights(
+    hf: Any, tmp_path: Path
+) -> None:
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    state = write_gguf(path, "gpt_oss", hf, _mxfp4())
+    rounded = [k for k, v in hf.state_dict().items() if not torch.equal(state[k], v)]
+    assert sorted(rounded) == sorted(
+        f"model.layers.{i}.mlp.experts.{p}" for i in range(4) for p in ("gate_up_proj", "down_proj")
+    ), "only the experts are MXFP4, and their blocks did round"
+    ref = _reference(hf, state)
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(path), dtype="float32")
+    served = [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"]
+    assert served and served[0]["types"] == {"MXFP4": 12}, logs
+    assert loaded.quantization is None or not gguf_quantized_weights(path, loaded.config)[0]
+    assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size), NEW_TOKENS)
+    dequantized = load_model(str(path), dtype="float32", dequantize_weights=True)
+    assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[1:2], 2)
+
+
+def test_q8_0_file_serves_its_attention_quantized_and_its_experts_dequantized(hf: Any, tmp_path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "gpt-oss-q8_0.gguf"
+    ref = _reference(hf, write_gguf(path, "gpt_oss", hf, GGMLQuantizationType.Q8_0))
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(path), dtype="float32")
+    assert loaded.quantization == "gguf"
+    assert type(loaded.model.own_layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
+    served = [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"]
+    assert served and served[0]["types"] == {"Q8_0": 12}, logs
+    assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size)[:2], 4)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_engine_greedy_equals_transformers(hf: Any, bpe: Any, tmp_path: Path, anyio_backend: str) -> None:
+    """Through `sonar.open` with the file's tokenizer: batched, chunked (a 32-token budget) and
+    from the prefix cache."""
+    path = tmp_path / "gpt-oss-mxfp4.gguf"
+    ref = _reference(hf, write_gguf(path, "gpt_oss", hf, _mxfp4(), _with_tokenizer(bpe, hf.config.vocab_size)))
+    prompts = _prompts(hf.config.vocab_size) + [_prompts(hf.config.vocab_size)[2]]
+    params = sonar.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    async with sonar.open(
+        str(path),
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    ) as llm:
+        outs = await llm.generate_many(prompts, params)
+        assert llm.info.architecture == "GptOssForCausalLM"
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == transformers_greedy(ref, prompt, NEW_TOKENS)[0]
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_file(hf: Any, bpe: Any, tmp_path: Path) -> None:
+    path = tmp_path / "gpt-oss-f32.gguf"
+    write_gguf(path, "gpt_oss", hf, tokenizer=_with_tokenizer(bpe, hf.config.vocab_size))
+    tokenizer = load_model(str(path), dtype="float32").load_tokenizer()
+    text = "hello world, the quick brown fox <|start|>"
+    assert tokenizer(text).input_ids == bpe.encode(text).ids
+    assert tokenizer.decode(bpe.encode(text).ids) == text
+    assert tokenizer.eos_token == "<|endoftext|>"
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert chat == "<|start|>user\nhi<|endoftext|>"
