@@ -213,7 +213,7 @@ class World:
         """Rank 0, as call `call` ends: its outputs (or error) to every rank."""
         with self._lock:
             self._active = False
-            self._send(_Outputs(call, outputs, error))
+            self._send(_Outputs(call, outputs, _portable(error)))
 
     def follow(self, call: int) -> list[RequestOutput]:
         """A rank other than 0, during call `call`: run rank 0's steps until its outputs come."""
@@ -366,6 +366,8 @@ class LaunchedLLM:
             try:
                 result.append(await self.engine.generate_many(batch, params))
             except Exception as exc:
+                while isinstance(exc, ExceptionGroup):  # the batch's task group: its first request's error
+                    exc = exc.exceptions[0]
                 error.append(exc)
             tg.cancel_scope.cancel()
 
@@ -380,6 +382,18 @@ class LaunchedLLM:
                 lost.__cause__ = error[0]
             return None, lost
         return (result[0], None) if result else (None, error[0])
+
+
+def _portable(error: BaseException | None) -> BaseException | None:
+    """`error` as the other ranks can raise it: itself when it survives pickling, else a
+    `LauncherError` with its class and message."""
+    if error is None:
+        return None
+    try:
+        pickle.loads(pickle.dumps(error, protocol=5))
+    except Exception:
+        return LauncherError(f"rank 0 raised {type(error).__name__}: {error}")
+    return error
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

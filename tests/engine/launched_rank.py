@@ -6,7 +6,7 @@ would: open the engine with ``external_launcher`` and generate.
 MODEL: a checkpoint folder, or ``embedded``. Each rank writes ``OUT_DIR/rank<R>.json``: per call,
 the token ids and texts it got, or the error it raised (its class, message, and seconds taken).
 Scenarios: ``same`` (greedy, then seeded sampling, one call each); ``mismatch`` (rank 1 asks for
-another prompt, then both ask the same); ``kill`` (rank 1 SIGKILLs itself in the middle of a
+another prompt, then both ask the same, then both give a token id outside the vocabulary); ``kill`` (rank 1 SIGKILLs itself in the middle of a
 long call).
 """
 
@@ -65,6 +65,7 @@ async def main(scenario: str, model: str, out: Path) -> None:
         elif scenario == "mismatch":
             calls.append(await _call(llm, texts[rank % len(texts)], GREEDY))
             calls.append(await _call(llm, texts[0], GREEDY))
+            calls.append(await _call(llm, [[5, 10**6]], GREEDY))  # refused by rank 0, raised on every rank
         elif scenario == "kill":
             calls.append(await _call(llm, texts[0], GREEDY))
             if rank == 1:

@@ -6,7 +6,7 @@ Real ``torchrun --nproc-per-node N`` (``python -m torch.distributed.run``) runs
 * every rank gets the single worker's greedy tokens and seeded samples (tiny random Llama, tp = 2;
   the embedded SmolLM2, 9 heads and 3 KV heads, at tp = 3: the same text on each rank);
 * ranks that ask for different prompts all fail with `RequestMismatchError`, and the next call
-  that agrees runs;
+  that agrees runs; a request rank 0 refuses is raised on every rank;
 * a rank SIGKILLed in the middle of a call ends the other's call with `RankLostError` within the
   collective timeout (torchrun's agent is told to look only once a minute, so the surviving rank
   must find out by itself).
@@ -148,6 +148,9 @@ def test_ranks_that_ask_differently_fail_clearly(llama: TinyCheckpoint, tmp_path
         assert "rank(s) 1 differ from rank 0's; every torchrun rank must call generate" in calls[0]["message"]
         assert calls[0]["seconds"] < TIMEOUT
     assert ranks[0][1] == ranks[1][1] and len(ranks[0][1]["tokens"][0]) == launched_rank.GREEDY.max_tokens
+    # rank 0 refuses a bad request before any step; every rank raises its error
+    assert ranks[0][2]["error"] == ranks[1][2]["error"] == "InvalidRequestError"
+    assert ranks[0][2]["message"] == ranks[1][2]["message"] and "1000000" in ranks[0][2]["message"]
 
 
 @pytest.mark.slow
