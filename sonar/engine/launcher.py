@@ -280,7 +280,10 @@ class World:
             fn(*args, **kwargs)
         except Exception as exc:  # gloo: a peer closed its connection, or the timeout passed
             self.lose(exc)
-            raise RankLostError(f"rank {self.rank} lost its peers: {self.broken}") from exc
+            raise RankLostError(
+                f"rank {self.rank}: a collective with the other ranks failed or timed out (a rank died, hangs, "
+                f"or did not make the same call): {self.broken}"
+            ) from exc
 
 
 _world: World | None = None

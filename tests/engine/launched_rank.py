@@ -7,7 +7,7 @@ MODEL: a checkpoint folder, or ``embedded``. Each rank writes ``OUT_DIR/rank<R>.
 the token ids and texts it got, or the error it raised (its class, message, and seconds taken).
 Scenarios: ``same`` (greedy, then seeded sampling, one call each); ``mismatch`` (rank 1 asks for
 another prompt, then both ask the same, then both give a token id outside the vocabulary); ``kill`` (rank 1 SIGKILLs itself in the middle of a
-long call).
+long call); ``stall`` (rank 1 lives on but skips the second call).
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ async def main(scenario: str, model: str, out: Path) -> None:
             if rank == 1:
                 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
             calls.append(await _call(llm, texts, LONG))
+        elif scenario == "stall":
+            calls.append(await _call(llm, texts[0], GREEDY))
+            if rank == 1:  # alive, but never makes the second call
+                await anyio.sleep(2.5 * ENGINE["distributed_timeout_seconds"])
+            else:
+                calls.append(await _call(llm, texts, GREEDY))
         (out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "calls": calls}))
 
 

@@ -9,7 +9,8 @@ Real ``torchrun --nproc-per-node N`` (``python -m torch.distributed.run``) runs
   that agrees runs; a request rank 0 refuses is raised on every rank;
 * a rank SIGKILLed in the middle of a call ends the other's call with `RankLostError` within the
   collective timeout (torchrun's agent is told to look only once a minute, so the surviving rank
-  must find out by itself).
+  must find out by itself); a rank that lives on but skips a call ends the other's call within
+  the timeout too.
 
 What the ranks cannot take is refused by name; so are a missing torchrun environment, a WORLD_SIZE
 that is not the model's ranks (and the flag on ``sonar serve``: tests/cli/test_support.py).
@@ -165,3 +166,12 @@ def test_a_killed_rank_ends_the_others_call(llama: TinyCheckpoint, tmp_path: Pat
     # found by the closed connection, well within the collective timeout (the kill comes 1 s in)
     assert second["seconds"] < TIMEOUT
     assert time.monotonic() - started < 600
+
+
+@pytest.mark.slow
+def test_a_rank_that_skips_a_call_ends_the_others_within_the_timeout(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    code, ranks = torchrun(tmp_path, 2, "stall", str(llama.path))
+    first, second = ranks[0]
+    assert "tokens" in first and ranks[1] is not None and len(ranks[1]) == 1
+    assert second["error"] == "RankLostError"
+    assert TIMEOUT * 0.9 < second["seconds"] < TIMEOUT + 15
