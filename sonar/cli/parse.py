@@ -139,7 +139,18 @@ def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
 
     _check_support(explicit, source)
     _check_local_replicas(explicit)
+    _check_launcher(explicit)
     return _build(explicit)
+
+
+def _check_launcher(explicit: dict[str, Any]) -> None:
+    """torchrun's ranks each run the script that started them: the library's, not a server."""
+    if explicit.get("--distributed-executor-backend") == "external_launcher":
+        raise UsageError.bad(
+            "argument --distributed-executor-backend: 'external_launcher' is for the library under torchrun "
+            "(sonar.open in each rank's script); one HTTP server per torchrun rank makes no sense: "
+            "serve with 'mp' or 'ray'"
+        )
 
 
 def _check_local_replicas(explicit: dict[str, Any]) -> None:

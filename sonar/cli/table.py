@@ -462,7 +462,7 @@ GROUPS: tuple[Group, ...] = (
            "per rank on this machine), 'ray' (each rank's process kept by a Ray actor in one placement "
            "group, a CPU or GPU bundle per rank, on RAY_ADDRESS's cluster, else the one `ray start` "
            "began here, else a local Ray runtime; needs pip install sonar[ray]) or 'external_launcher' "
-           "(torchrun starts the ranks: refused so far).",
+           "(torchrun starts the ranks, each running the library, sonar.open, in its script: refused by sonar serve).",
            choices=("external_launcher", "mp", "ray", "uni"), to=E, default_note="'uni' for one rank, 'mp' for several",
            metavar="{external_launcher,mp,ray,uni}"),
         _f("--pipeline-parallel-size -pp", I, 1,

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 import anyio
 import anyio.to_thread
+import msgspec
 
 from sonar.actors import Supervisor, supervise
 from sonar.actors.actor import launch
@@ -39,10 +40,38 @@ async def open(model: str | None = None, **engine_args: Any) -> AsyncIterator[LL
     `block_size`, `kv_cache_memory_bytes`, `dtype`, `seed`, `placement`, ...).
     """
     config = EngineConfig.from_args(model, **engine_args)
+    if config.launched:
+        async with _launched(config) as launched:
+            yield launched
+        return
     tokenizers.prefetch_for(config)
     async with supervise(data_parallel_spec(config)) as sup:
         async with connect(sup, config) as llm:
             yield llm
+
+
+@asynccontextmanager
+async def _launched(config: EngineConfig) -> AsyncIterator[Any]:
+    """This torchrun rank's `LaunchedLLM` (`sonar.engine.launcher`): rank 0 runs the engine, with
+    its worker in this process; the other ranks hold only their model's shards."""
+    from sonar.engine import launcher
+    from sonar.engine.runner import ModelRunner
+
+    if config.async_scheduling is None:  # the ranks take one step at a time
+        config = msgspec.structs.replace(config, async_scheduling=False)
+    world = await anyio.to_thread.run_sync(launcher.join, config)
+    try:
+        if world.rank == 0:
+            tokenizers.prefetch_for(config)
+            async with supervise(data_parallel_spec(config)) as sup:
+                async with connect(sup, config) as llm:
+                    yield launcher.LaunchedLLM(world, llm)
+        else:
+            world.runner = await anyio.to_thread.run_sync(ModelRunner, config, world.topology, world.device)
+            yield launcher.LaunchedLLM(world, None)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(launcher.leave, world)
 
 
 @asynccontextmanager

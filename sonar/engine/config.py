@@ -438,12 +438,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             what = f"{tp} x {pp} ranks (tensor x pipeline)"
         backend = self.distributed_executor_backend
         if backend == "external_launcher":
-            raise ValueError(
-                "distributed_executor_backend 'external_launcher' is not supported yet: torchrun's ranks "
-                "would each run their own scheduler, and Sonar's asynchronous scheduler does not yet make "
-                "the same steps in every rank; start the ranks with 'mp' (this machine) or 'ray'"
-            )
-        if backend not in (None, "uni", "mp", "ray"):
+            self._check_launched()
+        if backend not in (None, "uni", "mp", "ray", "external_launcher"):
             raise ValueError(
                 f"distributed_executor_backend {backend!r} is not supported yet "
                 "(Sonar starts ranks with 'uni', 'mp' or 'ray')"
@@ -476,6 +472,31 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"KV offloading with {what} is not supported yet (each rank caches its own heads and layers); "
                 "drop one of the two"
             )
+
+    @property
+    def launched(self) -> bool:
+        """torchrun started this process as one rank of the world (``external_launcher``): its one
+        worker runs here, in-process, and its peers are torchrun's other processes
+        (`sonar.engine.launcher`)."""
+        return self.distributed_executor_backend == "external_launcher"
+
+    def _check_launched(self) -> None:
+        """What torchrun's ranks cannot run yet, refused by name: rank 0 alone schedules and
+        broadcasts each step, so anything that reaches the workers outside a step, or keeps
+        several steps in flight, has no way to the other ranks."""
+        refused = [
+            ("pipeline_parallel_size > 1 (stages keep several steps in flight)", self.pipeline_parallel_size > 1),
+            ("data_parallel_size > 1 (start one torchrun world per replica)", self.data_parallel_size > 1),
+            ("async_scheduling (the ranks take one step at a time)", self.async_scheduling is True),
+            ("enable_sleep_mode", self.enable_sleep_mode),
+            ("weight_transfer_config", self.weight_transfer_config is not None),
+            ("profiler_config", bool(self.profiler_config)),
+            ("KV offloading or KV events (an offload manager)", self.offload_manager_needed),
+            ("a worker placement (torchrun placed this rank)", "worker" in self.placement),
+        ]
+        for name, given in refused:
+            if given:
+                raise ValueError(f"distributed_executor_backend 'external_launcher' does not support {name} yet")
 
     def collective_timeout(self, device_type: str) -> float | None:
         """Seconds the tensor-parallel group's rendezvous and collectives may take (None: torch's

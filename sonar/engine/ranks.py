@@ -130,14 +130,32 @@ def join(
         store = connect_store(host, port, prefix, timeout)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_timeout(timeout))
+    log.info("ranks.rendezvous", rank=rank, backend=backend, rendezvous=f"{host}:{port}")
+    return groups(rank, tp_size, pp_size, device, layer_counts)
+
+
+def join_launched(rank: int, tp_size: int, device: torch.device, timeout: float | None) -> Topology:
+    """Join the world that torchrun (or another external launcher) set up in this process's
+    environment (``env://``: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) as `rank`: NCCL on CUDA,
+    gloo on the CPU. One stage: its tensor-parallel group is the world."""
+    if _is_loopback(os.environ.get("MASTER_ADDR", "")):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=tp_size, timeout=_timeout(timeout))
+    return groups(rank, tp_size, 1, device, None)
+
+
+def groups(
+    rank: int, tp_size: int, pp_size: int, device: torch.device, layer_counts: tuple[int, ...] | None
+) -> Topology:
+    """After the world is joined: every stage's tensor-parallel group (each rank takes part in
+    making all of them), and this rank's place."""
     stage, tp_rank = divmod(rank, tp_size)
     group = None  # one stage: its group is the world
     if pp_size > 1 and tp_size > 1:
         groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
         group = groups[stage]
-    log.info(
-        "ranks.joined", rank=rank, tp=tp_size, pp=pp_size, stage=stage, backend=backend, rendezvous=f"{host}:{port}"
-    )
+    log.info("ranks.joined", rank=rank, tp=tp_size, pp=pp_size, stage=stage)
     return Topology(
         rank=rank,
         tp=TensorParallel(rank=tp_rank, size=tp_size, group=group),

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from sonar.actors import ActorRef, ChildProcess, ChildSpec, Remote, SiblingRef, Supervisor, SupervisorSpec
+from sonar.actors import ActorRef, ChildProcess, ChildSpec, InProcess, Remote, SiblingRef, Supervisor, SupervisorSpec
 from sonar.actors.spec import RayBundle
 from sonar.engine import nodes
 from sonar.engine.config import EngineConfig
@@ -27,7 +27,13 @@ WORKER_START_TIMEOUT = 900.0
 def worker_path(config: EngineConfig) -> str:
     """Where the worker the scheduler talks to sits below the engine's supervisor: ``worker``, or
     rank 0 of the tensor-parallel group ``worker`` (`SiblingRef` paths)."""
-    return "worker/rank0" if config.world_size > 1 else "worker"
+    return "worker/rank0" if _grouped(config) else "worker"
+
+
+def _grouped(config: EngineConfig) -> bool:
+    """The worker is a group of rank processes under this tree (under torchrun, this process is
+    one rank and its one worker runs in it: the other ranks are torchrun's processes)."""
+    return config.world_size > 1 and not config.launched
 
 
 def worker_ref(engine: Supervisor) -> ActorRef[WorkerMsg]:
@@ -48,7 +54,9 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     """
     raw = msgspec.to_builtins(config)
     worker_at = config.placement_of("worker")
-    if config.world_size > 1 or config.distributed_executor_backend == "ray":
+    if config.launched:
+        worker_at = InProcess()  # torchrun's rank is this process: its torch.distributed world is here
+    elif config.world_size > 1 or config.distributed_executor_backend == "ray":
         worker_at = ChildProcess()  # torch.distributed takes one process per rank (Ray places them)
     if isinstance(worker_at, (ChildProcess, Remote)):
         # the worker is ready once its model is loaded and, where asked, compiled and its CUDA
@@ -135,7 +143,7 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
     The worker answers pings while a step runs (steps run off its mailbox loop), so the ping
     deadline only has to cover a busy machine; a hung step is the worker's own watchdog's job.
     """
-    size = config.world_size
+    size = config.world_size if _grouped(config) else 1
 
     def rank(name: str, kwargs: dict[str, Any], placement: Any = placement) -> ChildSpec:
         return ChildSpec(

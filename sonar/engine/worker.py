@@ -62,7 +62,7 @@ from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.core.weights import WeightUpdateError
-from sonar.engine import nodes, ranks
+from sonar.engine import launcher, nodes, ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
 from sonar.engine.profiler import ProfilerConfig, TraceProfiler
@@ -165,6 +165,8 @@ class WorkerActor(Actor):
         """With a profiler: the one thread steps run in (else anyio's thread pool)."""
         self.updater: WeightUpdater | None = None
         """``--weight-transfer-config``: what checks and applies weight updates."""
+        self.world: launcher.World | None = None
+        """Under torchrun (``external_launcher``): the world whose other ranks run each step too."""
 
     async def started(self) -> None:
         if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
@@ -175,7 +177,12 @@ class WorkerActor(Actor):
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="sonar-step")
             name = f"worker{self.config.data_parallel_index}-rank{self.rank}"
             self.profiler = TraceProfiler(profiler, name, select_device(self.config.device_ids).type)
-        if self.config.world_size == 1:
+        if self.config.launched:  # torchrun's rank: this process's world, joined by `sonar.open`
+            self.world = launcher.world()
+            self.runner = await anyio.to_thread.run_sync(
+                ModelRunner, self.config, self.world.topology, self.world.device
+            )
+        elif self.config.world_size == 1:
             self.runner = await anyio.to_thread.run_sync(ModelRunner, self.config)
         elif self.rank == 0:
             self.runner = await self._lead_group()
@@ -562,6 +569,16 @@ class WorkerActor(Actor):
                 log.warning("worker.kv_loaded_lost", request=spec.req_id, error=f"{type(exc).__name__}: {exc}")
 
     def _execute(self, msg: ExecuteStep) -> StepResult:
+        if self.world is None:
+            return self._run(msg)
+        try:  # under torchrun, the other ranks run the step too; a failed step breaks the world
+            self.world.share_step(msg)
+            return self._run(msg)
+        except Exception as exc:
+            self.world.lose(exc)
+            raise
+
+    def _run(self, msg: ExecuteStep) -> StepResult:
         if self.sleeper is not None and self.sleeper.state.is_sleeping:
             if not msg.output.requests:  # only finished requests to forget: the sleep forgot them all
                 return StepResult(step_id=msg.output.step_id, sampled={})

@@ -108,6 +108,12 @@ def test_unsupported_still_checks_the_value_first(usage_error) -> None:
     )
 
 
+def test_the_server_refuses_torchruns_ranks_by_name(usage_error) -> None:
+    assert "one HTTP server per torchrun rank makes no sense" in usage_error(
+        "--distributed-executor-backend", "external_launcher"
+    )
+
+
 @pytest.mark.parametrize(
     "argv",
     [

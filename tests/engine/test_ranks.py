@@ -174,7 +174,6 @@ async def test_heads_that_do_not_split_fail_the_start(llama: TinyCheckpoint) -> 
     [
         ({"distributed_executor_backend": "uni"}, "'uni' runs one worker"),
         ({"kv_offloading_size": 1.0}, "KV offloading with tensor_parallel_size 2"),
-        ({"distributed_executor_backend": "external_launcher"}, "'external_launcher' is not supported yet"),
         ({"placement": "worker=tcp://10.0.0.1:5000"}, "remote worker placement"),
     ],
 )
