@@ -119,6 +119,9 @@ class WorkerInfo(msgspec.Struct):
     """Sleep mode: what is asleep now (a scheduler that starts beside a sleeping worker sleeps too)."""
     vision: VisionInfo | None = None
     """A model that takes images (`sonar.models.llava`); None for a text-only model."""
+    longrope_switch: int | None = None
+    """LongRoPE (Phi-3, Phi-4): the length past which a sequence takes the long factors
+    (`sonar.models.rotary`), where ``max_model_len`` goes past it; None otherwise."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):
