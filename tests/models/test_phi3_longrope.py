@@ -36,9 +36,9 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """A tiny random Phi-3 whose original context is 32 of its 128 positions, saved with a word tokenizer."""
+def save_phi3(path: Path) -> Any:
+    """Save a tiny random Phi-3 whose original context is 32 of its 128 positions, with a word
+    tokenizer, at `path`; its transformers model."""
     from transformers import AutoModelForCausalLM, Phi3Config
 
     config = Phi3Config(
@@ -59,13 +59,18 @@ def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     torch.manual_seed(7)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     spread_weights(hf)
-    path = tmp_path_factory.mktemp("phi3-longrope")
     hf.save_pretrained(str(path))
     save_word_tokenizer(path, config.vocab_size)
-    return path, hf
+    return hf
 
 
-def _prompts() -> dict[str, list[int]]:
+@pytest.fixture(scope="module")
+def phi3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    path = tmp_path_factory.mktemp("phi3-longrope")
+    return path, save_phi3(path)
+
+
+def prompts_by_kind() -> dict[str, list[int]]:
     """Within the original context to the end (short), crossing it while generating, at it exactly
     (the first decode crosses), and longer than it from the start (long)."""
     gen = torch.Generator().manual_seed(11)
@@ -73,12 +78,12 @@ def _prompts() -> dict[str, list[int]]:
     return {name: torch.randint(3, 384, (n,), generator=gen).tolist() for name, n in lengths.items()}
 
 
-def _assert_equals_transformers(hf: Any, prompt: list[int], out: Any, name: str) -> None:
+def assert_equals_transformers(hf: Any, prompt: list[int], out: Any, name: str, atol: float = ATOL) -> None:
     tokens, logits = transformers_greedy(hf, prompt, NEW_TOKENS)
     assert out.token_ids == tokens, name
     reference = torch.log_softmax(logits, dim=-1)[torch.arange(NEW_TOKENS), tokens]
     ours = torch.tensor([p.logprob for p in out.logprobs])
-    torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0, msg=name)
+    torch.testing.assert_close(ours, reference, atol=atol, rtol=0, msg=name)
 
 
 def test_the_model_serves_max_position_embeddings(phi3: tuple[Path, Any]) -> None:
@@ -89,15 +94,24 @@ def test_the_model_serves_max_position_embeddings(phi3: tuple[Path, Any]) -> Non
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("one_thread")
-async def test_short_long_and_crossing_sequences_equal_transformers(phi3: tuple[Path, Any]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+async def test_short_long_and_crossing_sequences_equal_transformers(
+    phi3: tuple[Path, Any], async_scheduling: bool
+) -> None:
     """All four prompts in one batch under a 16-token step budget (the long prompt prefills in
     chunks beside the others' decodes), twice: the second round's prompts hit the blocks the first
-    cached, each under its own factor set (the crossing ones' recomputed blocks under the long)."""
+    cached, each under its own factor set (the crossing ones' recomputed blocks under the long).
+    With async scheduling a crossing is found while the token before it is in flight."""
     path, hf = phi3
-    prompts = _prompts()
+    prompts = prompts_by_kind()
     params = sonar.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
     async with sonar.open(
-        str(path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=8, num_gpu_blocks_override=40
+        str(path),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        num_gpu_blocks_override=40,
+        async_scheduling=async_scheduling,
     ) as llm:
         assert llm.info.max_model_len == MAX_POSITIONS and llm.info.longrope_switch == ORIGINAL
         first = await llm.generate_many(list(prompts.values()), params)
@@ -112,7 +126,7 @@ async def test_short_long_and_crossing_sequences_equal_transformers(phi3: tuple[
     assert long_hit == 32  # the long prompt's two full blocks, cached under the long factors
     for outs in (first, second):
         for (name, prompt), out in zip(prompts.items(), outs):
-            _assert_equals_transformers(hf, prompt, out, name)
+            assert_equals_transformers(hf, prompt, out, name)
 
 
 @pytest.mark.anyio
@@ -121,7 +135,7 @@ async def test_long_prompt_logprobs_equal_transformers(phi3: tuple[Path, Any]) -
     """Every position of a 45-token prompt, prefilled in chunks of 16 with the long factors,
     equals transformers' forward pass of the whole prompt (which takes the long factors too)."""
     path, hf = phi3
-    prompt = _prompts()["long"]
+    prompt = prompts_by_kind()["long"]
     params = sonar.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     async with sonar.open(str(path), dtype="float32", max_num_batched_tokens=16, num_gpu_blocks_override=16) as llm:
         out = await llm.generate(prompt, params)
