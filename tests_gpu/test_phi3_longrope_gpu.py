@@ -14,7 +14,6 @@ import pytest
 import sonar
 from tests.models.test_phi3_longrope import NEW_TOKENS, assert_equals_transformers, prompts_by_kind, save_phi3
 
-
 #: the GPU's float32 kernels sum in another order than transformers' on the CPU
 GPU_ATOL = 1e-3
 
