@@ -156,10 +156,11 @@ class PrefixHasher:
         cache_salt: str | None = None,
         lora: str | None = None,
         media: Sequence[MediaSpan] = (),
+        long_rope: bool = False,
     ) -> list[BlockHash]:
         """The hashes of every full block of ``token_ids``."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids, cache_salt, lora, media)
+        self.extend(hashes, token_ids, cache_salt, lora, media, long_rope)
         return hashes
 
 

@@ -107,7 +107,7 @@ def test_longropes_long_factor_set_separates_the_whole_chain() -> None:
     hasher.extend(short, tokens)
     hasher.extend(long, tokens, long_rope=True)
     hasher.extend(salted_long, tokens, cache_salt="s", long_rope=True)
-    assert short == hasher.chain(tokens)
+    assert short == hasher.chain(tokens) and long == hasher.chain(tokens, long_rope=True)
     for blocks in zip(short, long, salted_long):
         assert len(set(blocks)) == 3
     assert block_keys(0, 4, None, None, (), long_rope=True) == (("rope", "long"),)
