@@ -101,7 +101,12 @@ class BlockManager:
         """Extend ``request.block_hashes`` over its full blocks; call after tokens are added."""
         if self.hasher is not None:
             self.hasher.extend(
-                request.block_hashes, request.all_token_ids, request.cache_salt, request.lora_key, request.media
+                request.block_hashes,
+                request.all_token_ids,
+                request.cache_salt,
+                request.lora_key,
+                request.media,
+                request.long_rope,
             )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
@@ -256,7 +261,7 @@ class BlockManager:
         assert self._events is not None
         bs = self.block_size
         hashes = request.block_hashes
-        keys = first_block_keys(request.cache_salt, request.lora_key)
+        keys = first_block_keys(request.cache_salt, request.lora_key, request.long_rope)
         self._events.append(
             BlockStored(
                 block_hashes=hashes[lo:hi],

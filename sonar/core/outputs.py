@@ -58,6 +58,9 @@ class ScheduledRequest(msgspec.Struct, array_like=True, gc=False):
     """Speculative decoding: the last ``num_drafts`` of ``token_ids`` are guesses, not known
     tokens. The runner samples at each of the last ``1 + num_drafts`` positions and returns the
     drafts its samples agree with, up to the first that differs, plus one sampled token."""
+    long_rope: bool = False
+    """LongRoPE: the request's sequence is longer than the original context and computed with the
+    long factors (`Request.long_rope`)."""
 
 
 class KVStoreSpec(msgspec.Struct, array_like=True, gc=False):

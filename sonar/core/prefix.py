@@ -7,7 +7,8 @@ extra keys, which is exactly when the KV of that block can be shared. The per-re
 ``cache_salt`` is an extra key of the first block; through the chain it separates every
 later block too, so tenants with different salts never share (or probe) each other's cache. A
 request's LoRA adapter is one too (its digest, `first_block_keys`): its KV differs from the base
-model's and every other adapter's for the same tokens. An image's placeholder tokens are the
+model's and every other adapter's for the same tokens, and so is LongRoPE's long factor set
+(a sequence past the original context rotates its keys otherwise). An image's placeholder tokens are the
 same for every image: a block that holds any of them has the image's content hash among its
 extra keys (`MediaSpan`), so the same image hits and another image with the same tokens does not.
 
@@ -130,19 +131,21 @@ class PrefixHasher:
         cache_salt: str | None = None,
         lora: str | None = None,
         media: Sequence[MediaSpan] = (),
+        long_rope: bool = False,
     ) -> None:
         """Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
 
         ``hashes`` must already hold the chain of the first ``len(hashes)`` blocks of
         ``token_ids``; this is how a request's chain grows as it generates tokens. ``lora``: the
-        digest of the request's LoRA adapter; ``media``: the images among its tokens.
+        digest of the request's LoRA adapter; ``media``: the images among its tokens;
+        ``long_rope``: its KV is rotated with LongRoPE's long factors.
         """
         bs = self.block_size
         num_full = len(token_ids) // bs
         index = len(hashes)
         parent = hashes[-1] if hashes else self.root
         while index < num_full:
-            extra = block_keys(index, bs, cache_salt, lora, media)
+            extra = block_keys(index, bs, cache_salt, lora, media, long_rope)
             parent = self._hash((parent, tuple(token_ids[index * bs : (index + 1) * bs]), extra))
             hashes.append(parent)
             index += 1
@@ -153,28 +156,37 @@ class PrefixHasher:
         cache_salt: str | None = None,
         lora: str | None = None,
         media: Sequence[MediaSpan] = (),
+        long_rope: bool = False,
     ) -> list[BlockHash]:
         """The hashes of every full block of ``token_ids``."""
         hashes: list[BlockHash] = []
-        self.extend(hashes, token_ids, cache_salt, lora, media)
+        self.extend(hashes, token_ids, cache_salt, lora, media, long_rope)
         return hashes
 
 
-def first_block_keys(cache_salt: str | None, lora: str | None) -> tuple[object, ...] | None:
-    """The extra keys of a request's first block: its cache salt, then its LoRA adapter's digest
-    (tagged, so that no salt can equal it); None when it has neither."""
+def first_block_keys(cache_salt: str | None, lora: str | None, long_rope: bool = False) -> tuple[object, ...] | None:
+    """The extra keys of a request's first block: its cache salt, then its LoRA adapter's digest,
+    then LongRoPE's long factor set (tagged, so that no salt can equal them); None when it has
+    none of them. Keys rotated with the long factors never mix with the short factors' ones."""
     keys: tuple[object, ...] = () if cache_salt is None else (cache_salt,)
     if lora is not None:
         keys += (("lora", lora),)
+    if long_rope:
+        keys += (("rope", "long"),)
     return keys or None
 
 
 def block_keys(
-    index: int, block_size: int, cache_salt: str | None, lora: str | None, media: Sequence[MediaSpan]
+    index: int,
+    block_size: int,
+    cache_salt: str | None,
+    lora: str | None,
+    media: Sequence[MediaSpan],
+    long_rope: bool = False,
 ) -> tuple[object, ...] | None:
     """The extra keys of block ``index``: the first block's (`first_block_keys`), then the content
     hash of each image with a placeholder token in the block (tagged, in position order)."""
-    keys = first_block_keys(cache_salt, lora) if index == 0 else None
+    keys = first_block_keys(cache_salt, lora, long_rope) if index == 0 else None
     start, end = index * block_size, (index + 1) * block_size
     images = tuple(("image", h) for offset, length, h in media if offset < end and offset + length > start)
     if not images:

@@ -178,6 +178,7 @@ class Request:
         "error",
         "seq",
         "scheduled_time",
+        "long_rope",
     )
 
     def __init__(
@@ -281,6 +282,9 @@ class Request:
         """Order of arrival at the scheduler; breaks every tie."""
         self.scheduled_time: float | None = None
         """When it was first scheduled (`time.monotonic`, as ``arrival_time``); None until then."""
+        self.long_rope = False
+        """LongRoPE: the sequence is longer than the original context, computed with the long
+        factors (`SchedulerConfig.longrope_switch`); it keys the request's blocks as the salt does."""
 
     @property
     def lora_key(self) -> str | None:

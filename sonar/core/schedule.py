@@ -136,6 +136,11 @@ class SchedulerConfig:
     be); a chunk that does not fit the step's budget waits for a later step. A span longer than
     ``max_num_batched_tokens`` would never fit: the caller refuses such requests. Spans that
     touch count as one (`media_runs`)."""
+    longrope_switch: int | None = None
+    """LongRoPE (Phi-3, Phi-4): the original context. A sequence longer than this is computed with
+    the long factors (`Request.long_rope`), as transformers computes it: a longer prompt from its
+    first chunk on, and a generation that crosses it is preempted and recomputed whole (transformers
+    drops its cache there and prefills again; `sonar.models.rotary`). Drafts stop short of it."""
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
@@ -164,6 +169,9 @@ class SchedulerConfig:
             )
         if self.worker_drafts and (self.speculative is None or self.pipeline_stages > 1):
             raise ValueError("worker_drafts needs speculation and one pipeline stage")
+        switch = self.longrope_switch
+        if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int) or switch <= 0):
+            raise ValueError(f"longrope_switch must be a positive integer or None, got {switch!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,6 +256,7 @@ class Scheduler:
             raise DuplicateRequestError(request.request_id)
         request.seq = next(self._arrivals)
         request.status = RequestStatus.WAITING
+        self._take_long_rope(request)
         self.block_manager.update_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -364,6 +373,13 @@ class Scheduler:
                 ):
                     i += 1
                     continue
+                if self._crosses_switch(request):
+                    # LongRoPE: past the original context the whole sequence takes the long
+                    # factors; its KV holds short-factor keys, so it is recomputed from the start
+                    running.pop(i)
+                    self._preempt(request)
+                    preempted.append(request.request_id)
+                    continue
                 if decodes and speculating and worker_drafts:
                     slots = self._draft_slots(request, budget - 1)
                     if slots and bm.allocate_slots(request, 1 + slots + self._lookahead(request, 1 + slots)):
@@ -434,6 +450,7 @@ class Scheduler:
                     request_id in admitted or request_id in self._fresh,
                     request.num_prompt_tokens,
                     num_drafts,
+                    long_rope=request.long_rope,
                 )
             )
             request.num_computed_tokens = end
@@ -465,6 +482,7 @@ class Scheduler:
             self.config.speculative.num_speculative_tokens,
             room,
             self.config.max_model_len - request.num_tokens - 1,
+            self._before_switch(request, request.num_tokens),
         )
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - 1)
@@ -496,10 +514,37 @@ class Scheduler:
         if request.grammar is not None:
             return 0
         ahead = request.num_tokens + request.num_placeholders
-        limit = min(self.config.speculative.num_speculative_tokens, room, self.config.max_model_len - ahead - 1)
+        limit = min(
+            self.config.speculative.num_speculative_tokens,
+            room,
+            self.config.max_model_len - ahead - 1,
+            self._before_switch(request, ahead),
+        )
         if request.max_tokens is not None:
             limit = min(limit, request.max_tokens - request.num_output_tokens - request.num_placeholders - 1)
         return max(limit, 0)
+
+    def _take_long_rope(self, request: Request) -> None:
+        """LongRoPE: a request with nothing computed whose sequence is longer than the original
+        context takes the long factors, and its blocks the keys that say so."""
+        switch = self.config.longrope_switch
+        if switch is not None and not request.long_rope and request.num_tokens > switch:
+            request.long_rope = True
+            request.block_hashes = []
+            self.block_manager.update_hashes(request)
+
+    def _crosses_switch(self, request: Request) -> bool:
+        """LongRoPE: whether a request computed with the short factors would pass the original
+        context with its next token (or with the tokens in flight: with worker drafts those count
+        every draft kept, and a request resumed shorter keeps the short factors)."""
+        switch = self.config.longrope_switch
+        return switch is not None and not request.long_rope and request.num_tokens + request.num_placeholders > switch
+
+    def _before_switch(self, request: Request, ahead: int) -> int:
+        """LongRoPE: how many drafts after ``ahead`` tokens a short-factor request may verify
+        without passing the original context (a token past it is computed after a recompute)."""
+        switch = self.config.longrope_switch
+        return self.config.max_model_len if switch is None or request.long_rope else switch - ahead
 
     def _ends_in_flight(self, request: Request) -> bool:
         """The tokens the steps in flight sample for ``request`` are sure to finish it. With worker
@@ -608,6 +653,7 @@ class Scheduler:
         bm = self.block_manager
         reserve_full = config.scheduler_reserve_full_isl
         lookup = self.lower_tier_lookup
+        self._take_long_rope(request)  # a prompt past the original context, or a crossing's recompute
         if request.skip_reading_prefix_cache:
             hits, num_hit_tokens = [], 0
         else:

@@ -981,7 +981,9 @@ class LLM:
             return 0
         key = None if lora is None else lora.digest
         media = [(im.offset, im.length, im.hash) for im in images]
-        hashes = self._hasher.chain(prompt_ids, cache_salt, key, media) if self._hasher is not None else []
+        switch = self.info.longrope_switch  # a prompt past it is cached under LongRoPE's long factors
+        long_rope = switch is not None and len(prompt_ids) > switch
+        hashes = self._hasher.chain(prompt_ids, cache_salt, key, media, long_rope) if self._hasher is not None else []
         index = self.router.route(hashes, requests)
         if index is None:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")

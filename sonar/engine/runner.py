@@ -55,6 +55,7 @@ from sonar.models.errors import ModelLoadError
 from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
+from sonar.models.rotary import LONG_ROPE
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
 from sonar.multimodal.limits import image_limit
 from sonar.pooling_params import PoolingParams
@@ -457,6 +458,7 @@ class ModelRunner:
         if sizes:
             phases["graphs"] = t3 - t2
         phases["warmup"] = t4 - t3
+        switch = getattr(self.model, "longrope_switch", None)
         self.info = WorkerInfo(
             model=self.loaded.source,
             architecture=self.loaded.architecture,
@@ -481,6 +483,7 @@ class ModelRunner:
             vision=vision_info(self.model),
             hidden_size=self.hidden_size,
             weights_bytes=self.weights_bytes,
+            longrope_switch=switch if switch is not None and switch < self.max_model_len else None,
         )
         log.info(
             "kv_cache.allocated",
@@ -705,6 +708,7 @@ class ModelRunner:
         given_embeds: list[torch.Tensor] = []
         mrope: list[tuple[int, int, int, _RequestState]] = []  # (first row, start, rows, request)
         computed: list[ScheduledRequest] = []  # what each request's rows are (for a drafter)
+        long_rows: list[tuple[int, int]] = []  # (first row, rows) of sequences on LongRoPE's long factors
         for sched in out.requests:
             first = len(ids)
             start = sched.start_pos
@@ -726,6 +730,8 @@ class ModelRunner:
             num_rows.append(n)
             computed.append(sched)
             positions += range(start, start + n)
+            if sched.long_rope:
+                long_rows.append((first, n))
             if sched.num_drafts:
                 # a decode row per token, each attending up to itself: the step stays a decode
                 # step (the fused CPU path, CUDA graphs), and a step writes every row's KV before
@@ -781,6 +787,7 @@ class ModelRunner:
             and not pool_rows
             and not given_rows
             and not mrope  # a graph takes its cache slots from the positions
+            and not long_rows
             and self.drafter is None
         ):
             hidden = self.graphs.run(ids, positions, tables)  # a pure decode step: replay its graph
@@ -793,6 +800,11 @@ class ModelRunner:
                 rope = list(positions)
                 for first, start, n, state in mrope:
                     rope[first : first + n] = state.rope_positions(start, n)
+                rope_t = torch.tensor(rope, device=device)
+            if long_rows:  # the rotary takes the long factors for positions from LONG_ROPE
+                rope = list(positions)
+                for first, n in long_rows:
+                    rope[first : first + n] = range(LONG_ROPE + rope[first], LONG_ROPE + rope[first] + n)
                 rope_t = torch.tensor(rope, device=device)
             with self._adapters(out.requests, num_rows, lost):
                 if token_types is not None:

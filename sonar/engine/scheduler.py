@@ -263,6 +263,7 @@ class SchedulerActor(Actor):
                 worker_drafts=self.pipelined and speculative is not None,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
                 whole_media=info.vision is not None and info.vision.bidirectional,
+                longrope_switch=info.longrope_switch,
             ),
             blocks,
             lower_tier_lookup=self._lookup if self.offload_bpc else None,

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import structlog
 import torch
 from torch import Tensor, nn
 
@@ -37,12 +36,10 @@ from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, Shard, TensorPar
 from sonar.models.rotary import (
     RotaryEmbedding,
     apply_partial_rotary,
+    longrope_switch,
     rope_parameters,
     rotary_dim,
-    served_positions,
 )
-
-log = structlog.get_logger(__name__)
 
 #: Features a family may refuse (`DecoderForCausalLM.refused`), by the names its errors give them.
 TENSOR_PARALLEL = "tensor parallelism"
@@ -300,17 +297,9 @@ class DecoderForCausalLM(nn.Module):
         rope = rope_parameters(config)
         max_positions = getattr(config, "max_position_embeddings", 0)
         self.rotary = RotaryEmbedding(rope, self.head_dim, max_positions)
-        served = served_positions(rope, max_positions)
-        if served < max_positions:
-            self.max_positions = served
-            """The most positions a sequence may take, fewer than the config's (`sonar.models.rotary`)."""
-            log.warning(
-                "model.positions_limited",
-                rope_type=rope["rope_type"],
-                max_position_embeddings=max_positions,
-                served=served,
-                reason="longer sequences need a recompute when they cross original_max_position_embeddings",
-            )
+        self.longrope_switch = longrope_switch(rope, max_positions)
+        """LongRoPE: the length past which a sequence takes the long factors (the scheduler's
+        `SchedulerConfig.longrope_switch`); None for other rope types."""
 
     @classmethod
     def make_variant(cls, config: Any) -> DecoderVariant:

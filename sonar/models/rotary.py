@@ -6,18 +6,18 @@ as transformers computes them, so the same config gives the same rotation in Son
 reference.
 
 Two of them depend on the sequence in transformers, which recomputes its frequencies from the
-largest position of each forward call. Sonar serves them where that choice is fixed, and limits the
-model's length to those positions (`served_positions`; a longer ``--max-model-len`` is refused):
+largest position of each forward call:
 
 * ``dynamic`` raises the base once a sequence grows past ``max_position_embeddings`` and leaves it
   alone below: Sonar serves up to ``max_position_embeddings``, the unscaled frequencies.
 * ``longrope`` (Phi-3, Phi-4) takes the short factors while a sequence fits in
   ``original_max_position_embeddings`` and the long ones past it; when a generation first crosses
   that length, transformers' Phi-3 drops the KV cache and prefills the whole sequence again with
-  the long factors. Matching that needs the engine to recompute a sequence when it crosses, with
-  the factor set chosen per sequence rather than per position (a cache holding keys rotated both
-  ways gives broken attention), so Sonar serves up to ``original_max_position_embeddings``, with
-  the short factors. `longrope_inv_freq` computes both sets.
+  the long factors. Sonar does the same per sequence (a cache holding keys rotated both ways gives
+  broken attention): the scheduler picks the factor set of each sequence from its length and
+  recomputes one that crosses (`sonar.core.schedule`), and the runner asks for the long factors by
+  adding `LONG_ROPE` to the rotary positions of that sequence's rows, so both sets serve one
+  batch. `longrope_switch` is the length past which a sequence takes them.
 
 A partial rotary (``partial_rotary_factor`` < 1) rotates the first ``rotary_dim`` dimensions of
 each head and passes the rest through; `apply_partial_rotary` does it, in the halves layout of
@@ -36,6 +36,10 @@ from sonar.kernels import ops
 from sonar.models.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+
+LONG_ROPE = 1 << 30
+"""Added to a row's rotary position to take LongRoPE's long factors (`RotaryEmbedding.cos_sin`);
+above every position a model serves."""
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -66,7 +70,7 @@ def _base_inv_freq(base: float, dim: int) -> Tensor:
 
 def inv_freq_and_scale(params: dict[str, Any], head_dim: int, max_position_embeddings: int) -> tuple[Tensor, float]:
     """Inverse frequencies ``[rotary_dim // 2]`` (float32, CPU) and the factor applied to cos/sin
-    (``longrope``: the short factors', the set served)."""
+    (``longrope``: the short factors'; `RotaryEmbedding` keeps the long ones beside them)."""
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
     dim = rotary_dim(params, head_dim)
@@ -161,11 +165,13 @@ def _original_context(params: dict[str, Any]) -> int:
     return int(params["original_max_position_embeddings"])
 
 
-def served_positions(params: dict[str, Any], max_position_embeddings: int) -> int:
-    """How many positions Sonar serves with these rope parameters (see the module's docstring)."""
-    if params["rope_type"] == "longrope":
-        return min(max_position_embeddings, _original_context(params))
-    return max_position_embeddings
+def longrope_switch(params: dict[str, Any], max_position_embeddings: int) -> int | None:
+    """The sequence length past which LongRoPE takes its long factors (its original context), or
+    None where nothing switches (another rope type, or no position past the original context)."""
+    if params["rope_type"] != "longrope":
+        return None
+    context = _original_context(params)
+    return context if context < max_position_embeddings else None
 
 
 class RotaryEmbedding:
@@ -178,11 +184,18 @@ class RotaryEmbedding:
         """M-RoPE (Qwen2-VL): how many frequencies the temporal, height and width positions turn."""
         with torch.device("cpu"):  # the model may be built under a meta-device context
             self.inv_freq, self.scale = inv_freq_and_scale(params, head_dim, max_position_embeddings)
+            self.long_inv_freq: Tensor | None = None
+            """LongRoPE: the long factors' frequencies, for rows at positions from `LONG_ROPE`."""
+            if params["rope_type"] == "longrope":
+                if section:
+                    raise ModelLoadError("rope_type 'longrope' with mrope_section is not supported")
+                self.long_inv_freq = longrope_inv_freq(params, head_dim, max_position_embeddings, long=True)[0]
         self.mrope_owner: Tensor | None = None
         """Interleaved M-RoPE (Qwen3-VL, ``mrope_interleaved``): the position each frequency turns with."""
         if self.mrope_section and params.get("mrope_interleaved"):
             self.interleave_mrope()
         self._on: dict[torch.device, Tensor] = {}
+        """The frequencies on each device (LongRoPE: ``[2, rotary_dim // 2]``, short then long)."""
 
     def interleave_mrope(self) -> None:
         """Take the M-RoPE sections interleaved (`mrope_owner`) rather than one after another."""
@@ -192,11 +205,16 @@ class RotaryEmbedding:
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """``[num_tokens, rotary_dim]`` cos and sin (each half repeated), in ``dtype``. Positions
-        ``[3, num_tokens]`` (M-RoPE): the frequencies of each `mrope_section` turn with their row."""
+        ``[3, num_tokens]`` (M-RoPE): the frequencies of each `mrope_section` turn with their row.
+        LongRoPE: a position from `LONG_ROPE` on is ``position - LONG_ROPE`` with the long factors."""
         inv_freq = self._on.get(positions.device)
         if inv_freq is None:
-            inv_freq = self._on[positions.device] = self.inv_freq.to(positions.device)
-        if positions.dim() == 2:
+            freqs = self.inv_freq if self.long_inv_freq is None else torch.stack((self.inv_freq, self.long_inv_freq))
+            inv_freq = self._on[positions.device] = freqs.to(positions.device)
+        if self.long_inv_freq is not None:  # each row's factor set, from its position
+            long = positions >= LONG_ROPE
+            angles = (positions - long * LONG_ROPE).to(torch.float32)[:, None] * inv_freq[long.long()]
+        elif positions.dim() == 2:
             if self.mrope_section is None:
                 raise ValueError("positions [3, num_tokens] need a model with rope mrope_section")
             angles = positions.to(torch.float32)[:, :, None] * inv_freq

@@ -122,6 +122,9 @@ class WorkerInfo(msgspec.Struct):
     weights_bytes: int = 0
     """The model's parameter bytes as loaded on this rank (a vision model served with an image
     limit of 0 holds no tower: `sonar.models.loader.drop_tower`)."""
+    longrope_switch: int | None = None
+    """LongRoPE (Phi-3, Phi-4): the length past which a sequence takes the long factors
+    (`sonar.models.rotary`), where ``max_model_len`` goes past it; None otherwise."""
 
 
 class DescribeWorker(Ask, tag="worker.describe"):

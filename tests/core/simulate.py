@@ -31,7 +31,8 @@ Fingerprint = int
 
 def fingerprint(prev: Fingerprint | None, token: int, salt: object) -> Fingerprint:
     """The KV of `token` after `prev`; a first token's also depends on `salt` (the request's cache
-    salt and LoRA adapter: KV computed under another adapter is another KV)."""
+    salt, LoRA adapter and LongRoPE factor set: KV computed under another adapter, or rotated with
+    the other factors, is another KV)."""
     return hash((prev, token)) if prev is not None else hash((salt, token))
 
 
@@ -52,7 +53,7 @@ class FakeRunner:
         """The runner's: the prompt, then each token it sampled (one past a stop, in async mode)."""
         self.in_flight: dict[str, list[int]] | None = None
         """step_async: the tokens of the step run but not yet fed back."""
-        self.salts: dict[str, tuple[str | None, str | None]] = {}
+        self.salts: dict[str, tuple[str | None, str | None, bool]] = {}
         self.expected: dict[str, list[Fingerprint]] = {}
 
     def add(self, request: Request) -> None:
@@ -60,7 +61,7 @@ class FakeRunner:
         self.scheduler.add_request(request)
         self.tokens[request.request_id] = list(request.prompt_token_ids)
         self.seq[request.request_id] = list(request.prompt_token_ids)
-        self.salts[request.request_id] = (request.cache_salt, request.lora_key)
+        self.salts[request.request_id] = (request.cache_salt, request.lora_key, request.long_rope)
         self.expected[request.request_id] = []
 
     def _expected(self, request_id: str, upto: int) -> list[Fingerprint]:
@@ -85,6 +86,12 @@ class FakeRunner:
             if r.is_new:  # the runner (re)builds its state from the scheduler's tokens
                 self.seq[r.req_id] = list(self.tokens[r.req_id])
                 self.expected[r.req_id] = []
+            salt = self.salts[r.req_id]
+            if salt[2] != r.long_rope:  # LongRoPE: the factor set changes with a recompute only
+                assert r.is_new, f"{r.req_id}: factor set changed without a recompute"
+                self.salts[r.req_id] = (*salt[:2], r.long_rope)
+            switch = config.longrope_switch
+            assert switch is None or r.long_rope or r.start_pos + len(r.token_ids) <= switch, r
             tokens = self.seq[r.req_id]
             end = r.start_pos + len(r.token_ids)
             assert r.token_ids, r

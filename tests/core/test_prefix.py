@@ -99,6 +99,20 @@ def test_an_adapter_separates_the_whole_chain_from_the_salt_and_the_base() -> No
     assert hasher.chain(tokens, cache_salt="s") == hasher.chain(tokens, cache_salt="s", lora=None)
 
 
+def test_longropes_long_factor_set_separates_the_whole_chain() -> None:
+    """Keys rotated with LongRoPE's long factors are another KV than the short factors' ones."""
+    hasher = PrefixHasher(4)
+    tokens = list(range(12))
+    short, long, salted_long = [], [], []
+    hasher.extend(short, tokens)
+    hasher.extend(long, tokens, long_rope=True)
+    hasher.extend(salted_long, tokens, cache_salt="s", long_rope=True)
+    assert short == hasher.chain(tokens) and long == hasher.chain(tokens, long_rope=True)
+    for blocks in zip(short, long, salted_long):
+        assert len(set(blocks)) == 3
+    assert block_keys(0, 4, None, None, (), long_rope=True) == (("rope", "long"),)
+
+
 def test_an_image_keys_the_blocks_that_hold_its_tokens() -> None:
     """Blocks 1 and 2 hold tokens of the image at positions 6..9: the same image, the same
     hashes; another image, the same chain up to them and another from them on."""

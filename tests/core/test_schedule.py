@@ -505,6 +505,7 @@ def test_bad_requests() -> None:
             },
             "without chunked prefill",
         ),
+        ({"max_model_len": 64, "longrope_switch": 0}, "longrope_switch must be a positive integer"),
     ],
 )
 def test_config_validation(config: dict[str, Any], message: str) -> None:
@@ -518,6 +519,73 @@ def test_max_model_len_must_fit_the_cache() -> None:
             SchedulerConfig(max_model_len=20, max_num_batched_tokens=32, max_num_seqs=4),
             BlockManager(4, BS),
         )
+
+
+# LongRoPE: the factor set of each sequence (`SchedulerConfig.longrope_switch`).
+
+
+def test_a_prompt_past_the_longrope_switch_takes_the_long_factors_from_its_first_chunk() -> None:
+    scheduler, runner = make_runner(max_num_batched_tokens=8, longrope_switch=16)
+    runner.add(req("long", 20, max_tokens=3))
+    runner.add(req("short", 6, max_tokens=3))
+    seen: dict[str, set[bool]] = {"long": set(), "short": set()}
+    while scheduler.has_unfinished_requests():
+        out, _ = runner.step()
+        for r in out.requests:
+            seen[r.req_id].add(r.long_rope)
+    assert seen == {"long": {True}, "short": {False}}
+    assert scheduler.num_preemptions == 0
+    assert_all_free(scheduler)
+
+
+def test_a_generation_crossing_the_longrope_switch_is_recomputed_whole_with_the_long_factors() -> None:
+    """Like transformers' Phi-3: up to 16 tokens the short factors; the decode that would make the
+    17th token's KV recomputes all 17 with the long ones instead (a preemption), then decodes on."""
+    scheduler, runner = make_runner(longrope_switch=16)
+    runner.add(req("a", 14, max_tokens=6))
+    steps = [runner.step()[0] for _ in range(4)]
+    assert [chunks(out) for out in steps[:3]] == [{"a": (0, 14)}, {"a": (14, 1)}, {"a": (15, 1)}]
+    assert not any(r.long_rope for out in steps[:3] for r in out.requests)
+    assert steps[3].preempted_req_ids == ["a"] and not steps[3].requests
+    out, _ = runner.step()
+    [resumed] = out.requests
+    assert (resumed.start_pos, len(resumed.token_ids), resumed.is_new, resumed.long_rope) == (0, 17, True, True)
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (17, 1)} and out.requests[0].long_rope
+    runner.drain()
+    assert scheduler.num_preemptions == 1
+    assert_all_free(scheduler)
+
+
+def test_the_prefix_cache_keeps_short_and_long_factor_blocks_apart() -> None:
+    """Blocks computed with the short factors serve short sequences only, long ones long only."""
+    scheduler, runner = make_runner(longrope_switch=16)
+    prefix = list(range(500, 512))
+    first_short, long_prompt = req("short", prefix, max_tokens=1), req("long", prefix + list(range(8)), max_tokens=1)
+    for request in (first_short, long_prompt):  # the long one after the short one's blocks are cached
+        runner.add(request)
+        runner.drain()
+    assert (first_short.num_cached_tokens, long_prompt.num_cached_tokens) == (0, 0)
+    again_short, again_long = req("short2", prefix, max_tokens=1), req("long2", prefix + list(range(8)), max_tokens=1)
+    runner.add(again_short)
+    runner.add(again_long)
+    runner.drain()
+    assert (again_short.num_cached_tokens, again_long.num_cached_tokens) == (8, 16)
+    assert_all_free(scheduler)
+
+
+def test_async_a_crossing_in_flight_is_recomputed_once_its_token_is_back() -> None:
+    scheduler, runner = make_runner(longrope_switch=16)
+    runner.add(req("a", 15, max_tokens=6))
+    runner.add(req("b", 5, max_tokens=6))
+    recomputed = []
+    while scheduler.has_unfinished_requests():
+        out, _ = runner.step_async()
+        recomputed += out.preempted_req_ids
+    runner.drain()
+    assert recomputed == ["a"]
+    assert scheduler.get_request("a") is None
+    assert_all_free(scheduler)
 
 
 # Recovery and wire format.

@@ -314,3 +314,24 @@ def test_a_request_whose_drafts_miss_proposes_less_and_less_often() -> None:
     assert len(gaps) >= 4 and all(gap >= wait for gap, wait in zip(gaps, [1, 2, 4, 8, 16, 16]))
     assert sum(misses) <= 8
     assert all(drafted[-5:]), "".join(".d"[d] for d in drafted)  # agreeing again: drafts every step
+
+
+def test_drafts_stop_short_of_the_longrope_switch() -> None:
+    """A sequence on LongRoPE's short factors verifies no draft past the original context (the
+    fake runner checks every short step ends within it); the decode that crosses recomputes the
+    sequence with the long factors, and the drafts go on from there."""
+    runner = make(longrope_switch=20)
+    prompt = CYCLE * 3
+    runner.add(Request("r", prompt, max_tokens=12))
+    outputs: list[int] = []
+    long_drafts = 0
+    while runner.scheduler.has_unfinished_requests():
+        out, updates = runner.step(model=cyclic)
+        long_drafts += sum(r.num_drafts for r in out.requests if r.long_rope)
+        for update in updates:
+            outputs += update.new_token_ids
+    seq = list(prompt)
+    for _ in range(12):
+        seq.append(cyclic(seq))
+    assert outputs == seq[len(prompt) :]
+    assert runner.scheduler.num_preemptions == 1 and long_drafts > 0

@@ -3,7 +3,8 @@
 
 * through the whole engine (`sonar.open`: batching, chunked prefill, preemption, the prefix
   cache), greedy tokens and logprobs equal transformers';
-* LongRoPE is served up to the original context, and a longer prompt is refused;
+* LongRoPE is served up to max_position_embeddings, and a longer prompt is refused (past the
+  original context: tests/models/test_phi3_longrope.py);
 * tensor and pipeline parallel groups give the logits of one rank;
 * LoRA adapters (Granite, OLMo 2, GLM-4) equal peft's; GPTQ and AWQ checkpoints (Granite, OLMo 2)
   equal transformers on their dequantized weights;
@@ -87,7 +88,7 @@ def engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tu
 
 def _prompts(vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(5)
-    # at most 40 + 24 tokens: Phi-3's tiny config serves 64 positions (its original context)
+    # at most 40 + 24 tokens: within Phi-3's original context of 64 (its short factors)
     return [torch.randint(1, vocab, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 33, 25, 40)]
 
 
@@ -125,22 +126,22 @@ async def test_engine_greedy_equals_transformers(name: str, engine_checkpoints: 
 
 @pytest.mark.anyio
 @pytest.mark.usefixtures("one_thread")
-async def test_longrope_serves_the_original_context(engine_checkpoints: dict[str, tuple[Path, Any]]) -> None:
-    """Phi-3's tiny config: max_position_embeddings 256, original context 64. A prompt past 64
-    would take the long factors (and transformers a re-prefill), so the model's length is 64."""
+async def test_longrope_serves_max_position_embeddings(engine_checkpoints: dict[str, tuple[Path, Any]]) -> None:
+    """Phi-3's tiny config: max_position_embeddings 256, original context 64. Past 64 a sequence
+    takes the long factors (tests/models/test_phi3_longrope.py); past 256 nothing is served."""
     path, hf = engine_checkpoints["phi3"]
     assert (hf.config.max_position_embeddings, hf.config.rope_parameters["original_max_position_embeddings"]) == (
         256,
         64,
     )
-    assert load_model(str(path), dtype="float32").max_model_len == 64
-    with pytest.raises(ValueError, match="max_model_len 128 exceeds the model's maximum 64"):
-        async with sonar.open(str(path), dtype="float32", max_model_len=128):
+    assert load_model(str(path), dtype="float32").max_model_len == 256
+    with pytest.raises(ValueError, match="max_model_len 300 exceeds the model's maximum 256"):
+        async with sonar.open(str(path), dtype="float32", max_model_len=300):
             pass
-    async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=8) as llm:
-        assert llm.info.max_model_len == 64
-        with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
-            await llm.generate([1] * 65, sonar.SamplingParams(max_tokens=1))
+    async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=20) as llm:
+        assert llm.info.max_model_len == 256 and llm.info.longrope_switch == 64
+        with pytest.raises(InvalidRequestError, match="maximum context length is 256 tokens"):
+            await llm.generate([1] * 257, sonar.SamplingParams(max_tokens=1))
 
 
 def test_dynamic_rope_serves_max_position_embeddings(tiny_checkpoints: dict[str, Any]) -> None:

@@ -11,12 +11,13 @@ import torch
 
 from sonar.models.errors import ModelLoadError
 from sonar.models.rotary import (
+    LONG_ROPE,
     RotaryEmbedding,
     apply_partial_rotary,
     inv_freq_and_scale,
     longrope_inv_freq,
+    longrope_switch,
     rope_parameters,
-    served_positions,
 )
 from tests.models.conftest import PHI3_LONGROPE
 
@@ -95,10 +96,12 @@ def test_longrope_both_factor_sets_equal_transformers() -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_cos_sin_equal_transformers_at_every_served_position(name: str) -> None:
+def test_cos_sin_equal_transformers_at_every_short_position(name: str) -> None:
+    """Every position of a sequence transformers computes with one set of frequencies (LongRoPE:
+    within the original context, the short factors)."""
     config = CONFIGS[name]
     params = rope_parameters(config)
-    served = served_positions(params, config.max_position_embeddings)
+    served = longrope_switch(params, config.max_position_embeddings) or config.max_position_embeddings
     positions = torch.arange(served)
     cos, sin = RotaryEmbedding(params, 16, config.max_position_embeddings).cos_sin(positions, torch.float32)
     hf = _hf_rotary(config)
@@ -110,12 +113,30 @@ def test_cos_sin_equal_transformers_at_every_served_position(name: str) -> None:
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
 
 
-def test_served_positions() -> None:
-    """dynamic scales nothing below max_position_embeddings, longrope switches factor sets at the
-    original context: Sonar serves up to there."""
-    assert served_positions(rope_parameters(CONFIGS["dynamic"]), 256) == 256
-    assert served_positions(rope_parameters(CONFIGS["longrope"]), 256) == 64
-    assert served_positions(rope_parameters(CONFIGS["yarn"]), 256) == 256
+def test_longrope_cos_sin_from_long_rope_positions_equal_transformers_long_factors() -> None:
+    """A row at ``LONG_ROPE + p`` turns position p with the long factors: a whole 256-token
+    sequence (transformers' long set, the largest position past the original 64) and, in the same
+    call, rows of a short sequence beside it."""
+    config = CONFIGS["longrope"]
+    rotary = RotaryEmbedding(rope_parameters(config), 16, 256)
+    positions = torch.arange(256)
+    cos, sin = rotary.cos_sin(LONG_ROPE + positions, torch.float32)
+    ref_cos, ref_sin = _hf_rotary(config)(torch.zeros(1), positions[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    short_cos, _ = rotary.cos_sin(positions[:64], torch.float32)
+    mixed_cos, mixed_sin = rotary.cos_sin(torch.cat((positions[:64], LONG_ROPE + positions[64:])), torch.float32)
+    assert torch.equal(mixed_cos[:64], short_cos) and torch.equal(mixed_cos[64:], cos[64:])
+    assert torch.equal(mixed_sin[64:], sin[64:])
+    assert not torch.equal(short_cos[1:], cos[1:64])
+
+
+def test_longrope_switch() -> None:
+    """LongRoPE switches factor sets past the original context (64 of 256 here); nothing else does
+    (dynamic scales nothing below max_position_embeddings)."""
+    assert longrope_switch(rope_parameters(CONFIGS["longrope"]), 256) == 64
+    assert longrope_switch(rope_parameters(CONFIGS["longrope"]), 64) is None
+    for name in ("dynamic", "yarn", "default"):
+        assert longrope_switch(rope_parameters(CONFIGS[name]), 256) is None
 
 
 @pytest.mark.parametrize("family", ["phi3", "glm4"])
