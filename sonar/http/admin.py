@@ -10,7 +10,10 @@
 Each maps onto the `LLM` method of the same name: a server started without the feature's flag
 (``--enable-sleep-mode``, ``--profiler-config``, ``--weight-transfer-config``) answers 404 naming
 it (`NotEnabledError`).
-Like every route but the health probes they need the API key when one is set. While the engine
+Like every route but the health probes they need the API key when one is set; without one, the
+routes that change the engine (all but /is_sleeping) answer only a client on this machine (403
+otherwise), as vLLM keeps them to its development mode: whoever reaches the port must not be able
+to put the server to sleep or swap its weights. While the engine
 sleeps, generation requests get 503 (`EngineSleepingError`); a sleep the running requests do not
 leave time for (``timeout``, default 60 s) gets 409 and changes nothing. A weight update that does
 not fit the served model gets 400, one that cannot happen now 409; neither changes anything; a safetensors body is bounded by
@@ -19,7 +22,8 @@ not fit the served model gets 400, one that cannot happen now 409; neither chang
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import ipaddress
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio.to_thread
@@ -27,12 +31,15 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import Scope
 
 from sonar.core.sleep import SleepState
 from sonar.core.weights import WeightUpdateError
 from sonar.engine.llm import LLM, SLEEP_DRAIN_TIMEOUT
 from sonar.http.protocol import RequestError, decode_request
 from sonar.http.responses import json_response
+
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _params(request: Request, allowed: Iterable[str]) -> None:
@@ -70,7 +77,34 @@ def _safetensors_body(body: bytes) -> dict[str, Any]:
         raise WeightUpdateError(f"the request body is not a safetensors file: {exc}") from None
 
 
-def admin_routes(llm: LLM) -> list[Route]:
+def trusted_client(scope: Scope, api_keys: tuple[str, ...]) -> bool:
+    """With API keys: the request showed one. Without: the client is on this machine (a loopback
+    address, or the Unix socket, whose file permissions decide who connects)."""
+    if api_keys:
+        return bool(scope.get("state", {}).get("authenticated"))
+    client = scope.get("client")
+    if not client:
+        return True
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _trusted_only(handler: Handler, api_keys: tuple[str, ...]) -> Handler:
+    async def guarded(request: Request) -> Response:
+        if not trusted_client(request.scope, api_keys):
+            raise RequestError(
+                f"{request.url.path} changes the engine: without --api-key only a client on the server's "
+                "machine may call it",
+                status=403,
+            )
+        return await handler(request)
+
+    return guarded
+
+
+def admin_routes(llm: LLM, api_keys: tuple[str, ...] = ()) -> list[Route]:
     async def sleep(request: Request) -> Response:
         _params(request, ("level", "timeout"))
         level = _number(request, "level", int, 1)
@@ -106,11 +140,14 @@ def admin_routes(llm: LLM) -> list[Route]:
             updated = await llm.update_weights(decode_request(body, UpdateWeightsRequest).path)
         return json_response(msgspec.to_builtins(updated))
 
+    changes = {
+        "/update_weights": update_weights,
+        "/sleep": sleep,
+        "/wake_up": wake_up,
+        "/start_profile": start_profile,
+        "/stop_profile": stop_profile,
+    }
     return [
-        Route("/update_weights", update_weights, methods=["POST"]),
-        Route("/sleep", sleep, methods=["POST"]),
-        Route("/wake_up", wake_up, methods=["POST"]),
+        *(Route(path, _trusted_only(handler, api_keys), methods=["POST"]) for path, handler in changes.items()),
         Route("/is_sleeping", is_sleeping, methods=["GET"]),
-        Route("/start_profile", start_profile, methods=["POST"]),
-        Route("/stop_profile", stop_profile, methods=["POST"]),
     ]

@@ -25,7 +25,6 @@ paths) only to a client with the key, or, when no key is set, to a loopback clie
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import re
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -46,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import sonar
 from sonar.actors.tree import ActorInfo
 from sonar.engine.llm import LLM
-from sonar.http.admin import admin_routes
+from sonar.http.admin import admin_routes, trusted_client
 from sonar.http.chat import create_chat_completion, image_token, template_kwargs, template_source
 from sonar.http.completions import create_completion
 from sonar.http.console import CONSOLE_PATHS, console_routes
@@ -186,20 +185,6 @@ def hide_addresses(node: ActorInfo) -> ActorInfo:
     return msgspec.structs.replace(
         node, placement=placement, last_exit=last_exit, children=[hide_addresses(c) for c in node.children]
     )
-
-
-def may_see_addresses(scope: Scope, api_keys: tuple[str, ...]) -> bool:
-    """With API keys: the request showed one. Without: the client is on this machine (a loopback
-    address, or the Unix socket, whose file permissions decide who connects)."""
-    if api_keys:
-        return bool(scope.get("state", {}).get("authenticated"))
-    client = scope.get("client")
-    if not client:
-        return True
-    try:
-        return ipaddress.ip_address(client[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float | None = None) -> Starlette:
@@ -347,7 +332,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
 
     async def actors(request: Request) -> Response:
         tree = llm.tree()
-        if not may_see_addresses(request.scope, settings.api_keys):
+        if not trusted_client(request.scope, settings.api_keys):
             tree = hide_addresses(tree)
         return Response(msgspec.json.encode(tree), media_type="application/json")
 
@@ -386,7 +371,7 @@ def build_app(llm: LLM, settings: ServerSettings, *, log_stats_interval: float |
         Route("/metrics", prometheus, methods=["GET"]),
         Route("/actors", actors, methods=["GET"]),
         Route("/load", load, methods=["GET"]),
-        *admin_routes(llm),
+        *admin_routes(llm, settings.api_keys),
         *(
             [
                 Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),

@@ -180,3 +180,27 @@ def test_the_openapi_document_declares_the_routes_the_flags_turn_on() -> None:
     assert {"401", "409"} <= set(doc["/sleep"]["post"]["responses"])
     assert doc["/is_sleeping"]["get"]["security"] == [{"bearer": []}]
     assert {"/start_profile", "/stop_profile"} <= set(doc)
+
+
+@pytest.mark.parametrize(
+    ("client", "keys", "authenticated", "trusted"),
+    [
+        (("127.0.0.1", 5000), (), False, True),
+        (("::1", 5000), (), False, True),
+        (None, (), False, True),  # the Unix socket: its file permissions decide who connects
+        (("192.0.2.7", 5000), (), False, False),
+        (("a-host-name", 5000), (), False, False),
+        (("192.0.2.7", 5000), (KEY,), True, True),
+        (("127.0.0.1", 5000), (KEY,), False, False),
+    ],
+)
+def test_without_an_api_key_only_this_machine_may_change_the_engine(
+    client: tuple[str, int] | None, keys: tuple[str, ...], authenticated: bool, trusted: bool
+) -> None:
+    """The rule the admin routes that change the engine (and /actors' addresses) apply to the
+    connection's ASGI scope; the servers above show it through HTTP for the loopback client and
+    the key."""
+    from sonar.http.admin import trusted_client
+
+    scope = {"type": "http", "client": client, "state": {"authenticated": authenticated}}
+    assert trusted_client(scope, keys) is trusted
