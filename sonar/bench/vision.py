@@ -9,13 +9,16 @@ in blocks 7, 15, 23, 31), one ``--size`` x ``--size`` image at a time (448 px: 3
 image processor's time for the same picture (resize, normalize, patchify). ``--tower qwen3_vl``:
 transformers' default Qwen3-VL vision config (27 blocks, hidden 1152, 16 heads, MLP 4304, patches
 of 16 px merged 2x2, a 48x48 learned position table, DeepStack after blocks 8, 16, 24; 448 px:
-28 x 28 patches, 196 rows), its DeepStack rows included.
+28 x 28 patches, 196 rows), its DeepStack rows included. ``--peer`` (Qwen2.5-VL only): transformers'
+own tower with the same weights, timed alternately image by image, its output compared.
 
 **TTFT**: a `ModelRunner` over a Qwen2.5-VL-shaped dummy checkpoint (the 3B's decoder widths:
 hidden 2048, 16 heads, 2 KV heads, MLP 11008, vocabulary 151936, with ``--layers`` decoder layers
 instead of 36) runs the whole prompt of one request, ``--text`` text tokens around one image, in
 one step: the step's seconds are its time to first token (the tower's encoding included). The
-same prompt with text tokens in place of the image's gives the decoder's share.
+same prompt with text tokens in place of the image's gives the decoder's share. ``--serve``: the
+same checkpoint (with a word-level tokenizer) behind a real ``sonar serve`` (arguments after
+``--`` go to it), timed per chat request with a PNG data URL and ``max_tokens`` 1.
 
 usage: python -m sonar.bench.vision [--size 448] [--images 3] [--layers 4] [--text 64] [--dtype bfloat16]
        [--threads N] [--tower qwen2_5_vl|qwen3_vl] [--peer] [--serve] [--skip-tower] [--skip-ttft]
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-ttft", action="store_true")
     own, server_args = split_server_args(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(own)
+    if args.peer and args.tower != "qwen2_5_vl":
+        ap.error("--peer compares with transformers' Qwen2.5-VL tower only (--tower qwen2_5_vl)")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
