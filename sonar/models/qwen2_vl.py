@@ -175,24 +175,47 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lengths: list[int]) -> Tensor:
         n, d = x.shape
-        q, k, v = self.qkv(x).view(n, 3, self.heads, d // self.heads).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
-        start = 0
-        for length in lengths:  # attention within each window (or frame): no mask to build
-            part = slice(start, start + length)
-            qh, kh, vh = (t[part].transpose(0, 1) for t in (q, k, v))
-            out[part] = F.scaled_dot_product_attention(qh, kh, vh).transpose(0, 1)
-            start += length
-        return self.proj(out.reshape(n, d))
+        qkv = self.qkv(x).view(n, 3, self.heads, d // self.heads)
+        q, k = _rotate(qkv[:, :2], cos, sin).unbind(1)
+        return self.proj(window_attention(q, k, qkv[:, 2], lengths).view(n, d))
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, lengths: list[int]) -> Tensor:
+    """Attention of ``q, k, v`` ``[n, heads, head_dim]`` within consecutive windows of `lengths`
+    rows (their sum is ``n``). Windows of one length run as one batched call (``[windows, heads,
+    length, head_dim]``), so a frame's windows cost one kernel, not one Python iteration each (on
+    CPU that also keeps the call 4D, which PyTorch's flash kernel needs: a 3D call falls back to
+    the unfused math path, several times slower); a frame cut into windows has at most four
+    lengths (inner, right edge, bottom edge, corner)."""
+    n, heads, dim = q.shape
+
+    def attend(rows: Tensor | None, length: int) -> Tensor:
+        parts = (t if rows is None else t[rows] for t in (q, k, v))
+        batched = [t.view(-1, length, heads, dim).transpose(1, 2) for t in parts]
+        return F.scaled_dot_product_attention(*batched).transpose(1, 2).reshape(-1, heads, dim)
+
+    if len(set(lengths)) == 1:
+        return attend(None, lengths[0])
+    starts: dict[int, list[int]] = {}
+    start = 0
+    for length in lengths:
+        starts.setdefault(length, []).append(start)
+        start += length
+    out = torch.empty_like(q)
+    for length, firsts in starts.items():
+        rows = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(length, device=q.device)).view(-1)
+        out[rows] = attend(rows, length)
+    return out
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The vision rotary, in float32 as transformers applies it."""
+    """The vision rotary of ``x`` ``[n, ..., head_dim]`` by ``cos, sin`` ``[n, head_dim]``, in
+    float32 as transformers applies it."""
     f = x.float()
     half = f.shape[-1] // 2
+    shape = (cos.shape[0],) + (1,) * (f.dim() - 2) + (cos.shape[-1],)
     rotated = torch.cat((-f[..., half:], f[..., :half]), dim=-1)
-    return (f * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
+    return (f * cos.view(shape) + rotated * sin.view(shape)).to(x.dtype)
 
 
 class VisionMLP(nn.Module):

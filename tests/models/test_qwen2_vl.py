@@ -206,3 +206,20 @@ def test_qwen3_vl_refuses_pipeline_parallelism_and_its_moe_by_name() -> None:
         Qwen3VLForConditionalGeneration(config, stage=PipelineStage(index=0, size=2).resolve(3))
     with pytest.raises(UnsupportedArchitectureError, match="Qwen3VLMoeForConditionalGeneration: Qwen3-VL MoE"):
         model_class({"architectures": ["Qwen3VLMoeForConditionalGeneration"]})
+
+
+@pytest.mark.parametrize("lengths", [[16, 16, 16], [16, 8, 16, 8, 4, 12], [36]], ids=["equal", "uneven", "one-frame"])
+def test_batched_window_attention_equals_attention_masked_to_each_window(lengths: list[int]) -> None:
+    """`window_attention` batches the windows of each length; it must equal plain softmax attention
+    over the whole sequence with every row masked to its own window (uneven: a frame's inner,
+    edge and corner windows interleaved, as `window_index` orders them)."""
+    from sonar.models.qwen2_vl import window_attention
+
+    n, heads, dim = sum(lengths), 3, 8
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, heads, dim, generator=gen) for _ in range(3))
+    window = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / dim**0.5
+    scores = scores.masked_fill(window[:, None] != window[None, :], float("-inf"))
+    ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    torch.testing.assert_close(window_attention(q, k, v, lengths), ref, atol=1e-4, rtol=1e-4)
