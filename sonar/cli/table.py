@@ -723,7 +723,8 @@ GROUPS: tuple[Group, ...] = (
         _f("--interleave-mm-strings", B, False,
            "Let text and media interleave freely in string-format chat prompts.", why=NO_MM),
         _f("--skip-mm-profiling", B, False, "Leave the multimodal encoder out of startup memory profiling.",
-           why=NO_MM),
+           accepts=(True,), why="Sonar's startup memory profile measures the language model alone: the vision "
+           "tower's activations come out of the headroom --gpu-memory-utilization leaves"),
         _f("--video-pruning-rate", F, None, "Share of video tokens to drop, from 0 up to but excluding 1.",
            why=NO_MM),
         _f("--video-pruning-method", S_, "evs", "Algorithm that prunes video tokens.", choices=("evs", "vidcom2"),
