@@ -81,7 +81,11 @@ def test_openapi_document(schema: dict[str, Any]) -> None:
     # (0 scores the prompt: only with echo, which a schema cannot tie to it.)
     assert {"type": "integer", "minimum": 0, "maximum": MAX_MODEL_LEN} in completion["max_tokens"]["anyOf"]
     assert {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS} in completion["logprobs"]["anyOf"]
-    assert "prompt" in schemas["CompletionRequest"]["required"]
+    # prompt or prompt_embeds (--enable-prompt-embeds): neither is required alone; a request with
+    # neither is a 400 naming prompt (tests/http/test_serving_extras.py)
+    assert {"prompt", "prompt_embeds"} <= set(completion) and "prompt" not in schemas["CompletionRequest"].get(
+        "required", []
+    )
     # Nothing is accepted silently: unknown fields are refused, refused fields say why.
     for name in ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "ResponseFormat"):
         assert schemas[name]["additionalProperties"] is False, name
