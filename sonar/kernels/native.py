@@ -10,7 +10,8 @@ The build: ``g++ -O3 -march=native`` against the installed torch's headers and l
 ninja, no Python headers: the operators register through ``TORCH_LIBRARY``), into
 ``$SONAR_CACHE_ROOT/native/<key>/`` where the key hashes the source, torch's version, the
 compiler's and the CPU's flags. A build takes a few seconds, once; a cached one loads in
-milliseconds. Concurrent builders each write a temporary file and rename it into place.
+milliseconds. Concurrent builders of one key wait for the first (a file lock); the library is
+written to a temporary file and renamed into place.
 
 When no compiler is found or the build fails, a warning is logged once and every caller keeps the
 torch references (same contracts). ``SONAR_NATIVE_KERNELS=0`` turns the kernels off (A/B checks).
@@ -25,6 +26,7 @@ CPU cannot run is refused with `NativeIsaError`.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -154,7 +156,18 @@ def build(root: Path | None = None, flags: tuple[str, ...] = ()) -> Path:
     if library.exists():
         return library
     directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=directory)
+    # Processes that start together on a cold cache (the ranks of a group, API servers, test
+    # workers) would each spend a minute compiling the same library: the first builds, the
+    # others wait on the lock and load its result.
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return library
+        return _compile(compiler, flags, library)
+
+
+def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=library.parent)
     os.close(fd)
     started = time.perf_counter()
     try:

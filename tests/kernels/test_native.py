@@ -6,6 +6,9 @@ module, ``test_lora.py``; the portable build's check here covers it too.)"""
 
 from __future__ import annotations
 
+import fcntl
+import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -18,17 +21,31 @@ from sonar.kernels.attention import AttentionMetadata, allocate_kv_caches, write
 from sonar.kernels.linear import PackedLinear, can_pack, can_pack_native, pack_native, prepack_linears
 from sonar.models import rotary
 from tests.kernels.blocks import scattered_block_tables
+from tests.kernels.conftest import PORTABLE_FLAGS
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
-def test_kernels_build_once_per_key_and_load(tmp_path: Path) -> None:
-    first = native.build(tmp_path)
-    assert first.parent.parent == tmp_path / "native" and first.name == native.LIBRARY_NAME
-    stamp = first.stat().st_mtime_ns
-    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == stamp  # cached, not rebuilt
-    assert not list(first.parent.glob(".build-*"))  # no temporary file left behind
-    assert native.available()
+def test_a_second_builder_waits_for_the_first_and_loads_its_library(tmp_path: Path) -> None:
+    """Two processes building one key on a cold cache compile once: the second waits on the lock
+    and takes the library the first wrote (here the first is this test, holding the lock while it
+    puts a built library in place)."""
+    compiler = native._compiler()
+    assert compiler is not None
+    directory = tmp_path / "native" / native.build_key(compiler)
+    directory.mkdir(parents=True)
+    got: list[Path] = []
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiter = threading.Thread(target=lambda: got.append(native.build(tmp_path)))
+        waiter.start()
+        waiter.join(timeout=2)
+        assert waiter.is_alive() and not got  # waiting on the lock, not compiling beside it
+        shutil.copy(native.build(), directory / native.LIBRARY_NAME)
+        stamp = (directory / native.LIBRARY_NAME).stat().st_mtime_ns
+    waiter.join(timeout=30)
+    assert got == [directory / native.LIBRARY_NAME]
+    assert got[0].stat().st_mtime_ns == stamp and not list(directory.glob(".build-*"))
 
 
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -321,14 +338,21 @@ print("ok")
 """
 
 
-def test_portable_build_matches_the_references(tmp_path: Path) -> None:
-    """The kernels as a CPU without AVX-512 gets them (``-mno-avx512f``: the plain C++ loops), in a
-    fresh process (one process can load one ``sonar_cpu`` library)."""
-    library = native.build(tmp_path, flags=("-mno-avx512f",))
+def test_portable_build_matches_the_references(portable_library: Path) -> None:
+    """The kernels as a CPU without AVX-512 gets them, in a fresh process (one process can load one
+    ``sonar_cpu`` library). The build is keyed by its flags, lands under its root, and a second
+    call loads the cached library instead of compiling again."""
     compiler = native._compiler()
-    assert compiler is not None and library.parent.name == native.build_key(compiler, ("-mno-avx512f",))
-    assert library.parent.name != native.build_key(compiler)  # not the default build's key
-    assert_portable_check_passes(PORTABLE_CHECK, library)
+    assert compiler is not None and portable_library.name == native.LIBRARY_NAME
+    assert portable_library.parent.name == native.build_key(compiler, PORTABLE_FLAGS)
+    assert portable_library.parent.name != native.build_key(compiler)  # not the default build's key
+    root = portable_library.parent.parent.parent
+    stamp = portable_library.stat().st_mtime_ns
+    assert native.build(root, flags=PORTABLE_FLAGS) == portable_library
+    assert portable_library.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    assert not list(portable_library.parent.glob(".build-*"))  # no temporary file left behind
+    assert native.available()
+    assert_portable_check_passes(PORTABLE_CHECK, portable_library)
 
 
 def assert_portable_check_passes(script: str, library: Path) -> None:
