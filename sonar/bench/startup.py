@@ -9,7 +9,9 @@ own total, and two derived rows are added: ``other``, the part of that total no 
 covers, and ``before_server_clock``, the time from spawning the process to the server's clock
 starting, i.e. the interpreter and imports). "Cold" runs start with an empty
 ``SONAR_CACHE_ROOT`` (a fresh temporary directory: nothing converted or compiled yet); "warm"
-runs reuse the directory the cold run before them filled.
+runs reuse the directory the cold run before them filled. Both share this machine's native CPU
+kernels: those are built once per machine by the setup (``scripts/_setup.sh``), not by a server's
+first start, so a cold run is the first ``sonar serve`` after setup.
 
 usage: python -m sonar bench startup [--runs N] [--modes cold,warm] [-- SERVER_ARGS...]
 """
@@ -30,6 +32,7 @@ from typing import Any
 import httpx
 
 from sonar.bench.launch import ServerFailed, launch, parse_startup_phases, split_server_args, stop
+from sonar.paths import cache_root
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.runs):
             cache = work / f"cache-{i}"
             cache.mkdir()
+            if (cache_root() / "native").is_dir():
+                (cache / "native").symlink_to(cache_root() / "native", target_is_directory=True)
             if "cold" not in modes:  # fill the cache once, unmeasured
                 one_run("fill", i, cache, server_args, args, log_dir)
             for mode in modes:
