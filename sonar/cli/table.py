@@ -805,8 +805,9 @@ GROUPS: tuple[Group, ...] = (
         _f("--max-num-batched-tokens", H, None,
            "Token budget of one scheduler step, shared by decodes and prefill chunks; takes 8192, 8k or 8K.",
            to=E, check=positive,
-           default_note="512: on CPU, small steps let prefills interleave with decodes (half the time to "
-                        "first token at the same prefill throughput)"),
+           default_note="512, or --max-num-seqs where that is larger: on CPU, small steps let prefills "
+                        "interleave with decodes (half the time to first token at the same prefill "
+                        "throughput); below --max-num-seqs it is refused"),
         _f("--max-num-scheduled-tokens", H, None,
            "Tokens the scheduler itself may schedule per step when the model appends more (speculative "
            "decoding); unset: the batched-token budget."),

@@ -251,6 +251,9 @@ class CompiledForward:
         self.dynamic = dynamic
         self.compile_seconds = 0.0
         """Time spent in calls that made a new graph (tracing, and compiling or loading it)."""
+        for module in model.modules():
+            if getattr(module, "untraced", False):
+                module.forward = torch.compiler.disable(module.forward)
         self._body: Callable[..., Tensor] = torch.compile(model.forward_tensors, dynamic=None if dynamic else False)
 
     def __call__(

@@ -32,6 +32,10 @@ LIMITS = (
 )
 
 
+#: The step's token budget when none is given (and `max_num_seqs` is not larger).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     model: str | None = None
     tokenizer: str | None = None
@@ -65,9 +69,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     max_waiting_seqs: int = 4096
     """Most sequences (a request with ``n`` completions counts ``n``) waiting to be scheduled; new
     ones beyond are refused (`ServerOverloadedError`, HTTP 429) rather than queued without end."""
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     """On CPU a 2048-token step makes every running request wait ~2 s for a wave of prefills; 512
-    interleaves them with decodes at the same prefill throughput (BENCHMARKS.md)."""
+    interleaves them with decodes at the same prefill throughput (BENCHMARKS.md). Not given, it is
+    at least `max_num_seqs` (each running sequence takes a token of every step); given below it,
+    it is refused."""
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -280,6 +286,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         ):
             if isinstance(args.get(name), str):  # a JSON object, as on the command line
                 args[name] = _json_object(args[name], name)
+        if args.get("max_num_batched_tokens") is None:
+            args.pop("max_num_batched_tokens", None)
+            seqs = args.get("max_num_seqs")
+            if isinstance(seqs, int) and not isinstance(seqs, bool) and seqs > DEFAULT_MAX_NUM_BATCHED_TOKENS:
+                args["max_num_batched_tokens"] = seqs
         if "max_model_len" in args and args["max_model_len"] is not None:
             args["max_model_len"] = parse_max_model_len(args["max_model_len"])
         if args.get("kv_cache_memory_bytes") is not None:
@@ -353,6 +364,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         self._check_pooling()
         if self.max_waiting_seqs <= 0:
             raise ValueError(f"max_waiting_seqs must be positive, got {self.max_waiting_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Every running sequence takes at least one token of a step.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({self.max_num_seqs}): raise --max-num-batched-tokens or lower --max-num-seqs"
+            )
         if self.hang_margin <= 0:
             raise ValueError(f"hang_margin must be positive, got {self.hang_margin}")
         if self.fault_injection:

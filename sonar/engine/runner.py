@@ -262,8 +262,7 @@ class ModelRunner:
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         """The parameters' bytes as loaded (before any CPU repacking): this rank's share."""
         self.hidden_size = int(self.loaded.config.hidden_size)
-        # as the scheduler's shell raises it: the step's token budget is at least max_num_seqs
-        self.encoder_cache = EncoderCache(max(cfg.max_num_batched_tokens, cfg.max_num_seqs))
+        self.encoder_cache = EncoderCache(cfg.max_num_batched_tokens)
         """A vision model's image feature rows by image hash (`sonar.engine.encoder_cache`)."""
         self.pooler: Pooler | None = None
         """A pooling model (`sonar.models.pooler`): pools prompts instead of sampling."""

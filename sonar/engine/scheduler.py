@@ -249,9 +249,7 @@ class SchedulerActor(Actor):
         self.core = Scheduler(
             SchedulerConfig(
                 max_model_len=info.max_model_len,
-                max_num_batched_tokens=max(
-                    cfg.max_num_batched_tokens, cfg.max_num_seqs, info.max_model_len if whole else 0
-                ),
+                max_num_batched_tokens=max(cfg.max_num_batched_tokens, info.max_model_len if whole else 0),
                 max_num_seqs=cfg.max_num_seqs,
                 enable_chunked_prefill=cfg.enable_chunked_prefill and not whole,
                 long_prefill_token_threshold=cfg.long_prefill_token_threshold,

@@ -113,7 +113,11 @@ class QuantizedExperts(nn.ModuleList):
         self.num_experts = num_experts
         self.intermediate = intermediate
 
-    @torch.compiler.disable  # which experts run depends on the routing: a graph break, not a trace
+    untraced = True
+    """`sonar.engine.compile` runs this forward outside the trace: which experts run depends on the
+    routing, a graph break, not a trace. (It applies ``torch.compiler.disable`` there because the
+    decorator imports ``torch._dynamo``: seconds at every worker's start, compiled or not.)"""
+
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: another rank's),
         weighted by `weights`; the weighted sum in float32, rounded once to ``x``'s dtype."""

@@ -442,3 +442,17 @@ def test_limits_must_be_positive() -> None:
     for name in NAMES:
         with pytest.raises(ValueError, match=name):
             EngineConfig.from_args(**{name: 0})
+
+
+def test_a_step_budget_below_the_running_sequences_is_refused_not_raised() -> None:
+    """Each running sequence takes a token of every step, so a budget under `max_num_seqs` cannot
+    be kept: given, it is refused naming both flags (it used to be raised silently); not given, it
+    is 512 or `max_num_seqs`, whichever is larger."""
+    from sonar.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) must be at least max_num_seqs \(256\)"):
+        EngineConfig.from_args(max_num_batched_tokens=16)
+    assert EngineConfig.from_args(max_num_batched_tokens=16, max_num_seqs=16).max_num_batched_tokens == 16
+    assert EngineConfig.from_args().max_num_batched_tokens == 512
+    assert EngineConfig.from_args(max_num_seqs=1024).max_num_batched_tokens == 1024
+    assert EngineConfig.from_args(max_num_seqs=1024, max_num_batched_tokens=None).max_num_batched_tokens == 1024

@@ -37,7 +37,7 @@ def test_default_sizes_follow_the_documented_pattern() -> None:
 
 def test_sizes_above_the_token_budget_are_dropped() -> None:
     assert sizes()[-1] == 512  # the default budget is 512 tokens
-    assert sizes(max_num_batched_tokens=64)[-1] == 64
+    assert sizes(max_num_batched_tokens=64, max_num_seqs=32)[-1] == 64
 
 
 def test_explicit_sizes_are_sorted_deduplicated_and_checked() -> None:

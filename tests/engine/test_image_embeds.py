@@ -26,7 +26,7 @@ from tests.multimodal.tiny_qwen2_vl import IMAGE_PAD, VISION_END, VISION_START, 
 pytestmark = pytest.mark.anyio
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
-# the step's token budget is at least max_num_seqs: 8 tokens a step only with a small one
+# an 8-token step budget needs max_num_seqs at most 8
 ENGINE = dict(
     dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=8, max_num_seqs=2, seed=0, enable_mm_embeds=True
 )

@@ -49,7 +49,7 @@ async def test_compiled_engine_equals_transformers_and_caches(
 ) -> None:
     tiny = tiny_engine_checkpoints["qwen3"]
     prompts = _random_prompts(tiny.hf.config.vocab_size, [3, 17, 40, 9, 33, 64], seed=3)
-    args = dict(num_gpu_blocks_override=64, max_num_batched_tokens=16, optimization_level=3)
+    args = dict(num_gpu_blocks_override=64, max_num_batched_tokens=16, max_num_seqs=8, optimization_level=3)
     outs, stats, info = await _run_batch(str(tiny.path), prompts, _greedy(NEW_TOKENS, LOGPROBS), **args)
     assert info.startup_seconds["compile"] > 0
     for prompt, out in zip(prompts, outs):

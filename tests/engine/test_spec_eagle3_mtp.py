@@ -77,7 +77,9 @@ async def test_greedy_and_seeded_text_is_the_plain_engines(method: str, request,
     async with sonar.open(str(path), **common) as plain:
         greedy = await outputs(plain, GREEDY)
         seeded = await outputs(plain, SEEDED)
-    async with sonar.open(str(path), speculative_config=spec, max_num_batched_tokens=8, **common) as llm:
+    async with sonar.open(
+        str(path), speculative_config=spec, max_num_batched_tokens=8, max_num_seqs=4, **common
+    ) as llm:
         assert await outputs(llm, GREEDY) == greedy
         again = await llm.generate(PROMPTS[2], GREEDY)
         assert again.num_cached_tokens > 0

@@ -137,7 +137,9 @@ async def test_long_prompt_logprobs_equal_transformers(phi3: tuple[Path, Any]) -
     path, hf = phi3
     prompt = prompts_by_kind()["long"]
     params = sonar.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
-    async with sonar.open(str(path), dtype="float32", max_num_batched_tokens=16, num_gpu_blocks_override=16) as llm:
+    async with sonar.open(
+        str(path), dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, num_gpu_blocks_override=16
+    ) as llm:
         out = await llm.generate(prompt, params)
     with torch.inference_mode():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)

@@ -33,7 +33,7 @@ def next_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Serv
         str(path),
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0", "--max-num-batched-tokens", "16"),
-        *("--max-num-seqs", "2"),  # the step budget is at least max_num_seqs
+        *("--max-num-seqs", "2"),  # a 16-token step budget needs max_num_seqs at most 16
         *("--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds"),
         *("--media-io-kwargs", '{"image": {"rgba_background_color": [0, 0, 255]}}'),
     )

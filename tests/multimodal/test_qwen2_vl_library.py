@@ -45,7 +45,7 @@ async def llm(one_thread, tiny: tuple[Path, Any]):
         max_model_len=256,
         num_gpu_blocks_override=64,
         max_num_batched_tokens=8,
-        max_num_seqs=2,  # the step budget is at least max_num_seqs: 8 tokens only with this
+        max_num_seqs=2,  # an 8-token step budget needs max_num_seqs at most 8
         block_size=16,
         limit_mm_per_prompt={"image": 2},
         seed=0,

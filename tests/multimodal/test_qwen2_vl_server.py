@@ -31,7 +31,7 @@ def qwen(
 ) -> Iterator[tuple[ServerProcess, Path, Any]]:
     path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     hf = save_tiny_qwen2_5_vl(path, seed=9, family=request.param)
-    # the step's token budget is at least max_num_seqs: 8 tokens a step only with a small one
+    # an 8-token step budget needs max_num_seqs at most 8
     chunked = ("--max-num-batched-tokens", "8", "--max-num-seqs", "2")
     server = start_server(
         tmp_path_factory.mktemp("qwen-vl-server"),

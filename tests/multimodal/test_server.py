@@ -75,7 +75,7 @@ def llava(tmp_path_factory: pytest.TempPathFactory, media_dir: Path) -> Iterator
         str(path),
         *("--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "256"),
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
-        # 8 tokens a step (the step's budget is at least max_num_seqs): an image's 16 rows span steps
+        # 8 tokens a step (max_num_seqs at most 8): an image's 16 rows span steps
         *("--max-num-batched-tokens", "8", "--max-num-seqs", "2"),
         *("--enable-prompt-tokens-details", "--allowed-local-media-path", str(media_dir)),
         *("--allowed-media-domains", "127.0.0.1", "--limit-mm-per-prompt", '{"image": 2}', "--enable-mm-embeds"),
