@@ -1,7 +1,8 @@
-"""Qwen2.5-VL and Qwen3-VL on the GPU: a tiny model through the whole engine on CUDA (eager, CUDA
-graphs, and -O2's torch.compile + graphs; steps of requests with images run eagerly) gives the CPU
-path's greedy tokens for image prompts, float32, with prefills in chunks of 8 that cut through
-the images' rows (Qwen3-VL: and through its DeepStack rows)."""
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL MoE on the GPU: a tiny model through the whole engine on CUDA
+(eager, CUDA graphs, and -O2's torch.compile + graphs; steps of requests with images run eagerly)
+gives the CPU path's greedy tokens for image prompts, float32, with prefills in chunks of 8 that
+cut through the images' rows (Qwen3-VL: and through its DeepStack rows; the MoE: its experts
+through the Triton grouped GEMM)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, device: str, **en
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 async def test_tiny_qwen_vl_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, family: str) -> None:
     save_tiny_qwen2_5_vl(tmp_path, seed=5, family=family)
     cpu = await _greedy(monkeypatch, tmp_path, "cpu", enforce_eager=True)

@@ -262,7 +262,7 @@ def bench_serve(size: int, layers: int, text: int, dtype: str, repeats: int, ser
 
     try:
         print(f"serve: ready in {server.ready_seconds:.1f} s ({' '.join(server.argv[3:])})", flush=True)
-        first = ask(0)  # the first image also pays one-time costs (on CPU: the tower cast to float32)
+        first = ask(0)  # the first image also pays one-time costs (the tower's kernels' first calls)
         cold = [ask(seed) for seed in range(1, repeats + 1)]
         again = ask(1)
         plain = ask(None)

@@ -260,14 +260,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def encode_images(self, pixel_values: Tensor) -> Tensor:
         """Images ``[n, 3, image_size, image_size]`` to their rows ``[n, mm_tokens_per_image,
         hidden]`` (in the decoder's dtype): transformers' ``get_image_features``."""
-        dtype = self.model.embed_tokens.weight.dtype
-        if self.multi_modal_projector.mm_input_projection_weight.device.type == "cpu" and dtype == torch.bfloat16:
-            # as LLaVA's tower (`sonar.models.llava`): torch's bf16 matmuls on CPU are several times
-            # slower than float32's, so on CPU the tower and projector run in float32 (converted once)
-            self.vision_tower.float()
-            self.multi_modal_projector.float()
+        # in their own dtype: float32 on CPU for a bfloat16 model (`sonar.models.loader.tower_in_float32`)
         states = self.vision_tower(pixel_values)
-        return self.multi_modal_projector(states).to(dtype)
+        return self.multi_modal_projector(states).to(self.model.embed_tokens.weight.dtype)
 
     def forward_rows(
         self,

@@ -229,12 +229,7 @@ class LlavaForConditionalGeneration(DecoderForCausalLM):
         """Images ``[n, 3, image_size, image_size]`` to their feature rows ``[n, tokens_per_image, hidden]``
         (in the decoder's dtype)."""
         dtype = self.model.embed_tokens.weight.dtype
-        if self.multi_modal_projector.linear_1.weight.device.type == "cpu" and dtype == torch.bfloat16:
-            # the tower and the projector are plain torch layers, whose bf16 matmuls on CPU can be
-            # several times slower than float32 (37 s against 8 s for a CLIP ViT-L/14-336 image on
-            # one core of the development machine): on CPU they run in float32 (converted once)
-            self.vision_tower.float()
-            self.multi_modal_projector.float()
+        # in their own dtype: float32 on CPU for a bfloat16 model (`sonar.models.loader.tower_in_float32`)
         states = self.vision_tower.hidden_states(pixel_values, self.feature_layers)
         features = torch.cat(states, dim=-1)
         if not self.keep_class_token:

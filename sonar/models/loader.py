@@ -242,7 +242,9 @@ def load_model(
         module = cls(config, parallel, stage.resolve(config.num_hidden_layers))
     if not pictures:
         drop_tower(module)
-    module = module.to(dtype=resolved).to_empty(device=device)
+    module = module.to(dtype=resolved)
+    tower_in_float32(module, resolved, device)
+    module = module.to_empty(device=device)
     # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
     # so a quantized checkpoint's embedding can still read its rows from the packed output layer
     if convert in ("embed", "reward") and hasattr(module, "lm_head") and not module.tie_word_embeddings:
@@ -581,6 +583,22 @@ def drop_tower(module: nn.Module) -> None:
     given as their feature rows need none of it."""
     for name in getattr(module, "tower_modules", ()):
         delattr(module, name)
+
+
+def tower_in_float32(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """On CPU, a bfloat16 vision model's tower and projector (its ``tower_modules``) in float32,
+    before any weight is read (the checkpoint's tensors are then copied in as float32): torch's
+    bf16 matmuls on CPU can be several times slower than float32's (a CLIP ViT-L/14-336 image:
+    37 s against 8 s on one core of the development machine, whose AVX2 has no bf16 arithmetic).
+    Done here, at load, the first image costs what any new image does: converted at the first
+    image, a real-size tower's cast added tens of seconds to that request, and its float32 copy
+    was memory the load had not counted. Their outputs go to the decoder in its own dtype."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return
+    for name in getattr(module, "tower_modules", ()):
+        part = getattr(module, name, None)
+        if isinstance(part, nn.Module):  # LLaVA-NeXT's `image_newline` joins the decoder's rows as they are
+            part.float()
 
 
 def _check_complete(module: nn.Module, loaded: set[str], source: str) -> None:

@@ -371,6 +371,10 @@ class _MlpLoader:
             if e >= block.spec.num_experts:
                 raise ModelLoadError(f"weight {name}: expert {e} of a model of {block.spec.num_experts} experts")
             return  # another expert-parallel rank's expert
+        hidden, whole = block.experts.gate_up_proj.shape[-1], block.spec.intermediate
+        expected = (hidden, whole) if proj == "down_proj" else (whole, hidden)
+        if tuple(tensor.shape) != expected:  # before cutting a shard, which pads what is missing
+            raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, the model expects {expected}")
         inter = block.experts.intermediate
         # expert parallelism keeps whole experts; tensor parallelism this rank's slice of each
         first_row = 0 if block.expert_parallel else self.model.parallel.rank * inter

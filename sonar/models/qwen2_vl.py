@@ -394,12 +394,9 @@ class Qwen2_5_VLForConditionalGeneration(DecoderForCausalLM):
         return rope_index(prompt_len, images, self.merge)
 
     def encode_grid(self, pixels: Tensor, grid: Sequence[int]) -> Tensor:
-        """One image's feature rows ``[t * h * w / merge ** 2, hidden]`` (in the decoder's dtype).
-        On CPU a bfloat16 model's tower runs in float32 (as LLaVA's does: bf16 matmuls are slower there)."""
-        dtype = self.model.embed_tokens.weight.dtype
-        if self.visual.patch_embed.proj.weight.device.type == "cpu" and dtype == torch.bfloat16:
-            self.visual.float()
-        return self.visual(pixels, grid).to(dtype)
+        """One image's feature rows ``[t * h * w / merge ** 2, hidden]`` (in the decoder's dtype),
+        the tower run in its own dtype (float32 on CPU for a bfloat16 model: `sonar.models.loader.tower_in_float32`)."""
+        return self.visual(pixels, grid).to(self.model.embed_tokens.weight.dtype)
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         """The decoder's tensors as `DecoderForCausalLM` loads them; the tower's as they are."""

@@ -20,8 +20,8 @@ embeds no image rows has nothing to add: the rows before it are in the KV cache 
 three sections interleaved (`sonar.models.rotary.mrope_owner`), as transformers always takes them
 for this family.
 
-The MoE variant (``Qwen3VLMoeForConditionalGeneration``) is refused by the registry. Pipeline
-parallelism is refused: a stage after the first would need the DeepStack rows of its layers.
+The MoE variant is `sonar.models.qwen3_vl_moe`. Pipeline parallelism is refused: a stage after
+the first would need the DeepStack rows of its layers.
 
 Checkpoint names: ``model.visual.*`` (``pos_embed``, ``blocks.*``, ``merger.*``,
 ``deepstack_merger_list.*``), ``model.language_model.*``, ``lm_head.*``.

@@ -37,6 +37,7 @@ from sonar.models.qwen2 import Qwen2ForCausalLM
 from sonar.models.qwen2_vl import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 from sonar.models.qwen3 import Qwen3ForCausalLM
 from sonar.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from sonar.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from sonar.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from sonar.models.token_classifier import (
     BertForTokenClassification,
@@ -74,6 +75,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
         LlamaForSequenceClassification,
         MistralForSequenceClassification,
         Qwen2ForSequenceClassification,
@@ -100,12 +102,7 @@ for the runner's contract."""
 
 
 #: Architectures Sonar knows of and does not serve, with why (a clearer refusal than "unsupported").
-REFUSED: dict[str, str] = {
-    "Qwen3VLMoeForConditionalGeneration": (
-        "Qwen3-VL MoE is not supported yet (its experts' fused checkpoint tensors are not mapped onto "
-        "Sonar's MoE layers); the dense Qwen3VLForConditionalGeneration is"
-    ),
-}
+REFUSED: dict[str, str] = {}
 
 
 def supported_architectures() -> list[str]:

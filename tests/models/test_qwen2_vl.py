@@ -1,8 +1,9 @@
-"""Qwen2.5-VL, Qwen2-VL and Qwen3-VL against transformers: the same tiny random checkpoint, the same
+"""Qwen2.5-VL, Qwen2-VL, Qwen3-VL and Qwen3-VL MoE against transformers: the same tiny random checkpoint, the same
 patches, the same prompt (expanded as transformers' `Qwen2_5_VLProcessor` expands it); every prompt
 position's logits and the greedy tokens after it equal transformers', with the prompt prefilled
 whole and in chunks that cut through the images' tokens (Qwen3-VL: and so through the DeepStack
-rows added to the first layers), and decode continuing at the M-RoPE positions."""
+rows added to the first layers; MoE: routed through sparse and dense layers), and decode
+continuing at the M-RoPE positions."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ BLOCK = 4
 SIZES = [(24, 16), (28, 36), (40, 40)]
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
     path = tmp_path_factory.mktemp(request.param)
     hf = save_tiny_qwen2_5_vl(path, seed=3, family=request.param)
@@ -193,19 +194,16 @@ def test_bfloat16_on_cpu_runs_the_tower_in_float32(tiny: tuple[Path, Any, Any]) 
     torch.testing.assert_close(ours.float(), ref, atol=0.1, rtol=0.05)
 
 
-def test_qwen3_vl_refuses_pipeline_parallelism_and_its_moe_by_name() -> None:
-    from sonar.models.errors import ModelLoadError, UnsupportedArchitectureError
+def test_qwen3_vl_refuses_pipeline_parallelism_by_name() -> None:
+    from sonar.models.errors import ModelLoadError
     from sonar.models.parallel import PipelineStage
     from sonar.models.qwen3_vl import Qwen3VLForConditionalGeneration
-    from sonar.models.registry import model_class
     from tests.multimodal.tiny_qwen2_vl import qwen3_vl_config
 
     config = qwen3_vl_config()
     Qwen3VLForConditionalGeneration.prepare_config(config)
     with pytest.raises(ModelLoadError, match="pipeline parallelism.*DeepStack"):
         Qwen3VLForConditionalGeneration(config, stage=PipelineStage(index=0, size=2).resolve(3))
-    with pytest.raises(UnsupportedArchitectureError, match="Qwen3VLMoeForConditionalGeneration: Qwen3-VL MoE"):
-        model_class({"architectures": ["Qwen3VLMoeForConditionalGeneration"]})
 
 
 @pytest.mark.parametrize("lengths", [[16, 16, 16], [16, 8, 16, 8, 4, 12], [36]], ids=["equal", "uneven", "one-frame"])

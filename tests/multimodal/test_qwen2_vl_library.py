@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL images through the library (`sonar.open`) on the real engine
-(scheduler, worker, runner): prompts prefilled in chunks of 8 tokens (the step counter shows
+"""Qwen2.5-VL, Qwen3-VL and Qwen3-VL MoE images through the library (`sonar.open`) on the real
+engine (scheduler, worker, runner): prompts prefilled in chunks of 8 tokens (the step counter shows
 it), so an image's rows, its M-RoPE positions and Qwen3-VL's DeepStack rows span several steps,
 batched with another image request, with one tower run per image; greedy tokens equal
 transformers'; a repeated image hits the prefix cache (the hit's first step gets the right 3D
@@ -31,7 +31,7 @@ def anyio_backend():
     return "asyncio"
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     path = tmp_path_factory.mktemp(f"tiny-{request.param}-lib")
     return path, save_tiny_qwen2_5_vl(path, seed=5, family=request.param)

@@ -25,12 +25,11 @@ MODEL = "tiny-qwen-vl"
 VISION = VisionInfo(IMAGE_PAD, 0, 0, IMAGE_TEXT, PATCH, MERGE, TEMPORAL)
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
-def qwen(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServerProcess, Path, Any]]:
-    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    hf = save_tiny_qwen2_5_vl(path, seed=9, family=request.param)
+def serve_tiny_qwen(tmp_path_factory: pytest.TempPathFactory, family: str) -> tuple[ServerProcess, Path, Any]:
+    """A tiny `family` checkpoint (`save_tiny_qwen2_5_vl`) behind a real server that prefills in
+    chunks of 8 tokens; the server, the checkpoint's folder and the transformers model."""
+    path = tmp_path_factory.mktemp(f"tiny-{family}")
+    hf = save_tiny_qwen2_5_vl(path, seed=9, family=family)
     # an 8-token step budget needs max_num_seqs at most 8
     chunked = ("--max-num-batched-tokens", "8", "--max-num-seqs", "2")
     server = start_server(
@@ -40,6 +39,14 @@ def qwen(
         *("--num-gpu-blocks-override", "64", "--block-size", "16", "--seed", "0"),
         *("--enable-prompt-tokens-details", "--limit-mm-per-prompt", '{"image": 2}', *chunked),
     )
+    return server, path, hf
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path, Any]]:
+    server, path, hf = serve_tiny_qwen(tmp_path_factory, request.param)
     yield server, path, hf
     stop_server_cleanly(server)
 

@@ -25,13 +25,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def qwen3_vl_config() -> Any:
+def qwen3_vl_config(moe: bool = False) -> Any:
     """Qwen3-VL: 24-wide heads (not hidden / heads) whose 12 frequencies interleave M-RoPE sections
-    (4, 4, 4), a learned 4x4 position table resampled to each grid, DeepStack after blocks 0 and 2."""
-    from transformers import Qwen3VLConfig
+    (4, 4, 4), a learned 4x4 position table resampled to each grid, DeepStack after blocks 0 and 2.
+    `moe`: Qwen3-VL MoE, sparse blocks of 4 experts (48 wide: neither expert tensor square, so
+    its layout is known from its shape) routed top-2 in layers 0 and 2, a dense MLP in layer 1."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
-    return Qwen3VLConfig(
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, mlp_only_layers=[1])
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(
         text_config=dict(
+            **(experts if moe else {}),
             vocab_size=WORDS + 3,
             hidden_size=64,
             intermediate_size=128,
@@ -66,15 +70,15 @@ def qwen3_vl_config() -> Any:
         vision_start_token_id=VISION_START,
         vision_end_token_id=VISION_END,
         video_token_id=0,
-        architectures=["Qwen3VLForConditionalGeneration"],
+        architectures=["Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"],
     )
 
 
 def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
-    if family == "qwen3_vl":
-        return qwen3_vl_config()
+    if family in ("qwen3_vl", "qwen3_vl_moe"):
+        return qwen3_vl_config(moe=family == "qwen3_vl_moe")
     if family == "qwen2_vl":
         config, architecture = Qwen2VLConfig, "Qwen2VLForConditionalGeneration"
         vision = dict(depth=3, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, hidden_act="quick_gelu")
@@ -118,14 +122,16 @@ def qwen2_5_vl_config(family: str = "qwen2_5_vl") -> Any:
 
 
 def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, family: str = "qwen2_5_vl") -> Any:
-    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL; ``qwen3_vl``: Qwen3-VL) checkpoint with its tokenizer and
-    image processor under `path`; return the transformers model (float32, eval mode)."""
+    """Save a tiny Qwen2.5-VL (`family` ``qwen2_vl``: Qwen2-VL; ``qwen3_vl``: Qwen3-VL; ``qwen3_vl_moe``:
+    Qwen3-VL MoE) checkpoint with its tokenizer and image processor under `path`; return the
+    transformers model (float32, eval mode)."""
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     torch.manual_seed(seed)
@@ -133,6 +139,7 @@ def save_tiny_qwen2_5_vl(path: Path, seed: int = 0, family: str = "qwen2_5_vl") 
         "qwen2_vl": Qwen2VLForConditionalGeneration,
         "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
         "qwen3_vl": Qwen3VLForConditionalGeneration,
+        "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     }[family]
     hf = model(qwen2_5_vl_config(family)).eval()
     spread_weights(hf)
