@@ -485,7 +485,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         broadcasts each step, so anything that reaches the workers outside a step, or keeps
         several steps in flight, has no way to the other ranks."""
         refused = [
-            ("pipeline_parallel_size > 1 (stages keep several steps in flight)", self.pipeline_parallel_size > 1),
             ("data_parallel_size > 1 (start one torchrun world per replica)", self.data_parallel_size > 1),
             ("async_scheduling (the ranks take one step at a time)", self.async_scheduling is True),
             ("enable_sleep_mode", self.enable_sleep_mode),
