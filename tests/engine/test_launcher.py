@@ -169,6 +169,7 @@ def anyio_backend() -> str:
         ({"kv_offloading_size": 1.0}, "KV offloading"),
         ({"placement": "worker=process"}, "a worker placement"),
         ({"data_parallel_size": 2}, "data_parallel_size > 1"),
+        ({"fault_injection": "raise@step=3@rank=1"}, "fault_injection at a rank other than 0"),
     ],
 )
 def test_what_torchruns_ranks_cannot_take_is_refused(args: dict[str, Any], message: str) -> None:
