@@ -160,13 +160,11 @@ class World:
         else:  # each rank of this machine computes on its share of the cores
             ranks.pin_to_cores(launched.local_rank, launched.local_world_size)
         self.device = device
+        timeout = config.collective_timeout(device.type)
+        store = ranks.launched_store(launched.rank, launched.world_size, timeout, prefix)
+        _agree(store, launched, config)
         self.topology = ranks.join_launched(
-            launched.rank,
-            config.tensor_parallel_size,
-            config.pipeline_parallel_size,
-            device,
-            config.collective_timeout(device.type),
-            prefix,
+            store, launched.rank, config.tensor_parallel_size, config.pipeline_parallel_size, device, timeout
         )
         timeout = config.collective_timeout("cpu")
         kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
@@ -441,6 +439,20 @@ class LaunchedLLM:
                 lost.__cause__ = error[0]
             return None, lost
         return (result[0], None) if result else (None, error[0])
+
+
+def _agree(store: dist.Store, launched: LaunchedRank, config: EngineConfig) -> None:
+    """Every rank opens the engine with the same configuration, or each fails naming the ranks
+    that differ: before any collective, which another layout would hang in."""
+    mine = hashlib.sha256(msgspec.json.encode(config)).hexdigest()
+    store.set(f"config/{launched.rank}", mine)
+    theirs = [store.get(f"config/{rank}").decode() for rank in range(launched.world_size)]
+    differ = [rank for rank, digest in enumerate(theirs) if digest != theirs[0]]
+    if differ:
+        raise LauncherError(
+            f"the engine arguments of rank(s) {', '.join(map(str, differ))} differ from rank 0's; every torchrun "
+            "rank must open the engine with the same model and arguments (the ranks run one engine)"
+        )
 
 
 def _computes(msg: ExecuteStep) -> bool:

@@ -134,23 +134,26 @@ def join(
     return groups(rank, tp_size, pp_size, device, layer_counts)
 
 
+def launched_store(rank: int, size: int, timeout: float | None, prefix: str) -> dist.Store:
+    """The rendezvous store of the world torchrun (or another external launcher) set up in this
+    process's environment (``env://``: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), its keys under
+    `prefix`: the launcher's store outlives a world (torchrun's agent holds it), so a process that
+    joins again never meets the keys of its world before."""
+    kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, **kwargs))
+    return dist.PrefixStore(prefix, store)
+
+
 def join_launched(
-    rank: int, tp_size: int, pp_size: int, device: torch.device, timeout: float | None, prefix: str
+    store: dist.Store, rank: int, tp_size: int, pp_size: int, device: torch.device, timeout: float | None
 ) -> Topology:
-    """Join the world that torchrun (or another external launcher) set up in this process's
-    environment (``env://``: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) as `rank`: NCCL on CUDA,
-    gloo on the CPU; then every stage's tensor-parallel group, as `join`. `prefix`: this world's
-    keys in the launcher's store, which outlives it (torchrun's agent holds it), so a process
-    that joins again never meets the keys of its world before."""
+    """Join the launcher's world (`launched_store`) as `rank`: NCCL on CUDA, gloo on the CPU; then
+    every stage's tensor-parallel group, as `join`."""
     if _is_loopback(os.environ.get("MASTER_ADDR", "")):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
     size = tp_size * pp_size
-    kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, **kwargs))
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=size, timeout=_timeout(timeout)
-    )
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_timeout(timeout))
     counts = layer_counts_from_env(os.environ.get("SONAR_PP_LAYER_PARTITION"))
     return groups(rank, tp_size, pp_size, device, counts)
 

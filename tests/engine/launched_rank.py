@@ -10,7 +10,7 @@ adapter of it). The ranks run the checks of their WORLD in order, each its own e
 texts it got or the error it raised (its class, message and seconds taken), so a rank that dies
 leaves the lines of the checks it finished.
 
-* ``pair`` (2 ranks): ``tp2`` (tp = 2 with a LoRA adapter: greedy, seeded, greedy with the
+* ``pair`` (2 ranks): ``arguments`` (rank 1 opens the engine with another ``max_num_seqs``), ``tp2`` (tp = 2 with a LoRA adapter: greedy, seeded, greedy with the
   adapter), ``mismatch`` (rank 1 asks for another prompt, then both ask the same, then both give a
   token id outside the vocabulary), ``pp2`` (pp = 2 with the model as its own draft: greedy,
   rank 0's speculation counters after it, seeded, a regex), ``stall`` (rank 1 lives on but skips
@@ -70,6 +70,17 @@ async def _call(llm: Any, prompts: Any, params: SamplingParams, **kwargs: Any) -
     return {"tokens": [o.token_ids for o in outs], "texts": [o.text for o in outs]}
 
 
+async def _open(**args: Any) -> dict[str, Any]:
+    """Open the engine (and close it): what it raised, if anything."""
+    start = time.monotonic()
+    try:
+        async with launched(**args):
+            pass
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "seconds": time.monotonic() - start}
+    return {}
+
+
 class Report:
     """This rank's lines in ``OUT_DIR/rank<R>.jsonl``."""
 
@@ -92,6 +103,9 @@ def launched(**args: Any) -> Any:
 
 async def pair(rank: int, inputs: dict[str, str], out: Path, report: Report) -> None:
     llama = inputs["llama"]
+    # the ranks' first meeting waits for the slowest to start: a longer timeout than the checks'
+    args = {**ENGINE, "distributed_timeout_seconds": 120, "max_num_seqs": 8 + rank}
+    report.line("arguments", [await _open(model=llama, **args, tensor_parallel_size=2)])
     async with launched(
         model=llama, **ENGINE, **LORA, lora_modules=[f"a={inputs['adapter']}"], tensor_parallel_size=2
     ) as llm:

@@ -5,11 +5,13 @@ rank, as an RL framework would run its script. Three worlds, each started once, 
 several checks in turn and report each per rank (`launched_rank.Report`):
 
 * ``pair``, two torchrun agents of one process each (``--nnodes 2 --node-rank 0/1``, a localhost
-  rendezvous: two "nodes"): tp = 2 with a LoRA adapter and pp = 2 with a draft model and a regex
-  give the single worker's greedy tokens, seeded samples and adapter tokens on every rank; ranks
-  that ask for different prompts all fail with `RequestMismatchError`, and the next call that
-  agrees runs; a request rank 0 refuses is raised on every rank; a rank that lives on but skips a
-  call ends the other's call within the collective timeout.
+  rendezvous: two "nodes"): ranks that open the engine with different arguments fail as they
+  meet, and the engine then opens on the same ranks; tp = 2 with a LoRA adapter and pp = 2 with a
+  draft model and a regex give the single worker's greedy tokens, seeded samples and adapter
+  tokens on every rank; ranks that ask for different prompts all fail with
+  `RequestMismatchError`, and the next call that agrees runs; a request rank 0 refuses is raised
+  on every rank; a rank that lives on but skips a call ends the other's call within the
+  collective timeout.
 * ``quad`` (``--nproc-per-node 4``): tp x pp = 2 x 2 gives the single worker's tokens; then a rank
   SIGKILLed in the middle of a call ends the others' call with `RankLostError`, well within the
   collective timeout (the survivors find out by themselves: `launched_rank.stand_in`).
@@ -238,6 +240,9 @@ def test_the_embedded_model_over_three_ranks(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_ranks_that_ask_differently_fail_clearly(pair: World) -> None:
+    for calls in pair.calls("arguments"):  # another engine configuration: refused as the ranks meet
+        assert calls is not None and calls[0]["error"] == "LauncherError"
+        assert "the engine arguments of rank(s) 1 differ from rank 0's" in calls[0]["message"]
     ranks = pair.calls("mismatch")
     for calls in ranks:
         assert calls is not None
