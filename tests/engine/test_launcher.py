@@ -27,7 +27,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,10 @@ TEXTS = launched_rank.TEXTS
 
 
 class World:
-    """One torchrun world's run: its agents' exit codes and seconds, and each rank's reports."""
+    """One torchrun world's run: its agents' exit codes, and each rank's reports."""
 
-    def __init__(self, codes: list[int], seconds: float, ranks: list[dict[str, dict[str, Any]]]) -> None:
+    def __init__(self, codes: list[int], ranks: list[dict[str, dict[str, Any]]]) -> None:
         self.codes = codes
-        self.seconds = seconds
         self.ranks = ranks
 
     def calls(self, check: str) -> list[list[dict[str, Any]] | None]:
@@ -60,42 +59,58 @@ class World:
         return [reports[check]["calls"] if check in reports else None for reports in self.ranks]
 
 
-def torchrun(out: Path, world: str, nproc: int, inputs: dict[str, str], nodes: int = 1) -> World:
-    """Run the rank script's `world` under torchrun: `nodes` agents of `nproc` processes each,
-    meeting at a localhost rendezvous."""
-    out.mkdir()
-    (out / "inputs.json").write_text(json.dumps(inputs))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--monitor-interval=0.5"]
-    if nodes > 1:
-        argv += [f"--nnodes={nodes}", "--master-addr=127.0.0.1"]
-    argv += [f"--master-port={free_port()}"]
-    started = time.monotonic()
-    logs = [out / f"node{node}.log" for node in range(nodes)]
-    agents = []
-    for node, log in enumerate(logs):
-        node_args = [f"--node-rank={node}"] if nodes > 1 else []
-        with log.open("wb") as sink:
-            agents.append(
-                subprocess.Popen(
-                    [*argv, *node_args, str(SCRIPT), world, str(out)], env=env, stdout=sink, stderr=subprocess.STDOUT
+class Torchrun:
+    """The rank script's `world` under torchrun, started in the background: `nodes` agents of
+    `nproc` processes each, meeting at a localhost rendezvous. The single worker's tokens are
+    computed while it runs (`wait` for its `World`)."""
+
+    def __init__(self, out: Path, world: str, nproc: int, inputs: dict[str, str], nodes: int = 1) -> None:
+        out.mkdir()
+        (out / "inputs.json").write_text(json.dumps(inputs))
+        self.out, self.world, self.size = out, world, nproc * nodes
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--monitor-interval=0.5"]
+        if nodes > 1:
+            argv += [f"--nnodes={nodes}", "--master-addr=127.0.0.1"]
+        argv += [f"--master-port={free_port()}"]
+        self.logs = [out / f"node{node}.log" for node in range(nodes)]
+        self.agents = []
+        for node, log in enumerate(self.logs):
+            node_args = [f"--node-rank={node}"] if nodes > 1 else []
+            with log.open("wb") as sink:
+                self.agents.append(
+                    subprocess.Popen(
+                        [*argv, *node_args, str(SCRIPT), world, str(out)],
+                        env=env,
+                        stdout=sink,
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            )
-    try:
-        codes = [agent.wait(timeout=600) for agent in agents]
-    finally:
-        for agent in agents:
+
+    def wait(self) -> World:
+        try:
+            codes = [agent.wait(timeout=600) for agent in self.agents]
+        finally:
+            self.stop()
+        ranks = []
+        for rank in range(self.size):
+            path = self.out / f"rank{rank}.jsonl"
+            lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            ranks.append({line["check"]: line for line in lines})
+        if any(codes) and self.world != "quad":
+            for log in self.logs:
+                print(log.read_text()[-6000:])
+        return World(codes, ranks)
+
+    def stop(self) -> None:
+        """End the agents still running (a SIGTERM, which each passes on to its ranks)."""
+        for agent in self.agents:
             if agent.poll() is None:
-                agent.kill()
-    ranks = []
-    for rank in range(nproc * nodes):
-        path = out / f"rank{rank}.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        ranks.append({line["check"]: line for line in lines})
-    if any(codes) and world != "quad":
-        for log in logs:
-            print(log.read_text()[-6000:])
-    return World(codes, time.monotonic() - started, ranks)
+                agent.terminate()
+                try:
+                    agent.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    agent.kill()
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +145,36 @@ def _tokens(calls: list[dict[str, Any]] | None) -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def pair(inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> World:
-    return torchrun(tmp_path_factory.mktemp("pair") / "out", "pair", 1, inputs, nodes=2)
+def pair_run(inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Torchrun]:
+    run = Torchrun(tmp_path_factory.mktemp("pair") / "out", "pair", 1, inputs, nodes=2)
+    yield run
+    run.stop()
 
 
 @pytest.fixture(scope="module")
-def quad(inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> World:
-    return torchrun(tmp_path_factory.mktemp("quad") / "out", "quad", 4, inputs)
+def single(inputs: dict[str, str], pair_run: Torchrun) -> dict[str, list[list[list[int]]]]:
+    """The single worker's tokens for the checks' calls, computed while the ``pair`` world runs."""
+    lora = {**launched_rank.ENGINE, **launched_rank.LORA, "lora_modules": [f"a={inputs['adapter']}"]}
+    calls = [(TEXTS, launched_rank.GREEDY), (TEXTS, launched_rank.SEEDED), (TEXTS, launched_rank.GREEDY, "a")]
+    staged = [(TEXTS, launched_rank.GREEDY), (TEXTS, launched_rank.SEEDED), (TEXTS, launched_rank.REGEX)]
+    return {
+        "tp2": _single(inputs["llama"], calls, lora),
+        "pp2": _single(inputs["llama"], staged, launched_rank.ENGINE),
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(pair_run: Torchrun, single: dict[str, Any]) -> World:
+    return pair_run.wait()
+
+
+@pytest.fixture(scope="module")
+def quad(inputs: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    run = Torchrun(tmp_path_factory.mktemp("quad") / "out", "quad", 4, inputs)
+    try:
+        yield run.wait()
+    finally:
+        run.stop()
 
 
 def test_the_environment_names_the_rank() -> None:
@@ -189,15 +227,10 @@ def test_sonars_own_nodes_flag_is_refused_torchrun_spans_nodes_itself() -> None:
 
 
 @pytest.mark.slow
-def test_every_rank_gets_the_single_workers_tokens(inputs: dict[str, str], pair: World) -> None:
+def test_every_rank_gets_the_single_workers_tokens(single: dict[str, Any], pair: World) -> None:
     """tp = 2 over two torchrun "nodes", with a LoRA adapter loaded: greedy, seeded, and greedy
     with the adapter."""
-    args = {**launched_rank.ENGINE, **launched_rank.LORA, "lora_modules": [f"a={inputs['adapter']}"]}
-    want = _single(
-        inputs["llama"],
-        [(TEXTS, launched_rank.GREEDY), (TEXTS, launched_rank.SEEDED), (TEXTS, launched_rank.GREEDY, "a")],
-        args,
-    )
+    want = single["tp2"]
     assert want[2] != want[0]  # the adapter changes the tokens
     assert pair.codes == [0, 0]
     ranks = pair.calls("tp2")
@@ -207,10 +240,9 @@ def test_every_rank_gets_the_single_workers_tokens(inputs: dict[str, str], pair:
 
 
 @pytest.mark.slow
-def test_pipeline_stages_give_the_single_workers_tokens(inputs: dict[str, str], pair: World, quad: World) -> None:
+def test_pipeline_stages_give_the_single_workers_tokens(single: dict[str, Any], pair: World, quad: World) -> None:
     """pp = 2 (with the model as its own draft, and a regex) and tp x pp = 2 x 2."""
-    calls = [(TEXTS, launched_rank.GREEDY), (TEXTS, launched_rank.SEEDED), (TEXTS, launched_rank.REGEX)]
-    want = _single(inputs["llama"], calls, launched_rank.ENGINE)
+    want = single["pp2"]
     assert all(tokens[1::2] == [7] * 6 for tokens in want[2])  # the regex: every second word w7
     ranks = pair.calls("pp2")
     for calls in ranks:
@@ -227,10 +259,14 @@ def test_pipeline_stages_give_the_single_workers_tokens(inputs: dict[str, str], 
 @pytest.mark.slow
 def test_the_embedded_model_over_three_ranks(tmp_path: Path) -> None:
     texts = launched_rank.EMBEDDED_TEXTS
-    want = _single(
-        None, [(texts, launched_rank.GREEDY), (texts, launched_rank.SEEDED)], {"num_gpu_blocks_override": 64}
-    )
-    world = torchrun(tmp_path / "out", "embedded", 3, {})
+    run = Torchrun(tmp_path / "out", "embedded", 3, {})
+    try:
+        want = _single(
+            None, [(texts, launched_rank.GREEDY), (texts, launched_rank.SEEDED)], {"num_gpu_blocks_override": 64}
+        )
+        world = run.wait()
+    finally:
+        run.stop()
     assert world.codes == [0]
     ranks = world.calls("tp3")
     for calls in ranks:
