@@ -502,7 +502,6 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         broadcasts each step, so anything that reaches the workers outside a step, or keeps
         several steps in flight, has no way to the other ranks."""
         refused = [
-            ("pipeline_parallel_size > 1 (stages keep several steps in flight)", self.pipeline_parallel_size > 1),
             ("data_parallel_size > 1 (start one torchrun world per replica)", self.data_parallel_size > 1),
             ("async_scheduling (the ranks take one step at a time)", self.async_scheduling is True),
             ("enable_sleep_mode", self.enable_sleep_mode),
@@ -510,10 +509,17 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             ("profiler_config", bool(self.profiler_config)),
             ("KV offloading or KV events (an offload manager)", self.offload_manager_needed),
             ("a worker placement (torchrun placed this rank)", "worker" in self.placement),
+            ("fault_injection at a rank other than 0 (the other ranks run no worker)", self._faults_past_rank0()),
         ]
         for name, given in refused:
             if given:
                 raise ValueError(f"distributed_executor_backend 'external_launcher' does not support {name} yet")
+
+    def _faults_past_rank0(self) -> bool:
+        from sonar.engine.faults import FaultPlan
+
+        plan = FaultPlan.parse(self.fault_injection)
+        return plan is not None and any(fault.rank > 0 for fault in plan.faults)
 
     def collective_timeout(self, device_type: str) -> float | None:
         """Seconds the tensor-parallel group's rendezvous and collectives may take (None: torch's

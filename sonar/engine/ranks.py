@@ -134,15 +134,28 @@ def join(
     return groups(rank, tp_size, pp_size, device, layer_counts)
 
 
-def join_launched(rank: int, tp_size: int, device: torch.device, timeout: float | None) -> Topology:
-    """Join the world that torchrun (or another external launcher) set up in this process's
-    environment (``env://``: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) as `rank`: NCCL on CUDA,
-    gloo on the CPU. One stage: its tensor-parallel group is the world."""
+def launched_store(rank: int, size: int, timeout: float | None, prefix: str) -> dist.Store:
+    """The rendezvous store of the world torchrun (or another external launcher) set up in this
+    process's environment (``env://``: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), its keys under
+    `prefix`: the launcher's store outlives a world (torchrun's agent holds it), so a process that
+    joins again never meets the keys of its world before."""
+    kwargs = {} if timeout is None else {"timeout": _timeout(timeout)}
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=size, **kwargs))
+    return dist.PrefixStore(prefix, store)
+
+
+def join_launched(
+    store: dist.Store, rank: int, tp_size: int, pp_size: int, device: torch.device, timeout: float | None
+) -> Topology:
+    """Join the launcher's world (`launched_store`) as `rank`: NCCL on CUDA, gloo on the CPU; then
+    every stage's tensor-parallel group, as `join`."""
     if _is_loopback(os.environ.get("MASTER_ADDR", "")):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method="env://", rank=rank, world_size=tp_size, timeout=_timeout(timeout))
-    return groups(rank, tp_size, 1, device, None)
+    size = tp_size * pp_size
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=_timeout(timeout))
+    counts = layer_counts_from_env(os.environ.get("SONAR_PP_LAYER_PARTITION"))
+    return groups(rank, tp_size, pp_size, device, counts)
 
 
 def groups(

@@ -220,7 +220,8 @@ class SchedulerActor(Actor):
         self.sleep = info.sleep  # a scheduler restarted beside a sleeping worker sleeps too
         cfg = self.config
         wanted = cfg.async_scheduling if cfg.async_scheduling is not None else info.device != "cpu"
-        self.stages = info.pipeline_parallel_size
+        # torchrun's ranks take one step at a time through every stage (`sonar.engine.launcher`)
+        self.stages = 1 if cfg.launched else info.pipeline_parallel_size
         speculative = cfg.speculative()
         # left unset, async scheduling is off with a draft model or head; given, the worker fills
         # the draft slots with the drafts it made after the request's step before

@@ -141,7 +141,8 @@ class WorkerActor(Actor):
         """Rank 0 of a group: the other ranks, in rank order."""
         self.leader = leader
         """A rank other than 0: rank 0, which the sampler of several stages answers (`StepDone`)."""
-        self.stages = self.config.pipeline_parallel_size
+        # under torchrun, rank 0's world brings the sampler's answer back within the step
+        self.stages = 1 if self.config.launched else self.config.pipeline_parallel_size
         self._awaiting: dict[int, ReplyTo] = {}
         """Rank 0 of several stages: where to answer each step in flight once the sampler has."""
         self.runner: ModelRunner | None = None
@@ -275,7 +276,7 @@ class WorkerActor(Actor):
 
     async def handle(self, msg: WorkerMsg) -> Any:
         if isinstance(msg, ExecuteStep):
-            if msg.grammar_rows and self.sampler == self.rank:
+            if msg.grammar_rows and (self.sampler == self.rank or self.world is not None):
                 self._bitmask_slot(msg.output.step_id)
             self.task_group.start_soon(self._step, msg)
             return NO_REPLY
@@ -572,11 +573,22 @@ class WorkerActor(Actor):
         if self.world is None:
             return self._run(msg)
         try:  # under torchrun, the other ranks run the step too; a failed step breaks the world
-            self.world.share_step(msg)
-            return self._run(msg)
+            self.world.share_step(msg, self._sampler_bitmask(msg))
+            return self.world.collect(msg, self._run(msg))
         except Exception as exc:
             self.world.lose(exc)
             raise
+
+    def _sampler_bitmask(self, msg: ExecuteStep) -> Any:
+        """Under torchrun with several stages, the bitmask of `msg`'s grammar rows, which travels
+        with the step to the sampler, another process (None: no grammar rows, or rank 0 samples)."""
+        if not msg.grammar_rows or self.sampler == self.rank:
+            return None
+        step_id = msg.output.step_id
+        try:
+            return self._wait_bitmask(step_id, self._bitmasks.get(step_id) or _BitmaskSlot())
+        finally:
+            self._bitmasks.pop(step_id, None)
 
     def _run(self, msg: ExecuteStep) -> StepResult:
         if self.sleeper is not None and self.sleeper.state.is_sleeping:
