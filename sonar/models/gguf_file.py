@@ -45,7 +45,7 @@ from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -468,12 +468,7 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
-        if (
-            len(shape) == 3
-            and name.rpartition(".")[2] in _STACKED
-            and served_quantized(kind)
-            and spec.quantized_experts
-        ):
+        if len(shape) == 3 and name.rpartition(".")[2] in _STACKED and served_quantized(kind):
             quantized.update(_expert_weights(kind, tensor, name, shape, path))
             continue
         if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16"):
@@ -482,8 +477,7 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     if dequantized_types:
         log.warning(
             "model.gguf_served_dequantized",
-            detail="Sonar has no kernel for these GGUF block types (or, for GPT-OSS, for these experts); "
-            "their matrices are served in the model's dtype",
+            detail="Sonar has no kernel for these GGUF block types; their matrices are served in the model's dtype",
             types=dequantized_types,
             source=str(path),
         )
