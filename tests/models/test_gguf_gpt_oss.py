@@ -142,6 +142,22 @@ def test_mxfp4_experts_are_served_quantized_equal_to_transformers_on_the_dequant
     assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[1:2], 2)
 
 
+def test_experts_not_all_in_a_served_type_are_read_dequantized(tmp_path: Path) -> None:
+    """An intermediate size of 48 leaves ``down_proj`` rows of 48 values, no whole MXFP4 blocks: the
+    writer keeps it float32 beside MXFP4 gate/up. Each such block's experts are read dequantized
+    (logged per block) and still equal transformers on the file's weights."""
+    hf48 = _hf(tiny_config(), seed=4)
+    path = tmp_path / "gpt-oss-mixed.gguf"
+    ref = _reference(hf48, write_gguf(path, "gpt_oss", hf48, _mxfp4()))
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(path), dtype="float32")
+    dense = [entry["experts"] for entry in logs if entry["event"] == "model.gguf_experts_dequantized"]
+    assert dense == [f"model.layers.{i}.mlp.experts" for i in range(4)], logs
+    assert not [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"], "MXFP4 has a kernel"
+    assert not any(isinstance(layer.mlp.experts, QuantizedExperts) for layer in loaded.model.own_layers)
+    assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf48.config.vocab_size)[:2], 4)
+
+
 def test_q8_0_file_serves_its_attention_and_its_experts_quantized(hf: Any, tmp_path: Path) -> None:
     from gguf import GGMLQuantizationType
 
