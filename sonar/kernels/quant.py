@@ -14,6 +14,11 @@ backends (`sonar.kernels.quant_cpu`, the native CPU kernels; `sonar.kernels.quan
 CUDA) pack the layout for their kernels; `dequantize` and `reference_linear` are the reference
 they are tested against.
 
+MXFP4 (GGUF's, OCP microscaling) fits the same formula: `values` are the 4-bit E2M1 codes, read
+through `MXFP4_VALUES` (each E2M1 value doubled: an integer), and each group of 32 has a power-of-two
+scale 2^(e - 128) from its E8M0 exponent byte ``e``. The backends keep the codes and exponent bytes,
+17 bytes per 32 weights (`mxfp4_exponents`), never a float32 scale.
+
 GPTQ's act-order (``desc_act``) assigns input columns to groups out of order; the converter sorts
 the columns by group and records the order in `perm`: the layer computes ``x[:, perm] @ w.T``.
 """
@@ -28,11 +33,21 @@ from torch import Tensor
 
 from sonar.errors import SonarError
 
-Format = Literal["int4", "int8", "fp8"]
+Format = Literal["int4", "int8", "fp8", "mxfp4"]
 
 #: The value range of each format (what `values` may hold): int4 is stored unsigned, one value a
-#: uint8 element in the logical layout (the backends pack two per byte).
-VALUE_DTYPES: dict[str, torch.dtype] = {"int4": torch.uint8, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+#: uint8 element in the logical layout (the backends pack two per byte); mxfp4 the same, a 4-bit code.
+VALUE_DTYPES: dict[str, torch.dtype] = {
+    "int4": torch.uint8,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "mxfp4": torch.uint8,
+}
+
+#: MXFP4's E2M1 value of each 4-bit code, doubled (bit 3 the sign): ggml's ``kvalues_mxfp4``.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+#: Formats whose values only stack with their own kind (`stack_rows`).
+_UNWIDENED = ("fp8", "mxfp4")
 
 
 class QuantizationError(SonarError, ValueError):
@@ -71,6 +86,8 @@ class QuantizedWeight:
                 raise QuantizationError(f"{name} must be float32 {expected}, got {t.dtype} {tuple(t.shape)}")
         if self.perm is not None and tuple(self.perm.shape) != (k,):
             raise QuantizationError(f"perm must hold the {k} input columns, got {tuple(self.perm.shape)}")
+        if self.format == "mxfp4" and (self.offsets is not None or self.perm is not None):
+            raise QuantizationError("mxfp4 weights have neither offsets nor an input permutation")
 
     @property
     def out_features(self) -> int:
@@ -82,7 +99,10 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the layout as a backend stores it (int4 two values per byte)."""
+        """Bytes of the layout as a backend stores it (int4 and mxfp4 two values per byte, mxfp4's
+        scales one exponent byte each)."""
+        if self.format == "mxfp4":
+            return self.values.numel() // 2 + self.scales.numel()
         values = self.values.numel() // 2 if self.format == "int4" else self.values.numel()
         extra = sum(t.numel() * t.element_size() for t in (self.scales, self.offsets, self.perm) if t is not None)
         return values + extra
@@ -100,10 +120,28 @@ class QuantizedWeight:
         )
 
 
+def mxfp4_exponents(scales: Tensor) -> Tensor:
+    """MXFP4 scales (float32 2^(e - 128)) as their E8M0 exponent bytes ``e`` (uint8); a scale that
+    is no such power of two is a `QuantizationError`."""
+    mantissa, exponent = torch.frexp(scales)  # scale = mantissa 2^exponent, mantissa 0.5 for a power of two
+    e = exponent.to(torch.int32) + 127
+    if not bool(((mantissa == 0.5) & (e >= 0) & (e <= 255)).all()):
+        raise QuantizationError("mxfp4 scales must be powers of two 2^(e - 128) with e in 0..255")
+    return e.to(torch.uint8)
+
+
+def mxfp4_scales(exponents: Tensor) -> Tensor:
+    """E8M0 exponent bytes as their float32 scales 2^(e - 128) (exact, 2^-128 a subnormal)."""
+    return torch.ldexp(torch.ones_like(exponents, dtype=torch.float32), exponents.to(torch.int32) - 128)
+
+
 def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> Tensor:
     """The ``[N, K]`` weight in the input's column order (``perm`` undone), in `dtype`."""
     scales = qw.scales.repeat_interleave(qw.group, dim=1)
-    w = qw.values.to(torch.float32) * scales
+    values = qw.values
+    if qw.format == "mxfp4":
+        values = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=values.device)[values.long()]
+    w = values.to(torch.float32) * scales
     if qw.offsets is not None:
         w = w + qw.offsets.repeat_interleave(qw.group, dim=1)
     if qw.perm is not None:
@@ -138,8 +176,8 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights sharing their input columns as one matrix, rows in order (q, k and v into qkv).
 
     Parts of one format and group stack as they are; otherwise int4 widens to int8 and groups
-    split to the smallest (both exact). FP8 stacks only with FP8; parts with an input
-    permutation only with parts of the same permutation.
+    split to the smallest (both exact). FP8 and MXFP4 stack only with their own format and group;
+    parts with an input permutation only with parts of the same permutation.
     """
     first = parts[0]
     if any(p.in_features != first.in_features for p in parts):
@@ -148,11 +186,13 @@ def stack_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
     if any((p is None) != (perms[0] is None) or (p is not None and not torch.equal(p, perms[0])) for p in perms):
         raise QuantizationError("weights with different input permutations (act-order) cannot be stacked")
     formats = {p.format for p in parts}
-    if "fp8" in formats and len(formats) > 1:
+    if any(f in formats for f in _UNWIDENED) and len(formats) > 1:
         raise QuantizationError(f"cannot stack {' and '.join(sorted(formats))} weights")
     group = min(p.group for p in parts)
     if any(p.group % group for p in parts):
         raise QuantizationError(f"group sizes {sorted({p.group for p in parts})} do not nest")
+    if "mxfp4" in formats and any(p.group != group for p in parts):
+        raise QuantizationError("mxfp4 weights of different group sizes cannot be stacked")
     if len(formats) > 1 or any(p.group != group for p in parts):
         parts = [_widen(p, group) if p.format != "fp8" else p for p in parts]
         if len({p.format for p in parts}) > 1:

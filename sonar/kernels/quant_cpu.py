@@ -7,11 +7,14 @@ out so) is one uint8 tensor ``[ceil(N / 16), G, B]``: per tile of 16 output rows
 of int8 / fp8), then the 16 rows' float32 scales, then their float32 offsets when the weight has
 any. In an int8 line each row's 4 bytes are 4 consecutive columns, stored as v + 128, as
 AVX512-VNNI's byte dot product reads them; int4 and fp8 lines hold bfloat16-style column pairs. A
-tile is one contiguous run of bytes, so a GEMV streams the weight front to back. It holds the
+tile is one contiguous run of bytes, so a GEMV streams the weight front to back. mxfp4 (groups of
+32 E2M1 codes, one E8M0 exponent each) takes int4's lines for its codes and, in place of the
+scales, the 16 rows' exponent bytes: 272 bytes per 16 x 32 block, the file's 17 per 32. It holds the
 logical layout's numbers unchanged: `rows` dequantizes out of it exactly as
 `sonar.kernels.quant.dequantize` does.
 
-x is bfloat16 or float32 (`ACTIVATION_DTYPES`), y of x's dtype. Three paths read the packing, the
+x is bfloat16 or float32 (`ACTIVATION_DTYPES`), y of x's dtype; mxfp4 always multiplies in float32
+(AVX2 or the portable loop: its values and scales are exact there, and x is never rounded). Three paths read the packing, the
 fastest this CPU runs chosen at run time (`sonar.kernels.native.quant_isa`): AVX-512 (bfloat16 x on
 CPUs with AVX512-VNNI and AVX512-BF16: int8 quantizes each row of x to int8 per group, as
 llama.cpp does, the output carrying that error, at most scale_x / 2 * sum |w| per group, and
@@ -36,9 +39,10 @@ if TYPE_CHECKING:  # quant_linear imports this module to find the backend
     from sonar.kernels.quant_linear import QuantMeta
 
 #: The kernel's format codes.
-FORMAT_CODES: dict[str, int] = {"int4": 0, "int8": 1, "fp8": 2}
+FORMAT_CODES: dict[str, int] = {"int4": 0, "int8": 1, "fp8": 2, "mxfp4": 3}
 #: Input columns per 64-byte line of a tile (16 rows each): groups are whole lines.
-COLUMNS_PER_LINE: dict[str, int] = {"int4": 8, "int8": 4, "fp8": 4}
+COLUMNS_PER_LINE: dict[str, int] = {"int4": 8, "int8": 4, "fp8": 4, "mxfp4": 8}
+_NIBBLES = ("int4", "mxfp4")
 TILE = 16
 #: The activation dtypes the kernel takes; others run the reference on the dequantized weight.
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)
@@ -53,10 +57,10 @@ def pack(qw: QuantizedWeight) -> Tensor:
     n, k = qw.values.shape
     tiles, groups = -(-n // TILE), k // qw.group
     pad = tiles * TILE - n
-    values = qw.values if qw.format == "int4" else qw.values.view(torch.uint8)
+    values = qw.values if qw.format in _NIBBLES else qw.values.view(torch.uint8)
     lines = qw.group // COLUMNS_PER_LINE[qw.format]
     values = torch.cat((values, values.new_zeros(pad, k))) if pad else values
-    if qw.format == "int4":
+    if qw.format in _NIBBLES:
         # k = g * group + line * 8 + 2 * pair + parity; one 16-bit word per (row, parity) holds the
         # four pairs' nibbles
         v = values.reshape(tiles, TILE, groups, lines, 4, 2).permute(0, 2, 3, 1, 5, 4)
@@ -68,6 +72,11 @@ def pack(qw: QuantizedWeight) -> Tensor:
         # k = g * group + line * 4 + 2 * pair + parity; bytes in (pair, row, parity) order
         body = values.reshape(tiles, TILE, groups, lines, 2, 2).permute(0, 2, 3, 4, 1, 5)
     parts = [body.reshape(tiles, groups, lines * 64)]
+    if qw.format == "mxfp4":  # the rows' exponent bytes after the group's lines
+        e = quant.mxfp4_exponents(qw.scales)
+        e = torch.cat((e, e.new_zeros(pad, groups))) if pad else e
+        parts.append(e.reshape(tiles, TILE, groups).permute(0, 2, 1))
+        return torch.cat(parts, dim=2).contiguous()
     for t in (qw.scales, qw.offsets):
         if t is not None:
             t = torch.cat((t, t.new_zeros(pad, groups))) if pad else t
@@ -85,7 +94,7 @@ def unpack_rows(packed: Tensor, meta: QuantMeta, index: Tensor, perm: Tensor | N
     groups, lines, gb = picked.shape[1], meta.group // COLUMNS_PER_LINE[meta.format], _group_bytes(meta)
     who = torch.arange(n)
     body = picked[..., :gb]
-    if meta.format == "int4":
+    if meta.format in _NIBBLES:
         b = body.reshape(n, groups, lines, TILE, 2, 2)[who, :, :, columns].to(torch.int32)  # [n, G, lines, parity, 2]
         words = b[..., 0] | b[..., 1] << 8
         nibbles = (words.unsqueeze(-1) >> torch.arange(0, 16, 4, dtype=torch.int32)) & 0xF  # [.., parity, pair]
@@ -101,6 +110,9 @@ def unpack_rows(packed: Tensor, meta: QuantMeta, index: Tensor, perm: Tensor | N
         line = picked[..., gb + 64 * i : gb + 64 * (i + 1)].contiguous().view(torch.float32)
         return line[who, :, columns]
 
+    if meta.format == "mxfp4":
+        scales = quant.mxfp4_scales(picked[..., gb : gb + TILE][who, :, columns])
+        return QuantizedWeight(meta.format, values, scales, None, meta.group)
     return QuantizedWeight(
         meta.format, values, meta_line(0), meta_line(1) if meta.has_offsets else None, meta.group, perm
     )

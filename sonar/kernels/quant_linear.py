@@ -71,8 +71,8 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 
 class ReferenceBackend:
-    """The logical layout (int4 two values per byte); every call dequantizes
-    (`sonar.kernels.quant.dequantize`)."""
+    """The logical layout (int4 and mxfp4 two values per byte, mxfp4's scales as their exponent
+    bytes); every call dequantizes (`sonar.kernels.quant.dequantize`)."""
 
     name = "reference"
 
@@ -80,8 +80,12 @@ class ReferenceBackend:
         return True
 
     def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:
-        values = pack_nibbles(qw.values) if qw.format == "int4" else qw.values
-        packed = {"values": values, "scales": qw.scales}
+        nibbles = qw.format in ("int4", "mxfp4")
+        packed = {"values": pack_nibbles(qw.values) if nibbles else qw.values}
+        if qw.format == "mxfp4":
+            packed["exponents"] = quant.mxfp4_exponents(qw.scales)
+        else:
+            packed["scales"] = qw.scales
         if qw.offsets is not None:
             packed["offsets"] = qw.offsets
         if qw.perm is not None:
@@ -89,11 +93,12 @@ class ReferenceBackend:
         return packed
 
     def _weight(self, packed: dict[str, Tensor], meta: QuantMeta, index: Tensor | None = None) -> QuantizedWeight:
-        values, scales, offsets = packed["values"], packed["scales"], packed.get("offsets")
+        values, offsets = packed["values"], packed.get("offsets")
+        scales = quant.mxfp4_scales(packed["exponents"]) if meta.format == "mxfp4" else packed["scales"]
         if index is not None:
             values, scales = values[index], scales[index]
             offsets = None if offsets is None else offsets[index]
-        if meta.format == "int4":
+        if meta.format in ("int4", "mxfp4"):
             values = unpack_nibbles(values)
         return QuantizedWeight(meta.format, values, scales, offsets, meta.group, packed.get("perm"))
 

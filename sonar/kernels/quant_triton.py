@@ -96,6 +96,8 @@ class TritonBackend:
     name = "triton"
 
     def serves(self, qw: QuantizedWeight) -> bool:
+        if qw.format == "mxfp4":  # no Triton kernel: the reference backend serves it, at its size
+            return False
         return qw.values.is_cuda and ops.use_triton(qw.values) and _kernels().check_group(qw.group, qw.in_features)
 
     def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:

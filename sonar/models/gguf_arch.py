@@ -26,7 +26,7 @@ The quirks, from llama.cpp's ``convert_hf_to_gguf.py``:
   ``ffn_gate_inp`` (with a bias) and the sinks as ``attn_sinks``; llama.cpp implies the
   alternating sliding window (even layers slide), the rest of YaRN (``beta_fast`` 32,
   ``beta_slow`` 1, no truncation) and the clamped SwiGLU (limit 7, alpha 1.702: transformers'
-  defaults). Its experts are MXFP4 in the published files: read dequantized (`quantized_experts`).
+  defaults). Its experts are MXFP4 in the published files, served quantized like other families'.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ class GGUFArch:
     (DeepSeek's router and latent expansion ``kv_b_proj``)."""
     keep_none: frozenset[str] = frozenset()
     """Config fields whose None from `config` is meant (not "the config class's default")."""
-    quantized_experts: bool = True
-    """Whether stacked experts of a block type Sonar runs are served as `QuantizedExperts`; when
-    not, they are read dequantized like a type Sonar has no kernel for (and logged so)."""
     interleaved_experts: bool = False
     """Whether the experts convert to GPT-OSS's layout: ``gate_up_proj`` ``[E, h, 2 I]`` with gate
     and up in alternating columns, ``down_proj`` ``[E, I, h]``, and their biases."""
@@ -373,7 +370,6 @@ ARCHITECTURES: dict[str, GGUFArch] = {
             "ffn_gate_inp": "mlp.router",
         },
         _gpt_oss,
-        quantized_experts=False,
         interleaved_experts=True,
     ),
 }

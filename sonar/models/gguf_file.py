@@ -45,7 +45,7 @@ from sonar.paths import cache_root
 
 log = structlog.get_logger(__name__)
 
-CONVERSION_VERSION = 3
+CONVERSION_VERSION = 4
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -451,7 +451,9 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
     plain: list[tuple[str, torch.Tensor]] = []
     dequantized_types: dict[str, int] = {}
     spec = gguf_arch(reader, path)
-    for name, tensor in _named_tensors(reader, spec, path):
+    named = _named_tensors(reader, spec, path)
+    dense_experts = _dense_expert_blocks(spec, named)
+    for name, tensor in named:
         kind = tensor.tensor_type.name
         shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists the innermost dimension first
         layer_part = _LAYER_NAME.match(tensor.name)
@@ -468,22 +470,17 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
                 qw = _unpermuted(qw, heads)
             quantized[name.removesuffix(".weight")] = qw
             continue
-        if (
-            len(shape) == 3
-            and name.rpartition(".")[2] in _STACKED
-            and served_quantized(kind)
-            and spec.quantized_experts
-        ):
+        block, _, part = name.rpartition(".")
+        if len(shape) == 3 and part in _STACKED and served_quantized(kind) and block not in dense_experts:
             quantized.update(_expert_weights(kind, tensor, name, shape, path))
             continue
-        if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16"):
+        if len(shape) in (2, 3) and kind not in ("F32", "F16", "BF16") and not served_quantized(kind):
             dequantized_types[kind] = dequantized_types.get(kind, 0) + 1
         plain.append((name, _dequantized(spec, config, tensor, name, path)))
     if dequantized_types:
         log.warning(
             "model.gguf_served_dequantized",
-            detail="Sonar has no kernel for these GGUF block types (or, for GPT-OSS, for these experts); "
-            "their matrices are served in the model's dtype",
+            detail="Sonar has no kernel for these GGUF block types; their matrices are served in the model's dtype",
             types=dequantized_types,
             source=str(path),
         )
@@ -492,6 +489,27 @@ def _unpack_gguf(path: Path, config: Any) -> tuple[dict[str, QuantizedWeight], l
 
 _STACKED = {"gate_proj", "up_proj", "down_proj"}
 """The projections of a stacked expert tensor's Hugging Face name (``mlp.experts.gate_proj``)."""
+
+
+def _dense_expert_blocks(spec: GGUFArch, named: list[tuple[str, Any]]) -> set[str]:
+    """GPT-OSS's blocks (``model.layers.N.mlp.experts``) whose stacked experts are not all of a
+    block type Sonar serves quantized: read dequantized whole (logged), as GPT-OSS files were
+    before MXFP4 was served, rather than refused as the other families' are."""
+    if not spec.interleaved_experts:
+        return set()
+    served: dict[str, list[bool]] = {}
+    for name, tensor in named:
+        block, _, part = name.rpartition(".")
+        if part in _STACKED and len(tensor.shape) == 3:
+            served.setdefault(block, []).append(served_quantized(tensor.tensor_type.name))
+    dense = {block for block, kinds in served.items() if any(kinds) and not all(kinds)}
+    for block in sorted(dense):
+        log.warning(
+            "model.gguf_experts_dequantized",
+            experts=block,
+            reason="some of its projections are stored in a block type Sonar serves quantized and some not",
+        )
+    return dense
 
 
 def _expert_weights(kind: str, tensor: Any, name: str, shape: list[int], path: Path) -> dict[str, QuantizedWeight]:

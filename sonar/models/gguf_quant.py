@@ -14,11 +14,14 @@ Q8_0    d * q, q int8                           int8 q                 32     no
 Q4_K    d sc_j * q - dmin m_j, 8 sub-blocks     int4 q                 32     -dmin m_j
 Q5_K    the same with 5-bit q                   int8 q                 32     -dmin m_j
 Q6_K    d sc_j * (q - 32), 16 sub-blocks        int8 q - 32            16     none
+MXFP4   2^(e - 128) * kvalues[q], q 4-bit       mxfp4 q                32     none
 ======  ======================================  =====================  =====  ======
 
 ``d``, ``m`` and ``dmin`` are float16, ``sc_j`` and ``m_j`` 6-bit (Q6_K: int8) integers, so every
-scale ``d * sc_j`` is exact in float32 and each weight comes out as ggml computes it. Other block
-types (Q2_K, Q3_K, the IQ family, MXFP4) are served dequantized, with a warning naming them.
+scale ``d * sc_j`` is exact in float32 and each weight comes out as ggml computes it. MXFP4's ``e``
+is an E8M0 byte and ``kvalues`` its E2M1 values doubled (`sonar.kernels.quant.MXFP4_VALUES`), both
+exact too. Other block types (Q2_K, Q3_K, the IQ family) are served dequantized, with a warning
+naming them.
 """
 
 from __future__ import annotations
@@ -112,6 +115,12 @@ def _q6_k(b: np.ndarray) -> Unpacked:
     return q.astype(np.int8) - np.int8(32), _f16(b[:, 208:210]) * scales, None
 
 
+def _mxfp4(b: np.ndarray) -> Unpacked:
+    e = b[:, :1].astype(np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - np.uint32(1)) << np.uint32(23))  # 2^(e - 128)
+    return _nibbles(b[:, 1:], 32), bits.view(np.float32), None
+
+
 #: GGUF type name -> (Sonar format, elements per block, bytes per block, group, unpacker)
 BLOCK_TYPES: dict[str, tuple[str, int, int, int, Callable[[np.ndarray], Unpacked]]] = {
     "Q4_0": ("int4", 32, 18, 32, _q4_0),
@@ -122,6 +131,7 @@ BLOCK_TYPES: dict[str, tuple[str, int, int, int, Callable[[np.ndarray], Unpacked
     "Q4_K": ("int4", QK_K, 144, 32, _q4_k),
     "Q5_K": ("int8", QK_K, 176, 32, _q5_k),
     "Q6_K": ("int8", QK_K, 210, 16, _q6_k),
+    "MXFP4": ("mxfp4", 32, 17, 32, _mxfp4),
 }
 
 

@@ -17,8 +17,11 @@ with gate and up in alternating columns, ``experts.down_proj`` ``[E, I, h]``, an
 ``[E, 2 I]`` (alternating too) / ``[E, h]``. `GptOssForCausalLM.load_weights` de-interleaves and
 transposes them into the operator's ``[E, 2 I, h]`` (gate rows, then up rows) / ``[E, h, I]``.
 
-A ``gpt-oss`` GGUF file converts to this layout too (`sonar.models.gguf_arch`), its MXFP4
-experts dequantized at load. Not served, each refused naming the feature: the published
+A ``gpt-oss`` GGUF file converts to this layout too (`sonar.models.gguf_arch`); experts it stores
+in a block type Sonar serves quantized (MXFP4 in the published files, Q8_0, ...) stay quantized
+(`GptOssForCausalLM.prepare_quantized`): the block's experts become `QuantizedExperts`, one
+`QuantLinear` per expert and projection (gate and up stacked, as the operator's rows) with the
+biases beside them, on the CPU. Not served, each refused naming the feature: the published
 safetensors checkpoints' MXFP4 expert weights (``quantization_config`` ``quant_method: mxfp4``:
 serve a dequantized bfloat16 checkpoint, or the GGUF file), other quantization, LoRA adapters, EAGLE heads, tensor and pipeline parallelism; the native decode loop
 (`sonar.models.fused`) leaves these layers alone.
@@ -36,6 +39,7 @@ from torch import Tensor, nn
 
 from sonar.kernels.attention_op import attention
 from sonar.kernels.moe import fused_experts, route_topk_softmax
+from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
 from sonar.models.decoder import (
     EAGLE,
     LORA,
@@ -49,6 +53,7 @@ from sonar.models.decoder import (
     sliding_windows,
 )
 from sonar.models.errors import ModelLoadError
+from sonar.models.moe import QuantizedExperts
 from sonar.models.parallel import SINGLE, WHOLE, PipelineStage, TensorParallel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -91,7 +96,8 @@ class GptOssExperts(nn.Module):
 
 
 class GptOssMoeBlock(nn.Module):
-    """The router (``router``, with a bias) and the experts, run by the fused operator."""
+    """The router (``router``, with a bias) and the experts, run by the fused operator (or, GGUF
+    quants, by `QuantizedExperts`)."""
 
     def __init__(self, config: Any) -> None:
         super().__init__()
@@ -100,11 +106,15 @@ class GptOssMoeBlock(nn.Module):
         self.alpha = float(config.swiglu_alpha)
         self.intermediate = config.intermediate_size
         self.router = nn.Linear(config.hidden_size, config.num_local_experts, bias=True)
-        self.experts = GptOssExperts(config.num_local_experts, config.hidden_size, config.intermediate_size)
+        self.experts: GptOssExperts | QuantizedExperts = GptOssExperts(
+            config.num_local_experts, config.hidden_size, config.intermediate_size
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         weights, ids = route_topk_softmax(self.router(x), self.top_k)
         e = self.experts
+        if isinstance(e, QuantizedExperts):
+            return e(x, weights, ids)
         return fused_experts(
             x, weights, ids, e.gate_up_proj, e.down_proj, e.gate_up_proj_bias, e.down_proj_bias, self.limit, self.alpha
         )
@@ -179,6 +189,51 @@ class GptOssForCausalLM(DecoderForCausalLM):
             ".k_proj.": (".qkv_proj.", q, kv),
             ".v_proj.": (".qkv_proj.", q + kv, kv),
         }
+
+    def prepare_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
+        """Before `install_quantized`: a block whose experts' projections are all quantized
+        (``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, as a GGUF file's stacked
+        experts arrive) gets `QuantizedExperts`, each expert's gate and up stacked into its
+        ``gate_up_proj``; its biases are then read into the new module by `load_weights`."""
+        out = dict(weights)
+        for i, layer in enumerate(self.model.layers):
+            block = layer.mlp
+            prefix = f"model.layers.{i}.mlp.experts"
+            if not isinstance(block, GptOssMoeBlock) or not any(n.startswith(f"{prefix}.") for n in out):
+                continue
+            experts = block.experts
+            assert isinstance(experts, GptOssExperts)
+            count, two_i, hidden = experts.gate_up_proj.shape
+            parts = ("gate_proj", "up_proj", "down_proj")
+            lacking = [f"{prefix}.{e}.{p}" for e in range(count) for p in parts if f"{prefix}.{e}.{p}" not in out]
+            if lacking:
+                raise ModelLoadError(
+                    f"GptOssForCausalLM: some of {prefix}'s projections are stored in a block type Sonar serves "
+                    f"quantized and some not ({lacking[0]} is not); serve it with --dequantize-weights"
+                )
+            device = experts.gate_up_proj.device
+            if device.type != "cpu":
+                raise ModelLoadError(
+                    f"GptOssForCausalLM: quantized experts run on the CPU only, not on {device.type}; "
+                    "serve it with --dequantize-weights"
+                )
+            for e in range(count):
+                gate, up = f"{prefix}.{e}.gate_proj", f"{prefix}.{e}.up_proj"
+                try:
+                    out[f"{prefix}.{e}.gate_up_proj"] = stack_rows([out.pop(gate), out.pop(up)])
+                except QuantizationError as exc:
+                    raise ModelLoadError(f"{gate} and {up} cannot be served as one quantized matrix: {exc}") from exc
+            with torch.device("meta"):  # places for the quantized layers, which bring their own tensors
+                block.experts = QuantizedExperts(
+                    count,
+                    hidden,
+                    two_i // 2,
+                    swiglu_limit=block.limit,
+                    swiglu_alpha=block.alpha,
+                    bias_device=device,
+                    bias_dtype=experts.gate_up_proj_bias.dtype,
+                )
+        return out
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar.kernels import ops
-from sonar.kernels.moe import fused_experts, route
+from sonar.kernels.moe import activation, fused_experts, route
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
 from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.eplb import ExpertMap
@@ -106,12 +106,38 @@ class ExpertMLP(nn.Module):
 class QuantizedExperts(nn.ModuleList):
     """The experts of a block as quantized layers, one `ExpertMLP` per (local) expert; computes
     what `sonar.kernels.moe.fused_experts_reference` states, each active expert's rows through its
-    own quantized kernels."""
+    own quantized kernels.
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    GPT-OSS's experts (`swiglu_limit` set) also have biases, ``gate_up_proj_bias`` ``[E, 2 I]`` and
+    ``down_proj_bias`` ``[E, h]`` (real tensors on `bias_device` in `bias_dtype`, for the
+    checkpoint to fill), added after each product, and the clamped SwiGLU in place of silu-and-mul.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        *,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.702,
+        bias_device: torch.device | None = None,
+        bias_dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(ExpertMLP(hidden, intermediate) for _ in range(num_experts))
         self.num_experts = num_experts
         self.intermediate = intermediate
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if swiglu_limit is not None:
+
+            def bias(*shape: int) -> nn.Parameter:
+                return nn.Parameter(torch.empty(*shape, device=bias_device, dtype=bias_dtype), requires_grad=False)
+
+            self.gate_up_proj_bias = bias(num_experts, 2 * intermediate)
+            self.down_proj_bias = bias(num_experts, hidden)
 
     untraced = True
     """`sonar.engine.compile` runs this forward outside the trace: which experts run depends on the
@@ -134,9 +160,17 @@ class QuantizedExperts(nn.ModuleList):
             start += count
             token = pairs // top_k
             expert = self[e]
-            y = expert.down_proj(ops.silu_and_mul(expert.gate_up_proj(x[token])))
-            out.index_add_(0, token, y.float() * weights.reshape(-1)[pairs, None].float())
+            out.index_add_(
+                0, token, self._expert(e, expert, x[token]).float() * weights.reshape(-1)[pairs, None].float()
+            )
         return out.to(x.dtype)
+
+    def _expert(self, e: int, expert: nn.Module, rows: Tensor) -> Tensor:
+        if self.swiglu_limit is None:
+            return expert.down_proj(ops.silu_and_mul(expert.gate_up_proj(rows)))
+        assert self.gate_up_proj_bias is not None and self.down_proj_bias is not None
+        gate_up = expert.gate_up_proj(rows) + self.gate_up_proj_bias[e]
+        return expert.down_proj(activation(gate_up, self.swiglu_limit, self.swiglu_alpha)) + self.down_proj_bias[e]
 
 
 class SparseMoeBlock(nn.Module):

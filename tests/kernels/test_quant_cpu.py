@@ -10,7 +10,11 @@ sum |x| |w| (K = 256); with bfloat16 output both sides round a float32 sum to bf
 differ by one bfloat16 step (2^-7 relative) more. For int8 weights and bfloat16 x the AVX-512 and
 portable paths also quantize x to int8 per row and group (scale_x = max |x| / 127, rounded to
 nearest): each x is off by at most scale_x / 2, so a group's sum by at most scale_x / 2 * sum |w|
-over the group, and the output by the sum of that over the groups."""
+over the group, and the output by the sum of that over the groups.
+
+mxfp4 (GGUF's MXFP4: 4-bit E2M1 codes, one E8M0 exponent per 32) on every path, bfloat16 and
+float32 x, the same float32 bound (it never rounds x), exact where every sum is; its packing 17
+bytes per 32 weights; every exponent byte (subnormal scales included) read back exactly."""
 
 from __future__ import annotations
 
@@ -265,6 +269,8 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(RuntimeError, match="output features"):
         op(x, packed, None, 0, 60, 32, True)
     with pytest.raises(RuntimeError, match="format"):
+        op(x, packed, None, 4, N, 32, True)
+    with pytest.raises(RuntimeError, match="mxfp4 has no offsets"):
         op(x, packed, None, 3, N, 32, True)
     with pytest.raises(RuntimeError, match="not a multiple"):
         op(x, packed, None, 0, N, 12, True)
@@ -285,7 +291,9 @@ import sys
 import torch
 torch.ops.load_library(sys.argv[1])
 from sonar.kernels import quant, quant_cpu
-from tests.kernels.test_quant_cpu import K, N, assert_close_to_reference, exact_weight, exact_x, random_weight
+from tests.kernels.test_quant_cpu import (
+    K, N, assert_close_to_reference, exact_weight, exact_x, mxfp4_weight, random_weight
+)
 
 assert not torch.ops.sonar_cpu.has_linear_quant()
 torch.ops.sonar_cpu.set_quant_isa("portable")
@@ -303,6 +311,11 @@ for fmt in ("int4", "int8", "fp8"):
     x = exact_x(3, 16, gen)
     got = torch.ops.sonar_cpu.linear_quant(x, quant_cpu.pack(small), None, quant_cpu.FORMAT_CODES[fmt], N, 16, True)
     assert torch.equal(got, quant.reference_linear(x, small)), fmt
+qw = mxfp4_weight(N, K, gen)
+for dtype in (torch.bfloat16, torch.float32):
+    x = torch.randn(5, K, generator=gen).to(dtype)
+    got = torch.ops.sonar_cpu.linear_quant(x, quant_cpu.pack(qw), None, 3, N, 32, False)
+    assert_close_to_reference(got, x, qw, None)
 print("ok")
 """
 
@@ -338,3 +351,75 @@ def test_the_environment_picks_the_path() -> None:
     env = {**os.environ, native.ISA_ENV: "avx1024"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0 and "SONAR_CPU_ISA=avx1024" in proc.stderr
+
+
+# --- mxfp4 ---------------------------------------------------------------------------------------
+
+
+def mxfp4_weight(n: int, k: int, gen: torch.Generator, exponents: tuple[int, int] = (120, 132)) -> QuantizedWeight:
+    """Random E2M1 codes and E8M0 exponents in `exponents` (scales 2^(e - 128)), groups of 32."""
+    e = torch.randint(*exponents, (n, k // 32), generator=gen).to(torch.uint8)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return QuantizedWeight("mxfp4", codes, quant.mxfp4_scales(e), None, 32)
+
+
+# (N, K): a partial tile of 16 output rows, one tile and one group, several tiles
+MXFP4_SHAPES = [(N, K), (16, 32), (50, 96)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_every_path_matches_the_reference(isa: str, dtype: torch.dtype) -> None:
+    """Against `reference_linear` on the dequantized weight, in the float32 bound of
+    `assert_close_to_reference` (no x rounding on any path), with and without a bias."""
+    gen = torch.Generator().manual_seed(21)
+    for n, k in MXFP4_SHAPES:
+        qw = mxfp4_weight(n, k, gen)
+        layer = QuantLinear(qw, None)
+        assert layer.backend.name == "native"
+        for rows in (1, 2, 3, 4, 5, 8, 17):
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            bias = torch.randn(n, generator=gen).to(dtype) if rows % 2 else None
+            layer.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+            assert_close_to_reference(layer(x), x, qw, bias)
+
+
+def test_mxfp4_is_exact_where_every_sum_is(isa: str) -> None:
+    """Scales 2^-2 .. 2^1 and integer x: every product and sum exact, so the outputs are equal."""
+    gen = torch.Generator().manual_seed(22)
+    qw = mxfp4_weight(N, K, gen, exponents=(126, 130))
+    layer = QuantLinear(qw, None)
+    for rows in (1, 3, 4, 9):
+        x = torch.randint(-8, 9, (rows, K), generator=gen).float()
+        assert torch.equal(layer(x), quant.reference_linear(x, qw)), rows
+
+
+def test_mxfp4_packing_is_17_bytes_per_32_weights_and_reads_back_exactly() -> None:
+    """Every exponent byte 0..255 (2^-128, a float32 subnormal, to 2^127) and every code: the
+    native packing (16-row tiles: 64 rows for 50) and the reference backend's hold 17 bytes per 32
+    weights, and their `rows` are `dequantize`'s exactly."""
+    gen = torch.Generator().manual_seed(23)
+    n, k = 50, 32 * 6  # 300 groups: every exponent byte, some twice
+    e = torch.arange(n * k // 32).remainder(256).to(torch.uint8).reshape(n, k // 32)
+    qw = QuantizedWeight(
+        "mxfp4", torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), quant.mxfp4_scales(e), None, 32
+    )
+    assert qw.nbytes == n * k // 32 * 17
+    native_layer, reference_layer = QuantLinear(qw, None), QuantLinear(qw, None, backend=ReferenceBackend())
+    assert native_layer.nbytes == 64 * k // 32 * 17
+    assert reference_layer.nbytes == n * k // 32 * 17
+    index = torch.arange(n)
+    for layer in (native_layer, reference_layer):
+        assert torch.equal(layer.rows(index, torch.float32), quant.dequantize(qw))
+    assert torch.equal(quant_cpu.unpack_rows(quant_cpu.pack(qw), native_layer.meta, index).scales, qw.scales)
+
+
+def test_mxfp4_weights_that_are_not_mxfp4_are_refused() -> None:
+    gen = torch.Generator().manual_seed(24)
+    qw = mxfp4_weight(16, 64, gen)
+    with pytest.raises(quant.QuantizationError, match="powers of two"):
+        quant_cpu.pack(replace(qw, scales=qw.scales * 3))
+    with pytest.raises(quant.QuantizationError, match="neither offsets"):
+        replace(qw, offsets=torch.zeros_like(qw.scales))
+    with pytest.raises(quant.QuantizationError, match="cannot stack"):
+        quant.stack_rows([qw, random_weight("int4", 32, False, n=16, k=64)])
+    assert quant.stack_rows([qw, qw]).format == "mxfp4"

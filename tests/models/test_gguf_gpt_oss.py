@@ -4,12 +4,14 @@ as ``ffn_gate_inp``, biases beside the stacked experts), in float32 and with MXF
 
 - float32 file: transformers' greedy tokens and logits within 1e-4, through the loader's
   conversion and the served (non-``--dequantize-weights``) path alike;
-- MXFP4 experts: served dequantized (Sonar has no MXFP4 kernel; the load logs it), equal to
-  transformers on the file's dequantized weights (1e-4), the blocks having rounded;
+- MXFP4 experts: served quantized (`QuantizedExperts` over the native MXFP4 kernel, nothing logged
+  as dequantized), equal to transformers on the file's dequantized weights (greedy tokens, logits
+  within 1e-4 in float32), the blocks having rounded; the experts' resident weights take MXFP4's 17
+  bytes per 32 values, not bfloat16's 64;
 - the tokenizer and chat template from the file's metadata (a byte-level BPE, as llama.cpp writes
   GPT-OSS's), equal to the tokenizer they were written from;
-- a Q8_0 file (attention and head in Q8_0, experts too): the attention served as quants, the
-  experts read dequantized, equal to transformers on the file's dequantized weights (float32);
+- a Q8_0 file (attention and head in Q8_0, experts too): attention and experts served as quants,
+  equal to transformers on the file's dequantized weights (float32);
 - through the engine, with the file's tokenizer: batched, chunked and from the prefix cache,
   transformers' greedy tokens.
 """
@@ -25,8 +27,8 @@ import structlog
 import torch
 
 import sonar
-from sonar.models.gguf_file import gguf_quantized_weights
 from sonar.models.loader import load_model
+from sonar.models.moe import QuantizedExperts
 from tests.conftest import fresh_cache_root
 from tests.models.against import assert_greedy_equals_transformers, transformers_greedy
 from tests.models.gguf_writer import add_bpe_tokenizer, write_gguf
@@ -94,7 +96,13 @@ def test_float32_file_equals_transformers(hf: Any, tmp_path: Path) -> None:
     assert_greedy_equals_transformers(loaded.model, hf, _prompts(hf.config.vocab_size), NEW_TOKENS)
 
 
-def test_mxfp4_experts_are_served_dequantized_equal_to_transformers_on_the_dequantized_weights(
+def _experts(model: Any) -> list[QuantizedExperts]:
+    blocks = [layer.mlp.experts for layer in model.own_layers]
+    assert all(isinstance(b, QuantizedExperts) for b in blocks), blocks
+    return blocks
+
+
+def test_mxfp4_experts_are_served_quantized_equal_to_transformers_on_the_dequantized_weights(
     hf: Any, tmp_path: Path
 ) -> None:
     path = tmp_path / "gpt-oss-mxfp4.gguf"
@@ -106,15 +114,51 @@ def test_mxfp4_experts_are_served_dequantized_equal_to_transformers_on_the_dequa
     ref = _reference(hf, state)
     with structlog.testing.capture_logs() as logs:
         loaded = load_model(str(path), dtype="float32")
-    served = [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"]
-    assert served and served[0]["types"] == {"MXFP4": 12}, logs
-    assert loaded.quantization is None or not gguf_quantized_weights(path, loaded.config)[0]
+    assert not [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"], logs
+    assert loaded.quantization == "gguf"
+    c = hf.config
+    layers = _experts(loaded.model)
+    layer = layers[0][0].gate_up_proj
+    assert (layer.meta.format, layer.backend.name) == ("mxfp4", "native")
+    # every expert's gate, up and down matrices (4 layers x 4 experts x 3 x 64 x 64 = 196,608
+    # weights): 17 bytes per 32 in MXFP4 (104,448 bytes), where bfloat16 would take 393,216
+    weights = c.num_hidden_layers * c.num_local_experts * 3 * c.hidden_size * c.intermediate_size
+    resident = sum(
+        t.nbytes
+        for experts in layers
+        for m in experts
+        for t in [*m.gate_up_proj.packed.values(), *m.down_proj.packed.values()]
+    )
+    assert weights == 196_608 and resident == weights // 32 * 17 == 104_448
+    assert all(name.endswith("_bias") for experts in layers for name, _ in experts.named_parameters(recurse=False)), (
+        "no dequantized copy of the experts stays beside them"
+    )
+    assert (
+        loaded.quantized is not None
+        and loaded.quantized.formats["mxfp4"] == 2 * c.num_hidden_layers * c.num_local_experts
+    )
     assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size), NEW_TOKENS)
     dequantized = load_model(str(path), dtype="float32", dequantize_weights=True)
     assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[1:2], 2)
 
 
-def test_q8_0_file_serves_its_attention_quantized_and_its_experts_dequantized(hf: Any, tmp_path: Path) -> None:
+def test_experts_not_all_in_a_served_type_are_read_dequantized(tmp_path: Path) -> None:
+    """An intermediate size of 48 leaves ``down_proj`` rows of 48 values, no whole MXFP4 blocks: the
+    writer keeps it float32 beside MXFP4 gate/up. Each such block's experts are read dequantized
+    (logged per block) and still equal transformers on the file's weights."""
+    hf48 = _hf(tiny_config(), seed=4)
+    path = tmp_path / "gpt-oss-mixed.gguf"
+    ref = _reference(hf48, write_gguf(path, "gpt_oss", hf48, _mxfp4()))
+    with structlog.testing.capture_logs() as logs:
+        loaded = load_model(str(path), dtype="float32")
+    dense = [entry["experts"] for entry in logs if entry["event"] == "model.gguf_experts_dequantized"]
+    assert dense == [f"model.layers.{i}.mlp.experts" for i in range(4)], logs
+    assert not [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"], "MXFP4 has a kernel"
+    assert not any(isinstance(layer.mlp.experts, QuantizedExperts) for layer in loaded.model.own_layers)
+    assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf48.config.vocab_size)[:2], 4)
+
+
+def test_q8_0_file_serves_its_attention_and_its_experts_quantized(hf: Any, tmp_path: Path) -> None:
     from gguf import GGMLQuantizationType
 
     path = tmp_path / "gpt-oss-q8_0.gguf"
@@ -123,8 +167,8 @@ def test_q8_0_file_serves_its_attention_quantized_and_its_experts_dequantized(hf
         loaded = load_model(str(path), dtype="float32")
     assert loaded.quantization == "gguf"
     assert type(loaded.model.own_layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
-    served = [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"]
-    assert served and served[0]["types"] == {"Q8_0": 12}, logs
+    assert _experts(loaded.model)[0][0].down_proj.meta.format == "int8"
+    assert not [entry for entry in logs if entry["event"] == "model.gguf_served_dequantized"], logs
     assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size)[:2], 4)
 
 

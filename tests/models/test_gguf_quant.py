@@ -18,7 +18,8 @@ from sonar.models.loader import load_model
 ROWS, COLS = 6, 512
 
 # gguf's quantizer covers these; for the K-quants (no quantizer in the gguf package) random
-# bytes are valid blocks once their float16 scales are finite
+# bytes are valid blocks once their float16 scales are finite, and for MXFP4 random bytes are
+# valid as they are (E8M0 exponent bytes from 2^-128, subnormal, up; every E2M1 code)
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
@@ -32,9 +33,11 @@ def _blocks(type_name: str, seed: int) -> np.ndarray:
         return quantize(weights, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (ROWS * COLS // block, size), dtype=np.uint8)
-    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[type_name]
+    halves = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}[type_name]
     for at in halves:  # float16 d / dmin: small finite values of either sign
         raw[:, at : at + 2] = rng.normal(0, 1e-3, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    if type_name == "MXFP4":
+        raw[:, 0] %= 253  # exponents up to 2^124: 12 * 2^124 is still a finite float32
     return raw.reshape(ROWS, -1)
 
 
@@ -51,9 +54,10 @@ def test_blocks_unpack_to_ggml_values_exactly(type_name: str) -> None:
 
 
 def test_value_ranges_fit_their_format() -> None:
-    """int4 values are 0..15; the 5- and 6-bit types (int8) stay within their bit width."""
+    """int4 values (and MXFP4's codes) are 0..15; the 5- and 6-bit types (int8) stay within their bit
+    width."""
     ranges = {"Q4_0": (0, 15), "Q4_1": (0, 15), "Q4_K": (0, 15), "Q5_0": (-16, 15), "Q5_1": (0, 31),
-              "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127)}  # fmt: skip
+              "Q5_K": (0, 31), "Q6_K": (-32, 31), "Q8_0": (-128, 127), "MXFP4": (0, 15)}  # fmt: skip
     for type_name, (low, high) in ranges.items():
         values = block_weight(type_name, _blocks(type_name, 7), ROWS, COLS).values.to(torch.int16)
         assert low <= int(values.min()) and int(values.max()) <= high, type_name

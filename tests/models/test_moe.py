@@ -285,3 +285,36 @@ def test_unknown_expert_tensors_are_refused(checkpoints: dict[str, tuple[Path, A
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="no place for weight model.layers.0.mlp.experts.bias"):
         load_model(str(tmp_path), dtype="float32")
+
+
+def test_quantized_gpt_oss_experts_equal_the_operator_on_their_dequantized_weights() -> None:
+    """`QuantizedExperts` with GPT-OSS's biases and clamped SwiGLU over MXFP4 weights on the native
+    kernel: three experts (the last never routed), pairs of another rank (id -1), against
+    `fused_experts_reference` on the dequantized weights; float32, within 1e-5 (the kernel sums in
+    another order)."""
+    from sonar.kernels.moe import fused_experts_reference
+    from sonar.kernels.quant import dequantize
+    from sonar.kernels.quant_linear import QuantLinear
+    from sonar.models.moe import QuantizedExperts
+    from tests.kernels.test_quant_cpu import mxfp4_weight
+
+    gen = torch.Generator().manual_seed(5)
+    experts, hidden, inter = 3, 64, 32
+    block = QuantizedExperts(experts, hidden, inter, swiglu_limit=7.0, swiglu_alpha=1.702, bias_dtype=torch.float32)
+    w13, w2 = [], []
+    for mlp in block:
+        gate_up, down = mxfp4_weight(2 * inter, hidden, gen, (122, 126)), mxfp4_weight(hidden, inter, gen, (122, 126))
+        mlp.gate_up_proj, mlp.down_proj = QuantLinear(gate_up, None), QuantLinear(down, None)
+        assert mlp.gate_up_proj.backend.name == "native"
+        w13.append(dequantize(gate_up))
+        w2.append(dequantize(down))
+    assert block.gate_up_proj_bias is not None and block.down_proj_bias is not None
+    block.gate_up_proj_bias.copy_(torch.randn(experts, 2 * inter, generator=gen))
+    block.down_proj_bias.copy_(torch.randn(experts, hidden, generator=gen))
+    x = torch.randn(7, hidden, generator=gen)
+    ids = torch.tensor([[0, 1], [1, -1], [0, -1], [1, 0], [-1, -1], [0, 1], [1, 0]])
+    weights = torch.rand(7, 2, generator=gen)
+    want = fused_experts_reference(
+        x, weights, ids, torch.stack(w13), torch.stack(w2), block.gate_up_proj_bias, block.down_proj_bias, 7.0, 1.702
+    )
+    torch.testing.assert_close(block(x, weights, ids), want, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -1385,19 +1386,39 @@ bool has_linear_bf16() {
 // Without AVX512-VNNI and AVX512-BF16 the AVX2 path (below) runs, or a portable loop that reads the
 // same packing with the same quantized x for int8 bfloat16 x (same results up to float rounding of
 // the per-group terms).
+//
+// mxfp4 (GGUF's MXFP4, OCP microscaling: 32 E2M1 values and one E8M0 exponent per block): the
+// 4-bit codes in int4's lines, and in place of the float32 scale line the 16 columns' exponent
+// bytes (16 bytes), so a 16 x 32 block takes 256 + 16 bytes, 17 bytes per 32 weights as in the
+// file. A code is the E2M1 value doubled, an integer of kMxfp4Values (sign in bit 3), and the
+// scale is 2^(e - 128) (ggml's e8m0_to_fp32_half), so every weight and scale is exact in float32.
+// It runs on the AVX2 path (float32 x; bfloat16 x widened, also where AVX-512 serves the other
+// formats) or the portable loop, never quantizing x.
 
-enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2 };
+enum QuantFormat : int64_t { kInt4 = 0, kInt8 = 1, kFp8 = 2, kMxfp4 = 3 };
+
+// MXFP4's E2M1 values doubled, by code, and its E8M0 exponent as a float32 scale 2^(e - 128).
+constexpr float kMxfp4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+inline float e8m0_half(uint8_t e) {  // 2^(e - 128): subnormal for e < 2, as ggml builds it
+  const uint32_t bits = e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23;
+  float v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 
 // The shape of a packed quantized weight, from the tensor and its format and group.
 struct QuantGeometry {
   int64_t format, group, groups, k, tiles, group_bytes, meta_lines, stride_g, tile_bytes;
   bool offsets;
 
-  static int64_t k_per_line(int64_t format) { return format == kInt4 ? 8 : 4; }
+  static int64_t k_per_line(int64_t format) { return format == kInt4 || format == kMxfp4 ? 8 : 4; }
 
   QuantGeometry(const at::Tensor& packed, int64_t format_, int64_t group_, bool offsets_)
       : format(format_), group(group_), offsets(offsets_) {
-    TORCH_CHECK(format >= kInt4 && format <= kFp8, "sonar_cpu::linear_quant: format 0 (int4), 1 (int8) or 2 (fp8)");
+    TORCH_CHECK(format >= kInt4 && format <= kMxfp4,
+                "sonar_cpu::linear_quant: format 0 (int4), 1 (int8), 2 (fp8) or 3 (mxfp4)");
+    TORCH_CHECK(format != kMxfp4 || !offsets, "sonar_cpu::linear_quant: mxfp4 has no offsets");
     TORCH_CHECK(group > 0 && group % k_per_line(format) == 0, "sonar_cpu::linear_quant: group ", group,
                 " is not a multiple of ", k_per_line(format));
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.is_contiguous(),
@@ -1407,7 +1428,7 @@ struct QuantGeometry {
     k = groups * group;
     group_bytes = group / k_per_line(format) * 64;
     meta_lines = offsets ? 2 : 1;
-    stride_g = group_bytes + meta_lines * 64;
+    stride_g = group_bytes + (format == kMxfp4 ? 16 : meta_lines * 64);
     tile_bytes = groups * stride_g;
     TORCH_CHECK(packed.size(2) == stride_g, "sonar_cpu::linear_quant: packed weights of ", packed.size(2),
                 " bytes per group, expected ", stride_g, " (group ", group, offsets ? ", with offsets)" : ")");
@@ -1765,10 +1786,11 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
         for (int64_t i = 0; i < geo.group; ++i) {  // k = g * group + i
           const int64_t line = i / QuantGeometry::k_per_line(geo.format), within = i % QuantGeometry::k_per_line(geo.format);
           for (int64_t c = 0; c < 16; ++c) {
-            if (geo.format == kInt4) {
+            if (geo.format == kInt4 || geo.format == kMxfp4) {
               const uint8_t* lane = wg + line * 64 + (c * 2 + within % 2) * 2;
               const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
-              wf[i * 16 + c] = static_cast<float>((word >> (4 * (within / 2))) & 0xf);
+              const int code = (word >> (4 * (within / 2))) & 0xf;
+              wf[i * 16 + c] = geo.format == kInt4 ? static_cast<float>(code) : kMxfp4Values[code];
             } else if (geo.format == kInt8) {
               const uint8_t byte = wg[line * 64 + c * 4 + within];
               wi[i * 16 + c] = byte;
@@ -1783,7 +1805,11 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
             }
           }
         }
-        const float* scale = reinterpret_cast<const float*>(wg + geo.group_bytes);
+        float exponent_scale[16];
+        if (geo.format == kMxfp4)
+          for (int64_t c = 0; c < 16; ++c) exponent_scale[c] = e8m0_half(wg[geo.group_bytes + c]);
+        const float* scale =
+            geo.format == kMxfp4 ? exponent_scale : reinterpret_cast<const float*>(wg + geo.group_bytes);
         const float* offset = geo.offsets ? scale + 16 : nullptr;
         for (int64_t r = 0; r < rows; ++r) {
           const QuantX xr = xs.from(r);
@@ -1835,11 +1861,21 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
 //     down arithmetically to sign-extend each byte.
 //   fp8: bytes (pair, column, parity); a pair's 16 bytes widened as 8 16-bit words, each parity
 //     sign-extended, then the float32 bit trick of the AVX-512 path (exact, subnormals included).
+//   mxfp4: int4's nibbles; the low 3 bits pick the magnitude from an 8-float table
+//     (`vpermps`), bit 3 moved to the float's sign. The exponents become scales through a
+//     256-float table (`vgatherdps`), once per group and 8 columns.
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SONAR_AVX2 1
 #include <immintrin.h>
 #define SONAR_AVX2_FN __attribute__((target("avx2,fma"))) inline
+
+// e8m0_half of every exponent byte, for the gather.
+const std::array<float, 256> kE8m0Half = [] {
+  std::array<float, 256> table{};
+  for (int e = 0; e < 256; ++e) table[e] = e8m0_half(static_cast<uint8_t>(e));
+  return table;
+}();
 
 // Value kk (0 .. k per line - 1) of the 8 columns of half `h` of a 64-byte line, as float32.
 template <int FORMAT, int KK>
@@ -1848,6 +1884,13 @@ SONAR_AVX2_FN __m256 avx2_value(const uint8_t* line, int h) {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
     constexpr int shift = 16 * (KK % 2) + 4 * (KK / 2);
     return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(0xf)));
+  } else if constexpr (FORMAT == kMxfp4) {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h));
+    constexpr int shift = 16 * (KK % 2) + 4 * (KK / 2);
+    const __m256i code = _mm256_srli_epi32(w, shift);  // vpermps reads the low 3 bits only
+    const __m256 magnitude = _mm256_permutevar8x32_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 6, 8, 12), code);
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(code, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
+    return _mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign));
   } else if constexpr (FORMAT == kInt8) {
     const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 32 * h)),
                                        _mm256_set1_epi32(int32_t(0x80808080u)));
@@ -1875,7 +1918,7 @@ SONAR_AVX2_FN void avx2_step(const uint8_t* wl, int64_t tile_bytes, const float*
     const __m256 xb = _mm256_broadcast_ss(xk + r * x_stride + KK);
     for (int j = 0; j < 2 * TILES; ++j) acc[KK % SPLIT][r][j] = _mm256_fmadd_ps(v[j], xb, acc[KK % SPLIT][r][j]);
   }
-  if constexpr (KK + 1 < (FORMAT == kInt4 ? 8 : 4))
+  if constexpr (KK + 1 < (FORMAT == kInt4 || FORMAT == kMxfp4 ? 8 : 4))
     avx2_step<FORMAT, ROWS, TILES, SPLIT, KK + 1>(wl, tile_bytes, xk, x_stride, acc);
 }
 
@@ -1885,7 +1928,7 @@ template <int FORMAT, int ROWS, int TILES>
 SONAR_AVX2_FN void avx2_block(const float* x, int64_t x_stride, const float* sums, const uint8_t* w,
                               const QuantGeometry& geo, float* out) {
   constexpr int SPLIT = kAvx2Split<ROWS, TILES>, H = 2 * TILES;
-  constexpr int64_t KL = FORMAT == kInt4 ? 8 : 4;
+  constexpr int64_t KL = FORMAT == kInt4 || FORMAT == kMxfp4 ? 8 : 4;
   const int64_t lines = geo.group / KL;
   __m256 total[ROWS][H];
   for (int r = 0; r < ROWS; ++r)
@@ -1904,9 +1947,16 @@ SONAR_AVX2_FN void avx2_block(const float* x, int64_t x_stride, const float* sum
       for (int r = 0; r < ROWS; ++r)
         for (int j = 0; j < H; ++j) acc[0][r][j] = _mm256_add_ps(acc[0][r][j], acc[s][r][j]);
     for (int t = 0; t < TILES; ++t) {
-      const float* meta = reinterpret_cast<const float*>(wg + t * geo.tile_bytes + geo.group_bytes);
+      const uint8_t* meta_bytes = wg + t * geo.tile_bytes + geo.group_bytes;
+      const float* meta = reinterpret_cast<const float*>(meta_bytes);
       for (int h = 0; h < 2; ++h) {
-        const __m256 scale = _mm256_loadu_ps(meta + 8 * h);
+        __m256 scale;
+        if constexpr (FORMAT == kMxfp4) {
+          const __m128i e = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(meta_bytes + 8 * h));
+          scale = _mm256_i32gather_ps(kE8m0Half.data(), _mm256_cvtepu8_epi32(e), 4);
+        } else {
+          scale = _mm256_loadu_ps(meta + 8 * h);
+        }
         for (int r = 0; r < ROWS; ++r) total[r][2 * t + h] = _mm256_fmadd_ps(acc[0][r][2 * t + h], scale, total[r][2 * t + h]);
         if (geo.offsets) {
           const __m256 offset = _mm256_loadu_ps(meta + 16 + 8 * h);
@@ -2033,13 +2083,14 @@ at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, cons
   at::Tensor y = at::empty({rows, out_features}, x.options());
   const QuantIsa isa = quant_isa_now();
 #ifdef SONAR_AVX2
-  if (isa == kAvx2 || (isa == kAvx512 && is_float)) {
+  if (isa == kAvx2 || (isa == kAvx512 && (is_float || format == kMxfp4))) {
     at::Tensor xf = is_float ? x : x.to(at::kFloat);
     const float* xs = data<const float>(xf);
     std::vector<float> sums = group_sums(xs, rows, geo.k, group);
     at::Tensor yf = is_float ? y : at::empty({rows, out_features}, x.options().dtype(at::kFloat));
     if (format == kInt4) linear_quant_avx2<kInt4>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
     else if (format == kInt8) linear_quant_avx2<kInt8>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
+    else if (format == kMxfp4) linear_quant_avx2<kMxfp4>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
     else linear_quant_avx2<kFp8>(xs, sums.data(), rows, data<const uint8_t>(packed), geo, data<float>(yf), out_features);
     if (bias) yf.add_(*bias);
     if (!is_float) y.copy_(yf);
@@ -2384,7 +2435,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
 // layer of the per-op path does. Returns the final norm of the last hidden state.
 
 // A linear layer's kind in `decode_layers`: plain, bf16 packed, or 2 + 2 * format + has_offsets.
-enum LinearKind : int64_t { kPlain = 0, kPackedBf16 = 1, kQuantFirst = 2, kQuantLast = 7 };
+enum LinearKind : int64_t { kPlain = 0, kPackedBf16 = 1, kQuantFirst = 2, kQuantLast = 9 };
 
 struct AnyLinear {
   const at::Tensor* weight;
