@@ -303,13 +303,16 @@ async def feed(root: Any, engine: Any) -> None:
     servers = root.child(SUPERVISOR).child
     engine.listeners.append(on_event)
     servers.listeners.append(on_server_event)
-    pids: set[int] = set()
+    from sonar.http.metrics import shared_metrics_dir
+
+    shared, pids = shared_metrics_dir(), set[int]()
     try:
         while True:
             wake = anyio.Event()
             sending, events[:] = list(events), []
             tree = EngineTree(root.tree())
-            pids = forget_dead(pids, server_pids(tree.tree))
+            if shared is not None:
+                pids = forget_dead(pids, server_pids(tree.tree), shared)
             for ref in api_server_refs(root):
                 for msg in (*sending, tree):
                     await _send(ref, msg)
@@ -320,17 +323,13 @@ async def feed(root: Any, engine: Any) -> None:
         servers.listeners.remove(on_server_event)
 
 
-def forget_dead(before: set[int], now: set[int]) -> set[int]:
+def forget_dead(before: set[int], now: set[int], path: str) -> set[int]:
     """Drop the in-flight counts of the API server processes in `before` that are gone `now`
-    from the shared metrics (their counters stay); `now`."""
-    from sonar.http.metrics import shared_metrics_dir
+    from the shared metrics directory `path` (their counters stay); `now`."""
+    from prometheus_client.multiprocess import mark_process_dead
 
-    path = shared_metrics_dir()
-    if path is not None:
-        from prometheus_client.multiprocess import mark_process_dead
-
-        for pid in before - now:
-            mark_process_dead(pid, path)
+    for pid in before - now:
+        mark_process_dead(pid, path)
     return now
 
 

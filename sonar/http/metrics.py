@@ -506,7 +506,7 @@ def shared_metrics_dir() -> str | None:
     return path if path and getattr(values.ValueClass, "_multiprocess", False) else None
 
 
-class _SharedCollector(Collector):
+class SharedCollector(Collector):
     """The per-request series of every API server process, from their files in the shared
     directory: counters and histograms summed over the processes (a dead one's files stay, so
     what it counted is not lost; a restarted one writes its own under its new pid)."""
@@ -544,7 +544,7 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         path = shared_metrics_dir()
-        self.shared = None if path is None else _SharedCollector(path)
+        self.shared = None if path is None else SharedCollector(path)
         # Shared: the instruments write to this process's files and `self.shared` reads every
         # process's; registered here too, this process's values would show twice.
         r = self.registry if self.shared is None else None
