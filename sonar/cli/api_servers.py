@@ -11,6 +11,13 @@ engine -> API server without a detour through the owner. Every API server binds 
 SO_REUSEPORT (`sonar.http.frontend.shared_port_socket`) and the kernel spreads connections over
 them; each response names its server in ``x-sonar-api-server``.
 
+Their `/metrics` and `/load` are every server's (`share_metrics`): the owner creates a private
+directory before any server starts and names it in ``PROMETHEUS_MULTIPROC_DIR``, which the API
+server processes inherit; each writes its per-request series there (prometheus_client's
+multiprocess files, one set per pid) and a scrape of any of them sums them all
+(`sonar.http.metrics`). A dead server's counters stay in the sum; its in-flight count is dropped
+(`mark_process_dead`) once the owner's tree shows it gone (`feed`).
+
 What only the owner sees reaches the others as messages: the engine's supervision events (a
 crashed scheduler or detokenizer lost its requests; the engine gave up) as `EngineEvent`, the
 live tree for `/actors` and `/metrics` as `EngineTree` every `TREE_INTERVAL` seconds. A signal
@@ -24,7 +31,10 @@ refused at startup (`sonar.cli.parse`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
+import sys
+import tempfile
 from typing import Any, Iterator, Union
 
 import anyio
@@ -74,6 +84,28 @@ class AbortInFlight(Ask, tag="api.abort"):
 
 
 ApiServerMsg = Union[GetFrontendStatus, SetPhase, AbortInFlight, EngineEvent, EngineTree]
+
+
+def share_metrics() -> str:
+    """Create the private (0700) directory the API servers share their metrics in and name it in
+    this process's environment, which the API server processes inherit; its path (the caller
+    removes it at exit). prometheus_client reads the variable when it is imported: if it was
+    imported already (an operator's middleware), its value class is picked again, so the
+    instruments the app creates later write to the directory."""
+    from sonar.http.metrics import MULTIPROC_ENV
+
+    path = tempfile.mkdtemp(prefix="sonar-metrics-")
+    os.environ[MULTIPROC_ENV] = path
+    values = sys.modules.get("prometheus_client.values")
+    if values is not None and not getattr(values.ValueClass, "_multiprocess", False):
+        values.ValueClass = values.MultiProcessValue()  # type: ignore[attr-defined]
+    return path
+
+
+def server_pids(tree: ActorInfo) -> set[int]:
+    """The pids of the API server processes 1 .. N-1 in the owner's tree."""
+    servers = tree.find(SUPERVISOR)
+    return set() if servers is None else {c.pid for c in servers.children if c.pid is not None}
 
 
 def api_servers_spec(
@@ -271,11 +303,16 @@ async def feed(root: Any, engine: Any) -> None:
     servers = root.child(SUPERVISOR).child
     engine.listeners.append(on_event)
     servers.listeners.append(on_server_event)
+    from sonar.http.metrics import shared_metrics_dir
+
+    shared, pids = shared_metrics_dir(), set[int]()
     try:
         while True:
             wake = anyio.Event()
             sending, events[:] = list(events), []
             tree = EngineTree(root.tree())
+            if shared is not None:
+                pids = forget_dead(pids, server_pids(tree.tree), shared)
             for ref in api_server_refs(root):
                 for msg in (*sending, tree):
                     await _send(ref, msg)
@@ -284,6 +321,16 @@ async def feed(root: Any, engine: Any) -> None:
     finally:
         engine.listeners.remove(on_event)
         servers.listeners.remove(on_server_event)
+
+
+def forget_dead(before: set[int], now: set[int], path: str) -> set[int]:
+    """Drop the in-flight counts of the API server processes in `before` that are gone `now`
+    from the shared metrics directory `path` (their counters stay); `now`."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    for pid in before - now:
+        mark_process_dead(pid, path)
+    return now
 
 
 async def _send(ref: ActorRef, msg: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -74,7 +75,16 @@ def main(argv: Sequence[str]) -> int:
         return 2
     if config.headless:
         return _headless(config)
-    code = anyio.run(serve, config, backend="asyncio")
+    shared_metrics = None
+    if (config.api_server_count or 1) > 1:
+        from sonar.cli.api_servers import share_metrics
+
+        shared_metrics = share_metrics()
+    try:
+        code = anyio.run(serve, config, backend="asyncio")
+    finally:
+        if shared_metrics is not None:
+            shutil.rmtree(shared_metrics, ignore_errors=True)
     if _is_process_entry():
         _exit_now(code)
     return code

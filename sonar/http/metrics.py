@@ -46,6 +46,14 @@ prefix:
 With --otlp-traces-endpoint the `RequestRecorder` also ends each described request's spans
 (`sonar.http.tracing`).
 
+With `--api-server-count N` > 1 every API server process records its per-request series (and its
+`/load` count) in a directory the `serve` process shares with them (prometheus_client's
+multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`): whichever server answers, `/metrics` shows the
+counters and histograms summed over all of them (those of a server process that died included:
+its files stay, and its restarted process writes new ones under its new pid) and `/load` the
+requests in flight on the live ones. The engine-side series come from the engine, once; the
+``process_*`` series and the frontend's `requests_tracked` are the answering process's.
+
 A "request" in the histograms and in `request_success_total` is one engine request: one
 completion choice (an HTTP request with `n=2` and two prompts is four). Prompt tokens count each
 prompt once, as the responses' usage does.
@@ -53,6 +61,7 @@ prompt once, as the responses' usage does.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import time
@@ -61,8 +70,9 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable, Iterator
 
 import anyio
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -483,12 +493,61 @@ def _is_replica(name: str) -> bool:
     return name.startswith("replica") and name[len("replica") :].isdigit()
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+LOAD = "sonar:server_load"
+"""The `/load` gauge: kept in the shared directory, never shown on `/metrics`."""
+
+
+def shared_metrics_dir() -> str | None:
+    """The directory the API server processes share their series in (`--api-server-count` > 1;
+    `sonar.cli.api_servers.share_metrics`), or None. prometheus_client picks its value class when
+    it is imported, so the directory counts only when that class writes to it."""
+    path = os.environ.get(MULTIPROC_ENV)
+    return path if path and getattr(values.ValueClass, "_multiprocess", False) else None
+
+
+class SharedCollector(Collector):
+    """The per-request series of every API server process, from their files in the shared
+    directory: counters and histograms summed over the processes (a dead one's files stay, so
+    what it counted is not lost; a restarted one writes its own under its new pid)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[Any]:
+        files = glob.glob(os.path.join(self.path, "*.db"))
+        for family in MultiProcessCollector.merge(files, accumulate=True):
+            if family.name != LOAD:
+                yield family
+
+    def total(self, name: str) -> float:
+        """Counter `name`'s value summed over the processes and its labels."""
+        return sum(
+            sample.value
+            for family in self.collect()
+            if family.name == name
+            for sample in family.samples
+            if sample.name == name + "_total"
+        )
+
+    def load(self) -> int:
+        """The `LOAD` gauges of the live processes, summed (`mark_process_dead` removes a dead
+        process's)."""
+        files = glob.glob(os.path.join(self.path, "gauge_livesum_*.db"))
+        families = MultiProcessCollector.merge(files, accumulate=False)
+        return int(sum(s.value for f in families if f.name == LOAD for s in f.samples))
+
+
 class ServerMetrics:
     """The app's metrics registry, its per-request instruments and its in-flight count."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
+        path = shared_metrics_dir()
+        self.shared = None if path is None else SharedCollector(path)
+        # Shared: the instruments write to this process's files and `self.shared` reads every
+        # process's; registered here too, this process's values would show twice.
+        r = self.registry if self.shared is None else None
         self.prompt_tokens = Counter("sonar:prompt_tokens", "Prompt tokens processed.", registry=r)
         self.generation_tokens = Counter("sonar:generation_tokens", "Generation tokens produced.", registry=r)
         self.request_success = Counter(
@@ -515,14 +574,36 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        if self.shared is not None:
+            self.registry.register(self.shared)
+        self._in_flight = 0
+        """HTTP requests to the generation routes whose response has not ended yet (`/load`)."""
+        self._load = None
+        if self.shared is not None:  # the other API servers read this process's count from its file
+            self._load = Gauge(LOAD, "Generation requests in flight.", multiprocess_mode="livesum", registry=None)
         self.engine = _EngineCollector()
-        r.register(self.engine)
-        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends, of this process
-        #: HTTP requests to the generation routes whose response has not ended yet (`/load`).
-        self.server_load = 0
+        self.registry.register(self.engine)
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and friends, of this process
         # Totals for the stats log line (the Counters keep theirs, but reading them back is clumsy).
         self.total_prompt_tokens = 0
         self.total_generation_tokens = 0
+
+    def add_load(self, delta: int) -> None:
+        """A generation request started (1) or its response ended (-1)."""
+        self._in_flight += delta
+        if self._load is not None:
+            self._load.inc(delta)
+
+    @property
+    def server_load(self) -> int:
+        """Generation requests in flight: on this server, or shared, on every live API server."""
+        return self._in_flight if self.shared is None else self.shared.load()
+
+    def token_totals(self) -> tuple[float, float]:
+        """Prompt and generation tokens counted so far, by this server or by every API server."""
+        if self.shared is None:
+            return self.total_prompt_tokens, self.total_generation_tokens
+        return self.shared.total("sonar:prompt_tokens"), self.shared.total("sonar:generation_tokens")
 
     def request(self) -> "RequestRecorder":
         """A recorder for one HTTP request, arriving now."""
@@ -716,11 +797,11 @@ class LoadMiddleware:
         if scope["type"] != "http" or _path(scope) not in LOAD_PATHS:
             await self.app(scope, receive, send)
             return
-        self.metrics.server_load += 1
+        self.metrics.add_load(1)
         try:
             await self.app(scope, receive, send)
         finally:
-            self.metrics.server_load -= 1
+            self.metrics.add_load(-1)
 
 
 def _path(scope: Scope) -> str:
@@ -759,7 +840,7 @@ async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 
     throughput over the interval, and the prefix cache hit rate over the interval (of the prompt
     tokens looked up in it; n/a when none were)."""
     last_time = time.monotonic()
-    last_prompt, last_gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+    last_prompt, last_gen = metrics.token_totals()
     last_queries = last_hits = None
     last_drafts = last_accepted = 0
     speculating = llm.config.speculative() is not None
@@ -773,7 +854,7 @@ async def log_stats_forever(llm: LLM, metrics: ServerMetrics, interval: float = 
             continue
         now = time.monotonic()
         elapsed = max(now - last_time, 1e-9)
-        prompt, gen = metrics.total_prompt_tokens, metrics.total_generation_tokens
+        prompt, gen = metrics.token_totals()
         queries = stats.prefix_queries - (last_queries or 0)
         hits = stats.prefix_hits - (last_hits or 0)
         acceptance = None

@@ -1,9 +1,16 @@
 """`sonar serve --api-server-count 2` on the embedded model: two API server processes share the
 port over one engine. Concurrent requests land on both (each response names its server in
 ``x-sonar-api-server``) with the greedy text of `--api-server-count 1`; every route answers the
-same on both; a client that hangs up on the second server aborts its request in the engine;
-killing the second server's process loses no request of the first, and it is restarted; SIGTERM
-ends the requests in flight on both with finish_reason "abort" and stops every process."""
+same on both; `/metrics` and `/load` count the requests of both, whichever answers; a client that
+hangs up on the second server aborts its request in the engine; killing the second server's
+process loses no request of the first, and it is restarted; SIGTERM ends the requests in flight on
+both with finish_reason "abort" and stops every process.
+
+Three servers: the shared `-asc 2` server (its tests run in file order: the checks that leave it as
+they found it, then the SIGKILL of ``api1``, then SIGTERM, which stops it), the reference (`-asc
+1`) and one whose engine gives up. The last two run the worker in the `serve` process: one process
+less to start, and each restart of the worker that gives up is then a model load, not a process
+start. (Started at once, the three took longer than one after the other on two busy cores.)"""
 
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.conftest import ServerProcess, sse_events, start_server, stop_server
 
-pytestmark = pytest.mark.slow  # two server starts
+pytestmark = pytest.mark.slow  # three server starts
 
 HEADER = "x-sonar-api-server"
 ARGS = (
@@ -30,6 +37,7 @@ ARGS = (
 PROMPTS = ["The capital of France is", "Two plus two equals", "My favourite animal is the", "Once upon a time,"]
 COMPLETION = {"model": "smol", "max_tokens": 12, "temperature": 0}
 LONG = {"model": "smol", "prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 230}
+GIVES_UP = ("--fault-injection", "raise@p=1", "--placement", "worker=inprocess")
 
 
 def chat(prompt: str) -> dict[str, Any]:
@@ -50,7 +58,7 @@ def greedy_texts(base_url: str) -> dict[tuple[str, str], str]:
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
     """The greedy texts of one API server (`--api-server-count 1`)."""
-    server = start_server(tmp_path_factory.mktemp("asc1"), *ARGS)
+    server = start_server(tmp_path_factory.mktemp("asc1"), *ARGS, "--placement", "worker=inprocess")
     try:
         return greedy_texts(server.base_url)
     finally:
@@ -102,6 +110,47 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
         for sample in family.samples:
             out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
     return out
+
+
+def scrape(server: ServerProcess, index: int) -> str:
+    """`/metrics` as API server `index` answers it."""
+    r = on_server(index, lambda: get(server, "/metrics"))
+    assert r is not None, f"API server {index} did not answer /metrics"
+    return r.text
+
+
+def load(server: ServerProcess, index: int) -> int:
+    r = on_server(index, lambda: get(server, "/load"))
+    assert r is not None, f"API server {index} did not answer /load"
+    return r.json()["server_load"]
+
+
+def client_on(server: ServerProcess, index: int) -> httpx.Client:
+    """A client whose connection API server `index` accepted (its requests all go there)."""
+    for _ in range(200):
+        client = httpx.Client(base_url=server.base_url, timeout=60)
+        if client.get("/health").headers.get(HEADER) == str(index):
+            return client
+        client.close()
+    pytest.fail(f"no connection reached API server {index}")
+
+
+def http_counts(text: str) -> dict[str, float]:
+    """The per-request counters of a scrape (what the API servers record, not the engine)."""
+    m = samples(text)
+    return {
+        "requests": sum(v for (name, _), v in m.items() if name == "sonar:request_success_total"),
+        "prompt_tokens": m[("sonar:prompt_tokens_total", ())],
+        "generation_tokens": m[("sonar:generation_tokens_total", ())],
+        **{
+            name: m[(f"sonar:{name}_count", ())]
+            for name in (
+                "e2e_request_latency_seconds",
+                "time_to_first_token_seconds",
+                "request_queue_time_seconds",
+            )
+        },
+    }
 
 
 def test_the_startup_lines_say_how_many_api_servers_serve(server) -> None:
@@ -193,6 +242,58 @@ def test_a_client_hanging_up_on_the_second_server_aborts_its_request(server) -> 
     assert samples(second.text)[("sonar:request_success_total", (("finished_reason", "abort"),))] >= 1
 
 
+def test_metrics_and_load_count_the_requests_of_both_servers_whichever_answers(server) -> None:
+    """The per-request series are summed over the API servers (prometheus_client's multiprocess
+    files in the directory the `serve` process shares with them); the engine's appear once."""
+    before = [http_counts(scrape(server, index)) for index in (0, 1)]
+    assert before[0] == before[1]
+    served = {"0": 0, "1": 0}
+    prompt_tokens = generation_tokens = 0
+    for _ in range(200):  # a new connection each: the kernel picks the server
+        body = {**COMPLETION, "prompt": PROMPTS[sum(served.values()) % len(PROMPTS)]}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        served[r.headers[HEADER]] += 1
+        prompt_tokens += r.json()["usage"]["prompt_tokens"]
+        generation_tokens += r.json()["usage"]["completion_tokens"]
+        if min(served.values()) >= 3:
+            break
+    assert min(served.values()) >= 3, f"the requests did not land on both servers: {served}"
+    sent = sum(served.values())
+    texts = [scrape(server, index) for index in (0, 1)]
+    after = [http_counts(text) for text in texts]
+    assert after[0] == after[1]
+    delta = {name: after[0][name] - before[0][name] for name in after[0]}
+    assert delta["requests"] == sent
+    assert delta["e2e_request_latency_seconds"] == delta["time_to_first_token_seconds"] == sent
+    assert delta["request_queue_time_seconds"] == sent
+    assert (delta["prompt_tokens"], delta["generation_tokens"]) == (prompt_tokens, generation_tokens)
+    for text in texts:  # every family once: the engine's are not counted per server
+        types = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")]
+        assert len(types) == len(set(types)), sorted(t for t in types if types.count(t) > 1)
+    engine = [samples(text) for text in texts]
+    assert engine[0][("sonar:engine_steps_total", ())] == engine[1][("sonar:engine_steps_total", ())]
+
+    # /load: a stream open on the second server is in flight on either server's answer.
+    client = client_on(server, 1)
+    try:
+        body = {**LONG, "stream": True, "ignore_eos": True}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.headers[HEADER] == "1"
+            lines = r.iter_lines()  # kept: a closed line iterator would close the connection
+            for line in lines:
+                if line.startswith("data: "):
+                    break
+            assert (load(server, 0), load(server, 1)) == (1, 1)
+            lines.close()
+    finally:
+        client.close()
+    deadline = time.monotonic() + 10
+    while (load(server, 0), load(server, 1)) != (0, 0):
+        assert time.monotonic() < deadline, "a finished request still counts in /load"
+        time.sleep(0.1)
+
+
 def test_killing_the_second_server_loses_no_request_of_the_first_and_it_comes_back(server, expected) -> None:
     victim = api1(server.base_url)
     assert victim is not None and victim["state"] == "running"
@@ -200,6 +301,7 @@ def test_killing_the_second_server_loses_no_request_of_the_first_and_it_comes_ba
     longer = {
         p: httpx.post(f"{server.base_url}/v1/completions", json={**body, "prompt": p}, timeout=120) for p in PROMPTS
     }
+    counted = http_counts(scrape(server, 0))["requests"]
     results: dict[int, httpx.Response | Exception] = {}
 
     def one(i: int) -> None:
@@ -232,14 +334,30 @@ def test_killing_the_second_server_loses_no_request_of_the_first_and_it_comes_ba
     assert pid != victim["pid"]
     node = api1(server.base_url)
     assert node is not None and node["restarts"] == 1
-    again = on_server(
-        1, lambda: httpx.post(f"{server.base_url}/v1/chat/completions", json=chat(PROMPTS[1]), timeout=60)
-    )
+    tries = 0
+
+    def ask_again() -> httpx.Response:
+        nonlocal tries
+        tries += 1
+        return httpx.post(f"{server.base_url}/v1/chat/completions", json=chat(PROMPTS[1]), timeout=60)
+
+    again = on_server(1, ask_again)
     assert again is not None and again.json()["choices"][0]["message"]["content"] == expected["chat", PROMPTS[1]]
     # The engine holds nothing of the killed server's requests.
     deadline = time.monotonic() + 10
     while samples(get(server, "/metrics").text)[("sonar:num_requests_running", ())] != 0:
         assert time.monotonic() < deadline, "requests of the killed server still run in the engine"
+        time.sleep(0.1)
+    # What the killed server counted stays (its files outlive it), the restarted one counts anew
+    # (under its new pid): every answered request once, plus at most those the killed server
+    # finished but could not send. Its requests in flight are no longer in /load.
+    answered = sum(isinstance(r, httpx.Response) for r in results.values())
+    totals = [http_counts(scrape(server, index))["requests"] - counted for index in (0, 1)]
+    assert totals[0] == totals[1]
+    assert answered + tries <= totals[0] <= len(results) + tries  # + the chats until api1 answered
+    deadline = time.monotonic() + 10
+    while (load(server, 0), load(server, 1)) != (0, 0):
+        assert time.monotonic() < deadline, "the killed server's requests still count in /load"
         time.sleep(0.1)
 
 
@@ -268,7 +386,9 @@ def test_sigterm_aborts_the_requests_on_both_servers_and_stops_every_process(ser
         threads.append(t)
         if opened.wait(0.5):
             break
-    assert opened.is_set(), "no stream reached each server"
+    # A stream's headers go out with its first token: one waiting for KV blocks (four of these
+    # streams fill the cache) opens when an earlier one has finished.
+    assert opened.wait(60), "no stream reached each server"
     time.sleep(0.5)
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
@@ -285,7 +405,7 @@ def test_sigterm_aborts_the_requests_on_both_servers_and_stops_every_process(ser
 def test_an_engine_that_gives_up_ends_the_requests_of_both_servers_with_503(tmp_path: Path) -> None:
     """The owner forwards the engine's give-up to the other API server: its requests end with a
     503 OpenAI error as the owner's do (not a dropped connection), and every process exits."""
-    server = start_server(tmp_path, "--api-server-count", "2", *ARGS, "--fault-injection", "raise@p=1")
+    server = start_server(tmp_path, "--api-server-count", "2", *ARGS, *GIVES_UP)
     try:
         pid = wait_for_second_server(server)
         results: dict[int, httpx.Response | Exception] = {}
