@@ -24,7 +24,7 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, device: str, **en
     prompts = [[3, IMAGE_TOKEN_ID, 4, 5], [6, IMAGE_TOKEN_ID, 7, IMAGE_TOKEN_ID, 8], [9, 10, 11]]
     pictures = [[random_image(1)], [random_image(2), random_image(3)], []]
     async with sonar.open(
-        str(path), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=24, **engine_args
+        str(path), dtype="float32", num_gpu_blocks_override=64, max_num_batched_tokens=24, max_num_seqs=4, **engine_args
     ) as llm:
         outs = []
         for ids, pics in zip(prompts, pictures):

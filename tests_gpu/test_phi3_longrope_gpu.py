@@ -41,7 +41,12 @@ async def test_longrope_on_gpu_equals_transformers(
     prompts = prompts_by_kind()
     params = sonar.SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
     async with sonar.open(
-        str(tmp_path), dtype="float32", max_num_batched_tokens=16, num_gpu_blocks_override=40, **engine_args
+        str(tmp_path),
+        dtype="float32",
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        num_gpu_blocks_override=40,
+        **engine_args,
     ) as llm:
         assert llm.info.longrope_switch == 32
         outs = await llm.generate_many(list(prompts.values()), params)

@@ -33,6 +33,7 @@ async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, device: str, **en
         dtype="float32",
         num_gpu_blocks_override=64,
         max_num_batched_tokens=8,
+        max_num_seqs=4,
         max_model_len=256,
         limit_mm_per_prompt={"image": 2},
         **engine_args,
@@ -56,3 +57,30 @@ async def test_tiny_qwen_vl_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch, t
     compiled = await _greedy(monkeypatch, tmp_path, "cuda", cudagraph_capture_sizes=[1, 2, 4])
     assert eager == cpu and graphs == cpu and compiled == cpu
     assert torch.cuda.is_available()
+
+
+def test_the_memory_profile_runs_the_tower_on_the_largest_image(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The startup profile measures the tower on the largest image (the tiny processor's 64 x 64
+    pixels: 64 rows) and keeps the larger peak; --skip-mm-profiling leaves it out."""
+    from sonar.engine.config import EngineConfig
+    from sonar.engine.runner import ModelRunner
+
+    monkeypatch.setenv("SONAR_DEVICE", "cuda")
+    save_tiny_qwen2_5_vl(tmp_path, seed=1)
+
+    def profile(**args: object):
+        runner = ModelRunner(
+            EngineConfig.from_args(
+                str(tmp_path), dtype="float32", max_model_len=256, gpu_memory_utilization=0.3, **args
+            )
+        )
+        assert runner.profile_image() is None or runner.profile_image().length == 64
+        return runner.memory_profile
+
+    measured = profile()
+    assert measured is not None and measured.tower > 0
+    assert measured.peak_activations >= measured.tower
+    skipped = profile(skip_mm_profiling=True)
+    assert skipped is not None and skipped.tower == 0

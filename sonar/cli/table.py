@@ -722,9 +722,9 @@ GROUPS: tuple[Group, ...] = (
            why=NO_MM),
         _f("--interleave-mm-strings", B, False,
            "Let text and media interleave freely in string-format chat prompts.", why=NO_MM),
-        _f("--skip-mm-profiling", B, False, "Leave the multimodal encoder out of startup memory profiling.",
-           accepts=(True,), why="Sonar's startup memory profile measures the language model alone: the vision "
-           "tower's activations come out of the headroom --gpu-memory-utilization leaves"),
+        _f("--skip-mm-profiling", B, False,
+           "Leave the vision tower out of the startup memory profile (CUDA): without it, the profile also "
+           "runs the tower on the largest image a request can bring.", to=E),
         _f("--video-pruning-rate", F, None, "Share of video tokens to drop, from 0 up to but excluding 1.",
            why=NO_MM),
         _f("--video-pruning-method", S_, "evs", "Algorithm that prunes video tokens.", choices=("evs", "vidcom2"),

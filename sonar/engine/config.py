@@ -220,6 +220,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """`--limit-mm-per-prompt`: most items of each modality in one prompt (`sonar.multimodal.limits`)."""
     language_model_only: bool = False
     """`--language-model-only`: accept no images (as a limit of 0)."""
+    skip_mm_profiling: bool = False
+    """`--skip-mm-profiling`: the CUDA memory profile leaves out the vision tower's run on the largest
+    image (`ModelRunner.profile_image`)."""
     enable_mm_embeds: bool = False
     """`--enable-mm-embeds`: accept images given as their feature rows (`sonar.engine.image_embeds`)."""
     mm_processor_kwargs: dict[str, Any] | None = None

@@ -96,6 +96,9 @@ class MemoryProfile:
     peak_activations: int
     non_torch: int
     graphs: int
+    tower: int = 0
+    """A vision model's tower on the largest image a request can bring (0: none, or
+    ``--skip-mm-profiling``); `peak_activations` is the larger of it and the forward pass's."""
 
     @property
     def requested(self) -> int:
@@ -108,7 +111,7 @@ class MemoryProfile:
     def describe(self) -> dict[str, str]:
         return {
             name: format_memory_size(max(getattr(self, name), 0))
-            for name in ("requested", "weights", "peak_activations", "non_torch", "graphs")
+            for name in ("requested", "weights", "peak_activations", "tower", "non_torch", "graphs")
         }
 
 

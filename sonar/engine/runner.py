@@ -382,6 +382,8 @@ class ModelRunner:
         if cuda and cfg.kv_cache_memory_bytes is None and cfg.num_gpu_blocks_override is None:
             profile = self._profile(total, start, sizes)
             kv_bytes = memory.kv_cache_bytes(profile)
+        self.memory_profile = profile
+        """What the CUDA startup profile measured (None: no profile ran)."""
         draft_kv_dtype = None
         extra = 0
         if self.drafter is not None:  # its KV cache has as many blocks: they share the budget
@@ -621,6 +623,15 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - before
         del hidden
+        image = self.profile_image()
+        tower = 0
+        if image is not None:  # the tower runs apart from the forward pass: the larger peak counts
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            self.encode_image(image)
+            torch.cuda.synchronize(device)
+            tower = torch.cuda.max_memory_allocated(device) - before
+            peak = max(peak, tower)
         graphs = 0
         if sizes:
             self.kv_caches = scratch  # the probe graphs read the throwaway cache (contexts of length 0)
@@ -646,8 +657,9 @@ class ModelRunner:
             peak_activations=peak,
             non_torch=non_torch,
             graphs=graphs,
+            tower=tower,
         )
-        log.info("memory.profiled", tokens=tokens, **profile.describe())
+        log.info("memory.profiled", tokens=tokens, image_rows=image.length if image else 0, **profile.describe())
         return profile
 
     @torch.inference_mode()
@@ -956,17 +968,43 @@ class ModelRunner:
             elif features is None:
                 features = self.encoder_cache.get(image.hash, image.length)
                 if features is None:
-                    pixels = image.pixel_values.to(self.device)
-                    if image.grid is None:
-                        features = self.model.encode_images(pixels.unsqueeze(0))[0]
-                    else:
-                        features = self.model.encode_grid(pixels, image.grid)
+                    features = self.encode_image(image)
                     self.encoder_cache.put(image.hash, features)
             state.features[index] = features
             rows += range(first + lo - start, first + hi - start)
             embeds.append(features[lo - image.offset : hi - image.offset])
             if hi == image.offset + image.length:
                 del state.features[index]
+
+    def encode_image(self, image: ImageInput) -> torch.Tensor:
+        """An image's feature rows ``[length, width]`` from the vision tower and projector."""
+        pixels = image.pixel_values.to(self.device)
+        if image.grid is None:
+            return self.model.encode_images(pixels.unsqueeze(0))[0]
+        return self.model.encode_grid(pixels, image.grid)
+
+    def profile_image(self) -> ImageInput | None:
+        """The largest image a request to this server can bring (`sonar.multimodal.profile_image`),
+        for the memory profile; None for a text-only model, a model served without images, or
+        with ``--skip-mm-profiling``."""
+        cfg = self.config
+        vision = vision_info(self.model)
+        if (
+            vision is None
+            or cfg.skip_mm_profiling
+            or image_limit(cfg.limit_mm_per_prompt, cfg.language_model_only) == 0
+        ):
+            return None
+        from sonar.multimodal.processor import image_processor
+        from sonar.multimodal.profile_image import largest_image
+
+        processor = image_processor(vision, cfg.tokenizer or self.loaded.tokenizer_path, cfg.mm_processor_kwargs)
+        # an image computed in one step (bidirectional attention) fits one step's budget; the
+        # profile runs before the KV cache plan fixes the model length, so an automatic one
+        # (-1) counts as the model's own
+        model_len = cfg.max_model_len if cfg.max_model_len not in (None, -1) else self.loaded.max_model_len
+        max_rows = cfg.max_num_batched_tokens if vision.bidirectional else model_len
+        return largest_image(vision, processor, max_rows)
 
     @staticmethod
     def _mrope_positions(rope: torch.Tensor, requests: list[tuple[int, int, int, _RequestState]]) -> torch.Tensor:

@@ -253,7 +253,6 @@ def test_refusal_text_reads_as_one_sentence(usage_error) -> None:
         ["--disable-custom-all-reduce"],
         ["--no-enable-flashinfer-autotune"],
         ["--language-model-only"],
-        ["--skip-mm-profiling"],
         ["--data-parallel-backend", "mp"],
         ["--all2all-backend", "allgather_reducescatter"],
     ],
