@@ -12,12 +12,11 @@ weights' as each path holds them.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from sonar.bench.quant_paths import cpu_ms
 from sonar.kernels import native, quant, quant_cpu
 from sonar.kernels.quant import QuantizedWeight
 
@@ -31,15 +30,6 @@ def _weight(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
     exponents = torch.randint(118, 124, (n, k // GROUP), generator=gen).to(torch.uint8)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     return QuantizedWeight("mxfp4", codes, quant.mxfp4_scales(exponents), None, GROUP)
-
-
-def _cpu_ms(fn: Callable[[], None], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - started)
-    return best * 1000
 
 
 def main() -> None:
@@ -73,8 +63,8 @@ def main() -> None:
                     F.linear(x, w)
 
             name = str(dtype).removeprefix("torch.")
-            print(f"mxfp4 linear_quant   x {name:9s} {_cpu_ms(quantized, args.repeats):8.2f}")
-            print(f"dense F.linear {name:9s}         {_cpu_ms(plain, args.repeats):8.2f}")
+            print(f"mxfp4 linear_quant   x {name:9s} {cpu_ms(quantized, args.repeats):8.2f}")
+            print(f"dense F.linear {name:9s}         {cpu_ms(plain, args.repeats):8.2f}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ def _weight(n: int, k: int, fmt: str, gen: torch.Generator) -> QuantizedWeight:
     return QuantizedWeight(fmt, values, scales, offsets, GROUP)
 
 
-def _cpu_ms(fn: Callable[[], None], repeats: int) -> float:
+def cpu_ms(fn: Callable[[], None], repeats: int) -> float:
+    """The best of `repeats` runs of `fn`, in milliseconds of this thread's CPU time."""
     best = float("inf")
     for _ in range(repeats):
         started = time.thread_time()
@@ -76,7 +77,7 @@ def main() -> None:
                                 xs[k], packed, None, quant_cpu.FORMAT_CODES[fmt], n, GROUP, fmt == "int4"
                             )
 
-                print(f"linear_quant {isa:8s} {str(dtype)[6:]:9s} {_cpu_ms(quantized, args.repeats):8.1f}")
+                print(f"linear_quant {isa:8s} {str(dtype)[6:]:9s} {cpu_ms(quantized, args.repeats):8.1f}")
         native.set_quant_isa("auto")
         for dtype in (torch.bfloat16, torch.float32):
             dense = [(w.to(dtype), torch.randn(rows, w.shape[1], generator=gen).to(dtype), c) for *_, c, _, w in layers]
@@ -86,7 +87,7 @@ def main() -> None:
                     for _ in range(count):
                         torch.nn.functional.linear(x, w)
 
-            print(f"dense F.linear        {str(dtype)[6:]:9s} {_cpu_ms(plain, args.repeats):8.1f}")
+            print(f"dense F.linear        {str(dtype)[6:]:9s} {cpu_ms(plain, args.repeats):8.1f}")
 
 
 if __name__ == "__main__":
