@@ -61,13 +61,12 @@ def _packed(shape: tuple[int, int, int], exponents: tuple[int, int], gen: torch.
     }
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
-    """The MXFP4 checkpoint and transformers' model loaded from it."""
+def write_mxfp4_checkpoint(path: Path) -> Any:
+    """A tiny GPT-OSS in the published MXFP4 layout at `path` (with a word tokenizer), and
+    transformers' model loaded from it (float32, eager attention)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     hf = _hf(tiny_config(intermediate_size=64), seed=5)  # whole 32-value groups in both projections
     c = hf.config
     hf.save_pretrained(str(path))
@@ -75,13 +74,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     (weights,) = path.glob("*.safetensors")
     state = load_file(str(weights))
     gen = torch.Generator().manual_seed(11)
+    rows = {"gate_up_proj": (2 * c.intermediate_size, c.hidden_size), "down_proj": (c.hidden_size, c.intermediate_size)}
     for i in range(c.num_hidden_layers):
         if i == PLAIN_LAYER:
             continue
         prefix = f"model.layers.{i}.mlp.experts"
-        rows = {"gate_up_proj": 2 * c.intermediate_size, "down_proj": c.hidden_size}
-        for proj, r in rows.items():
-            k = c.hidden_size if proj == "gate_up_proj" else c.intermediate_size
+        for proj, (r, k) in rows.items():
             del state[f"{prefix}.{proj}"]
             for kind, t in _packed((c.num_local_experts, r, k), EXPONENTS[proj], gen).items():
                 state[f"{prefix}.{proj}_{kind}"] = t
@@ -90,11 +88,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
     (path / "config.json").write_text(json.dumps(config))
     ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
-    expected = _dequantize(
-        state["model.layers.0.mlp.experts.gate_up_proj_blocks"], state["model.layers.0.mlp.experts.gate_up_proj_scales"]
-    )
+    first = "model.layers.0.mlp.experts.gate_up_proj"
+    expected = _dequantize(state[f"{first}_blocks"], state[f"{first}_scales"])
     assert torch.equal(ref.model.layers[0].mlp.experts.gate_up_proj, expected), "transformers read the MXFP4 experts"
-    return path, ref
+    return ref
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The MXFP4 checkpoint and transformers' model loaded from it."""
+    path = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    return path, write_mxfp4_checkpoint(path)
 
 
 def test_the_conversion_equals_transformers_dequantization() -> None:
