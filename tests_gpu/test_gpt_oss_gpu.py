@@ -138,3 +138,21 @@ async def test_tiny_gpt_oss_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch, t
     assert eager == cpu
     assert graphs == cpu
     assert compiled == cpu
+
+
+@pytest.mark.anyio
+async def test_mxfp4_checkpoint_on_gpu_needs_dequantize_weights(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A published-layout MXFP4 checkpoint on CUDA: refused without --dequantize-weights (the
+    quantized experts run on the CPU only), and with it the CPU's quantized greedy tokens."""
+    from sonar.models.errors import ModelLoadError
+    from sonar.models.loader import load_model
+    from tests.models.quantization.test_mxfp4 import write_mxfp4_checkpoint
+
+    write_mxfp4_checkpoint(tmp_path)
+    with pytest.raises(ModelLoadError, match="CPU only, not on cuda.*--dequantize-weights"):
+        load_model(str(tmp_path), dtype="float32", device="cuda")
+    cpu = await _greedy(monkeypatch, tmp_path, "cpu", enforce_eager=True)
+    gpu = await _greedy(monkeypatch, tmp_path, "cuda", enforce_eager=True, dequantize_weights=True)
+    assert gpu == cpu

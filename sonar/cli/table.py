@@ -308,9 +308,9 @@ GROUPS: tuple[Group, ...] = (
            "Quantization method of the weights; unset reads it from the model's config (a GGUF file is "
            "'gguf'). 'fp8' on an unquantized checkpoint quantizes its linear weights to FP8 per output "
            "channel at load.", to=E,
-           supported=("gguf", "fp8", "gptq", "awq", "compressed-tensors")),
+           supported=("gguf", "fp8", "gptq", "awq", "compressed-tensors", "mxfp4")),
         _f("--dequantize-weights", B, False,
-           "Sonar's addition: serve a quantized checkpoint (GGUF, GPTQ, AWQ, FP8, compressed-tensors) "
+           "Sonar's addition: serve a quantized checkpoint (GGUF, GPTQ, AWQ, FP8, compressed-tensors, MXFP4) "
            "dequantized to --dtype: the reference path, with more memory and a slower decode.", to=E),
         _f("--quantization-config", J, None,
            "Detailed quantization settings (per kind of layer, ignore patterns).", dotted=True),

@@ -21,10 +21,11 @@ A ``gpt-oss`` GGUF file converts to this layout too (`sonar.models.gguf_arch`); 
 in a block type Sonar serves quantized (MXFP4 in the published files, Q8_0, ...) stay quantized
 (`GptOssForCausalLM.prepare_quantized`): the block's experts become `QuantizedExperts`, one
 `QuantLinear` per expert and projection (gate and up stacked, as the operator's rows) with the
-biases beside them, on the CPU. Not served, each refused naming the feature: the published
-safetensors checkpoints' MXFP4 expert weights (``quantization_config`` ``quant_method: mxfp4``:
-serve a dequantized bfloat16 checkpoint, or the GGUF file), other quantization, LoRA adapters, EAGLE heads, tensor and pipeline parallelism; the native decode loop
-(`sonar.models.fused`) leaves these layers alone.
+biases beside them, on the CPU. The published safetensors checkpoints' MXFP4 experts
+(``quantization_config`` ``quant_method: mxfp4``, `sonar.models.quantization.mxfp4`) take the same
+path. Not served, each refused naming the feature: other quantization methods, LoRA adapters,
+EAGLE heads, tensor and pipeline parallelism; the native decode loop (`sonar.models.fused`) leaves
+these layers alone.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
     refused: ClassVar[dict[str, str]] = {
         TENSOR_PARALLEL: "GPT-OSS's sinks and experts are not split over ranks",
         PIPELINE_PARALLEL: "GPT-OSS's layers are not split over stages",
-        QUANTIZED: "Sonar serves GPT-OSS unquantized (its MXFP4 experts are not read)",
+        QUANTIZED: "Sonar serves GPT-OSS's quantized experts from MXFP4 checkpoints and GGUF files only",
         LORA: "the adapters' target modules are dense MLPs, and a mixture-of-experts layer has none",
         EAGLE: "the EAGLE heads Sonar loads are built for dense, Llama-style targets",
     }
@@ -152,10 +153,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
     def __init__(self, config: Any, parallel: TensorParallel = SINGLE, stage: PipelineStage = WHOLE) -> None:
         quant = getattr(config, "quantization_config", None)
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        if quant is not None:
+        if quant is not None and str(method) != "mxfp4":
             raise ModelLoadError(
                 f"GptOssForCausalLM: quantization_config quant_method {method!r} is not supported "
-                "(the published checkpoints' MXFP4 experts are not dequantized at load): serve a bfloat16 checkpoint"
+                "(GPT-OSS's quantized checkpoints are read with mxfp4 only)"
             )
         super().__init__(config, parallel, stage)
 
@@ -194,7 +195,8 @@ class GptOssForCausalLM(DecoderForCausalLM):
         """Before `install_quantized`: a block whose experts' projections are all quantized
         (``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj``, as a GGUF file's stacked
         experts arrive) gets `QuantizedExperts`, each expert's gate and up stacked into its
-        ``gate_up_proj``; its biases are then read into the new module by `load_weights`."""
+        ``gate_up_proj``. The biases already read move into the new module; those still to
+        come are read into it by `load_weights`."""
         out = dict(weights)
         for i, layer in enumerate(self.model.layers):
             block = layer.mlp
@@ -224,7 +226,7 @@ class GptOssForCausalLM(DecoderForCausalLM):
                 except QuantizationError as exc:
                     raise ModelLoadError(f"{gate} and {up} cannot be served as one quantized matrix: {exc}") from exc
             with torch.device("meta"):  # places for the quantized layers, which bring their own tensors
-                block.experts = QuantizedExperts(
+                quantized = QuantizedExperts(
                     count,
                     hidden,
                     two_i // 2,
@@ -233,6 +235,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
                     bias_device=device,
                     bias_dtype=experts.gate_up_proj_bias.dtype,
                 )
+            assert quantized.gate_up_proj_bias is not None and quantized.down_proj_bias is not None
+            quantized.gate_up_proj_bias.data.copy_(experts.gate_up_proj_bias)
+            quantized.down_proj_bias.data.copy_(experts.down_proj_bias)
+            block.experts = quantized
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]:

@@ -47,7 +47,7 @@ from torch import nn
 
 from sonar.models import config_cache, embedded
 from sonar.models import hub as hub_files
-from sonar.models.decoder import QUANTIZED, DecoderForCausalLM
+from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.gguf_file import (
     convert_gguf,
@@ -255,7 +255,7 @@ def load_model(
     installed, method_name = None, None
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     if method is not None and isinstance(module, DecoderForCausalLM):
-        module.require_support(QUANTIZED)
+        module.require_support(method.feature)
     headless = not hasattr(module, "lm_head")
     if headless and load_format != "dummy" and (method is not None or (from_gguf and not dequantize_weights)):
         raise ModelLoadError(

@@ -235,13 +235,17 @@ def _with_config(path: Path, tmp_path: Path, **changes: Any) -> Path:
     return out
 
 
-def test_mxfp4_checkpoints_are_refused_naming_mxfp4(checkpoint: tuple[Path, Any], tmp_path: Path) -> None:
+def test_quantization_methods_other_than_mxfp4_are_refused_naming_them(
+    checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """MXFP4 checkpoints are served (tests/models/quantization/test_mxfp4.py); one that declares
+    mxfp4 but stores no expert quantized is refused, and so is any other method."""
     mxfp4 = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     path = _with_config(checkpoint[0], tmp_path, quantization_config=mxfp4)
-    with pytest.raises(ModelLoadError, match="mxfp4"):
+    with pytest.raises(ModelLoadError, match="quantization method mxfp4, but the checkpoint stores no layer quantized"):
         load_model(str(path), dtype="float32")
-    with pytest.raises(ModelLoadError, match="GptOssForCausalLM: quantization_config quant_method 'mxfp4'"):
-        GptOssForCausalLM(tiny_config(quantization_config=mxfp4))
+    with pytest.raises(ModelLoadError, match="GptOssForCausalLM: quantization_config quant_method 'gptq'"):
+        GptOssForCausalLM(tiny_config(quantization_config={"quant_method": "gptq", "bits": 4}))
 
 
 def test_parallelism_and_quantization_are_refused(checkpoint: tuple[Path, Any]) -> None:

@@ -12,12 +12,14 @@ from sonar.models.quantization.compressed_tensors import CompressedTensors
 from sonar.models.quantization.fp8 import FP8, DynamicFP8
 from sonar.models.quantization.gptq import GPTQ
 from sonar.models.quantization.method import Method
+from sonar.models.quantization.mxfp4 import MODEL_TYPE, MXFP4
 
 READERS = {
     "fp8": FP8.from_config,
     "gptq": GPTQ.from_config,
     "awq": AWQ.from_config,
     "compressed-tensors": CompressedTensors.from_config,
+    "mxfp4": MXFP4.from_config,
 }
 METHODS = tuple(READERS)
 #: Methods other tools write that Sonar knows and does not serve, with why.
@@ -66,4 +68,9 @@ def checkpoint_method(config: dict[str, Any], requested: str | None) -> Method |
         raise ModelLoadError(f"the checkpoint's {_refusal(str(method))}")
     if requested is not None and requested != method:
         raise ModelLoadError(f"--quantization {requested} contradicts the checkpoint's quantization_config ({method})")
+    if method == MXFP4.name and config.get("model_type") != MODEL_TYPE:
+        raise ModelLoadError(
+            f"quantization method 'mxfp4' is served for GPT-OSS ({MODEL_TYPE}) checkpoints' experts only, "
+            f"not for model_type {config.get('model_type')!r}"
+        )
     return READERS[method](qc)

@@ -17,10 +17,10 @@ from pathlib import Path
 import structlog
 from torch import Tensor
 
-from sonar.kernels.quant import QuantizedWeight, dequantize
+from sonar.kernels.quant import QuantizedWeight
 from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
-from sonar.models.quantization.method import LINEAR_MODULE, Method
+from sonar.models.quantization.method import Method
 from sonar.models.quantized import Installed, install_quantized
 from sonar.models.weights import iter_safetensors, safetensors_files
 
@@ -50,8 +50,8 @@ def quantized_modules(names: list[str], method: Method) -> dict[str, set[str]]:
             parts_of.setdefault(module, set()).add(part)
     found = {module: parts for module, parts in parts_of.items() if method.quantized(module, parts)}
     for module in found:
-        if LINEAR_MODULE.fullmatch(module) is None:
-            raise ModelLoadError(f"{module} is stored quantized; Sonar serves quantized linear layers only")
+        if method.modules.fullmatch(module) is None:
+            raise ModelLoadError(f"{module} is stored quantized; Sonar serves {method.serves} only")
     if not found:
         raise ModelLoadError(f"quantization method {method.name}, but the checkpoint stores no layer quantized")
     return found
@@ -74,6 +74,7 @@ def load_quantized_checkpoint(
 
 
 def _load(model: DecoderForCausalLM, model_dir: Path, method: Method, dequantize_weights: bool) -> Installed:
+    method.check_served(model, dequantize_weights)
     files = safetensors_files(model_dir)
     plan = quantized_modules(tensor_names(files), method)
     pending: dict[str, dict[str, Tensor]] = {}
@@ -87,11 +88,10 @@ def _load(model: DecoderForCausalLM, model_dir: Path, method: Method, dequantize
                 got = pending.setdefault(module, {})
                 got[part] = tensor
                 if len(got) == len(plan[module]):
-                    qw = method.convert(module, pending.pop(module))
                     if dequantize_weights:
-                        yield f"{module}.weight", dequantize(qw)
+                        yield from method.dequantized(module, pending.pop(module))
                     else:
-                        converted[module] = qw
+                        converted.update(method.converted(module, pending.pop(module)))
                 continue
             if part == "weight" and not (tensor.is_floating_point() and tensor.element_size() >= 2):
                 raise ModelLoadError(

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from sonar.kernels.quant import QuantizedWeight
+from sonar.kernels.quant import QuantizedWeight, dequantize
+from sonar.models.decoder import QUANTIZED, DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 
 #: The Hugging Face names of the linear layers of the decoders Sonar serves, the only modules a
@@ -34,6 +35,11 @@ class Method(ABC):
     name: str
     #: the tensor suffixes a quantized module's tensors carry
     parts: frozenset[str]
+    #: the modules the method may find quantized, and what they are (for the refusal)
+    modules: re.Pattern[str] = LINEAR_MODULE
+    serves = "quantized linear layers"
+    #: the feature a decoder family must not refuse to be loaded with it (`DecoderForCausalLM.refused`)
+    feature = QUANTIZED
 
     @abstractmethod
     def quantized(self, module: str, parts: set[str]) -> bool:
@@ -49,6 +55,19 @@ class Method(ABC):
     @abstractmethod
     def describe(self) -> dict[str, object]:
         """The settings in force, for the load log."""
+
+    def check_served(self, model: DecoderForCausalLM, dequantize_weights: bool) -> None:
+        """Before any tensor is read: a ModelLoadError when `model` (built on its device) cannot
+        serve the method's layers as asked."""
+
+    def converted(self, module: str, tensors: dict[str, Tensor]) -> dict[str, QuantizedWeight]:
+        """One quantized module's tensors as the quantized layers they hold, by layer name."""
+        return {module: self.convert(module, tensors)}
+
+    def dequantized(self, module: str, tensors: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+        """One quantized module's tensors as the dense weights ``model.load_weights`` reads
+        (``--dequantize-weights``), float32."""
+        yield f"{module}.weight", dequantize(self.convert(module, tensors))
 
 
 class PackedIntMethod(Method):
