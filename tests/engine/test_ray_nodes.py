@@ -28,6 +28,7 @@ import sonar
 from sonar.actors import keys
 from sonar.actors.host import HOST_NAME, Spawn
 from sonar.actors.messages import ReplyTo
+from sonar.actors.ray_runner import RayPlacementError, assign_bundles
 from sonar.actors.spec import RENDEZVOUS_HOST_ENV
 from sonar.sampling_params import SamplingParams
 from tests.actors.test_security import message, raw_dealer, recv, stranger
@@ -172,3 +173,32 @@ async def test_a_killed_rank_on_the_other_node_restarts_the_group_and_no_request
         assert [results[i] for i in range(16)] == single[1]
         rank0, rank1 = _spread(llm)  # placed over both nodes again
         assert rank1.restarts == 1 and before[0] != rank0.pid and before[1] != rank1.pid
+
+
+def test_ranks_take_the_serving_nodes_bundles_first() -> None:
+    assert assign_bundles({0: "b", 1: "a", 2: "b", 3: "a"}, here="a") == [1, 3, 0, 2]
+    assert assign_bundles({0: "a", 1: "a"}, here="a") == [0, 1]
+
+
+async def test_a_spread_group_without_the_deployments_keys_is_refused_by_name(cluster: Cluster) -> None:
+    """Ephemeral keys (none configured): the rank Ray puts on the second node could not be
+    reached, so the start fails naming the keys; the placement group goes. A runtime-level test
+    (sample actors, no model)."""
+    from sonar.actors import ChildSpec, SupervisorSpec, supervise
+    from sonar.actors.spec import RayBundle
+    from tests.actors.sample import SampleMsg
+
+    port = _master_port()
+    children = [
+        ChildSpec(f"r{r}", "tests.actors.sample:Sample", protocol=SampleMsg, placement=RayBundle(r, 2, port=port + r))
+        for r in range(2)
+    ]
+    spec = SupervisorSpec("root", [SupervisorSpec("group", children, start_together=True)])
+    keys.configure(keys.Credentials.generate())
+    try:
+        with pytest.raises(RayPlacementError, match=r"rank 1 on another node .*deployment's keys.*--actor-keys"):
+            async with supervise(spec):
+                pass
+    finally:
+        keys.configure(None)
+    assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
