@@ -202,3 +202,11 @@ async def test_a_spread_group_without_the_deployments_keys_is_refused_by_name(cl
     finally:
         keys.configure(None)
     assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
+
+
+def test_a_master_port_whose_rank_ports_run_past_the_last_port_is_refused() -> None:
+    from sonar.engine.config import EngineConfig
+
+    config = EngineConfig(model="x", tensor_parallel_size=2, distributed_executor_backend="ray", master_port=65535)
+    with pytest.raises(ValueError, match=r"master_port 65535: .* up to 65536, which must be a port"):
+        config.check_parallel()
