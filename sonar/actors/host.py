@@ -202,8 +202,9 @@ async def _host_main(args: argparse.Namespace) -> int:
     try:
         async with anyio.create_task_group() as tg:
             await launch(tg, host, HOST_NAME, 256)
-            if args.parent is not None:
+            if args.parent_pid:
                 tg.start_soon(_watch_parent, args.parent_pid)
+            if args.parent is not None:
                 await node.say_hello(args.parent, args.hello)
             else:
                 log.info("actor.host_listening", address=address, pid=os.getpid())
@@ -303,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch.distributed holds one group per process, so each incarnation needs a fresh one)",
     )
     ap.add_argument("--parent", help="address of the parent node (child mode)")
-    ap.add_argument("--parent-pid", type=int, default=0)
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when the process with this pid, the parent, ends")
     ap.add_argument("--hello", default="", help="the id to say hello with (child mode)")
     ap.add_argument("--bind", help="address to bind in child mode")
     ap.add_argument(
@@ -319,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if (args.listen is None) == (args.parent is None):
         ap.error("give exactly one of --listen or --parent")
-    if args.parent is not None:
+    if args.parent_pid:  # a child, or a listening host kept by a Ray actor on another node
         _die_with_parent(args.parent_pid)
     try:
         for target in args.allow_actor:

@@ -7,6 +7,7 @@ within a deadline and how to force it down: cancel a task, or SIGTERM then SIGKI
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 import secrets
@@ -314,12 +315,9 @@ class ChildProcessRunner(_HostedRunner):
         self.host = ActorRef(HOST_NAME, HostMsg, self.address)
         hello_id = secrets.token_hex(8)
         hello = node.expect_hello(hello_id)
-        env = {k: v for k, v in os.environ.items() if k not in (keys.ENV_DIR, *keys.INLINE)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env = self._host_env()
         # Secrets travel in the environment (readable by this user only), never on the command line.
         env.update(node.credentials.to_env())
-        env[allow.ENV] = ",".join(p for p in (os.environ.get(allow.ENV, ""), _target(self.spec)) if p)
-        env[MAX_FRAME_ENV] = str(node.max_frame_bytes)
         args = [
             "--parent",
             parent,
@@ -332,6 +330,22 @@ class ChildProcessRunner(_HostedRunner):
             "--expect",
             self.mailbox_name,
         ]
+        await self._run_host(incarnation, args, env, hello)
+
+    def _host_env(self) -> dict[str, str]:
+        """The host's environment, less any credentials: this process's, with its import path, the
+        child's actor class allowed and the frame cap."""
+        env = {k: v for k, v in os.environ.items() if k not in (keys.ENV_DIR, *keys.INLINE)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env[allow.ENV] = ",".join(p for p in (os.environ.get(allow.ENV, ""), _target(self.spec)) if p)
+        env[MAX_FRAME_ENV] = str(get_node().max_frame_bytes)
+        return env
+
+    async def _run_host(
+        self, incarnation: int, args: list[str], env: dict[str, str], hello: "asyncio.Future | None"
+    ) -> None:
+        """Start the host (`_open`), wait for its `hello` (None: a host that says none, reached at
+        `self.address` once it listens), spawn the child there and watch the run."""
         proc = await self._open(args, env)
         self.proc = proc
         self.pid = proc.pid
@@ -346,7 +360,8 @@ class ChildProcessRunner(_HostedRunner):
                         raise RuntimeError(f"actor process exited with code {proc.returncode} before it was ready")
 
                     tg.start_soon(_died)
-                    await hello
+                    if hello is not None:
+                        await hello
                     await self._spawn(incarnation, timeout)
                     tg.cancel_scope.cancel()
         except BaseException as exc:

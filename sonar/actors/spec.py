@@ -30,6 +30,9 @@ class Remote(msgspec.Struct, frozen=True, tag="remote"):
 
 OWN_GPU_ENV = "SONAR_OWN_GPU"
 """Set in a host that Ray gave one GPU of its own (it sees only that one, as device 0)."""
+RENDEZVOUS_HOST_ENV = "SONAR_RENDEZVOUS_HOST"
+"""Set in the hosts of a group Ray spread over several nodes: the address of the serving process's
+node, which the others reach (the group's rank 0 opens its rendezvous there, not on loopback)."""
 
 
 class RayBundle(msgspec.Struct, frozen=True, tag="ray"):
@@ -42,7 +45,10 @@ class RayBundle(msgspec.Struct, frozen=True, tag="ray"):
     bundles: int
     start_timeout: float = 60.0
     place_timeout: float = 60.0
-    """Seconds Ray may take to place the whole group (resources free on one node)."""
+    """Seconds Ray may take to place the whole group."""
+    port: int | None = None
+    """Where this rank's host listens (tcp, CURVE) when Ray places it on another node than the
+    serving process's; None keeps the whole group on the serving process's node."""
 
 
 Placement = Union[InProcess, ChildProcess, Remote]

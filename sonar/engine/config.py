@@ -471,6 +471,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 "distributed_executor_backend 'ray' places the workers itself; drop the worker placement "
                 f"{self.placement['worker']}"
             )
+        last_port = self.master_port + self.data_parallel_size * self.world_size - 1
+        if backend == "ray" and not 0 < self.master_port <= last_port <= 65535:
+            raise ValueError(
+                f"master_port {self.master_port}: a rank Ray places on another node listens at master_port + rank "
+                f"(past the data-parallel replicas before its own), up to {last_port}, which must be a port"
+            )
         for name in ("distributed_timeout_seconds", "cpu_distributed_timeout_seconds"):
             value = getattr(self, name)
             if value is not None and value <= 0:

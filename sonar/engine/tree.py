@@ -190,4 +190,9 @@ def _rank_placement(config: EngineConfig, placement: Any, rank: int) -> Any:
         return placement
     import sonar.actors.ray_runner  # noqa: F401  (the runner of `RayBundle`; ray is an optional extra)
 
-    return RayBundle(bundle=rank, bundles=config.world_size, start_timeout=placement.start_timeout)
+    # a rank on another Ray node listens at --master-port + rank there, as a headless node's do (past
+    # the ports of the data-parallel replicas before its own); pipeline stages stay on one node (the
+    # last one answers rank 0 over a local socket)
+    port = config.master_port + config.data_parallel_index * config.world_size + rank
+    port = port if config.pipeline_parallel_size == 1 else None
+    return RayBundle(bundle=rank, bundles=config.world_size, start_timeout=placement.start_timeout, port=port)

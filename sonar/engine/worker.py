@@ -60,6 +60,7 @@ from sonar.actors import Actor, ActorNotFound, ActorRef
 from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
+from sonar.actors.spec import RENDEZVOUS_HOST_ENV
 from sonar.core.outputs import KVLoadSpec, KVStoreSpec
 from sonar.core.weights import WeightUpdateError
 from sonar.engine import launcher, nodes, ranks
@@ -209,8 +210,8 @@ class WorkerActor(Actor):
         if cfg.nnodes > 1:
             host, port, prefix = cfg.master_addr, cfg.master_port, f"sonar/group/{secrets.token_hex(8)}/"
             store = await anyio.to_thread.run_sync(ranks.connect_store, host, port, prefix, timeout)
-        else:
-            host, prefix = ranks.LOOPBACK, ""
+        else:  # on loopback, unless Ray spread the group over nodes (`RENDEZVOUS_HOST_ENV`)
+            host, prefix = os.environ.get(RENDEZVOUS_HOST_ENV, ranks.LOOPBACK), ""
             store = await anyio.to_thread.run_sync(ranks.open_store, host, cfg.world_size, timeout)
             port = store.port
         join = JoinGroup(host, port, prefix)
