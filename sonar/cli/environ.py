@@ -32,6 +32,7 @@ KNOWN = frozenset(
         "SONAR_NATIVE_KERNELS",
         "SONAR_OWN_GPU",
         "SONAR_PP_LAYER_PARTITION",
+        "SONAR_RENDEZVOUS_HOST",
         "SONAR_USE_TRITON",
     }
 )
