@@ -12,9 +12,10 @@ SO_REUSEPORT (`sonar.http.frontend.shared_port_socket`) and the kernel spreads c
 them; each response names its server in ``x-sonar-api-server``.
 
 Their `/metrics` and `/load` are every server's (`share_metrics`): the owner creates a private
-directory before any server starts and names it in ``PROMETHEUS_MULTIPROC_DIR``, which the API
-server processes inherit; each writes its per-request series there (prometheus_client's
-multiprocess files, one set per pid) and a scrape of any of them sums them all
+directory before any server starts (removing those a killed owner left: `sweep_metrics`) and names
+it in ``PROMETHEUS_MULTIPROC_DIR``, which the API server processes inherit; each writes its
+per-request series there (prometheus_client's multiprocess files, one set per pid) and a scrape of
+any of them sums them all
 (`sonar.http.metrics`). A dead server's counters stay in the sum; its in-flight count is dropped
 (`mark_process_dead`) once the owner's tree shows it gone (`feed`).
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import shutil
 import sys
 import tempfile
 from typing import Any, Iterator, Union
@@ -86,6 +88,38 @@ class AbortInFlight(Ask, tag="api.abort"):
 ApiServerMsg = Union[GetFrontendStatus, SetPhase, AbortInFlight, EngineEvent, EngineTree]
 
 
+METRICS_PREFIX = "sonar-metrics-"
+
+
+def sweep_metrics(parent: str) -> list[str]:
+    """Remove the metrics directories in `parent` that a killed owner left (SIGKILL skips its
+    cleanup): this user's ``sonar-metrics-PID-*`` whose PID is not running. The paths removed."""
+    removed = []
+    for name in os.listdir(parent):
+        if not name.startswith(METRICS_PREFIX):
+            continue
+        pid, _, _ = name[len(METRICS_PREFIX) :].partition("-")
+        path = os.path.join(parent, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid() or _running(int(pid)):
+                continue
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def share_metrics() -> str:
     """Create the private (0700) directory the API servers share their metrics in and name it in
     this process's environment, which the API server processes inherit; its path (the caller
@@ -94,7 +128,8 @@ def share_metrics() -> str:
     instruments the app creates later write to the directory."""
     from sonar.http.metrics import MULTIPROC_ENV
 
-    path = tempfile.mkdtemp(prefix="sonar-metrics-")
+    sweep_metrics(tempfile.gettempdir())
+    path = tempfile.mkdtemp(prefix=f"{METRICS_PREFIX}{os.getpid()}-")
     os.environ[MULTIPROC_ENV] = path
     values = sys.modules.get("prometheus_client.values")
     if values is not None and not getattr(values.ValueClass, "_multiprocess", False):

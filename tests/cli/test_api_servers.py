@@ -433,3 +433,21 @@ def test_an_engine_that_gives_up_ends_the_requests_of_both_servers_with_503(tmp_
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     finally:
         stop_server(server)
+
+
+def test_a_killed_owners_metrics_directory_is_removed_at_the_next_start(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from sonar.cli.api_servers import METRICS_PREFIX, sweep_metrics
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    left = tmp_path / f"{METRICS_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{METRICS_PREFIX}{os.getpid()}-def"
+    other = tmp_path / "sonar-metrics-notapid"
+    for path in (left, live, other):
+        path.mkdir()
+        (path / "counter_1.db").write_bytes(b"x")
+    assert sweep_metrics(str(tmp_path)) == [str(left)]
+    assert not left.exists() and live.exists() and other.exists()
