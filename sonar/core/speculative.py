@@ -145,7 +145,7 @@ class SpeculativeConfig:
             if method != "draft_model" and values.get("draft_tensor_parallel_size", 1) != 1:
                 raise ValueError(
                     f"--speculative-config draft_tensor_parallel_size {values['draft_tensor_parallel_size']!r}: "
-                    f"a {method} head runs whole on the sampler rank, so only 1 is allowed"
+                    f"the {method} head runs whole on the sampler rank, so only 1 is allowed"
                 )
         else:
             given = sorted(key for key in ("model", "quantization", "revision") if key in values)

@@ -61,7 +61,7 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
         ),
         (
             {"method": "eagle", "model": "h", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
-            "draft_tensor_parallel_size 2: a eagle head runs whole on the sampler rank, so only 1",
+            "draft_tensor_parallel_size 2: the eagle head runs whole on the sampler rank, so only 1",
         ),
         (
             {"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
