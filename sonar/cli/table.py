@@ -879,8 +879,9 @@ GROUPS: tuple[Group, ...] = (
         "Sonar configuration", "Whole-server settings given as JSON objects (or one key at a time with "
         "--FLAG.KEY VALUE): speculative decoding, compilation, KV transfer and events, profiling.",
         _f("--speculative-config -sc", J, None,
-           "Speculative decoding settings: method ngram (prompt_lookup_min/max), suffix (suffix_decoding_*) "
-           "draft_model (model, quantization, revision), eagle or eagle3 (model: the head), mtp (DeepSeek-V3's own "
+           "Speculative decoding settings: method ngram (prompt_lookup_min/max), suffix (suffix_decoding_*), "
+           "draft_model (model, quantization, revision, draft_tensor_parallel_size: 1 or the target's tensor-"
+           "parallel size, the latter by default), eagle or eagle3 (model: the head), mtp (DeepSeek-V3's own "
            "MTP layer), num_speculative_tokens, disable_by_batch_size; "
            "see docs/speculative.md.",
            dotted=True, to=E),

@@ -95,6 +95,10 @@ class SpeculativeConfig:
     quantization: str | None = None
     """draft_model: the method its weights are in (None: what its checkpoint says)."""
     revision: str | None = None
+    draft_tensor_parallel_size: int | None = None
+    """draft_model: the tensor ranks its weights split over, 1 (whole, on the sampler rank) or
+    the target's tensor-parallel size (sharded over the target's own ranks); None (unset): the
+    target's, as in vLLM (`draft_tp`)."""
 
     @property
     def lookahead(self) -> int:
@@ -138,9 +142,10 @@ class SpeculativeConfig:
                         f"--speculative-config {', '.join(given)}: not for method mtp, which runs the target "
                         "checkpoint's own multi-token-prediction layer"
                     )
-            if values.pop("draft_tensor_parallel_size", 1) != 1:
+            if method != "draft_model" and values.get("draft_tensor_parallel_size", 1) != 1:
                 raise ValueError(
-                    "--speculative-config draft_tensor_parallel_size must be 1: a draft model runs on one worker"
+                    f"--speculative-config draft_tensor_parallel_size {values['draft_tensor_parallel_size']!r}: "
+                    f"the {method} head runs whole on the sampler rank, so only 1 is allowed"
                 )
         else:
             given = sorted(key for key in ("model", "quantization", "revision") if key in values)
@@ -149,7 +154,11 @@ class SpeculativeConfig:
                     f"--speculative-config {', '.join(given)}: only for methods {', '.join(_HEAD_METHODS)}, "
                     f"not {method}"
                 )
-            values.pop("draft_tensor_parallel_size", None)
+            if values.get("draft_tensor_parallel_size", 1) != 1:
+                raise ValueError(
+                    f"--speculative-config draft_tensor_parallel_size {values['draft_tensor_parallel_size']!r}: "
+                    f"method {method} runs no model, so only 1 is allowed"
+                )
         if "prompt_lookup_min" not in values and "prompt_lookup_max" not in values:
             values["prompt_lookup_min"] = values["prompt_lookup_max"] = 5
         else:  # one given: the other is the same
@@ -158,6 +167,29 @@ class SpeculativeConfig:
         config = cls(**values)
         config.check()
         return config
+
+    def draft_tp(self, target_tp: int, stages: int) -> int:
+        """The tensor ranks the draft model splits over, for a target on `target_tp` tensor ranks
+        and `stages` pipeline stages (ValueError naming a size that cannot be): 1 for every method
+        but ``draft_model``. A draft split over the ranks runs on all of them, each step beside
+        the target; only a one-stage group has its sampled tokens on every tensor rank, so with
+        several stages the draft runs whole on the sampler (unset: 1)."""
+        if self.method != "draft_model":
+            return 1
+        size = self.draft_tensor_parallel_size
+        if size is None:
+            return target_tp if stages == 1 else 1
+        if size not in (1, target_tp):
+            raise ValueError(
+                f"--speculative-config draft_tensor_parallel_size {size} is not allowed: it must be 1 (the draft "
+                f"whole on one rank) or the target's --tensor-parallel-size {target_tp} (split over the same ranks)"
+            )
+        if size > 1 and stages > 1:
+            raise ValueError(
+                f"--speculative-config draft_tensor_parallel_size {size} with --pipeline-parallel-size {stages} is "
+                "not supported: the draft runs whole on the sampler rank there, so it must be 1"
+            )
+        return size
 
     def check(self) -> None:
         def positive_int(name: str, value: Any) -> None:
@@ -178,6 +210,8 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size is not None:
             positive_int("disable_by_batch_size", self.disable_by_batch_size)
+        if self.draft_tensor_parallel_size is not None:
+            positive_int("draft_tensor_parallel_size", self.draft_tensor_parallel_size)
         positive_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth)
         if (
             isinstance(self.suffix_decoding_max_cached_requests, bool)

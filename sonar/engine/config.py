@@ -590,6 +590,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
         spec = self.speculative()
         if spec is None:
             return
+        spec.draft_tp(self.tensor_parallel_size, self.pipeline_parallel_size)
         if spec.lookahead and self.offload_config() is not None:
             raise ValueError(
                 f"speculative method {spec.method} with KV offloading is not supported yet (the tiers keep the "

@@ -17,6 +17,12 @@ position ``p`` of a request lives in the same block and slot in both caches. Eac
 
 Drafts are single tokens (the draft's argmax), so the runner's verification stays exact rejection
 sampling (`sonar.core.speculative`).
+
+A draft model split over the target's tensor ranks (``draft_tensor_parallel_size``) runs on every
+rank of the group, each holding its shards and the KV heads of its share (as the target's split,
+`sonar.models.parallel`). Every rank computes the same step with the same kept tokens (the
+sampler's, shared), and the all-gathered logits are the same on each, so each rank picks the same
+drafts in step; the sampler's go back with the step's result.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from sonar.models.eagle3 import load_eagle3_head
 from sonar.models.errors import ModelLoadError
 from sonar.models.head_vocab import HeadVocab
 from sonar.models.loader import LoadedModel, load_model
+from sonar.models.parallel import SINGLE, ParallelLayoutError, TensorParallel
 
 log = get_logger("sonar.drafter")
 
@@ -111,13 +118,27 @@ class Drafter(_DraftKV):
         device: torch.device,
         vocab_size: int,
         block_size: int,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
+        """`parallel`: the tensor rank whose shards of the draft this process holds
+        (``draft_tensor_parallel_size`` > 1: the target's own; every rank of the group then
+        drafts each step, in step, for the collectives of the draft's layers)."""
         if spec.model is None:
             raise ModelLoadError("speculative method draft_model needs a model (--spec-model)")
         self.k = spec.num_speculative_tokens
-        self.loaded: LoadedModel = load_model(
-            spec.model, dtype=dtype, revision=spec.revision, device=device, quantization=spec.quantization
-        )
+        try:
+            self.loaded: LoadedModel = load_model(
+                spec.model,
+                dtype=dtype,
+                revision=spec.revision,
+                device=device,
+                quantization=spec.quantization,
+                parallel=parallel,
+            )
+        except ParallelLayoutError as exc:
+            raise ParallelLayoutError(
+                f"the draft model {spec.model!r}: {exc}; with draft_tensor_parallel_size 1 it runs whole on one rank"
+            ) from None
         self.model = self.loaded.model
         super().__init__(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, block_size, device)
         draft_vocab = int(self.loaded.config.vocab_size)
@@ -131,6 +152,7 @@ class Drafter(_DraftKV):
             "drafter.loaded",
             model=self.loaded.source,
             architecture=self.loaded.architecture,
+            tensor_parallel=parallel.size,
             dtype=str(self.loaded.dtype).removeprefix("torch."),
             seconds=round(self.loaded.load_seconds, 2),
         )

@@ -54,6 +54,7 @@ from sonar.models.eplb import ExpertBalancer
 from sonar.models.errors import ModelLoadError
 from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
+from sonar.models.parallel import SINGLE, TensorParallel
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.rotary import LONG_ROPE
 from sonar.models.sampler import LogprobsTensors, Sampler, SamplingBatch, compute_prompt_logprobs, is_plain_greedy
@@ -312,15 +313,19 @@ class ModelRunner:
         elif compile_wanted(cfg, device):
             self.compiled = self.forward = self._compile()
         self.drafter: Drafter | EagleDrafter | None = None
-        # a draft model runs on the sampler alone (whole, on one device): its drafts go back with
-        # the step's result and come to every rank as the next step's tokens
-        if spec is not None and spec.method == "draft_model" and topology.samples:
+        draft_tp = 1 if spec is None else spec.draft_tp(topology.tp.size, topology.stage.size)
+        # a whole draft model runs on the sampler alone: its drafts go back with the step's result
+        # and come to every rank as the next step's tokens; a split one runs on every tensor rank
+        if spec is not None and spec.method == "draft_model" and (topology.samples or draft_tp > 1):
             self.drafter = Drafter(
                 spec,
                 dtype=cfg.dtype,
                 device=device,
                 vocab_size=int(self.loaded.config.vocab_size),
                 block_size=cfg.block_size,
+                parallel=TensorParallel(rank=topology.tp.rank, size=draft_tp, group=topology.tp.group)
+                if draft_tp > 1
+                else SINGLE,
             )
         elif spec is not None and spec.method in ("eagle", "eagle3", "mtp"):
             # a head too runs on the sampler alone, on the last stage's final states; where the
@@ -785,6 +790,7 @@ class ModelRunner:
             request_rows.append(first)
         hidden = None
         lost: dict[str, str] = {}  # requests whose LoRA adapter could not be loaded, with why
+        verified: dict[str, list[int]] = {}  # what each sampling request kept, from the sampled tokens alone
         if self.eplb is not None and self.eplb.due:  # between two steps' forward passes, on every rank
             self.eplb.rebalance()
         result.images_encoded = self.encoder_cache.runs - runs
@@ -859,7 +865,13 @@ class ModelRunner:
             first_rows = list(itertools.accumulate((1 + len(d) for d in drafts[:-1]), initial=0))
             if not self.topology.samples:
                 if self.topology.stage.size == 1:  # a tensor rank of the one stage: it embeds the next tokens
-                    self._follow_sampling(sample_ids, drafts, first_rows, len(sample_rows))
+                    kept = self._follow_sampling(sample_ids, drafts, first_rows, len(sample_rows))
+                    if self.drafter is not None:  # a draft split over the ranks drafts on each, in step
+                        self.drafter.draft(
+                            self._step_view(
+                                computed, request_rows, ids_t, positions_t, meta, hidden, kept, out.requests
+                            )
+                        )
                     if self.worker_drafts:
                         self._share_drafts(sample_ids, {})
                 return result
@@ -911,6 +923,8 @@ class ModelRunner:
                 self.topology.share_tokens(shared.to(torch.int64))
             for rid, state, guesses, row in zip(sample_ids, states, drafts, first_rows):
                 kept = _verify(tokens, failed, row, guesses)
+                if kept:
+                    verified[rid] = kept
                 if rid in lost:  # computed without its adapter: nothing it sampled is its own
                     state.output.append(0)
                     continue
@@ -930,17 +944,8 @@ class ModelRunner:
                         _row(sampled.logprobs, row + j, state.params.logprobs) for j in range(len(kept))
                     ]
         if self.drafter is not None:  # every step: a draft's KV follows every position computed
-            view = StepView(
-                computed,
-                request_rows,
-                ids_t,
-                positions_t,
-                meta,
-                hidden,
-                result.sampled,
-                {s.req_id: self._next_token(s) for s in out.requests if not s.sample},
-            )
-            proposed = self.drafter.draft(view)
+            view = self._step_view(computed, request_rows, ids_t, positions_t, meta, hidden, verified, out.requests)
+            proposed = {rid: guesses for rid, guesses in self.drafter.draft(view).items() if rid in result.sampled}
             if self.worker_drafts:
                 if sample_ids:
                     self._share_drafts(sample_ids, {rid: proposed.get(rid, []) for rid in result.sampled})
@@ -1049,6 +1054,23 @@ class ModelRunner:
             rows += [slot] * n
         return self.lora.context.step(rows)
 
+    def _step_view(
+        self,
+        computed: list[ScheduledRequest],
+        request_rows: list[int],
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        hidden: torch.Tensor,
+        kept: dict[str, list[int]],
+        scheduled: list[ScheduledRequest],
+    ) -> StepView:
+        """What the step computed, for the drafter; `kept` is what every rank derives from the
+        shared sampled tokens alone (a rank's own failures, such as a LoRA adapter it could not
+        load, stay out of it), so a draft split over the ranks drafts the same rows on each."""
+        next_tokens = {s.req_id: self._next_token(s) for s in scheduled if not s.sample}
+        return StepView(computed, request_rows, ids, positions, meta, hidden, kept, next_tokens)
+
     def _next_token(self, sched: ScheduledRequest) -> int:
         """The known token after a chunk that samples nothing (a prompt, or the outputs of a
         request recomputed after a preemption)."""
@@ -1059,13 +1081,19 @@ class ModelRunner:
 
     def _follow_sampling(
         self, sample_ids: list[str], drafts: list[list[int]], first_rows: list[int], num_rows: int
-    ) -> None:
+    ) -> dict[str, list[int]]:
         """A rank other than the sampler: take the tokens it sampled for this step's rows (and
-        whether each failed), and keep what it keeps of each request's drafts."""
+        whether each failed), and keep what it keeps of each request's drafts (returned, for the
+        requests that kept any)."""
         shared = self.topology.share_tokens(torch.empty(2, num_rows, dtype=torch.int64, device=self.device))
         tokens, failed = shared.tolist()
+        verified: dict[str, list[int]] = {}
         for rid, guesses, row in zip(sample_ids, drafts, first_rows):
-            self.requests[rid].output += _verify(tokens, failed, row, guesses) or [0]
+            kept = _verify(tokens, failed, row, guesses)
+            self.requests[rid].output += kept or [0]
+            if kept:
+                verified[rid] = kept
+        return verified
 
     def _share_drafts(self, sample_ids: list[str], proposed: dict[str, list[int]]) -> None:
         """With `worker_drafts`: keep the drafts of this step's sampled requests for their next

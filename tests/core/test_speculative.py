@@ -60,8 +60,16 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
             "only for methods draft_model, eagle, eagle3",
         ),
         (
-            {"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
-            "draft_tensor_parallel_size must be 1",
+            {"method": "eagle", "model": "h", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size 2: the eagle head runs whole on the sampler rank, so only 1",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+            "draft_tensor_parallel_size 2: method ngram runs no model, so only 1",
+        ),
+        (
+            {"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 0},
+            "draft_tensor_parallel_size must be a positive integer",
         ),
         ({"method": "ngram", "num_speculative_tokens": 3, "frobnicate": 1}, "unknown or unsupported key"),
         ({"method": "ngram"}, "needs num_speculative_tokens"),
@@ -77,6 +85,40 @@ def test_parse_fills_the_lookup_bounds_as_vllm_does() -> None:
 def test_bad_settings_are_refused_by_name(raw: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.parse(raw)
+
+
+def test_a_draft_model_splits_over_the_targets_tensor_ranks_unless_told_one() -> None:
+    """vLLM's rule: 1 or the target's tensor-parallel size, the target's when unset."""
+    draft = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3})
+    assert draft.draft_tensor_parallel_size is None
+    assert [draft.draft_tp(tp, 1) for tp in (1, 2, 4)] == [1, 2, 4]
+    assert draft.draft_tp(2, 2) == 1  # several stages: whole on the sampler
+    one = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1})
+    assert (one.draft_tp(2, 1), one.draft_tp(2, 2)) == (1, 1)
+    two = SpeculativeConfig.parse({"model": "d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2})
+    assert two.draft_tp(2, 1) == 2
+    with pytest.raises(
+        ValueError, match="draft_tensor_parallel_size 2 is not allowed: it must be 1 .* --tensor-parallel-size 4"
+    ):
+        two.draft_tp(4, 1)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 with --pipeline-parallel-size 2"):
+        two.draft_tp(2, 2)
+    head = SpeculativeConfig.parse({"method": "eagle3", "model": "h", "num_speculative_tokens": 3})
+    assert head.draft_tp(4, 1) == 1  # heads run whole on the sampler
+
+
+def test_a_draft_tensor_parallel_size_the_group_cannot_take_is_a_startup_error() -> None:
+    def config(size: int | None, **args: Any) -> EngineConfig:
+        spec = {"model": "tiny", "num_speculative_tokens": 2, "draft_tensor_parallel_size": size}
+        return EngineConfig.from_args(speculative_config=spec, **args)
+
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 3 is not allowed.*--tensor-parallel-size 2"):
+        config(3, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 2 is not allowed.*--tensor-parallel-size 1"):
+        config(2)
+    assert config(2, tensor_parallel_size=2).speculative().draft_tp(2, 1) == 2
+    assert config(1, tensor_parallel_size=2).speculative().draft_tp(2, 1) == 1
+    assert config(None, tensor_parallel_size=2, pipeline_parallel_size=2).speculative().draft_tp(2, 2) == 1
 
 
 def test_engine_flags_merge_into_the_config_and_conflicts_are_refused() -> None:

@@ -1,8 +1,11 @@
 """A draft model in a parallel group (tensor and pipeline ranks: real worker processes on gloo).
 
-The draft runs whole on the sampler (tensor rank 0 of the last stage), beside the target's last
-stage: its drafts go back with the step's result and reach every rank as the next step's tokens.
-The target itself as its own draft is always right; greedy and seeded text must be the single
+With tensor ranks the draft splits over them by default (``draft_tensor_parallel_size`` = the
+target's: each rank holds its shards and its KV heads' cache, and drafts in step with the others);
+with ``draft_tensor_parallel_size`` 1, or pipeline stages, it runs whole on the sampler (tensor rank
+0 of the last stage), beside the target's last stage: its drafts go back with the step's result and
+reach every rank as the next step's tokens. The target itself as its own draft is always right (a
+split draft whose KV or logits were wrong would not be); greedy and seeded text must be the single
 worker's without speculation.
 """
 
@@ -47,11 +50,18 @@ async def single(llama: TinyCheckpoint) -> tuple[list[list[int]], list[list[int]
     return greedy, seeded
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    ("tp", "pp", "draft_tp"), [(2, 1, None), (2, 1, 1), (1, 2, None)], ids=["tp2-split", "tp2-whole", "pp2"]
+)
 async def test_a_draft_model_in_a_group_keeps_the_single_workers_text(
-    llama: TinyCheckpoint, single: Any, tp: int, pp: int
+    llama: TinyCheckpoint, single: Any, tp: int, pp: int, draft_tp: int | None
 ) -> None:
-    draft = {"method": "draft_model", "model": str(llama.path), "num_speculative_tokens": 3}
+    draft = {
+        "method": "draft_model",
+        "model": str(llama.path),
+        "num_speculative_tokens": 3,
+        "draft_tensor_parallel_size": draft_tp,
+    }
     async with sonar.open(
         str(llama.path), **BASE, tensor_parallel_size=tp, pipeline_parallel_size=pp, speculative_config=draft
     ) as llm:
@@ -78,3 +88,12 @@ async def test_async_ngram_drafts_in_tensor_ranks_keep_the_single_workers_text(
     assert greedy == single[0]
     assert seeded == single[1]
     assert stats.spec_num_draft_tokens > 0 and stats.steps_overlapped > 0
+
+
+async def test_a_draft_tensor_parallel_size_neither_one_nor_the_targets_is_refused_at_startup(
+    llama: TinyCheckpoint,
+) -> None:
+    draft = {"model": str(llama.path), "num_speculative_tokens": 3, "draft_tensor_parallel_size": 3}
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size 3 is not allowed.*--tensor-parallel-size 2"):
+        async with sonar.open(str(llama.path), **BASE, tensor_parallel_size=2, speculative_config=draft):
+            pass
