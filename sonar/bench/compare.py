@@ -150,6 +150,19 @@ def grid_cells(args: argparse.Namespace) -> list[dict[str, Any]]:
     return cells
 
 
+def warm_up_cell(cells: list[dict[str, Any]], max_concurrency: int) -> dict[str, Any]:
+    """The cell each server runs first, not counted: random prompts at concurrency up to 4, as long
+    as the grid's longest up to 64 tokens, outputs up to 16 tokens; no bigger than the grid itself
+    (a small grid's run is not spent mostly warming up)."""
+    return {
+        "workload": "random",
+        "concurrency": min(4, max_concurrency),
+        "input_len": min(64, max(c["input_len"] for c in cells)),
+        "output_len": min(16, max(c["output_len"] for c in cells)),
+        "num_prompts": min(8, max(c["num_prompts"] for c in cells)),
+    }
+
+
 def server_specs(args: argparse.Namespace, load: Load) -> list[ServerSpec]:
     """Sonar first, then each peer asked for (llama.cpp, vLLM, --peer ones)."""
     per_token = kv_bytes_per_token(Path(args.model_dir)) if args.model_dir else None
@@ -279,8 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         floor = _floor(args, bandwidth)
         floor_text = f"{floor['floor_ms']:.2f} ms per decode step" if floor else "unknown (no model size)"
         print(f"bench compare: read bandwidth {bandwidth:.1f} GB/s; weight-read floor {floor_text}", flush=True)
-        warm = {"workload": "random", "concurrency": min(4, load.max_concurrency), "input_len": 64}
-        warm |= {"output_len": 16, "num_prompts": 8}
+        warm = warm_up_cell(cells, load.max_concurrency)
         for r in range(args.rounds):
             order = list(servers)[r % len(servers) :] + list(servers)[: r % len(servers)]
             for i, cell in enumerate([warm] + cells if r == 0 else cells):

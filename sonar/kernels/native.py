@@ -126,7 +126,9 @@ def _command(compiler: str, output: Path, flags: tuple[str, ...] = ()) -> list[s
 
 
 def build_key(compiler: str, flags: tuple[str, ...] = ()) -> str:
-    """What the built library depends on: the source, torch, the compiler and this CPU."""
+    """What the built library depends on: the source, torch, the compiler and this CPU. Not
+    where the source lies: its bytes are hashed, so another checkout of the same source (a clone,
+    a git worktree) loads the library instead of compiling it again."""
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -137,7 +139,7 @@ def build_key(compiler: str, flags: tuple[str, ...] = ()) -> str:
         torch.__version__.encode(),
         version.encode(),
         _cpu_flags().encode(),
-        " ".join(_command(compiler, Path("out"), flags)).encode(),
+        " ".join(_command(compiler, Path("out"), flags)).replace(str(SOURCE), SOURCE.name).encode(),
     ):
         h.update(part)
         h.update(b"\0")

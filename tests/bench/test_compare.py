@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from sonar.__main__ import main
-from sonar.bench.compare import build_parser, grid_cells, server_specs
+from sonar.bench.compare import build_parser, grid_cells, server_specs, warm_up_cell
 from sonar.bench.peers import Load, kv_bytes_per_token, kv_gib, pause, resume
 from tests.bench.conftest import SERVER_ARGS, assert_png
 
@@ -149,6 +149,26 @@ def test_the_grid_and_its_prompt_counts() -> None:
     ]
     assert [c["num_prompts"] for c in cells] == [8, 32, 8, 32, 8, 32]
     assert not any(c["workload"] == "shared-prefix" for c in grid_cells(_args("--prefix-len", "0")))
+
+
+def test_the_warm_up_is_no_bigger_than_the_grid() -> None:
+    big = grid_cells(_args("--concurrency", "1,16", "--input-len", "128,1024", "--output-len", "128"))
+    assert warm_up_cell(big, 16) == {
+        "workload": "random",
+        "concurrency": 4,
+        "input_len": 64,
+        "output_len": 16,
+        "num_prompts": 8,
+    }
+    small = grid_cells(
+        _args(
+            *("--concurrency", "1,4", "--input-len", "16,32", "--output-len", "4"),
+            *("--prefix-len", "0", "--min-prompts", "4", "--prompts-per-slot", "1"),
+        )
+    )
+    warm = warm_up_cell(small, 4)
+    assert (warm["input_len"], warm["output_len"], warm["num_prompts"]) == (32, 4, 4)
+    assert warm_up_cell(small, 2)["concurrency"] == 2
 
 
 def test_every_server_gets_room_for_the_largest_load(tmp_path: Path) -> None:

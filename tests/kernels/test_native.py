@@ -48,6 +48,20 @@ def test_a_second_builder_waits_for_the_first_and_loads_its_library(tmp_path: Pa
     assert got[0].stat().st_mtime_ns == stamp and not list(directory.glob(".build-*"))
 
 
+def test_another_checkout_of_the_source_shares_the_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key follows the source's bytes, not its path: a second clone loads the first's library."""
+    compiler = native._compiler()
+    assert compiler is not None
+    key = native.build_key(compiler)
+    copy = tmp_path / "clone" / native.SOURCE.name
+    copy.parent.mkdir()
+    copy.write_bytes(native.SOURCE.read_bytes())
+    monkeypatch.setattr(native, "SOURCE", copy)
+    assert native.build_key(compiler) == key
+    copy.write_bytes(native.SOURCE.read_bytes() + b"\n// changed\n")
+    assert native.build_key(compiler) != key
+
+
 def test_turned_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     assert ops.use_native(x)
