@@ -4,7 +4,8 @@ its own `QuantLinear`s, `QuantizedExperts.per_expert`) and against the dequantiz
 `sonar.kernels.moe.fused_experts_reference`: int4, int8, fp8 and mxfp4 experts, with offsets and
 without, a partial tile, -1 ids (another rank's experts), an expert no token chose, top_k 1 and 2,
 GPT-OSS's biases and clamped SwiGLU, bfloat16 and float32 x, on every path this CPU runs (the
-portable loop and AVX2 here, `sonar.kernels.native.set_quant_isa`).
+portable loop and AVX2 here, `sonar.kernels.native.set_quant_isa`), and in the portable build
+(``-mno-avx512f``). The fallbacks: experts whose packings differ, float16 x, the kernels off.
 
 Tolerances, as a fraction of the output's largest magnitude (``scale``):
 
@@ -22,6 +23,7 @@ Tolerances, as a fraction of the output's largest magnitude (``scale``):
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from sonar.kernels.moe import fused_experts_reference
 from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantLinear
 from sonar.models.moe import QuantizedExperts
+from tests.kernels.test_native import assert_portable_check_passes
 from tests.kernels.test_quant_cpu import RUNNABLE, mxfp4_weight, random_weight
 
 pytestmark = pytest.mark.usefixtures("one_thread", "native_built")
@@ -101,23 +104,28 @@ def routing(tokens: int, top_k: int, experts: int, seed: int) -> tuple[torch.Ten
 
 
 def reference(
-    block: QuantizedExperts,
     w13: list[QuantizedWeight],
     w2: list[QuantizedWeight],
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
+    block: QuantizedExperts | None = None,
 ) -> torch.Tensor:
-    """fused_experts_reference on the dequantized weights, in float32."""
-    biases = [None if b is None else b.float() for b in (block.gate_up_proj_bias, block.down_proj_bias)]
+    """fused_experts_reference on the dequantized weights in float32 (with `block`'s biases and
+    activation)."""
+    b13 = b2 = limit = None
+    if block is not None and block.swiglu_limit is not None:
+        assert block.gate_up_proj_bias is not None and block.down_proj_bias is not None
+        b13, b2, limit = block.gate_up_proj_bias.float(), block.down_proj_bias.float(), block.swiglu_limit
     return fused_experts_reference(
         x.float(),
         weights,
         ids,
         torch.stack([quant.dequantize(w) for w in w13]),
         torch.stack([quant.dequantize(w) for w in w2]),
-        *biases,
-        swiglu_limit=block.swiglu_limit,
+        b13,
+        b2,
+        swiglu_limit=limit,
         swiglu_alpha=ALPHA,
     )
 
@@ -138,7 +146,7 @@ def test_grouped_equals_per_expert_and_reference(
         assert block.stacked() is not None, "the grouped operator did not run"
         assert got.dtype == dtype and got.shape == x.shape
         per_expert = block.per_expert(x, weights, ids).float()
-        want = reference(block, w13, w2, x, weights, ids)
+        want = reference(w13, w2, x, weights, ids, block)
         scale = want.abs().max().item() + 1e-6
         error = (got.float() - want).abs().max().item() / scale
         assert error <= (1e-4 if dtype == torch.float32 else 2**-5), f"{error:.2e} of the output off the reference"
@@ -185,7 +193,7 @@ def test_float16_and_the_kernels_off_take_the_per_expert_path(monkeypatch: pytes
     x = torch.randn(3, 72).to(torch.float16)
     got = block(x, weights, ids)
     assert got.dtype == torch.float16 and torch.equal(got, block.per_expert(x, weights, ids))
-    want = reference(block, w13, w2, x, weights, ids)
+    want = reference(w13, w2, x, weights, ids, block)
     assert (got.float() - want).abs().max() <= 2**-5 * want.abs().max()
     monkeypatch.setenv(native.ENV, "0")
     assert block.stacked() is None
@@ -200,3 +208,42 @@ def test_bad_ids_are_refused() -> None:
     ids[1, 0] = 3
     with pytest.raises(RuntimeError, match="expert id 3 outside"):
         block(x, weights, ids)
+
+
+PORTABLE_CHECK = """
+import sys
+import torch
+torch.ops.load_library(sys.argv[1])
+from sonar.kernels import quant, quant_cpu
+from sonar.kernels.moe import fused_experts_reference
+from tests.kernels.test_moe_quant import CASES, LIMIT, ALPHA, routing, weight
+
+torch.ops.sonar_cpu.set_quant_isa("portable")
+for fmt13, fmt2, group, offsets, h, inter in CASES:
+    w13 = [weight(fmt13, group, offsets, 2 * inter, h, seed=2 * e) for e in range(4)]
+    w2 = [weight(fmt2, group, offsets, h, inter, seed=2 * e + 1) for e in range(4)]
+    gen = torch.Generator().manual_seed(1)
+    b13, b2 = torch.randn(4, 2 * inter, generator=gen), torch.randn(4, h, generator=gen)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(7, h, generator=gen).to(dtype)
+        weights, ids = routing(7, 2, 4, seed=5)
+        got = torch.ops.sonar_cpu.moe_quant(
+            x, weights, ids, torch.stack([quant_cpu.pack(w) for w in w13]), quant_cpu.FORMAT_CODES[fmt13], group,
+            offsets, torch.stack([quant_cpu.pack(w) for w in w2]), quant_cpu.FORMAT_CODES[fmt2], group, offsets,
+            b13, b2, LIMIT, ALPHA,
+        )
+        want = fused_experts_reference(
+            x.float(), weights, ids, torch.stack([quant.dequantize(w) for w in w13]),
+            torch.stack([quant.dequantize(w) for w in w2]), b13, b2, LIMIT, ALPHA,
+        )
+        error = (got.float() - want).abs().max() / want.abs().max()
+        assert error <= (1e-4 if dtype == torch.float32 else 2**-5), (fmt13, dtype, float(error))
+print("ok")
+"""
+
+
+def test_portable_build_runs_the_grouped_operator(portable_library: Path) -> None:
+    """The kernels as a CPU without AVX-512 gets them (``-mno-avx512f``), the portable loop forced,
+    in a fresh process (one process loads one ``sonar_cpu`` library): every case against the
+    dequantized reference, with GPT-OSS's biases (float32, x bfloat16 too) and clamped SwiGLU."""
+    assert_portable_check_passes(PORTABLE_CHECK, portable_library)
