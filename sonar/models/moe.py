@@ -226,7 +226,8 @@ class QuantizedExperts(nn.ModuleList):
                 return None
             metas = {q.meta for q in projection}
             if len(metas) > 1:
-                reason = f"the experts' {projection[0].meta.format}/{projection[0].meta.group} packings differ"
+                kinds = sorted(f"{m.format} in groups of {m.group}{' with offsets' * m.has_offsets}" for m in metas)
+                reason = f"the experts' packings differ within a projection ({', '.join(kinds)})"
             elif next(iter(metas)).has_perm:
                 reason = "an act-order permutation"
         if reason is not None:

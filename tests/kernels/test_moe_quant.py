@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from sonar.kernels import native, quant
@@ -180,8 +181,12 @@ def test_experts_that_differ_run_per_expert() -> None:
     block[1].gate_up_proj = QuantLinear(weight("int8", 8, False, 80, 72, seed=9), None)
     x = torch.randn(4, 72)
     weights, ids = routing(4, 2, 3, seed=1)
-    got = block(x, weights, ids)
-    assert block.stacked() is None and block._unstackable is not None and "differ" in block._unstackable
+    with structlog.testing.capture_logs() as logs:
+        got = block(x, weights, ids)
+    assert block.stacked() is None and not block.is_stacked
+    assert [e["reason"] for e in logs if e["event"] == "moe.per_expert_kernels"] == [
+        "the experts' packings differ within a projection (int4 in groups of 8 with offsets, int8 in groups of 8)"
+    ], logs
     assert torch.equal(got, block.per_expert(x, weights, ids))
 
 

@@ -2601,6 +2601,32 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
 
 namespace {
 
+// The active (token, expert) pairs counting-sorted by expert (id -1 skipped): expert e's rows are
+// start[e] .. start[e + 1], each the pair's token in row_token, each pair's row in pair_row (-1:
+// skipped); pairs of one expert keep token order.
+struct MoePairs {
+  std::vector<int64_t> start, row_token, pair_row;
+
+  MoePairs(const int64_t* id, int64_t pairs, int64_t top_k, int64_t experts, const char* op) : start(experts + 1, 0) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      TORCH_CHECK(id[p] >= -1 && id[p] < experts, op, ": expert id ", id[p], " outside [-1, ", experts, ")");
+      if (id[p] >= 0) ++start[id[p] + 1];
+    }
+    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    row_token.resize(start[experts]);
+    pair_row.assign(pairs, -1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (id[p] < 0) continue;
+      const int64_t r = next[id[p]]++;
+      row_token[r] = p / top_k;
+      pair_row[p] = r;
+    }
+  }
+
+  int64_t rows() const { return start.back(); }
+};
+
 template <typename T>
 void moe_combine(at::Tensor& out, const at::Tensor& rows, const std::vector<int64_t>& pair_row, const float* weights,
                  const int64_t* ids, int64_t top_k) {
@@ -2659,25 +2685,11 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
   TORCH_CHECK(!b2 || (b2->device().is_cpu() && b2->dim() == 2 && b2->size(0) == experts && b2->size(1) == h &&
                       b2->scalar_type() == x.scalar_type()),
               "sonar_cpu::fused_moe: b2 [E, h] in x's dtype");
-  const int64_t top_k = ids.size(1), pairs = n * top_k;
+  const int64_t top_k = ids.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> start(experts + 1, 0);
-  // id -1: an expert another expert-parallel rank holds; its pairs are skipped (they add zero here)
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= -1 && id[p] < experts, "sonar_cpu::fused_moe: expert id ", id[p], " outside [-1, ", experts,
-                ")");
-    if (id[p] >= 0) ++start[id[p] + 1];
-  }
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  const int64_t local = start[experts];
-  // sorted row r holds pair p = (token p / top_k, slot p % top_k); pairs of one expert keep token order
-  std::vector<int64_t> next(start.begin(), start.end() - 1), row_token(local), pair_row(pairs, -1);
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (id[p] < 0) continue;
-    const int64_t r = next[id[p]]++;
-    row_token[r] = p / top_k;
-    pair_row[p] = r;
-  }
+  const MoePairs sorted(id, n * top_k, top_k, experts, "sonar_cpu::fused_moe");
+  const std::vector<int64_t>&start = sorted.start, &row_token = sorted.row_token, &pair_row = sorted.pair_row;
+  const int64_t local = sorted.rows();
   at::Tensor gathered = at::empty({local, h}, x.options());
   const int64_t row_bytes = h * x.element_size();
   const char* xs = static_cast<const char*>(x.data_ptr());
@@ -2733,32 +2745,6 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
 // takes the AVX2 tiles on every path already).
 
 namespace {
-
-// The active (token, expert) pairs counting-sorted by expert (id -1 skipped): expert e's rows are
-// start[e] .. start[e + 1], each the pair's token in row_token, each pair's row in pair_row (-1:
-// skipped); pairs of one expert keep token order.
-struct MoePairs {
-  std::vector<int64_t> start, row_token, pair_row;
-
-  MoePairs(const int64_t* id, int64_t pairs, int64_t top_k, int64_t experts, const char* op) : start(experts + 1, 0) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      TORCH_CHECK(id[p] >= -1 && id[p] < experts, op, ": expert id ", id[p], " outside [-1, ", experts, ")");
-      if (id[p] >= 0) ++start[id[p] + 1];
-    }
-    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-    std::vector<int64_t> next(start.begin(), start.end() - 1);
-    row_token.resize(start[experts]);
-    pair_row.assign(pairs, -1);
-    for (int64_t p = 0; p < pairs; ++p) {
-      if (id[p] < 0) continue;
-      const int64_t r = next[id[p]]++;
-      row_token[r] = p / top_k;
-      pair_row[p] = r;
-    }
-  }
-
-  int64_t rows() const { return start.back(); }
-};
 
 template <typename T>
 inline float round_as(float v) {
