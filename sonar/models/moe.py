@@ -25,9 +25,11 @@ the dense layers stay tensor-parallel. A rank copies only its experts' checkpoin
 
 GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file stores in a block
 type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
-`QuantLinear` per expert and projection, and the routed rows run through each active expert's
-quantized kernels (grouped by expert: one call per expert with tokens, not a fused GEMM). Served
-on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
+`QuantLinear` per expert and projection, their packings stacked per projection on the first
+forward, and the block runs as one native call (``torch.ops.sonar_cpu.moe_quant``: the pairs
+grouped by expert inside the kernel, each active expert's rows through its tiles, the weighted sum
+in float32); experts that cannot be stacked run the per-expert loop (`QuantizedExperts.per_expert`).
+Served on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
 refused by name (serve it with ``--dequantize-weights``).
 
 Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
@@ -45,13 +47,18 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from sonar.kernels import ops
+from sonar.kernels import native, ops
 from sonar.kernels.moe import activation, fused_experts, route
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
+from sonar.kernels.quant_cpu import ACTIVATION_DTYPES, FORMAT_CODES
+from sonar.kernels.quant_linear import QuantLinear, QuantMeta
+from sonar.log import get_logger
 from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.eplb import ExpertMap
 from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
+
+log = get_logger("sonar.moe")
 
 
 @dataclass(frozen=True)
@@ -103,10 +110,31 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
 
+@dataclass(frozen=True)
+class StackedExperts:
+    """A block's packed expert weights as ``sonar_cpu::moe_quant`` reads them: per projection one
+    uint8 tensor ``[E, tiles, groups, bytes]`` (the experts' `sonar.kernels.quant_cpu.pack`
+    outputs, stacked) and the format they share."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate_up_meta: QuantMeta
+    down_meta: QuantMeta
+
+
 class QuantizedExperts(nn.ModuleList):
     """The experts of a block as quantized layers, one `ExpertMLP` per (local) expert; computes
-    what `sonar.kernels.moe.fused_experts_reference` states, each active expert's rows through its
-    own quantized kernels.
+    what `sonar.kernels.moe.fused_experts_reference` states.
+
+    On the CPU with the native kernels (``torch.ops.sonar_cpu.moe_quant``) one call computes the
+    block: its experts' packings stacked per projection (`stacked`, made on the first forward; each
+    expert's layer then views its slice, so the bytes are held once), the pairs grouped by expert
+    inside the kernel, each active expert's rows through its tiles, the weighted sum in float32.
+    Experts whose packings cannot be stacked (formats or groups that differ between experts of a
+    block, an act-order permutation, another backend) run the per-expert path (`per_expert`: each
+    active expert's rows through its own `QuantLinear`s, one kernel call per expert and
+    projection), as do float16 activations and machines without the native kernels; the same
+    products up to float rounding.
 
     GPT-OSS's experts (`swiglu_limit` set) also have biases, ``gate_up_proj_bias`` ``[E, 2 I]`` and
     ``down_proj_bias`` ``[E, h]`` (real tensors on `bias_device` in `bias_dtype`, for the
@@ -138,6 +166,8 @@ class QuantizedExperts(nn.ModuleList):
 
             self.gate_up_proj_bias = bias(num_experts, 2 * intermediate)
             self.down_proj_bias = bias(num_experts, hidden)
+        self._stacked: StackedExperts | None = None
+        self._unstackable: str | None = None
 
     untraced = True
     """`sonar.engine.compile` runs this forward outside the trace: which experts run depends on the
@@ -147,6 +177,75 @@ class QuantizedExperts(nn.ModuleList):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: another rank's),
         weighted by `weights`; the weighted sum in float32, rounded once to ``x``'s dtype."""
+        stacked = self.stacked() if x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES else None
+        if stacked is None:
+            return self.per_expert(x, weights, ids)
+        up, down = stacked.gate_up_meta, stacked.down_meta
+        return torch.ops.sonar_cpu.moe_quant(
+            x.contiguous(),
+            weights.float().contiguous(),
+            ids.long().contiguous(),
+            stacked.gate_up,
+            FORMAT_CODES[up.format],
+            up.group,
+            up.has_offsets,
+            stacked.down,
+            FORMAT_CODES[down.format],
+            down.group,
+            down.has_offsets,
+            self._bias(self.gate_up_proj_bias, x.dtype),
+            self._bias(self.down_proj_bias, x.dtype),
+            self.swiglu_limit,
+            self.swiglu_alpha,
+        )
+
+    @staticmethod
+    def _bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+        """A bias as the kernel takes it: x's dtype or float32 (the model's dtype: as it is)."""
+        if bias is None or bias.dtype in (dtype, torch.float32):
+            return bias
+        return bias.float()
+
+    @property
+    def is_stacked(self) -> bool:
+        """Whether the experts' packings are stacked: the grouped operator serves the block."""
+        return self._stacked is not None
+
+    def stacked(self) -> StackedExperts | None:
+        """The experts' packings stacked for ``moe_quant`` (None: the per-expert path serves this
+        block, a warning saying why where the cause is the checkpoint's)."""
+        if not native.available():
+            return None
+        if self._stacked is not None or self._unstackable is not None:
+            return self._stacked
+        layers = [[expert.gate_up_proj for expert in self], [expert.down_proj for expert in self]]
+        reason = None
+        for projection in layers:
+            if not all(isinstance(q, QuantLinear) and q.backend.name == "native" for q in projection):
+                self._unstackable = "not every expert is a native quantized layer"
+                return None
+            metas = {q.meta for q in projection}
+            if len(metas) > 1:
+                kinds = sorted(f"{m.format} in groups of {m.group}{' with offsets' * m.has_offsets}" for m in metas)
+                reason = f"the experts' packings differ within a projection ({', '.join(kinds)})"
+            elif next(iter(metas)).has_perm:
+                reason = "an act-order permutation"
+        if reason is not None:
+            self._unstackable = reason
+            log.warning("moe.per_expert_kernels", reason=reason, experts=self.num_experts)
+            return None
+        packed = []
+        for projection in layers:
+            whole = torch.stack([q.packed["packed"] for q in projection])
+            for q, part in zip(projection, whole, strict=True):
+                q.q_packed = part  # the layer keeps working, on its slice of the stacked bytes
+            packed.append(whole)
+        self._stacked = StackedExperts(packed[0], packed[1], layers[0][0].meta, layers[1][0].meta)
+        return self._stacked
+
+    def per_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
+        """`forward` as a loop over the active experts, each through its own `QuantLinear`s (the
+        reference of ``moe_quant``, and the path where it does not run)."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

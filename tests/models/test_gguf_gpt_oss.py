@@ -138,6 +138,7 @@ def test_mxfp4_experts_are_served_quantized_equal_to_transformers_on_the_dequant
         and loaded.quantized.formats["mxfp4"] == 2 * c.num_hidden_layers * c.num_local_experts
     )
     assert_greedy_equals_transformers(loaded.model, ref, _prompts(hf.config.vocab_size), NEW_TOKENS)
+    assert all(experts.is_stacked for experts in layers), "the grouped operator (sonar_cpu::moe_quant) served them"
     dequantized = load_model(str(path), dtype="float32", dequantize_weights=True)
     assert_greedy_equals_transformers(dequantized.model, ref, _prompts(hf.config.vocab_size)[1:2], 2)
 

@@ -118,6 +118,7 @@ def test_served_quantized_experts_take_the_quants_bytes_and_match_the_dequantize
         int(a.float().argmax(-1).eq(b.float().argmax(-1)).sum()) for a, b in zip(got.prompt_logits, want.prompt_logits)
     )
     assert agree >= 0.9 * errors.numel()
+    assert all(b.experts.is_stacked for b in blocks), "the grouped operator (sonar_cpu::moe_quant) served them"
 
 
 def test_a_block_with_some_experts_not_quantized_is_refused(models: dict[str, Any], tmp_path: Path) -> None:

@@ -1772,70 +1772,82 @@ void linear_quant_avx512(const QuantX& xs, int64_t rows, const uint8_t* ws, cons
 // as the stored unsigned bytes, multiplied with the quantized x; otherwise to float32), then every
 // row's 16 column sums over them. T is x's (and y's) element type: float x keeps every format in
 // float32, int8 included (no activation rounding).
+// One tile of the portable loop: out[r * 16 + c] = row r's dot product with the tile's column c,
+// for the tile at `w`; `wf` and `wi` scratch of group * 16 each.
+template <typename T>
+void portable_tile(const QuantX& xs, int64_t rows, const uint8_t* w, const QuantGeometry& geo, float* wf, int32_t* wi,
+                   float* out) {
+  const bool integer = geo.format == kInt8 && std::is_same_v<T, Bf16>;
+  std::fill(out, out + rows * 16, 0.f);
+  for (int64_t g = 0; g < geo.groups; ++g) {
+    const uint8_t* wg = w + g * geo.stride_g;
+    for (int64_t i = 0; i < geo.group; ++i) {  // k = g * group + i
+      const int64_t line = i / QuantGeometry::k_per_line(geo.format), within = i % QuantGeometry::k_per_line(geo.format);
+      for (int64_t c = 0; c < 16; ++c) {
+        if (geo.format == kInt4 || geo.format == kMxfp4) {
+          const uint8_t* lane = wg + line * 64 + (c * 2 + within % 2) * 2;
+          const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
+          const int code = (word >> (4 * (within / 2))) & 0xf;
+          wf[i * 16 + c] = geo.format == kInt4 ? static_cast<float>(code) : kMxfp4Values[code];
+        } else if (geo.format == kInt8) {
+          const uint8_t byte = wg[line * 64 + c * 4 + within];
+          wi[i * 16 + c] = byte;
+          wf[i * 16 + c] = static_cast<float>(static_cast<int8_t>(byte ^ 0x80));
+        } else {
+          const uint8_t byte = wg[line * 64 + (within / 2) * 32 + c * 2 + within % 2];
+          const uint32_t bits =
+              (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << 20) & 0x87f00000u;
+          float v;
+          std::memcpy(&v, &bits, sizeof v);
+          wf[i * 16 + c] = v * 0x1p120f;
+        }
+      }
+    }
+    float exponent_scale[16];
+    if (geo.format == kMxfp4)
+      for (int64_t c = 0; c < 16; ++c) exponent_scale[c] = e8m0_half(wg[geo.group_bytes + c]);
+    const float* scale =
+        geo.format == kMxfp4 ? exponent_scale : reinterpret_cast<const float*>(wg + geo.group_bytes);
+    const float* offset = geo.offsets ? scale + 16 : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const QuantX xr = xs.from(r);
+      const float s = xr.sums[g];
+      float* o = out + r * 16;
+      if (integer) {
+        const int8_t* xq = reinterpret_cast<const int8_t*>(xr.x) + g * geo.group;
+        int32_t acc[16] = {};
+        for (int64_t i = 0; i < geo.group; ++i)
+          for (int64_t c = 0; c < 16; ++c) acc[c] += xq[i] * wi[i * 16 + c];
+        for (int64_t c = 0; c < 16; ++c) {
+          const float off = (offset ? offset[c] : 0.f) - 128.f * scale[c];
+          o[c] += static_cast<float>(acc[c]) * (scale[c] * xr.scales[g]) + off * s;
+        }
+      } else {
+        const T* xb = reinterpret_cast<const T*>(xr.x) + g * geo.group;
+        float acc[16] = {};
+        for (int64_t i = 0; i < geo.group; ++i) {
+          const float xi = to_float(xb[i]);
+#pragma omp simd
+          for (int64_t c = 0; c < 16; ++c) acc[c] += xi * wf[i * 16 + c];
+        }
+        for (int64_t c = 0; c < 16; ++c) o[c] += acc[c] * scale[c] + (offset ? offset[c] * s : 0.f);
+      }
+    }
+  }
+}
+
+// The portable loop: per tile and group, the group's weights unpacked once (int8 with bfloat16 x:
+// as the stored unsigned bytes, multiplied with the quantized x; otherwise to float32), then every
+// row's 16 column sums over them. T is x's (and y's) element type: float x keeps every format in
+// float32, int8 included (no activation rounding).
 template <typename T>
 void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const T* bs,
                            T* ys, int64_t out_features) {
-  const bool integer = geo.format == kInt8 && std::is_same_v<T, Bf16>;
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(geo.group * 16), out(rows * 16);
     std::vector<int32_t> wi(geo.group * 16);
     for (int64_t t = begin; t < end; ++t) {
-      std::fill(out.begin(), out.end(), 0.f);
-      for (int64_t g = 0; g < geo.groups; ++g) {
-        const uint8_t* wg = ws + t * geo.tile_bytes + g * geo.stride_g;
-        for (int64_t i = 0; i < geo.group; ++i) {  // k = g * group + i
-          const int64_t line = i / QuantGeometry::k_per_line(geo.format), within = i % QuantGeometry::k_per_line(geo.format);
-          for (int64_t c = 0; c < 16; ++c) {
-            if (geo.format == kInt4 || geo.format == kMxfp4) {
-              const uint8_t* lane = wg + line * 64 + (c * 2 + within % 2) * 2;
-              const uint16_t word = static_cast<uint16_t>(lane[0] | lane[1] << 8);
-              const int code = (word >> (4 * (within / 2))) & 0xf;
-              wf[i * 16 + c] = geo.format == kInt4 ? static_cast<float>(code) : kMxfp4Values[code];
-            } else if (geo.format == kInt8) {
-              const uint8_t byte = wg[line * 64 + c * 4 + within];
-              wi[i * 16 + c] = byte;
-              wf[i * 16 + c] = static_cast<float>(static_cast<int8_t>(byte ^ 0x80));
-            } else {
-              const uint8_t byte = wg[line * 64 + (within / 2) * 32 + c * 2 + within % 2];
-              const uint32_t bits =
-                  (static_cast<uint32_t>(static_cast<int32_t>(static_cast<int8_t>(byte))) << 20) & 0x87f00000u;
-              float v;
-              std::memcpy(&v, &bits, sizeof v);
-              wf[i * 16 + c] = v * 0x1p120f;
-            }
-          }
-        }
-        float exponent_scale[16];
-        if (geo.format == kMxfp4)
-          for (int64_t c = 0; c < 16; ++c) exponent_scale[c] = e8m0_half(wg[geo.group_bytes + c]);
-        const float* scale =
-            geo.format == kMxfp4 ? exponent_scale : reinterpret_cast<const float*>(wg + geo.group_bytes);
-        const float* offset = geo.offsets ? scale + 16 : nullptr;
-        for (int64_t r = 0; r < rows; ++r) {
-          const QuantX xr = xs.from(r);
-          const float s = xr.sums[g];
-          float* o = out.data() + r * 16;
-          if (integer) {
-            const int8_t* xq = reinterpret_cast<const int8_t*>(xr.x) + g * geo.group;
-            int32_t acc[16] = {};
-            for (int64_t i = 0; i < geo.group; ++i)
-              for (int64_t c = 0; c < 16; ++c) acc[c] += xq[i] * wi[i * 16 + c];
-            for (int64_t c = 0; c < 16; ++c) {
-              const float off = (offset ? offset[c] : 0.f) - 128.f * scale[c];
-              o[c] += static_cast<float>(acc[c]) * (scale[c] * xr.scales[g]) + off * s;
-            }
-          } else {
-            const T* xb = reinterpret_cast<const T*>(xr.x) + g * geo.group;
-            float acc[16] = {};
-            for (int64_t i = 0; i < geo.group; ++i) {
-              const float xi = to_float(xb[i]);
-#pragma omp simd
-              for (int64_t c = 0; c < 16; ++c) acc[c] += xi * wf[i * 16 + c];
-            }
-            for (int64_t c = 0; c < 16; ++c) o[c] += acc[c] * scale[c] + (offset ? offset[c] * s : 0.f);
-          }
-        }
-      }
+      portable_tile<T>(xs, rows, ws + t * geo.tile_bytes, geo, wf.data(), wi.data(), out.data());
       const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < columns; ++c) {
@@ -1974,42 +1986,51 @@ SONAR_AVX2_FN void avx2_block(const float* x, int64_t x_stride, const float* sum
 // block; a lone row (a decode at batch 1) runs over two tiles at a time (8 accumulator chains).
 constexpr int kAvx2Rows = 4;
 
+// Tiles [begin, end) of `ws` against `rows` rows of x (float32, k apart; `sums` their per-group
+// sums): y[r * y_stride + c] for the tiles' columns below `out_features`. One thread's share of
+// linear_quant_avx2, and a work item of moe_quant.
 template <int FORMAT>
-__attribute__((target("avx2,fma"))) void linear_quant_avx2(const float* x, const float* sums, int64_t rows,
-                                                          const uint8_t* ws, const QuantGeometry& geo, float* y,
-                                                          int64_t out_features) {
-  at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
-    float out[kAvx2Rows * 32];
-    const auto emit = [&](int64_t r0, int64_t nrows, int64_t t, int64_t tiles) {
-      for (int64_t r = 0; r < nrows; ++r)
-        for (int64_t c = 0; c < std::min<int64_t>(16 * tiles, out_features - t * 16); ++c)
-          y[(r0 + r) * out_features + t * 16 + c] = out[r * 16 * tiles + c];
-    };
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* w = ws + t * geo.tile_bytes;
-      int64_t r = 0;
-      for (; r + kAvx2Rows <= rows; r += kAvx2Rows) {
-        avx2_block<FORMAT, kAvx2Rows, 1>(x + r * geo.k, geo.k, sums + r * geo.groups, w, geo, out);
-        emit(r, kAvx2Rows, t, 1);
-      }
-      const int64_t left = rows - r;
-      const float* xr = x + r * geo.k;
-      const float* sr = sums + r * geo.groups;
-      if (rows == 1 && t + 1 < end) {  // a decode: two tiles at once
-        avx2_block<FORMAT, 1, 2>(xr, geo.k, sr, w, geo, out);
-        emit(r, 1, t, 2);
-        ++t;
-      } else if (left == 1) {
-        avx2_block<FORMAT, 1, 1>(xr, geo.k, sr, w, geo, out);
-        emit(r, 1, t, 1);
-      } else if (left == 2) {
-        avx2_block<FORMAT, 2, 1>(xr, geo.k, sr, w, geo, out);
-        emit(r, 2, t, 1);
-      } else if (left == 3) {
-        avx2_block<FORMAT, 3, 1>(xr, geo.k, sr, w, geo, out);
-        emit(r, 3, t, 1);
-      }
+__attribute__((target("avx2,fma"))) void avx2_tiles(const float* x, const float* sums, int64_t rows,
+                                                   const uint8_t* ws, const QuantGeometry& geo, int64_t begin,
+                                                   int64_t end, float* y, int64_t y_stride, int64_t out_features) {
+  float out[kAvx2Rows * 32];
+  const auto emit = [&](int64_t r0, int64_t nrows, int64_t t, int64_t tiles) {
+    for (int64_t r = 0; r < nrows; ++r)
+      for (int64_t c = 0; c < std::min<int64_t>(16 * tiles, out_features - t * 16); ++c)
+        y[(r0 + r) * y_stride + t * 16 + c] = out[r * 16 * tiles + c];
+  };
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* w = ws + t * geo.tile_bytes;
+    int64_t r = 0;
+    for (; r + kAvx2Rows <= rows; r += kAvx2Rows) {
+      avx2_block<FORMAT, kAvx2Rows, 1>(x + r * geo.k, geo.k, sums + r * geo.groups, w, geo, out);
+      emit(r, kAvx2Rows, t, 1);
     }
+    const int64_t left = rows - r;
+    const float* xr = x + r * geo.k;
+    const float* sr = sums + r * geo.groups;
+    if (rows == 1 && t + 1 < end) {  // a decode: two tiles at once
+      avx2_block<FORMAT, 1, 2>(xr, geo.k, sr, w, geo, out);
+      emit(r, 1, t, 2);
+      ++t;
+    } else if (left == 1) {
+      avx2_block<FORMAT, 1, 1>(xr, geo.k, sr, w, geo, out);
+      emit(r, 1, t, 1);
+    } else if (left == 2) {
+      avx2_block<FORMAT, 2, 1>(xr, geo.k, sr, w, geo, out);
+      emit(r, 2, t, 1);
+    } else if (left == 3) {
+      avx2_block<FORMAT, 3, 1>(xr, geo.k, sr, w, geo, out);
+      emit(r, 3, t, 1);
+    }
+  }
+}
+
+template <int FORMAT>
+void linear_quant_avx2(const float* x, const float* sums, int64_t rows, const uint8_t* ws, const QuantGeometry& geo,
+                       float* y, int64_t out_features) {
+  at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
+    avx2_tiles<FORMAT>(x, sums, rows, ws, geo, begin, end, y, out_features, out_features);
   });
 }
 
@@ -2580,6 +2601,32 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
 
 namespace {
 
+// The active (token, expert) pairs counting-sorted by expert (id -1 skipped): expert e's rows are
+// start[e] .. start[e + 1], each the pair's token in row_token, each pair's row in pair_row (-1:
+// skipped); pairs of one expert keep token order.
+struct MoePairs {
+  std::vector<int64_t> start, row_token, pair_row;
+
+  MoePairs(const int64_t* id, int64_t pairs, int64_t top_k, int64_t experts, const char* op) : start(experts + 1, 0) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      TORCH_CHECK(id[p] >= -1 && id[p] < experts, op, ": expert id ", id[p], " outside [-1, ", experts, ")");
+      if (id[p] >= 0) ++start[id[p] + 1];
+    }
+    for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+    std::vector<int64_t> next(start.begin(), start.end() - 1);
+    row_token.resize(start[experts]);
+    pair_row.assign(pairs, -1);
+    for (int64_t p = 0; p < pairs; ++p) {
+      if (id[p] < 0) continue;
+      const int64_t r = next[id[p]]++;
+      row_token[r] = p / top_k;
+      pair_row[p] = r;
+    }
+  }
+
+  int64_t rows() const { return start.back(); }
+};
+
 template <typename T>
 void moe_combine(at::Tensor& out, const at::Tensor& rows, const std::vector<int64_t>& pair_row, const float* weights,
                  const int64_t* ids, int64_t top_k) {
@@ -2638,25 +2685,11 @@ at::Tensor fused_moe(const at::Tensor& x, const at::Tensor& weights, const at::T
   TORCH_CHECK(!b2 || (b2->device().is_cpu() && b2->dim() == 2 && b2->size(0) == experts && b2->size(1) == h &&
                       b2->scalar_type() == x.scalar_type()),
               "sonar_cpu::fused_moe: b2 [E, h] in x's dtype");
-  const int64_t top_k = ids.size(1), pairs = n * top_k;
+  const int64_t top_k = ids.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<int64_t> start(experts + 1, 0);
-  // id -1: an expert another expert-parallel rank holds; its pairs are skipped (they add zero here)
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(id[p] >= -1 && id[p] < experts, "sonar_cpu::fused_moe: expert id ", id[p], " outside [-1, ", experts,
-                ")");
-    if (id[p] >= 0) ++start[id[p] + 1];
-  }
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  const int64_t local = start[experts];
-  // sorted row r holds pair p = (token p / top_k, slot p % top_k); pairs of one expert keep token order
-  std::vector<int64_t> next(start.begin(), start.end() - 1), row_token(local), pair_row(pairs, -1);
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (id[p] < 0) continue;
-    const int64_t r = next[id[p]]++;
-    row_token[r] = p / top_k;
-    pair_row[p] = r;
-  }
+  const MoePairs sorted(id, n * top_k, top_k, experts, "sonar_cpu::fused_moe");
+  const std::vector<int64_t>&start = sorted.start, &row_token = sorted.row_token, &pair_row = sorted.pair_row;
+  const int64_t local = sorted.rows();
   at::Tensor gathered = at::empty({local, h}, x.options());
   const int64_t row_bytes = h * x.element_size();
   const char* xs = static_cast<const char*>(x.data_ptr());
@@ -2690,3 +2723,249 @@ TORCH_LIBRARY_FRAGMENT(sonar_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
+
+// --- quantized mixture of experts ----------------------------------------------------------------
+//
+// moe_quant: fused_moe's contract over quantized experts, every expert of a block packed as
+// linear_quant reads it and stacked, one uint8 tensor per projection: w13 [E, tiles, G, B] (each
+// expert's gate rows then its up rows, 2 I outputs over h inputs), w2 [E, tiles, G, B] (h outputs
+// over I inputs); one format, group and offsets flag per projection, shared by its experts. In one
+// call: the (token, expert) pairs counting-sorted by expert and their rows of x gathered and widened
+// to float32 (the per-group sums of linear_quant beside them), then per active expert its rows
+// against its gate_up tiles, the activation, its rows against its down tiles, and every token's
+// weighted sum in float32 in expert order, rounded once to x's dtype. The GEMMs are the tile code of
+// linear_quant's float32 paths (avx2_tiles, or portable_tile where set_quant_isa chose the portable
+// loop), so each product is the one linear_quant computes for float32 x, up to the summation order
+// of its accumulator chains; threads take (expert, run of tiles) work items, so an expert with one
+// token and one with a hundred both spread over every core. bfloat16 x is rounded where the
+// per-expert path (sonar.models.moe.QuantizedExperts) rounds it: each product, each bias sum and
+// the activation (silu rounded, then its product with up, as silu_and_mul; GPT-OSS's clamped
+// SwiGLU op by op, as sonar.kernels.reference.clamped_swiglu). Not the AVX-512 path: int4 / int8 /
+// fp8 with bfloat16 x run the AVX2 float32 tiles there too (no int8 activation quantization; mxfp4
+// takes the AVX2 tiles on every path already).
+
+namespace {
+
+template <typename T>
+inline float round_as(float v) {
+  return to_float(from_float<T>(v));
+}
+
+// Tiles [begin, end) of one expert's packed projection `w` against `rows` float32 rows of x:
+// y[r * out_features + c], float32.
+struct MoeTiles {
+  bool avx2;
+  std::vector<float> wf, out;
+  std::vector<int32_t> wi;
+
+  void run(const float* x, const float* sums, int64_t rows, const uint8_t* w, const QuantGeometry& geo, int64_t begin,
+           int64_t end, float* y, int64_t out_features) {
+#ifdef SONAR_AVX2
+    if (avx2) {
+      if (geo.format == kInt4) avx2_tiles<kInt4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else if (geo.format == kInt8) avx2_tiles<kInt8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else if (geo.format == kMxfp4) avx2_tiles<kMxfp4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else avx2_tiles<kFp8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      return;
+    }
+#endif
+    wf.resize(geo.group * 16);
+    wi.resize(geo.group * 16);
+    out.resize(rows * 16);
+    const QuantX xs{reinterpret_cast<const int32_t*>(x), geo.k, sums, nullptr, geo.groups};
+    for (int64_t t = begin; t < end; ++t) {
+      portable_tile<float>(xs, rows, w + t * geo.tile_bytes, geo, wf.data(), wi.data(), out.data());
+      const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(y + r * out_features + t * 16, out.data() + r * 16, columns * sizeof(float));
+    }
+  }
+};
+
+// One projection of every active expert: rows start[e] .. start[e + 1] of x (float32, geo.k apart)
+// through expert e's tiles, into y (out_features apart); work items of `chunk` tiles.
+void moe_projection(const MoePairs& pairs, const float* x, const float* sums, const at::Tensor& w,
+                    const QuantGeometry& geo, float* y, int64_t out_features, bool avx2) {
+  const int64_t experts = w.size(0);
+  const int64_t expert_bytes = geo.tiles * geo.tile_bytes;
+  int64_t active = 0;
+  for (int64_t e = 0; e < experts; ++e) active += pairs.start[e + 1] > pairs.start[e];
+  // about four items per thread (uneven experts even out), an even number of tiles (a lone row
+  // takes two at a time)
+  const int64_t wanted = std::max<int64_t>(1, 4 * at::get_num_threads());
+  const int64_t chunk =
+      std::clamp<int64_t>((active * geo.tiles + wanted - 1) / wanted, 2, 16) & ~int64_t{1};
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first tile)
+  for (int64_t e = 0; e < experts; ++e)
+    if (pairs.start[e + 1] > pairs.start[e])
+      for (int64_t t = 0; t < geo.tiles; t += chunk) items.emplace_back(e, t);
+  const uint8_t* ws = data<const uint8_t>(w);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    MoeTiles tiles{avx2, {}, {}, {}};
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, t] = items[i];
+      const int64_t first = pairs.start[e], rows = pairs.start[e + 1] - first;
+      tiles.run(x + first * geo.k, sums + first * geo.groups, rows, ws + e * expert_bytes, geo, t,
+                std::min(t + chunk, geo.tiles), y + first * out_features, out_features);
+    }
+  });
+}
+
+// Per row and group of `rows` float32 rows (k apart): the group's sum, in linear_quant's order.
+void row_group_sums(const float* x, int64_t begin, int64_t end, int64_t k, int64_t group, float* sums) {
+  const int64_t groups = k / group;
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.f;
+      for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
+      sums[r * groups + g] = s;
+    }
+}
+
+// A bias [E, d] of float32 or bfloat16, read as float32 (absent: zero).
+struct MoeBias {
+  const void* data = nullptr;
+  bool is_float = true;
+  int64_t d = 0;
+
+  float at(int64_t e, int64_t i) const {
+    if (data == nullptr) return 0.f;
+    return is_float ? static_cast<const float*>(data)[e * d + i] : to_float(static_cast<const Bf16*>(data)[e * d + i]);
+  }
+};
+
+template <typename T>
+void moe_quant_impl(at::Tensor& out, const at::Tensor& x, const float* weights, const int64_t* ids, int64_t top_k,
+                    const MoePairs& pairs, const at::Tensor& w13, const QuantGeometry& geo13, const at::Tensor& w2,
+                    const QuantGeometry& geo2, const MoeBias& b13, const MoeBias& b2,
+                    std::optional<double> swiglu_limit, double swiglu_alpha, bool avx2) {
+  const int64_t n = x.size(0), h = x.size(1), inter = geo2.k, local = pairs.rows();
+  std::vector<int64_t> row_expert(local);
+  for (int64_t e = 0; e + 1 < static_cast<int64_t>(pairs.start.size()); ++e)
+    std::fill(row_expert.begin() + pairs.start[e], row_expert.begin() + pairs.start[e + 1], e);
+  // the routed rows of x, float32, with their per-group sums
+  std::vector<float> xf(local * h), sums13(local * geo13.groups);
+  const T* xs = data<const T>(x);
+  at::parallel_for(0, local, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) load_row(xf.data() + r * h, xs + pairs.row_token[r] * h, h);
+    row_group_sums(xf.data(), begin, end, h, geo13.group, sums13.data());
+  });
+  std::vector<float> gate_up(local * 2 * inter);
+  moe_projection(pairs, xf.data(), sums13.data(), w13, geo13, gate_up.data(), 2 * inter, avx2);
+  // the activation, rounded as the per-expert path rounds it, and its group sums for the down GEMM
+  std::vector<float> act(local * inter), sums2(local * geo2.groups);
+  const float limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
+  const float alpha = static_cast<float>(swiglu_alpha);
+  at::parallel_for(0, local, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t e = row_expert[r];
+      const float* gu = gate_up.data() + r * 2 * inter;
+      float* a = act.data() + r * inter;
+      for (int64_t j = 0; j < inter; ++j) {
+        float g = round_as<T>(gu[j]), u = round_as<T>(gu[inter + j]);
+        if (b13.data != nullptr) {
+          g = round_as<T>(g + b13.at(e, j));
+          u = round_as<T>(u + b13.at(e, inter + j));
+        }
+        if (!swiglu_limit) {
+          a[j] = round_as<T>(round_as<T>(g / (1.f + exp_approx(-g))) * u);
+          continue;
+        }
+        g = std::min(g, limit);
+        u = std::clamp(u, -limit, limit);
+        const float sig = round_as<T>(1.f / (1.f + std::exp(-round_as<T>(g * alpha))));
+        a[j] = round_as<T>(round_as<T>(u + 1.f) * round_as<T>(g * sig));
+      }
+    }
+    row_group_sums(act.data(), begin, end, inter, geo2.group, sums2.data());
+  });
+  std::vector<float> y(local * h);
+  moe_projection(pairs, act.data(), sums2.data(), w2, geo2, y.data(), h, avx2);
+  // every token's rows, weighted, summed in float32 in expert order
+  T* os = data<T>(out);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(h);
+    std::vector<int64_t> order(top_k);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t* chosen = ids + t * top_k;
+      for (int64_t j = 0; j < top_k; ++j) order[j] = j;
+      std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return chosen[a] < chosen[b]; });
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (const int64_t j : order) {
+        const int64_t r = pairs.pair_row[t * top_k + j];
+        if (r < 0) continue;  // another rank's expert
+        const float w = weights[t * top_k + j];
+        const float* yr = y.data() + r * h;
+        for (int64_t i = 0; i < h; ++i) {
+          float v = round_as<T>(yr[i]);
+          if (b2.data != nullptr) v = round_as<T>(v + b2.at(chosen[j], i));
+          acc[i] += v * w;
+        }
+      }
+      for (int64_t i = 0; i < h; ++i) os[t * h + i] = from_float<T>(acc[i]);
+    }
+  });
+}
+
+MoeBias moe_bias(const std::optional<at::Tensor>& b, int64_t experts, int64_t d, const at::Tensor& x,
+                 const char* name) {
+  if (!b) return {};
+  TORCH_CHECK(b->device().is_cpu() && b->dim() == 2 && b->size(0) == experts && b->size(1) == d &&
+                  b->is_contiguous() && (b->scalar_type() == at::kFloat || b->scalar_type() == x.scalar_type()),
+              "sonar_cpu::moe_quant: ", name, " a contiguous [", experts, ", ", d, "] of float32 or x's dtype");
+  return {b->data_ptr(), b->scalar_type() == at::kFloat, d};
+}
+
+at::Tensor moe_quant(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& w13,
+                     int64_t format13, int64_t group13, bool offsets13, const at::Tensor& w2, int64_t format2,
+                     int64_t group2, bool offsets2, const std::optional<at::Tensor>& b13,
+                     const std::optional<at::Tensor>& b2, std::optional<double> swiglu_limit, double swiglu_alpha) {
+  for (const auto* t : {&x, &weights, &ids, &w13, &w2}) check_cpu(*t, "moe_quant input");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "sonar_cpu::moe_quant: contiguous bfloat16 or float32 x [n, h]");
+  TORCH_CHECK(w13.dim() == 4 && w13.size(0) > 0 && w2.dim() == 4 && w2.size(0) == w13.size(0) &&
+                  w13.is_contiguous() && w2.is_contiguous(),
+              "sonar_cpu::moe_quant: contiguous packed experts w13, w2 [E, tiles, groups, bytes] of one E");
+  const int64_t n = x.size(0), h = x.size(1), experts = w13.size(0);
+  const QuantGeometry geo13(w13.select(0, 0), format13, group13, offsets13);
+  const QuantGeometry geo2(w2.select(0, 0), format2, group2, offsets2);
+  const int64_t inter = geo2.k;
+  TORCH_CHECK(geo13.k == h, "sonar_cpu::moe_quant: w13 takes ", geo13.k, " inputs, x has ", h);
+  TORCH_CHECK(2 * inter <= geo13.tiles * 16 && 2 * inter > (geo13.tiles - 1) * 16,
+              "sonar_cpu::moe_quant: w13's ", geo13.tiles, " tiles of 16 do not hold 2 x ", inter, " outputs");
+  TORCH_CHECK(h <= geo2.tiles * 16 && h > (geo2.tiles - 1) * 16, "sonar_cpu::moe_quant: w2's ", geo2.tiles,
+              " tiles of 16 do not hold ", h, " outputs");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == n && ids.is_contiguous() && ids.scalar_type() == at::kLong,
+              "sonar_cpu::moe_quant: contiguous int64 ids [n, top_k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.is_contiguous() && weights.scalar_type() == at::kFloat,
+              "sonar_cpu::moe_quant: contiguous float32 weights [n, top_k]");
+  const MoeBias bias13 = moe_bias(b13, experts, 2 * inter, x, "b13");
+  const MoeBias bias2 = moe_bias(b2, experts, h, x, "b2");
+  const int64_t top_k = ids.size(1);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const MoePairs pairs(id, n * top_k, top_k, experts, "sonar_cpu::moe_quant");
+#ifdef SONAR_AVX2
+  const bool avx2 = quant_isa_now() != kPortable;
+#else
+  const bool avx2 = false;
+#endif
+  at::Tensor out = at::empty({n, h}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    moe_quant_impl<float>(out, x, weights.data_ptr<float>(), id, top_k, pairs, w13, geo13, w2, geo2, bias13, bias2,
+                          swiglu_limit, swiglu_alpha, avx2);
+  } else {
+    moe_quant_impl<Bf16>(out, x, weights.data_ptr<float>(), id, top_k, pairs, w13, geo13, w2, geo2, bias13, bias2,
+                         swiglu_limit, swiglu_alpha, avx2);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(sonar_cpu, m) {
+  m.def("moe_quant(Tensor x, Tensor weights, Tensor ids, Tensor w13, int format13, int group13, bool offsets13, "
+        "Tensor w2, int format2, int group2, bool offsets2, Tensor? b13=None, Tensor? b2=None, "
+        "float? swiglu_limit=None, float swiglu_alpha=1.702) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("moe_quant", &moe_quant); }

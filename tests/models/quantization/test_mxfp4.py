@@ -148,6 +148,7 @@ def test_experts_are_served_quantized_equal_to_transformers(checkpoint: tuple[Pa
     }
     # 17 and 40 tokens: past the sliding window of 8
     assert_greedy_equals_transformers(loaded.model, ref, _prompts(c.vocab_size)[1:3], NEW_TOKENS)
+    assert all(b.is_stacked for b in quantized), "the grouped operator (sonar_cpu::moe_quant) served them"
 
 
 def test_dequantize_weights_gives_the_same_tokens(checkpoint: tuple[Path, Any]) -> None:
