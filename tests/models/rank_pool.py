@@ -13,6 +13,8 @@ next world. Everything else the ranks print goes to stderr, a file per worker th
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import json
 import os
@@ -135,7 +137,18 @@ def serve() -> None:
         except BaseException:
             replies.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
             return
+        _release_memory()
         replies.write(json.dumps({"ok": True}) + "\n")
+
+
+def _release_memory() -> None:
+    """Hand the rank's freed model weights back to the system: an idle worker waits for the next
+    world holding little more than its imports."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # not glibc: its allocator keeps what it keeps
+        pass
 
 
 if __name__ == "__main__":
