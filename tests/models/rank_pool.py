@@ -52,7 +52,13 @@ class _Worker:
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
 
+    @property
+    def alive(self) -> bool:
+        return not self.log.closed and self.proc.poll() is None
+
     def close(self) -> None:
+        if self.log.closed:
+            return
         self.end()
         try:
             self.proc.wait(timeout=60)
@@ -83,7 +89,7 @@ class RankPool:
         for i in range(len(argvs)):
             if i == len(self._workers):
                 self._workers.append(_Worker())
-            elif self._workers[i].proc.poll() is not None:  # its last rank failed
+            elif not self._workers[i].alive:  # its last rank failed
                 self._workers[i].close()
                 self._workers[i] = _Worker()
         workers = self._workers[: len(argvs)]
@@ -101,8 +107,8 @@ class RankPool:
                 self.close()
                 raise AssertionError(f"rank {rank} of {module} did not finish in {timeout} s")
             if not reply.get("ok"):
-                worker.proc.wait(timeout=10)
                 errors.append(f"rank {rank}: {reply.get('error', 'exited')}\n{worker.stderr_tail()}")
+                worker.close()  # it exits after a failure: the next world starts another
         assert not errors, "\n".join(errors)
 
     def close(self) -> None:
