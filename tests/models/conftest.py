@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
+
+from tests.models.rank_pool import RankPool
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -150,6 +152,14 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tiny
         hf.save_pretrained(str(path))
         out[name] = Tiny(name, path, hf)
     return out
+
+
+@pytest.fixture(scope="session")
+def rank_pool() -> Iterator[RankPool]:
+    """The rank processes of every gloo world the model tests run, started once per session."""
+    pool = RankPool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="session")

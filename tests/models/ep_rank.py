@@ -3,6 +3,8 @@ tests/models/test_expert_parallel.py:
 
     python -m tests.models.ep_rank PORT RANK SIZE PLACEMENT OUT MODEL...
 
+(or as a job of a `tests.models.rank_pool` worker, which calls `cli` with those arguments)
+
 joins the gloo group of SIZE tensor-parallel ranks whose store listens on 127.0.0.1:PORT, deals the
 MoE experts over it by PLACEMENT (``linear`` or ``round_robin``) and writes rank 0's logits of each
 MODEL (`tests.models.parallel_rank.logits`) to OUT (a list).
@@ -30,6 +32,10 @@ def main(port: int, rank: int, size: int, placement: str, out: str, sources: lis
     ranks.leave()
 
 
-if __name__ == "__main__":
-    port, rank, size, placement, out, *sources = sys.argv[1:]
+def cli(argv: list[str]) -> None:
+    port, rank, size, placement, out, *sources = argv
     main(int(port), int(rank), int(size), placement, out, sources)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -3,6 +3,8 @@ tests/models/test_eplb.py:
 
     python -m tests.models.eplb_rank PORT RANK SIZE OUT MODEL:REDUNDANT:TOKEN...
 
+(or as a job of a `tests.models.rank_pool` worker, which calls `cli` with those arguments)
+
 joins the gloo group of SIZE ranks whose store listens on 127.0.0.1:PORT, loads each MODEL with
 its experts in ``linear`` slots plus REDUNDANT replica slots per layer, runs a skewed load twice
 (`steps`: a prompt of the model's TOKEN repeated, so every token goes to the same experts) with an
@@ -92,6 +94,10 @@ def main(port: int, rank: int, size: int, out: str, sources: list[str]) -> None:
     ranks.leave()
 
 
-if __name__ == "__main__":
-    port, rank, size, out, *sources = sys.argv[1:]
+def cli(argv: list[str]) -> None:
+    port, rank, size, out, *sources = argv
     main(int(port), int(rank), int(size), out, sources)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

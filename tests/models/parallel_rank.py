@@ -2,6 +2,8 @@
 
     python -m tests.models.parallel_rank PORT RANK TP PP OUT MODEL...
 
+(or as a job of a `tests.models.rank_pool` worker, which calls `cli` with those arguments)
+
 joins the gloo world of TP x PP ranks whose store listens on 127.0.0.1:PORT and, for each MODEL (a
 checkpoint directory, ``embedded`` for SmolLM2 in float32, ``embedded-quantized`` for its Q4_1 GGUF as
 served, on bfloat16), writes the last stage's `logits`
@@ -11,6 +13,7 @@ stages do (`sonar.engine.ranks.Topology`).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -55,6 +58,14 @@ def logits(model_source: str, topology: Topology = SOLO) -> list[torch.Tensor] |
     return None if prefill is None else [prefill, decode]
 
 
+@functools.cache
+def one_rank_logits(model_source: str) -> list[torch.Tensor]:
+    """`logits` on one rank, the reference every group is held to: computed once per process."""
+    out = logits(model_source)
+    assert out is not None
+    return out
+
+
 def _meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
     return AttentionMetadata.build(q_lens, seq_lens, [[0], [1]], 16)
 
@@ -70,6 +81,10 @@ def main(port: int, rank: int, tp: int, pp: int, out: str, sources: list[str]) -
     ranks.leave()
 
 
-if __name__ == "__main__":
-    port, rank, tp, pp, out, *sources = sys.argv[1:]
+def cli(argv: list[str]) -> None:
+    port, rank, tp, pp, out, *sources = argv
     main(int(port), int(rank), int(tp), int(pp), out, sources)
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])

@@ -31,6 +31,7 @@ from tests.models.against import (
     assert_mixed_batch_equals_plain_batch,
     transformers_greedy,
 )
+from tests.models.rank_pool import RankPool
 from tests.models.test_parallel import ATOL as TP_ATOL
 from tests.models.test_parallel import _group_logits
 
@@ -282,22 +283,22 @@ def test_multi_token_prediction_layers_are_not_loaded(checkpoints: dict[str, tup
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2), (2, 2)], ids=["tp2", "pp2", "tp2xpp2"])
 def test_split_over_ranks_gives_the_logits_of_one(
-    checkpoints: dict[str, tuple[Path, Any]], tp: int, pp: int, tmp_path: Path
+    checkpoints: dict[str, tuple[Path, Any]], tp: int, pp: int, rank_pool: RankPool, tmp_path: Path
 ) -> None:
     """gloo ranks: the query heads (``q_b_proj`` / ``q_proj``, ``kv_b_proj``, ``o_proj``) and every
     expert's intermediate size split between two ranks, each caching the whole latent; or the
     layers (dense and sparse) in two stages; or both."""
     sources = [str(checkpoints[name][0]) for name in ("v2_lite", "v3")]
-    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < TP_ATOL, source
 
 
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_expert_parallel_gives_the_logits_of_one(
-    checkpoints: dict[str, tuple[Path, Any]], placement: str, tmp_path: Path
+    checkpoints: dict[str, tuple[Path, Any]], placement: str, rank_pool: RankPool, tmp_path: Path
 ) -> None:
     """Two gloo ranks holding whole experts each (the router's choice mapped to local ids, the
     shared experts and attention tensor-parallel)."""
@@ -305,9 +306,9 @@ def test_expert_parallel_gives_the_logits_of_one(
     from tests.models.test_expert_parallel import _group_logits as _ep_group_logits
 
     sources = [str(checkpoints[name][0]) for name in ("v2", "v3")]
-    got = _ep_group_logits(2, placement, sources, tmp_path / "logits.pt")
+    got = _ep_group_logits(rank_pool, 2, placement, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < EP_ATOL, (source, placement)
 

@@ -48,6 +48,7 @@ from tests.models.quantization.test_load import _load as load_quantized
 from tests.models.quantization.test_load import _reference as quantized_reference
 from tests.models.quantization.test_load import _tiny as quantized_tiny
 from tests.models.quantization.test_load import _write as write_quantized
+from tests.models.rank_pool import RankPool
 from tests.models.test_fused import _assert_same as assert_same_steps
 from tests.models.test_fused import _both as fused_and_per_op
 from tests.models.test_parallel import ATOL as PARALLEL_ATOL
@@ -251,17 +252,17 @@ def test_refused_features_fail_at_their_start_naming_the_family(name: str, tiny_
     ids=["tp2", "pp2", "tp4-olmo2"],
 )
 def test_split_over_ranks_gives_the_logits_of_one(
-    tp: int, pp: int, names: tuple[str, ...], tiny_checkpoints: dict[str, Any], tmp_path: Path
+    tp: int, pp: int, names: tuple[str, ...], tiny_checkpoints: dict[str, Any], rank_pool: RankPool, tmp_path: Path
 ) -> None:
     """Real gloo groups (tests/models/test_parallel.py): Phi-3's fused checkpoint tensors shard as
     their parts, Granite's o_proj bias is added once, GLM-4's extra norms follow the all-reduce,
     OLMo 2's q/k norms sum their squares over the ranks (at 4 ranks each of its 2 KV heads is on
     two of them), the stages pass OLMo 2's post-normed residual stream on."""
     sources = [str(tiny_checkpoints[n].path) for n in names]
-    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
     assert len(got) == len(names)
     for name, source, ranked in zip(names, sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < PARALLEL_ATOL, (name, tp, pp)
 

@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sonar
 from sonar.engine.config import EngineConfig
@@ -25,9 +22,9 @@ from sonar.models.moe import SparseMoeBlock
 from sonar.models.parallel import ParallelLayoutError, TensorParallel
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models import eplb_rank
+from tests.models.rank_pool import RankPool
 from tests.models.test_moe import _configs
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = ("mixtral", "qwen3_moe")
 REDUNDANT = 2
 #: Float32 logits of the same products summed over two ranks, in another order (logits O(1)).
@@ -110,34 +107,22 @@ def hot_token(hf: Any, alone: list[set[int]]) -> int:
     raise AssertionError("no token routes to one rank's experts alone")
 
 
-def _group(size: int, sources: list[str], out: Path) -> list[list[dict[str, Any]]]:
-    """Run `size` rank processes on a gloo world whose store this process holds; each rank's results."""
-    store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.models.eplb_rank", str(store.port), str(rank), str(size), str(out)] + sources,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(size)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-3000:]
+def _group(pool: RankPool, size: int, sources: list[str], out: Path) -> list[list[dict[str, Any]]]:
+    """Run `size` ranks (`eplb_rank`) on a gloo world whose store this process holds; each rank's results."""
+    pool.world("tests.models.eplb_rank", size, [str(size), str(out), *sources])
     return [torch.load(f"{out}.{rank}") for rank in range(size)]
 
 
 @pytest.mark.slow  # two rank processes, each loading both models: ~20 s here
 def test_a_rebalance_moves_experts_between_ranks_and_keeps_the_logits(
-    checkpoints: dict[str, Any], tmp_path: Path
+    checkpoints: dict[str, Any], rank_pool: RankPool, tmp_path: Path
 ) -> None:
     """A skewed load (one rank's experts take every token), two rounds of the same steps with a
     rebalance between them: the placement changes on both ranks alike, experts move between the
     ranks, the window's balance improves, and both rounds' logits are one rank's."""
     tokens = {name: hot_token(checkpoints[name][1], SKEW[name][1]) for name in NAMES}
     sources = [f"{checkpoints[name][0]}:{SKEW[name][0]}:{tokens[name]}" for name in NAMES]
-    ranks = _group(2, sources, tmp_path / "eplb.pt")
+    ranks = _group(rank_pool, 2, sources, tmp_path / "eplb.pt")
     for i, name in enumerate(NAMES):
         mine, theirs = ranks[0][i], ranks[1][i]
         assert mine["placements"] == theirs["placements"]

@@ -10,14 +10,11 @@ transformers, and the settings that are refused."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import sonar
 from sonar.engine.config import EngineConfig
@@ -26,9 +23,9 @@ from sonar.models.moe import MoeSpec, SparseMoeBlock
 from sonar.models.parallel import ParallelLayoutError, TensorParallel
 from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models import parallel_rank
+from tests.models.rank_pool import RankPool
 from tests.models.test_moe import _configs
 
-REPO = Path(__file__).resolve().parents[2]
 NAMES = ("mixtral", "qwen2_moe")
 PLACEMENTS = ("linear", "round_robin")
 #: Float32 logits of the same products summed over two ranks instead of one (logits O(1)).
@@ -124,31 +121,20 @@ def test_the_weight_filter_leaves_other_ranks_experts_unread(checkpoints: dict[s
     )
 
 
-def _group_logits(size: int, placement: str, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
-    """Run `size` rank processes on a gloo world whose store this process holds."""
-    store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.models.ep_rank", str(store.port), str(rank), str(size), placement, str(out)]
-            + sources,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(size)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-3000:]
+def _group_logits(pool: RankPool, size: int, placement: str, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
+    """Run `size` ranks (`ep_rank`) on a gloo world whose store this process holds."""
+    pool.world("tests.models.ep_rank", size, [str(size), placement, str(out), *sources])
     return torch.load(out)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-def test_two_ranks_give_the_logits_of_one(checkpoints: dict[str, Any], placement: str, tmp_path: Path) -> None:
+def test_two_ranks_give_the_logits_of_one(
+    checkpoints: dict[str, Any], placement: str, rank_pool: RankPool, tmp_path: Path
+) -> None:
     sources = [str(checkpoints[name][0]) for name in NAMES]
-    got = _group_logits(2, placement, sources, tmp_path / "logits.pt")
+    got = _group_logits(rank_pool, 2, placement, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < ATOL, (source, placement)
 

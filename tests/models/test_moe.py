@@ -20,6 +20,7 @@ from tests.engine.conftest import save_word_tokenizer, spread_weights
 from tests.models import parallel_rank
 from tests.models.against import assert_greedy_equals_transformers, assert_mixed_batch_equals_plain_batch
 from tests.models.driver import GreedyDriver
+from tests.models.rank_pool import RankPool
 from tests.models.test_parallel import ATOL as TP_ATOL
 from tests.models.test_parallel import _group_logits
 
@@ -200,14 +201,14 @@ def test_bfloat16_follows_float32(checkpoints: dict[str, tuple[Path, Any]]) -> N
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_split_over_ranks_gives_the_logits_of_one(
-    checkpoints: dict[str, tuple[Path, Any]], tp: int, pp: int, tmp_path: Path
+    checkpoints: dict[str, tuple[Path, Any]], tp: int, pp: int, rank_pool: RankPool, tmp_path: Path
 ) -> None:
     """Two gloo ranks: each expert's intermediate size (and the shared expert's, and the dense
     layers') split between them, or the layers (sparse and dense) in two stages."""
     sources = [str(checkpoints[name][0]) for name in ("mixtral", "qwen2_moe")]
-    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < TP_ATOL, source
 

@@ -1,5 +1,6 @@
 """Tensor-parallel shards of the decoder (`sonar.models.parallel`): how shapes split, and logits of
-real gloo groups (one process per rank, `tests/models/parallel_rank.py`) against one rank.
+real gloo groups (one process per rank, `tests/models/parallel_rank.py`, kept across worlds by
+`tests/models/rank_pool.py`) against one rank.
 
 The tiny checkpoints cover the layouts: KV heads split (Llama), a single KV head replicated on
 every rank (Qwen2, with q/k/v biases), per-head q/k norms with tied, vocab-parallel embeddings
@@ -10,19 +11,16 @@ the Q4_1 quants it is served in.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from sonar.models.parallel import ParallelLayoutError, TensorParallel, shard_rows
 from tests.models import parallel_rank
+from tests.models.rank_pool import RankPool
 
-REPO = Path(__file__).resolve().parents[2]
 #: Float32 logits of the same weights summed in another order across ranks (measured: ~3e-7 on
 #: the tiny models, logits O(1); ~7e-5 on SmolLM2, logits up to ~35).
 ATOL = 1e-4
@@ -135,64 +133,43 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     return out
 
 
-def _group_logits(tp: int, pp: int, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
-    """Run tp x pp rank processes on a gloo world whose store this process holds."""
-    size = tp * pp
-    store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.models.parallel_rank",
-                str(store.port),
-                str(rank),
-                str(tp),
-                str(pp),
-                str(out),
-                *sources,
-            ],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
-        for rank in range(size)
-    ]
-    for proc in procs:
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err.decode()[-3000:]
+def _group_logits(pool: RankPool, tp: int, pp: int, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
+    """Run tp x pp ranks (`parallel_rank`) on a gloo world whose store this process holds."""
+    pool.world("tests.models.parallel_rank", tp * pp, [str(tp), str(pp), str(out), *sources])
     return torch.load(out)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (3, 1), (1, 2), (2, 2)], ids=["tp2", "tp3", "pp2", "tp2xpp2"])
 def test_tiny_models_split_over_ranks_give_the_logits_of_one(
-    tp: int, pp: int, sources: list[str], tmp_path: Path
+    tp: int, pp: int, sources: list[str], rank_pool: RankPool, tmp_path: Path
 ) -> None:
-    got = _group_logits(tp, pp, sources, tmp_path / "logits.pt")
+    got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
     for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.logits(source), ranked):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
             assert have.shape == want.shape
             assert (have - want).abs().max() < ATOL, (source, tp, pp)
 
 
-def test_smollm2_at_three_ranks_gives_the_logits_of_one(smollm2_fp32: Any, tmp_path: Path) -> None:
+def test_smollm2_at_three_ranks_gives_the_logits_of_one(smollm2_fp32: Any, rank_pool: RankPool, tmp_path: Path) -> None:
     """The session fixture converted the embedded GGUF already: the ranks only read it."""
-    (ranked,) = _group_logits(3, 1, ["embedded"], tmp_path / "logits.pt")
-    for want, have in zip(parallel_rank.logits("embedded"), ranked):
+    (ranked,) = _group_logits(rank_pool, 3, 1, ["embedded"], tmp_path / "logits.pt")
+    for want, have in zip(parallel_rank.one_rank_logits("embedded"), ranked):
         assert (have - want).abs().max() < ATOL
         assert torch.equal(have.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(3, 1), (1, 2)], ids=["tp3", "pp2"])
-def test_the_embedded_gguf_splits_as_quants(smollm2_fp32: Any, tp: int, pp: int, tmp_path: Path) -> None:
+def test_the_embedded_gguf_splits_as_quants(
+    smollm2_fp32: Any, tp: int, pp: int, rank_pool: RankPool, tmp_path: Path
+) -> None:
     """The Q4_1 GGUF served as its quants (bfloat16 activations): q/k/v and gate/up split by rows,
     o/down by whole groups of input columns, the quantized embedding by vocabulary rows. Held to
     its float32 dequantized reference as one rank is: the same argmax on every row, and an error
     at most 1.5x one rank's plus bfloat16 noise. The ranks' partial sums are each rounded to
     bfloat16 before the all-reduce, noise that does not shrink with a more exact kernel (measured
     at tp = 3: 1.40 against 1.28 with the AVX-512 kernel, 1.58 against 0.70 with the AVX2 one)."""
-    (ranked,) = _group_logits(tp, pp, ["embedded-quantized"], tmp_path / "logits.pt")
-    one = parallel_rank.logits("embedded-quantized")
-    for ref, want, have in zip(parallel_rank.logits("embedded"), one, ranked):
+    (ranked,) = _group_logits(rank_pool, tp, pp, ["embedded-quantized"], tmp_path / "logits.pt")
+    one = parallel_rank.one_rank_logits("embedded-quantized")
+    for ref, want, have in zip(parallel_rank.one_rank_logits("embedded"), one, ranked):
         assert torch.equal(have.argmax(-1), want.argmax(-1))
         assert (have - ref).abs().max() <= 1.5 * (want - ref).abs().max() + 1.0
