@@ -311,7 +311,7 @@ def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -
         (["-tp", "2", "--nnodes", "2", "-dp", "2"], "--data-parallel-size 2 with --nnodes 2 is not supported"),
         (["--master-addr", "10.0.0.2"], "argument --master-addr: takes effect only with --nnodes > 1"),
         (["--master-port", "1234"], "argument --master-port: takes effect only with --nnodes > 1"),
-        (["-tp", "2", "--nnodes", "2", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address is not"),
+        (["-tp", "2", "--nnodes", "2", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address takes"),
     ],
 )
 def test_node_layouts_sonar_cannot_run_are_refused(argv: list[str], message: str) -> None:
