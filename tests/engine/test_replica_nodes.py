@@ -237,3 +237,40 @@ def test_each_replica_runs_here_or_on_the_node_that_reported_it() -> None:
     assert replica_site(EngineConfig.from_args(None, data_parallel_size=2), 1) == (None, 1, 2)
     with pytest.raises(ValueError, match="not by the library"):
         replica_site(msgspec.structs.replace(config, data_parallel_nodes=()), 3)
+
+
+def _headless_against(store_port: int, keys: Path, *extra: str) -> subprocess.CompletedProcess:
+    argv = [*DP[:-3], "127.0.0.1", "--data-parallel-rpc-port", str(store_port), "--actor-keys", str(keys)]
+    return subprocess.run(
+        [sys.executable, "-m", "sonar", "serve", "--headless", "-dpr", "1", *argv, *extra],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_headless_node_that_does_not_fit_the_head_is_refused(tmp_path: Path) -> None:
+    """Against a head's store (held here): a node started for another -dp, then a node for a replica
+    another node already runs, each refuses at once, naming the flags, and reports nothing."""
+    import torch.distributed as dist
+
+    from sonar.engine.nodes import DP_LAYOUT_KEY, HEAD_KEY, replica_key
+
+    keys = keygen(tmp_path / "keys")
+    port = _two_free_ports()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    store.set(HEAD_KEY, "1")
+    store.set(DP_LAYOUT_KEY, "3 data-parallel replicas of 1 rank(s)")
+    proc = _headless_against(port, keys)
+    assert proc.returncode == 1
+    assert "runs 3 data-parallel replicas of 1 rank(s), this node was started for 2" in proc.stderr
+    assert "--data-parallel-size" in proc.stderr and not store.check([replica_key(1)])
+
+    store.set(DP_LAYOUT_KEY, "2 data-parallel replicas of 1 rank(s)")
+    store.set(replica_key(1), "10.0.0.9 1 1")
+    proc = _headless_against(port, keys)
+    assert proc.returncode == 1
+    assert "replica 1 already runs on the node at 10.0.0.9" in proc.stderr
+    assert "--data-parallel-start-rank" in proc.stderr
