@@ -301,7 +301,7 @@ def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--headless"], "argument --headless: runs the ranks of a secondary node"),
+        (["--headless"], "argument --headless: runs the ranks or replicas of a secondary node"),
         (["-tp", "2", "--nnodes", "2", "--headless"], "node 0 (--node-rank 0) is the head"),
         (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "node 1 runs no API server (node 0 does): add --headless"),
         (["-tp", "3", "--nnodes", "2"], "--nnodes 2 must divide the ranks evenly"),
