@@ -14,6 +14,10 @@ incarnation of its rank: torch.distributed holds one group per process, so when 
 fresh one at the same address, which the head's next spawn reaches. The agent itself decides
 nothing about the group: one-for-all supervision stays with the head. It exits when the head is
 gone (its store no longer answers) or on SIGTERM, stopping its hosts.
+
+Data-parallel replicas over several machines meet the same way at ``--data-parallel-address:
+--data-parallel-rpc-port`` (`open_data_parallel_head`, `run_data_parallel_headless`): a headless
+node keeps one such host per replica of its own, where the head spawns that replica's worker.
 """
 
 from __future__ import annotations
@@ -241,16 +245,13 @@ def _head_alive(store: object) -> bool:
         return False
 
 
-DP_KEYS = "data-parallel replicas"
-
-
 def open_data_parallel_head(config: EngineConfig) -> tuple[object, EngineConfig]:
     """The head of data-parallel replicas over several machines: open the rendezvous store at
     ``--data-parallel-address:--data-parallel-rpc-port`` and wait (blocking, up to
     ``--distributed-timeout-seconds``) until every replica past this machine's has a headless node.
     Returns the store (keep it: the nodes watch it to know the head lives) and `config` with the
     nodes (`EngineConfig.data_parallel_nodes`)."""
-    require_keys(DP_KEYS + " run")
+    require_keys("data-parallel replicas run")
     addr, port = config.data_parallel_address, config.data_parallel_rpc_port
     assert addr is not None and port is not None, "checked with the layout"
     wait = NODE_WAIT if config.distributed_timeout_seconds is None else config.distributed_timeout_seconds
@@ -292,7 +293,7 @@ def run_data_parallel_headless(
     """A headless node of data-parallel replicas: keep one actor host per replica of its own, where
     the head spawns the replica's worker, until the head is gone or `stop` is set; the exit code."""
     stop = stop or threading.Event()
-    require_keys(DP_KEYS + " run")
+    require_keys("data-parallel replicas run")
     addr, port = config.data_parallel_address, config.data_parallel_rpc_port
     assert addr is not None and port is not None, "checked with the layout"
     wait = NODE_WAIT if config.distributed_timeout_seconds is None else config.distributed_timeout_seconds

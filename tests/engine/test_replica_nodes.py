@@ -37,7 +37,7 @@ from sonar.engine.config import EngineConfig
 from sonar.engine.nodes import replica_site
 from tests.engine.conftest import TinyCheckpoint
 from tests.engine.test_nodes import _env, _stop, _two_free_ports
-from tests.http.conftest import ROOT, ServerProcess, start_server, stop_server
+from tests.http.conftest import ROOT, ServerProcess, free_port, start_server, stop_server
 
 PROMPTS = [f"w{i} w{i + 7} w{2 * i + 1} w{i + 50}" for i in range(16)]
 MAX_TOKENS = 24
@@ -274,3 +274,19 @@ def test_a_headless_node_that_does_not_fit_the_head_is_refused(tmp_path: Path) -
     assert proc.returncode == 1
     assert "replica 1 already runs on the node at 10.0.0.9" in proc.stderr
     assert "--data-parallel-start-rank" in proc.stderr
+
+
+def test_a_head_whose_nodes_never_come_fails_the_start_in_time(llama: TinyCheckpoint, tmp_path: Path) -> None:
+    keys = keygen(tmp_path / "keys")
+    args = [*_dp_args(llama.path, keys, _two_free_ports()), "--distributed-timeout-seconds", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sonar", "serve", *args, "--port", str(free_port())],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "no headless node came for data-parallel replica(s) 1 of --data-parallel-size 2" in proc.stderr
+    assert "--distributed-timeout-seconds" in proc.stderr and "--headless" in proc.stderr
