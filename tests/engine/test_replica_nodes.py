@@ -9,7 +9,9 @@ spawns in the actor host the node keeps at ``--data-parallel-rpc-port + 1``.
 * SIGKILL of the headless node's replica host under 16 streaming requests: replica 1's supervisor
   on the head restarts its worker in the fresh host the node's agent starts, the scheduler
   recomputes what was in flight, and all 16 complete with the undisturbed text.
-* A connection without the deployment's keys is refused; the layouts Sonar cannot run are refused
+* A connection without the deployment's keys is refused; a headless node that does not fit the
+  head (another layout, a replica another node runs) is refused, and a head whose nodes never
+  come fails its start in time, each naming the flags; the layouts Sonar cannot run are refused
   by name, before anything starts.
 """
 
