@@ -288,13 +288,14 @@ class Node:
         self._pending[ask_id] = _Pending(fut, reply_type, actor, target, peer)
         return ReplyTo(self.node_id, ask_id, self.address), fut
 
-    def fail_asks(self, target: str, reason: str) -> int:
-        """Fail this process's asks still waiting on the actor `target` (a mailbox name): its run
-        ended, so no answer will come. A supervisor calls it when a child's run ends, so an asker
-        in the supervisor's process learns of a dead child at once instead of at its timeout."""
+    def fail_asks(self, target: str, reason: str, peer: str | None = None) -> int:
+        """Fail this process's asks still waiting on the actor `target` (a mailbox name; with
+        `peer`, the one at that address): its run ended, so no answer will come. A supervisor
+        calls it when a child's run ends, so an asker in the supervisor's process learns of a
+        dead child at once instead of at its timeout."""
         failed = 0
         for ask_id, pending in list(self._pending.items()):
-            if pending.target == target and not pending.future.done():
+            if pending.target == target and peer in (None, pending.peer) and not pending.future.done():
                 error = RemoteError(type="ActorExited", message=reason, traceback="")
                 self._resolve_local(ask_id, None, error)
                 failed += 1

@@ -102,7 +102,9 @@ class Runner:
         self.last_exit = info
         self.pid = self.pid if self.kind == "supervisor" else None
         if self.kind == "actor":
-            get_node().fail_asks(self.mailbox_name, f"actor {self.name!r} ended ({info.reason}) before it answered")
+            get_node().fail_asks(
+                self.mailbox_name, f"actor {self.name!r} ended ({info.reason}) before it answered", self.ask_peer
+            )
         if self._stopping:
             return
         self.state = "stopped" if info.normal else "crashed"
@@ -111,6 +113,11 @@ class Runner:
     @property
     def placement(self) -> str:
         return "inprocess"
+
+    @property
+    def ask_peer(self) -> str | None:
+        """Where asks to this child go, when its mailbox name alone does not tell (None)."""
+        return None
 
     def mailbox_depth(self) -> int | None:
         """Messages waiting in the mailbox, as the last answered ping reported it."""
@@ -455,6 +462,10 @@ class RemoteRunner(_HostedRunner):
     def placement(self) -> str:
         return self.address
 
+    @property
+    def ask_peer(self) -> str | None:
+        return self.address  # hosts elsewhere may each run an actor of the same (unqualified) name
+
     async def _start(self, incarnation: int) -> None:
         self._force_reason = None
         if get_node().credentials.ephemeral:
@@ -503,12 +514,20 @@ class RemoteRunner(_HostedRunner):
 
     async def _force(self, reason: str) -> None:
         self._force_reason = reason
+        exited = self._exit_event
         try:
             await self.host.ask(Kill(name=self.mailbox_name), timeout=KILL_GRACE)
         except (AskTimeout, ActorNotFound):
             log.error("actor.unreachable", actor=self.name, address=self.address)
-            if self._exit_event is not None and not self._exit_event.is_set():
-                self.exited(self.incarnation, ExitInfo(False, reason))
+        else:
+            # the host's monitor reports the run it killed; a fresh host at the address (the
+            # one that ran it died: a one-actor host restarted by its node) never heard of it
+            with anyio.move_on_after(KILL_GRACE):
+                if exited is not None:
+                    await exited.wait()
+        if exited is not None and not exited.is_set():
+            exited.set()
+            self.exited(self.incarnation, ExitInfo(False, reason))
 
 
 class SupervisorRunner(Runner):

@@ -138,7 +138,6 @@ def parse_serve_args(argv: Sequence[str]) -> ServeConfig:
     source.update({key.flag.name: "" for key in cli_keys})
 
     _check_support(explicit, source)
-    _check_local_replicas(explicit)
     _check_launcher(explicit)
     return _build(explicit)
 
@@ -150,18 +149,6 @@ def _check_launcher(explicit: dict[str, Any]) -> None:
             "argument --distributed-executor-backend: 'external_launcher' is for the library under torchrun "
             "(sonar.open in each rank's script); one HTTP server per torchrun rank makes no sense: "
             "serve with 'mp' or 'ray'"
-        )
-
-
-def _check_local_replicas(explicit: dict[str, Any]) -> None:
-    """--data-parallel-size-local counts the replicas on this machine; Sonar runs them all here,
-    so another count than --data-parallel-size would ask for replicas elsewhere."""
-    local = explicit.get("--data-parallel-size-local")
-    size = explicit.get("--data-parallel-size", FLAGS["--data-parallel-size"].default)
-    if local is not None and local != size:
-        raise UsageError.unsupported(
-            "--data-parallel-size-local",
-            f"got {local}; Sonar runs all {size} data-parallel replica(s) on this machine, so it accepts only {size}",
         )
 
 
@@ -315,7 +302,7 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
         engine = EngineConfig.from_args(model, **engine_args)
     except (TypeError, ValueError) as exc:
         raise UsageError.bad(str(exc)) from None
-    _check_nodes(explicit, engine.nnodes, engine.node_rank, serve_args["headless"])
+    _check_nodes(explicit, engine, serve_args["headless"])
     _check_api_servers(serve_args, engine)
     return ServeConfig(engine=engine, served_model_name=tuple(names), **serve_args)
 
@@ -364,9 +351,10 @@ def _check_api_servers(serve_args: dict[str, Any], engine: Any) -> None:
             raise UsageError.bad(f"argument --api-server-count: {count} API servers cannot run with {flag}: {why}")
 
 
-def _check_nodes(explicit: dict[str, Any], nnodes: int, node_rank: int, headless: bool) -> None:
-    """Node 0 serves the API; every other node runs --headless (`sonar.engine.nodes`); the head's
-    address means something only with several nodes."""
+def _check_nodes(explicit: dict[str, Any], engine: Any, headless: bool) -> None:
+    """Node 0 (the one with data-parallel replica 0) serves the API; every other node runs
+    --headless (`sonar.engine.nodes`); the head's address means something only with several nodes."""
+    nnodes, node_rank, start = engine.nnodes, engine.node_rank, engine.data_parallel_start_rank
     if nnodes == 1:
         for name in ("--master-addr", "--master-port"):
             value = explicit.get(name)
@@ -374,11 +362,18 @@ def _check_nodes(explicit: dict[str, Any], nnodes: int, node_rank: int, headless
                 raise UsageError.bad(
                     f"argument {name}: takes effect only with --nnodes > 1 (the head's rendezvous), got {value}"
                 )
-    if headless and nnodes == 1:
+    if start > 0 and not headless:
         raise UsageError.bad(
-            "argument --headless: runs the ranks of a secondary node, so it needs --nnodes > 1 and "
-            "--node-rank 1 or more (data-parallel secondary nodes are not supported yet)"
+            f"argument --data-parallel-start-rank: a node whose replicas start at {start} runs no API server "
+            "(the head, with replica 0, does): add --headless"
         )
+    if headless and nnodes == 1:
+        if start == 0:
+            raise UsageError.bad(
+                "argument --headless: runs the ranks or replicas of a secondary node, so it needs --nnodes > 1 and "
+                "--node-rank 1 or more, or --data-parallel-start-rank 1 or more (replica 0 is the head's)"
+            )
+        return
     if headless and node_rank == 0:
         raise UsageError.bad(
             "argument --headless: node 0 (--node-rank 0) is the head, which serves the API; give the "

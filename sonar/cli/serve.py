@@ -91,19 +91,30 @@ def main(argv: Sequence[str]) -> int:
 
 
 def _headless(config: ServeConfig) -> int:
-    """A secondary node: keep this node's ranks' actor hosts up (no API server, no engine here)
-    until the head is gone or SIGTERM/SIGINT."""
-    from sonar.engine.node_agent import NodesError, run_headless
+    """A secondary node: keep this node's ranks' (or data-parallel replicas') actor hosts up (no API
+    server, no engine here) until the head is gone or SIGTERM/SIGINT."""
+    from sonar.engine.node_agent import NodesError, run_data_parallel_headless, run_headless
+    from sonar.engine.nodes import local_replicas
 
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     engine = config.engine
-    _say(
-        f"headless node {engine.node_rank} of {engine.nnodes}: rendezvous at {engine.master_addr}:{engine.master_port}"
-    )
+    run = run_headless
+    if engine.nnodes > 1:
+        _say(
+            f"headless node {engine.node_rank} of {engine.nnodes}: rendezvous at "
+            f"{engine.master_addr}:{engine.master_port}"
+        )
+    else:
+        mine = local_replicas(engine)
+        _say(
+            f"headless node of data-parallel replicas {mine.start} .. {mine.stop - 1} of {engine.data_parallel_size}: "
+            f"rendezvous at {engine.data_parallel_address}:{engine.data_parallel_rpc_port}"
+        )
+        run = run_data_parallel_headless
     try:
-        code = run_headless(engine, config.actor_keys, config.actor_max_frame_bytes, stop)
+        code = run(engine, config.actor_keys, config.actor_max_frame_bytes, stop)
     except NodesError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr, flush=True)
         return 1
@@ -214,6 +225,7 @@ async def serve(config: ServeConfig) -> int:
     from sonar.actors import supervise
     from sonar.actors.supervisor import SupervisorGaveUp
     from sonar.cli.api_servers import feed, tell_all
+    from sonar.engine.nodes import replicas_spread
     from sonar.http.frontend import ServeApp, SetPhase
 
     started_at = time.monotonic()
@@ -267,6 +279,13 @@ async def serve(config: ServeConfig) -> int:
 
                     holder["rendezvous"], engine_config = await anyio.to_thread.run_sync(
                         open_head, config.engine, abandon_on_cancel=True
+                    )
+                    config = msgspec.structs.replace(config, engine=engine_config)
+                elif replicas_spread(config.engine):  # the head: the replicas' nodes report first
+                    from sonar.engine.node_agent import open_data_parallel_head
+
+                    holder["rendezvous"], engine_config = await anyio.to_thread.run_sync(
+                        open_data_parallel_head, config.engine, abandon_on_cancel=True
                     )
                     config = msgspec.structs.replace(config, engine=engine_config)
                 settings = _settings(config)
@@ -645,8 +664,13 @@ def describe(config: ServeConfig) -> list[str]:
             f"API servers: {config.api_server_count} processes sharing the port (SO_REUSEPORT) over one engine"
         )
     if engine.data_parallel_size > 1:
+        from sonar.engine.nodes import local_replicas
+
+        here = len(local_replicas(engine))
+        where = "" if here == engine.data_parallel_size else f" ({here} here, the others on headless nodes)"
         lines.append(
-            f"data parallel: {engine.data_parallel_size} replicas, requests routed by {engine.data_parallel_routing}"
+            f"data parallel: {engine.data_parallel_size} replicas{where}, requests routed by "
+            f"{engine.data_parallel_routing}"
         )
     if config.enable_auto_tool_choice:
         lines.append(f"tool calls: tool_choice 'auto' parsed with {config.tool_call_parser}")

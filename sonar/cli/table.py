@@ -40,10 +40,6 @@ TOOL_CALL_PARSER_NAMES = (
 )  # fmt: skip
 
 # Why Sonar refuses the other values of a default-only flag (the error and --help show it).
-ONE_MACHINE = (
-    "Sonar runs every data-parallel replica on this machine, each stepping on its own; data parallelism "
-    "over several machines is not supported yet"
-)
 MULTI_PORT = "multi-port external load balancing is not supported yet"
 NO_DCP = "decode context parallelism (--decode-context-parallel-size > 1) is not supported yet"
 NO_ALL2ALL = (
@@ -86,9 +82,9 @@ GROUPS: tuple[Group, ...] = (
            "name contains NAME (e.g. --help=max-model-len, --help=CacheConfig, --help=prefix); "
            "--help=all prints every flag.", target="help", metavar="[=NAME]"),
         _f("--headless", B, False,
-           "Run no API server: this node (--node-rank 1 .. --nnodes - 1) only runs its share of the "
-           "tensor-parallel ranks, which the head (node 0) starts and supervises. Data-parallel secondary "
-           "nodes are not supported yet.", negatable=False, to=S),
+           "Run no API server: this node only runs its share of the tensor-parallel ranks (--node-rank "
+           "1 .. --nnodes - 1) or of the data-parallel replicas (--data-parallel-start-rank 1 or more), which "
+           "the head starts and supervises.", negatable=False, to=S),
         _f("--api-server-count -asc", I, None,
            "How many API server processes to run over the one engine, sharing the listening port "
            "(sonar.http.api_servers); unset means one.", to=S, check=positive),
@@ -514,7 +510,7 @@ GROUPS: tuple[Group, ...] = (
            "block size: block by block).", why=NO_DCP),
         _f("--prefill-context-parallel-size -pcp", I, 1, "Number of ranks that split the work of one prefill."),
         _f("--data-parallel-size -dp", I, 1,
-           "Number of engine replicas (data-parallel ranks) on this machine, each with its own worker process, "
+           "Number of engine replicas (data-parallel ranks), each with its own worker process, "
            "scheduler and KV cache; a request goes to the replica holding the longest cached prefix of its "
            "prompt, else the least loaded (see --data-parallel-routing). On a CPU each replica computes on its "
            "share of the cores. The replicas share the KV memory budget (--kv-cache-memory-bytes, "
@@ -522,15 +518,24 @@ GROUPS: tuple[Group, ...] = (
            to=E, check=positive),
         _f("--data-parallel-rank -dpn", I, None,
            "This instance's data-parallel rank; setting it selects external load balancing."),
-        _f("--data-parallel-start-rank -dpr", I, None, "First data-parallel rank on this node (secondary nodes).",
-           accepts=(0,)),
+        _f("--data-parallel-start-rank -dpr", I, None,
+           "First data-parallel replica of this node: 0 on the head, the first of its own on a --headless "
+           "node (which runs --data-parallel-start-rank .. + --data-parallel-size-local - 1).",
+           to=E, default_note="0", check=non_negative),
         _f("--data-parallel-size-local -dpl", I, None,
-           "Data-parallel replicas on this node; Sonar runs them all here, so it must equal --data-parallel-size.",
-           target="parse"),
-        _f("--data-parallel-address -dpa", S_, None, "Address of the data-parallel head node.", why=ONE_MACHINE),
-        _f("--data-parallel-rpc-port -dpp", I, None, "Port for data-parallel RPC.", why=ONE_MACHINE),
+           "Data-parallel replicas on this node. Fewer than --data-parallel-size puts the others on --headless "
+           "nodes, which meet the head at --data-parallel-address:--data-parallel-rpc-port (--actor-keys on "
+           "every node).", to=E, default_note="--data-parallel-size", check=positive),
+        _f("--data-parallel-address -dpa", S_, None,
+           "Address of the head node when the replicas span several nodes: its rendezvous store listens "
+           "there, where the headless nodes report.", to=E),
+        _f("--data-parallel-rpc-port -dpp", I, None,
+           "Port of the head's rendezvous store when the replicas span several nodes; a headless node's "
+           "replica R listens on --data-parallel-rpc-port + R (its worker's actor host, authenticated with "
+           "--actor-keys).", to=E, check=port_number),
         _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
-           why="Sonar starts its replicas as processes on this machine ('mp'); Ray is not supported"),
+           why="Sonar starts its replicas itself, as processes on this machine and, on other machines, in the "
+           "actor hosts of `sonar serve --headless` ('mp'); Ray is not supported"),
         _f("--data-parallel-hybrid-lb -dph", B, False,
            "Hybrid load balancing: the server balances the ranks of its node, an outside balancer the nodes."),
         _f("--data-parallel-external-lb -dpe", B, False,

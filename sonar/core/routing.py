@@ -11,7 +11,9 @@ request a cache miss, never a wrong answer.
 
 `route(block_hashes)` decides in this order:
 
-1. only replicas that take requests (`set_available`) count; with none, the answer is None;
+1. only replicas that take requests (`set_available`) count; with none, the answer is None; of
+   those, a replica whose worker is restarting (`set_restarting`: a crash, a lost node) counts only
+   when every one is (its requests wait there until the worker is back);
 2. the baseline is the least loaded replica: fewest requests in flight (sent by this router and
    not yet `finished`), then the lowest KV usage (`set_kv_usage`, from the replicas' stats), then
    the one chosen least recently (so one-at-a-time requests alternate);
@@ -65,6 +67,7 @@ class Router:
         self.in_flight = [0] * num_replicas
         self.kv_usage = [0.0] * num_replicas
         self.available = [True] * num_replicas
+        self.restarting = [False] * num_replicas
         self.stats = RouterStats(routed=[0] * num_replicas)
         self._last_chosen = [0] * num_replicas
         self._decisions = 0
@@ -90,6 +93,7 @@ class Router:
         candidates = [i for i in range(self.num_replicas) if self.available[i]]
         if not candidates:
             return None
+        candidates = [i for i in candidates if not self.restarting[i]] or candidates
         chosen = min(candidates, key=self._load)
         matched = 0
         if self.prefix_affinity and block_hashes:
@@ -122,6 +126,13 @@ class Router:
         replica that comes back after a crash starts with an empty cache)."""
         self.available[replica] = available
         if not available:
+            self.forget(replica)
+
+    def set_restarting(self, replica: int, restarting: bool) -> None:
+        """Mark `replica`'s worker as restarting (its view is forgotten: the restarted worker's
+        cache starts empty), or back."""
+        self.restarting[replica] = restarting
+        if restarting:
             self.forget(replica)
 
     def forget(self, replica: int) -> None:

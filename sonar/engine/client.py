@@ -132,7 +132,11 @@ def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any
             if event.kind == "give_up":
                 router.set_available(index, False)
             elif event.kind == "crash" and event.child == "worker":
-                router.forget(index)  # the restarted worker's cache starts empty
+                # new requests go to the other replicas until it is back (a replica on a lost
+                # node may be gone for long); the restarted worker's cache starts empty
+                router.set_restarting(index, True)
+            elif event.kind == "start" and event.child == "worker":
+                router.set_restarting(index, False)
 
     def watch(engine: Supervisor, index: int | None) -> None:
         listener = functools.partial(on_engine_event, index)
@@ -157,6 +161,7 @@ def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any
             watch(replicas.engine(index), index)
             if router is not None:
                 router.set_available(index, True)
+                router.set_restarting(index, False)
 
     replicas.top.listeners.append(on_top_event)
     watched.append((replicas.top, on_top_event))

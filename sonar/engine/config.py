@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from sonar.actors.spec import ChildProcess, InProcess, Remote, parse_placement, placement_name
-from sonar.engine.nodes import check_nodes
+from sonar.engine.nodes import check_data_parallel_nodes, check_nodes
 from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
@@ -148,6 +148,19 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Engine replicas (`sonar.engine.replicas`): each a whole engine with its own worker,
     scheduler, detokenizer and KV cache; requests go to the one holding the longest cached prefix
     of their prompt, else the least loaded (`sonar.core.routing`). They share the KV memory budget."""
+    data_parallel_size_local: int | None = None
+    """Replicas on this machine, ``data_parallel_start_rank`` onward; None: all of them. Fewer than
+    `data_parallel_size` spreads the replicas over several machines (`sonar.engine.nodes`)."""
+    data_parallel_start_rank: int = 0
+    """The first replica of this machine: 0 on the head, past the head's on a headless node."""
+    data_parallel_address: str | None = None
+    """With replicas on several machines: the head's address, where its rendezvous store listens."""
+    data_parallel_rpc_port: int | None = None
+    """With replicas on several machines: the rendezvous store's port; replica ``i`` of a headless
+    node listens at ``data_parallel_rpc_port + i`` (its worker's actor host)."""
+    data_parallel_nodes: tuple[tuple[str, int, int], ...] = ()
+    """The head only: each headless node's address, first replica and replica count, as they
+    reported them at the rendezvous (`sonar.engine.node_agent.open_data_parallel_head`)."""
     data_parallel_routing: str = "prefix"
     """How requests pick a replica: "prefix" (the longest cached prefix first, then load) or
     "load" (load only)."""
@@ -548,9 +561,12 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
                 f"data_parallel_routing must be one of {', '.join(DATA_PARALLEL_ROUTING)}, "
                 f"got {self.data_parallel_routing!r}"
             )
+        check_data_parallel_nodes(self)
         if size == 1:
             return
         remote = sorted(a for a, where in self.placement.items() if isinstance(parse_placement(where), Remote))
+        if remote == ["worker"] and self.data_parallel_nodes:
+            remote = []  # a replica of a headless node: its worker runs in the host that node keeps for it
         if remote:
             raise ValueError(
                 f"data_parallel_size {size} with {remote[0]} placed on another machine is not supported: "

@@ -14,6 +14,10 @@ incarnation of its rank: torch.distributed holds one group per process, so when 
 fresh one at the same address, which the head's next spawn reaches. The agent itself decides
 nothing about the group: one-for-all supervision stays with the head. It exits when the head is
 gone (its store no longer answers) or on SIGTERM, stopping its hosts.
+
+Data-parallel replicas over several machines meet the same way at ``--data-parallel-address:
+--data-parallel-rpc-port`` (`open_data_parallel_head`, `run_data_parallel_headless`): a headless
+node keeps one such host per replica of its own, where the head spawns that replica's worker.
 """
 
 from __future__ import annotations
@@ -33,7 +37,18 @@ import msgspec
 
 from sonar.actors import keys
 from sonar.engine.config import EngineConfig
-from sonar.engine.nodes import HEAD_KEY, LAYOUT_KEY, NodePlan, node_key
+from sonar.engine.nodes import (
+    DP_LAYOUT_KEY,
+    HEAD_KEY,
+    LAYOUT_KEY,
+    NODE_WAIT,
+    NodePlan,
+    data_parallel_layout,
+    local_replicas,
+    node_key,
+    replica_host_address,
+    replica_key,
+)
 from sonar.errors import SonarError
 from sonar.log import get_logger
 
@@ -51,22 +66,26 @@ class NodesError(SonarError, RuntimeError):
     """A node of a multi-node deployment that did not arrive, or could not join."""
 
 
-def require_keys() -> None:
+def require_keys(what: str = "--nnodes > 1 places ranks") -> None:
     """Refuse to go on with this process tree's ephemeral keys: ranks on other machines are
     reached over tcp, authenticated with the deployment's keys only."""
     if keys.current().ephemeral:
         raise NodesError(
-            "--nnodes > 1 places ranks on other machines: every node needs the deployment's actor keys "
+            f"{what} on other machines: every node needs the deployment's actor keys "
             f"(python -m sonar actor keygen DIR, copied to each node; then --actor-keys DIR or {keys.ENV_DIR}=DIR)"
         )
 
 
 def _store(plan: NodePlan, master: bool, timeout: float) -> "object":
+    return _open_store(plan.master_addr, plan.master_port, master, timeout)
+
+
+def _open_store(addr: str, port: int, master: bool, timeout: float) -> "object":
     import torch.distributed as dist
 
     return dist.TCPStore(
-        plan.master_addr,
-        plan.master_port,
+        addr,
+        port,
         is_master=master,
         wait_for_workers=False,
         timeout=datetime.timedelta(seconds=timeout),
@@ -114,14 +133,17 @@ class RankHost:
     """The actor host one rank of this node runs in, restarted whenever it ends."""
 
     rank: int
+    """The rank, or with data-parallel replicas over nodes the replica, whose actor this host runs."""
     address: str
+    expect: str = ""
+    """The name of the actor the head spawns here (``rank<N>`` unless given)."""
     proc: subprocess.Popen | None = None
     starts: deque = field(default_factory=deque)
 
     def start(self, keys_dir: str | None, max_frame_bytes: int | None) -> None:
         # --expect: a step or JoinGroup from rank 0 that overtakes the head's Spawn waits for the rank
         cmd = [sys.executable, "-m", "sonar", "actor", "--listen", self.address, "--exit-with-actor"]
-        cmd += ["--expect", f"rank{self.rank}"]
+        cmd += ["--expect", self.expect or f"rank{self.rank}"]
         if keys_dir:
             cmd += ["--keys", keys_dir]
         if max_frame_bytes:
@@ -180,6 +202,19 @@ def run_headless(
         host.start(keys_dir, max_frame_bytes)
     store.set(node_key(plan.node_rank), address)
     log.info("nodes.joined", node=plan.node_rank, ranks=[h.rank for h in hosts], address=address)
+    return _keep_hosts(hosts, store, f"{plan.master_addr}:{plan.master_port}", keys_dir, max_frame_bytes, stop)
+
+
+def _keep_hosts(
+    hosts: list[RankHost],
+    store: object,
+    rendezvous: str,
+    keys_dir: str | None,
+    max_frame_bytes: int | None,
+    stop: threading.Event,
+) -> int:
+    """Restart each host whenever it ends, until the head is gone or `stop` is set; the exit code.
+    Stops the hosts on the way out."""
     code = 0
     next_poll = time.monotonic() + HEAD_POLL
     try:
@@ -194,7 +229,7 @@ def run_headless(
             if time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + HEAD_POLL
                 if not _head_alive(store):
-                    log.info("nodes.head_gone", rendezvous=f"{plan.master_addr}:{plan.master_port}")
+                    log.info("nodes.head_gone", rendezvous=rendezvous)
                     break
             stop.wait(0.1)
     finally:
@@ -208,3 +243,89 @@ def _head_alive(store: object) -> bool:
         return bool(store.check([HEAD_KEY]))
     except Exception:  # the connection to the head's store is gone
         return False
+
+
+def open_data_parallel_head(config: EngineConfig) -> tuple[object, EngineConfig]:
+    """The head of data-parallel replicas over several machines: open the rendezvous store at
+    ``--data-parallel-address:--data-parallel-rpc-port`` and wait (blocking, up to
+    ``--distributed-timeout-seconds``) until every replica past this machine's has a headless node.
+    Returns the store (keep it: the nodes watch it to know the head lives) and `config` with the
+    nodes (`EngineConfig.data_parallel_nodes`)."""
+    require_keys("data-parallel replicas run")
+    addr, port = config.data_parallel_address, config.data_parallel_rpc_port
+    assert addr is not None and port is not None, "checked with the layout"
+    wait = NODE_WAIT if config.distributed_timeout_seconds is None else config.distributed_timeout_seconds
+    store = _open_store(addr, port, master=True, timeout=wait)
+    store.set(HEAD_KEY, str(os.getpid()))
+    store.set(DP_LAYOUT_KEY, data_parallel_layout(config))
+    here = local_replicas(config)
+    missing = [i for i in range(config.data_parallel_size) if i not in here]
+    deadline = time.monotonic() + wait
+    while missing and time.monotonic() < deadline:
+        missing = [i for i in missing if not store.check([replica_key(i)])]
+        if missing:
+            time.sleep(0.1)
+    if missing:
+        names = ", ".join(str(i) for i in missing)
+        raise NodesError(
+            f"no headless node came for data-parallel replica(s) {names} of --data-parallel-size "
+            f"{config.data_parallel_size} at {addr}:{port} within {wait:g} s (--distributed-timeout-seconds): "
+            f"start `sonar serve MODEL --headless --data-parallel-size {config.data_parallel_size} "
+            f"--data-parallel-size-local L --data-parallel-start-rank S --data-parallel-address {addr} "
+            f"--data-parallel-rpc-port {port}` with the same model and flags on the other machines"
+        )
+    nodes: set[tuple[str, int, int]] = set()
+    for i in range(config.data_parallel_size):
+        if i not in here:
+            host, start, count = store.get(replica_key(i)).decode().split()
+            nodes.add((host, int(start), int(count)))
+    found = tuple(sorted(nodes, key=lambda n: n[1]))
+    log.info("nodes.replicas_arrived", nodes=[list(n) for n in found], rendezvous=f"{addr}:{port}")
+    return store, msgspec.structs.replace(config, data_parallel_nodes=found)
+
+
+def run_data_parallel_headless(
+    config: EngineConfig,
+    keys_dir: str | None = None,
+    max_frame_bytes: int | None = None,
+    stop: threading.Event | None = None,
+) -> int:
+    """A headless node of data-parallel replicas: keep one actor host per replica of its own, where
+    the head spawns the replica's worker, until the head is gone or `stop` is set; the exit code."""
+    stop = stop or threading.Event()
+    require_keys("data-parallel replicas run")
+    addr, port = config.data_parallel_address, config.data_parallel_rpc_port
+    assert addr is not None and port is not None, "checked with the layout"
+    wait = NODE_WAIT if config.distributed_timeout_seconds is None else config.distributed_timeout_seconds
+    try:
+        store = _open_store(addr, port, master=False, timeout=wait)
+        head_layout = store.get(DP_LAYOUT_KEY).decode()
+    except Exception as exc:  # torch's error says only that a connect timed out
+        raise NodesError(
+            f"no head answered at {addr}:{port} within {wait:g} s (--data-parallel-address, "
+            f"--data-parallel-rpc-port, --distributed-timeout-seconds): {type(exc).__name__}: {exc}"
+        ) from None
+    layout = data_parallel_layout(config)
+    if head_layout != layout:
+        raise NodesError(
+            f"the head at {addr}:{port} runs {head_layout}, this node was started for {layout}: give every node "
+            "the same --data-parallel-size and parallel flags"
+        )
+    address = advertised_host(addr, port)
+    mine = local_replicas(config)
+    for i in mine:  # another node's replica: two nodes would answer for it
+        if store.check([replica_key(i)]):
+            other = store.get(replica_key(i)).decode().split()
+            if other[0] != address or int(other[1]) != mine.start:
+                raise NodesError(
+                    f"data-parallel replica {i} already runs on the node at {other[0]} (replicas {other[1]} .. "
+                    f"{int(other[1]) + int(other[2]) - 1}): give each headless node its own "
+                    "--data-parallel-start-rank and --data-parallel-size-local"
+                )
+    hosts = [RankHost(i, replica_host_address(address, port, i), expect="worker") for i in mine]
+    for host in hosts:
+        host.start(keys_dir, max_frame_bytes)
+    for i in mine:
+        store.set(replica_key(i), f"{address} {mine.start} {len(mine)}")
+    log.info("nodes.replicas_joined", replicas=list(mine), address=address)
+    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop)

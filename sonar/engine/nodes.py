@@ -12,6 +12,14 @@ supervised in one place, as on one machine.
 Both sides meet at torch's rendezvous store on ``master_addr:master_port``, which the head holds
 for its lifetime: each headless node writes its address under `node_key`, the head waits for them
 all, and each incarnation of the group meets under a prefix of its own there (`JoinGroup.prefix`).
+Data-parallel replicas go over several machines the same way (``--data-parallel-size-local``,
+``--data-parallel-start-rank``, ``--data-parallel-address``, ``--data-parallel-rpc-port``): the
+head runs the API server, the router and every replica's scheduler and detokenizer, and the workers
+of its own replicas (``0 .. size_local - 1``) as child processes; a headless node keeps one actor
+host per replica of its own at ``tcp://<its address>:<rpc_port + replica>``, where the replica's
+engine supervisor on the head spawns its worker (model, KV cache, the compute). The head's store at
+``data_parallel_address:data_parallel_rpc_port`` is where the nodes report (`replica_key`).
+
 This module decides; it opens nothing.
 """
 
@@ -31,6 +39,8 @@ HEAD_KEY = "sonar/head"
 the head."""
 LAYOUT_KEY = "sonar/layout"
 """Set by the head: its `NodePlan.layout`, which every headless node must share."""
+DP_LAYOUT_KEY = "sonar/dp/layout"
+"""Set by the head of replicas over several machines: its `data_parallel_layout`."""
 NODE_WAIT = 600.0
 """Seconds a node waits for the others to arrive when ``--distributed-timeout-seconds`` is unset."""
 
@@ -38,6 +48,12 @@ NODE_WAIT = 600.0
 def node_key(node: int) -> str:
     """The rendezvous store's key under which headless node `node` leaves its address."""
     return f"sonar/node/{node}"
+
+
+def replica_key(index: int) -> str:
+    """The rendezvous store's key under which the headless node of replica `index` leaves
+    ``"<address> <start> <count>"`` (its address, first replica and replica count)."""
+    return f"sonar/dp/replica/{index}"
 
 
 @dataclass(frozen=True)
@@ -137,3 +153,101 @@ def rank_placement(config: "EngineConfig", rank: int, local: "Placement", start_
             "`sonar serve --nnodes N` (the head gathers the nodes' addresses), not by the library"
         )
     return Remote(plan.host_address(rank, config.node_hosts[node - 1]), start_timeout=start_timeout)
+
+
+def local_replicas(config: "EngineConfig") -> range:
+    """The data-parallel replicas this machine runs (all of them unless ``--data-parallel-size-local``
+    says fewer)."""
+    count = config.data_parallel_size if config.data_parallel_size_local is None else config.data_parallel_size_local
+    return range(config.data_parallel_start_rank, config.data_parallel_start_rank + count)
+
+
+def replicas_spread(config: "EngineConfig") -> bool:
+    """The replicas run on several machines: this one runs fewer than all of them."""
+    return len(local_replicas(config)) < config.data_parallel_size
+
+
+def data_parallel_layout(config: "EngineConfig") -> str:
+    """What the head and its headless nodes must agree on."""
+    return f"{config.data_parallel_size} data-parallel replicas of {config.world_size} rank(s)"
+
+
+def replica_host_address(host: str, rpc_port: int, index: int) -> str:
+    """Where the actor host of replica `index` (on a headless node reachable at `host`) listens."""
+    return f"tcp://{host}:{rpc_port + index}"
+
+
+def replica_site(config: "EngineConfig", index: int) -> tuple[str | None, int, int]:
+    """Where replica `index` runs, as the head sees it: the address of its worker's actor host (None:
+    a process of this machine), and its index among, and the count of, the replicas of its machine
+    (its share of that machine's cores and memory)."""
+    here = local_replicas(config)
+    if index in here:
+        return None, index - here.start, len(here)
+    for host, start, count in config.data_parallel_nodes:
+        if start <= index < start + count:
+            assert config.data_parallel_rpc_port is not None, "checked with the layout"
+            return replica_host_address(host, config.data_parallel_rpc_port, index), index - start, count
+    raise ValueError(
+        f"replica {index} runs on a headless node whose address is unknown: replicas over several nodes are "
+        "started by `sonar serve` (the head gathers the nodes' addresses), not by the library"
+    )
+
+
+def check_data_parallel_nodes(config: "EngineConfig") -> None:
+    """Refuse a layout of data-parallel replicas over machines that Sonar cannot run, naming the
+    flags (ValueError)."""
+    size, start, local = config.data_parallel_size, config.data_parallel_start_rank, config.data_parallel_size_local
+    if local is not None and not 1 <= local <= size:
+        raise ValueError(f"--data-parallel-size-local must be in 1..{size} (--data-parallel-size {size}), got {local}")
+    count = size if local is None else local
+    if start < 0 or start + count > size:
+        raise ValueError(
+            f"--data-parallel-start-rank {start} + --data-parallel-size-local {count} must be at most "
+            f"--data-parallel-size {size} (this machine runs replicas start .. start + local - 1)"
+        )
+    if not replicas_spread(config):
+        for flag, value in (
+            ("--data-parallel-address", config.data_parallel_address),
+            ("--data-parallel-rpc-port", config.data_parallel_rpc_port),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} takes effect only with replicas on several machines (--data-parallel-size-local "
+                    f"below --data-parallel-size {size}), got {value}"
+                )
+        return
+    for flag, value in (
+        ("--data-parallel-address", config.data_parallel_address),
+        ("--data-parallel-rpc-port", config.data_parallel_rpc_port),
+    ):
+        if value is None:
+            raise ValueError(
+                f"{flag} is needed: --data-parallel-size-local {count} of --data-parallel-size {size} puts "
+                "replicas on other machines, which meet at the head's --data-parallel-address and "
+                "--data-parallel-rpc-port"
+            )
+    port = config.data_parallel_rpc_port
+    assert port is not None
+    if not (0 < port and port + size - 1 <= 65535):
+        raise ValueError(
+            f"--data-parallel-rpc-port {port}: a headless node's replica i listens on --data-parallel-rpc-port + i, "
+            f"up to {port + size - 1}, which must be a port"
+        )
+    if config.world_size > 1:
+        raise ValueError(
+            "data-parallel replicas over several machines with --tensor-parallel-size x --pipeline-parallel-size "
+            f"= {config.world_size} ranks each is not supported yet; run one rank per replica"
+        )
+    if config.nnodes > 1:
+        raise ValueError("--nnodes splits one replica's ranks over nodes; it does not combine with replicas on them")
+    if config.distributed_executor_backend == "ray":
+        raise ValueError(
+            "data-parallel replicas over several machines are started by `sonar serve --headless` on each, not by "
+            "--distributed-executor-backend ray"
+        )
+
+
+def replicas_here(config: "EngineConfig") -> int:
+    """How many replicas share the machine replica `config.data_parallel_index` runs on."""
+    return replica_site(config, config.data_parallel_index)[2]

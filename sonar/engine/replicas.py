@@ -11,6 +11,9 @@ says otherwise (so the replicas compute in parallel, each on its share of the CP
 crashing takes only its process down), and its share of the memory budget (``--kv-cache-memory-bytes``
 and ``--gpu-memory-utilization`` are divided between the replicas; the CPU default KV size is divided
 by the worker, `sonar.engine.runner.plan_kv_cache`), so N replicas use no more memory than one.
+With replicas over several machines (`sonar.engine.nodes`), a replica of a headless node has its
+worker in the actor host that node keeps for it, and the budgets are shared by the replicas of
+each machine.
 
 The frontend (`sonar.engine.llm.LLM`) picks a replica per request with the router core
 (`sonar.core.routing`) and reaches it through `Replicas`.
@@ -26,6 +29,7 @@ import msgspec
 from sonar.actors import SupervisorSpec
 from sonar.engine import cores
 from sonar.engine.config import EngineConfig
+from sonar.engine.nodes import replica_site
 from sonar.engine.tree import engine_spec
 
 if TYPE_CHECKING:
@@ -42,9 +46,12 @@ def replica_name(index: int) -> str:
 
 def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     """The configuration replica `index` of `config.data_parallel_size` runs (see the module docstring)."""
-    size = config.data_parallel_size
+    host, _, size = replica_site(config, index)  # the budget is shared by the replicas of one machine
     placement = dict(config.placement)
-    placement.setdefault("worker", "process")
+    if host is None:
+        placement.setdefault("worker", "process")
+    else:
+        placement["worker"] = host
     kv_bytes = config.kv_cache_memory_bytes
     return msgspec.structs.replace(
         config,
@@ -112,4 +119,5 @@ def pin_to_cpu_share(config: EngineConfig) -> list[int] | None:
 
     if select_device(config.device_ids).type != "cpu":
         return None
-    return cores.share_of_mine(config.data_parallel_index, config.data_parallel_size)
+    _, index, count = replica_site(config, config.data_parallel_index)
+    return cores.share_of_mine(index, count)

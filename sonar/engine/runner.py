@@ -38,6 +38,7 @@ from sonar.engine.device import memory_info, select_device
 from sonar.engine.drafter import Drafter, EagleDrafter, StepView
 from sonar.engine.encoder_cache import EncoderCache
 from sonar.engine.logits_processors import ProcessorChain, load_classes
+from sonar.engine.nodes import replicas_here
 from sonar.engine.otlp import clock_pair, epoch_ns
 from sonar.engine.ranks import SOLO, Topology
 from sonar.engine.settings import capture_sizes
@@ -190,7 +191,7 @@ def plan_kv_cache(
         elif kv_bytes is None:
             # the replicas' ranks share the default, so they hold no more than one worker would
             physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            kv_bytes = memory.default_cpu_kv_bytes(physical) // (config.data_parallel_size * topology.size)
+            kv_bytes = memory.default_cpu_kv_bytes(physical) // (replicas_here(config) * topology.size)
         num_blocks = topology.smallest(memory.num_blocks_for(kv_bytes, per_block))
         if not getattr(loaded.model, "is_causal", True):  # blocks are only counted: enough for a full batch
             num_blocks = min(num_blocks, config.max_num_seqs * -(-loaded.max_model_len // config.block_size) + 1)

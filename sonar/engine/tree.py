@@ -72,7 +72,9 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     # named by the references they will have).
     worker_kwargs: dict[str, Any] = {
         "config": raw,
-        "own_process": isinstance(worker_at, ChildProcess),
+        # a headless node's replica has the actor host its node keeps for it to itself
+        "own_process": isinstance(worker_at, ChildProcess)
+        or (isinstance(worker_at, Remote) and nodes.replicas_spread(config)),
         "scheduler": SiblingRef("scheduler"),
     }
     scheduler_kwargs: dict[str, Any] = {

@@ -57,3 +57,35 @@ async def test_a_crashed_actor_takes_its_host_and_the_restart_reaches_the_succes
         thread.join()
         for proc in hosts:
             stop_host(proc)
+
+
+async def test_a_killed_host_whose_successor_never_heard_of_the_actor_still_restarts_it(deployment):
+    """SIGKILL takes the host and its actor without a word: the ping deadline finds the actor hung
+    (the fresh host the restarter started keeps the pings for the actor it expects, as a headless
+    node's do), the `Kill` reaches that host (which ran nothing), and the runner counts the run as
+    ended instead of waiting for a monitor that will never answer."""
+    address = free_tcp_address()
+    hosts: list[subprocess.Popen] = [start_host(address, deployment, "--exit-with-actor", "--expect", "far")]
+    done = threading.Event()
+
+    def restarter() -> None:
+        while not done.is_set():
+            if hosts[-1].poll() is not None:
+                hosts.append(start_host(address, deployment, "--exit-with-actor", "--expect", "far"))
+            done.wait(0.1)
+
+    thread = threading.Thread(target=restarter, daemon=True)
+    thread.start()
+    child = ChildSpec("far", "tests.actors.sample:Sample", placement=Remote(address), ping_interval=0.5, ping_timeout=2)
+    try:
+        async with supervise(SupervisorSpec("root", [child], max_restarts=3, period=60)) as sup:
+            far = sup.child("far")
+            await far.ref.ask(Whoami(), timeout=10)
+            hosts[0].kill()
+            await wait_for(lambda: far.restarts == 1 and far.state == "running", timeout=30)
+            assert (await far.ref.ask(Whoami(), timeout=10))["pid"] == hosts[-1].pid != hosts[0].pid
+    finally:
+        done.set()
+        thread.join()
+        for proc in hosts:
+            stop_host(proc)

@@ -110,3 +110,21 @@ def test_protocol_members_must_be_tagged_structs():
         ActorRef("x", Union[Plain, Tagged])
     with pytest.raises(TypeError, match="not a msgspec.Struct"):
         ActorRef("x", int)
+
+
+async def test_failing_the_asks_of_an_ended_remote_actor_spares_its_namesake_elsewhere():
+    """Hosts on other machines each run their actor under its plain name (a data-parallel replica's
+    ``worker``): the end of one fails only the asks that went to its address."""
+    from sonar.actors.node import get_node
+
+    node = get_node()
+    _, here = node.new_ask(None, "worker", "worker", "tcp://10.0.0.7:13346")
+    _, there = node.new_ask(None, "worker", "worker", "tcp://10.0.0.8:13347")
+    try:
+        assert node.fail_asks("worker", "it ended", "tcp://10.0.0.7:13346") == 1
+        assert here.done() and not there.done()
+        assert node.fail_asks("worker", "it ended") == 1 and there.done()
+    finally:
+        for fut in (here, there):
+            if fut.done():
+                fut.exception()

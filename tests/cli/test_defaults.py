@@ -174,8 +174,5 @@ def test_data_parallel_flags_take_effect(usage_error) -> None:
     assert "invalid choice: 'random'" in usage_error("--data-parallel-routing", "random")
     assert "KV offloading or KV events is not supported" in usage_error("-dp", "2", "--kv-offloading-size", "1")
     assert parse_serve_args(["-dp", "2", "-dpl", "2"]).engine.data_parallel_size == 2
-    assert usage_error("-dp", "2", "-dpl", "1") == (
-        "sonar serve: --data-parallel-size-local is not supported yet (got 1; Sonar runs all 2 data-parallel "
-        "replica(s) on this machine, so it accepts only 2)"
-    )
-    assert "accepts only 1" in usage_error("-dpl", "2")
+    assert "--data-parallel-address is needed" in usage_error("-dp", "2", "-dpl", "1")  # the others elsewhere
+    assert "--data-parallel-size-local must be in 1..1" in usage_error("-dpl", "2")

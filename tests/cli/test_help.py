@@ -70,8 +70,10 @@ def test_help_all_has_every_flag() -> None:
 def test_help_shows_status_choices_and_default() -> None:
     text = render_help("decode-context-parallel-size")
     assert "Default: 1." in text and "Sonar: not supported yet; accepted only as 1." in text
-    text = render_help("data-parallel-address")
-    assert "Sonar: not supported yet (Sonar runs every data-parallel replica on this machine" in " ".join(text.split())
+    text = render_help("data-parallel-backend")
+    assert "Sonar: not supported yet (Sonar starts its replicas itself, as processes on this machine" in " ".join(
+        text.split()
+    )
     text = " ".join(render_help("disable-custom-all-reduce").split())
     assert "Sonar: either value is accepted and means the same for Sonar: Sonar's all-reduce is always" in text
     text = render_help("dtype")

@@ -165,8 +165,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--dcp-comm-backend", "a2a"],
         ["--dcp-kv-cache-interleave-size", "16"],
         ["--cp-kv-cache-interleave-size", "16"],
-        ["--data-parallel-address", "10.0.0.1"],
-        ["--data-parallel-rpc-port", "13345"],
         ["--data-parallel-backend", "ray"],
         ["--all2all-backend", "naive"],
         ["--ubatch-size", "8"],
@@ -234,10 +232,10 @@ def test_former_no_op_flags_refuse_other_values_and_say_why(usage_error, group: 
 
 
 def test_refusal_text_reads_as_one_sentence(usage_error) -> None:
-    assert usage_error("--data-parallel-address", "10.0.0.1") == (
-        "sonar serve: --data-parallel-address is not supported yet (got 10.0.0.1): "
-        "Sonar runs every data-parallel replica on this machine, each stepping on its own; data parallelism "
-        "over several machines is not supported yet"
+    assert usage_error("--data-parallel-backend", "ray") == (
+        "sonar serve: --data-parallel-backend is not supported yet (got ray; Sonar accepts only mp): "
+        "Sonar starts its replicas itself, as processes on this machine and, on other machines, in the "
+        "actor hosts of `sonar serve --headless` ('mp'); Ray is not supported"
     )
 
 

@@ -121,6 +121,19 @@ def test_an_unavailable_replica_is_skipped_and_forgotten() -> None:
     assert router.matched(0, prefix) == 0 and router.route(prefix) == 0
 
 
+def test_a_replica_whose_worker_restarts_takes_requests_only_when_all_do() -> None:
+    router = Router(2, capacity=100)
+    prefix = chain(list(range(32)))
+    assert router.route(prefix) == 0
+    router.set_restarting(0, True)
+    assert router.route(prefix) == 1 and router.route(prefix) == 1  # the cache hit is lost with the worker
+    router.set_restarting(1, True)
+    assert router.route(chain(list(range(100, 132)))) == 0  # queued there until a worker is back
+    router.set_restarting(0, False)
+    router.set_restarting(1, False)
+    assert router.matched(0, prefix) == 0 and router.matched(1, prefix) == 0
+
+
 def test_bad_arguments_are_refused() -> None:
     for kwargs in ({"num_replicas": 0, "capacity": 1}, {"num_replicas": 1, "capacity": -1}):
         with pytest.raises(ValueError):

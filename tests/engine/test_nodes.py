@@ -301,7 +301,7 @@ def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--headless"], "argument --headless: runs the ranks of a secondary node"),
+        (["--headless"], "argument --headless: runs the ranks or replicas of a secondary node"),
         (["-tp", "2", "--nnodes", "2", "--headless"], "node 0 (--node-rank 0) is the head"),
         (["-tp", "2", "--nnodes", "2", "--node-rank", "1"], "node 1 runs no API server (node 0 does): add --headless"),
         (["-tp", "3", "--nnodes", "2"], "--nnodes 2 must divide the ranks evenly"),
@@ -311,7 +311,7 @@ def test_a_head_without_the_deployments_keys_is_refused(llama: TinyCheckpoint) -
         (["-tp", "2", "--nnodes", "2", "-dp", "2"], "--data-parallel-size 2 with --nnodes 2 is not supported"),
         (["--master-addr", "10.0.0.2"], "argument --master-addr: takes effect only with --nnodes > 1"),
         (["--master-port", "1234"], "argument --master-port: takes effect only with --nnodes > 1"),
-        (["-tp", "2", "--nnodes", "2", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address is not"),
+        (["-tp", "2", "--nnodes", "2", "--data-parallel-address", "10.0.0.1"], "--data-parallel-address takes"),
     ],
 )
 def test_node_layouts_sonar_cannot_run_are_refused(argv: list[str], message: str) -> None:
