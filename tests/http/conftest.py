@@ -102,11 +102,12 @@ PLAIN_SERVER_ARGS = (
 
 @pytest.fixture(scope="package")
 def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server for the modules that need no other flags (test_bench_payloads, test_cache_salt,
-    test_metrics, test_request_fields): starting one costs seconds. Their tests change no server
-    state that another reads: counters are compared before and after a test's own requests,
-    prefix-cache hits asked of prompts no other test sends, log lines found by their own request
-    ids or users. It must stop on SIGTERM with exit code 0, without logging a fault."""
+    """One server for the modules that need no other flags (test_admin, test_bench_payloads,
+    test_cache_salt, test_metrics, test_pooling_server, test_request_fields): starting one costs
+    seconds. Their tests change no server state that another reads: counters are compared before
+    and after a test's own requests, prefix-cache hits asked of prompts no other test sends, log
+    lines found by their own request ids or users, routes that answer 404. It must stop on SIGTERM
+    with exit code 0, without logging a fault."""
     srv = start_server(tmp_path_factory.mktemp("plain"), *PLAIN_SERVER_ARGS)
     yield srv
     stop_server_cleanly(srv)
