@@ -7,10 +7,12 @@ test that needs the server's log) can read them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -39,6 +41,13 @@ class ServerProcess:
 
     def out(self) -> str:
         return self.stdout.read_text(errors="replace")
+
+
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """One TLS context for clients a test makes by the hundred (``httpx.Client(verify=tls())``):
+    httpx builds one per client otherwise, reading the CA bundle (~50 ms of CPU each)."""
+    return ssl.create_default_context()
 
 
 def free_port() -> int:
