@@ -76,7 +76,7 @@ def start_server(tmp: Path, *args: str, timeout: float = 120.0, env: Mapping[str
     deadline = started + timeout
     # One client for every probe: `httpx.get` builds an SSL context each call (~50 ms of CPU),
     # which over a start of many probes took CPU from the server being waited for.
-    with httpx.Client(base_url=server.base_url, timeout=2) as probe:
+    with httpx.Client(base_url=server.base_url, timeout=2, verify=tls()) as probe:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 pytest.fail(f"the server exited with {proc.returncode}:\n{server.out()}\n{server.log()[-4000:]}")

@@ -29,7 +29,7 @@ import pytest
 
 from sonar.core.events import BlockRemoved, BlockStored
 from sonar.offload.events import KVEventConsumer
-from tests.http.conftest import ROOT, ServerProcess, free_port, serving
+from tests.http.conftest import ROOT, ServerProcess, free_port, serving, tls
 from tests.offload.helpers import tiny_tmpfs
 
 BLOCK = 16
@@ -64,7 +64,7 @@ def _complete(server: ServerProcess, prompt: str) -> dict[str, Any]:
 
 
 def _metrics(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30, verify=tls()).text
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(sonar:[\w:]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
