@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.http.conftest import ServerProcess, start_server, stop_server, stop_server_cleanly
+from tests.http.conftest import ServerProcess, start_server, stop_server, stop_server_cleanly, tls
 
 MODEL = "smol"
 MAX_MODEL_LEN = 128
@@ -413,7 +413,7 @@ def test_bad_requests_alongside_normal_ones(server: ServerProcess, baseline: str
     )
 
     def normal(i: int) -> str:
-        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        with httpx.Client(base_url=server.base_url, timeout=120, verify=tls()) as c:
             if i % 2:
                 r = c.post(COMPLETIONS, json=GOOD)
                 assert r.status_code == 200, r.text
@@ -429,7 +429,7 @@ def test_bad_requests_alongside_normal_ones(server: ServerProcess, baseline: str
             return text
 
     def bad(case: Case) -> tuple[str, int, str]:
-        with httpx.Client(base_url=server.base_url, timeout=TIMEOUT) as c:
+        with httpx.Client(base_url=server.base_url, timeout=TIMEOUT, verify=tls()) as c:
             r = send(c, case)
             return case.id, r.status_code, r.text[:300]
 

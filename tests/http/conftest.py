@@ -7,10 +7,12 @@ test that needs the server's log) can read them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -41,6 +43,13 @@ class ServerProcess:
         return self.stdout.read_text(errors="replace")
 
 
+@functools.cache
+def tls() -> ssl.SSLContext:
+    """One TLS context for clients a test makes by the hundred (``httpx.Client(verify=tls())``):
+    httpx builds one per client otherwise, reading the CA bundle (~50 ms of CPU each)."""
+    return ssl.create_default_context()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,16 +74,19 @@ def start_server(tmp: Path, *args: str, timeout: float = 120.0, env: Mapping[str
         )
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", out, err)
     deadline = started + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{server.out()}\n{server.log()[-4000:]}")
-        try:
-            if httpx.get(f"{server.base_url}/health", timeout=2).status_code == 200:
-                server.startup_seconds = time.monotonic() - started
-                return server
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    # One client for every probe: `httpx.get` builds an SSL context each call (~50 ms of CPU),
+    # which over a start of many probes took CPU from the server being waited for.
+    with httpx.Client(base_url=server.base_url, timeout=2, verify=tls()) as probe:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"the server exited with {proc.returncode}:\n{server.out()}\n{server.log()[-4000:]}")
+            try:
+                if probe.get("/health").status_code == 200:
+                    server.startup_seconds = time.monotonic() - started
+                    return server
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
     stop_server(server)
     pytest.fail(f"the server did not become healthy in {timeout} s:\n{server.log()[-4000:]}")
 
@@ -99,11 +111,12 @@ PLAIN_SERVER_ARGS = (
 
 @pytest.fixture(scope="package")
 def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """One server for the modules that need no other flags (test_bench_payloads, test_cache_salt,
-    test_metrics, test_request_fields): starting one costs seconds. Their tests change no server
-    state that another reads: counters are compared before and after a test's own requests,
-    prefix-cache hits asked of prompts no other test sends, log lines found by their own request
-    ids or users. It must stop on SIGTERM with exit code 0, without logging a fault."""
+    """One server for the modules that need no other flags (test_admin, test_bench_payloads,
+    test_cache_salt, test_metrics, test_pooling_server, test_request_fields): starting one costs
+    seconds. Their tests change no server state that another reads: counters are compared before
+    and after a test's own requests, prefix-cache hits asked of prompts no other test sends, log
+    lines found by their own request ids or users, routes that answer 404. It must stop on SIGTERM
+    with exit code 0, without logging a fault."""
     srv = start_server(tmp_path_factory.mktemp("plain"), *PLAIN_SERVER_ARGS)
     yield srv
     stop_server_cleanly(srv)

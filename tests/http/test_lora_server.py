@@ -10,7 +10,6 @@ is refused at startup for a bad ``--lora-modules`` folder.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -18,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,6 +36,7 @@ from tests.http.conftest import (
     start_server,
     stop_server_cleanly,
 )
+from tests.lora.conftest import hf_greedy
 
 PROMPT = "Once upon a time, in a small village by the sea,"
 #: Over two KV blocks (16 tokens each): what the prefix cache may share, or must not.
@@ -68,28 +69,29 @@ class Adapters:
     """Folders the server must refuse, each with a part of the reason it must give."""
 
 
-def _peft(hf: Any, rank: int, seed: int, targets: list[str]) -> Any:
-    """A peft LoRA model on a copy of `hf` whose delta changes the text yet keeps it sane."""
+@contextmanager
+def _peft(hf: Any, rank: int, seed: int, targets: list[str]) -> Iterator[Any]:
+    """A peft LoRA model on `hf` whose delta changes the text yet keeps it sane; `hf` gets its
+    own modules back when the block ends (peft wraps the model it is given: no 0.5 GB copy)."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
-    model = get_peft_model(copy.deepcopy(hf), config).eval()  # it wraps the model it is given
+    model = get_peft_model(hf, config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.mul_(0.5)
-    return model
+    try:
+        yield model
+    finally:
+        model.unload()
 
 
 def _greedy(model: Any, ids: list[int]) -> list[int]:
-    """`NEW_TOKENS` greedy tokens after `ids`, each from a forward pass over the whole sequence,
-    end-of-turn tokens included (`ignore_eos`)."""
-    seq = list(ids)
-    with torch.inference_mode():
-        for _ in range(NEW_TOKENS):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(ids) :]
+    """`NEW_TOKENS` greedy tokens after `ids`, end-of-turn tokens included (`ignore_eos`)."""
+    [tokens], _ = hf_greedy(model, [ids], NEW_TOKENS)
+    return tokens
 
 
 def _bad_folders(good: Path, hf: Any, root: Path) -> dict[str, tuple[Path, str]]:
@@ -110,7 +112,8 @@ def _bad_folders(good: Path, hf: Any, root: Path) -> dict[str, tuple[Path, str]]
     torch.save(load_file(pickled / "adapter_model.safetensors"), pickled / "adapter_model.bin")
     (pickled / "adapter_model.safetensors").unlink()
     high_rank = root / "rank-32"
-    _peft(hf, 32, 4, ["q_proj"]).save_pretrained(str(high_rank))
+    with _peft(hf, 32, 4, ["q_proj"]) as model:
+        model.save_pretrained(str(high_rank))
     return {
         "no-config": (no_config, "adapter_config.json"),
         "lm-head": (lm_head, "lm_head"),
@@ -143,13 +146,13 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> Adapters:
     chat_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     chat = ""
     for name, (rank, seed) in ADAPTERS.items():
-        model = _peft(hf, rank, seed, TARGETS)
         folders[name] = root / name
-        model.save_pretrained(str(folders[name]))
-        texts[name] = decode(_greedy(model, ids))
-        if name == "a":
-            chat = decode(_greedy(model, chat_ids))
-            long_texts[name] = decode(_greedy(model, long_ids))
+        with _peft(hf, rank, seed, TARGETS) as model:
+            model.save_pretrained(str(folders[name]))
+            texts[name] = decode(_greedy(model, ids))
+            if name == "a":
+                chat = decode(_greedy(model, chat_ids))
+                long_texts[name] = decode(_greedy(model, long_ids))
     assert len(set(texts.values())) == len(texts), f"two adapters give the same text: {texts}"
     return Adapters(folders, texts, long_texts, chat_ids, chat, _bad_folders(folders["a"], hf, root))
 

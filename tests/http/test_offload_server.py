@@ -6,7 +6,8 @@
   metrics saying so. KV events over real ZMQ: the reference consumer sees `BlockStored` for GPU
   and CPU, `BlockRemoved`, and a replay from a sequence number resends what followed it.
 * Disk tier (`TieringOffloadingSpec`): a restarted server reuses a prefix stored before it
-  stopped; a chunk file with flipped bytes is detected, dropped, logged and never served; a full
+  stopped; a chunk file with flipped bytes (under that server) is detected, dropped, logged and
+  never served; a full
   disk degrades the tier (logged, in the metrics) while every request is still served.
 * Invalid `--kv-transfer-config` values stop the server at startup with exit code 2 and one line
   naming the rule.
@@ -28,7 +29,7 @@ import pytest
 
 from sonar.core.events import BlockRemoved, BlockStored
 from sonar.offload.events import KVEventConsumer
-from tests.http.conftest import ROOT, ServerProcess, free_port, serving
+from tests.http.conftest import ROOT, ServerProcess, free_port, serving, tls
 from tests.offload.helpers import tiny_tmpfs
 
 BLOCK = 16
@@ -63,7 +64,7 @@ def _complete(server: ServerProcess, prompt: str) -> dict[str, Any]:
 
 
 def _metrics(server: ServerProcess) -> dict[str, float]:
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30, verify=tls()).text
     out = {}
     for line in text.splitlines():
         m = re.match(r"^(sonar:[\w:]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
@@ -155,34 +156,41 @@ def test_disk_tier_survives_a_restart_and_a_corrupt_chunk_is_never_served(tmp_pa
         }
     )
     args = (*COMMON, "--kv-transfer-config", transfer)
-    prompt = _prompt(2)
+    prompt, other = _prompt(2), _prompt(4)
     with serving(_fresh(tmp_path / "a"), *args) as server:
         first = _complete(server, prompt)
         reusable = (first["usage"]["prompt_tokens"] - 1) // BLOCK
         _wait_for(server, 'sonar:kv_offload_chunks{medium="DISK"}', reusable)
-    files = list(disk.glob("*.kvchunk"))
+        files = set(disk.glob("*.kvchunk"))
+        other_first = _complete(server, other)
+        other_reusable = (other_first["usage"]["prompt_tokens"] - 1) // BLOCK
+        _wait_for(server, 'sonar:kv_offload_chunks{medium="DISK"}', reusable + other_reusable)
     assert len(files) == reusable
+    other_files = set(disk.glob("*.kvchunk")) - files
+    assert len(other_files) == other_reusable
 
+    # One restart shows both: the first prompt's chunks are reused; the other's, corrupted under
+    # the running server, are detected on read and never served.
     with serving(_fresh(tmp_path / "b"), *args) as server:
         again = _complete(server, prompt)
         metrics = _metrics(server)
+        # Flip bytes in the middle of each of the other prompt's chunk files' payload.
+        for path in other_files:
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+        third = _complete(server, other)
+        after = _metrics(server)
+        log = server.log()
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     assert _cached(again) == reusable * BLOCK
     assert metrics['sonar:kv_offload_hit_blocks_total{medium="DISK"}'] == reusable
+    assert metrics.get('sonar:kv_offload_corrupt_chunks_total{medium="DISK"}', 0.0) == 0
 
-    # Flip bytes in the middle of every chunk file's payload: all are detected on read.
-    for path in files:
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0xFF
-        path.write_bytes(bytes(raw))
-    with serving(_fresh(tmp_path / "c"), *args) as server:
-        third = _complete(server, prompt)
-        metrics = _metrics(server)
-        log = server.log()
-    assert third["choices"][0]["text"] == first["choices"][0]["text"]  # recomputed, not served
+    assert third["choices"][0]["text"] == other_first["choices"][0]["text"]  # recomputed, not served
     assert _cached(third) == 0
-    assert metrics['sonar:kv_offload_corrupt_chunks_total{medium="DISK"}'] == 1  # the load stops at the first
-    assert metrics['sonar:kv_offload_hit_blocks_total{medium="DISK"}'] == 0
+    assert after['sonar:kv_offload_corrupt_chunks_total{medium="DISK"}'] == 1  # the load stops at the first
+    assert after['sonar:kv_offload_hit_blocks_total{medium="DISK"}'] == reusable  # none of the other's
     assert "offload.disk.corrupt" in log and "digest mismatch" in log
 
 
