@@ -32,25 +32,34 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
+import anyio
+import anyio.to_thread
 import msgspec
 
 from sonar.actors import keys
 from sonar.engine.config import EngineConfig
 from sonar.engine.nodes import (
     DP_LAYOUT_KEY,
+    ENDED_KEPT,
     HEAD_KEY,
     LAYOUT_KEY,
     NODE_WAIT,
     NodePlan,
     data_parallel_layout,
+    host_ended_key,
     local_replicas,
     node_key,
     replica_host_address,
     replica_key,
 )
+from sonar.engine.replicas import Replicas
 from sonar.errors import SonarError
 from sonar.log import get_logger
+
+if TYPE_CHECKING:
+    from sonar.actors import Supervisor
 
 log = get_logger("sonar.nodes")
 
@@ -60,6 +69,8 @@ HOST_RESTARTS = 30
 HOST_PERIOD = 60.0
 HEAD_POLL = 1.0
 """Seconds between the agent's checks that the head is still there."""
+ENDED_POLL = 0.2
+"""Seconds between the head's looks at the hosts its headless nodes report ended."""
 
 
 class NodesError(SonarError, RuntimeError):
@@ -139,6 +150,8 @@ class RankHost:
     """The name of the actor the head spawns here (``rank<N>`` unless given)."""
     proc: subprocess.Popen | None = None
     starts: deque = field(default_factory=deque)
+    ended: deque = field(default_factory=lambda: deque(maxlen=ENDED_KEPT))
+    """Pids of this host's runs that ended, newest last (reported to the head)."""
 
     def start(self, keys_dir: str | None, max_frame_bytes: int | None) -> None:
         # --expect: a step or JoinGroup from rank 0 that overtakes the head's Spawn waits for the rank
@@ -212,9 +225,11 @@ def _keep_hosts(
     keys_dir: str | None,
     max_frame_bytes: int | None,
     stop: threading.Event,
+    report: Callable[[RankHost], None] | None = None,
 ) -> int:
     """Restart each host whenever it ends, until the head is gone or `stop` is set; the exit code.
-    Stops the hosts on the way out."""
+    `report` tells the head about a host that ended (before its successor starts). Stops the hosts
+    on the way out."""
     code = 0
     next_poll = time.monotonic() + HEAD_POLL
     try:
@@ -222,6 +237,9 @@ def _keep_hosts(
             for host in hosts:
                 if host.proc is not None and host.proc.poll() is not None:
                     log.info("nodes.rank_host_ended", rank=host.rank, code=host.proc.returncode)
+                    host.ended.append(host.proc.pid)
+                    if report is not None:
+                        report(host)
                     if host.crash_looping:
                         log.error("nodes.gave_up", rank=host.rank, restarts=len(host.starts), period=HOST_PERIOD)
                         return 1
@@ -328,4 +346,49 @@ def run_data_parallel_headless(
     for i in mine:
         store.set(replica_key(i), f"{address} {mine.start} {len(mine)}")
     log.info("nodes.replicas_joined", replicas=list(mine), address=address)
-    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop)
+
+    def report(host: RankHost) -> None:
+        # the head fails the worker that ran there at once, not after its ping deadline
+        try:
+            store.set(host_ended_key(host.rank), " ".join(str(pid) for pid in host.ended))
+        except Exception:  # the head is gone: the next look at its store ends this agent
+            pass
+
+    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop, report)
+
+
+async def watch_replica_hosts(store: object, engine: "Supervisor", config: EngineConfig) -> None:
+    """On the head of replicas over several machines, until cancelled: fail at once the worker of
+    a headless node's replica whose actor host that node's agent reports ended (`host_ended_key`),
+    so its supervisor restarts it now instead of after the worker's ping deadline. A report
+    names the host's pid; a worker already running in the host's successor is left alone."""
+    here = local_replicas(config)
+    remote = [i for i in range(config.data_parallel_size) if i not in here]
+    replicas = Replicas(engine, config.data_parallel_size)
+    seen = {i: "" for i in remote}
+    while True:
+        await anyio.sleep(ENDED_POLL)
+        reports = await anyio.to_thread.run_sync(_ended_hosts, store, remote)
+        for index, pids in reports.items():
+            if pids == seen[index]:
+                continue
+            seen[index] = pids
+            try:
+                worker = replicas.engine(index).child("worker")
+            except (AssertionError, KeyError):  # the replica's engine itself is restarting
+                continue
+            if worker.pid is not None and str(worker.pid) in pids.split():
+                log.warning("nodes.replica_host_ended", replica=index, pid=worker.pid)
+                await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
+
+
+def _ended_hosts(store: object, replicas: list[int]) -> dict[int, str]:
+    out = {}
+    for index in replicas:
+        key = host_ended_key(index)
+        try:
+            if store.check([key]):  # get() would wait for a key no node wrote yet
+                out[index] = store.get(key).decode()
+        except Exception:  # the store is closing with the head
+            break
+    return out

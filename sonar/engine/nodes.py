@@ -97,6 +97,17 @@ class NodePlan:
         return NODE_WAIT if timeout is None else timeout
 
 
+def host_ended_key(index: int) -> str:
+    """The rendezvous store's key under which the headless node of replica `index` lists the pids
+    of the last actor hosts of that replica that ended (space-separated, newest last): the head
+    fails a worker whose host is among them at once instead of after its ping deadline."""
+    return f"sonar/dp/replica/{index}/ended"
+
+
+ENDED_KEPT = 8
+"""Pids of ended hosts a headless node keeps listed per replica (`host_ended_key`)."""
+
+
 def check_nodes(config: "EngineConfig") -> None:
     """Refuse a node layout Sonar cannot run, naming the flags (ValueError)."""
     n, rank, world = config.nnodes, config.node_rank, config.world_size
