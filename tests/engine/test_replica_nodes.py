@@ -200,6 +200,37 @@ def test_a_connection_without_the_deployments_keys_is_refused(
     assert out.stdout.strip() == "refused", out.stderr
 
 
+@pytest.mark.slow  # kills the headless node: the last test of the module's two nodes
+def test_a_lost_headless_node_moves_its_requests_to_the_heads_replica(
+    two_nodes: tuple[ServerProcess, Any, int], single_texts: list[str]
+) -> None:
+    """The whole node dies (its agent and its host, SIGKILL): nobody reports the host, the worker's
+    ping deadline finds it hung, its restart waits for a host that never comes, and after
+    `WORKER_LOST_AFTER` the frontend moves replica 1's requests to replica 0, where their replays
+    go on where the client's streams stopped: every request ends with one engine's greedy text."""
+    head, headless, _ = two_nodes
+    node = psutil.Process(headless.pid)
+    victims = [node, *node.children(recursive=True)]
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient() as client:
+            streaming = asyncio.Event()
+            tasks = [asyncio.create_task(_complete(client, head.base_url, p, streaming)) for p in PROMPTS]
+            await asyncio.wait_for(streaming.wait(), 60)
+            for victim in victims:
+                victim.kill()
+            killed = time.monotonic()
+            texts = list(await asyncio.gather(*tasks))
+            recovery.append(time.monotonic() - killed)
+            return texts
+
+    recovery: list[float] = []
+    assert asyncio.run(run()) == single_texts
+    print(f"SIGKILL of the whole headless node -> last token: {recovery[0]:.1f} s")
+    assert "frontend.request_moved" in head.log()
+    assert recovery[0] < 90, recovery  # the ping deadline, then WORKER_LOST_AFTER: far from the 900 s start timeout
+
+
 DP = ["-dp", "2", "-dpl", "1", "--data-parallel-address", "10.0.0.1", "--data-parallel-rpc-port", "13345"]
 
 
