@@ -1189,9 +1189,9 @@ class LLM:
                         self._streams.pop(eid, None)
                         self._routes.pop(eid, None)
                     assert self.router is not None, "only replicas move"
-                    self.router.finished(replica, len(ids))
                     lost = replica
                     replica = self._route(prompt_ids, cache_salt, lora, len(ids), images, avoid=lost)
+                    self.router.finished(lost, len(ids))
                     scheduler = self._scheduler(replica)
                     self._moves += 1
                     log.warning("frontend.request_moved", request=rid, lost=lost, replica=replica, reason=item.reason)

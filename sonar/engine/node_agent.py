@@ -45,11 +45,13 @@ from sonar.engine.nodes import (
     ENDED_KEPT,
     HEAD_KEY,
     LAYOUT_KEY,
+    NODE_SILENT,
     NODE_WAIT,
     NodePlan,
     data_parallel_layout,
     host_ended_key,
     local_replicas,
+    node_beat_key,
     node_key,
     replica_host_address,
     replica_key,
@@ -226,10 +228,11 @@ def _keep_hosts(
     max_frame_bytes: int | None,
     stop: threading.Event,
     report: Callable[[RankHost], None] | None = None,
+    beat: Callable[[], None] | None = None,
 ) -> int:
     """Restart each host whenever it ends, until the head is gone or `stop` is set; the exit code.
-    `report` tells the head about a host that ended (before its successor starts). Stops the hosts
-    on the way out."""
+    `report` tells the head about a host that ended (before its successor starts); `beat` tells it
+    this node lives, at each check on the head. Stops the hosts on the way out."""
     code = 0
     next_poll = time.monotonic() + HEAD_POLL
     try:
@@ -249,6 +252,8 @@ def _keep_hosts(
                 if not _head_alive(store):
                     log.info("nodes.head_gone", rendezvous=rendezvous)
                     break
+                if beat is not None:
+                    beat()
             stop.wait(0.1)
     finally:
         for host in hosts:
@@ -354,41 +359,62 @@ def run_data_parallel_headless(
         except Exception:  # the head is gone: the next look at its store ends this agent
             pass
 
-    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop, report)
+    def beat() -> None:
+        try:
+            for i in mine:
+                store.add(node_beat_key(i), 1)
+        except Exception:  # the head is gone: the next look at its store ends this agent
+            pass
+
+    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop, report, beat)
 
 
 async def watch_replica_hosts(store: object, engine: "Supervisor", config: EngineConfig) -> None:
     """On the head of replicas over several machines, until cancelled: fail at once the worker of
     a headless node's replica whose actor host that node's agent reports ended (`host_ended_key`),
-    so its supervisor restarts it now instead of after the worker's ping deadline. A report
-    names the host's pid; a worker already running in the host's successor is left alone."""
+    or whose node stopped beating for `NODE_SILENT` seconds (`node_beat_key`: the node is gone,
+    agent and all), so its supervisor restarts it now instead of after the worker's ping
+    deadline. A report names the host's pid; a worker already running in the host's successor is
+    left alone."""
     here = local_replicas(config)
     remote = [i for i in range(config.data_parallel_size) if i not in here]
     replicas = Replicas(engine, config.data_parallel_size)
     seen = {i: "" for i in remote}
+    beats = {i: (0, time.monotonic()) for i in remote}
     while True:
         await anyio.sleep(ENDED_POLL)
-        reports = await anyio.to_thread.run_sync(_ended_hosts, store, remote)
-        for index, pids in reports.items():
-            if pids == seen[index]:
-                continue
-            seen[index] = pids
+        reports, counts = await anyio.to_thread.run_sync(_node_news, store, remote)
+        now = time.monotonic()
+        for index in remote:
             try:
                 worker = replicas.engine(index).child("worker")
             except (AssertionError, KeyError):  # the replica's engine itself is restarting
                 continue
+            count = counts.get(index, 0)
+            if count != beats[index][0]:
+                beats[index] = (count, now)
+            elif count and now - beats[index][1] > NODE_SILENT and worker.state == "running":
+                log.warning("nodes.replica_node_silent", replica=index, seconds=NODE_SILENT)
+                await worker.fail(f"its node has not been heard from for {NODE_SILENT:g} s")
+                continue
+            pids = reports.get(index, "")
+            if pids == seen[index]:
+                continue
+            seen[index] = pids
             if worker.pid is not None and str(worker.pid) in pids.split():
                 log.warning("nodes.replica_host_ended", replica=index, pid=worker.pid)
                 await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
 
 
-def _ended_hosts(store: object, replicas: list[int]) -> dict[int, str]:
-    out = {}
-    for index in replicas:
-        key = host_ended_key(index)
-        try:
+def _node_news(store: object, replicas: list[int]) -> tuple[dict[int, str], dict[int, int]]:
+    """What the nodes left in the head's store: each replica's ended hosts and its node's beats."""
+    ended, beats = {}, {}
+    try:
+        for index in replicas:
+            key = host_ended_key(index)
             if store.check([key]):  # get() would wait for a key no node wrote yet
-                out[index] = store.get(key).decode()
-        except Exception:  # the store is closing with the head
-            break
-    return out
+                ended[index] = store.get(key).decode()
+            beats[index] = store.add(node_beat_key(index), 0)
+    except Exception:  # the store is closing with the head
+        pass
+    return ended, beats
