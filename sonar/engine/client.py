@@ -25,6 +25,7 @@ from sonar.engine import tokenizers
 from sonar.engine.client_actor import ClientActor, DeltaStream
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
+from sonar.engine.nodes import replica_site
 from sonar.engine.replicas import WORKER_LOST_AFTER, Replicas, data_parallel_spec
 from sonar.engine.tree import worker_ref
 from sonar.errors import InvalidRequestError
@@ -96,7 +97,7 @@ async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None 
         for module in parse_lora_modules(config.lora_modules or []):
             await llm.load_lora(module.name, module.path, module.base_model_name)
 
-        watched = _watch(llm, replicas, tg)
+        watched = _watch(llm, replicas, tg, config)
         try:
             yield llm
         finally:
@@ -108,10 +109,16 @@ async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None 
             tg.cancel_scope.cancel()
 
 
-def _watch(llm: LLM, replicas: Replicas, tg: anyio.abc.TaskGroup) -> list[tuple[Supervisor, Callable[[Any], None]]]:
+def _watch(
+    llm: LLM, replicas: Replicas, tg: anyio.abc.TaskGroup, config: EngineConfig
+) -> list[tuple[Supervisor, Callable[[Any], None]]]:
     """Listen to the engine tree's events: end the requests a crash lost, move those of a lost
     replica, keep the router's view of the replicas current. Returns the (supervisor, listener)
-    pairs added."""
+    pairs added.
+
+    Only a replica on another machine has its requests moved while its worker is down: its node
+    may be gone for good. A worker of this machine comes back and recomputes its requests itself,
+    which keeps the ones that cannot move (sampling without a seed does not repeat elsewhere)."""
     watched: list[tuple[Supervisor, Callable[[Any], None]]] = []
     router = llm.router
     down: dict[int, object] = {}
@@ -145,7 +152,7 @@ def _watch(llm: LLM, replicas: Replicas, tg: anyio.abc.TaskGroup) -> list[tuple[
                 # node may be gone for long); the restarted worker's cache starts empty. Its
                 # requests wait for it a while, then move to the replicas that serve.
                 router.set_restarting(index, True)
-                if index not in down:
+                if index not in down and replica_site(config, index)[0] is not None:
                     down[index] = outage = object()
                     tg.start_soon(move_if_still_down, index, outage, event.detail)
             elif event.kind == "start" and event.child == "worker":
