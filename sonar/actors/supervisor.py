@@ -62,6 +62,7 @@ class Supervisor:
         clock leaves it out (see `_clock`)."""
         self._exits_send, self._exits = anyio.create_memory_object_stream[tuple](max_buffer_size=1000)
         self._shutdown = anyio.Event()
+        self._supervising = anyio.CancelScope()
         self._done = anyio.Event()
         self.tg: anyio.abc.TaskGroup
 
@@ -91,7 +92,10 @@ class Supervisor:
                 if on_ready is not None:
                     on_ready()
                 try:
-                    await self._supervise()
+                    # shutdown() ends a restart still under way too (a remote worker whose host is
+                    # gone waits up to its start timeout)
+                    with self._supervising:
+                        await self._supervise()
                 finally:
                     with anyio.CancelScope(shield=True):
                         await self._stop_all(self.runners)
@@ -105,6 +109,7 @@ class Supervisor:
         """Stop all children in reverse start order (each within its deadline) and end `run()`."""
         self._shutdown.set()
         self._exits_send.send_nowait(("shutdown",))
+        self._supervising.cancel()
         await self._done.wait()
 
     def tree(self) -> ActorInfo:
@@ -240,7 +245,8 @@ class Supervisor:
             group = [r for r in self.runners if r is runner or r.running]
         else:  # rest_for_one
             group = [runner] + [r for r in self.runners[index + 1 :] if r.running]
-        await self._stop_all([r for r in group if r is not runner])
+        with anyio.CancelScope(shield=True):  # a shutdown ends the restart's starts, not its stops
+            await self._stop_all([r for r in group if r is not runner])
         together = self.spec.start_together
         for r in group:
             r.restarts += 1

@@ -293,6 +293,10 @@ async def serve(config: ServeConfig) -> int:
                     holder["root"] = root
                     frontend = root.child("frontend").ref
                     engine = root.child("engine").child
+                    if replicas_spread(config.engine):  # its nodes report their replicas' ended hosts
+                        from sonar.engine.node_agent import watch_replica_hosts
+
+                        tg.start_soon(watch_replica_hosts, holder["rendezvous"], engine, config.engine)
                     if (config.api_server_count or 1) > 1:
                         tg.start_soon(feed, root, engine)
                     await anyio.to_thread.run_sync(importing.join)

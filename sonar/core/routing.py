@@ -13,7 +13,8 @@ request a cache miss, never a wrong answer.
 
 1. only replicas that take requests (`set_available`) count; with none, the answer is None; of
    those, a replica whose worker is restarting (`set_restarting`: a crash, a lost node) counts only
-   when every one is (its requests wait there until the worker is back);
+   when every one is (its requests wait there until the worker is back); requests moved off a
+   lost replica (`avoid`) go only to one that serves now;
 2. the baseline is the least loaded replica: fewest requests in flight (sent by this router and
    not yet `finished`), then the lowest KV usage (`set_kv_usage`, from the replicas' stats), then
    the one chosen least recently (so one-at-a-time requests alternate);
@@ -86,14 +87,16 @@ class Router:
             count += 1
         return count
 
-    def route(self, block_hashes: Sequence[BlockHash], requests: int = 1) -> int | None:
+    def route(self, block_hashes: Sequence[BlockHash], requests: int = 1, avoid: int | None = None) -> int | None:
         """The replica for a prompt with these block hashes (`requests` engine requests: its ``n``
         completions), or None when no replica is available. Counts them in flight there until
-        `finished`."""
-        candidates = [i for i in range(self.num_replicas) if self.available[i]]
+        `finished`. `avoid`: requests moved off that lost replica go to another that serves now
+        (available and not restarting), else nowhere (None)."""
+        candidates = [i for i in range(self.num_replicas) if self.available[i] and i != avoid]
+        serving = [i for i in candidates if not self.restarting[i]]
+        candidates = serving if avoid is not None else serving or candidates
         if not candidates:
             return None
-        candidates = [i for i in candidates if not self.restarting[i]] or candidates
         chosen = min(candidates, key=self._load)
         matched = 0
         if self.prefix_affinity and block_hashes:

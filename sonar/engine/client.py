@@ -25,7 +25,8 @@ from sonar.engine import tokenizers
 from sonar.engine.client_actor import ClientActor, DeltaStream
 from sonar.engine.config import EngineConfig
 from sonar.engine.llm import LLM
-from sonar.engine.replicas import Replicas, data_parallel_spec
+from sonar.engine.nodes import replica_site
+from sonar.engine.replicas import WORKER_LOST_AFTER, Replicas, data_parallel_spec
 from sonar.engine.tree import worker_ref
 from sonar.errors import InvalidRequestError
 from sonar.lora.registry import parse_lora_modules
@@ -96,7 +97,7 @@ async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None 
         for module in parse_lora_modules(config.lora_modules or []):
             await llm.load_lora(module.name, module.path, module.base_model_name)
 
-        watched = _watch(llm, replicas)
+        watched = _watch(llm, replicas, tg, config)
         try:
             yield llm
         finally:
@@ -108,11 +109,25 @@ async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None 
             tg.cancel_scope.cancel()
 
 
-def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any], None]]]:
-    """Listen to the engine tree's events: end the requests a crash lost, keep the router's view
-    of the replicas current. Returns the (supervisor, listener) pairs added."""
+def _watch(
+    llm: LLM, replicas: Replicas, tg: anyio.abc.TaskGroup, config: EngineConfig
+) -> list[tuple[Supervisor, Callable[[Any], None]]]:
+    """Listen to the engine tree's events: end the requests a crash lost, move those of a lost
+    replica, keep the router's view of the replicas current. Returns the (supervisor, listener)
+    pairs added.
+
+    Only a replica on another machine has its requests moved while its worker is down: its node
+    may be gone for good. A worker of this machine comes back and recomputes its requests itself,
+    which keeps the ones that cannot move (sampling without a seed does not repeat elsewhere)."""
     watched: list[tuple[Supervisor, Callable[[Any], None]]] = []
     router = llm.router
+    down: dict[int, object] = {}
+    """Replicas whose worker is down, each with a token of that outage."""
+
+    async def move_if_still_down(index: int, outage: object, detail: str) -> None:
+        await anyio.sleep(WORKER_LOST_AFTER)
+        if down.get(index) is outage:
+            llm.move_replica(index, f"its worker was not back within {WORKER_LOST_AFTER:g} s ({detail})")
 
     def on_engine_event(index: int | None, event: Any) -> None:
         # The worker can be restarted under running requests (the scheduler recomputes
@@ -126,17 +141,23 @@ def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any
         elif event.kind == "give_up" and index is None:
             llm.dead = f"the engine gave up after repeated crashes ({event.detail})"
             llm.fail_replica(None, llm.dead)
-        elif event.kind == "give_up":
-            llm.fail_replica(index, f"{where} gave up after repeated crashes ({event.detail}); request lost")
+        elif event.kind == "give_up":  # its parent restarts it; meanwhile its requests move
+            down.pop(index, None)
+            llm.move_replica(index, f"{where} gave up after repeated crashes ({event.detail})")
         if router is not None and index is not None:
             if event.kind == "give_up":
                 router.set_available(index, False)
             elif event.kind == "crash" and event.child == "worker":
                 # new requests go to the other replicas until it is back (a replica on a lost
-                # node may be gone for long); the restarted worker's cache starts empty
+                # node may be gone for long); the restarted worker's cache starts empty. Its
+                # requests wait for it a while, then move to the replicas that serve.
                 router.set_restarting(index, True)
+                if index not in down and replica_site(config, index)[0] is not None:
+                    down[index] = outage = object()
+                    tg.start_soon(move_if_still_down, index, outage, event.detail)
             elif event.kind == "start" and event.child == "worker":
                 router.set_restarting(index, False)
+                down.pop(index, None)
 
     def watch(engine: Supervisor, index: int | None) -> None:
         listener = functools.partial(on_engine_event, index)
@@ -153,10 +174,11 @@ def _watch(llm: LLM, replicas: Replicas) -> list[tuple[Supervisor, Callable[[Any
             on_engine_event(None, event)
         elif index is None:
             return
-        elif event.kind in ("crash", "exit"):  # the replica's engine stopped: its requests are lost
+        elif event.kind in ("crash", "exit"):  # the replica's engine stopped: its requests move
             if router is not None:
                 router.set_available(index, False)
-            llm.fail_replica(index, f"replica {index} stopped ({event.detail}); request lost")
+            down.pop(index, None)
+            llm.move_replica(index, f"replica {index} stopped ({event.detail})")
         elif event.kind == "start":  # the replica restarted: a new supervisor
             watch(replicas.engine(index), index)
             if router is not None:

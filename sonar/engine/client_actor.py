@@ -2,7 +2,7 @@
 
 It routes each `OutputDelta` to the stream of the request it belongs to (a `DeltaStream`), and an
 `EngineFailed` to the streams of the requests the engine lost (as `Failed`); the `LLM` handle reads
-the streams.
+the streams (where it also puts `Moved` for the requests of a lost replica).
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ class Failed:
     """On a request's stream: the engine cannot finish it (`reason` says why)."""
 
     def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class Moved:
+    """On a request's stream: replica `replica` was lost; the request goes on elsewhere
+    (`sonar.engine.replay`)."""
+
+    def __init__(self, replica: int, reason: str) -> None:
+        self.replica = replica
         self.reason = reason
 
 

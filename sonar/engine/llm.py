@@ -35,10 +35,11 @@ from sonar.core.request import LoRARequest, cache_salt_problem
 from sonar.core.routing import Router
 from sonar.core.sleep import SleepRefusedError, SleepState, check_level, check_tags
 from sonar.core.weights import WeightTransferConfig, WeightUpdateConflictError, WeightUpdateError
-from sonar.engine.client_actor import DeltaStream, Failed
+from sonar.engine.client_actor import DeltaStream, Failed, Moved
 from sonar.engine.config import EngineConfig
 from sonar.engine.logits_processors import load_classes, validate_params
 from sonar.engine.prompt_embeds import PLACEHOLDER, check_prompt_embeds, embeds_salt, is_embeds_prompt
+from sonar.engine.replay import Replay
 from sonar.engine.replicas import Replicas
 from sonar.engine.tree import worker_ref
 from sonar.errors import (
@@ -52,6 +53,7 @@ from sonar.errors import (
     ServerOverloadedError,
     SonarError,
 )
+from sonar.log import get_logger
 from sonar.lora.limits import ModelShapes
 from sonar.lora.registry import LoRARegistry, ServedAdapter
 from sonar.multimodal.limits import image_limit
@@ -80,6 +82,8 @@ from sonar.protocol.engine import (
 )
 from sonar.sampling_params import SamplingParams, SamplingParamsError, over_limit
 from sonar.structured import compiler_for
+
+log = get_logger("sonar.frontend")
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
 """Text, token ids, or ``{"prompt_embeds": tensor}`` (`sonar.engine.prompt_embeds`)."""
@@ -225,6 +229,8 @@ class LLM:
                 self._hasher = PrefixHasher(config.block_size, config.prefix_caching_hash_algo)
         self._routes: dict[str, int] = {}
         """The replica of each engine request in flight."""
+        self._moves = 0
+        """Requests moved off lost replicas so far (each move's engine ids are new)."""
         self.info = info
         self.tokenizer = tokenizer
         self._client = client
@@ -787,6 +793,15 @@ class LLM:
         await engine.child("scheduler").ref.ask(GetStats())
         await worker_ref(engine).ask(DescribeWorker())
 
+    def move_replica(self, index: int, reason: str) -> None:
+        """Move the requests in flight on replica `index` (lost: `reason`) to a replica that serves
+        now, or end them with `EngineDeadError` when none does (`sonar.engine.replay`)."""
+        marked: set[int] = set()
+        for cid, stream in list(self._streams.items()):
+            if self._routes.get(cid, 0) == index and id(stream) not in marked:
+                marked.add(id(stream))  # a request's completions share one stream
+                stream.send_nowait(Moved(index, reason))
+
     def fail_replica(self, index: int | None, reason: str) -> None:
         """End the requests in flight on replica `index` (None: on every replica) with an error."""
         for cid, stream in list(self._streams.items()):
@@ -975,8 +990,10 @@ class LLM:
         lora: LoRARequest | None,
         requests: int,
         images: Sequence[ImageInput] = (),
+        avoid: int | None = None,
     ) -> int:
-        """The replica for a request (0 without data parallelism), counted in flight there."""
+        """The replica for a request (0 without data parallelism), counted in flight there;
+        `avoid`: a lost replica the request moves off (`Router.route`)."""
         if self.router is None:
             return 0
         key = None if lora is None else lora.digest
@@ -984,7 +1001,12 @@ class LLM:
         switch = self.info.longrope_switch  # a prompt past it is cached under LongRoPE's long factors
         long_rope = switch is not None and len(prompt_ids) > switch
         hashes = self._hasher.chain(prompt_ids, cache_salt, key, media, long_rope) if self._hasher is not None else []
-        index = self.router.route(hashes, requests)
+        index = self.router.route(hashes, requests, avoid)
+        if index is None and avoid is not None:
+            raise EngineDeadError(
+                self.dead
+                or f"replica {avoid} was lost and no other replica serves now to take its request over; try again later"
+            )
         if index is None:
             raise EngineDeadError(self.dead or "every engine replica is restarting; try again later")
         return index
@@ -1129,38 +1151,76 @@ class LLM:
             self._streams[cid] = stream
             self._routes[cid] = replica
         pending = set(ids)
+        live = {cid: cid for cid in ids}  # the engine id each completion runs under now -> its id
+        replays = {cid: Replay() for cid in ids}
+
+        def add_request(eid: str, child: SamplingParams) -> AddRequest:
+            return AddRequest(
+                request_id=eid,
+                prompt_token_ids=prompt_ids,
+                params=child,
+                sink=self._client,
+                priority=priority,
+                cache_salt=cache_salt,
+                arrival_time=time.monotonic(),
+                lora=lora,
+                pooling=pooling,
+                images=list(images),
+                prompt_embeds=prompt_embeds,
+            )
+
         try:
             scheduler = self._scheduler(replica)
             for cid, child in zip(ids, children):
-                await self._add(
-                    scheduler,
-                    AddRequest(
-                        request_id=cid,
-                        prompt_token_ids=prompt_ids,
-                        params=child,
-                        sink=self._client,
-                        priority=priority,
-                        cache_salt=cache_salt,
-                        arrival_time=time.monotonic(),
-                        lora=lora,
-                        pooling=pooling,
-                        images=list(images),
-                        prompt_embeds=prompt_embeds,
-                    ),
-                )
+                await self._add(scheduler, add_request(cid, child))
             while pending:
                 item = await stream.receive()
+                if isinstance(item, Moved):
+                    if item.replica != replica:
+                        continue  # a mark from a replica this request left already
+                    moving = {eid: cid for eid, cid in live.items() if cid in pending}
+                    with anyio.CancelScope(shield=True):
+                        try:  # the lost replica forgets them, if its scheduler still runs
+                            await scheduler.send(Abort(sorted(moving)))
+                        except Exception:
+                            pass
+                    for eid in moving:
+                        live.pop(eid)
+                        self._streams.pop(eid, None)
+                        self._routes.pop(eid, None)
+                    assert self.router is not None, "only replicas move"
+                    lost = replica
+                    replica = self._route(prompt_ids, cache_salt, lora, len(ids), images, avoid=lost)
+                    self.router.finished(lost, len(ids))
+                    scheduler = self._scheduler(replica)
+                    self._moves += 1
+                    log.warning("frontend.request_moved", request=rid, lost=lost, replica=replica, reason=item.reason)
+                    for cid in sorted(moving.values()):
+                        eid = f"{cid}-moved{self._moves}"
+                        live[eid] = cid
+                        self._streams[eid] = stream
+                        self._routes[eid] = replica
+                        replays[cid].restart()
+                        await self._add(scheduler, add_request(eid, children[index[cid]]))
+                    continue
                 if isinstance(item, Failed):
                     raise EngineDeadError(item.reason)
                 delta: OutputDelta = item
+                cid = live.get(delta.req_id)
+                if cid is None:
+                    continue  # from a replica this completion left
                 if delta.error is not None:
-                    pending.discard(delta.req_id)  # the engine holds nothing more of it
+                    pending.discard(cid)  # the engine holds nothing more of it
                     raise _request_error(delta.error)
+                taken = replays[cid].take(delta)
+                if taken is None:
+                    continue  # a replay's repeat of what the client has
+                delta = taken
                 if delta.finish_reason is not None:
-                    pending.discard(delta.req_id)
+                    pending.discard(cid)
                 yield StreamDelta(
                     rid,
-                    index[delta.req_id],
+                    index[cid],
                     delta.text,
                     delta.token_ids,
                     delta.finish_reason,
@@ -1174,15 +1234,15 @@ class LLM:
                     delta.model_time,
                 )
         finally:
-            for cid in ids:
-                self._streams.pop(cid, None)
-                self._routes.pop(cid, None)
+            for eid in [*ids, *live]:
+                self._streams.pop(eid, None)
+                self._routes.pop(eid, None)
             if self.router is not None:
                 self.router.finished(replica, len(ids))
             if pending:  # cancelled, failed, or the caller stopped iterating: free the engine's work
                 with anyio.CancelScope(shield=True):
                     try:
-                        await scheduler.send(Abort(sorted(pending)))
+                        await scheduler.send(Abort(sorted(eid for eid, cid in live.items() if cid in pending)))
                     except Exception:
                         pass
 

@@ -32,25 +32,36 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
+import anyio
+import anyio.to_thread
 import msgspec
 
 from sonar.actors import keys
 from sonar.engine.config import EngineConfig
 from sonar.engine.nodes import (
     DP_LAYOUT_KEY,
+    ENDED_KEPT,
     HEAD_KEY,
     LAYOUT_KEY,
+    NODE_SILENT,
     NODE_WAIT,
     NodePlan,
     data_parallel_layout,
+    host_ended_key,
     local_replicas,
+    node_beat_key,
     node_key,
     replica_host_address,
     replica_key,
 )
+from sonar.engine.replicas import Replicas
 from sonar.errors import SonarError
 from sonar.log import get_logger
+
+if TYPE_CHECKING:
+    from sonar.actors import Supervisor
 
 log = get_logger("sonar.nodes")
 
@@ -60,6 +71,8 @@ HOST_RESTARTS = 30
 HOST_PERIOD = 60.0
 HEAD_POLL = 1.0
 """Seconds between the agent's checks that the head is still there."""
+ENDED_POLL = 0.2
+"""Seconds between the head's looks at the hosts its headless nodes report ended."""
 
 
 class NodesError(SonarError, RuntimeError):
@@ -139,6 +152,8 @@ class RankHost:
     """The name of the actor the head spawns here (``rank<N>`` unless given)."""
     proc: subprocess.Popen | None = None
     starts: deque = field(default_factory=deque)
+    ended: deque = field(default_factory=lambda: deque(maxlen=ENDED_KEPT))
+    """Pids of this host's runs that ended, newest last (reported to the head)."""
 
     def start(self, keys_dir: str | None, max_frame_bytes: int | None) -> None:
         # --expect: a step or JoinGroup from rank 0 that overtakes the head's Spawn waits for the rank
@@ -212,9 +227,12 @@ def _keep_hosts(
     keys_dir: str | None,
     max_frame_bytes: int | None,
     stop: threading.Event,
+    report: Callable[[RankHost], None] | None = None,
+    beat: Callable[[], None] | None = None,
 ) -> int:
     """Restart each host whenever it ends, until the head is gone or `stop` is set; the exit code.
-    Stops the hosts on the way out."""
+    `report` tells the head about a host that ended (before its successor starts); `beat` tells it
+    this node lives, at each check on the head. Stops the hosts on the way out."""
     code = 0
     next_poll = time.monotonic() + HEAD_POLL
     try:
@@ -222,6 +240,9 @@ def _keep_hosts(
             for host in hosts:
                 if host.proc is not None and host.proc.poll() is not None:
                     log.info("nodes.rank_host_ended", rank=host.rank, code=host.proc.returncode)
+                    host.ended.append(host.proc.pid)
+                    if report is not None:
+                        report(host)
                     if host.crash_looping:
                         log.error("nodes.gave_up", rank=host.rank, restarts=len(host.starts), period=HOST_PERIOD)
                         return 1
@@ -231,6 +252,8 @@ def _keep_hosts(
                 if not _head_alive(store):
                     log.info("nodes.head_gone", rendezvous=rendezvous)
                     break
+                if beat is not None:
+                    beat()
             stop.wait(0.1)
     finally:
         for host in hosts:
@@ -328,4 +351,70 @@ def run_data_parallel_headless(
     for i in mine:
         store.set(replica_key(i), f"{address} {mine.start} {len(mine)}")
     log.info("nodes.replicas_joined", replicas=list(mine), address=address)
-    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop)
+
+    def report(host: RankHost) -> None:
+        # the head fails the worker that ran there at once, not after its ping deadline
+        try:
+            store.set(host_ended_key(host.rank), " ".join(str(pid) for pid in host.ended))
+        except Exception:  # the head is gone: the next look at its store ends this agent
+            pass
+
+    def beat() -> None:
+        try:
+            for i in mine:
+                store.add(node_beat_key(i), 1)
+        except Exception:  # the head is gone: the next look at its store ends this agent
+            pass
+
+    return _keep_hosts(hosts, store, f"{addr}:{port}", keys_dir, max_frame_bytes, stop, report, beat)
+
+
+async def watch_replica_hosts(store: object, engine: "Supervisor", config: EngineConfig) -> None:
+    """On the head of replicas over several machines, until cancelled: fail at once the worker of
+    a headless node's replica whose actor host that node's agent reports ended (`host_ended_key`),
+    or whose node stopped beating for `NODE_SILENT` seconds (`node_beat_key`: the node is gone,
+    agent and all), so its supervisor restarts it now instead of after the worker's ping
+    deadline. A report names the host's pid; a worker already running in the host's successor is
+    left alone."""
+    here = local_replicas(config)
+    remote = [i for i in range(config.data_parallel_size) if i not in here]
+    replicas = Replicas(engine, config.data_parallel_size)
+    seen = {i: "" for i in remote}
+    beats = {i: (0, time.monotonic()) for i in remote}
+    while True:
+        await anyio.sleep(ENDED_POLL)
+        reports, counts = await anyio.to_thread.run_sync(_node_news, store, remote)
+        now = time.monotonic()
+        for index in remote:
+            try:
+                worker = replicas.engine(index).child("worker")
+            except (AssertionError, KeyError):  # the replica's engine itself is restarting
+                continue
+            count = counts.get(index, 0)
+            if count != beats[index][0]:
+                beats[index] = (count, now)
+            elif count and now - beats[index][1] > NODE_SILENT and worker.state == "running":
+                log.warning("nodes.replica_node_silent", replica=index, seconds=NODE_SILENT)
+                await worker.fail(f"its node has not been heard from for {NODE_SILENT:g} s")
+                continue
+            pids = reports.get(index, "")
+            if pids == seen[index]:
+                continue
+            seen[index] = pids
+            if worker.pid is not None and str(worker.pid) in pids.split():
+                log.warning("nodes.replica_host_ended", replica=index, pid=worker.pid)
+                await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
+
+
+def _node_news(store: object, replicas: list[int]) -> tuple[dict[int, str], dict[int, int]]:
+    """What the nodes left in the head's store: each replica's ended hosts and its node's beats."""
+    ended, beats = {}, {}
+    try:
+        for index in replicas:
+            key = host_ended_key(index)
+            if store.check([key]):  # get() would wait for a key no node wrote yet
+                ended[index] = store.get(key).decode()
+            beats[index] = store.add(node_beat_key(index), 0)
+    except Exception:  # the store is closing with the head
+        pass
+    return ended, beats

@@ -97,6 +97,28 @@ class NodePlan:
         return NODE_WAIT if timeout is None else timeout
 
 
+def host_ended_key(index: int) -> str:
+    """The rendezvous store's key under which the headless node of replica `index` lists the pids
+    of the last actor hosts of that replica that ended (space-separated, newest last): the head
+    fails a worker whose host is among them at once instead of after its ping deadline."""
+    return f"sonar/dp/replica/{index}/ended"
+
+
+ENDED_KEPT = 8
+"""Pids of ended hosts a headless node keeps listed per replica (`host_ended_key`)."""
+
+
+def node_beat_key(index: int) -> str:
+    """The rendezvous store's counter that the headless node of replica `index` adds one to each
+    time it checks on the head (every second): a counter that stops tells the head the node is gone."""
+    return f"sonar/dp/replica/{index}/beats"
+
+
+NODE_SILENT = 5.0
+"""Seconds without a beat (`node_beat_key`) after which the head takes a replica's node for lost
+and fails its worker, instead of waiting for the worker's ping deadline."""
+
+
 def check_nodes(config: "EngineConfig") -> None:
     """Refuse a node layout Sonar cannot run, naming the flags (ValueError)."""
     n, rank, world = config.nnodes, config.node_rank, config.world_size

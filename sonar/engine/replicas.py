@@ -38,6 +38,11 @@ if TYPE_CHECKING:
 REPLICA_RESTARTS = 2
 """Give-ups of one replica, per replica and `REPLICA_PERIOD`, that the engine tolerates."""
 REPLICA_PERIOD = 600.0
+WORKER_LOST_AFTER = 10.0
+"""Seconds the worker of a replica on another machine may stay down (crashed, hung, its node lost)
+before the frontend moves that replica's requests to the replicas that serve
+(`sonar.engine.replay`); a worker back sooner recomputes them itself, as a worker of this machine
+always does."""
 
 
 def replica_name(index: int) -> str:

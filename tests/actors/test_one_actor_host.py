@@ -5,6 +5,7 @@ the successor a restarter starts at the same address."""
 
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -89,3 +90,22 @@ async def test_a_killed_host_whose_successor_never_heard_of_the_actor_still_rest
         thread.join()
         for proc in hosts:
             stop_host(proc)
+
+
+async def test_a_shutdown_ends_a_restart_that_waits_for_a_host_that_never_comes(deployment):
+    """A node lost for good: the restart waits (up to the start timeout) for a host at the address;
+    the supervisor's shutdown ends that wait instead of waiting it out."""
+    address = free_tcp_address()
+    proc = start_host(address, deployment, "--exit-with-actor")
+    child = ChildSpec("far", "tests.actors.sample:Sample", placement=Remote(address, start_timeout=600))
+    try:
+        async with supervise(SupervisorSpec("root", [child])) as sup:
+            far = sup.child("far")
+            await far.ref.ask(Whoami(), timeout=10)
+            proc.kill()  # the host and nobody to start its successor
+            await far.fail("its node is gone")
+            await wait_for(lambda: far.state == "starting", timeout=10)
+            began = time.monotonic()
+        assert time.monotonic() - began < 10 and far.state != "running"
+    finally:
+        stop_host(proc)

@@ -134,6 +134,18 @@ def test_a_replica_whose_worker_restarts_takes_requests_only_when_all_do() -> No
     assert router.matched(0, prefix) == 0 and router.matched(1, prefix) == 0
 
 
+def test_requests_moved_off_a_lost_replica_go_only_to_one_that_serves() -> None:
+    router = Router(3, capacity=100)
+    prefix = chain(list(range(32)))
+    assert router.route(prefix) == 0
+    router.set_restarting(0, True)
+    router.set_restarting(1, True)
+    assert router.route(prefix, avoid=0) == 2
+    router.set_available(2, False)
+    assert router.route(prefix, avoid=0) is None  # replica 1 restarts too: nowhere to move to
+    assert router.route(prefix) in (0, 1)  # a new request still waits for a worker
+
+
 def test_bad_arguments_are_refused() -> None:
     for kwargs in ({"num_replicas": 0, "capacity": 1}, {"num_replicas": 1, "capacity": -1}):
         with pytest.raises(ValueError):

@@ -187,12 +187,14 @@ async def _four_running_then(llm, disrupt) -> dict[int, object]:
     return results
 
 
-async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_again(llm, reference) -> None:
+async def test_a_replica_restarted_whole_moves_its_requests_and_serves_again(llm, reference) -> None:
+    """Its scheduler's state is gone with it: its requests are replayed on replica 0
+    (`sonar.engine.replay`) and end with the text they would have had."""
     old = llm.replicas.engine(1)
+    moves = llm._moves
     results = await _four_running_then(llm, lambda: llm.supervisor.child("replica1").fail("stopped by the test"))
-    failed = sorted(i for i, r in results.items() if isinstance(r, sonar.EngineDeadError))
-    assert len(failed) == 2 and all("replica 1" in str(results[i]) for i in failed)
-    assert all(results[i].text == reference["long"][i] for i in results if i not in failed)
+    assert [results[i].text for i in sorted(results)] == reference["long"][: len(results)]
+    assert llm._moves == moves + 2
     with anyio.fail_after(120):  # the engine supervisor starts the replica again, a new supervisor
         while not llm.router.available[1]:
             await anyio.sleep(0.1)
@@ -200,6 +202,31 @@ async def test_a_replica_restarted_whole_fails_only_its_requests_and_serves_agai
     outs = await llm.generate_many(PROMPTS, PARAMS)
     assert [o.text for o in outs] == reference["short"]
     assert llm.router.in_flight == [0, 0]
+
+
+async def test_a_stopped_replicas_requests_end_with_503_when_no_other_serves(llm, reference) -> None:
+    """Replica 0 counts as restarting (as while its worker is down), so replica 1's requests have
+    nowhere to move when it stops: they end with `EngineDeadError` (503) naming why, replica 0's
+    finish."""
+    with anyio.fail_after(120):  # replica 1 is back from the test before
+        while not llm.router.available[1]:
+            await anyio.sleep(0.1)
+
+    async def stop_second() -> None:
+        llm.router.set_restarting(0, True)
+        await llm.supervisor.child("replica1").fail("stopped by the test")
+
+    try:
+        results = await _four_running_then(llm, stop_second)
+    finally:
+        llm.router.set_restarting(0, False)
+    failed = sorted(i for i, r in results.items() if isinstance(r, sonar.EngineDeadError))
+    assert len(failed) == 2 and all("no other replica serves now" in str(results[i]) for i in failed)
+    assert all(results[i].text == reference["long"][i] for i in results if i not in failed)
+    assert sonar.EngineDeadError.status == 503
+    with anyio.fail_after(120):
+        while not llm.router.available[1]:
+            await anyio.sleep(0.1)
 
 
 async def test_a_crashed_scheduler_fails_only_its_replicas_requests(llm, reference) -> None:
