@@ -65,7 +65,7 @@ def write_mxfp4_checkpoint(path: Path) -> Any:
     """A tiny GPT-OSS in the published MXFP4 layout at `path` (with a word tokenizer), and
     transformers' model loaded from it (float32, eager attention)."""
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
     hf = _hf(tiny_config(intermediate_size=64), seed=5)  # whole 32-value groups in both projections
     c = hf.config
@@ -87,7 +87,14 @@ def write_mxfp4_checkpoint(path: Path) -> Any:
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": NOT_CONVERTED}
     (path / "config.json").write_text(json.dumps(config))
-    ref = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    # Dequantized on load, as transformers does on a CPU without the `kernels` package; with it,
+    # transformers would fetch its MXFP4 kernels from the hub.
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(path),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()
     first = "model.layers.0.mlp.experts.gate_up_proj"
     expected = _dequantize(state[f"{first}_blocks"], state[f"{first}_scales"])
     assert torch.equal(ref.model.layers[0].mlp.experts.gate_up_proj, expected), "transformers read the MXFP4 experts"
