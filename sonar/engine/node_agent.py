@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import anyio
 import anyio.to_thread
@@ -105,6 +105,18 @@ def _open_store(addr: str, port: int, master: bool, timeout: float) -> "object":
     )
 
 
+def _await_keys(store: Any, keys: dict[int, str], wait: float) -> list[int]:
+    """Wait up to `wait` seconds for every one of `keys` (by node or replica index) to be set in
+    `store`; the indices still missing then."""
+    missing = list(keys)
+    deadline = time.monotonic() + wait
+    while missing and time.monotonic() < deadline:
+        missing = [k for k in missing if not store.check([keys[k]])]
+        if missing:
+            time.sleep(0.1)
+    return missing
+
+
 def open_head(config: EngineConfig) -> tuple[object, EngineConfig]:
     """The head: open the rendezvous store and wait for every headless node's address (blocking).
     Returns the store (keep it: the nodes meet there while the head runs) and `config` with the
@@ -115,12 +127,7 @@ def open_head(config: EngineConfig) -> tuple[object, EngineConfig]:
     store = _store(plan, master=True, timeout=wait)
     store.set(HEAD_KEY, str(os.getpid()))
     store.set(LAYOUT_KEY, plan.layout)
-    missing = list(range(1, plan.nnodes))
-    deadline = time.monotonic() + wait
-    while missing and time.monotonic() < deadline:
-        missing = [k for k in missing if not store.check([node_key(k)])]
-        if missing:
-            time.sleep(0.1)
+    missing = _await_keys(store, {k: node_key(k) for k in range(1, plan.nnodes)}, wait)
     if missing:
         names = ", ".join(str(k) for k in missing)
         raise NodesError(
@@ -282,12 +289,7 @@ def open_data_parallel_head(config: EngineConfig) -> tuple[object, EngineConfig]
     store.set(HEAD_KEY, str(os.getpid()))
     store.set(DP_LAYOUT_KEY, data_parallel_layout(config))
     here = local_replicas(config)
-    missing = [i for i in range(config.data_parallel_size) if i not in here]
-    deadline = time.monotonic() + wait
-    while missing and time.monotonic() < deadline:
-        missing = [i for i in missing if not store.check([replica_key(i)])]
-        if missing:
-            time.sleep(0.1)
+    missing = _await_keys(store, {i: replica_key(i) for i in range(config.data_parallel_size) if i not in here}, wait)
     if missing:
         names = ", ".join(str(i) for i in missing)
         raise NodesError(
