@@ -178,7 +178,9 @@ class RankHost:
             self.starts.popleft()
         # its own session: a signal to the agent's terminal does not reach it before the agent's stop
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.info("nodes.rank_host_started", rank=self.rank, address=self.address, pid=self.proc.pid)
+        log.info(
+            "nodes.rank_host_started", rank=self.rank, replica=self.replica, address=self.address, pid=self.proc.pid
+        )
 
     @property
     def crash_looping(self) -> bool:

@@ -203,3 +203,32 @@ def test_a_killed_rank_on_the_headless_node_loses_no_request(
     before = _prompts_per_replica(head.base_url)
     assert asyncio.run(run(after, kill=False)) == single_texts[8:14]
     assert _prompts_per_replica(head.base_url)["1"] > before["1"], "replica 1 serves again"
+
+
+def test_each_rank_of_a_headless_nodes_replica_is_placed_in_its_host_there() -> None:
+    """The tree of replica 2 of 3 (tp = 2 x pp = 2: 4 ranks each) on the node at 10.0.0.7: each rank
+    in the host at rpc_port + 2 x 4 + rank, rank 0 and the others alike; the head's replica 0 keeps
+    its ranks in processes of its own machine."""
+    from sonar.actors import ChildProcess, Remote
+    from sonar.engine.config import EngineConfig
+    from sonar.engine.nodes import replica_site
+    from sonar.engine.replicas import data_parallel_spec
+
+    config = EngineConfig.from_args(
+        None,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        data_parallel_size=3,
+        data_parallel_size_local=1,
+        data_parallel_address="10.0.0.1",
+        data_parallel_rpc_port=13345,
+        data_parallel_nodes=(("10.0.0.7", 1, 2),),
+    )
+    assert replica_site(config, 2, 3) == ("tcp://10.0.0.7:13356", 1, 2)
+    spec = data_parallel_spec(config)
+    groups = {replica.name: replica.children[0] for replica in spec.children}
+    placed = {rank.name: rank.placement for rank in groups["replica2"].children}
+    assert placed == {f"rank{r}": Remote(f"tcp://10.0.0.7:{13353 + r}", start_timeout=900.0) for r in range(4)}
+    assert groups["replica2"].strategy == "one_for_all"
+    assert all(isinstance(rank.placement, ChildProcess) for rank in groups["replica0"].children)
+    assert all(rank.kwargs["own_process"] for rank in groups["replica2"].children)
