@@ -283,8 +283,11 @@ def check_data_parallel_nodes(config: "EngineConfig") -> None:
 
 def replica_on_node(config: "EngineConfig") -> bool:
     """Replica `config.data_parallel_index` runs on a headless node (its worker, or each of its
-    ranks, in an actor host there)."""
-    return replicas_spread(config) and replica_site(config, config.data_parallel_index)[0] is not None
+    ranks, in an actor host there). False where that node is not known yet (on the node itself)."""
+    index = config.data_parallel_index
+    if not replicas_spread(config) or index in local_replicas(config):
+        return False
+    return any(start <= index < start + count for _, start, count in config.data_parallel_nodes)
 
 
 def replicas_here(config: "EngineConfig") -> int:
