@@ -530,9 +530,10 @@ GROUPS: tuple[Group, ...] = (
            "Address of the head node when the replicas span several nodes: its rendezvous store listens "
            "there, where the headless nodes report.", to=E),
         _f("--data-parallel-rpc-port -dpp", I, None,
-           "Port of the head's rendezvous store when the replicas span several nodes; a headless node's "
-           "replica R listens on --data-parallel-rpc-port + R (its worker's actor host, authenticated with "
-           "--actor-keys).", to=E, check=port_number),
+           "Port of the head's rendezvous store when the replicas span several nodes; rank K of a headless "
+           "node's replica R listens on --data-parallel-rpc-port + R x (--tensor-parallel-size x "
+           "--pipeline-parallel-size) + K (that rank's actor host, authenticated with --actor-keys; one rank: "
+           "+ R), up to 65535.", to=E, check=port_number),
         _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
            why="Sonar starts its replicas itself, as processes on this machine and, on other machines, in the "
            "actor hosts of `sonar serve --headless` ('mp'); Ray is not supported"),

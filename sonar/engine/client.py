@@ -21,6 +21,7 @@ import msgspec
 
 from sonar.actors import Supervisor, supervise
 from sonar.actors.actor import launch
+from sonar.actors.supervisor import Event
 from sonar.engine import tokenizers
 from sonar.engine.client_actor import ClientActor, DeltaStream
 from sonar.engine.config import EngineConfig
@@ -118,7 +119,11 @@ def _watch(
 
     Only a replica on another machine has its requests moved while its worker is down: its node
     may be gone for good. A worker of this machine comes back and recomputes its requests itself,
-    which keeps the ones that cannot move (sampling without a seed does not repeat elsewhere)."""
+    which keeps the ones that cannot move (sampling without a seed does not repeat elsewhere).
+
+    A worker of several ranks (tensor/pipeline parallelism) is a one-for-all group restarted
+    inside its own supervisor: a rank's crash counts as the worker's, and rank 0 started again (the
+    group met and loaded) as the worker back."""
     watched: list[tuple[Supervisor, Callable[[Any], None]]] = []
     router = llm.router
     down: dict[int, object] = {}
@@ -159,10 +164,29 @@ def _watch(
                 router.set_restarting(index, False)
                 down.pop(index, None)
 
+    def on_group_event(index: int | None, event: Any) -> None:
+        if event.kind == "crash":
+            on_engine_event(index, Event(event.time, "crash", "worker", f"{event.child} {event.detail}"))
+        elif event.kind == "start" and event.child == "rank0":
+            on_engine_event(index, Event(event.time, "start", "worker"))
+
+    def watch_group(engine: Supervisor, index: int | None) -> None:
+        runner: Any = engine.child("worker")
+        if runner.kind == "supervisor" and runner.child is not None:
+            listener = functools.partial(on_group_event, index)
+            runner.child.listeners.append(listener)
+            watched.append((runner.child, listener))
+
+    def on_replica_event(engine: Supervisor, index: int | None, event: Any) -> None:
+        on_engine_event(index, event)
+        if event.kind == "start" and event.child == "worker":  # a group restarted whole: a new supervisor
+            watch_group(engine, index)
+
     def watch(engine: Supervisor, index: int | None) -> None:
-        listener = functools.partial(on_engine_event, index)
+        listener = functools.partial(on_replica_event, engine, index)
         engine.listeners.append(listener)
         watched.append((engine, listener))
+        watch_group(engine, index)
 
     if replicas.count == 1:
         watch(replicas.top, None)

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from sonar.actors.spec import ChildProcess, InProcess, Remote, parse_placement, placement_name
-from sonar.engine.nodes import check_data_parallel_nodes, check_nodes
+from sonar.engine.nodes import check_data_parallel_nodes, check_nodes, replica_on_node
 from sonar.units import parse_max_model_len, parse_memory_size
 
 ACTORS = ("worker", "offload", "detokenizer", "scheduler")
@@ -501,7 +501,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"distributed_executor_backend 'uni' runs one worker; {what} need 'mp' (a process per rank)"
             )
-        if not isinstance(self.placement_of("worker"), (InProcess, ChildProcess)):
+        # a headless node's replica: its ranks in the actor hosts its node keeps for them
+        if not isinstance(self.placement_of("worker"), (InProcess, ChildProcess)) and not replica_on_node(self):
             raise ValueError(
                 f"{what} start their ranks on this machine; a remote worker placement "
                 f"({self.placement['worker']}) is not supported with them yet"

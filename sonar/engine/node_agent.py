@@ -17,7 +17,8 @@ gone (its store no longer answers) or on SIGTERM, stopping its hosts.
 
 Data-parallel replicas over several machines meet the same way at ``--data-parallel-address:
 --data-parallel-rpc-port`` (`open_data_parallel_head`, `run_data_parallel_headless`): a headless
-node keeps one such host per replica of its own, where the head spawns that replica's worker.
+node keeps one such host per rank of each replica of its own, where the head spawns that replica's
+worker (or, with ``tp x pp`` ranks, each of its ranks; the ranks meet on this node).
 """
 
 from __future__ import annotations
@@ -153,10 +154,12 @@ class RankHost:
     """The actor host one rank of this node runs in, restarted whenever it ends."""
 
     rank: int
-    """The rank, or with data-parallel replicas over nodes the replica, whose actor this host runs."""
+    """The rank whose actor this host runs (of its replica, with data-parallel replicas over nodes)."""
     address: str
     expect: str = ""
     """The name of the actor the head spawns here (``rank<N>`` unless given)."""
+    replica: int = 0
+    """With data-parallel replicas over nodes: the replica this rank belongs to."""
     proc: subprocess.Popen | None = None
     starts: deque = field(default_factory=deque)
     ended: deque = field(default_factory=lambda: deque(maxlen=ENDED_KEPT))
@@ -175,7 +178,9 @@ class RankHost:
             self.starts.popleft()
         # its own session: a signal to the agent's terminal does not reach it before the agent's stop
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-        log.info("nodes.rank_host_started", rank=self.rank, address=self.address, pid=self.proc.pid)
+        log.info(
+            "nodes.rank_host_started", rank=self.rank, replica=self.replica, address=self.address, pid=self.proc.pid
+        )
 
     @property
     def crash_looping(self) -> bool:
@@ -246,7 +251,7 @@ def _keep_hosts(
         while not stop.is_set():
             for host in hosts:
                 if host.proc is not None and host.proc.poll() is not None:
-                    log.info("nodes.rank_host_ended", rank=host.rank, code=host.proc.returncode)
+                    log.info("nodes.rank_host_ended", rank=host.rank, replica=host.replica, code=host.proc.returncode)
                     host.ended.append(host.proc.pid)
                     if report is not None:
                         report(host)
@@ -334,7 +339,7 @@ def run_data_parallel_headless(
     if head_layout != layout:
         raise NodesError(
             f"the head at {addr}:{port} runs {head_layout}, this node was started for {layout}: give every node "
-            "the same --data-parallel-size and parallel flags"
+            "the same --data-parallel-size, --tensor-parallel-size and --pipeline-parallel-size"
         )
     address = advertised_host(addr, port)
     mine = local_replicas(config)
@@ -347,17 +352,23 @@ def run_data_parallel_headless(
                     f"{int(other[1]) + int(other[2]) - 1}): give each headless node its own "
                     "--data-parallel-start-rank and --data-parallel-size-local"
                 )
-    hosts = [RankHost(i, replica_host_address(address, port, i), expect="worker") for i in mine]
+    world = config.world_size
+    hosts = [
+        RankHost(r, replica_host_address(address, port, i, world, r), "worker" if world == 1 else "", replica=i)
+        for i in mine
+        for r in range(world)
+    ]
     for host in hosts:
         host.start(keys_dir, max_frame_bytes)
     for i in mine:
         store.set(replica_key(i), f"{address} {mine.start} {len(mine)}")
-    log.info("nodes.replicas_joined", replicas=list(mine), address=address)
+    log.info("nodes.replicas_joined", replicas=list(mine), ranks=world, address=address)
 
     def report(host: RankHost) -> None:
-        # the head fails the worker that ran there at once, not after its ping deadline
+        # the head fails the rank that ran there at once, not after its ping deadline
+        ended = [pid for h in hosts if h.replica == host.replica for pid in h.ended]
         try:
-            store.set(host_ended_key(host.rank), " ".join(str(pid) for pid in host.ended))
+            store.set(host_ended_key(host.replica), " ".join(str(pid) for pid in ended))
         except Exception:  # the head is gone: the next look at its store ends this agent
             pass
 
@@ -377,7 +388,8 @@ async def watch_replica_hosts(store: object, engine: "Supervisor", config: Engin
     or whose node stopped beating for `NODE_SILENT` seconds (`node_beat_key`: the node is gone,
     agent and all), so its supervisor restarts it now instead of after the worker's ping
     deadline. A report names the host's pid; a worker already running in the host's successor is
-    left alone."""
+    left alone. A replica of several ranks has the rank that ran there failed (its one-for-all
+    group restarts them all), or, its node silent, its rank 0."""
     here = local_replicas(config)
     remote = [i for i in range(config.data_parallel_size) if i not in here]
     replicas = Replicas(engine, config.data_parallel_size)
@@ -389,23 +401,35 @@ async def watch_replica_hosts(store: object, engine: "Supervisor", config: Engin
         now = time.monotonic()
         for index in remote:
             try:
-                worker = replicas.engine(index).child("worker")
-            except (AssertionError, KeyError):  # the replica's engine itself is restarting
+                workers = _rank_runners(replicas.engine(index))
+            except (AssertionError, KeyError):  # the replica's engine (or its group) is restarting
                 continue
             count = counts.get(index, 0)
             if count != beats[index][0]:
                 beats[index] = (count, now)
-            elif count and now - beats[index][1] > NODE_SILENT and worker.state == "running":
+            elif count and now - beats[index][1] > NODE_SILENT and workers[0].state == "running":
                 log.warning("nodes.replica_node_silent", replica=index, seconds=NODE_SILENT)
-                await worker.fail(f"its node has not been heard from for {NODE_SILENT:g} s")
+                await workers[0].fail(f"its node has not been heard from for {NODE_SILENT:g} s")
                 continue
             pids = reports.get(index, "")
             if pids == seen[index]:
                 continue
             seen[index] = pids
-            if worker.pid is not None and str(worker.pid) in pids.split():
-                log.warning("nodes.replica_host_ended", replica=index, pid=worker.pid)
-                await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
+            for worker in workers:
+                if worker.pid is not None and str(worker.pid) in pids.split():
+                    log.warning("nodes.replica_host_ended", replica=index, actor=worker.name, pid=worker.pid)
+                    await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
+                    break  # one failed rank restarts the group
+
+
+def _rank_runners(engine: "Supervisor") -> list[Any]:
+    """The runners of a replica's worker: the worker alone, or its group's ranks, rank 0 first."""
+    worker: Any = engine.child("worker")
+    if worker.kind != "supervisor":
+        return [worker]
+    group = worker.child
+    assert group is not None, "the group is running"
+    return sorted(group.runners, key=lambda r: r.name != "rank0")
 
 
 def _node_news(store: object, replicas: list[int]) -> tuple[dict[int, str], dict[int, int]]:

@@ -16,8 +16,10 @@ Data-parallel replicas go over several machines the same way (``--data-parallel-
 ``--data-parallel-start-rank``, ``--data-parallel-address``, ``--data-parallel-rpc-port``): the
 head runs the API server, the router and every replica's scheduler and detokenizer, and the workers
 of its own replicas (``0 .. size_local - 1``) as child processes; a headless node keeps one actor
-host per replica of its own at ``tcp://<its address>:<rpc_port + replica>``, where the replica's
-engine supervisor on the head spawns its worker (model, KV cache, the compute). The head's store at
+host per rank of each replica of its own, at ``tcp://<its address>:<rpc_port + replica * world +
+rank>`` (``world = tp x pp``; one rank: ``rpc_port + replica``), where the replica's engine
+supervisor on the head spawns that rank's worker (model shards, KV cache, the compute); a replica's
+ranks all run on its node, and meet there. The head's store at
 ``data_parallel_address:data_parallel_rpc_port`` is where the nodes report (`replica_key`).
 
 This module decides; it opens nothing.
@@ -105,7 +107,7 @@ def host_ended_key(index: int) -> str:
 
 
 ENDED_KEPT = 8
-"""Pids of ended hosts a headless node keeps listed per replica (`host_ended_key`)."""
+"""Pids of ended hosts a headless node keeps listed per rank's host (`host_ended_key`)."""
 
 
 def node_beat_key(index: int) -> str:
@@ -131,8 +133,8 @@ def check_nodes(config: "EngineConfig") -> None:
     if world == 1:
         raise ValueError(
             f"--nnodes {n} splits the ranks of a tensor/pipeline-parallel group over the nodes, but there is "
-            "one rank (--tensor-parallel-size x --pipeline-parallel-size = 1); data parallelism over several "
-            "nodes is not supported yet"
+            "one rank (--tensor-parallel-size x --pipeline-parallel-size = 1); replicas over several nodes are "
+            "--data-parallel-size with --data-parallel-size-local and `sonar serve --headless` nodes"
         )
     if world % n:
         raise ValueError(
@@ -146,7 +148,11 @@ def check_nodes(config: "EngineConfig") -> None:
             "--tensor-parallel-size only"
         )
     if config.data_parallel_size > 1:
-        raise ValueError(f"--data-parallel-size {config.data_parallel_size} with --nnodes {n} is not supported yet")
+        raise ValueError(
+            f"--data-parallel-size {config.data_parallel_size} with --nnodes {n} is not supported: --nnodes splits "
+            "one replica's ranks over nodes; replicas over several nodes (each with its ranks on its own node) are "
+            "--data-parallel-size-local with `sonar serve --headless` nodes"
+        )
     if config.distributed_executor_backend not in (None, "mp"):
         raise ValueError(
             f"--nnodes {n} starts the ranks of each node itself ('mp'), not with "
@@ -163,8 +169,13 @@ def check_nodes(config: "EngineConfig") -> None:
 
 def rank_placement(config: "EngineConfig", rank: int, local: "Placement", start_timeout: float) -> "Placement":
     """Where rank `rank` runs: `local` (a process of this machine) on the head, else the actor
-    host its headless node keeps for it. The one place ranks are put on nodes (another launcher
-    of ranks replaces this seam)."""
+    host its headless node keeps for it; with data-parallel replicas over several machines, the
+    actor host that the node of this replica (`EngineConfig.data_parallel_index`) keeps for the
+    rank, all of a replica's ranks on its node. The one place ranks are put on nodes (another
+    launcher of ranks replaces this seam)."""
+    if replicas_spread(config):
+        address = replica_site(config, config.data_parallel_index, rank)[0]
+        return local if address is None else Remote(address, start_timeout=start_timeout)
     plan = NodePlan.of(config)
     node = plan.node_of(rank)
     if node == 0:
@@ -190,26 +201,31 @@ def replicas_spread(config: "EngineConfig") -> bool:
 
 
 def data_parallel_layout(config: "EngineConfig") -> str:
-    """What the head and its headless nodes must agree on."""
-    return f"{config.data_parallel_size} data-parallel replicas of {config.world_size} rank(s)"
+    """What the head and its headless nodes must agree on: the replicas, and the ranks of each."""
+    return (
+        f"{config.data_parallel_size} data-parallel replicas of tp {config.tensor_parallel_size} x "
+        f"pp {config.pipeline_parallel_size} rank(s)"
+    )
 
 
-def replica_host_address(host: str, rpc_port: int, index: int) -> str:
-    """Where the actor host of replica `index` (on a headless node reachable at `host`) listens."""
-    return f"tcp://{host}:{rpc_port + index}"
+def replica_host_address(host: str, rpc_port: int, index: int, world: int = 1, rank: int = 0) -> str:
+    """Where the actor host of rank `rank` of replica `index` (of `world` ranks each, on a headless
+    node reachable at `host`) listens."""
+    return f"tcp://{host}:{rpc_port + index * world + rank}"
 
 
-def replica_site(config: "EngineConfig", index: int) -> tuple[str | None, int, int]:
-    """Where replica `index` runs, as the head sees it: the address of its worker's actor host (None:
-    a process of this machine), and its index among, and the count of, the replicas of its machine
-    (its share of that machine's cores and memory)."""
+def replica_site(config: "EngineConfig", index: int, rank: int = 0) -> tuple[str | None, int, int]:
+    """Where replica `index` runs, as the head sees it: the address of the actor host of its worker
+    (of its rank `rank`, with several) (None: a process of this machine), and its index among, and
+    the count of, the replicas of its machine (its share of that machine's cores and memory)."""
     here = local_replicas(config)
     if index in here:
         return None, index - here.start, len(here)
     for host, start, count in config.data_parallel_nodes:
         if start <= index < start + count:
             assert config.data_parallel_rpc_port is not None, "checked with the layout"
-            return replica_host_address(host, config.data_parallel_rpc_port, index), index - start, count
+            address = replica_host_address(host, config.data_parallel_rpc_port, index, config.world_size, rank)
+            return address, index - start, count
     raise ValueError(
         f"replica {index} runs on a headless node whose address is unknown: replicas over several nodes are "
         "started by `sonar serve` (the head gathers the nodes' addresses), not by the library"
@@ -249,25 +265,29 @@ def check_data_parallel_nodes(config: "EngineConfig") -> None:
                 "replicas on other machines, which meet at the head's --data-parallel-address and "
                 "--data-parallel-rpc-port"
             )
-    port = config.data_parallel_rpc_port
+    port, world = config.data_parallel_rpc_port, config.world_size
     assert port is not None
-    if not (0 < port and port + size - 1 <= 65535):
+    last = port + size * world - 1
+    if not (0 < port and last <= 65535):
         raise ValueError(
-            f"--data-parallel-rpc-port {port}: a headless node's replica i listens on --data-parallel-rpc-port + i, "
-            f"up to {port + size - 1}, which must be a port"
+            f"--data-parallel-rpc-port {port}: rank r of a headless node's replica i listens on "
+            "--data-parallel-rpc-port + i x (--tensor-parallel-size x --pipeline-parallel-size) + r, "
+            f"up to {last}, which must be a port"
         )
-    if config.world_size > 1:
-        raise ValueError(
-            "data-parallel replicas over several machines with --tensor-parallel-size x --pipeline-parallel-size "
-            f"= {config.world_size} ranks each is not supported yet; run one rank per replica"
-        )
-    if config.nnodes > 1:
-        raise ValueError("--nnodes splits one replica's ranks over nodes; it does not combine with replicas on them")
     if config.distributed_executor_backend == "ray":
         raise ValueError(
             "data-parallel replicas over several machines are started by `sonar serve --headless` on each, not by "
             "--distributed-executor-backend ray"
         )
+
+
+def replica_on_node(config: "EngineConfig") -> bool:
+    """Replica `config.data_parallel_index` runs on a headless node (its worker, or each of its
+    ranks, in an actor host there). False where that node is not known yet (on the node itself)."""
+    index = config.data_parallel_index
+    if not replicas_spread(config) or index in local_replicas(config):
+        return False
+    return any(start <= index < start + count for _, start, count in config.data_parallel_nodes)
 
 
 def replicas_here(config: "EngineConfig") -> int:

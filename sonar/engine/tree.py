@@ -56,6 +56,8 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     worker_at = config.placement_of("worker")
     if config.launched:
         worker_at = InProcess()  # torchrun's rank is this process: its torch.distributed world is here
+    elif nodes.replica_on_node(config):
+        pass  # its ranks run in the actor hosts its headless node keeps for them (`nodes.rank_placement`)
     elif config.world_size > 1 or config.distributed_executor_backend == "ray":
         worker_at = ChildProcess()  # torch.distributed takes one process per rank (Ray places them)
     if isinstance(worker_at, (ChildProcess, Remote)):
@@ -73,8 +75,7 @@ def engine_spec(config: EngineConfig) -> SupervisorSpec:
     worker_kwargs: dict[str, Any] = {
         "config": raw,
         # a headless node's replica has the actor host its node keeps for it to itself
-        "own_process": isinstance(worker_at, ChildProcess)
-        or (isinstance(worker_at, Remote) and nodes.replicas_spread(config)),
+        "own_process": isinstance(worker_at, ChildProcess) or nodes.replica_on_node(config),
         "scheduler": SiblingRef("scheduler"),
     }
     scheduler_kwargs: dict[str, Any] = {
@@ -168,7 +169,8 @@ def _worker_spec(config: EngineConfig, kwargs: dict[str, Any], placement: Any) -
         rank(
             f"rank{r}",
             {"config": kwargs["config"], "own_process": True, "rank": r, "leader": SiblingRef("rank0")},
-            # a rank of another node runs in the actor host that node keeps for it
+            # a rank of another node (or of a headless node's replica) runs in the actor host that
+            # node keeps for it
             nodes.rank_placement(config, r, placement, WORKER_START_TIMEOUT),
         )
         for r in range(1, size)

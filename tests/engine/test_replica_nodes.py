@@ -249,7 +249,12 @@ DP = ["-dp", "2", "-dpl", "1", "--data-parallel-address", "10.0.0.1", "--data-pa
         (["--data-parallel-address", "10.0.0.1"], "--data-parallel-address takes effect only with replicas on"),
         (["-dp", "2", "--data-parallel-rpc-port", "13345"], "--data-parallel-rpc-port takes effect only with"),
         ([*DP[:-1], "65535"], "up to 65536, which must be a port"),
-        ([*DP, "-tp", "2"], "with --tensor-parallel-size x --pipeline-parallel-size = 2 ranks each is not supported"),
+        ([*DP[:-1], "65533", "-tp", "2"], "+ i x (--tensor-parallel-size x --pipeline-parallel-size) + r, up to 65536"),
+        ([*DP, "-tp", "2", "--nnodes", "2"], "--data-parallel-size 2 with --nnodes 2 is not supported: --nnodes"),
+        (
+            [*DP, "-tp", "2", "--distributed-executor-backend", "ray"],
+            "on each, not by --distributed-executor-backend ray",
+        ),
         (["--data-parallel-backend", "ray"], "--data-parallel-backend is not supported yet (got ray"),
     ],
 )
@@ -306,13 +311,13 @@ def test_a_headless_node_that_does_not_fit_the_head_is_refused(tmp_path: Path) -
     port = _two_free_ports()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     store.set(HEAD_KEY, "1")
-    store.set(DP_LAYOUT_KEY, "3 data-parallel replicas of 1 rank(s)")
+    store.set(DP_LAYOUT_KEY, "3 data-parallel replicas of tp 1 x pp 1 rank(s)")
     proc = _headless_against(port, keys)
     assert proc.returncode == 1
-    assert "runs 3 data-parallel replicas of 1 rank(s), this node was started for 2" in proc.stderr
+    assert "runs 3 data-parallel replicas of tp 1 x pp 1 rank(s), this node was started for 2" in proc.stderr
     assert "--data-parallel-size" in proc.stderr and not store.check([replica_key(1)])
 
-    store.set(DP_LAYOUT_KEY, "2 data-parallel replicas of 1 rank(s)")
+    store.set(DP_LAYOUT_KEY, "2 data-parallel replicas of tp 1 x pp 1 rank(s)")
     store.set(replica_key(1), "10.0.0.9 1 1")
     proc = _headless_against(port, keys)
     assert proc.returncode == 1
