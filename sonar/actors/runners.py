@@ -512,6 +512,16 @@ class RemoteRunner(_HostedRunner):
                 await self.host.ask(Kill(name=self.mailbox_name), timeout=KILL_GRACE + 1)
                 await exited.wait()
 
+    def host_ended(self, reason: str) -> None:
+        """The host of the run being stopped is known to be gone (its node's agent said so): the
+        stop ends now instead of waiting out its deadline for an answer that cannot come. (A run
+        still running is failed instead: `fail`.)"""
+        exited = self._exit_event
+        if self._stopping and exited is not None and not exited.is_set():
+            self._force_reason = reason
+            exited.set()
+            self.exited(self.incarnation, ExitInfo(False, reason))
+
     async def _force(self, reason: str) -> None:
         self._force_reason = reason
         exited = self._exit_event

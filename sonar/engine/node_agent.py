@@ -417,8 +417,12 @@ async def watch_replica_hosts(store: object, engine: "Supervisor", config: Engin
             seen[index] = pids
             for worker in workers:
                 if worker.pid is not None and str(worker.pid) in pids.split():
+                    reason = f"its actor host (pid {worker.pid}) ended, as its node reported"
                     log.warning("nodes.replica_host_ended", replica=index, actor=worker.name, pid=worker.pid)
-                    await worker.fail(f"its actor host (pid {worker.pid}) ended, as its node reported")
+                    if worker.state == "stopping":  # its group is coming down already (a rank saw it go)
+                        worker.host_ended(reason)
+                    else:
+                        await worker.fail(reason)
                     break  # one failed rank restarts the group
 
 

@@ -59,3 +59,30 @@ async def test_remote_placement_needs_the_deployment_keys():
         with pytest.raises(RuntimeError, match="needs the deployment's keys"):
             async with supervise(spec):
                 pass
+
+
+async def test_a_stop_ends_at_once_when_the_remote_host_is_known_gone(host):
+    """A host frozen mid-run (SIGSTOP: its sockets stay open, nothing answers) makes a stop wait
+    out its shutdown deadline; told that the host is gone (a node's agent saw it end), the stop ends
+    at once and the run ends as failed with that reason."""
+    import os
+    import signal
+    import time
+
+    address, proc = host
+    spec = SupervisorSpec("root", [ChildSpec("far", Sample, placement=Remote(address), shutdown=30, ping_timeout=60)])
+    async with supervise(spec) as sup:
+        far = sup.child("far")
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with anyio.fail_after(20):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(far.stop)
+                    await wait_for(lambda: far.state == "stopping")
+                    far.host_ended("its host ended, as its node reported")
+            assert time.monotonic() - started < 10  # not the 30 s deadline
+            assert far.state == "stopped"
+            assert far.last_exit is not None and far.last_exit.reason == "its host ended, as its node reported"
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)

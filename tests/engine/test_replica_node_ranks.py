@@ -199,6 +199,9 @@ def test_a_killed_rank_on_the_headless_node_loses_no_request(
     log = head.log()
     assert "scheduler.worker_back" in log, "replica 1's group came back"
     assert "actor.restart" in log
+    # the killed rank's stop (its group coming down) ended on the node's report, not its deadline
+    assert "nodes.replica_host_ended" in log
+    assert not [line for line in log.splitlines() if "actor.kill" in line and "actor=rank1" in line], log[-3000:]
     # each incarnation of the group met on the node (loopback there), not on the head
     node_log = (tmp / "headless.log").read_text()  # the ranks' lines may interleave: count, not split
     assert node_log.count("ranks.rendezvous") == node_log.count("rendezvous=127.0.0.1:") == 2 * TP
