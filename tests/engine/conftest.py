@@ -59,3 +59,19 @@ def tiny_engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[st
         save_word_tokenizer(path, config.vocab_size)
         out[name] = TinyCheckpoint(name, path, hf)
     return out
+
+
+def greedy_texts(path: Path, prompts: list[str], max_tokens: int) -> list[str]:
+    """One engine's greedy texts of `prompts` (float32, one worker, in this process): what a layout
+    over ranks, replicas or nodes must reproduce."""
+    import asyncio
+
+    import sonar
+    from sonar.sampling_params import SamplingParams
+
+    async def run() -> list[str]:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        async with sonar.open(str(path), dtype="float32", num_gpu_blocks_override=64) as llm:
+            return [o.text for o in await llm.generate_many(prompts, params)]
+
+    return asyncio.run(run())

@@ -32,7 +32,7 @@ import pytest
 
 from sonar.actors.keys import keygen
 from sonar.cli.parse import parse_serve_args
-from tests.engine.conftest import TinyCheckpoint
+from tests.engine.conftest import TinyCheckpoint, greedy_texts
 from tests.engine.test_nodes import _env, _stop
 from tests.engine.test_replica_nodes import MAX_TOKENS, PROMPTS, _complete, _prompts_per_replica
 from tests.http.conftest import ROOT, ServerProcess, free_port, start_server, stop_server
@@ -84,15 +84,7 @@ def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
 @pytest.fixture(scope="module")
 def single_texts(llama: TinyCheckpoint) -> list[str]:
     """One engine's greedy texts of `PROMPTS` (dp = 1, tp = 1, in this process)."""
-    import sonar
-    from sonar.sampling_params import SamplingParams
-
-    async def run() -> list[str]:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        async with sonar.open(str(llama.path), dtype="float32", num_gpu_blocks_override=64) as llm:
-            return [o.text for o in await llm.generate_many(PROMPTS, params)]
-
-    return asyncio.run(run())
+    return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

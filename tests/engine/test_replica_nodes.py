@@ -38,12 +38,10 @@ from sonar.cli.errors import UsageError
 from sonar.cli.parse import parse_serve_args
 from sonar.engine.config import EngineConfig
 from sonar.engine.nodes import replica_site
-from tests.engine.conftest import TinyCheckpoint
-from tests.engine.test_nodes import _env, _stop, _two_free_ports
+from tests.engine.conftest import TinyCheckpoint, greedy_texts
+from tests.engine.test_nodes import MAX_TOKENS, PROMPTS, _env, _stop, _two_free_ports
 from tests.http.conftest import ROOT, ServerProcess, free_port, start_server, stop_server
 
-PROMPTS = [f"w{i} w{i + 7} w{2 * i + 1} w{i + 50}" for i in range(16)]
-MAX_TOKENS = 24
 ENGINE_ARGS = ("--dtype", "float32", "--num-gpu-blocks-override", "64", "--seed", "0")
 
 
@@ -64,15 +62,7 @@ def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
 @pytest.fixture(scope="module")
 def single_texts(llama: TinyCheckpoint) -> list[str]:
     """One engine's greedy texts of `PROMPTS` (dp = 1, in this process)."""
-    import sonar
-    from sonar.sampling_params import SamplingParams
-
-    async def run() -> list[str]:
-        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        async with sonar.open(str(llama.path), dtype="float32", num_gpu_blocks_override=64) as llm:
-            return [o.text for o in await llm.generate_many(PROMPTS, params)]
-
-    return asyncio.run(run())
+    return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
