@@ -2263,6 +2263,7 @@ void lora_portable(T* y, const T* x, const T* a, const T* b, const SlotRows& g, 
 
 #ifdef SONAR_AVX2
 constexpr int kLoraRows = 4;  // rows of x per register block (shrink and expand)
+constexpr int64_t kLoraChunk = 32;  // the AVX2 shrink's positions per pass over a block of A rows
 
 // Asks for `bytes` from `p` on (into L2) ahead of their use, while `budget` (bytes, shared by a
 // thread's calls) lasts: a slot's weights are cold in a decode step (each layer's are read once per
@@ -2326,31 +2327,36 @@ __attribute__((target("avx2,fma"))) void lora_shrink_avx2(const float* xf, const
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const T* as = a + slot * s.shrunk * in;
-      for (int64_t wb = begin; wb < end && from < to; ++wb) {
-        const int64_t r0 = wb * W, wrows = std::min<int64_t>(W, s.shrunk - r0);
-        const T* w[W];
-        for (int q = 0; q < W; ++q) w[q] = as + (r0 + std::min<int64_t>(q, wrows - 1)) * in;
-        for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
-          const float* xr[kLoraRows];
-          block_rows(xr, p0, to, [&](int64_t p) { return xf + p * in; });
-          __m256 acc[kLoraRows][W];
-          for (int i = 0; i < kLoraRows; ++i)
-            for (int q = 0; q < W; ++q) acc[i][q] = _mm256_setzero_ps();
-          for (int64_t k = 0; k < body; k += 8) {
-            __m256 wv[W];
-            for (int q = 0; q < W; ++q) wv[q] = avx2_load(w[q] + k);
-            for (int i = 0; i < kLoraRows; ++i) {
-              const __m256 xv = _mm256_loadu_ps(xr[i] + k);
-              for (int q = 0; q < W; ++q) acc[i][q] = _mm256_fmadd_ps(wv[q], xv, acc[i][q]);
+      // a prefill's positions in chunks, each read from L2 by every block of A rather than from
+      // memory once per block
+      for (int64_t c0 = from; c0 < to; c0 += kLoraChunk) {
+        const int64_t c1 = std::min(to, c0 + kLoraChunk);
+        for (int64_t wb = begin; wb < end; ++wb) {
+          const int64_t r0 = wb * W, wrows = std::min<int64_t>(W, s.shrunk - r0);
+          const T* w[W];
+          for (int q = 0; q < W; ++q) w[q] = as + (r0 + std::min<int64_t>(q, wrows - 1)) * in;
+          for (int64_t p0 = c0; p0 < c1; p0 += kLoraRows) {
+            const float* xr[kLoraRows];
+            block_rows(xr, p0, c1, [&](int64_t p) { return xf + p * in; });
+            __m256 acc[kLoraRows][W];
+            for (int i = 0; i < kLoraRows; ++i)
+              for (int q = 0; q < W; ++q) acc[i][q] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < body; k += 8) {
+              __m256 wv[W];
+              for (int q = 0; q < W; ++q) wv[q] = avx2_load(w[q] + k);
+              for (int i = 0; i < kLoraRows; ++i) {
+                const __m256 xv = _mm256_loadu_ps(xr[i] + k);
+                for (int q = 0; q < W; ++q) acc[i][q] = _mm256_fmadd_ps(wv[q], xv, acc[i][q]);
+              }
             }
+            for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, c1 - p0); ++i)
+              for (int64_t q = 0; q < wrows; ++q) {
+                float sum = avx2_sum(acc[i][q]);
+                for (int64_t k = body; k < in; ++k) sum += to_float(w[q][k]) * xr[i][k];
+                const int64_t r = r0 + q, j = r / s.rank;
+                tf[(p0 + i) * t_stride + j * 2 * pairs + r - j * s.rank] = to_float(from_float<T>(sum));
+              }
           }
-          for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, to - p0); ++i)
-            for (int64_t q = 0; q < wrows; ++q) {
-              float sum = avx2_sum(acc[i][q]);
-              for (int64_t k = body; k < in; ++k) sum += to_float(w[q][k]) * xr[i][k];
-              const int64_t r = r0 + q, j = r / s.rank;
-              tf[(p0 + i) * t_stride + j * 2 * pairs + r - j * s.rank] = to_float(from_float<T>(sum));
-            }
         }
       }
     }
@@ -2538,11 +2544,8 @@ void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const int32_t* prep
       for (int64_t tile = begin; tile < end && from < to; ++tile) {
         const int64_t j = tile_of.split[tile], c0 = tile_of.column[tile];
         const int64_t columns = std::min<int64_t>(16, s.offsets[j + 1] - c0);
-        const int32_t* w = prepacked + (slot * tiles + tile) * pairs * 16;
-        if (!prepacked) {
-          pack_tile(bs + c0 * pairs, pairs, columns, pairs, packed.data());
-          w = packed.data();
-        }
+        if (!prepacked) pack_tile(bs + c0 * pairs, pairs, columns, pairs, packed.data());
+        const int32_t* w = prepacked ? prepacked + (slot * tiles + tile) * pairs * 16 : packed.data();
         for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
           const int32_t* tr[kLoraRows];
           block_rows(tr, p0, to,
