@@ -12,6 +12,10 @@ prefill and decode steps alternating between the prepacked linears and plain ``n
 layers on the same weights (what ``--enforce-eager`` serves) and prints both and their ratio.
 ``--compare-fused`` times decode steps alternating between the native layer loop
 (`sonar.models.fused`, the default on CPU) and the per-op path.
+``--compare-lora N`` serves with ``--enable-lora --max-loras N`` and times decode steps alternating
+between a batch of base-model requests and one whose requests use N random adapters of rank
+``--lora-rank`` (every projection; row ``i`` adapter ``i mod N``), each batch its own requests and
+KV blocks, and prints both and their ratio (the kernels' share of a step, without the server).
 ``--compare-compiled`` loads a second copy of the weights, compiles its forward pass with
 `sonar.engine.compile.compile_forward` (cache under ``--compile-cache-root``, default
 ``$SONAR_CACHE_ROOT``), warms it up on decode sizes 1 and ``--batch`` and on a
@@ -21,7 +25,7 @@ eager) model and the compiled one over the same KV cache.
 
 usage: python -m sonar.bench.step [--model PATH [--load-format dummy]] [--batch 16] [--prompt-len 128] [--decode-steps 32]
        [--dtype bfloat16] [--threads 2] [--enforce-eager] [--profile] [--compare-eager] [--compare-fused]
-       [--compare-compiled [--compile-cache-root DIR]]
+       [--compare-compiled [--compile-cache-root DIR]] [--compare-lora N [--lora-rank 16]]
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from pathlib import Path
 import torch
 
 from sonar.core.outputs import ScheduledRequest, SchedulerOutput
+from sonar.core.request import LoRARequest
 from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner
 from sonar.kernels.linear import PackedLinear, prepack_linears
+from sonar.lora.adapter import LoRAWeights
 from sonar.models.loader import load_model
 from sonar.models.moe import QuantizedExperts, SparseMoeBlock
 from sonar.protocol.engine import ExecuteStep, NewRequestData
@@ -46,7 +52,19 @@ from sonar.sampling_params import SamplingParams
 class StepDriver:
     """Feeds a runner the steps a scheduler would send for one static batch (no preemption)."""
 
-    def __init__(self, runner: ModelRunner, batch: int, prompt_len: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch: int,
+        prompt_len: int,
+        seed: int = 0,
+        *,
+        blocks: list[int] | None = None,
+        name: str = "r",
+        loras: list[LoRARequest | None] | None = None,
+    ) -> None:
+        """`blocks`: the KV blocks this driver's requests may use (default: all); `name`: the
+        prefix of its request ids; `loras`: each request's adapter (default: none)."""
         self.runner = runner
         self.block_size = runner.config.block_size
         gen = torch.Generator().manual_seed(seed)
@@ -55,7 +73,9 @@ class StepDriver:
         self.computed = [0] * batch
         self.last = [0] * batch
         self.blocks: list[list[int]] = [[] for _ in range(batch)]
-        self.free = list(range(runner.num_blocks))
+        self.free = list(range(runner.num_blocks)) if blocks is None else list(blocks)
+        self.name = name
+        self.loras = loras or [None] * batch
         self.step_id = 0
         self.params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
         self.elapsed = 0.0
@@ -81,13 +101,14 @@ class StepDriver:
             n = len(tokens)
             self._grow(i, start + n)
             is_new = start == 0
+            req_id = f"{self.name}{i}"
             reqs.append(
                 ScheduledRequest(
-                    f"r{i}", tokens, start, list(self.blocks[i]), start + n >= len(prompt), is_new, len(prompt)
+                    req_id, tokens, start, list(self.blocks[i]), start + n >= len(prompt), is_new, len(prompt)
                 )
             )
             if is_new:
-                new.append(NewRequestData(f"r{i}", self.params, prompt, []))
+                new.append(NewRequestData(req_id, self.params, prompt, [], lora=self.loras[i]))
             budget -= n
         out = SchedulerOutput(self.step_id, reqs, sum(len(r.token_ids) for r in reqs), [], [])
         self.step_id += 1
@@ -96,7 +117,7 @@ class StepDriver:
         seconds = time.perf_counter() - t
         self.elapsed += seconds
         for r in reqs:
-            i = int(r.req_id[1:])
+            i = int(r.req_id[len(self.name) :])
             self.computed[i] = r.start_pos + len(r.token_ids)
             if r.sample and i not in self.first_token:
                 self.first_token[i] = self.elapsed
@@ -207,6 +228,58 @@ def compare_fused(runner: ModelRunner, driver: StepDriver, batch: int, steps: in
     print(f"fused / per-op: decode {med['fused'] / med['per-op']:.2f}x")
 
 
+def random_adapters(runner: ModelRunner, count: int, rank: int) -> list[LoRARequest]:
+    """`count` adapters of rank `rank` on every projection (random A, B a tenth of A's scale, as
+    a trained adapter's deltas are small), put in the worker's host memory as if read from disk."""
+    slots = runner.lora
+    assert slots is not None
+    gen = torch.Generator().manual_seed(7)
+    requests = []
+    for k in range(count):
+        factors = {
+            (layer, module): (
+                torch.randn(rank, fan_in, generator=gen) / fan_in**0.5,
+                0.1 * torch.randn(fan_out, rank, generator=gen) / rank**0.5,
+            )
+            for layer in range(slots.shapes.num_layers)
+            for module, (fan_in, fan_out) in slots.shapes.modules.items()
+        }
+        digest = f"bench-adapter-{k}"
+        slots.host[digest] = LoRAWeights(factors, rank, digest)
+        requests.append(LoRARequest(f"a{k}", "", digest))
+    return requests
+
+
+def compare_lora(runner: ModelRunner, batch: int, prompt_len: int, steps: int, adapters: int, rank: int) -> None:
+    """Decode steps alternating between a batch of base-model requests and a batch whose rows use
+    `adapters` random adapters, on the same runner (their own requests and KV blocks)."""
+    loras = random_adapters(runner, adapters, rank)
+    per_request = -(-(prompt_len + steps + 8) // runner.config.block_size)
+    top = runner.num_blocks
+    drivers = {}
+    for k, name in enumerate(("base", "lora")):
+        blocks = list(range(top - (k + 1) * batch * per_request, top - k * batch * per_request))
+        rows = [loras[i % adapters] for i in range(batch)] if name == "lora" else None
+        drivers[name] = StepDriver(runner, batch, prompt_len, seed=1, blocks=blocks, name=name, loras=rows)
+        while not drivers[name].prefilled:
+            drivers[name].step(batch * prompt_len)
+    times: dict[str, list[float]] = {name: [] for name in drivers}
+    for step in range(steps + 3):
+        for name, driver in drivers.items():
+            seconds = driver.step(batch)
+            if step >= 3:  # the first steps write the adapters to their slots
+                times[name].append(seconds)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for name, value in med.items():
+        print(
+            f"{name:4}: decode {1000 * value:.1f} ms (min {1000 * min(times[name]):.1f}) per step (medians, interleaved)"
+        )
+    print(
+        f"{adapters} adapters of rank {rank} / base: decode {med['lora'] / med['base']:.2f}x the time "
+        f"({med['base'] / med['lora']:.2f}x the tokens/s; mins {min(times['base']) / min(times['lora']):.2f}x)"
+    )
+
+
 class CompiledCopy:
     """A second copy of the runner's weights whose forward pass is compiled, to swap in for
     ``runner.model`` (same KV caches, same steps)."""
@@ -306,6 +379,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="compile cache root for --compare-compiled (default: $SONAR_CACHE_ROOT)",
     )
+    ap.add_argument(
+        "--compare-lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also time decode steps of requests using N random LoRA adapters against base-model ones, interleaved",
+    )
+    ap.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank for --compare-lora")
     ap.add_argument("--bandwidth", type=float, default=26.0, help="GB/s of weight reads (half the copy figure)")
     ap.add_argument("--flops", type=float, default=390.0, help="GFLOP/s of bf16 matmul")
     args = ap.parse_args(argv)
@@ -315,12 +396,17 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 + 2 * (args.compare_eager + args.compare_compiled + args.compare_fused)
     per_request = -(-(args.prompt_len + rounds * args.decode_steps + args.warmup_steps + 5 + 32) // 16)
     blocks = max(64, args.batch * per_request + 16, -(-args.prefill_chunk // 16) + 1)
+    lora: dict[str, object] = {}
+    if args.compare_lora:  # two more batches, each with blocks of its own
+        blocks += 2 * args.batch * -(-(args.prompt_len + args.decode_steps + 8) // 16)
+        lora = dict(enable_lora=True, max_loras=args.compare_lora, max_lora_rank=args.lora_rank)
     config = EngineConfig.from_args(
         args.model,
         dtype=args.dtype,
         load_format=args.load_format,
         enforce_eager=args.enforce_eager,
         num_gpu_blocks_override=blocks,
+        **lora,
     )
     t0 = time.perf_counter()
     runner = ModelRunner(config)
@@ -358,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         compare_eager(runner, driver, args.batch, args.decode_steps)
     if args.compare_fused:
         compare_fused(runner, driver, args.batch, args.decode_steps)
+    if args.compare_lora:
+        compare_lora(runner, args.batch, args.prompt_len, args.decode_steps, args.compare_lora, args.lora_rank)
     if compiled is not None:
         compare_compiled(runner, driver, compiled, args.batch, args.decode_steps, args.prefill_chunk)
     if args.profile:

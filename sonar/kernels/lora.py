@@ -17,9 +17,19 @@ from torch import Tensor
 from sonar.kernels import ops, reference
 
 
-def lora_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, rows: Tensor, splits: tuple[int, ...]) -> None:
+def lora_add(
+    y: Tensor,
+    x: Tensor,
+    a: Tensor,
+    b: Tensor,
+    rows: Tensor,
+    splits: tuple[int, ...],
+    b_packed: Tensor | None = None,
+) -> None:
     """``y[i] += b[s] @ (a[s] @ x[i])`` per sub-projection for each row ``i`` with slot
-    ``s = rows[i] >= 0``; ``a`` ``[S, len(splits) R, in]``, ``b`` ``[S, sum(splits), R]``."""
+    ``s = rows[i] >= 0``; ``a`` ``[S, len(splits) R, in]``, ``b`` ``[S, sum(splits), R]``.
+    `b_packed`: `pack_b` of the same ``b``, which the native kernel then reads instead of packing
+    ``b`` itself (the other paths read ``b``)."""
     if x.dtype == y.dtype == a.dtype == b.dtype:
         if ops.use_triton(y, x, a, b, rows):
             from sonar.kernels import triton as kernels  # importable: use_triton checked it
@@ -28,9 +38,25 @@ def lora_add(y: Tensor, x: Tensor, a: Tensor, b: Tensor, rows: Tensor, splits: t
                 kernels.lora_add(y, x, a, b, rows, splits)
                 return
         elif ops.use_native(y, x, a, b) and rows.device.type == "cpu" and _contiguous(y, x, a, b, rows):
-            torch.ops.sonar_cpu.lora_add(y, x, a, b, rows, list(splits))
+            torch.ops.sonar_cpu.lora_add(y, x, a, b, rows, list(splits), b_packed)
             return
     reference.lora_add(y, x, a, b, rows, splits)
+
+
+def packs_b(b: Tensor) -> bool:
+    """Whether the native kernel reads `b` packed (`pack_b`): float32 or bfloat16 on the CPU,
+    the kernels built."""
+    return b.dtype in (torch.float32, torch.bfloat16) and ops.use_native(b)
+
+
+def pack_b(b: Tensor, splits: tuple[int, ...]) -> Tensor:
+    """``b`` ``[S, sum(splits), R]`` (float32 or bfloat16, CPU) in the layout the native expand
+    reads (``sonar_cpu::lora_pack_b``): each sub-projection's columns in tiles of 16, float32 as
+    ``[S, tiles, R, 16]`` (lane ``c`` of step ``r``: ``b[s, o + c, r]``), bfloat16 as int32 pairs
+    ``[S, tiles, ceil(R / 2), 16]`` (lane ``c`` of pair ``p``: ``b[s, o + c, 2p]`` and
+    ``b[s, o + c, 2p + 1]``, ``linear_bf16``'s layout). Packed once when an adapter is written, it
+    spares every step's expand a transpose of each slot's B."""
+    return torch.ops.sonar_cpu.lora_pack_b(b.contiguous(), list(splits))
 
 
 def _contiguous(*tensors: Tensor) -> bool:

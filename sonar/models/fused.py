@@ -54,7 +54,15 @@ class LayerWeights:
     groups: list[int]  # the quantized layers' group sizes (0 for the others)
     lora_a: list[Tensor]  # four per layer as `kinds` (an empty tensor: no adapters); [] without LoRA
     lora_b: list[Tensor]
+    lora_layers: list[LoRALinear | None]  # four per layer as `kinds` (None: no adapters); [] without LoRA
     lora_context: LoRAContext | None  # the adapters' rows of each step; None without LoRA
+
+    def lora_b_packed(self) -> list[Tensor]:
+        """Each layer's B as the native kernel reads it (an empty tensor: ``b`` itself), packed
+        again where an adapter was written since the last step."""
+        empty = torch.empty(0)
+        packed = [empty if layer is None else layer.packed_b() for layer in self.lora_layers]
+        return [empty if p is None else p for p in packed]
 
 
 def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
@@ -136,6 +144,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         groups=groups,
         lora_a=adapters.a if adapters.context else [],
         lora_b=adapters.b if adapters.context else [],
+        lora_layers=adapters.layers if adapters.context else [],
         lora_context=adapters.context,
     )
 
@@ -150,6 +159,7 @@ class _Adapters:
     def __init__(self) -> None:
         self.a: list[Tensor] = []
         self.b: list[Tensor] = []
+        self.layers: list[LoRALinear | None] = []
         self.context: LoRAContext | None = None
 
     def add(self, layer: nn.Module, splits: tuple[int, ...]) -> bool:
@@ -158,12 +168,14 @@ class _Adapters:
         if not isinstance(layer, LoRALinear):
             self.a.append(torch.empty(0))
             self.b.append(torch.empty(0))
+            self.layers.append(None)
             return True
         if tuple(layer.splits) != splits or (self.context is not None and layer.context is not self.context):
             return False
         self.context = layer.context
         self.a.append(layer.a)
         self.b.append(layer.b)
+        self.layers.append(layer)
         return True
 
     def tensors(self) -> list[Tensor]:
@@ -227,4 +239,5 @@ class FusedDecode:
             w.lora_a,
             w.lora_b,
             w.lora_context.rows if w.lora_context else None,
+            w.lora_b_packed() if w.lora_context and w.lora_context.rows is not None else [],
         )

@@ -6,7 +6,9 @@ matrices of slot ``s`` for each of the layer's sub-projections (q, k, v of the f
 gate, up of ``gate_up_proj``; one for ``o_proj`` and ``down_proj``), ``b[s]`` their expand
 matrices, already multiplied by the adapter's scaling. A step's rows say which slot each uses
 (`LoRAContext`); rows with no adapter (-1) get the base output alone. The work is one batched
-kernel per layer (`sonar.kernels.lora`), never a forward pass per adapter.
+kernel per layer (`sonar.kernels.lora`), never a forward pass per adapter. Where the native CPU
+kernel reads B packed (bfloat16), the layer keeps ``b_packed`` beside ``b`` and packs it again
+whenever ``b`` was written since (its version counter), so no step packs B itself.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class LoRALinear(nn.Module):
     Each sub-projection has `a_rank` rows of ``a`` (`max_rank` unless a subclass shards them) and
     ``b`` has `b_rows` rows (the base's output columns unless a subclass shards them)."""
 
+    packs_b = True
+    """Whether `forward` runs `lora_kernels.lora_add` (which may read B packed)."""
+
     def __init__(
         self,
         base: nn.Module,
@@ -72,20 +77,34 @@ class LoRALinear(nn.Module):
         device = context.device
         shape_a = (max_loras, len(splits) * self.a_rank, in_features)
         shape_b = (max_loras, sum(splits) if b_rows is None else b_rows, max_rank)
-        self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device), False)
-        self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device), False)
+        with torch.inference_mode(False):  # tensors whose writes bump their version counters
+            self.register_buffer("a", torch.zeros(shape_a, dtype=dtype, device=device), False)
+            self.register_buffer("b", torch.zeros(shape_b, dtype=dtype, device=device), False)
+            packed = lora_kernels.pack_b(self.b, splits) if self.packs_b and lora_kernels.packs_b(self.b) else None
+            self.register_buffer("b_packed", packed, False)
+        self._packed_version = self.b._version
+
+    def packed_b(self) -> Tensor | None:
+        """``b`` as the native kernel reads it (`lora_kernels.pack_b`; None where it reads ``b``),
+        packed again in place when ``b`` was written since it was last packed."""
+        if self.b_packed is not None and self.b._version != self._packed_version:
+            self.b_packed.copy_(lora_kernels.pack_b(self.b, self.splits))
+            self._packed_version = self.b._version
+        return self.b_packed
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base(x)
         rows = self.context.rows
         if rows is not None:
-            lora_kernels.lora_add(y, x, self.a, self.b, rows, self.splits)
+            lora_kernels.lora_add(y, x, self.a, self.b, rows, self.splits, self.packed_b())
         return y
 
 
 class ShardedLoRALinear(LoRALinear):
     """``--fully-sharded-loras``: a layer of a tensor-parallel group (`parallel`) whose forward
     pass exchanges the shrink's result between the ranks."""
+
+    packs_b = False
 
     def __init__(self, *args: Any, parallel: TensorParallel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -57,3 +57,20 @@ def test_a_moe_step_reads_the_experts_its_tokens_reach() -> None:
     assert step_weights(model, 10_000)[0] == pytest.approx(total)
     # batch 1 of the MoE model is bandwidth-bound on its active weights alone
     assert decode_floor_ms(read, per_token, 2, 1, 1.0, 1e9) == pytest.approx(1000 * read * 2 / 1e9)
+
+
+def test_compare_lora_times_adapter_steps_against_base_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compare-lora``: the adapters' batch really runs with its adapters (each in a slot) and
+    the comparison is printed."""
+    from sonar.bench.step import compare_lora
+    from sonar.engine.config import EngineConfig
+    from sonar.engine.runner import ModelRunner
+
+    config = EngineConfig.from_args(
+        None, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8, num_gpu_blocks_override=64
+    )
+    runner = ModelRunner(config)
+    assert runner.lora is not None
+    compare_lora(runner, batch=3, prompt_len=8, steps=2, adapters=2, rank=8)
+    assert sorted(runner.lora.slots) == ["bench-adapter-0", "bench-adapter-1"]
+    assert "2 adapters of rank 8 / base: decode" in capsys.readouterr().out

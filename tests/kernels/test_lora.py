@@ -127,6 +127,72 @@ def test_native_refuses_bad_input() -> None:
         torch.ops.sonar_cpu.lora_add(y, x, a, b, r, [16, 8])
 
 
+# --- B packed once (lora_pack_b) ------------------------------------------------------------------
+
+
+def packed_by_hand(b: torch.Tensor, splits: tuple[int, ...]) -> torch.Tensor:
+    """`lora.pack_b`'s layout built with torch: per sub-projection, tiles of 16 columns (zero past
+    its end); float32 ``[S, tiles, R, 16]``, bfloat16 int32 pairs ``[S, tiles, ceil(R / 2), 16]``."""
+    slots, _, rank = b.shape
+    tiles, offset = [], 0
+    for size in splits:
+        part = b[:, offset : offset + size]
+        padded = torch.zeros(slots, -(-size // 16) * 16, rank + rank % 2, dtype=b.dtype)
+        padded[:, :size, :rank] = part
+        tiles.append(padded.view(slots, -1, 16, padded.shape[2]))  # [S, tiles, 16, R']
+        offset += size
+    t = torch.cat(tiles, dim=1)
+    if b.dtype == torch.float32:
+        return t[..., :rank].transpose(2, 3).contiguous()
+    halves = t.view(torch.int16).to(torch.int32) & 0xFFFF
+    pairs = halves.view(*halves.shape[:3], -1, 2)  # [S, tiles, 16, P, 2]
+    return (pairs[..., 0] | (pairs[..., 1] << 16)).transpose(2, 3).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [16, 5, 1])
+def test_native_pack_b_layout(dtype: torch.dtype, rank: int) -> None:
+    splits = (37, 21, 16)
+    _, _, _, b, _ = case([0], 3, rank, 8, splits, dtype)
+    packed = lora.pack_b(b, splits)
+    assert torch.equal(packed, packed_by_hand(b, splits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [16, 5, 1])
+def test_native_packed_b_gives_the_same_bits(dtype: torch.dtype, rank: int) -> None:
+    """B packed once (what the adapter slots keep) or packed by the call: the same result, which
+    is the contract's; a prefill-sized batch and odd sizes, as above."""
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randint(-1, 4, (67,), generator=gen).tolist()
+    splits = (37, 21)
+    y, x, a, b, r = case(rows, 4, rank, 101, splits, dtype, seed=3)
+    unpacked, packed = y.clone(), y.clone()
+    torch.ops.sonar_cpu.lora_add(unpacked, x, a, b, r, list(splits))
+    torch.ops.sonar_cpu.lora_add(packed, x, a, b, r, list(splits), lora.pack_b(b, splits))
+    assert torch.equal(packed, unpacked)
+    check(packed, y, per_row(y, x, a, b, rows, splits), rows, dtype)
+    dispatched = y.clone()
+    lora.lora_add(dispatched, x, a, b, r, splits, lora.pack_b(b, splits))
+    assert torch.equal(dispatched, packed)
+
+
+def test_native_refuses_a_packed_b_that_does_not_fit() -> None:
+    splits = (16, 16)
+    y, x, a, b, r = case([0, 1], 2, 16, 32, splits, torch.bfloat16)
+    packed = lora.pack_b(b, splits)
+    for bad in (packed[:, :1].contiguous(), packed.float(), lora.pack_b(b.float(), splits)):
+        with pytest.raises(RuntimeError, match="b_packed is lora_pack_b"):
+            torch.ops.sonar_cpu.lora_add(y, x, a, b, r, list(splits), bad)
+    y16, x16, a16, b16, _ = case([0, 1], 2, 16, 32, splits, torch.float16)
+    with pytest.raises(RuntimeError, match="b_packed is lora_pack_b"):  # float16 is never packed
+        torch.ops.sonar_cpu.lora_add(y16, x16, a16, b16, r, list(splits), packed)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 b"):
+        torch.ops.sonar_cpu.lora_pack_b(b16, list(splits))
+    with pytest.raises(RuntimeError, match=r"b \[S, 24, R\]"):
+        torch.ops.sonar_cpu.lora_pack_b(b, [16, 8])
+
+
 # --- dispatch and the reference ------------------------------------------------------------------
 
 

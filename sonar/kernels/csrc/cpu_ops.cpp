@@ -2179,13 +2179,17 @@ bool has_linear_quant() {
 // accumulates in float32 and its sum with y is rounded once.
 //
 // Rows are grouped by slot first (a counting sort), so a slot's weights are read from memory once
-// per call and from cache for its other rows. bfloat16 with an even R on AVX512-BF16 (serving's
-// case): the shrink runs 4 rows of x by 4 rows of A per register block, 32 k per `vdpbf16ps`,
-// parallel over A's rows; the expand packs, per tile of 16 output columns and per slot, B's
-// pairs into linear_bf16's layout (lane c: B[o + c, 2p], B[o + c, 2p + 1]) once, then advances
-// 16 columns of a row by two r per `vdpbf16ps`, parallel over the tiles; each thread prefetches
-// the weights it will read first. Anything else (float32,
-// float16, an odd R, a CPU without AVX512-BF16): plain loops over the rows, in parallel.
+// per call and from cache for its other rows, and slots no row uses are not read at all. The
+// expand reads B in linear_bf16's packed layout (`lora_pack_b`: per tile of 16 output columns,
+// lane c of pair p holds B[o + c, 2p] and B[o + c, 2p + 1]), which the adapter slots keep beside
+// B, packed once when an adapter is written (`b_packed`; without it a call packs what it reads).
+// bfloat16 with an even R on AVX512-BF16: the shrink runs 4 rows of x by 4 rows of A per register
+// block, 32 k per `vdpbf16ps`, parallel over A's rows; the expand advances 16 columns of a row by
+// two r per `vdpbf16ps`, parallel over the tiles. bfloat16 on AVX2 + FMA: the same blocks in
+// float32 (x widened once per call; 4 rows of x by 2 rows of A, 8 k per FMA; the expand splits
+// each packed pair into its two bfloat16 halves, 8 columns per FMA). Each thread prefetches the
+// weights it will read first. Anything else (float32, float16, an odd R on AVX-512, a CPU without
+// AVX2): plain loops over the rows, in parallel.
 
 // The active rows, slot by slot: slot s's rows are order[starts[s] .. starts[s + 1]).
 struct SlotRows {
@@ -2216,6 +2220,77 @@ struct LoraShape {
   std::vector<int64_t> offsets;   // the sub-projections' first columns, then out
 };
 
+// The expand's tiles of 16 output columns, sub-projection by sub-projection (a tile never straddles
+// two): each tile's sub-projection and first column.
+struct LoraTiles {
+  std::vector<int64_t> split, column;
+
+  explicit LoraTiles(const std::vector<int64_t>& offsets) {
+    for (size_t j = 0; j + 1 < offsets.size(); ++j)
+      for (int64_t c = offsets[j]; c < offsets[j + 1]; c += 16) {
+        split.push_back(static_cast<int64_t>(j));
+        column.push_back(c);
+      }
+  }
+  int64_t count() const { return static_cast<int64_t>(split.size()); }
+};
+
+std::vector<int64_t> lora_offsets(at::IntArrayRef splits, const char* op) {
+  TORCH_CHECK(!splits.empty(), "sonar_cpu::", op, ": at least one sub-projection");
+  std::vector<int64_t> offsets{0};
+  for (const int64_t size : splits) {
+    TORCH_CHECK(size > 0, "sonar_cpu::", op, ": sub-projections of positive sizes");
+    offsets.push_back(offsets.back() + size);
+  }
+  return offsets;
+}
+
+// B [S, out, R] in the expand's layout, in tiles of 16 columns: float32 [S, tiles, R, 16] with
+// element [s, t, r, c] = B[s, o + c, r] for tile t's first column o; bfloat16 as int32 pairs
+// [S, tiles, ceil(R / 2), 16] with element [s, t, p, c] = B[s, o + c, 2p] | B[s, o + c, 2p + 1] << 16
+// (linear_bf16's layout). Zero for columns past the tile's sub-projection and for r = R.
+template <typename T>
+void lora_pack_tiles(const T* src, uint32_t* dst, int64_t slots, int64_t out, int64_t rank,
+                     const std::vector<int64_t>& offsets) {
+  const LoraTiles tiles(offsets);
+  constexpr bool kPairs = std::is_same_v<T, Bf16>;
+  const int64_t steps = kPairs ? (rank + 1) / 2 : rank;
+  for (int64_t s = 0; s < slots; ++s)
+    for (int64_t t = 0; t < tiles.count(); ++t) {
+      const int64_t c0 = tiles.column[t], columns = std::min<int64_t>(16, offsets[tiles.split[t] + 1] - c0);
+      for (int64_t p = 0; p < steps; ++p)
+        for (int64_t c = 0; c < 16; ++c) {
+          const T* row = src + (s * out + c0 + c) * rank;
+          uint32_t word = 0;
+          if constexpr (kPairs) {
+            if (c < columns) word = row[2 * p] | (2 * p + 1 < rank ? uint32_t(row[2 * p + 1]) << 16 : 0u);
+          } else if (c < columns) {
+            std::memcpy(&word, row + p, sizeof word);
+          }
+          dst[((s * tiles.count() + t) * steps + p) * 16 + c] = word;
+        }
+    }
+}
+
+// The shape lora_pack_b gives B [slots, out, rank] of `dtype`.
+std::vector<int64_t> lora_packed_shape(at::ScalarType dtype, int64_t slots, int64_t rank, const std::vector<int64_t>& offsets) {
+  return {slots, LoraTiles(offsets).count(), dtype == at::kBFloat16 ? (rank + 1) / 2 : rank, 16};
+}
+
+at::Tensor lora_pack_b(const at::Tensor& b, at::IntArrayRef splits) {
+  check_cpu(b, "b");
+  const at::ScalarType dtype = b.scalar_type();
+  TORCH_CHECK(b.dim() == 3 && b.is_contiguous() && (dtype == at::kBFloat16 || dtype == at::kFloat),
+              "sonar_cpu::lora_pack_b: a contiguous float32 or bfloat16 b [S, out, R]");
+  const std::vector<int64_t> offsets = lora_offsets(splits, "lora_pack_b");
+  TORCH_CHECK(b.size(1) == offsets.back(), "sonar_cpu::lora_pack_b: b [S, ", offsets.back(), ", R]");
+  const int64_t slots = b.size(0), out = b.size(1), rank = b.size(2);
+  at::Tensor packed = at::empty(lora_packed_shape(dtype, slots, rank, offsets), b.options().dtype(dtype == at::kFloat ? at::kFloat : at::kInt));
+  if (dtype == at::kFloat) lora_pack_tiles(data<const float>(b), data<uint32_t>(packed), slots, out, rank, offsets);
+  else lora_pack_tiles(data<const Bf16>(b), data<uint32_t>(packed), slots, out, rank, offsets);
+  return packed;
+}
+
 template <typename T>
 inline float dot_float(const T* __restrict w, const float* __restrict x, int64_t n) {
   float acc = 0.f;
@@ -2224,13 +2299,15 @@ inline float dot_float(const T* __restrict w, const float* __restrict x, int64_t
   return acc;
 }
 
-// The grain for at::parallel_for over `units` units of `work` multiply-adds in all: a thread's share
-// is at least kLoraThreadWork, so a decode step's small layers run on the calling thread (waking
-// the others costs more than their share of the work).
+// The grain for at::parallel_for over `units` units of `work` multiply-adds in all: as many threads
+// as get kLoraThreadWork each, so a decode step's small layers run on the calling thread (waking
+// the others costs more than their share of the work), and the units split evenly between them (a
+// grain of units * kLoraThreadWork / work left one thread 14 of SmolLM2's 16 gate_up blocks).
 constexpr int64_t kLoraThreadWork = 1 << 18;
 
 int64_t lora_grain(int64_t units, int64_t work) {
-  return std::max<int64_t>(1, units * kLoraThreadWork / std::max<int64_t>(work, 1));
+  const int64_t threads = std::clamp<int64_t>(work / kLoraThreadWork, 1, at::get_num_threads());
+  return std::max<int64_t>(1, (units + threads - 1) / threads);
 }
 
 template <typename T>
@@ -2256,8 +2333,9 @@ void lora_portable(T* y, const T* x, const T* a, const T* b, const SlotRows& g, 
   });
 }
 
-#ifdef SONAR_LINEAR_BF16
+#ifdef SONAR_AVX2
 constexpr int kLoraRows = 4;  // rows of x per register block (shrink and expand)
+constexpr int64_t kLoraChunk = 32;  // the AVX2 shrink's positions per pass over a block of A rows
 
 // Asks for `bytes` from `p` on (into L2) ahead of their use, while `budget` (bytes, shared by a
 // thread's calls) lasts: a slot's weights are cold in a decode step (each layer's are read once per
@@ -2279,6 +2357,167 @@ template <typename P, typename F>
 inline void block_rows(const P** out, int64_t p0, int64_t end, F&& at) {
   for (int i = 0; i < kLoraRows; ++i) out[i] = at(std::min(p0 + i, end - 1));
 }
+// 8 elements widened to float32 (bfloat16: the high halves of float32s), and back (rounded as
+// from_float<Bf16> rounds: to nearest even, NaN 0x7fc0).
+SONAR_AVX2_FN __m256 avx2_load(const float* p) { return _mm256_loadu_ps(p); }
+SONAR_AVX2_FN __m256 avx2_load(const Bf16* p) {
+  const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+SONAR_AVX2_FN void avx2_store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+SONAR_AVX2_FN void avx2_store(Bf16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i bits = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), nan);
+  // packus keeps 128-bit lanes apart: quadwords 0 and 2 hold the 8 words in order
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0b1000);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+
+SONAR_AVX2_FN float avx2_sum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// tf[p * t_stride + j 2P + r] = A[slot(p)][j R + r] . x[order[p]] rounded to T (as float32) for
+// every active position p (xf: x's active rows widened, in the order of the positions).
+template <typename T>
+__attribute__((target("avx2,fma"))) void lora_shrink_avx2(const float* xf, const T* a, float* tf, int64_t t_stride,
+                                                          const SlotRows& g, const LoraShape& s) {
+  constexpr int W = 2;  // rows of A per register block: 4 x 2 accumulators, 8 FMAs in flight
+  const int64_t in = s.in, body = in - in % 8, blocks = (s.shrunk + W - 1) / W, pairs = (s.rank + 1) / 2;
+  const int64_t work = static_cast<int64_t>(g.order.size()) * s.shrunk * in;
+  at::parallel_for(0, blocks, lora_grain(blocks, work), [&](int64_t begin, int64_t end) {
+    const int64_t first_row = begin * W, rows = std::min(end * W, s.shrunk) - first_row;
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(a + (slot * s.shrunk + first_row) * in, rows * in * sizeof(T), budget);
+    for (int64_t slot = 0; slot < g.slots(); ++slot) {
+      const int64_t from = g.starts[slot], to = g.starts[slot + 1];
+      const T* as = a + slot * s.shrunk * in;
+      // a prefill's positions in chunks, each read from L2 by every block of A rather than from
+      // memory once per block
+      for (int64_t c0 = from; c0 < to; c0 += kLoraChunk) {
+        const int64_t c1 = std::min(to, c0 + kLoraChunk);
+        for (int64_t wb = begin; wb < end; ++wb) {
+          const int64_t r0 = wb * W, wrows = std::min<int64_t>(W, s.shrunk - r0);
+          const T* w[W];
+          for (int q = 0; q < W; ++q) w[q] = as + (r0 + std::min<int64_t>(q, wrows - 1)) * in;
+          for (int64_t p0 = c0; p0 < c1; p0 += kLoraRows) {
+            const float* xr[kLoraRows];
+            block_rows(xr, p0, c1, [&](int64_t p) { return xf + p * in; });
+            __m256 acc[kLoraRows][W];
+            for (int i = 0; i < kLoraRows; ++i)
+              for (int q = 0; q < W; ++q) acc[i][q] = _mm256_setzero_ps();
+            for (int64_t k = 0; k < body; k += 8) {
+              __m256 wv[W];
+              for (int q = 0; q < W; ++q) wv[q] = avx2_load(w[q] + k);
+              for (int i = 0; i < kLoraRows; ++i) {
+                const __m256 xv = _mm256_loadu_ps(xr[i] + k);
+                for (int q = 0; q < W; ++q) acc[i][q] = _mm256_fmadd_ps(wv[q], xv, acc[i][q]);
+              }
+            }
+            for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, c1 - p0); ++i)
+              for (int64_t q = 0; q < wrows; ++q) {
+                float sum = avx2_sum(acc[i][q]);
+                for (int64_t k = body; k < in; ++k) sum += to_float(w[q][k]) * xr[i][k];
+                const int64_t r = r0 + q, j = r / s.rank;
+                tf[(p0 + i) * t_stride + j * 2 * pairs + r - j * s.rank] = to_float(from_float<T>(sum));
+              }
+          }
+        }
+      }
+    }
+  });
+}
+
+// y[order[p], o] += B[slot(p)][o] . t[p, j ..] for every active position p and column o, B packed
+// (`lora_pack_b`), 2 x 8 columns by 4 rows per block. float32: 16 columns of one r per step;
+// bfloat16: each int32 lane split into its two halves (the low one shifted up, the high one
+// masked), two r per step.
+template <typename T>
+__attribute__((target("avx2,fma"))) void lora_expand_avx2(T* y, const float* tf, int64_t t_stride,
+                                                          const uint32_t* packed, const SlotRows& g, const LoraShape& s) {
+  constexpr bool kPairs = std::is_same_v<T, Bf16>;
+  const LoraTiles tiles(s.offsets);
+  const int64_t pairs = (s.rank + 1) / 2, count = tiles.count(), tile_words = (kPairs ? pairs : s.rank) * 16;
+  const int64_t work = static_cast<int64_t>(g.order.size()) * s.out * s.rank;
+  at::parallel_for(0, count, lora_grain(count, work), [&](int64_t begin, int64_t end) {
+    int64_t budget = kLoraPrefetchBytes;
+    for (int64_t slot = 0; slot < g.slots(); ++slot)
+      if (g.starts[slot] < g.starts[slot + 1])
+        prefetch_range(packed + (slot * count + begin) * tile_words, (end - begin) * tile_words * 4, budget);
+    const __m256i high_half = _mm256_set1_epi32(int32_t(0xffff0000u));
+    for (int64_t slot = 0; slot < g.slots(); ++slot) {
+      const int64_t from = g.starts[slot], to = g.starts[slot + 1];
+      for (int64_t tile = begin; tile < end && from < to; ++tile) {
+        const int64_t j = tiles.split[tile], c0 = tiles.column[tile];
+        const int64_t columns = std::min<int64_t>(16, s.offsets[j + 1] - c0);
+        const uint32_t* w = packed + (slot * count + tile) * tile_words;
+        for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
+          const float* tr[kLoraRows];
+          block_rows(tr, p0, to, [&](int64_t p) { return tf + p * t_stride + j * 2 * pairs; });
+          __m256 acc[kLoraRows][2];
+          for (int i = 0; i < kLoraRows; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+          if constexpr (kPairs) {
+            for (int64_t p = 0; p < pairs; ++p) {
+              __m256 low[2], high[2];
+              for (int h = 0; h < 2; ++h) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16 + 8 * h));
+                low[h] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+                high[h] = _mm256_castsi256_ps(_mm256_and_si256(v, high_half));
+              }
+              for (int i = 0; i < kLoraRows; ++i) {
+                const __m256 t0 = _mm256_set1_ps(tr[i][2 * p]), t1 = _mm256_set1_ps(tr[i][2 * p + 1]);
+                for (int h = 0; h < 2; ++h)
+                  acc[i][h] = _mm256_fmadd_ps(high[h], t1, _mm256_fmadd_ps(low[h], t0, acc[i][h]));
+              }
+            }
+          } else {
+            const float* wf = reinterpret_cast<const float*>(w);
+            for (int64_t r = 0; r < s.rank; ++r) {
+              const __m256 w0 = _mm256_loadu_ps(wf + r * 16), w1 = _mm256_loadu_ps(wf + r * 16 + 8);
+              for (int i = 0; i < kLoraRows; ++i) {
+                const __m256 tv = _mm256_set1_ps(tr[i][r]);
+                acc[i][0] = _mm256_fmadd_ps(w0, tv, acc[i][0]);
+                acc[i][1] = _mm256_fmadd_ps(w1, tv, acc[i][1]);
+              }
+            }
+          }
+          for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, to - p0); ++i) {
+            T* yr = y + g.order[p0 + i] * s.out + c0;
+            if (columns == 16) {
+              for (int h = 0; h < 2; ++h) avx2_store(yr + 8 * h, _mm256_add_ps(avx2_load(yr + 8 * h), acc[i][h]));
+            } else {
+              float sums[16];
+              _mm256_storeu_ps(sums, acc[i][0]);
+              _mm256_storeu_ps(sums + 8, acc[i][1]);
+              for (int64_t c = 0; c < columns; ++c) yr[c] = from_float<T>(to_float(yr[c]) + sums[c]);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// The AVX2 path of lora_add (float32 or bfloat16), B packed.
+template <typename T>
+void lora_avx2(T* y, const T* x, const T* a, const uint32_t* packed, const SlotRows& g, const LoraShape& s) {
+  const int64_t active = static_cast<int64_t>(g.order.size());
+  const int64_t t_stride = static_cast<int64_t>(s.offsets.size() - 1) * 2 * ((s.rank + 1) / 2);
+  std::vector<float> xf(active * s.in), tf(active * t_stride, 0.f);  // tf's padding (an odd R) stays zero
+  for (int64_t p = 0; p < active; ++p) load_row(xf.data() + p * s.in, x + g.order[p] * s.in, s.in);
+  lora_shrink_avx2<T>(xf.data(), a, tf.data(), t_stride, g, s);
+  lora_expand_avx2<T>(y, tf.data(), t_stride, packed, g, s);
+}
+#endif
+
+#ifdef SONAR_LINEAR_BF16
 
 // t[p, r] = bf16(A[slot(p)][r] . x[order[p]]) for every active position p.
 void lora_shrink_bf16(const Bf16* x, const Bf16* a, Bf16* t, const SlotRows& g, const LoraShape& s) {
@@ -2353,32 +2592,32 @@ inline void pack_tile(const int32_t* rows, int64_t stride, int64_t columns, int6
   }
 }
 
-// y[order[p], o] += B[slot(p)][o] . t[p, j R ..] for every active position p and column o.
-void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const SlotRows& g, const LoraShape& s) {
-  std::vector<int64_t> tile_split, tile_column;  // each tile's sub-projection and first column
-  for (size_t j = 0; j + 1 < s.offsets.size(); ++j)
-    for (int64_t c = s.offsets[j]; c < s.offsets[j + 1]; c += 16) {
-      tile_split.push_back(static_cast<int64_t>(j));
-      tile_column.push_back(c);
-    }
+// y[order[p], o] += B[slot(p)][o] . t[p, j R ..] for every active position p and column o; B's
+// tiles read from `prepacked` (`lora_pack_b`), or packed here per tile and slot when it is null.
+void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const int32_t* prepacked, const SlotRows& g,
+                      const LoraShape& s) {
+  const LoraTiles tile_of(s.offsets);
   const int64_t pairs = s.rank / 2;
-  const int64_t tiles = static_cast<int64_t>(tile_split.size());
+  const int64_t tiles = tile_of.count();
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.out * s.rank;
   at::parallel_for(0, tiles, lora_grain(tiles, work), [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> packed(pairs * 16);
-    const int64_t first_column = tile_column[begin];
-    const int64_t span = (end < tiles ? tile_column[end] : s.out) - first_column;  // this thread's columns
+    std::vector<int32_t> packed(prepacked ? 0 : pairs * 16);
+    const int64_t first_column = tile_of.column[begin];
+    const int64_t span = (end < tiles ? tile_of.column[end] : s.out) - first_column;  // this thread's columns
     int64_t budget = kLoraPrefetchBytes;
     for (int64_t slot = 0; slot < g.slots(); ++slot)
-      if (g.starts[slot] < g.starts[slot + 1])
-        prefetch_range(b + (slot * s.out + first_column) * s.rank, span * s.rank * 2, budget);
+      if (g.starts[slot] < g.starts[slot + 1]) {
+        if (prepacked) prefetch_range(prepacked + (slot * tiles + begin) * pairs * 16, (end - begin) * pairs * 64, budget);
+        else prefetch_range(b + (slot * s.out + first_column) * s.rank, span * s.rank * 2, budget);
+      }
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const int32_t* bs = reinterpret_cast<const int32_t*>(b + slot * s.out * s.rank);
       for (int64_t tile = begin; tile < end && from < to; ++tile) {
-        const int64_t j = tile_split[tile], c0 = tile_column[tile];
+        const int64_t j = tile_of.split[tile], c0 = tile_of.column[tile];
         const int64_t columns = std::min<int64_t>(16, s.offsets[j + 1] - c0);
-        pack_tile(bs + c0 * pairs, pairs, columns, pairs, packed.data());
+        if (!prepacked) pack_tile(bs + c0 * pairs, pairs, columns, pairs, packed.data());
+        const int32_t* w = prepacked ? prepacked + (slot * tiles + tile) * pairs * 16 : packed.data();
         for (int64_t p0 = from; p0 < to; p0 += kLoraRows) {
           const int32_t* tr[kLoraRows];
           block_rows(tr, p0, to,
@@ -2386,8 +2625,8 @@ void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const SlotRows& g, 
           __m512 acc[kLoraRows];
           for (int i = 0; i < kLoraRows; ++i) acc[i] = _mm512_setzero_ps();
           for (int64_t p = 0; p < pairs; ++p) {
-            const __m512bh w = (__m512bh)_mm512_loadu_si512(packed.data() + p * 16);
-            for (int i = 0; i < kLoraRows; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], w, (__m512bh)_mm512_set1_epi32(tr[i][p]));
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + p * 16);
+            for (int i = 0; i < kLoraRows; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], wv, (__m512bh)_mm512_set1_epi32(tr[i][p]));
           }
           for (int64_t i = 0; i < std::min<int64_t>(kLoraRows, to - p0); ++i) {
             Bf16* yr = y + g.order[p0 + i] * s.out + c0;
@@ -2401,7 +2640,7 @@ void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const SlotRows& g, 
 #endif
 
 void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& rows,
-              at::IntArrayRef splits) {
+              at::IntArrayRef splits, const std::optional<at::Tensor>& b_packed) {
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&y), &x, &a, &b, &rows}) check_cpu(*t, "every tensor");
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && a.dim() == 3 && b.dim() == 3,
               "sonar_cpu::lora_add: x [n, in], y [n, out], a [S, J R, in] and b [S, out, R]");
@@ -2410,12 +2649,7 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
   TORCH_CHECK(y.scalar_type() == x.scalar_type() && a.scalar_type() == x.scalar_type() &&
                   b.scalar_type() == x.scalar_type(),
               "sonar_cpu::lora_add: y, x, a and b share one dtype");
-  TORCH_CHECK(!splits.empty(), "sonar_cpu::lora_add: at least one sub-projection");
-  std::vector<int64_t> offsets{0};
-  for (const int64_t size : splits) {
-    TORCH_CHECK(size > 0, "sonar_cpu::lora_add: sub-projections of positive sizes");
-    offsets.push_back(offsets.back() + size);
-  }
+  std::vector<int64_t> offsets = lora_offsets(splits, "lora_add");
   const int64_t n = x.size(0), in = x.size(1), parts = static_cast<int64_t>(splits.size());
   TORCH_CHECK(y.size(0) == n && y.size(1) == offsets.back(), "sonar_cpu::lora_add: y [", n, ", ", offsets.back(), "]");
   TORCH_CHECK(a.size(2) == in && a.size(1) > 0 && a.size(1) % parts == 0,
@@ -2425,6 +2659,15 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
               "sonar_cpu::lora_add: b [", a.size(0), ", ", offsets.back(), ", ", rank, "]");
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.size(0) == n,
               "sonar_cpu::lora_add: int64 rows [", n, "]");
+  const bool packable = x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat;
+  if (b_packed) {
+    const at::Tensor& p = *b_packed;
+    check_cpu(p, "b_packed");
+    TORCH_CHECK(packable && p.is_contiguous() &&
+                    p.scalar_type() == (x.scalar_type() == at::kFloat ? at::kFloat : at::kInt) &&
+                    p.sizes() == at::IntArrayRef(lora_packed_shape(x.scalar_type(), b.size(0), rank, offsets)),
+                "sonar_cpu::lora_add: b_packed is lora_pack_b(b, splits) (float32 or bfloat16 b)");
+  }
   const SlotRows groups = group_by_slot(rows, a.size(0));
   if (groups.order.empty()) return;
   const LoraShape shape{in, offsets.back(), rank, a.size(1), std::move(offsets)};
@@ -2432,7 +2675,18 @@ void lora_add(at::Tensor y, const at::Tensor& x, const at::Tensor& a, const at::
   if (x.scalar_type() == at::kBFloat16 && rank % 2 == 0) {
     std::vector<Bf16> t(groups.order.size() * shape.shrunk);
     lora_shrink_bf16(data<const Bf16>(x), data<const Bf16>(a), t.data(), groups, shape);
-    lora_expand_bf16(data<Bf16>(y), t.data(), data<const Bf16>(b), groups, shape);
+    lora_expand_bf16(data<Bf16>(y), t.data(), data<const Bf16>(b), b_packed ? data<const int32_t>(*b_packed) : nullptr,
+                     groups, shape);
+    return;
+  }
+#endif
+#ifdef SONAR_AVX2
+  if (packable && cpu_has_avx2()) {
+    const at::Tensor packed = b_packed ? *b_packed : lora_pack_b(b, splits);
+    if (x.scalar_type() == at::kFloat)
+      lora_avx2(data<float>(y), data<const float>(x), data<const float>(a), data<const uint32_t>(packed), groups, shape);
+    else
+      lora_avx2(data<Bf16>(y), data<const Bf16>(x), data<const Bf16>(a), data<const uint32_t>(packed), groups, shape);
     return;
   }
 #endif
@@ -2489,7 +2743,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                          at::TensorList kv_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                          const at::Tensor& seq_lens, at::IntArrayRef windows, int64_t num_heads, double eps,
                          double scale, at::IntArrayRef kinds, at::IntArrayRef groups, at::TensorList lora_a,
-                         at::TensorList lora_b, const std::optional<at::Tensor>& lora_rows) {
+                         at::TensorList lora_b, const std::optional<at::Tensor>& lora_rows,
+                         at::TensorList lora_b_packed) {
   const size_t layers = kv_caches.size();
   TORCH_CHECK(layers > 0 && input_norms.size() == layers && qkv.size() == layers && o.size() == layers &&
                   post_norms.size() == layers && gate_up.size() == layers && down.size() == layers &&
@@ -2506,6 +2761,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
               "sonar_cpu::decode_layers: contiguous x [seqs, hidden], one row per sequence");
   TORCH_CHECK(!lora_rows || (lora_a.size() == 4 * layers && lora_b.size() == 4 * layers),
               "sonar_cpu::decode_layers: with lora_rows, an A and a B per linear layer (four per layer)");
+  TORCH_CHECK(lora_b_packed.empty() || lora_b_packed.size() == lora_b.size(),
+              "sonar_cpu::decode_layers: lora_b_packed empty or one per entry of lora_b");
   std::vector<AnyLinear> linears;
   for (size_t l = 0; l < layers; ++l) {
     const at::Tensor* weights[4] = {&qkv[l], &o[l], &gate_up[l], &down[l]};
@@ -2518,7 +2775,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
   const at::Tensor no_rows = at::empty({0}, slot_mapping.options());
   // lora_add on the output `y` of linear layer i (of the four per layer) from its input `in`
   const auto lora = [&](at::Tensor& y, const at::Tensor& in, size_t i, at::IntArrayRef splits) {
-    if (lora_rows && lora_a[i].numel() > 0) lora_add(y, in, lora_a[i], lora_b[i], *lora_rows, splits);
+    if (!lora_rows || lora_a[i].numel() == 0) return;
+    const bool packed = !lora_b_packed.empty() && lora_b_packed[i].numel() > 0;
+    lora_add(y, in, lora_a[i], lora_b[i], *lora_rows, splits, packed ? std::optional<at::Tensor>(lora_b_packed[i]) : std::nullopt);
   };
   at::Tensor h = rms_norm(x, input_norms[0], eps), residual = x, out = x;
   for (size_t l = 0; l < layers; ++l) {
@@ -2563,13 +2822,14 @@ TORCH_LIBRARY(sonar_cpu, m) {
         "Tensor[] o, Tensor[] o_bias, Tensor[] post_norms, Tensor[] gate_up, Tensor[] mlp_bias, Tensor[] down, "
         "Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "int[] windows, int num_heads, float eps, float scale, int[] kinds, int[] groups, Tensor[] lora_a, "
-        "Tensor[] lora_b, Tensor? lora_rows) -> Tensor");
+        "Tensor[] lora_b, Tensor? lora_rows, Tensor[] lora_b_packed) -> Tensor");
   m.def("linear_quant(Tensor x, Tensor packed, Tensor? bias, int format, int out_features, int group, bool offsets) "
         "-> Tensor");
   m.def("has_linear_quant() -> bool", &has_linear_quant);
   m.def("quant_isa() -> str", &quant_isa);
   m.def("set_quant_isa(str name) -> ()", &set_quant_isa);
-  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor rows, int[] splits) -> ()");
+  m.def("lora_add(Tensor(a!) y, Tensor x, Tensor a, Tensor b, Tensor rows, int[] splits, Tensor? b_packed=None) -> ()");
+  m.def("lora_pack_b(Tensor b, int[] splits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
@@ -2584,6 +2844,7 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("linear_quant", &linear_quant);
   m.impl("decode_layers", &decode_layers);
   m.impl("lora_add", &lora_add);
+  m.impl("lora_pack_b", &lora_pack_b);
 }
 
 // --- fused mixture of experts --------------------------------------------------------------------
