@@ -17,7 +17,9 @@ leaves the lines of the checks it finished.
   the pp engine's next call; it waits for rank 0's line before it goes on).
 * ``quad`` (4 ranks): ``tp2pp2`` (greedy, seeded), then ``kill`` (rank 3 SIGKILLs itself in the
   middle of a long call; `stand_in` keeps torchrun's agent from stopping the others first).
-* ``embedded`` (3 ranks): ``tp3`` (the embedded SmolLM2, 9 heads and 3 KV heads: greedy, seeded).
+* ``embedded`` (3 ranks): ``tp3`` (the embedded SmolLM2 in float32, 9 heads and 3 KV heads:
+  greedy, seeded). Not bfloat16, which `--dtype auto` picks on CPUs with AVX512-BF16: there each
+  rank's partial sums are rounded before the all-reduce, and a seeded draw may land elsewhere.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ async def quad(rank: int, inputs: dict[str, str], report: Report) -> None:
 
 
 async def embedded(report: Report) -> None:
-    async with launched(model=None, num_gpu_blocks_override=64, tensor_parallel_size=3) as llm:
+    async with launched(model=None, dtype="float32", num_gpu_blocks_override=64, tensor_parallel_size=3) as llm:
         report.line("tp3", [await _call(llm, EMBEDDED_TEXTS, GREEDY), await _call(llm, EMBEDDED_TEXTS, SEEDED)])
 
 

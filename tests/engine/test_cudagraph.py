@@ -2,9 +2,10 @@
 
 A padded decode batch must give the real rows the same tokens as the unpadded batch and must not
 touch any KV block it does not own. Bit-exact logits are only expected for the same row count:
-CPU GEMMs (MKL) pick their kernel by the number of rows, so ``linear(x[:3])`` and
-``linear(x[:4])[:3]`` already differ in the last bits (checked below); padded rows change the
-row count, so across sizes the hidden states agree to float32 rounding (~1e-6).
+on some CPUs (the AMD EPYCs CI has run on) torch's GEMM picks its kernel by the number of rows,
+so ``linear(x[:3])`` and ``linear(x[:4])[:3]`` differ in the last bits, while on others (an Intel
+Xeon) they agree; padded rows change the row count, so across sizes the hidden states
+are held to float32 rounding (~1e-6).
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ def test_buffers_pad_with_skipped_slots_and_empty_contexts() -> None:
         b.fill(2, [1], [16], [[5]])
 
 
-def test_cpu_gemm_results_depend_on_the_row_count() -> None:
+def test_cpu_gemm_results_repeat_for_one_row_count() -> None:
+    """What the same-size case below rests on: one row count, the same bits every time."""
     torch.manual_seed(0)
     w, x = torch.randn(192, 64), torch.randn(8, 64)
-    assert torch.equal(F.linear(x[:4], w), F.linear(x[:4], w))
-    assert not all(torch.equal(F.linear(x[:3], w), F.linear(x[:m], w)[:3]) for m in (4, 5, 8))
+    for m in (3, 4, 8):
+        assert torch.equal(F.linear(x[:m], w), F.linear(x[:m], w))
 
 
 @pytest.fixture(scope="module")

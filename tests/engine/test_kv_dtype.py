@@ -3,9 +3,11 @@
 SmolLM2-135M (float32 weights, the fastest CPU dtype for a short test) generates greedily with a
 float32 KV cache and with an fp8 one: the write quantizes, attention dequantizes what it reads.
 The greedy text is not always identical: e4m3 keeps 3 mantissa bits, and at a near-tie the choice
-flips. Measured on the six prompts below, in one batch: three agree on all 20 tokens, the others
-for 13, 10 and 2 tokens. So the test holds those three to identical text, and every step up to the
-first difference (where both runs saw the same tokens) to close logits.
+flips. Which prompts flip, and where, depends on the CPU's float arithmetic: of the six prompts
+below, three agreed on all 20 tokens on one AMD EPYC and the others for 13, 10 and 2; on an Intel
+Xeon the 13 became 18. So the test holds every step up to a prompt's first difference (where both
+runs saw the same tokens) to close logits, the difference itself to a choice the float32 run
+almost made (its two logits closer than that error bound), and most tokens to agreeing.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ PROMPTS = [
     "The quick brown fox",
     "1, 2, 3, 4,",
 ]
-IDENTICAL = (0, 1, 5)
 FP8_LOGIT_RTOL = 0.15
-"""Of the largest |logit| of the prompt's steps (20-42 here). Measured here while the tokens
-agree: 1.1 to 3.4, at most 10 % of that (2.1 on logits up to 21)."""
+"""Of the largest |logit| of the prompt's steps (15-42 here). Measured while the tokens agree:
+1.1 to 3.4, at most 10 % of that (2.1 on logits up to 21). At a first difference the float32
+logits of the two tokens were 0.02 to 0.43 apart."""
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -77,12 +79,19 @@ def test_fp8_kv_cache_gives_the_same_greedy_text(smollm2: Any) -> None:
     prompts = [tok(p).input_ids for p in PROMPTS]
     auto, auto_logits = greedy(smollm2, prompts, smollm2.dtype)
     fp8, fp8_logits = greedy(smollm2, prompts, FP8_DTYPE)
-    assert [fp8[i] for i in IDENTICAL] == [auto[i] for i in IDENTICAL], [tok.decode(t) for t in fp8]
+    agreeing = 0
     for i, (a, f) in enumerate(zip(auto, fp8)):
-        same = next((step for step, (x, y) in enumerate(zip(a, f)) if x != y), NEW_TOKENS - 1)
-        want = auto_logits[: same + 1, i]
-        diff = (fp8_logits[: same + 1, i] - want).abs().max()
-        assert diff < FP8_LOGIT_RTOL * want.abs().max(), (i, float(diff))
+        same = next((step for step, (x, y) in enumerate(zip(a, f)) if x != y), NEW_TOKENS)
+        agreeing += same
+        last = min(same, NEW_TOKENS - 1)
+        want = auto_logits[: last + 1, i]
+        bound = FP8_LOGIT_RTOL * want.abs().max()
+        diff = (fp8_logits[: last + 1, i] - want).abs().max()
+        assert diff < bound, (i, float(diff))
+        if same < NEW_TOKENS:  # a near-tie in the float32 run, or fp8 changed more than rounding
+            margin = auto_logits[same, i, a[same]] - auto_logits[same, i, f[same]]
+            assert margin < bound, (i, same, float(margin), tok.decode(f))
+    assert agreeing >= NEW_TOKENS * len(prompts) // 2, [tok.decode(t) for t in fp8]
 
 
 def test_fp8_doubles_the_blocks_of_the_same_memory(tiny_engine_checkpoints) -> None:

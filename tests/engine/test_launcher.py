@@ -262,7 +262,9 @@ def test_the_embedded_model_over_three_ranks(tmp_path: Path) -> None:
     run = Torchrun(tmp_path / "out", "embedded", 3, {})
     try:
         want = _single(
-            None, [(texts, launched_rank.GREEDY), (texts, launched_rank.SEEDED)], {"num_gpu_blocks_override": 64}
+            None,
+            [(texts, launched_rank.GREEDY), (texts, launched_rank.SEEDED)],
+            {"dtype": "float32", "num_gpu_blocks_override": 64},
         )
         world = run.wait()
     finally:

@@ -151,8 +151,8 @@ def test_grouped_equals_per_expert_and_reference(
         scale = want.abs().max().item() + 1e-6
         error = (got.float() - want).abs().max().item() / scale
         assert error <= (1e-4 if dtype == torch.float32 else 2**-5), f"{error:.2e} of the output off the reference"
-        if dtype == torch.bfloat16 and isa == "portable" and "int8" in case[:2]:
-            continue  # the per-expert portable path quantizes x to int8 here: the reference decides
+        if dtype == torch.bfloat16 and isa != "avx2" and "int8" in case[:2]:
+            continue  # the per-expert portable and AVX-512 paths quantize x to int8 here: the reference decides
         bound = 1e-5 * scale if dtype == torch.float32 else 2**-7 * (per_expert.abs() + scale)
         excess = ((got.float() - per_expert).abs() - bound).max().item()
         assert excess <= 0, f"{tokens} tokens, top_k {top_k}: {excess / scale:.2e} past the bound"
