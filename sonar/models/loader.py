@@ -147,6 +147,14 @@ class LoadedModel:
         return self._tokenizer
 
 
+def _to_empty(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """`nn.Module.to_empty` (uninitialised storage with each tensor's shape, strides and dtype) by
+    ``torch.empty_strided``: ``empty_like`` of a meta tensor runs torch's Python reference, whose
+    first call imports torch.fx's symbolic shapes and sympy, ~1.5 s of CPU in every process that
+    loads a model."""
+    return module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
+
+
 def load_model(
     model: str | None = None,
     *,
@@ -244,7 +252,7 @@ def load_model(
         drop_tower(module)
     module = module.to(dtype=resolved)
     tower_in_float32(module, resolved, device)
-    module = module.to_empty(device=device)
+    module = _to_empty(module, device)
     # an embedder never computes logits; a head tied to the embeddings costs nothing and stays,
     # so a quantized checkpoint's embedding can still read its rows from the packed output layer
     if convert in ("embed", "reward") and hasattr(module, "lm_head") and not module.tie_word_embeddings:
