@@ -8,13 +8,15 @@ its supervisor over Sonar's own transport, so rendezvous, steps, pings and resta
 
 The group is placed ``STRICT_PACK`` when the serving process's Ray node can hold all of it, else
 ``PACK`` (as few nodes as Ray can). Ranks take the bundles on the serving process's node first, so
-rank 0 (which talks to the scheduler over local sockets) always runs there; a group with no bundle
-there is refused by name. A rank on this node is a child process as any other (private ipc
-sockets). A rank Ray puts on another node listens instead at ``tcp://<that node's Ray address>:
+rank 0 (which talks to the scheduler over local sockets) runs there; a group with no bundle there
+is refused by name, unless its placement says rank 0 may run `anywhere` (a data-parallel replica
+under ``--data-parallel-backend ray``: its rank 0 on another node reaches the scheduler over tcp,
+as a headless node's replica does). A rank on this node is a child process as any other (private
+ipc sockets). A rank Ray puts on another node listens instead at ``tcp://<that node's Ray address>:
 <RayBundle.port>`` (``--master-port + rank``, as a headless node's ranks do), CURVE with the
 deployment's keys (`--keys DIR`: the directory must be at the same path on every node; no secret
 travels through Ray), and the supervisor spawns the rank there as on a remote host. A spread group
-meets at a rendezvous on this node's Ray address (`RENDEZVOUS_HOST_ENV`), not on loopback.
+meets at a rendezvous on rank 0's Ray node address (`RENDEZVOUS_HOST_ENV`), not on loopback.
 
 The keeper is the host's parent: the host dies with it (``PR_SET_PDEATHSIG`` and its parent-pid
 watch), so `ray.kill` of the keeper, a SIGKILL of either process or the loss of Ray's node all end
@@ -132,6 +134,8 @@ class _Group:
     """Per rank, once Ray has placed the group."""
     here: str = ""
     """The serving process's Ray node address."""
+    meet: str = ""
+    """Rank 0's Ray node address, where the group's rendezvous listens."""
 
     @property
     def spread(self) -> bool:
@@ -170,7 +174,7 @@ async def _acquire(key: str, bundle: RayBundle) -> _Group:
         with anyio.fail_after(bundle.place_timeout):
             await ready
         if group.slots is None:
-            _place(group, size, may_spread=bundle.port is not None)
+            _place(group, size, may_spread=bundle.port is not None, anywhere=bundle.anywhere)
     except TimeoutError:
         _release(key)
         where = "on one node" if group.strategy == "STRICT_PACK" else "on the cluster"
@@ -184,15 +188,16 @@ async def _acquire(key: str, bundle: RayBundle) -> _Group:
     return group
 
 
-def _place(group: _Group, size: int, may_spread: bool) -> None:
-    """Give each rank its bundle, or refuse a placement Sonar cannot run (`RayPlacementError`)."""
+def _place(group: _Group, size: int, may_spread: bool, anywhere: bool) -> None:
+    """Give each rank its bundle, or refuse a placement Sonar cannot run (`RayPlacementError`):
+    rank 0 off the serving process's node unless `anywhere`, ranks off it unless `may_spread`."""
     here = ray.get_runtime_context().get_node_id()
     table = ray.util.placement_group_table(group.pg)["bundles_to_node_id"]
     nodes = {int(b): node for b, node in table.items()}
     addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     order = assign_bundles(nodes, here)
     elsewhere = sorted({addresses.get(n, n) for n in nodes.values() if n != here})
-    if nodes[order[0]] != here:
+    if nodes[order[0]] != here and not anywhere:
         raise RayPlacementError(
             f"Ray placed all {size} ranks on other nodes ({', '.join(elsewhere)}), none on the serving process's "
             f"({addresses.get(here, here)}): rank 0 runs there (it talks to the scheduler over local sockets); "
@@ -205,6 +210,7 @@ def _place(group: _Group, size: int, may_spread: bool) -> None:
             "over nodes with --tensor-parallel-size only"
         )
     group.here = addresses.get(here, "")
+    group.meet = addresses.get(nodes[order[0]], "")
     group.slots = [_Slot(b, None if nodes[b] == here else addresses[nodes[b]]) for b in order]
 
 
@@ -321,7 +327,7 @@ class RayRunner(ChildProcessRunner):
         env = super()._host_env()
         group = _groups.get(self.key)
         if group is not None and group.spread:
-            env[RENDEZVOUS_HOST_ENV] = group.here
+            env[RENDEZVOUS_HOST_ENV] = group.meet
         return env
 
     async def _open(self, args: list[str], env: dict[str, str]) -> Any:

@@ -49,6 +49,10 @@ class RayBundle(msgspec.Struct, frozen=True, tag="ray"):
     port: int | None = None
     """Where this rank's host listens (tcp, CURVE) when Ray places it on another node than the
     serving process's; None keeps the whole group on the serving process's node."""
+    anywhere: bool = False
+    """Rank 0 may run on another node than the serving process's too (a data-parallel replica
+    placed by Ray, ``--data-parallel-backend ray``: it reaches its scheduler over tcp, as a
+    headless node's replica does); False keeps it on the serving process's node."""
 
 
 Placement = Union[InProcess, ChildProcess, Remote]

@@ -355,6 +355,11 @@ def _check_nodes(explicit: dict[str, Any], engine: Any, headless: bool) -> None:
     """Node 0 (the one with data-parallel replica 0) serves the API; every other node runs
     --headless (`sonar.engine.nodes`); the head's address means something only with several nodes."""
     nnodes, node_rank, start = engine.nnodes, engine.node_rank, engine.data_parallel_start_rank
+    if headless and engine.data_parallel_backend == "ray":
+        raise UsageError.bad(
+            "argument --headless: not supported with --data-parallel-backend ray, where Ray places the replicas "
+            "on the cluster's nodes (no headless nodes)"
+        )
     if nnodes == 1:
         for name in ("--master-addr", "--master-port"):
             value = explicit.get(name)

@@ -534,9 +534,13 @@ GROUPS: tuple[Group, ...] = (
            "node's replica R listens on --data-parallel-rpc-port + R x (--tensor-parallel-size x "
            "--pipeline-parallel-size) + K (that rank's actor host, authenticated with --actor-keys; one rank: "
            "+ R), up to 65535.", to=E, check=port_number),
-        _f("--data-parallel-backend -dpb", S_, "mp", "How data-parallel replicas are started: 'mp' or 'ray'.",
-           why="Sonar starts its replicas itself, as processes on this machine and, on other machines, in the "
-           "actor hosts of `sonar serve --headless` ('mp'); Ray is not supported"),
+        _f("--data-parallel-backend -dpb", S_, "mp",
+           "How data-parallel replicas' workers are started: 'mp' (processes of this machine and, with "
+           "--data-parallel-size-local, the actor hosts of `sonar serve --headless` nodes) or 'ray' (Ray places "
+           "each replica's worker, or each of its ranks, over the cluster's nodes, as --distributed-executor-backend "
+           "ray does for one replica; a replica on another Ray node reaches this server's scheduler over tcp with "
+           "--actor-keys, copied to every node; no --headless nodes; needs pip install sonar[ray]).",
+           choices=("mp", "ray"), to=E),
         _f("--data-parallel-hybrid-lb -dph", B, False,
            "Hybrid load balancing: the server balances the ranks of its node, an outside balancer the nodes."),
         _f("--data-parallel-external-lb -dpe", B, False,

@@ -110,6 +110,15 @@ async def connect(sup: Supervisor, config: EngineConfig, model_name: str | None 
             tg.cancel_scope.cancel()
 
 
+def _ran_elsewhere(replicas: Replicas, index: int) -> bool:
+    """A rank of replica `index`'s worker ran on another machine (Ray placed it there,
+    ``--data-parallel-backend ray``): its actor host listened over tcp, where a host of this
+    machine listens on a private ipc socket."""
+    runner: Any = replicas.engine(index).child("worker")
+    runners = runner.child.runners if runner.kind == "supervisor" and runner.child is not None else [runner]
+    return any(str(getattr(r, "address", "")).startswith("tcp://") for r in runners)
+
+
 def _watch(
     llm: LLM, replicas: Replicas, tg: anyio.abc.TaskGroup, config: EngineConfig
 ) -> list[tuple[Supervisor, Callable[[Any], None]]]:
@@ -117,9 +126,10 @@ def _watch(
     replica, keep the router's view of the replicas current. Returns the (supervisor, listener)
     pairs added.
 
-    Only a replica on another machine has its requests moved while its worker is down: its node
-    may be gone for good. A worker of this machine comes back and recomputes its requests itself,
-    which keeps the ones that cannot move (sampling without a seed does not repeat elsewhere).
+    Only a replica on another machine (a headless node's, or one Ray placed on another node) has
+    its requests moved while its worker is down: its node may be gone for good. A worker of this
+    machine comes back and recomputes its requests itself, which keeps the ones that cannot move
+    (sampling without a seed does not repeat elsewhere).
 
     A worker of several ranks (tensor/pipeline parallelism) is a one-for-all group restarted
     inside its own supervisor: a rank's crash counts as the worker's, and rank 0 started again (the
@@ -157,7 +167,9 @@ def _watch(
                 # node may be gone for long); the restarted worker's cache starts empty. Its
                 # requests wait for it a while, then move to the replicas that serve.
                 router.set_restarting(index, True)
-                if index not in down and replica_site(config, index)[0] is not None:
+                if index not in down and (
+                    replica_site(config, index)[0] is not None or _ran_elsewhere(replicas, index)
+                ):
                     down[index] = outage = object()
                     tg.start_soon(move_if_still_down, index, outage, event.detail)
             elif event.kind == "start" and event.child == "worker":

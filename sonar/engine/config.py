@@ -153,6 +153,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     `data_parallel_size` spreads the replicas over several machines (`sonar.engine.nodes`)."""
     data_parallel_start_rank: int = 0
     """The first replica of this machine: 0 on the head, past the head's on a headless node."""
+    data_parallel_backend: str = "mp"
+    """How the replicas' workers start: ``mp`` (Sonar's own processes, on this machine and on
+    ``--headless`` nodes) or ``ray`` (each replica's worker, or each of its ranks, placed by Ray over
+    the cluster's nodes: `distributed_executor_backend` ``ray`` for every replica, see
+    `sonar.actors.ray_runner`)."""
     data_parallel_address: str | None = None
     """With replicas on several machines: the head's address, where its rendezvous store listens."""
     data_parallel_rpc_port: int | None = None
@@ -311,6 +316,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             args["max_model_len"] = parse_max_model_len(args["max_model_len"])
         if args.get("kv_cache_memory_bytes") is not None:
             args["kv_cache_memory_bytes"] = parse_memory_size(args["kv_cache_memory_bytes"])
+        if args.get("data_parallel_backend") == "ray" and args.get("distributed_executor_backend") is None:
+            args["distributed_executor_backend"] = "ray"  # Ray places every replica's ranks
         placement = args.get("placement")
         if isinstance(placement, str):  # "worker=process,detokenizer=inprocess"
             pairs = [p.split("=", 1) for p in placement.split(",") if p.strip()]
@@ -469,6 +476,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             what = f"pipeline_parallel_size {pp}"
         else:
             what = f"{tp} x {pp} ranks (tensor x pipeline)"
+        self._check_data_parallel_backend()
         backend = self.distributed_executor_backend
         if backend == "external_launcher":
             self._check_launched()
@@ -511,6 +519,50 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             raise ValueError(
                 f"KV offloading with {what} is not supported yet (each rank caches its own heads and layers); "
                 "drop one of the two"
+            )
+
+    def _check_data_parallel_backend(self) -> None:
+        """``--data-parallel-backend ray``: Ray places every replica's ranks over the cluster's
+        nodes, so what lays the replicas out over machines by hand (headless nodes) is refused by
+        name, as is an executor backend other than Ray's."""
+        backend = self.data_parallel_backend
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"--data-parallel-backend must be 'mp' or 'ray', got {backend!r}")
+        if backend == "mp":
+            return
+        if not ray_installed():
+            raise ValueError("--data-parallel-backend ray needs Ray: pip install sonar[ray]")
+        executor = self.distributed_executor_backend
+        if executor is None:  # `from_args` sets it; a config built field by field must say it
+            raise ValueError(
+                "--data-parallel-backend ray needs distributed_executor_backend 'ray' (Ray places the ranks)"
+            )
+        if executor != "ray":
+            raise ValueError(
+                "--data-parallel-backend ray places each replica's ranks with Ray, which is "
+                f"--distributed-executor-backend ray; drop --distributed-executor-backend {executor}"
+            )
+        size = self.data_parallel_size
+        why = "Ray decides which node runs each replica"
+        refused = [
+            (
+                "--data-parallel-size-local",
+                self.data_parallel_size_local not in (None, size),
+                self.data_parallel_size_local,
+            ),
+            ("--data-parallel-start-rank", self.data_parallel_start_rank != 0, self.data_parallel_start_rank),
+            ("--data-parallel-address", self.data_parallel_address is not None, self.data_parallel_address),
+            ("--data-parallel-rpc-port", self.data_parallel_rpc_port is not None, self.data_parallel_rpc_port),
+            ("--nnodes", self.nnodes != 1, self.nnodes),
+        ]
+        for flag, given, value in refused:
+            if given:
+                raise ValueError(f"{flag} {value} is not supported with --data-parallel-backend ray: {why}")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} with --data-parallel-backend ray is not "
+                "supported yet: a replica's pipeline stages answer its rank 0 over a local socket, and Ray may put "
+                "that replica on another node than the scheduler's; use --tensor-parallel-size"
             )
 
     @property

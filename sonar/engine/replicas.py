@@ -11,6 +11,9 @@ says otherwise (so the replicas compute in parallel, each on its share of the CP
 crashing takes only its process down), and its share of the memory budget (``--kv-cache-memory-bytes``
 and ``--gpu-memory-utilization`` are divided between the replicas; the CPU default KV size is divided
 by the worker, `sonar.engine.runner.plan_kv_cache`), so N replicas use no more memory than one.
+Replicas placed by Ray (``--data-parallel-backend ray``) keep the whole ``--gpu-memory-utilization``
+of the GPU their bundle holds; the other budgets are divided as for replicas of one machine (Ray
+tells where a replica runs only when it starts).
 With replicas over several machines (`sonar.engine.nodes`), a replica of a headless node has its
 worker in the actor host that node keeps for it, and the budgets are shared by the replicas of
 each machine.
@@ -58,12 +61,14 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     else:
         placement["worker"] = host
     kv_bytes = config.kv_cache_memory_bytes
+    # placed by Ray, each rank holds a GPU of its own (its bundle's) where the cluster has GPUs
+    gpu_share = 1 if config.data_parallel_backend == "ray" else size
     return msgspec.structs.replace(
         config,
         data_parallel_index=index,
         placement=placement,
         kv_cache_memory_bytes=None if kv_bytes is None else max(1, kv_bytes // size),
-        gpu_memory_utilization=config.gpu_memory_utilization / size,
+        gpu_memory_utilization=config.gpu_memory_utilization / gpu_share,
     )
 
 

@@ -199,4 +199,9 @@ def _rank_placement(config: EngineConfig, placement: Any, rank: int) -> Any:
     # last one answers rank 0 over a local socket)
     port = config.master_port + config.data_parallel_index * config.world_size + rank
     port = port if config.pipeline_parallel_size == 1 else None
-    return RayBundle(bundle=rank, bundles=config.world_size, start_timeout=placement.start_timeout, port=port)
+    # a replica Ray places (--data-parallel-backend ray) may have rank 0 on another node too: it
+    # reaches the scheduler over tcp there, as a headless node's replica does
+    anywhere = config.data_parallel_backend == "ray" and port is not None
+    return RayBundle(
+        bundle=rank, bundles=config.world_size, start_timeout=placement.start_timeout, port=port, anywhere=anywhere
+    )

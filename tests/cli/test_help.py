@@ -70,10 +70,10 @@ def test_help_all_has_every_flag() -> None:
 def test_help_shows_status_choices_and_default() -> None:
     text = render_help("decode-context-parallel-size")
     assert "Default: 1." in text and "Sonar: not supported yet; accepted only as 1." in text
-    text = render_help("data-parallel-backend")
-    assert "Sonar: not supported yet (Sonar starts its replicas itself, as processes on this machine" in " ".join(
-        text.split()
-    )
+    text = " ".join(render_help("all2all-backend").split())
+    assert "Sonar: not supported yet (Sonar's expert parallelism exchanges no tokens" in text
+    text = " ".join(render_help("data-parallel-backend").split())
+    assert "Choices: mp, ray." in text and "not supported" not in text
     text = " ".join(render_help("disable-custom-all-reduce").split())
     assert "Sonar: either value is accepted and means the same for Sonar: Sonar's all-reduce is always" in text
     text = render_help("dtype")

@@ -165,7 +165,6 @@ REFUSED_BY_GROUP: dict[str, list[list[str]]] = {
         ["--dcp-comm-backend", "a2a"],
         ["--dcp-kv-cache-interleave-size", "16"],
         ["--cp-kv-cache-interleave-size", "16"],
-        ["--data-parallel-backend", "ray"],
         ["--all2all-backend", "naive"],
         ["--ubatch-size", "8"],
         ["--dbo-decode-token-threshold", "64"],
@@ -232,10 +231,10 @@ def test_former_no_op_flags_refuse_other_values_and_say_why(usage_error, group: 
 
 
 def test_refusal_text_reads_as_one_sentence(usage_error) -> None:
-    assert usage_error("--data-parallel-backend", "ray") == (
-        "sonar serve: --data-parallel-backend is not supported yet (got ray; Sonar accepts only mp): "
-        "Sonar starts its replicas itself, as processes on this machine and, on other machines, in the "
-        "actor hosts of `sonar serve --headless` ('mp'); Ray is not supported"
+    assert usage_error("--all2all-backend", "naive") == (
+        "sonar serve: --all2all-backend is not supported yet (got naive; Sonar accepts only "
+        "allgather_reducescatter): Sonar's expert parallelism exchanges no tokens: every rank has every token "
+        "(tensor parallelism replicates them) and the all-reduce that ends each MoE layer sums the ranks' experts"
     )
 
 

@@ -245,7 +245,10 @@ DP = ["-dp", "2", "-dpl", "1", "--data-parallel-address", "10.0.0.1", "--data-pa
             [*DP, "-tp", "2", "--distributed-executor-backend", "ray"],
             "on each, not by --distributed-executor-backend ray",
         ),
-        (["--data-parallel-backend", "ray"], "--data-parallel-backend is not supported yet (got ray"),
+        (
+            [*DP, "--data-parallel-backend", "ray"],
+            "--data-parallel-size-local 1 is not supported with --data-parallel-backend ray",
+        ),
     ],
 )
 def test_replica_layouts_sonar_cannot_run_are_refused(argv: list[str], message: str) -> None:
