@@ -127,7 +127,9 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     num_redundant_experts, log_balancedness, log_balancedness_interval."""
     distributed_executor_backend: str | None = None
     """How the ranks start: ``uni`` (one worker, no group), ``mp`` (a process per rank on this
-    machine); None: ``uni`` for one rank, ``mp`` for several."""
+    machine), ``ray`` (a process per rank placed by Ray, `sonar.actors.ray_runner`) or
+    ``external_launcher`` (torchrun's processes, each one rank); None: ``uni`` for one rank, ``mp``
+    for several (``ray`` with ``data_parallel_backend`` ``ray``)."""
     distributed_timeout_seconds: float | None = None
     """Bound on the group's rendezvous and collectives (NCCL); None: torch's default."""
     cpu_distributed_timeout_seconds: float | None = None
