@@ -9,11 +9,14 @@ supervisor gives up is restarted alone while the others keep serving; only repea
 Each replica runs `replica_config`: its index, its worker in its own process unless ``--placement``
 says otherwise (so the replicas compute in parallel, each on its share of the CPU cores, and one
 crashing takes only its process down), and its share of the memory budget (``--kv-cache-memory-bytes``
-and ``--gpu-memory-utilization`` are divided between the replicas; the CPU default KV size is divided
-by the worker, `sonar.engine.runner.plan_kv_cache`), so N replicas use no more memory than one.
-Replicas placed by Ray (``--data-parallel-backend ray``) keep the whole ``--gpu-memory-utilization``
-of the GPU their bundle holds; the other budgets are divided as for replicas of one machine (Ray
-tells where a replica runs only when it starts).
+is divided between the replicas; the CPU default KV size is divided by the worker,
+`sonar.engine.runner.plan_kv_cache`), so N replicas use no more memory than one. On CUDA the
+worker takes its replica's GPUs (`on_replica_gpus`): replica i of a machine's N runs its ranks on
+GPUs ``first + i x ranks`` onwards where the machine has GPUs for every replica's ranks (each
+replica the whole ``--gpu-memory-utilization`` of its own), else every replica on the same GPUs
+with 1/N of it. Replicas placed by Ray (``--data-parallel-backend ray``) keep the whole
+``--gpu-memory-utilization`` of the GPU their bundle holds; the other budgets are divided as for
+replicas of one machine (Ray tells where a replica runs only when it starts).
 With replicas over several machines (`sonar.engine.nodes`), a replica of a headless node has its
 worker in the actor host that node keeps for it, and the budgets are shared by the replicas of
 each machine.
@@ -30,9 +33,11 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from sonar.actors import SupervisorSpec
+from sonar.actors.spec import OWN_GPU_ENV
 from sonar.engine import cores
 from sonar.engine.config import EngineConfig
 from sonar.engine.nodes import replica_site
+from sonar.engine.settings import parse_device_ids
 from sonar.engine.tree import engine_spec
 
 if TYPE_CHECKING:
@@ -61,14 +66,40 @@ def replica_config(config: EngineConfig, index: int) -> EngineConfig:
     else:
         placement["worker"] = host
     kv_bytes = config.kv_cache_memory_bytes
-    # placed by Ray, each rank holds a GPU of its own (its bundle's) where the cluster has GPUs
-    gpu_share = 1 if config.data_parallel_backend == "ray" else size
     return msgspec.structs.replace(
         config,
         data_parallel_index=index,
         placement=placement,
         kv_cache_memory_bytes=None if kv_bytes is None else max(1, kv_bytes // size),
-        gpu_memory_utilization=config.gpu_memory_utilization / gpu_share,
+    )
+
+
+def replica_gpus(config: EngineConfig, device_count: int, own_gpu: bool) -> tuple[int, int]:
+    """Where replica ``config.data_parallel_index``'s ranks compute on a machine with
+    `device_count` CUDA devices: (the CUDA index of its rank 0, the number of replicas sharing
+    each of its GPUs). Its ranks take the GPUs from that index on (`sonar.engine.ranks.rank_device`).
+    `own_gpu`: Ray gave each rank a GPU of its own (``--data-parallel-backend ray``)."""
+    first = parse_device_ids(config.device_ids) or 0
+    if config.data_parallel_size == 1 or own_gpu:
+        return first, 1
+    _, index, count = replica_site(config, config.data_parallel_index)
+    if first + count * config.world_size <= device_count:
+        return first + index * config.world_size, 1
+    return first, count
+
+
+def on_replica_gpus(config: EngineConfig) -> EngineConfig:
+    """In a replica's worker process on CUDA: `config` with the replica's first GPU as its device
+    and its share of ``--gpu-memory-utilization`` (`replica_gpus`); unchanged elsewhere."""
+    from sonar.engine.device import select_device
+
+    if config.data_parallel_size == 1 or select_device(config.device_ids).type != "cuda":
+        return config
+    import torch
+
+    first, sharing = replica_gpus(config, torch.cuda.device_count(), bool(os.environ.get(OWN_GPU_ENV)))
+    return msgspec.structs.replace(
+        config, device_ids=str(first), gpu_memory_utilization=config.gpu_memory_utilization / sharing
     )
 
 

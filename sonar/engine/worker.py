@@ -67,7 +67,7 @@ from sonar.engine import launcher, nodes, ranks
 from sonar.engine.config import EngineConfig
 from sonar.engine.device import select_device
 from sonar.engine.profiler import ProfilerConfig, TraceProfiler
-from sonar.engine.replicas import pin_to_cpu_share
+from sonar.engine.replicas import on_replica_gpus, pin_to_cpu_share
 from sonar.engine.runner import ModelRunner, UnknownRequestError
 from sonar.engine.sleep import SleepingRunner, WorkerAsleepError
 from sonar.engine.weights import WeightUpdater
@@ -173,6 +173,7 @@ class WorkerActor(Actor):
     async def started(self) -> None:
         if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
             pin_to_cpu_share(self.config)
+            self.config = on_replica_gpus(self.config)  # or on its GPUs
         self.lock = anyio.Lock()
         profiler = ProfilerConfig.parse(self.config.profiler_config)
         if profiler is not None:

@@ -25,7 +25,6 @@ import socket
 from typing import Any, Iterator
 
 import anyio
-import msgspec
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -239,7 +238,7 @@ def test_without_ray_the_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch
 
 def test_a_replica_placed_by_ray_may_have_rank_0_on_another_node() -> None:
     from sonar.actors.spec import RayBundle
-    from sonar.engine.replicas import data_parallel_spec, replica_config
+    from sonar.engine.replicas import data_parallel_spec, replica_config, replica_gpus
 
     config = EngineConfig.from_args("x", data_parallel_size=2, data_parallel_backend="ray", master_port=13000)
     tree = data_parallel_spec(config)
@@ -248,13 +247,14 @@ def test_a_replica_placed_by_ray_may_have_rank_0_on_another_node() -> None:
         RayBundle(0, 1, 900.0, port=13000, anywhere=True),
         RayBundle(0, 1, 900.0, port=13001, anywhere=True),
     ]
-    # each replica's rank has a GPU of its own (its bundle's); the byte budget is shared as on one machine
+    # each replica's rank has a GPU of its own (its bundle's): the whole share of it, on its device 0;
+    # the byte budget is shared as on one machine
     budgets = EngineConfig.from_args(
         "x", data_parallel_size=2, data_parallel_backend="ray", gpu_memory_utilization=0.8, kv_cache_memory_bytes=2**30
     )
     one = replica_config(budgets, 1)
     assert (one.gpu_memory_utilization, one.kv_cache_memory_bytes) == (0.8, 2**29)
-    assert replica_config(msgspec.structs.replace(budgets, data_parallel_backend="mp"), 1).gpu_memory_utilization == 0.4
+    assert replica_gpus(one, device_count=1, own_gpu=True) == (0, 1)
     plain = EngineConfig.from_args("x", distributed_executor_backend="ray", master_port=13000)
     (worker, *_) = data_parallel_spec(plain).children
     assert worker.placement == RayBundle(0, 1, 900.0, port=13000)  # one engine's rank 0 stays on the serving node

@@ -16,7 +16,7 @@ from sonar import SamplingParams
 from sonar.actors import ChildProcess, SupervisorSpec
 from sonar.engine.config import EngineConfig
 from sonar.engine.cores import cpu_share
-from sonar.engine.replicas import data_parallel_spec, replica_config
+from sonar.engine.replicas import data_parallel_spec, replica_config, replica_gpus
 
 pytestmark = pytest.mark.anyio
 
@@ -249,12 +249,32 @@ async def test_a_crashed_scheduler_fails_only_its_replicas_requests(llm, referen
     assert [o.text for o in outs] == reference["short"]
 
 
+@pytest.mark.parametrize(
+    ("dp", "tp", "device_ids", "gpus", "want"),
+    [
+        (2, 1, None, 2, [(0, 1), (1, 1)]),  # a GPU each, the whole --gpu-memory-utilization of it
+        (2, 2, None, 4, [(0, 1), (2, 1)]),  # replica 1's ranks on GPUs 2 and 3
+        (2, 1, "1", 3, [(1, 1), (2, 1)]),  # from --device-ids on
+        (2, 1, None, 1, [(0, 2), (0, 2)]),  # one GPU: shared, half of the share each
+        (3, 1, None, 2, [(0, 3), (0, 3), (0, 3)]),  # too few for all: all share the first
+        (2, 2, None, 3, [(0, 2), (0, 2)]),
+        (1, 2, None, 4, [(0, 1)]),  # one engine: the ranks from the first GPU, as always
+    ],
+)
+def test_each_replica_takes_its_own_gpus_where_the_machine_has_enough(
+    dp: int, tp: int, device_ids: str | None, gpus: int, want: list[tuple[int, int]]
+) -> None:
+    config = EngineConfig.from_args("x", data_parallel_size=dp, tensor_parallel_size=tp, device_ids=device_ids)
+    placed = [replica_gpus(replica_config(config, i) if dp > 1 else config, gpus, own_gpu=False) for i in range(dp)]
+    assert placed == want
+
+
 def test_replicas_share_the_memory_budget_and_run_their_workers_in_processes() -> None:
     config = EngineConfig.from_args(None, data_parallel_size=2, kv_cache_memory_bytes="1G", gpu_memory_utilization=0.8)
     second = replica_config(config, 1)
     assert second.data_parallel_index == 1 and second.data_parallel_size == 2
     assert second.kv_cache_memory_bytes == config.kv_cache_memory_bytes // 2
-    assert second.gpu_memory_utilization == pytest.approx(0.4)
+    assert second.gpu_memory_utilization == 0.8  # the worker divides it where replicas share a GPU
     assert second.placement["worker"] == "process"
     spec = data_parallel_spec(config)
     assert spec.name == "engine" and spec.strategy == "one_for_one"
