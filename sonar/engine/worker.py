@@ -173,7 +173,7 @@ class WorkerActor(Actor):
     async def started(self) -> None:
         if self.own_process:  # a data-parallel replica's worker computes on its share of the cores
             pin_to_cpu_share(self.config)
-            self.config = on_replica_gpus(self.config)  # or on its GPUs
+        self.config = on_replica_gpus(self.config)  # or on its GPUs
         self.lock = anyio.Lock()
         profiler = ProfilerConfig.parse(self.config.profiler_config)
         if profiler is not None:
