@@ -61,6 +61,13 @@ def tiny_engine_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[st
     return out
 
 
+@pytest.fixture(scope="module")
+def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
+    """The tiny Llama (4 query heads, 2 KV heads: one KV head per rank of two) that the modules of
+    ranks, replicas and nodes serve."""
+    return tiny_engine_checkpoints["llama3"]
+
+
 def greedy_texts(path: Path, prompts: list[str], max_tokens: int) -> list[str]:
     """One engine's greedy texts of `prompts` (float32, one worker, in this process): what a layout
     over ranks, replicas or nodes must reproduce."""

@@ -114,11 +114,6 @@ class Torchrun:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
-@pytest.fixture(scope="module")
 def inputs(llama: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     adapter = make_adapter(llama.hf, tmp_path_factory.mktemp("adapter"), seed=1)
     return {"llama": str(llama.path), "adapter": str(adapter.path)}

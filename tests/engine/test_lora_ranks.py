@@ -44,11 +44,6 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
-@pytest.fixture(scope="module")
 def adapters(llama: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, list]]:
     """Each adapter's folder and transformers+peft's greedy tokens for `TEXTS` with it."""
     from peft import LoraConfig, get_peft_model

@@ -90,11 +90,6 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per node
-
-
-@pytest.fixture(scope="module")
 def single_texts(llama: TinyCheckpoint) -> list[str]:
     """The single worker's greedy texts of `PROMPTS` (tp = 1, in this process)."""
     return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)

@@ -41,11 +41,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3, prompt_logprobs=2)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=NEW_TOKENS, ignore_eos=True)
 

@@ -53,11 +53,6 @@ def ray_runtime() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
-@pytest.fixture(scope="module")
 async def single(llama: TinyCheckpoint) -> tuple[list[list[int]], list[str], list[str]]:
     """The single worker's greedy tokens and texts of `TEXTS`, and its texts of `PROMPTS`."""
     async with sonar.open(str(llama.path), **BASE) as llm:

@@ -57,11 +57,6 @@ def anyio_backend() -> str:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]
-
-
-@pytest.fixture(scope="module")
 def reference(llama: TinyCheckpoint) -> list[str]:
     """One engine's greedy texts of `PROMPTS`."""
     return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)

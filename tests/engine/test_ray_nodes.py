@@ -77,11 +77,6 @@ def cluster(deployment: Path) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
-@pytest.fixture(scope="module")
 async def single(llama: TinyCheckpoint, deployment: Path) -> tuple[list[list[int]], list[str]]:
     """The single worker's greedy tokens of `TEXTS` and texts of `PROMPTS`."""
     async with sonar.open(str(llama.path), **BASE) as llm:

@@ -77,11 +77,6 @@ def _headless(args: list[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]  # 4 query heads, 2 KV heads: one KV head per rank
-
-
-@pytest.fixture(scope="module")
 def single_texts(llama: TinyCheckpoint) -> list[str]:
     """One engine's greedy texts of `PROMPTS` (dp = 1, tp = 1, in this process)."""
     return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)

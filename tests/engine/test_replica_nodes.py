@@ -55,11 +55,6 @@ def _dp_args(path: Path, keys: Path, port: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]
-
-
-@pytest.fixture(scope="module")
 def single_texts(llama: TinyCheckpoint) -> list[str]:
     """One engine's greedy texts of `PROMPTS` (dp = 1, in this process)."""
     return greedy_texts(llama.path, PROMPTS, MAX_TOKENS)

@@ -32,11 +32,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="module")
-def llama(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> TinyCheckpoint:
-    return tiny_engine_checkpoints["llama3"]
-
-
 async def _run(path: Any, **args: Any) -> tuple[list[list[int]], list[list[int]], Any]:
     async with sonar.open(str(path), **BASE, **args) as llm:
         greedy = await llm.generate_many(TEXTS, GREEDY)
