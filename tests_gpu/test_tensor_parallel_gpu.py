@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import sonar
-from tests.engine.conftest import save_word_tokenizer, spread_weights
 
 pytestmark = [
     pytest.mark.anyio,
@@ -25,28 +24,6 @@ NEW_TOKENS = 24
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=301,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    spread_weights(hf)
-    path = tmp_path_factory.mktemp("tp-gpu")
-    hf.save_pretrained(str(path))
-    save_word_tokenizer(path, config.vocab_size)
-    return path
 
 
 async def _greedy(monkeypatch: pytest.MonkeyPatch, path: Path, **args) -> list[tuple[list[int], list[float]]]:
