@@ -2351,6 +2351,15 @@ inline void prefetch_range(const void* p, int64_t bytes, int64_t& budget) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
 }
 
+// prefetch_range of `bytes` from `first + slot * stride` (elements of T) for each slot some
+// position uses, within one kLoraPrefetchBytes budget: a work item's share of the slots' factors.
+template <typename T>
+inline void prefetch_slots(const T* first, int64_t stride, int64_t bytes, const SlotRows& g) {
+  int64_t budget = kLoraPrefetchBytes;
+  for (int64_t slot = 0; slot < g.slots(); ++slot)
+    if (g.starts[slot] < g.starts[slot + 1]) prefetch_range(first + slot * stride, bytes, budget);
+}
+
 // at(p) for the kLoraRows positions from p0, the last one before `end` repeated past it (a short
 // block computes that row again rather than branching; only valid rows are stored).
 template <typename P, typename F>
@@ -2392,10 +2401,7 @@ __attribute__((target("avx2,fma"))) void lora_shrink_avx2(const float* xf, const
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.shrunk * in;
   at::parallel_for(0, blocks, lora_grain(blocks, work), [&](int64_t begin, int64_t end) {
     const int64_t first_row = begin * W, rows = std::min(end * W, s.shrunk) - first_row;
-    int64_t budget = kLoraPrefetchBytes;
-    for (int64_t slot = 0; slot < g.slots(); ++slot)
-      if (g.starts[slot] < g.starts[slot + 1])
-        prefetch_range(a + (slot * s.shrunk + first_row) * in, rows * in * sizeof(T), budget);
+    prefetch_slots(a + first_row * in, s.shrunk * in, rows * in * sizeof(T), g);
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const T* as = a + slot * s.shrunk * in;
@@ -2447,10 +2453,7 @@ __attribute__((target("avx2,fma"))) void lora_expand_avx2(T* y, const float* tf,
   const int64_t pairs = (s.rank + 1) / 2, count = tiles.count(), tile_words = (kPairs ? pairs : s.rank) * 16;
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.out * s.rank;
   at::parallel_for(0, count, lora_grain(count, work), [&](int64_t begin, int64_t end) {
-    int64_t budget = kLoraPrefetchBytes;
-    for (int64_t slot = 0; slot < g.slots(); ++slot)
-      if (g.starts[slot] < g.starts[slot + 1])
-        prefetch_range(packed + (slot * count + begin) * tile_words, (end - begin) * tile_words * 4, budget);
+    prefetch_slots(packed + begin * tile_words, count * tile_words, (end - begin) * tile_words * 4, g);
     const __m256i high_half = _mm256_set1_epi32(int32_t(0xffff0000u));
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
@@ -2526,10 +2529,7 @@ void lora_shrink_bf16(const Bf16* x, const Bf16* a, Bf16* t, const SlotRows& g, 
   const int64_t work = static_cast<int64_t>(g.order.size()) * s.shrunk * in;
   at::parallel_for(0, blocks, lora_grain(blocks, work), [&](int64_t begin, int64_t end) {
     const int64_t first_row = begin * W, rows = std::min(end * W, s.shrunk) - first_row;
-    int64_t budget = kLoraPrefetchBytes;
-    for (int64_t slot = 0; slot < g.slots(); ++slot)
-      if (g.starts[slot] < g.starts[slot + 1])
-        prefetch_range(a + (slot * s.shrunk + first_row) * in, rows * in * 2, budget);
+    prefetch_slots(a + first_row * in, s.shrunk * in, rows * in * 2, g);
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const Bf16* as = a + slot * s.shrunk * in;
@@ -2604,12 +2604,8 @@ void lora_expand_bf16(Bf16* y, const Bf16* t, const Bf16* b, const int32_t* prep
     std::vector<int32_t> packed(prepacked ? 0 : pairs * 16);
     const int64_t first_column = tile_of.column[begin];
     const int64_t span = (end < tiles ? tile_of.column[end] : s.out) - first_column;  // this thread's columns
-    int64_t budget = kLoraPrefetchBytes;
-    for (int64_t slot = 0; slot < g.slots(); ++slot)
-      if (g.starts[slot] < g.starts[slot + 1]) {
-        if (prepacked) prefetch_range(prepacked + (slot * tiles + begin) * pairs * 16, (end - begin) * pairs * 64, budget);
-        else prefetch_range(b + (slot * s.out + first_column) * s.rank, span * s.rank * 2, budget);
-      }
+    if (prepacked) prefetch_slots(prepacked + begin * pairs * 16, tiles * pairs * 16, (end - begin) * pairs * 64, g);
+    else prefetch_slots(b + first_column * s.rank, s.out * s.rank, span * s.rank * 2, g);
     for (int64_t slot = 0; slot < g.slots(); ++slot) {
       const int64_t from = g.starts[slot], to = g.starts[slot + 1];
       const int32_t* bs = reinterpret_cast<const int32_t*>(b + slot * s.out * s.rank);
