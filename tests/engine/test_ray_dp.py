@@ -38,7 +38,7 @@ from sonar.engine.client import _ran_elsewhere
 from sonar.engine.config import EngineConfig
 from sonar.sampling_params import SamplingParams
 from tests.engine.conftest import TinyCheckpoint, greedy_texts
-from tests.engine.test_ray_nodes import _environ
+from tests.engine.test_ray_nodes import _environ, two_ray_nodes
 from tests.http.conftest import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("one_thread")]
@@ -68,15 +68,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     keys (the second node's worker reads the same directory, as a copy at the same path on
     another machine)."""
     keys.configure(keys.keygen(tmp_path_factory.mktemp("ray-dp") / "keys"))
-    nodes = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
     try:
-        nodes.add_node(**NODE)
-        nodes.wait_for_nodes()
-        ray.init(address=nodes.address, log_to_driver=False)
-        yield nodes
+        yield from two_ray_nodes(NODE)
     finally:
-        ray.shutdown()
-        nodes.shutdown()
         keys.configure(None)
 
 

@@ -62,18 +62,24 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         keys.configure(None)
 
 
-@pytest.fixture(scope="module")
-def cluster(deployment: Path) -> Iterator[Cluster]:
-    """Two Ray nodes of one CPU each; this process joins at the head."""
-    nodes = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+def two_ray_nodes(node: dict[str, Any]) -> Iterator[Cluster]:
+    """A real two-raylet Ray cluster, each node started with `node`'s arguments; this process
+    joins at the head until the generator ends."""
+    nodes = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     try:
-        nodes.add_node(**NODE)
+        nodes.add_node(**node)
         nodes.wait_for_nodes()
         ray.init(address=nodes.address, log_to_driver=False)
         yield nodes
     finally:
         ray.shutdown()
         nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(deployment: Path) -> Iterator[Cluster]:
+    """Two Ray nodes of one CPU each; this process joins at the head."""
+    yield from two_ray_nodes(NODE)
 
 
 @pytest.fixture(scope="module")
