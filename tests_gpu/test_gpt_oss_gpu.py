@@ -3,7 +3,7 @@
 torch reference, the fused MoE operator's GPT-OSS option (expert biases, clamped SwiGLU) at its
 expert shapes against the per-expert reference and in a CUDA graph, and a tiny GPT-OSS through the
 whole engine on CUDA (eager, CUDA graphs, and -O2's torch.compile + graphs) giving the CPU path's
-greedy tokens, float32."""
+greedy tokens, float32, with dense experts and with MXFP4 ones."""
 
 from __future__ import annotations
 
@@ -141,18 +141,24 @@ async def test_tiny_gpt_oss_on_gpu_equals_cpu(monkeypatch: pytest.MonkeyPatch, t
 
 
 @pytest.mark.anyio
-async def test_mxfp4_checkpoint_on_gpu_needs_dequantize_weights(
+async def test_mxfp4_checkpoint_on_gpu_serves_the_experts_quantized(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """A published-layout MXFP4 checkpoint on CUDA: refused without --dequantize-weights (the
-    quantized experts run on the CPU only), and with it the CPU's quantized greedy tokens."""
-    from sonar.models.errors import ModelLoadError
+    """A published-layout MXFP4 checkpoint on CUDA: the experts stay MXFP4 on the Triton backend
+    (its grouped GEMM), and the engine gives the CPU's quantized greedy tokens eagerly and in CUDA
+    graphs; ``--dequantize-weights`` gives them too."""
     from sonar.models.loader import load_model
+    from sonar.models.moe import QuantizedExperts
     from tests.models.quantization.test_mxfp4 import write_mxfp4_checkpoint
 
     write_mxfp4_checkpoint(tmp_path)
-    with pytest.raises(ModelLoadError, match="CPU only, not on cuda.*--dequantize-weights"):
-        load_model(str(tmp_path), dtype="float32", device="cuda")
+    loaded = load_model(str(tmp_path), dtype="float32", device="cuda")
+    blocks = [m for m in loaded.model.modules() if isinstance(m, QuantizedExperts)]
+    assert blocks and all(e.gate_up_proj.backend.name == "triton" for b in blocks for e in b)
     cpu = await _greedy(monkeypatch, tmp_path, "cpu", enforce_eager=True)
-    gpu = await _greedy(monkeypatch, tmp_path, "cuda", enforce_eager=True, dequantize_weights=True)
-    assert gpu == cpu
+    eager = await _greedy(monkeypatch, tmp_path, "cuda", enforce_eager=True)
+    graphs = await _greedy(monkeypatch, tmp_path, "cuda", cudagraph_capture_sizes=[1, 2, 4], optimization_level=1)
+    dequantized = await _greedy(monkeypatch, tmp_path, "cuda", enforce_eager=True, dequantize_weights=True)
+    assert eager == cpu
+    assert graphs == cpu
+    assert dequantized == cpu

@@ -1,14 +1,18 @@
 """The fused MoE experts compiled for the GPU (`sonar/kernels/triton/fused_moe.py`) at Qwen3-MoE- and
 Mixtral-shaped layers against the per-expert reference, and captured in a CUDA graph (the routing
-changes between replays; the launch grid does not)."""
+changes between replays; the launch grid does not); quantized experts (`QuantizedExperts` on the
+Triton backend: int4 with offsets, MXFP4) through the same grouped GEMM over their packed values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sonar.kernels import moe
+from sonar.kernels import moe, quant
+from sonar.kernels.quant import QuantizedWeight
+from sonar.kernels.quant_linear import QuantLinear
 from sonar.kernels.triton import fused_moe
+from sonar.models.moe import QuantizedExperts
 from sonar.models.parallel import TensorParallel
 
 #: bfloat16 GEMMs accumulated in float32 in both; rows rounded at different points (values O(1)).
@@ -118,3 +122,92 @@ def test_eplb_replicas_sum_to_the_whole_layer_in_a_cuda_graph() -> None:
     torch.testing.assert_close(total, want.float(), atol=6e-2, rtol=3e-2)
     counted = torch.bincount(ids.reshape(-1), minlength=experts)
     assert all(torch.equal(m.load, counted) for m in maps)
+
+
+# --- quantized experts: the grouped GEMM over the packed values ---------------------------------------
+
+#: format, tokens, hidden, experts, intermediate, top-k, GPT-OSS's biases and clamped SwiGLU: GGUF's
+#: Q4_1 / Q4_K layout (int4 in groups of 32 with offsets) at Qwen3-30B-A3B's shapes, MXFP4 at gpt-oss-20b's
+QUANTIZED = {
+    "qwen3_moe_int4_decode": ("int4", 8, 2048, 128, 768, 8, False),
+    "qwen3_moe_int4_prefill": ("int4", 300, 2048, 128, 768, 8, False),
+    "gpt_oss_mxfp4_decode": ("mxfp4", 8, 2880, 32, 2880, 4, True),
+}
+
+
+def _quantized_weight(fmt: str, n: int, k: int) -> QuantizedWeight:
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+    if fmt == "mxfp4":
+        exponents = torch.randint(118, 124, (n, k // 32), device="cuda")
+        return QuantizedWeight("mxfp4", codes, quant.mxfp4_scales(exponents), None, 32)
+    scales = (0.5 + torch.rand(n, k // 32, device="cuda")) / (4 * k**0.5)
+    return QuantizedWeight("int4", codes, scales, -7.5 * scales, 32)
+
+
+def _quantized_case(name: str) -> tuple[QuantizedExperts, list[QuantizedWeight], list[QuantizedWeight], tuple]:
+    fmt, n, h, experts, inter, top_k, gpt_oss = QUANTIZED[name]
+    block = QuantizedExperts(
+        experts,
+        h,
+        inter,
+        swiglu_limit=7.0 if gpt_oss else None,
+        bias_device=torch.device("cuda"),
+        bias_dtype=torch.bfloat16,
+    )
+    w13 = [_quantized_weight(fmt, 2 * inter, h) for _ in range(experts)]
+    w2 = [_quantized_weight(fmt, h, inter) for _ in range(experts)]
+    for expert, gate_up, down in zip(block, w13, w2, strict=True):
+        expert.gate_up_proj, expert.down_proj = QuantLinear(gate_up, None), QuantLinear(down, None)
+        assert expert.gate_up_proj.backend.name == "triton"
+    if gpt_oss:
+        block.gate_up_proj_bias.data.copy_(torch.randn(experts, 2 * inter, device="cuda") / 8)
+        block.down_proj_bias.data.copy_(torch.randn(experts, h, device="cuda") / 8)
+    x = torch.randn(n, h, device="cuda").to(torch.bfloat16)
+    weights, ids = moe.route(torch.randn(n, experts, device="cuda"), top_k, True)
+    return block, w13, w2, (x, weights, ids)
+
+
+def _quantized_reference(block: QuantizedExperts, w13: list, w2: list, x: torch.Tensor, weights, ids) -> torch.Tensor:
+    b13 = None if block.gate_up_proj_bias is None else block.gate_up_proj_bias.float()
+    b2 = None if block.down_proj_bias is None else block.down_proj_bias.float()
+    return moe.fused_experts_reference(
+        x.float(),
+        weights,
+        ids,
+        torch.stack([quant.dequantize(w) for w in w13]),
+        torch.stack([quant.dequantize(w) for w in w2]),
+        b13,
+        b2,
+        swiglu_limit=block.swiglu_limit,
+        swiglu_alpha=block.swiglu_alpha,
+    )
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_experts_run_grouped_and_match_the_reference(name: str) -> None:
+    """The block stacks its Triton packings and runs as two grouped launches: within 2^-5 of the
+    output's scale of the dequantized float32 reference and of the per-expert path (bfloat16
+    intermediates on both sides)."""
+    block, w13, w2, (x, weights, ids) = _quantized_case(name)
+    got = block(x, weights, ids)
+    stacked = block.stacked()
+    assert stacked is not None and stacked.backend == "triton"
+    want = _quantized_reference(block, w13, w2, x, weights, ids)
+    scale = want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= 2**-5 * scale
+    assert (got.float() - block.per_expert(x, weights, ids).float()).abs().max().item() <= 2**-5 * scale
+
+
+def test_quantized_experts_in_a_cuda_graph_replay_new_routing() -> None:
+    """No host sync on the grouped path: the block is captured once and follows new routing."""
+    block, w13, w2, (x, weights, ids) = _quantized_case("qwen3_moe_int4_decode")
+    block(x, weights, ids)  # stacks the packings and compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = block(x, weights, ids)
+    new_weights, new_ids = moe.route(torch.randn(ids.shape[0], len(w13), device="cuda"), ids.shape[1], True)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    want = _quantized_reference(block, w13, w2, x, weights, ids)
+    assert (out.float() - want).abs().max().item() <= 2**-5 * want.abs().max().item()

@@ -103,8 +103,9 @@ def main() -> None:
     for key in args.shapes:
         shape = SHAPES[key]
         block = layer(shape, gen)
-        assert block.stacked() is not None
-        nbytes = block.stacked().gate_up.nbytes + block.stacked().down.nbytes  # type: ignore[union-attr]
+        stacked = block.stacked()
+        assert stacked is not None
+        nbytes = stacked.nbytes
         print(f"== {shape.name}: {shape.experts} experts, top {shape.top_k}, {nbytes / 2**20:.0f} MiB of experts")
         for tokens in args.tokens:
             x = torch.randn(tokens, shape.hidden, generator=gen).to(torch.bfloat16)

@@ -27,7 +27,8 @@ feed the same `fused_experts`.
   sums each token's weighted rows in float32 (in expert order, as the reference does);
 * CUDA, the Triton grouped GEMM (`sonar.kernels.triton.fused_moe`): the pairs sorted by expert
   and padded to the GEMM's row block, one launch per projection whatever the mix of experts, no
-  host sync (CUDA graphs capture it);
+  host sync (CUDA graphs capture it); quantized experts (`sonar.models.moe.QuantizedExperts`) call
+  it with their stacked packings;
 * elsewhere `fused_experts_reference`, a per-expert loop that states the contract: each expert's
   activations in the input dtype (silu-and-mul rounded as the model's MLP rounds it), the
   weighted sum over a token's experts accumulated in float32 and rounded once.

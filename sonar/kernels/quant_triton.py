@@ -4,9 +4,11 @@ for FP8 weights with per-channel scales where the GPU runs FP8 matmuls.
 
 Packed tensors (`TritonBackend.pack`; the layer keeps nothing else):
 
-- ``qweight``: the values transposed to ``[K, N]`` (int8, or FP8's bits as uint8), int4 two per
-  byte along K, ``[K // 2, N]``; ``scales`` and ``offsets`` ``[K // group, N]`` float32 as the
-  logical layout holds them (exact; fp16 scales would round GGUF K-quant scales);
+- ``qweight``: the values transposed to ``[K, N]`` (int8, or FP8's bits as uint8), int4 and
+  MXFP4's codes two per byte along K, ``[K // 2, N]``; ``scales`` and ``offsets`` ``[K // group, N]``
+  float32 as the logical layout holds them (exact; fp16 scales would round GGUF K-quant scales),
+  MXFP4's ``exponents`` ``[K // 32, N]`` uint8 instead of scales (17 bytes per 32 weights, as
+  the other backends keep them);
 - ``fp8_weight`` ``[N, K]`` float8_e4m3fn and ``fp8_scale`` ``[1, N]`` instead, for
   ``torch._scaled_mm``: FP8 with one scale per output row (``group == K``), no offsets, on a GPU
   of compute capability 8.9 or newer whose torch runs row-wise scaled FP8 matmuls. Activations
@@ -90,14 +92,17 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack((low, high), dim=1).reshape(-1, packed.shape[1]).t()
 
 
+def scales_of(packed: dict[str, Tensor]) -> Tensor:
+    """The packed scales the kernel reads: float32 ``scales``, or MXFP4's ``exponents``."""
+    return packed["scales"] if "scales" in packed else packed["exponents"]
+
+
 class TritonBackend:
     """Quantized linear layers on CUDA through Triton (and ``torch._scaled_mm`` for FP8)."""
 
     name = "triton"
 
     def serves(self, qw: QuantizedWeight) -> bool:
-        if qw.format == "mxfp4":  # no Triton kernel: the reference backend serves it, at its size
-            return False
         return qw.values.is_cuda and ops.use_triton(qw.values) and _kernels().check_group(qw.group, qw.in_features)
 
     def pack(self, qw: QuantizedWeight) -> dict[str, Tensor]:
@@ -106,12 +111,15 @@ class TritonBackend:
             packed["fp8_weight"] = qw.values.contiguous()
             packed["fp8_scale"] = qw.scales.reshape(1, -1).contiguous()
         else:
-            if qw.format == "int4":
+            if qw.format in ("int4", "mxfp4"):
                 packed["qweight"] = pack_int4(qw.values)
             else:
                 values = qw.values.view(torch.uint8) if qw.format == "fp8" else qw.values
                 packed["qweight"] = values.t().contiguous()
-            packed["scales"] = qw.scales.t().contiguous()
+            if qw.format == "mxfp4":
+                packed["exponents"] = quant.mxfp4_exponents(qw.scales).t().contiguous()
+            else:
+                packed["scales"] = qw.scales.t().contiguous()
             if qw.offsets is not None:
                 packed["offsets"] = qw.offsets.t().contiguous()
         if qw.perm is not None:
@@ -125,7 +133,7 @@ class TritonBackend:
         if "fp8_weight" in packed:
             return self._scaled_mm(x, packed["fp8_weight"], packed["fp8_scale"], bias)
         return _kernels().quant_matmul(
-            x, packed["qweight"], packed["scales"], packed.get("offsets"), meta.format, meta.group, bias
+            x, packed["qweight"], scales_of(packed), packed.get("offsets"), meta.format, meta.group, bias
         )
 
     def _scaled_mm(self, x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
@@ -142,13 +150,15 @@ class TritonBackend:
             values, scales, offsets = packed["fp8_weight"][index], packed["fp8_scale"][0, index, None], None
         else:
             columns = packed["qweight"][:, index]
-            if meta.format == "int4":
+            if meta.format in ("int4", "mxfp4"):
                 values = unpack_int4(columns)
             elif meta.format == "fp8":
                 values = columns.t().view(torch.float8_e4m3fn)
             else:
                 values = columns.t()
-            scales = packed["scales"][:, index].t()
+            scales = scales_of(packed)[:, index].t()
+            if meta.format == "mxfp4":
+                scales = quant.mxfp4_scales(scales)
             offsets = packed["offsets"][:, index].t() if "offsets" in packed else None
         picked = QuantizedWeight(meta.format, values, scales, offsets, meta.group, packed.get("perm"))
         return quant.dequantize(picked, dtype)

@@ -214,11 +214,6 @@ class GptOssForCausalLM(DecoderForCausalLM):
                     f"quantized and some not ({lacking[0]} is not); serve it with --dequantize-weights"
                 )
             device = experts.gate_up_proj.device
-            if device.type != "cpu":
-                raise ModelLoadError(
-                    f"GptOssForCausalLM: quantized experts run on the CPU only, not on {device.type}; "
-                    "serve it with --dequantize-weights"
-                )
             for e in range(count):
                 gate, up = f"{prefix}.{e}.gate_proj", f"{prefix}.{e}.up_proj"
                 try:

@@ -26,11 +26,11 @@ the dense layers stay tensor-parallel. A rank copies only its experts' checkpoin
 GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file stores in a block
 type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
 `QuantLinear` per expert and projection, their packings stacked per projection on the first
-forward, and the block runs as one native call (``torch.ops.sonar_cpu.moe_quant``: the pairs
-grouped by expert inside the kernel, each active expert's rows through its tiles, the weighted sum
-in float32); experts that cannot be stacked run the per-expert loop (`QuantizedExperts.per_expert`).
-Served on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
-refused by name (serve it with ``--dequantize-weights``).
+forward, and the block runs as one grouped call: on the CPU the native ``sonar_cpu::moe_quant``
+(the pairs grouped by expert inside the kernel, each active expert's rows through its tiles, the
+weighted sum in float32), on CUDA the Triton grouped GEMM over the packed values; experts that
+cannot be stacked run the per-expert loop (`QuantizedExperts.per_expert`). Split by tensor or
+expert parallelism, such a file is refused by name (serve it with ``--dequantize-weights``).
 
 Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
 checkpoints (GPTQ, AWQ, FP8, ...; unless dequantized), LoRA adapters, EAGLE heads, the native fused
@@ -39,9 +39,11 @@ decode loop (these layers are not the ones it computes; `sonar.models.fused` ski
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -52,6 +54,7 @@ from sonar.kernels.moe import activation, fused_experts, route
 from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
 from sonar.kernels.quant_cpu import ACTIVATION_DTYPES, FORMAT_CODES
 from sonar.kernels.quant_linear import QuantLinear, QuantMeta
+from sonar.kernels.quant_triton import scales_of
 from sonar.log import get_logger
 from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.eplb import ExpertMap
@@ -59,6 +62,20 @@ from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
 
 log = get_logger("sonar.moe")
+
+
+@functools.cache
+def _triton_moe() -> ModuleType:
+    """`sonar.kernels.triton.fused_moe`, imported on the first grouped call on CUDA (importing
+    this module never imports Triton)."""
+    from sonar.kernels.triton import fused_moe
+
+    return fused_moe
+
+
+def _triton_parts(packed: dict[str, Tensor]) -> dict[str, Tensor | None]:
+    """A projection's stacked Triton packing as `PackedExperts`' tensors."""
+    return {"values": packed["qweight"], "scales": scales_of(packed), "offsets": packed.get("offsets")}
 
 
 @dataclass(frozen=True)
@@ -110,31 +127,47 @@ class ExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
 
+#: The backends whose packings of a block's experts stack into one grouped operator, with the
+#: packed tensors each one stacks (those of them a layer has).
+GROUPED_BACKENDS = {"native": ("packed",), "triton": ("qweight", "scales", "exponents", "offsets")}
+
+
 @dataclass(frozen=True)
 class StackedExperts:
-    """A block's packed expert weights as ``sonar_cpu::moe_quant`` reads them: per projection one
-    uint8 tensor ``[E, tiles, groups, bytes]`` (the experts' `sonar.kernels.quant_cpu.pack`
-    outputs, stacked) and the format they share."""
+    """A block's packed expert weights as its grouped operator reads them: per projection each
+    packed tensor of the experts' layers stacked on a new first dimension, by name (``native``:
+    ``packed`` ``[E, tiles, groups, bytes]`` for ``sonar_cpu::moe_quant``; ``triton``: ``qweight``
+    ``[E, K or K / 2, N]`` and ``scales`` / ``exponents`` / ``offsets`` ``[E, K / group, N]`` for
+    `sonar.kernels.triton.fused_moe`), and the format they share."""
 
-    gate_up: Tensor
-    down: Tensor
+    backend: str
+    gate_up: dict[str, Tensor]
+    down: dict[str, Tensor]
     gate_up_meta: QuantMeta
     down_meta: QuantMeta
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for part in (self.gate_up, self.down) for t in part.values())
 
 
 class QuantizedExperts(nn.ModuleList):
     """The experts of a block as quantized layers, one `ExpertMLP` per (local) expert; computes
     what `sonar.kernels.moe.fused_experts_reference` states.
 
-    On the CPU with the native kernels (``torch.ops.sonar_cpu.moe_quant``) one call computes the
-    block: its experts' packings stacked per projection (`stacked`, made on the first forward; each
-    expert's layer then views its slice, so the bytes are held once), the pairs grouped by expert
-    inside the kernel, each active expert's rows through its tiles, the weighted sum in float32.
-    Experts whose packings cannot be stacked (formats or groups that differ between experts of a
-    block, an act-order permutation, another backend) run the per-expert path (`per_expert`: each
+    One grouped call computes the block where its experts' layers share a backend that has one
+    (`GROUPED_BACKENDS`): their packings stacked per projection (`stacked`, made on the first
+    forward; each expert's layer then views its slice, so the bytes are held once). On the CPU,
+    the native kernels' ``torch.ops.sonar_cpu.moe_quant``: the pairs grouped by expert inside the
+    kernel, each active expert's rows through its tiles, the weighted sum in float32. On CUDA, the
+    Triton grouped GEMM (`sonar.kernels.triton.fused_moe`, the unquantized experts' kernel reading
+    the packed values and scales): the pairs sorted by expert on the device, one launch per
+    projection, no host sync. Experts whose packings cannot be stacked (formats or groups that
+    differ between experts of a block, an act-order permutation, FP8 packed for
+    ``torch._scaled_mm``, the reference backend) run the per-expert path (`per_expert`: each
     active expert's rows through its own `QuantLinear`s, one kernel call per expert and
-    projection), as do float16 activations and machines without the native kernels; the same
-    products up to float rounding.
+    projection), as do float16 activations on the CPU and machines without the native kernels;
+    the same products up to float rounding.
 
     GPT-OSS's experts (`swiglu_limit` set) also have biases, ``gate_up_proj_bias`` ``[E, 2 I]`` and
     ``down_proj_bias`` ``[E, h]`` (real tensors on `bias_device` in `bias_dtype`, for the
@@ -177,19 +210,32 @@ class QuantizedExperts(nn.ModuleList):
     def forward(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """``x`` ``[n, h]`` through the experts `ids` ``[n, top_k]`` chose (-1: another rank's),
         weighted by `weights`; the weighted sum in float32, rounded once to ``x``'s dtype."""
-        stacked = self.stacked() if x.device.type == "cpu" and x.dtype in ACTIVATION_DTYPES else None
-        if stacked is None:
+        stacked = self.stacked()
+        if stacked is None or (stacked.backend == "native" and x.dtype not in ACTIVATION_DTYPES):
             return self.per_expert(x, weights, ids)
         up, down = stacked.gate_up_meta, stacked.down_meta
+        if stacked.backend == "triton":
+            kernels = _triton_moe()
+            return kernels.fused_experts(
+                x,
+                weights,
+                ids,
+                kernels.PackedExperts(up.format, up.group, up.in_features, **_triton_parts(stacked.gate_up)),
+                kernels.PackedExperts(down.format, down.group, down.in_features, **_triton_parts(stacked.down)),
+                self.gate_up_proj_bias,
+                self.down_proj_bias,
+                self.swiglu_limit,
+                self.swiglu_alpha,
+            )
         return torch.ops.sonar_cpu.moe_quant(
             x.contiguous(),
             weights.float().contiguous(),
             ids.long().contiguous(),
-            stacked.gate_up,
+            stacked.gate_up["packed"],
             FORMAT_CODES[up.format],
             up.group,
             up.has_offsets,
-            stacked.down,
+            stacked.down["packed"],
             FORMAT_CODES[down.format],
             down.group,
             down.has_offsets,
@@ -208,40 +254,53 @@ class QuantizedExperts(nn.ModuleList):
 
     @property
     def is_stacked(self) -> bool:
-        """Whether the experts' packings are stacked: the grouped operator serves the block."""
+        """Whether the experts' packings are stacked: a grouped operator serves the block."""
         return self._stacked is not None
 
     def stacked(self) -> StackedExperts | None:
-        """The experts' packings stacked for ``moe_quant`` (None: the per-expert path serves this
-        block, a warning saying why where the cause is the checkpoint's)."""
-        if not native.available():
+        """The experts' packings stacked for their backend's grouped operator (None: the
+        per-expert path serves this block, a warning saying why where the cause is the
+        checkpoint's)."""
+        if self._stacked is None and self._unstackable is None:
+            self._stack()
+        if self._stacked is not None and self._stacked.backend == "native" and not native.available():
             return None
-        if self._stacked is not None or self._unstackable is not None:
-            return self._stacked
+        return self._stacked
+
+    def _stack(self) -> None:
         layers = [[expert.gate_up_proj for expert in self], [expert.down_proj for expert in self]]
+        quantized = [q for projection in layers for q in projection if isinstance(q, QuantLinear)]
+        backends = {q.backend.name for q in quantized}
+        if len(quantized) < 2 * self.num_experts or len(backends) != 1 or next(iter(backends)) not in GROUPED_BACKENDS:
+            self._unstackable = "not every expert is a quantized layer of one backend with a grouped operator"
+            return
+        backend = next(iter(backends))
         reason = None
         for projection in layers:
-            if not all(isinstance(q, QuantLinear) and q.backend.name == "native" for q in projection):
-                self._unstackable = "not every expert is a native quantized layer"
-                return None
             metas = {q.meta for q in projection}
             if len(metas) > 1:
                 kinds = sorted(f"{m.format} in groups of {m.group}{' with offsets' * m.has_offsets}" for m in metas)
                 reason = f"the experts' packings differ within a projection ({', '.join(kinds)})"
             elif next(iter(metas)).has_perm:
                 reason = "an act-order permutation"
+            elif "fp8_weight" in projection[0].packed_names:
+                reason = "FP8 experts packed for torch._scaled_mm"
         if reason is not None:
             self._unstackable = reason
             log.warning("moe.per_expert_kernels", reason=reason, experts=self.num_experts)
-            return None
-        packed = []
+            return
+        parts = []
         for projection in layers:
-            whole = torch.stack([q.packed["packed"] for q in projection])
-            for q, part in zip(projection, whole, strict=True):
-                q.q_packed = part  # the layer keeps working, on its slice of the stacked bytes
-            packed.append(whole)
-        self._stacked = StackedExperts(packed[0], packed[1], layers[0][0].meta, layers[1][0].meta)
-        return self._stacked
+            stacked = {}
+            for name in GROUPED_BACKENDS[backend]:
+                if name not in projection[0].packed_names:
+                    continue
+                whole = torch.stack([q.packed[name] for q in projection])
+                for q, part in zip(projection, whole, strict=True):
+                    setattr(q, f"q_{name}", part)  # the layer keeps working, on its slice of the stacked bytes
+                stacked[name] = whole
+            parts.append(stacked)
+        self._stacked = StackedExperts(backend, parts[0], parts[1], layers[0][0].meta, layers[1][0].meta)
 
     def per_expert(self, x: Tensor, weights: Tensor, ids: Tensor) -> Tensor:
         """`forward` as a loop over the active experts, each through its own `QuantLinear`s (the
@@ -436,12 +495,6 @@ class MoeForCausalLM(DecoderForCausalLM):
                 raise ModelLoadError(
                     f"{type(self).__name__}: some of {prefix}'s projections are stored in a block type Sonar serves "
                     f"quantized and some not ({lacking[0]} is not); serve it with --dequantize-weights"
-                )
-            device = block.experts.gate_up_proj.device
-            if device.type != "cpu":
-                raise ModelLoadError(
-                    f"{type(self).__name__}: quantized experts run on the CPU only, not on {device.type}; "
-                    "serve it with --dequantize-weights"
                 )
             hidden = block.experts.gate_up_proj.shape[-1]
             with torch.device("meta"):  # places for the quantized layers, which bring their own tensors

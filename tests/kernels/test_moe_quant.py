@@ -169,7 +169,7 @@ def test_the_experts_bytes_are_held_once() -> None:
     assert stacked is not None
     after = [layer.q_packed for expert in block for layer in (expert.gate_up_proj, expert.down_proj)]
     for i, (old, new) in enumerate(zip(before, after, strict=True)):
-        whole = stacked.gate_up if i % 2 == 0 else stacked.down
+        whole = (stacked.gate_up if i % 2 == 0 else stacked.down)["packed"]
         assert torch.equal(old, new)
         assert new.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
 

@@ -10,10 +10,12 @@ near zero). The shapes are small (N 48, K 128) so the interpreter takes seconds.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,6 +44,9 @@ def make_weight(
     elif fmt == "int8":
         values = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         scales = 0.0005 + 0.001 * torch.rand(n, groups, generator=gen)
+    elif fmt == "mxfp4":  # every E2M1 code, powers of two 2^-8 .. 2^-4
+        values = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        scales = quant.mxfp4_scales(torch.randint(120, 125, (n, groups), generator=gen))
     else:
         # e4m3 over its whole range, subnormals included
         values = (
@@ -85,6 +90,7 @@ CASES = [
     ("int8", K, True),
     ("fp8", K, False),
     ("fp8", 16, True),
+    ("mxfp4", 32, False),
 ]
 
 
@@ -114,6 +120,16 @@ def test_every_fp8_value_decodes_exactly() -> None:
     assert torch.equal(got.t(), values.float())
 
 
+def test_every_mxfp4_code_and_exponent_decodes_exactly() -> None:
+    """The kernel decodes E2M1 codes and E8M0 exponents from their bits: each of the 16 codes under
+    exponents from 0 (a subnormal scale, 2^-128) to 250, read back through an identity."""
+    codes = torch.arange(16, dtype=torch.uint8).repeat(6, 2)  # [6, 32]: one group per row
+    exponents = torch.tensor([[0], [1], [100], [127], [128], [250]], dtype=torch.uint8)
+    qw = QuantizedWeight("mxfp4", codes, quant.mxfp4_scales(exponents), None, 32)
+    got = TritonBackend().linear(torch.eye(32), TritonBackend().pack(qw), QuantLinear(qw, None).meta, None)
+    assert torch.equal(got.t(), quant.dequantize(qw))
+
+
 def test_packed_layout_is_the_kernels() -> None:
     qw = make_weight("int4", 32, True)
     packed = TritonBackend().pack(qw)
@@ -128,6 +144,11 @@ def test_packed_layout_is_the_kernels() -> None:
     assert int4 == qw.nbytes  # two values a byte, float32 scales and offsets: nothing else kept
     fp8 = TritonBackend().pack(make_weight("fp8", K, False))
     assert "fp8_weight" not in fp8 and fp8["qweight"].shape == (K, N)  # _scaled_mm is CUDA-only
+    mxfp4 = make_weight("mxfp4", 32, False)
+    packed = TritonBackend().pack(mxfp4)
+    assert set(packed) == {"qweight", "exponents"} and packed["exponents"].dtype == torch.uint8
+    assert torch.equal(unpack_int4(packed["qweight"]), mxfp4.values)
+    assert sum(t.numel() * t.element_size() for t in packed.values()) == mxfp4.nbytes  # 17 bytes per 32 weights
 
 
 def test_act_order_layer_and_its_rows() -> None:
@@ -147,7 +168,7 @@ def test_act_order_layer_and_its_rows() -> None:
     assert torch.equal(QuantEmbedding(layer, torch.bfloat16)(ids), want)
 
 
-@pytest.mark.parametrize(("fmt", "group", "offsets"), [("int8", 32, True), ("fp8", 64, False)])
+@pytest.mark.parametrize(("fmt", "group", "offsets"), [("int8", 32, True), ("fp8", 64, False), ("mxfp4", 32, False)])
 def test_rows_are_the_dequantized_rows(fmt: str, group: int, offsets: bool) -> None:
     qw = make_weight(fmt, group, offsets, perm=fmt == "int8")
     backend = TritonBackend()
@@ -226,27 +247,66 @@ def test_groups_the_kernel_serves() -> None:
 def record_gpu_launches(capability: int) -> list:
     """The launches the GPU path makes at Qwen3-0.6B's shapes on a 132-SM GPU: decode (K split,
     bf16), prefill with a bias (fp16 on Ampere), float32 activations, FP8 from its bits (the
-    fallback of GPUs without FP8 matmuls) and, from 8.9 on, the per-token FP8 quantization."""
-    from sonar.kernels.triton import aot
+    fallback of GPUs without FP8 matmuls), MXFP4 and, from 8.9 on, the per-token FP8 quantization;
+    then quantized experts at Qwen3-30B-A3B's and gpt-oss-20b's shapes (16 of their experts): int4
+    in groups of 32 with offsets (GGUF's Q4_1 / Q4_K) at decode and prefill, MXFP4 with GPT-OSS's
+    biases and clamped SwiGLU."""
+    from sonar.kernels.triton import aot, fused_moe
 
+    # the package re-exports the function under the module's name: the module itself
+    silu_and_mul = importlib.import_module("sonar.kernels.triton.silu_and_mul")
     sms, qm._num_sms = qm._num_sms, lambda device: 132
     try:
-        with aot.recording([qm]) as launches:
+        with aot.recording([qm, fused_moe, silu_and_mul]) as launches:
             for fmt, m, dtype, bias in (
                 ("int4", 1, torch.bfloat16, False),
                 ("int8", 300, torch.bfloat16 if capability >= 89 else torch.float16, True),
                 ("fp8", 40, torch.float32, False),
                 ("fp8", 1, torch.bfloat16, False),
+                ("mxfp4", 1, torch.bfloat16, False),
             ):
-                qw = make_weight(fmt, 128, True, n=1024, k=3072)
+                group = 32 if fmt == "mxfp4" else 128
+                qw = make_weight(fmt, group, fmt != "mxfp4", n=1024, k=3072)
                 p = TritonBackend().pack(qw)
                 b = torch.zeros(1024, dtype=dtype) if bias else None
-                qm.quant_matmul(torch.zeros(m, 3072, dtype=dtype), p["qweight"], p["scales"], p["offsets"], fmt, 128, b)
+                scales = p.get("scales", p.get("exponents"))
+                qm.quant_matmul(
+                    torch.zeros(m, 3072, dtype=dtype), p["qweight"], scales, p.get("offsets"), fmt, group, b
+                )
             if capability >= 89:
                 qm.quantize_rows_fp8(torch.zeros(2, 3072, dtype=torch.bfloat16))
+            for fmt, h, inter, top_k, gpt_oss, tokens in (
+                ("int4", 2048, 768, 8, False, (1, 64)),
+                ("mxfp4", 2880, 2880, 4, True, (1,)),
+            ):
+                w13 = packed_experts(fmt, 2 * inter, h)
+                w2 = packed_experts(fmt, h, inter)
+                b13, b2 = (torch.zeros(16, 2 * inter), torch.zeros(16, h)) if gpt_oss else (None, None)
+                for n in tokens:
+                    ids = torch.arange(n * top_k).reshape(n, top_k) % 16
+                    x = torch.zeros(n, h, dtype=torch.bfloat16)
+                    fused_moe.fused_experts(x, torch.ones(n, top_k), ids, w13, w2, b13, b2, 7.0 if gpt_oss else None)
     finally:
         qm._num_sms = sms
     return launches
+
+
+def packed_experts(fmt: str, n: int, k: int) -> Any:
+    """16 experts' `TritonBackend` packings of an ``[n, k]`` weight, stacked as `QuantizedExperts`
+    stacks them (one expert's packing repeated: only the shapes matter here)."""
+    from sonar.kernels.quant_triton import scales_of
+    from sonar.kernels.triton.fused_moe import PackedExperts
+
+    p = TritonBackend().pack(make_weight(fmt, 32, fmt == "int4", n=n, k=k))
+    offsets = p.get("offsets")
+    return PackedExperts(
+        fmt,
+        32,
+        k,
+        p["qweight"].expand(16, -1, -1).contiguous(),
+        scales_of(p).expand(16, -1, -1).contiguous(),
+        None if offsets is None else offsets.expand(16, -1, -1).contiguous(),
+    )
 
 
 def compile_gpu_launches(capability: int) -> int:
@@ -277,4 +337,4 @@ def test_kernels_compile_for_the_gpu(capability: int) -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    assert proc.stdout.count("ok ") >= 5, proc.stdout
+    assert proc.stdout.count("ok ") >= 12, proc.stdout

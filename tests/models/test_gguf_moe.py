@@ -151,17 +151,3 @@ def test_quantized_experts_are_refused_under_tensor_parallelism() -> None:
     model = _meta_qwen3_moe(TensorParallel(rank=0, size=2))
     with pytest.raises(ModelLoadError, match=r"experts\.0\.gate_proj.*not split.*--dequantize-weights"):
         model.shard_quantized({"model.layers.0.mlp.experts.0.gate_proj": _int8(32, 64)})
-
-
-def test_quantized_experts_off_the_cpu_are_refused() -> None:
-    """The check that refuses CUDA, seen on a model whose parameters are not on the CPU (meta)."""
-    from sonar.models.parallel import SINGLE
-
-    model = _meta_qwen3_moe(SINGLE)
-    weights = {
-        f"model.layers.0.mlp.experts.{e}.{p}": _int8(64, 32) if p == "down_proj" else _int8(32, 64)
-        for e in range(8)
-        for p in ("gate_proj", "up_proj", "down_proj")
-    }
-    with pytest.raises(ModelLoadError, match="quantized experts run on the CPU only, not on meta"):
-        model.prepare_quantized(weights)

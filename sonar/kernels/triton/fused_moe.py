@@ -12,6 +12,11 @@ expert, and one launch of `_moe_gemm_kernel` computes all experts' products at o
 3. ``y[pair] = weight[pair] * act[pair] @ w2[e].T`` in float32, then each token's ``top_k``
    rows summed in float32 and rounded once.
 
+Quantized experts (`sonar.models.moe.QuantizedExperts` on the CUDA backend) pass each projection
+as `PackedExperts`, their `sonar.kernels.quant_triton` packings stacked: the same launches, each K
+tile of the weight decoded from its packed values (`quant_matmul.load_values`: int4, int8, FP8,
+MXFP4) and its group's scale (and offset) applied to the tile's sum, as `quant_matmul` does.
+
 Pairs routed to expert -1 (an expert another expert-parallel rank holds) are left out of the
 sort and add zero. Padding rows carry the id ``n * top_k`` and are neither read nor written; row
 blocks past the padded total return at once (the grid is sized for the worst case, ``pairs + E * (BLOCK_M - 1)``
@@ -22,12 +27,16 @@ for float32 inputs everywhere.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from sonar.kernels.triton._common import device_of, interpreting, next_power_of_2
+from sonar.kernels.triton.quant_matmul import FORMAT_CODES, load_scales, load_values
 from sonar.kernels.triton.silu_and_mul import silu_and_mul
 
 
@@ -38,6 +47,8 @@ def _moe_gemm_kernel(
     c_ptr,
     weights_ptr,
     bias_ptr,
+    scales_ptr,
+    offsets_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
     padded_total_ptr,
@@ -49,17 +60,25 @@ def _moe_gemm_kernel(
     b_row_stride,
     c_stride,
     bias_stride,
+    s_expert_stride,
+    s_group_stride,
+    group,
     TOP_K: tl.constexpr,
     A_BY_TOKEN: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    FORMAT: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """``c[pair, cols] = (weight[pair] *) (a[row(pair)] @ b[expert].T (+ bias[expert]))`` for one
-    block of sorted pairs."""
+    block of sorted pairs. ``FORMAT`` -1: ``b`` ``[E, N, K]`` in ``a``'s dtype (``b_row_stride``
+    the stride of N); otherwise a `quant_matmul` code, ``b`` the experts' packed values ``[E, K or
+    K / 2, N]`` (``b_row_stride`` the stride of K) with their scales (and offsets) ``[E, K / group,
+    N]``, applied to each K tile's sum as `quant_matmul` does (``BLOCK_K`` divides ``group``)."""
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(padded_total_ptr):
         return
@@ -73,17 +92,29 @@ def _moe_gemm_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     a_rows = a_ptr + rows[:, None].to(tl.int64) * a_stride
-    b_cols = b_ptr + expert * b_expert_stride + cols[None, :].to(tl.int64) * b_row_stride
+    b_expert = b_ptr + expert * b_expert_stride
+    b_cols = b_expert + cols[None, :].to(tl.int64) * b_row_stride
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         a = tl.load(a_rows + ks[None, :], mask=valid[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        if DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if FORMAT < 0:
+            b = tl.load(b_cols + ks[:, None], mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         else:
-            acc += tl.dot(a, b)
+            b = load_values(b_expert, ks, cols, col_mask, b_row_stride, FORMAT)
+        if DOT_FP32:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b.to(a.dtype))
+        if FORMAT < 0:
+            acc += part
+        else:
+            group_at = expert * s_expert_stride + (k0 // group) * s_group_stride
+            acc += part * load_scales(scales_ptr + group_at, cols, col_mask, FORMAT)[None, :]
+            if HAS_OFFSETS:
+                o = tl.load(offsets_ptr + group_at + cols, mask=col_mask, other=0.0)
+                acc += tl.sum(a.to(tl.float32), axis=1)[:, None] * o[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * bias_stride + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if MUL_WEIGHT:
@@ -122,9 +153,23 @@ def align_block_size(ids: Tensor, num_experts: int, block_m: int) -> tuple[Tenso
     return sorted_ids, expert_ids, padded_end[-1:]
 
 
+@dataclass(frozen=True)
+class PackedExperts:
+    """One projection of quantized experts as `_moe_gemm_kernel` reads it: each expert's
+    `sonar.kernels.quant_triton.TritonBackend` packing, stacked (``values`` ``[E, K or K / 2, N]``,
+    ``scales`` and ``offsets`` ``[E, K / group, N]``; MXFP4's scales its exponent bytes)."""
+
+    format: str
+    group: int
+    in_features: int
+    values: Tensor
+    scales: Tensor
+    offsets: Tensor | None
+
+
 def _gemm(
     a: Tensor,
-    b: Tensor,
+    b: Tensor | PackedExperts,
     c: Tensor,
     weights: Tensor,
     aligned: tuple[Tensor, Tensor, Tensor],
@@ -134,17 +179,28 @@ def _gemm(
     bias: Tensor | None = None,
 ) -> None:
     sorted_ids, expert_ids, padded_total = aligned
-    n_out, k = b.shape[1], b.shape[2]
+    if isinstance(b, PackedExperts):
+        n_out, k = b.values.shape[2], b.in_features
+        # a K tile never straddles two groups of scales
+        block_k = math.gcd(b.group, 64)
+        values, scales, offsets, fmt = b.values, b.scales, b.offsets, FORMAT_CODES[b.format]
+        b_row_stride, s_strides, group = values.stride(1), (scales.stride(0), scales.stride(1)), b.group
+    else:
+        n_out, k = b.shape[1], b.shape[2]
+        block_k = min(max(next_power_of_2(k), 16), 64)
+        values, scales, offsets, fmt = b, weights, None, -1
+        b_row_stride, s_strides, group = b.stride(1), (0, 0), 1
     block_n = min(max(next_power_of_2(n_out), 16), 64)
-    block_k = min(max(next_power_of_2(k), 16), 64)
     grid = (triton.cdiv(sorted_ids.numel(), block_m), triton.cdiv(n_out, block_n))
     with device_of(a):
         _moe_gemm_kernel[grid](
             a,
-            b,
+            values,
             c,
             weights,
             weights if bias is None else bias,
+            scales,
+            scales if offsets is None else offsets,
             sorted_ids,
             expert_ids,
             padded_total,
@@ -152,14 +208,18 @@ def _gemm(
             k,
             weights.numel(),
             a.stride(0),
-            b.stride(0),
-            b.stride(1),
+            values.stride(0),
+            b_row_stride,
             c.stride(0),
             0 if bias is None else bias.stride(0),
+            *s_strides,
+            group,
             TOP_K=top_k,
             A_BY_TOKEN=a_by_token,
             MUL_WEIGHT=not a_by_token,
             HAS_BIAS=bias is not None,
+            FORMAT=fmt,
+            HAS_OFFSETS=offsets is not None,
             DOT_FP32=interpreting() or a.dtype == torch.float32,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
@@ -199,20 +259,24 @@ def fused_experts(
     x: Tensor,
     weights: Tensor,
     ids: Tensor,
-    w13: Tensor,
-    w2: Tensor,
+    w13: Tensor | PackedExperts,
+    w2: Tensor | PackedExperts,
     b13: Tensor | None = None,
     b2: Tensor | None = None,
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.702,
 ) -> Tensor:
     """``x`` ``[n, h]``, routing ``weights``/``ids`` ``[n, top_k]``, ``w13`` ``[E, 2 I, h]``,
-    ``w2`` ``[E, h, I]`` (contiguous, ``x``'s dtype) -> ``[n, h]``; the biases ``b13`` ``[E, 2 I]``
-    / ``b2`` ``[E, h]`` are added in the GEMMs' float32 epilogue (``b2`` before the routing
-    weight), and a `swiglu_limit` selects GPT-OSS's clamped SwiGLU for silu-and-mul."""
+    ``w2`` ``[E, h, I]`` (contiguous, ``x``'s dtype; or both quantized, `PackedExperts`) ->
+    ``[n, h]``; the biases ``b13`` ``[E, 2 I]`` / ``b2`` ``[E, h]`` are added in the GEMMs'
+    float32 epilogue (``b2`` before the routing weight), and a `swiglu_limit` selects GPT-OSS's
+    clamped SwiGLU for silu-and-mul."""
     n, h = x.shape
     top_k = ids.shape[1]
-    experts, two_i, _ = w13.shape
+    if isinstance(w13, PackedExperts):
+        experts, two_i = w13.values.shape[0], w13.values.shape[2]
+    else:
+        experts, two_i, _ = w13.shape
     if n == 0:
         return torch.zeros_like(x)
     x = x.contiguous()

@@ -5,12 +5,14 @@ Reference: :func:`sonar.kernels.quant.reference_linear` over the logical layout 
 :mod:`sonar.kernels.quant`. The kernel reads the layout as :class:`sonar.kernels.quant_triton.TritonBackend`
 packs it, transposed so that a tile's loads run along N:
 
-- values ``[K, N]`` (int8; FP8 as its uint8 bits) or, for int4, ``[K // 2, N]`` uint8 with input
-  column ``2j`` in the low nibble of byte row ``j`` and ``2j + 1`` in the high one;
-- scales and offsets ``[K // group, N]`` float32.
+- values ``[K, N]`` (int8; FP8 as its uint8 bits) or, for int4 and MXFP4's E2M1 codes,
+  ``[K // 2, N]`` uint8 with input column ``2j`` in the low nibble of byte row ``j`` and ``2j + 1``
+  in the high one;
+- scales and offsets ``[K // group, N]`` float32; MXFP4's scales as their E8M0 exponent bytes
+  (uint8, the scale 2^(e - 128)), decoded from their bits like the FP8 values.
 
-Every value is exact in the activations' dtype (0..15, -128..127 and every e4m3 number are bf16
-and fp16 numbers), so the dot of a K tile multiplies exact operands into a float32 accumulator and
+Every value is exact in the activations' dtype (0..15, -128..127, every e4m3 number and every
+doubled E2M1 value of `sonar.kernels.quant.MXFP4_VALUES` are bf16 and fp16 numbers), so the dot of a K tile multiplies exact operands into a float32 accumulator and
 the group's scale and offset apply to the tile's sum: ``sum_k x_k (v_k s + o) = s * (x . v) + o *
 sum_k x_k``. Nothing is rounded to bf16 on the weight side, which keeps the kernel as close to the
 float32 reference as float32 summation order allows. A K tile never straddles two groups
@@ -38,16 +40,25 @@ from torch import Tensor
 from sonar.kernels.triton._common import device_of, interpreting, round_to_e4m3
 
 #: ``FORMAT`` constexpr codes of the kernel.
-FORMAT_CODES = {"int4": 4, "int8": 8, "fp8": 0}
+FORMAT_CODES = {"int4": 4, "int8": 8, "fp8": 0, "mxfp4": 1}
 
 
 @triton.jit
-def _load_values(w_ptr, offs_k, offs_n, n_mask, stride_wk, FORMAT: tl.constexpr):
+def load_values(w_ptr, offs_k, offs_n, n_mask, stride_wk, FORMAT: tl.constexpr):
     """The ``[BLOCK_K, BLOCK_N]`` tile of weight values as float32 (exact)."""
-    if FORMAT == 4:
+    if FORMAT == 4 or FORMAT == 1:
         # both columns of a byte load the same address; the second load hits the cache
         b = tl.load(w_ptr + (offs_k[:, None] // 2) * stride_wk + offs_n[None, :], mask=n_mask[None, :], other=0)
-        v = ((b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4)) & 0xF).to(tl.float32)
+        code = (b.to(tl.int32) >> ((offs_k[:, None] % 2) * 4)) & 0xF
+        if FORMAT == 4:
+            v = code.to(tl.float32)
+        else:
+            # doubled E2M1: magnitude codes 0 and 1 are 0 and 1, code m >= 2 is 2^(m >> 1) (1 + (m & 1) / 2),
+            # whose float32 bits are the code shifted under a biased exponent, as for FP8 below
+            magnitude = code & 7
+            normal = ((magnitude << 22) + (127 << 23)).to(tl.float32, bitcast=True)
+            v = tl.where(magnitude < 2, magnitude.to(tl.float32), normal)
+            v = tl.where((code & 8) != 0, -v, v)
     elif FORMAT == 8:
         v = tl.load(w_ptr + offs_k[:, None] * stride_wk + offs_n[None, :], mask=n_mask[None, :], other=0)
         v = v.to(tl.float32)
@@ -62,6 +73,18 @@ def _load_values(w_ptr, offs_k, offs_n, n_mask, stride_wk, FORMAT: tl.constexpr)
         v = tl.where(magnitude < 8, subnormal, normal)
         v = tl.where((bits & 0x80) != 0, -v, v)
     return v
+
+
+@triton.jit
+def load_scales(scales_ptr, offs_n, n_mask, FORMAT: tl.constexpr):
+    """One group's ``[BLOCK_N]`` scales as float32: MXFP4's exponent byte e is 2^(e - 128), float32
+    bits ``(e - 1) << 23`` (e = 0 and 1 the subnormals 2^-128 and 2^-127, bits ``1 << (21 + e)``)."""
+    if FORMAT == 1:
+        e = tl.load(scales_ptr + offs_n, mask=n_mask, other=0).to(tl.int32)
+        s = tl.where(e > 1, (e - 1) << 23, 1 << (21 + e)).to(tl.float32, bitcast=True)
+    else:
+        s = tl.load(scales_ptr + offs_n, mask=n_mask, other=0.0)
+    return s
 
 
 @triton.jit
@@ -103,13 +126,13 @@ def _quant_matmul_kernel(
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
-        v = _load_values(w_ptr, offs_k, offs_n, n_mask, stride_wk, FORMAT)
+        v = load_values(w_ptr, offs_k, offs_n, n_mask, stride_wk, FORMAT)
         if DOT_FP32:
             part = tl.dot(x.to(tl.float32), v, input_precision="ieee")
         else:
             part = tl.dot(x, v.to(x.dtype))
         g = k0 // group
-        s = tl.load(scales_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0)
+        s = load_scales(scales_ptr + g * stride_sg, offs_n, n_mask, FORMAT)
         acc += part * s[None, :]
         if HAS_OFFSETS:
             o = tl.load(offsets_ptr + g * stride_sg + offs_n, mask=n_mask, other=0.0)
@@ -181,7 +204,8 @@ def quant_matmul(
     bias: Tensor | None = None,
     splits: int | None = None,
 ) -> Tensor:
-    """``x [M, K] @ w.T + bias`` in ``x``'s dtype for a weight packed as the module doc says.
+    """``x [M, K] @ w.T + bias`` in ``x``'s dtype for a weight packed as the module doc says
+    (`scales`: MXFP4's exponent bytes).
     ``splits`` fixes the number of K splits (None: `choose_tiles`'s)."""
     m, k = x.shape
     n = weight.shape[1]
@@ -189,7 +213,7 @@ def quant_matmul(
         raise ValueError(f"unknown format {fmt!r}")
     if not check_group(group, k):
         raise ValueError(f"group {group} must be a multiple of 16 dividing K={k}")
-    if weight.shape[0] != (k // 2 if fmt == "int4" else k) or scales.shape != (k // group, n):
+    if weight.shape[0] != (k // 2 if fmt in ("int4", "mxfp4") else k) or scales.shape != (k // group, n):
         raise ValueError(f"packed weight {tuple(weight.shape)} / scales {tuple(scales.shape)} do not fit K={k}")
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -74,7 +74,6 @@ def load_quantized_checkpoint(
 
 
 def _load(model: DecoderForCausalLM, model_dir: Path, method: Method, dequantize_weights: bool) -> Installed:
-    method.check_served(model, dequantize_weights)
     files = safetensors_files(model_dir)
     plan = quantized_modules(tensor_names(files), method)
     pending: dict[str, dict[str, Tensor]] = {}

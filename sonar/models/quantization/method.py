@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from sonar.kernels.quant import QuantizedWeight, dequantize
-from sonar.models.decoder import QUANTIZED, DecoderForCausalLM
+from sonar.models.decoder import QUANTIZED
 from sonar.models.errors import ModelLoadError
 
 #: The Hugging Face names of the linear layers of the decoders Sonar serves, the only modules a
@@ -55,10 +55,6 @@ class Method(ABC):
     @abstractmethod
     def describe(self) -> dict[str, object]:
         """The settings in force, for the load log."""
-
-    def check_served(self, model: DecoderForCausalLM, dequantize_weights: bool) -> None:
-        """Before any tensor is read: a ModelLoadError when `model` (built on its device) cannot
-        serve the method's layers as asked."""
 
     def converted(self, module: str, tensors: dict[str, Tensor]) -> dict[str, QuantizedWeight]:
         """One quantized module's tensors as the quantized layers they hold, by layer name."""

@@ -15,9 +15,9 @@ exact and keeps MXFP4's 17 bytes per 32 weights. ``gate_up_proj``'s rows alterna
 (transformers' interleaving): the even rows are the gate's, the odd ones the up's.
 
 `MXFP4.converted` gives each expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, which
-`sonar.models.gpt_oss.GptOssForCausalLM.prepare_quantized` serves as `QuantizedExperts` (CPU);
-with ``--dequantize-weights`` `MXFP4.dequantized` gives transformers' dense parameters instead,
-on any device. ``modules_to_not_convert`` follows transformers' matching (`not_converted`): an
+`sonar.models.gpt_oss.GptOssForCausalLM.prepare_quantized` serves as `QuantizedExperts` (the
+native grouped operator on the CPU, the Triton one on CUDA); with ``--dequantize-weights``
+`MXFP4.dequantized` gives transformers' dense parameters instead. ``modules_to_not_convert`` follows transformers' matching (`not_converted`): an
 experts module it names is read as plain weights, and one stored quantized is an error.
 """
 
@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from sonar.kernels.quant import QuantizedWeight, dequantize, mxfp4_scales
-from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.quantization.method import Method, need
 
@@ -79,14 +78,6 @@ class MXFP4(Method):
         if not_converted(module, self.skip):
             raise ModelLoadError(f"{module} is in modules_to_not_convert, but the checkpoint stores it quantized")
         return True
-
-    def check_served(self, model: DecoderForCausalLM, dequantize_weights: bool) -> None:
-        device = next(model.parameters()).device
-        if device.type != "cpu" and not dequantize_weights:
-            raise ModelLoadError(
-                f"mxfp4 experts are served quantized on the CPU only, not on {device.type} "
-                "(no MXFP4 expert kernel there); serve it with --dequantize-weights"
-            )
 
     def convert(self, module: str, tensors: dict[str, Tensor]) -> QuantizedWeight:
         """One projection's ``blocks`` and ``scales`` (`module` names the projection) as one
