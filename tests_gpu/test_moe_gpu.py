@@ -14,6 +14,7 @@ from sonar.kernels.quant_linear import QuantLinear
 from sonar.kernels.triton import fused_moe
 from sonar.models.moe import QuantizedExperts
 from sonar.models.parallel import TensorParallel
+from tests.kernels.test_moe_quant import reference
 
 #: bfloat16 GEMMs accumulated in float32 in both; rows rounded at different points (values O(1)).
 TOLERANCE = {torch.float32: 2e-3, torch.bfloat16: 3e-2}
@@ -167,22 +168,6 @@ def _quantized_case(name: str) -> tuple[QuantizedExperts, list[QuantizedWeight],
     return block, w13, w2, (x, weights, ids)
 
 
-def _quantized_reference(block: QuantizedExperts, w13: list, w2: list, x: torch.Tensor, weights, ids) -> torch.Tensor:
-    b13 = None if block.gate_up_proj_bias is None else block.gate_up_proj_bias.float()
-    b2 = None if block.down_proj_bias is None else block.down_proj_bias.float()
-    return moe.fused_experts_reference(
-        x.float(),
-        weights,
-        ids,
-        torch.stack([quant.dequantize(w) for w in w13]),
-        torch.stack([quant.dequantize(w) for w in w2]),
-        b13,
-        b2,
-        swiglu_limit=block.swiglu_limit,
-        swiglu_alpha=block.swiglu_alpha,
-    )
-
-
 @pytest.mark.parametrize("name", list(QUANTIZED))
 def test_quantized_experts_run_grouped_and_match_the_reference(name: str) -> None:
     """The block stacks its Triton packings and runs as two grouped launches: within 2^-5 of the
@@ -192,7 +177,7 @@ def test_quantized_experts_run_grouped_and_match_the_reference(name: str) -> Non
     got = block(x, weights, ids)
     stacked = block.stacked()
     assert stacked is not None and stacked.backend == "triton"
-    want = _quantized_reference(block, w13, w2, x, weights, ids)
+    want = reference(w13, w2, x, weights, ids, block)
     scale = want.abs().max().item()
     assert (got.float() - want).abs().max().item() <= 2**-5 * scale
     assert (got.float() - block.per_expert(x, weights, ids).float()).abs().max().item() <= 2**-5 * scale
@@ -209,5 +194,5 @@ def test_quantized_experts_in_a_cuda_graph_replay_new_routing() -> None:
     weights.copy_(new_weights)
     ids.copy_(new_ids)
     graph.replay()
-    want = _quantized_reference(block, w13, w2, x, weights, ids)
+    want = reference(w13, w2, x, weights, ids, block)
     assert (out.float() - want).abs().max().item() <= 2**-5 * want.abs().max().item()
