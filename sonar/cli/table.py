@@ -883,7 +883,8 @@ GROUPS: tuple[Group, ...] = (
                     "flashinfer_b12x", "flashinfer_cudnn", "flashinfer_cutedsl", "flashinfer_cutlass",
                     "flashinfer_trtllm", "humming", "machete", "marlin", "swordfish", "torch", "triton", "xpu",
                     "xpu_woq"),
-           why="Sonar dequantizes weights when it loads them, so it runs no quantized linear kernels"),
+           why="Sonar picks the quantized layers' kernels by device: its native kernels on the CPU, its Triton "
+           "kernels on CUDA, the torch reference where neither serves a weight (docs/quantization.md)"),
     ),
     _group(
         "Sonar configuration", "Whole-server settings given as JSON objects (or one key at a time with "
