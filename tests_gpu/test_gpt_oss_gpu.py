@@ -148,12 +148,12 @@ async def test_mxfp4_checkpoint_on_gpu_serves_the_experts_quantized(
     (its grouped GEMM), and the engine gives the CPU's quantized greedy tokens eagerly and in CUDA
     graphs; ``--dequantize-weights`` gives them too."""
     from sonar.models.loader import load_model
-    from sonar.models.moe import QuantizedExperts
+    from sonar.models.moe import quantized_experts
     from tests.models.quantization.test_mxfp4 import write_mxfp4_checkpoint
 
     write_mxfp4_checkpoint(tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", device="cuda")
-    blocks = [m for m in loaded.model.modules() if isinstance(m, QuantizedExperts)]
+    blocks = quantized_experts(loaded.model)
     assert blocks and all(e.gate_up_proj.backend.name == "triton" for b in blocks for e in b)
     cpu = await _greedy(monkeypatch, tmp_path, "cpu", enforce_eager=True)
     eager = await _greedy(monkeypatch, tmp_path, "cuda", enforce_eager=True)

@@ -55,6 +55,7 @@ from sonar.models.eplb import ExpertBalancer
 from sonar.models.errors import ModelLoadError
 from sonar.models.head_vocab import gather_vocab
 from sonar.models.loader import LoadedModel, load_model
+from sonar.models.moe import quantized_experts
 from sonar.models.parallel import SINGLE, TensorParallel
 from sonar.models.pooler import Pooler, PoolState, pooling_info, sentence_transformers_max_len, wants_pooling
 from sonar.models.rotary import LONG_ROPE
@@ -378,6 +379,13 @@ class ModelRunner:
             sizes = []
         if sizes and self.lora is not None:
             log.warning("cudagraph.disabled", detail="LoRA adapters run eagerly (their slots change between steps)")
+            sizes = []
+        if sizes and any(experts.stacked() is None for experts in quantized_experts(self.model)):
+            log.warning(
+                "cudagraph.disabled",
+                detail="quantized experts that cannot be stacked run one expert at a time, reading the routing on "
+                "the host",
+            )
             sizes = []
         if sizes and not ops.use_triton(torch.empty(0, device=device)):
             log.warning(

@@ -331,6 +331,11 @@ class QuantizedExperts(nn.ModuleList):
         return expert.down_proj(activation(gate_up, self.swiglu_limit, self.swiglu_alpha)) + self.down_proj_bias[e]
 
 
+def quantized_experts(model: nn.Module) -> list[QuantizedExperts]:
+    """The model's blocks of quantized experts."""
+    return [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden: int, spec: MoeSpec, parallel: TensorParallel) -> None:
         super().__init__()
