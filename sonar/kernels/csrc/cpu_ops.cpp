@@ -1727,43 +1727,55 @@ void unpack_tiles(const uint8_t* w, int64_t tiles, const QuantGeometry& geo, int
       }
 }
 
+// Tiles [begin, end) of `ws` against `rows` rows of x: y[r * y_stride + c] for column c from tile
+// `begin`'s first (below `out_features`), bias `bs` (of every column, or null) added. One thread's
+// share of linear_quant_avx512, and a work item of moe_quant: its groups of kQuantTiles tiles start
+// at `begin`, so two callers whose ranges start at the same tile modulo kQuantTiles compute the same
+// blocks, bit for bit. `next`: as in linear_quant_then; `scratch`: fp8's unpacked tiles, sized here.
+template <int FORMAT>
+void avx512_tiles(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const Bf16* bs,
+                  int64_t begin, int64_t end, Bf16* y, int64_t y_stride, int64_t out_features, const at::Tensor* next,
+                  std::vector<int32_t>& scratch) {
+  const int64_t blocks = rows / kQuantRows;
+  const bool unpacked = FORMAT == kFp8 && blocks >= kFp8ScratchBlocks;
+  if (unpacked) scratch.resize(kQuantTiles * (geo.k / 2) * 16);
+  for (int64_t t = begin; t < end; t += kQuantTiles) {
+    const int64_t count = std::min<int64_t>(kQuantTiles, end - t);
+    const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
+    const uint8_t* w = ws + t * geo.tile_bytes;
+    const Bf16* b = bs ? bs + t * 16 : nullptr;
+    Bf16* yt = y + (t - begin) * 16;
+    Prefetch group;  // as linear_bf16: the tiles this thread takes next, or the next layer's first
+    if (blocks > 1 && t + count < end) {
+      group = {reinterpret_cast<const char*>(w + count * geo.tile_bytes),
+               std::min<int64_t>(kQuantTiles, end - t - count) * geo.tile_bytes / 64};
+    } else if (blocks > 1 && next != nullptr) {
+      group = next_layer_lines(*next, kQuantTiles);
+    }
+    const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
+    const int32_t* from_scratch = nullptr;
+    if (unpacked) {
+      unpack_tiles(w, count, geo, scratch.data(), group);
+      group = {};  // prefetched while unpacking
+      from_scratch = scratch.data();
+    }
+    int64_t r = 0;
+    for (int64_t i = 0; r + kQuantRows <= rows; r += kQuantRows, ++i) {
+      const int64_t from = std::min(group.count, i * share);
+      const Prefetch part{group.lines + from * 64, std::min(share, group.count - from)};
+      quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, xs.from(r), w, geo, b, yt + r * y_stride, y_stride,
+                                                        columns, part, from_scratch);
+    }
+    quant_tail<FORMAT>(rows - r, count, xs.from(r), w, geo, b, yt + r * y_stride, y_stride, columns, from_scratch);
+  }
+}
+
 template <int FORMAT>
 void linear_quant_avx512(const QuantX& xs, int64_t rows, const uint8_t* ws, const QuantGeometry& geo, const Bf16* bs,
                          Bf16* ys, int64_t out_features, const at::Tensor* next) {
-  const int64_t blocks = rows / kQuantRows;
-  const bool unpacked = FORMAT == kFp8 && blocks >= kFp8ScratchBlocks;
   at::parallel_for(0, geo.tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> scratch(unpacked ? kQuantTiles * (geo.k / 2) * 16 : 0);
-    for (int64_t t = begin; t < end; t += kQuantTiles) {
-      const int64_t count = std::min<int64_t>(kQuantTiles, end - t);
-      const int64_t columns = std::min<int64_t>(count * 16, out_features - t * 16);
-      const uint8_t* w = ws + t * geo.tile_bytes;
-      const Bf16* b = bs ? bs + t * 16 : nullptr;
-      Prefetch group;  // as linear_bf16: the tiles this thread takes next, or the next layer's first
-      if (blocks > 1 && t + count < end) {
-        group = {reinterpret_cast<const char*>(w + count * geo.tile_bytes),
-                 std::min<int64_t>(kQuantTiles, end - t - count) * geo.tile_bytes / 64};
-      } else if (blocks > 1 && next != nullptr) {
-        group = next_layer_lines(*next, kQuantTiles);
-      }
-      const int64_t share = (group.count + blocks - 1) / std::max<int64_t>(blocks, 1);
-      const int32_t* from_scratch = nullptr;
-      if (unpacked) {
-        unpack_tiles(w, count, geo, scratch.data(), group);
-        group = {};  // prefetched while unpacking
-        from_scratch = scratch.data();
-      }
-      int64_t r = 0;
-      for (int64_t i = 0; r + kQuantRows <= rows; r += kQuantRows, ++i) {
-        const int64_t from = std::min(group.count, i * share);
-        const Prefetch part{group.lines + from * 64, std::min(share, group.count - from)};
-        quant_tiles<FORMAT, kQuantRows, kQuantBlockTiles>(count, xs.from(r), w, geo, b,
-                                                          ys + r * out_features + t * 16, out_features, columns, part,
-                                                          from_scratch);
-      }
-      quant_tail<FORMAT>(rows - r, count, xs.from(r), w, geo, b, ys + r * out_features + t * 16, out_features, columns,
-                         from_scratch);
-    }
+    std::vector<int32_t> scratch;
+    avx512_tiles<FORMAT>(xs, rows, ws, geo, bs, begin, end, ys + begin * 16, out_features, out_features, next, scratch);
   });
 }
 #endif
