@@ -1075,31 +1075,34 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 // out = T(silu(gate)) * up for x = [gate | up], rounding after the SiLU and after the product as
 // the reference's two torch ops do.
 
+// One row: dst = T(T(silu(gate)) * up) over d elements, gate, up and dst in T or holding T's values
+// in float32 (moe_quant's activations, rounded as this op rounds them).
+template <typename T, typename In, typename Out>
+inline void silu_and_mul_row(const In* gate, const In* up, Out* dst, int64_t d) {
+#ifdef SONAR_AVX512
+  for (int64_t i = 0; i < d; i += 16) {
+    const __m512 g = loadn(gate + i, d - i);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+    const __m512 product = _mm512_mul_ps(silu, loadn(up + i, d - i));
+    storen(dst + i, std::is_same_v<Out, T> ? product : round_to<T>(product), d - i);
+  }
+#else
+  for (int64_t i = 0; i < d; ++i) {
+    const float g = to_float(gate[i]);
+    const float silu = to_float(from_float<T>(g / (1.f + exp_approx(-g))));
+    dst[i] = from_float<Out>(to_float(from_float<T>(silu * to_float(up[i]))));
+  }
+#endif
+}
+
 template <typename T>
 void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const T* xs = data<const T>(x);
   T* os = data<T>(out);
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* gate = xs + r * 2 * d;
-      const T* up = gate + d;
-      T* dst = os + r * d;
-#ifdef SONAR_AVX512
-      for (int64_t i = 0; i < d; i += 16) {
-        const __m512 g = loadn(gate + i, d - i);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        storen(dst + i, _mm512_mul_ps(silu, loadn(up + i, d - i)), d - i);
-      }
-#else
-      for (int64_t i = 0; i < d; ++i) {
-        const float g = to_float(gate[i]);
-        const float silu = to_float(from_float<T>(g / (1.f + exp_approx(-g))));
-        dst[i] = from_float<T>(silu * to_float(up[i]));
-      }
-#endif
-    }
+    for (int64_t r = begin; r < end; ++r) silu_and_mul_row<T>(xs + r * 2 * d, xs + r * 2 * d + d, os + r * d, d);
   });
 }
 
