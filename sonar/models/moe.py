@@ -159,15 +159,19 @@ class QuantizedExperts(nn.ModuleList):
     (`GROUPED_BACKENDS`): their packings stacked per projection (`stacked`, made on the first
     forward; each expert's layer then views its slice, so the bytes are held once). On the CPU,
     the native kernels' ``torch.ops.sonar_cpu.moe_quant``: the pairs grouped by expert inside the
-    kernel, each active expert's rows through its tiles, the weighted sum in float32. On CUDA, the
-    Triton grouped GEMM (`sonar.kernels.triton.fused_moe`, the unquantized experts' kernel reading
-    the packed values and scales): the pairs sorted by expert on the device, one launch per
-    projection, no host sync. Experts whose packings cannot be stacked (formats or groups that
-    differ between experts of a block, an act-order permutation, FP8 packed for
-    ``torch._scaled_mm``, the reference backend) run the per-expert path (`per_expert`: each
-    active expert's rows through its own `QuantLinear`s, one kernel call per expert and
-    projection), as do float16 activations on the CPU and machines without the native kernels;
-    the same products up to float rounding.
+    kernel, each active expert's rows through its tiles, the weighted sum in float32. Each
+    projection runs the tiles ``linear_quant`` runs for the activations' dtype on the path the CPU
+    takes (`sonar.kernels.native.quant_isa`: AVX-512 with int8 activations for int8 experts,
+    AVX2, portable), so on one thread the block's output is `per_expert`'s bit for bit but for
+    GPT-OSS's sigmoid (the last bit). On CUDA, the Triton grouped GEMM
+    (`sonar.kernels.triton.fused_moe`, the unquantized experts' kernel reading the packed values
+    and scales): the pairs sorted by expert on the device, one launch per projection, no host
+    sync; the same products as `per_expert` up to float rounding. Experts whose packings cannot be
+    stacked (formats or groups that differ between experts of a block, an act-order permutation,
+    FP8 packed for ``torch._scaled_mm``, the reference backend) run the per-expert path
+    (`per_expert`: each active expert's rows through its own `QuantLinear`s, one kernel call per
+    expert and projection), as do float16 activations on the CPU and machines without the native
+    kernels.
 
     GPT-OSS's experts (`swiglu_limit` set) also have biases, ``gate_up_proj_bias`` ``[E, 2 I]`` and
     ``down_proj_bias`` ``[E, h]`` (real tensors on `bias_device` in `bias_dtype`, for the

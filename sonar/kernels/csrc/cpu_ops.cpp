@@ -3002,85 +3002,32 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) { m.impl("fused_moe", &fused_moe); }
 // linear_quant reads it and stacked, one uint8 tensor per projection: w13 [E, tiles, G, B] (each
 // expert's gate rows then its up rows, 2 I outputs over h inputs), w2 [E, tiles, G, B] (h outputs
 // over I inputs); one format, group and offsets flag per projection, shared by its experts. In one
-// call: the (token, expert) pairs counting-sorted by expert and their rows of x gathered and widened
-// to float32 (the per-group sums of linear_quant beside them), then per active expert its rows
-// against its gate_up tiles, the activation, its rows against its down tiles, and every token's
-// weighted sum in float32 in expert order, rounded once to x's dtype. The GEMMs are the tile code of
-// linear_quant's float32 paths (avx2_tiles, or portable_tile where set_quant_isa chose the portable
-// loop), so each product is the one linear_quant computes for float32 x, up to the summation order
-// of its accumulator chains; threads take (expert, run of tiles) work items, so an expert with one
-// token and one with a hundred both spread over every core. bfloat16 x is rounded where the
-// per-expert path (sonar.models.moe.QuantizedExperts) rounds it: each product, each bias sum and
-// the activation (silu rounded, then its product with up, as silu_and_mul; GPT-OSS's clamped
-// SwiGLU op by op, as sonar.kernels.reference.clamped_swiglu). Not the AVX-512 path: int4 / int8 /
-// fp8 with bfloat16 x run the AVX2 float32 tiles there too (no int8 activation quantization; mxfp4
-// takes the AVX2 tiles on every path already).
+// call: the (token, expert) pairs counting-sorted by expert and their rows of x gathered, then per
+// active expert its rows against its gate_up tiles, the activation, its rows against its down
+// tiles, and every token's weighted sum in float32 in expert order, rounded once to x's dtype.
+// Threads take (expert, run of tiles) work items, so an expert with one token and one with a
+// hundred both spread over every core.
+//
+// Each projection runs the tile code linear_quant runs for x of this dtype on the path
+// set_quant_isa chose (`MoePath`), its input formed as linear_quant forms x (`MoeRows`): on
+// AVX-512, bfloat16 x, int4 / int8 / fp8 experts, the AVX-512 tiles (avx512_tiles: int8 experts
+// quantize their rows to int8 per group, as quantize_rows does for linear_quant, and multiply with
+// VNNI); mxfp4 experts and float32 x the AVX2 tiles (avx2_tiles, float32 rows) there as on AVX2;
+// the portable loop's tiles (portable_tile, bfloat16 x in its int8-quantized form for int8) where
+// it was chosen. A work item's run of tiles starts at a multiple of the tiles the path groups (4 on
+// AVX-512, 2 on AVX2), so its blocks are those linear_quant computes on one thread. bfloat16 x is
+// rounded where the per-expert path (sonar.models.moe.QuantizedExperts) rounds it: each product,
+// each bias sum and the activation (silu_and_mul's row code; GPT-OSS's clamped SwiGLU op by op, as
+// sonar.kernels.reference.clamped_swiglu). So on one thread the output is the per-expert path's bit
+// for bit (tests/kernels/test_moe_quant.py), but for GPT-OSS's sigmoid (std::exp here, torch's
+// vectorized exp there: the last bit); on more, where linear_quant's thread ranges do not start on
+// such a multiple, its blocks and so its float32 summation order may differ.
 
 namespace {
 
 template <typename T>
 inline float round_as(float v) {
   return to_float(from_float<T>(v));
-}
-
-// Tiles [begin, end) of one expert's packed projection `w` against `rows` float32 rows of x:
-// y[r * out_features + c], float32.
-struct MoeTiles {
-  bool avx2;
-  std::vector<float> wf, out;
-  std::vector<int32_t> wi;
-
-  void run(const float* x, const float* sums, int64_t rows, const uint8_t* w, const QuantGeometry& geo, int64_t begin,
-           int64_t end, float* y, int64_t out_features) {
-#ifdef SONAR_AVX2
-    if (avx2) {
-      if (geo.format == kInt4) avx2_tiles<kInt4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
-      else if (geo.format == kInt8) avx2_tiles<kInt8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
-      else if (geo.format == kMxfp4) avx2_tiles<kMxfp4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
-      else avx2_tiles<kFp8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
-      return;
-    }
-#endif
-    wf.resize(geo.group * 16);
-    wi.resize(geo.group * 16);
-    out.resize(rows * 16);
-    const QuantX xs{reinterpret_cast<const int32_t*>(x), geo.k, sums, nullptr, geo.groups};
-    for (int64_t t = begin; t < end; ++t) {
-      portable_tile<float>(xs, rows, w + t * geo.tile_bytes, geo, wf.data(), wi.data(), out.data());
-      const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
-      for (int64_t r = 0; r < rows; ++r)
-        std::memcpy(y + r * out_features + t * 16, out.data() + r * 16, columns * sizeof(float));
-    }
-  }
-};
-
-// One projection of every active expert: rows start[e] .. start[e + 1] of x (float32, geo.k apart)
-// through expert e's tiles, into y (out_features apart); work items of `chunk` tiles.
-void moe_projection(const MoePairs& pairs, const float* x, const float* sums, const at::Tensor& w,
-                    const QuantGeometry& geo, float* y, int64_t out_features, bool avx2) {
-  const int64_t experts = w.size(0);
-  const int64_t expert_bytes = geo.tiles * geo.tile_bytes;
-  int64_t active = 0;
-  for (int64_t e = 0; e < experts; ++e) active += pairs.start[e + 1] > pairs.start[e];
-  // about four items per thread (uneven experts even out), an even number of tiles (a lone row
-  // takes two at a time)
-  const int64_t wanted = std::max<int64_t>(1, 4 * at::get_num_threads());
-  const int64_t chunk =
-      std::clamp<int64_t>((active * geo.tiles + wanted - 1) / wanted, 2, 16) & ~int64_t{1};
-  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first tile)
-  for (int64_t e = 0; e < experts; ++e)
-    if (pairs.start[e + 1] > pairs.start[e])
-      for (int64_t t = 0; t < geo.tiles; t += chunk) items.emplace_back(e, t);
-  const uint8_t* ws = data<const uint8_t>(w);
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    MoeTiles tiles{avx2, {}, {}, {}};
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [e, t] = items[i];
-      const int64_t first = pairs.start[e], rows = pairs.start[e + 1] - first;
-      tiles.run(x + first * geo.k, sums + first * geo.groups, rows, ws + e * expert_bytes, geo, t,
-                std::min(t + chunk, geo.tiles), y + first * out_features, out_features);
-    }
-  });
 }
 
 // Per row and group of `rows` float32 rows (k apart): the group's sum, in linear_quant's order.
@@ -3092,6 +3039,144 @@ void row_group_sums(const float* x, int64_t begin, int64_t end, int64_t k, int64
       for (int64_t i = 0; i < group; ++i) s += x[r * k + g * group + i];
       sums[r * groups + g] = s;
     }
+}
+
+// The tile code one projection runs: linear_quant's path for x of the operator's dtype on the
+// chosen ISA (AVX-512: bfloat16 x, int4 / int8 / fp8; mxfp4 and float32 x take the AVX2 tiles).
+enum class MoePath { kPortable, kAvx2, kAvx512 };
+
+MoePath moe_path(QuantIsa isa, bool bf16, int64_t format) {
+#ifdef SONAR_LINEAR_QUANT
+  if (isa == kAvx512 && bf16 && format != kMxfp4) return MoePath::kAvx512;
+#endif
+#ifdef SONAR_AVX2
+  if (isa != kPortable) return MoePath::kAvx2;
+#endif
+  return MoePath::kPortable;
+}
+
+// One projection's input rows (the routed rows of x, or the activations), written as float32
+// values into `f`, then `finish`ed into the form its path reads, as linear_quant forms x: float32
+// rows and their group sums (the AVX2 tiles; the portable loop for float32 x), or for bfloat16 x
+// on the AVX-512 tiles and the portable loop a QuantX: the rows as bfloat16 pairs and their group
+// sums, or for int8 experts quantized to int8 per group (quantize_rows). The values in `f` are
+// bfloat16 values there (x's, or rounded as the per-expert path rounds them), so the conversion is
+// exact and the sums are linear_quant's.
+struct MoeRows {
+  const QuantGeometry& geo;
+  bool bf16;  // the QuantX form
+  std::vector<float> f, sums, scales;
+  std::vector<int32_t> words;  // bfloat16 pairs, or int8 quads
+
+  MoeRows(int64_t rows, const QuantGeometry& geo_, bool bf16_)
+      : geo(geo_), bf16(bf16_), f(rows * geo.k), sums(rows * geo.groups) {
+    if (!bf16) return;
+    const bool int8 = geo.format == kInt8;
+    words.resize(rows * geo.k / (int8 ? 4 : 2));
+    if (int8) scales.resize(rows * geo.groups);
+  }
+
+  void finish(int64_t begin, int64_t end) {
+    if (!bf16 || geo.format != kInt8) row_group_sums(f.data(), begin, end, geo.k, geo.group, sums.data());
+    if (!bf16) return;
+    std::vector<Bf16> row(geo.format == kInt8 ? geo.k : 0);
+    for (int64_t r = begin; r < end; ++r) {
+      Bf16* b = geo.format == kInt8 ? row.data() : reinterpret_cast<Bf16*>(words.data() + r * geo.k / 2);
+      for (int64_t i = 0; i < geo.k; ++i) b[i] = from_float<Bf16>(f[r * geo.k + i]);
+      if (geo.format == kInt8)
+        quantize_rows(b, 1, geo.k, geo.group, reinterpret_cast<int8_t*>(words.data() + r * geo.k / 4),
+                      sums.data() + r * geo.groups, scales.data() + r * geo.groups);
+    }
+  }
+
+  // Rows from `first` on, as linear_quant's tile code reads them.
+  QuantX from(int64_t first) const {
+    const QuantX all = bf16 ? QuantX{words.data(), geo.k / (geo.format == kInt8 ? 4 : 2), sums.data(),
+                                     scales.empty() ? nullptr : scales.data(), geo.groups}
+                            : QuantX{reinterpret_cast<const int32_t*>(f.data()), geo.k, sums.data(), nullptr, geo.groups};
+    return all.from(first);
+  }
+};
+
+// Tiles [begin, end) of one expert's packed projection `w` against its rows of the input (`rows`
+// from `first`): y[r * out_features + c], float32 (the AVX-512 tiles' bfloat16 outputs widened).
+struct MoeTiles {
+  MoePath path;
+  std::vector<float> wf, out;
+  std::vector<int32_t> wi, scratch;
+  std::vector<Bf16> ob;
+
+  void run(const MoeRows& in, int64_t first, int64_t rows, const uint8_t* w, const QuantGeometry& geo, int64_t begin,
+           int64_t end, float* y, int64_t out_features) {
+#ifdef SONAR_LINEAR_QUANT
+    if (path == MoePath::kAvx512) {
+      const int64_t width = (end - begin) * 16, columns = std::min(width, out_features - begin * 16);
+      ob.resize(rows * width);
+      const QuantX xs = in.from(first);
+      if (geo.format == kInt4) avx512_tiles<kInt4>(xs, rows, w, geo, nullptr, begin, end, ob.data(), width, out_features, nullptr, scratch);
+      else if (geo.format == kInt8) avx512_tiles<kInt8>(xs, rows, w, geo, nullptr, begin, end, ob.data(), width, out_features, nullptr, scratch);
+      else avx512_tiles<kFp8>(xs, rows, w, geo, nullptr, begin, end, ob.data(), width, out_features, nullptr, scratch);
+      for (int64_t r = 0; r < rows; ++r) load_row(y + r * out_features + begin * 16, ob.data() + r * width, columns);
+      return;
+    }
+#endif
+#ifdef SONAR_AVX2
+    if (path == MoePath::kAvx2) {
+      const float* x = in.f.data() + first * geo.k;
+      const float* sums = in.sums.data() + first * geo.groups;
+      if (geo.format == kInt4) avx2_tiles<kInt4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else if (geo.format == kInt8) avx2_tiles<kInt8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else if (geo.format == kMxfp4) avx2_tiles<kMxfp4>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      else avx2_tiles<kFp8>(x, sums, rows, w, geo, begin, end, y, out_features, out_features);
+      return;
+    }
+#endif
+    wf.resize(geo.group * 16);
+    wi.resize(geo.group * 16);
+    out.resize(rows * 16);
+    const QuantX xs = in.from(first);
+    for (int64_t t = begin; t < end; ++t) {
+      if (in.bf16) portable_tile<Bf16>(xs, rows, w + t * geo.tile_bytes, geo, wf.data(), wi.data(), out.data());
+      else portable_tile<float>(xs, rows, w + t * geo.tile_bytes, geo, wf.data(), wi.data(), out.data());
+      const int64_t columns = std::min<int64_t>(16, out_features - t * 16);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(y + r * out_features + t * 16, out.data() + r * 16, columns * sizeof(float));
+    }
+  }
+};
+
+// One projection of every active expert: rows start[e] .. start[e + 1] of `in` through expert e's
+// tiles, into y (out_features apart); work items of `chunk` tiles, a multiple of the tiles the path
+// takes at a time from the first of a thread's range (AVX-512: kQuantTiles; AVX2: two, for a lone
+// row), so each item's blocks are the ones linear_quant computes on one thread.
+void moe_projection(const MoePairs& pairs, const MoeRows& in, const at::Tensor& w, const QuantGeometry& geo, float* y,
+                    int64_t out_features, MoePath path) {
+  const int64_t experts = w.size(0);
+  const int64_t expert_bytes = geo.tiles * geo.tile_bytes;
+  int64_t active = 0;
+  for (int64_t e = 0; e < experts; ++e) active += pairs.start[e + 1] > pairs.start[e];
+  // about four items per thread (uneven experts even out)
+  const int64_t wanted = std::max<int64_t>(1, 4 * at::get_num_threads());
+#ifdef SONAR_LINEAR_QUANT
+  const int64_t align = path == MoePath::kAvx512 ? kQuantTiles : 2;
+#else
+  const int64_t align = 2;
+#endif
+  const int64_t chunk = std::clamp<int64_t>((active * geo.tiles + wanted - 1) / wanted, align, 16) / align * align;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (expert, first tile)
+  for (int64_t e = 0; e < experts; ++e)
+    if (pairs.start[e + 1] > pairs.start[e])
+      for (int64_t t = 0; t < geo.tiles; t += chunk) items.emplace_back(e, t);
+  const uint8_t* ws = data<const uint8_t>(w);
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    MoeTiles tiles{path, {}, {}, {}, {}, {}};
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [e, t] = items[i];
+      const int64_t first = pairs.start[e], rows = pairs.start[e + 1] - first;
+      tiles.run(in, first, rows, ws + e * expert_bytes, geo, t, std::min(t + chunk, geo.tiles),
+                y + first * out_features, out_features);
+    }
+  });
 }
 
 // A bias [E, d] of float32 or bfloat16, read as float32 (absent: zero).
@@ -3110,49 +3195,51 @@ template <typename T>
 void moe_quant_impl(at::Tensor& out, const at::Tensor& x, const float* weights, const int64_t* ids, int64_t top_k,
                     const MoePairs& pairs, const at::Tensor& w13, const QuantGeometry& geo13, const at::Tensor& w2,
                     const QuantGeometry& geo2, const MoeBias& b13, const MoeBias& b2,
-                    std::optional<double> swiglu_limit, double swiglu_alpha, bool avx2) {
+                    std::optional<double> swiglu_limit, double swiglu_alpha, QuantIsa isa) {
   const int64_t n = x.size(0), h = x.size(1), inter = geo2.k, local = pairs.rows();
   std::vector<int64_t> row_expert(local);
   for (int64_t e = 0; e + 1 < static_cast<int64_t>(pairs.start.size()); ++e)
     std::fill(row_expert.begin() + pairs.start[e], row_expert.begin() + pairs.start[e + 1], e);
-  // the routed rows of x, float32, with their per-group sums
-  std::vector<float> xf(local * h), sums13(local * geo13.groups);
+  constexpr bool bf16 = std::is_same_v<T, Bf16>;
+  const MoePath path13 = moe_path(isa, bf16, geo13.format), path2 = moe_path(isa, bf16, geo2.format);
+  // the bfloat16 form where linear_quant takes bfloat16 x: the AVX-512 tiles, the portable loop
+  const auto quant_x = [&](MoePath path) { return bf16 && path != MoePath::kAvx2; };
+  // the routed rows of x
+  MoeRows in13(local, geo13, quant_x(path13));
   const T* xs = data<const T>(x);
   at::parallel_for(0, local, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) load_row(xf.data() + r * h, xs + pairs.row_token[r] * h, h);
-    row_group_sums(xf.data(), begin, end, h, geo13.group, sums13.data());
+    for (int64_t r = begin; r < end; ++r) load_row(in13.f.data() + r * h, xs + pairs.row_token[r] * h, h);
+    in13.finish(begin, end);
   });
   std::vector<float> gate_up(local * 2 * inter);
-  moe_projection(pairs, xf.data(), sums13.data(), w13, geo13, gate_up.data(), 2 * inter, avx2);
-  // the activation, rounded as the per-expert path rounds it, and its group sums for the down GEMM
-  std::vector<float> act(local * inter), sums2(local * geo2.groups);
+  moe_projection(pairs, in13, w13, geo13, gate_up.data(), 2 * inter, path13);
+  // the activation, rounded as the per-expert path rounds it, the down projection's input
+  MoeRows in2(local, geo2, quant_x(path2));
   const float limit = swiglu_limit ? static_cast<float>(*swiglu_limit) : 0.f;
   const float alpha = static_cast<float>(swiglu_alpha);
   at::parallel_for(0, local, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t e = row_expert[r];
-      const float* gu = gate_up.data() + r * 2 * inter;
-      float* a = act.data() + r * inter;
+      float* gu = gate_up.data() + r * 2 * inter;
+      float* a = in2.f.data() + r * inter;
+      for (int64_t j = 0; j < 2 * inter; ++j) {
+        gu[j] = round_as<T>(gu[j]);
+        if (b13.data != nullptr) gu[j] = round_as<T>(gu[j] + b13.at(e, j));
+      }
+      if (!swiglu_limit) {
+        silu_and_mul_row<T>(gu, gu + inter, a, inter);
+        continue;
+      }
       for (int64_t j = 0; j < inter; ++j) {
-        float g = round_as<T>(gu[j]), u = round_as<T>(gu[inter + j]);
-        if (b13.data != nullptr) {
-          g = round_as<T>(g + b13.at(e, j));
-          u = round_as<T>(u + b13.at(e, inter + j));
-        }
-        if (!swiglu_limit) {
-          a[j] = round_as<T>(round_as<T>(g / (1.f + exp_approx(-g))) * u);
-          continue;
-        }
-        g = std::min(g, limit);
-        u = std::clamp(u, -limit, limit);
+        const float g = std::min(gu[j], limit), u = std::clamp(gu[inter + j], -limit, limit);
         const float sig = round_as<T>(1.f / (1.f + std::exp(-round_as<T>(g * alpha))));
         a[j] = round_as<T>(round_as<T>(u + 1.f) * round_as<T>(g * sig));
       }
     }
-    row_group_sums(act.data(), begin, end, inter, geo2.group, sums2.data());
+    in2.finish(begin, end);
   });
   std::vector<float> y(local * h);
-  moe_projection(pairs, act.data(), sums2.data(), w2, geo2, y.data(), h, avx2);
+  moe_projection(pairs, in2, w2, geo2, y.data(), h, path2);
   // every token's rows, weighted, summed in float32 in expert order
   T* os = data<T>(out);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
@@ -3216,18 +3303,14 @@ at::Tensor moe_quant(const at::Tensor& x, const at::Tensor& weights, const at::T
   const int64_t top_k = ids.size(1);
   const int64_t* id = ids.data_ptr<int64_t>();
   const MoePairs pairs(id, n * top_k, top_k, experts, "sonar_cpu::moe_quant");
-#ifdef SONAR_AVX2
-  const bool avx2 = quant_isa_now() != kPortable;
-#else
-  const bool avx2 = false;
-#endif
+  const QuantIsa isa = quant_isa_now();
   at::Tensor out = at::empty({n, h}, x.options());
   if (x.scalar_type() == at::kFloat) {
     moe_quant_impl<float>(out, x, weights.data_ptr<float>(), id, top_k, pairs, w13, geo13, w2, geo2, bias13, bias2,
-                          swiglu_limit, swiglu_alpha, avx2);
+                          swiglu_limit, swiglu_alpha, isa);
   } else {
     moe_quant_impl<Bf16>(out, x, weights.data_ptr<float>(), id, top_k, pairs, w13, geo13, w2, geo2, bias13, bias2,
-                         swiglu_limit, swiglu_alpha, avx2);
+                         swiglu_limit, swiglu_alpha, isa);
   }
   return out;
 }
