@@ -151,21 +151,41 @@ def test_grouped_equals_per_expert_and_reference(
         weights, ids = routing(tokens, top_k, experts, seed=tokens + top_k)
         got = block(x, weights, ids)
         assert block.stacked() is not None, "the grouped operator did not run"
-        assert got.dtype == dtype and got.shape == x.shape
+        scale = assert_near_reference(got, block, w13, w2, x, weights, ids)
         per_expert = block.per_expert(x, weights, ids)
-        want = reference(w13, w2, x, weights, ids, block)
-        scale = want.abs().max().item() + 1e-6
-        error = (got.float() - want).abs().max().item() / scale
-        assert error <= (1e-4 if dtype == torch.float32 else 2**-5), f"{error:.2e} of the output off the reference"
         if not gpt_oss:
             differ = int((got != per_expert).sum())
             assert differ == 0, f"{tokens} tokens, top_k {top_k}: {differ} values differ from the per-expert path's"
         else:
-            bound = 1e-5 * scale if dtype == torch.float32 else 2**-7 * (per_expert.float().abs() + scale)
-            excess = ((got.float() - per_expert.float()).abs() - bound).max().item()
-            assert excess <= 0, f"{tokens} tokens, top_k {top_k}: {excess / scale:.2e} past the bound"
-        skipped = (ids < 0).all(dim=1)
-        assert bool((got[skipped] == 0).all()), "a token routed only to other ranks' experts is not zero"
+            assert_within_rounding(got, per_expert, scale, f"{tokens} tokens, top_k {top_k}")
+
+
+def assert_near_reference(
+    got: torch.Tensor,
+    block: QuantizedExperts,
+    w13: list[QuantizedWeight],
+    w2: list[QuantizedWeight],
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+) -> float:
+    """`got`, the block's output for `x`, against the dequantized reference in the bound of x's
+    dtype, with zeros for the tokens routed only to other ranks; returns the output's scale."""
+    assert got.dtype == x.dtype and got.shape == x.shape
+    want = reference(w13, w2, x, weights, ids, block)
+    scale = want.abs().max().item() + 1e-6
+    error = (got.float() - want).abs().max().item() / scale
+    assert error <= (1e-4 if x.dtype == torch.float32 else 2**-5), f"{error:.2e} of the output off the reference"
+    skipped = (ids < 0).all(dim=1)
+    assert bool((got[skipped] == 0).all()), "a token routed only to other ranks' experts is not zero"
+    return scale
+
+
+def assert_within_rounding(got: torch.Tensor, per_expert: torch.Tensor, scale: float, label: str) -> None:
+    """`got` against the per-expert path's output in the rounding bound of the module doc."""
+    bound = 1e-5 * scale if got.dtype == torch.float32 else 2**-7 * (per_expert.float().abs() + scale)
+    excess = ((got.float() - per_expert.float()).abs() - bound).max().item()
+    assert excess <= 0, f"{label}: {excess / scale:.2e} past the bound"
 
 
 def test_the_experts_bytes_are_held_once() -> None:
