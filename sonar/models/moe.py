@@ -23,8 +23,10 @@ computes the (token, expert) pairs routed to its own experts, skips the others (
 the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors, and with
 ``--enable-ep-weight-filter`` does not read the others' per-expert tensors (`foreign_expert_tensor`).
 
-GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file stores in a block
-type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
+Quantized experts (`prepare_quantized`): a block whose experts are stored quantized, a GGUF
+file's stacked experts in a block type Sonar runs quantized or a quantized safetensors
+checkpoint's (GPTQ, AWQ, FP8, compressed-tensors: one quantized module per expert and projection,
+the router plain), keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
 `QuantLinear` per expert and projection, their packings stacked per projection on the first
 forward, and the block runs as one native call (``torch.ops.sonar_cpu.moe_quant``: the pairs
 grouped by expert inside the kernel, each active expert's rows through its tiles, the weighted sum
@@ -32,9 +34,9 @@ in float32); experts that cannot be stacked run the per-expert loop (`QuantizedE
 Served on the CPU; on CUDA, or split by tensor or expert parallelism, such a file is
 refused by name (serve it with ``--dequantize-weights``).
 
-Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
-checkpoints (GPTQ, AWQ, FP8, ...; unless dequantized), LoRA adapters, EAGLE heads, the native fused
-decode loop (these layers are not the ones it computes; `sonar.models.fused` skips them).
+Not served (each a `ModelLoadError` or `LoRAError` naming the family): LoRA adapters, EAGLE heads,
+the native fused decode loop (these layers are not the ones it computes; `sonar.models.fused`
+skips them).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from sonar.kernels.quant import QuantizationError, QuantizedWeight, stack_rows
 from sonar.kernels.quant_cpu import ACTIVATION_DTYPES, FORMAT_CODES
 from sonar.kernels.quant_linear import QuantLinear, QuantMeta
 from sonar.log import get_logger
-from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
+from sonar.models.decoder import EAGLE, LORA, MLP, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.eplb import ExpertMap
 from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
@@ -335,8 +337,6 @@ class MoeForCausalLM(DecoderForCausalLM):
     refused: ClassVar[dict[str, str]] = {
         LORA: "the adapters' target modules are dense MLPs, and a mixture-of-experts layer has none",
         EAGLE: "the EAGLE heads Sonar loads are built for dense, not mixture-of-experts, targets",
-        QUANTIZED: "Sonar serves the GGUF quants of mixture-of-experts models, not their quantized safetensors "
-        "checkpoints; serve it with --dequantize-weights",
     }
 
     @classmethod
@@ -403,7 +403,10 @@ class MoeForCausalLM(DecoderForCausalLM):
         return e < block.spec.num_experts and e not in block.local_experts
 
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-        """As every decoder's; quantized experts (GGUF's) not split between tensor- or expert-parallel ranks."""
+        """As every decoder's, the checkpoint's module names first mapped onto this module's
+        (`checkpoint_name`: Mixtral's ``block_sparse_moe.experts.E.w1``); quantized experts not
+        split between tensor- or expert-parallel ranks."""
+        weights = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): qw for name, qw in weights.items()}
         experts = next((name for name in weights if _QUANTIZED_EXPERT.fullmatch(name)), None)
         if experts is not None and self.parallel.size > 1:
             raise ModelLoadError(
