@@ -8,7 +8,8 @@ the routers left plain as the published checkpoints leave them. Loaded by
 reading the same layers' dequantized weights.
 
 Tolerance: as tests/models/quantization/test_load.py, both sides in float32 from the same
-dequantized weights: 1e-4.
+dequantized weights: 1e-4. Split over two gloo ranks (tensor or expert parallelism), the logits
+of one rank within the same 1e-4.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from sonar.models.decoder import DecoderForCausalLM
 from sonar.models.errors import ModelLoadError
 from sonar.models.moe import FusedExperts, QuantizedExperts, SparseMoeBlock
 from sonar.models.quantization import quantize_dynamic_fp8
+from tests.models import parallel_rank
 from tests.models.quantization import formats as f
 from tests.models.quantization.test_load import CASES, _compare, _load, _tiny, write_quantized
+from tests.models.rank_pool import RankPool
+from tests.models.test_parallel import ATOL as TP_ATOL
 
 #: The checkpoint modules the tests quantize: every projection of the layers (not the routers).
 PROJECTION = re.compile(r"model\.layers\.\d+\..*(_proj|\.w[123])")
@@ -200,3 +204,26 @@ def test_a_quantized_router_is_refused(tiny_moe: dict[str, tuple[Any, Path]], tm
         ModelLoadError, match=r"model\.layers\.1\.mlp\.gate is stored quantized; Sonar serves quantized linear"
     ):
         _load(tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "expert"])
+def test_two_ranks_give_the_logits_of_one(
+    tiny_moe: dict[str, tuple[Any, Path]], mode: str, rank_pool: RankPool, tmp_path: Path
+) -> None:
+    """Real two-rank gloo groups (`parallel_rank`, `ep_rank`) serving the quantized checkpoints in
+    float32: each rank its slice of every expert or its own experts whole, the logits of one rank
+    within tests/models/test_parallel.py's 1e-4 (the same products, summed in another order)."""
+    sources = []
+    for family, case in (("qwen3_moe", "ct-w4a16"), ("mixtral", "gptq-int8-sym-v2")):  # groups whole per rank
+        _write_moe(tiny_moe[family][1], tmp_path / family, case)
+        sources.append(str(tmp_path / family))
+    out = tmp_path / "logits.pt"
+    if mode == "tensor":
+        rank_pool.world("tests.models.parallel_rank", 2, ["2", "1", str(out), *sources])
+    else:
+        rank_pool.world("tests.models.ep_rank", 2, ["2", "linear", str(out), *sources])
+    for source, ranked in zip(sources, torch.load(out)):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < TP_ATOL, (source, mode)
+            assert torch.equal(have.argmax(-1), want.argmax(-1))
