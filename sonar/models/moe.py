@@ -329,6 +329,7 @@ class SparseMoeBlock(nn.Module):
 
 _MLP_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
 _EXPERT_PART = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_TENSOR = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.\w+")
 _DENSE_PART = re.compile(r"(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight")
 _QUANTIZED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 
@@ -394,12 +395,13 @@ class MoeForCausalLM(DecoderForCausalLM):
         return Shard(1, first, size) if part[2] == "down_proj" else Shard(0, first, size)
 
     def foreign_expert_tensor(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` is one expert's projection that another expert-parallel
-        rank holds (``--enable-ep-weight-filter`` leaves it unread). Stacked experts: never."""
+        """Whether checkpoint tensor `name` is (a part of) one expert's projection that another
+        expert-parallel rank holds (``--enable-ep-weight-filter`` leaves it unread): its weight, or
+        a quantized checkpoint's ``qweight``, ``scales``, ... Stacked experts: never."""
         found = _MLP_NAME.fullmatch(self.checkpoint_name(name))
         if found is None or int(found[1]) >= len(self.model.layers):
             return False
-        expert = _EXPERT_PART.fullmatch(found[2])
+        expert = _EXPERT_TENSOR.fullmatch(found[2])
         block = getattr(self.model.layers[int(found[1])], "mlp", None)  # None: another stage's layer
         if expert is None or not isinstance(block, SparseMoeBlock) or not block.expert_parallel:
             return False

@@ -227,3 +227,29 @@ def test_two_ranks_give_the_logits_of_one(
             assert have.shape == want.shape
             assert (have - want).abs().max() < TP_ATOL, (source, mode)
             assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
+def test_the_weight_filter_leaves_other_ranks_quantized_experts_unread(
+    tiny_moe: dict[str, tuple[Any, Path]], tmp_path: Path
+) -> None:
+    """``--enable-ep-weight-filter``: rank 1 of two (``linear``: experts 2 and 3) never reads
+    experts 0 and 1, so a part missing there fails the load without the filter and not with it;
+    the rank's experts are those of the whole checkpoint."""
+    from sonar.models.loader import load_model
+    from sonar.models.parallel import TensorParallel
+
+    _write_moe(tiny_moe["mixtral"][1], tmp_path, "gptq-int8-sym-v2")
+    whole = _blocks(load_model(str(tmp_path), dtype="float32").model)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    del state["model.layers.0.block_sparse_moe.experts.0.w2.qzeros"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    rank = dict(dtype="float32", parallel=TensorParallel(1, 2), expert_placement="linear")
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.w2 lacks its qzeros"):
+        load_model(str(tmp_path), **rank)
+    filtered = _blocks(load_model(str(tmp_path), ep_weight_filter=True, **rank).model)
+    for full, mine in zip(whole, filtered):
+        assert mine.local_experts == [2, 3] and len(mine.experts) == 2
+        for i, e in enumerate(mine.local_experts):
+            for proj in ("gate_up_proj", "down_proj"):
+                want, got = getattr(full.experts[e], proj), getattr(mine.experts[i], proj)
+                assert torch.equal(got.packed["packed"], want.packed["packed"]), (e, proj)
