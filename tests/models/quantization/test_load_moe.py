@@ -135,6 +135,9 @@ def test_logits_equal_transformers_on_the_dequantized_weights(
         assert "model.layers.0.mlp.shared_expert.gate_up_proj" in quantized
     assert not any(isinstance(block.gate, QuantLinear) for block in _blocks(model))
     _compare(model, _reference(plain, dequantized, tmp_path / "reference"))
+    # one grouped native call per block (sonar_cpu::moe_quant), but for act-order's permutations
+    act_order = CASES[case][1].get("desc_act", False)
+    assert all(block.experts.is_stacked != act_order for block in _blocks(model))
 
 
 def test_dequantize_weights_serves_the_experts_unquantized(
