@@ -261,6 +261,8 @@ def load_model(
     if module.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight
     installed, method_name = None, None
+    if ep_weight_filter and parallel.expert_placement is not None and hasattr(module, "foreign_expert_tensor"):
+        reading = replace(reading, skip=module.foreign_expert_tensor)
     method = None if from_gguf else checkpoint_method(config.to_dict(), quantization)
     if method is not None and isinstance(module, DecoderForCausalLM):
         module.require_support(method.feature)
@@ -294,11 +296,11 @@ def load_model(
                 f"{source} is quantized ({method.name}); its weights are read from safetensors with load_format "
                 f"auto or safetensors, not {load_format}"
             )
-        installed = load_quantized_checkpoint(module, model_dir, method, source, dequantize_weights=dequantize_weights)
+        installed = load_quantized_checkpoint(
+            module, model_dir, method, source, dequantize_weights=dequantize_weights, skip=reading.skip
+        )
         method_name = None if dequantize_weights else method.name
     else:
-        if ep_weight_filter and parallel.expert_placement is not None and hasattr(module, "foreign_expert_tensor"):
-            reading = replace(reading, skip=module.foreign_expert_tensor)
         _check_complete(module, module.load_weights(reading.tensors(model_dir)), source)
     if device.type == "cuda":  # the full-size weights the quantized layers replaced
         torch.cuda.empty_cache()

@@ -23,18 +23,23 @@ computes the (token, expert) pairs routed to its own experts, skips the others (
 the dense layers stay tensor-parallel. A rank copies only its experts' checkpoint tensors, and with
 ``--enable-ep-weight-filter`` does not read the others' per-expert tensors (`foreign_expert_tensor`).
 
-GGUF quants (`prepare_quantized`): a block whose stacked experts a GGUF file stores in a block
-type Sonar runs quantized keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
+Quantized experts (`prepare_quantized`): a block whose experts are stored quantized, a GGUF
+file's stacked experts in a block type Sonar runs quantized or a quantized safetensors
+checkpoint's (GPTQ, AWQ, FP8, compressed-tensors: one quantized module per expert and projection,
+the router plain), keeps them quantized: its `FusedExperts` becomes `QuantizedExperts`, one
 `QuantLinear` per expert and projection, their packings stacked per projection on the first
 forward, and the block runs as one grouped call: on the CPU the native ``sonar_cpu::moe_quant``
 (the pairs grouped by expert inside the kernel, each active expert's rows through its tiles, the
 weighted sum in float32), on CUDA the Triton grouped GEMM over the packed values; experts that
-cannot be stacked run the per-expert loop (`QuantizedExperts.per_expert`). Split by tensor or
-expert parallelism, such a file is refused by name (serve it with ``--dequantize-weights``).
+cannot be stacked run the per-expert loop (`QuantizedExperts.per_expert`). Split over ranks
+(`shard_quantized`) as the dense experts are: under tensor parallelism each rank holds its slice
+of every expert (gate and up rows, down's input columns in whole quant groups: a slice across a
+group is refused by name), under expert parallelism its own experts whole, renumbered to its local
+indices; ``--enable-eplb`` (which moves dense expert weights between ranks) is refused with them.
 
-Not served (each a `ModelLoadError` or `LoRAError` naming the family): quantized safetensors
-checkpoints (GPTQ, AWQ, FP8, ...; unless dequantized), LoRA adapters, EAGLE heads, the native fused
-decode loop (these layers are not the ones it computes; `sonar.models.fused` skips them).
+Not served (each a `ModelLoadError` or `LoRAError` naming the family): LoRA adapters, EAGLE heads,
+the native fused decode loop (these layers are not the ones it computes; `sonar.models.fused`
+skips them).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from sonar.kernels.quant_cpu import ACTIVATION_DTYPES, FORMAT_CODES
 from sonar.kernels.quant_linear import QuantLinear, QuantMeta
 from sonar.kernels.quant_triton import scales_of
 from sonar.log import get_logger
-from sonar.models.decoder import EAGLE, LORA, MLP, QUANTIZED, DecoderForCausalLM, DecoderVariant, MissingLayer
+from sonar.models.decoder import EAGLE, LORA, MLP, DecoderForCausalLM, DecoderVariant, MissingLayer
 from sonar.models.eplb import ExpertMap
 from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
@@ -391,8 +396,9 @@ class SparseMoeBlock(nn.Module):
 
 _MLP_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.(.+)")
 _EXPERT_PART = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_TENSOR = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.\w+")
 _DENSE_PART = re.compile(r"(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight")
-_QUANTIZED_EXPERT = re.compile(r"(model\.layers\.\d+\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
+_QUANTIZED_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 
 
 class MoeForCausalLM(DecoderForCausalLM):
@@ -403,8 +409,6 @@ class MoeForCausalLM(DecoderForCausalLM):
     refused: ClassVar[dict[str, str]] = {
         LORA: "the adapters' target modules are dense MLPs, and a mixture-of-experts layer has none",
         EAGLE: "the EAGLE heads Sonar loads are built for dense, not mixture-of-experts, targets",
-        QUANTIZED: "Sonar serves the GGUF quants of mixture-of-experts models, not their quantized safetensors "
-        "checkpoints; serve it with --dequantize-weights",
     }
 
     @classmethod
@@ -458,12 +462,13 @@ class MoeForCausalLM(DecoderForCausalLM):
         return Shard(1, first, size) if part[2] == "down_proj" else Shard(0, first, size)
 
     def foreign_expert_tensor(self, name: str) -> bool:
-        """Whether checkpoint tensor `name` is one expert's projection that another expert-parallel
-        rank holds (``--enable-ep-weight-filter`` leaves it unread). Stacked experts: never."""
+        """Whether checkpoint tensor `name` is (a part of) one expert's projection that another
+        expert-parallel rank holds (``--enable-ep-weight-filter`` leaves it unread): its weight, or
+        a quantized checkpoint's ``qweight``, ``scales``, ... Stacked experts: never."""
         found = _MLP_NAME.fullmatch(self.checkpoint_name(name))
         if found is None or int(found[1]) >= len(self.model.layers):
             return False
-        expert = _EXPERT_PART.fullmatch(found[2])
+        expert = _EXPERT_TENSOR.fullmatch(found[2])
         block = getattr(self.model.layers[int(found[1])], "mlp", None)  # None: another stage's layer
         if expert is None or not isinstance(block, SparseMoeBlock) or not block.expert_parallel:
             return False
@@ -471,14 +476,52 @@ class MoeForCausalLM(DecoderForCausalLM):
         return e < block.spec.num_experts and e not in block.local_experts
 
     def shard_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
-        """As every decoder's; quantized experts (GGUF's) not split between tensor- or expert-parallel ranks."""
-        experts = next((name for name in weights if _QUANTIZED_EXPERT.fullmatch(name)), None)
-        if experts is not None and self.parallel.size > 1:
+        """As every decoder's, the checkpoint's module names first mapped onto this module's
+        (`checkpoint_name`: Mixtral's ``block_sparse_moe.experts.E.w1``), and each quantized
+        expert projection cut as `_MlpLoader` cuts a dense one (`_expert_shard`)."""
+        rest: dict[str, QuantizedWeight] = {}
+        experts: dict[str, QuantizedWeight] = {}
+        for checkpoint, qw in weights.items():
+            name = self.checkpoint_name(f"{checkpoint}.weight").removesuffix(".weight")
+            found = _QUANTIZED_EXPERT.fullmatch(name)
+            if found is None:
+                rest[name] = qw
+            elif self.owns(name):
+                experts.update(self._expert_shard(found, qw))
+        return super().shard_quantized(rest) | experts
+
+    def _expert_shard(self, found: re.Match[str], qw: QuantizedWeight) -> dict[str, QuantizedWeight]:
+        """This rank's part of one quantized expert projection (`found`: its name), by the name
+        `prepare_quantized` reads: under tensor parallelism the rank's slice of the expert's
+        intermediate size (gate and up rows; down's input columns, in whole quant groups), under
+        expert parallelism the whole expert, renumbered to its index among the rank's experts, or
+        nothing for another rank's."""
+        name, layer, e, proj = found[0], int(found[1]), int(found[2]), found[3]
+        block = self.model.layers[layer].mlp
+        if not isinstance(block, SparseMoeBlock):
+            return {name: qw}  # `install_quantized` refuses it by name: a dense layer has no experts
+        if block.expert_map is not None:
             raise ModelLoadError(
-                f"{type(self).__name__}: quantized experts ({experts}) are not split between tensor- or "
-                "expert-parallel ranks; serve it with --dequantize-weights, or without tensor or expert parallelism"
+                f"{type(self).__name__}: quantized experts ({name}) are not moved between ranks by expert load "
+                "balancing (--enable-eplb moves dense expert weights); serve it with --dequantize-weights, or "
+                "without --enable-eplb"
             )
-        return super().shard_quantized(weights)
+        if e >= block.spec.num_experts:
+            raise ModelLoadError(f"quantized weight {name}: expert {e} of a model of {block.spec.num_experts} experts")
+        hidden, whole = block.experts.gate_up_proj.shape[-1], block.spec.intermediate
+        expected = (hidden, whole) if proj == "down_proj" else (whole, hidden)
+        if (qw.out_features, qw.in_features) != expected:  # before cutting a shard, which pads what is missing
+            raise ModelLoadError(
+                f"quantized weight {name} is {qw.out_features}x{qw.in_features}, the model expects {expected}"
+            )
+        if block.expert_parallel:
+            if e not in block.local_experts:
+                return {}
+            return {f"model.layers.{layer}.mlp.experts.{block.local_experts.index(e)}.{proj}": qw}
+        if self.parallel.size == 1:
+            return {name: qw}
+        inter = block.intermediate
+        return {name: Shard(1 if proj == "down_proj" else 0, self.parallel.rank * inter, inter).quantized(qw, name)}
 
     def prepare_quantized(self, weights: dict[str, QuantizedWeight]) -> dict[str, QuantizedWeight]:
         """Before `install_quantized`: gate and up stacked into ``gate_up_proj`` (dense MLPs,

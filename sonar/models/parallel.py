@@ -173,7 +173,8 @@ class Shard:
             )
         if self.first % qw.group or self.size % qw.group:
             raise ParallelLayoutError(
-                f"{name}: a rank's {self.size} input columns do not fall on the weight's groups of {qw.group}"
+                f"{name}: a rank's {self.size} input columns do not fall on the weight's groups of {qw.group}; "
+                "serve it with --dequantize-weights, or over fewer tensor-parallel ranks"
             )
         g0, gs = self.first // qw.group, self.size // qw.group
         return replace(

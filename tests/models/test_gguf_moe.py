@@ -24,19 +24,26 @@ from sonar.models.gguf_file import gguf_quantized_weights
 from sonar.models.loader import load_model
 from sonar.models.moe import QuantizedExperts, SparseMoeBlock
 from sonar.models.quantized import install_quantized
+from tests.conftest import fresh_cache_root
+from tests.engine.conftest import spread_weights
+from tests.models import parallel_rank
 from tests.models.against import assert_greedy_equals_transformers
 from tests.models.driver import GreedyDriver
 from tests.models.gguf_writer import write_gguf
+from tests.models.rank_pool import RankPool
 from tests.models.test_gguf_families import _configs, _prompts, _reference
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 QUANT_TOLERANCE = 0.05
 """Against the dequantized bfloat16 serve: a fraction of the largest logit."""
+SPLIT_ATOL = 1e-4
+"""Two ranks against one, float32 logits O(1): the same products, summed in another order
+(`tests/models/test_parallel.py`'s bound)."""
 
 
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SONAR_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setenv("SONAR_CACHE_ROOT", str(fresh_cache_root(tmp_path / "cache")))
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +152,91 @@ def _int8(rows: int, cols: int) -> Any:
     return QuantizedWeight("int8", torch.zeros(rows, cols, dtype=torch.int8), torch.ones(rows, cols // 32), None, 32)
 
 
-def test_quantized_experts_are_refused_under_tensor_parallelism() -> None:
+def test_a_rank_slice_across_quant_groups_is_refused() -> None:
+    """Qwen3-MoE's experts of intermediate size 32 over two tensor-parallel ranks: each rank's 16
+    input columns of down cut a group of 32 in two."""
     from sonar.models.parallel import TensorParallel
 
     model = _meta_qwen3_moe(TensorParallel(rank=0, size=2))
-    with pytest.raises(ModelLoadError, match=r"experts\.0\.gate_proj.*not split.*--dequantize-weights"):
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.down_proj: a rank's 16 input columns do not fall on.*32"):
+        model.shard_quantized({"model.layers.0.mlp.experts.0.down_proj": _int8(64, 32)})
+
+
+def test_quantized_experts_are_refused_under_expert_load_balancing() -> None:
+    """--enable-eplb moves the dense experts' stacked weights between ranks, not quantized layers."""
+    from sonar.models.parallel import TensorParallel
+
+    model = _meta_qwen3_moe(TensorParallel(rank=0, size=2, expert_placement="linear", redundant_experts=2))
+    with pytest.raises(ModelLoadError, match=r"experts\.0\.gate_proj.*--enable-eplb.*--dequantize-weights"):
         model.shard_quantized({"model.layers.0.mlp.experts.0.gate_proj": _int8(32, 64)})
+
+
+# -- split over two ranks -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def split_files(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """Q8_0 files of Qwen2-MoE (a shared expert, a dense layer), Mixtral and DeepSeek-V2 (latent
+    attention, shared experts) whose every intermediate size is a multiple of 64, so each of two
+    tensor-parallel ranks holds whole groups of 32 of every down projection."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_gguf_deepseek import _configs as deepseek_configs
+
+    configs, out = {**_configs(), **deepseek_configs()}, []
+    configs["qwen2_moe"].update({"intermediate_size": 128, "moe_intermediate_size": 64})
+    configs["mixtral"].update({"intermediate_size": 128})
+    configs["deepseek_v2"].update({"intermediate_size": 128, "moe_intermediate_size": 64})
+    for i, name in enumerate(("qwen2_moe", "mixtral", "deepseek_v2")):
+        torch.manual_seed(300 + i)
+        hf = AutoModelForCausalLM.from_config(configs[name], dtype=torch.float32).eval()
+        spread_weights(hf)
+        path = tmp_path_factory.mktemp(name) / f"{name}-q8_0.gguf"
+        write_gguf(path, name, hf, _qtype("Q8_0"))
+        out.append(str(path))
+    return out
+
+
+def _dense(layer: Any) -> torch.Tensor:
+    return layer.rows(torch.arange(layer.out_features), torch.float32)
+
+
+@pytest.mark.parametrize("placement", [None, "round_robin"], ids=["tensor", "expert"])
+def test_each_rank_holds_its_part_of_the_quantized_experts(split_files: list[str], placement: str | None) -> None:
+    """Tensor parallelism: every expert, this rank's rows of gate and up and columns of down;
+    expert parallelism: this rank's experts whole, renumbered in the order it holds them."""
+    from sonar.models.parallel import TensorParallel
+
+    for source in split_files:
+        whole = load_model(source, dtype="float32").model
+        for rank in range(2):
+            tp = TensorParallel(rank, 2, expert_placement=placement)
+            part = load_model(source, dtype="float32", parallel=tp).model
+            for full, mine in zip(_blocks(whole), _blocks(part)):
+                assert isinstance(mine.experts, QuantizedExperts) and len(mine.experts) == len(mine.local_experts)
+                size, inter = full.intermediate, mine.intermediate
+                rows = torch.cat([torch.arange(inter), size + torch.arange(inter)]) + rank * inter
+                for i, e in enumerate(mine.local_experts):
+                    gate_up, down = _dense(full.experts[e].gate_up_proj), _dense(full.experts[e].down_proj)
+                    if placement is None:
+                        gate_up, down = gate_up[rows], down[:, rank * inter : (rank + 1) * inter]
+                    assert torch.equal(_dense(mine.experts[i].gate_up_proj), gate_up), (source, rank, e)
+                    assert torch.equal(_dense(mine.experts[i].down_proj), down), (source, rank, e)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "expert"])
+def test_two_ranks_give_the_logits_of_one(
+    split_files: list[str], mode: str, rank_pool: RankPool, tmp_path: Path
+) -> None:
+    """Real two-rank gloo groups (`parallel_rank`, `ep_rank`) serving the quants in float32: the
+    logits of one rank within `SPLIT_ATOL`, the same greedy tokens."""
+    out = tmp_path / "logits.pt"
+    if mode == "tensor":
+        rank_pool.world("tests.models.parallel_rank", 2, ["2", "1", str(out), *split_files])
+    else:
+        rank_pool.world("tests.models.ep_rank", 2, ["2", "round_robin", str(out), *split_files])
+    for source, ranked in zip(split_files, torch.load(out)):
+        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < SPLIT_ATOL, (source, mode)
+            assert torch.equal(have.argmax(-1), want.argmax(-1))

@@ -241,16 +241,6 @@ async def test_engine_greedy_equals_transformers(checkpoints: dict[str, tuple[Pa
 # -- what these families refuse ------------------------------------------------------------------
 
 
-def test_quantized_safetensors_checkpoints_are_refused(case: Any) -> None:
-    """GGUF quants are served (`tests/models/test_gguf_moe.py`); GPTQ / AWQ / FP8 ones are not."""
-    from sonar.models.decoder import QUANTIZED
-    from sonar.models.errors import ModelLoadError
-
-    _, _, loaded = case
-    with pytest.raises(ModelLoadError, match="quantized weights.*--dequantize-weights"):
-        loaded.model.require_support(QUANTIZED)
-
-
 def test_lora_and_eagle_are_refused(checkpoints: dict[str, tuple[Path, Any]]) -> None:
     from sonar.lora.limits import LoRALimits, ModelShapes
     from sonar.lora.slots import AdapterSlots

@@ -14,8 +14,9 @@ activations were calibrated to. Sonar runs FP8 weights with activations in the m
 the input scales are checked (present, positive, finite) and otherwise not used: the layer is the
 dequantized weight times unquantized activations.
 
-Quantizing at load: per output row, ``s = amax(|w|) / 448`` (448 is float8_e4m3fn's largest
-value) and ``q = fp8(w / s)``.
+Quantizing at load: every linear layer of the decoder (a mixture-of-experts model's experts too,
+stored one tensor per expert; stacked ones are refused), per output row, ``s = amax(|w|) / 448``
+(448 is float8_e4m3fn's largest value) and ``q = fp8(w / s)``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from sonar.models.errors import ModelLoadError
 from sonar.models.quantization.method import LINEAR_MODULE, Method, block_scales, group_scales, listed, need
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+STACKED_EXPERTS = frozenset({"gate_up_proj", "down_proj"})
 ACTIVATION_SCHEMES = ("dynamic", "static")
 
 
@@ -129,9 +131,17 @@ class DynamicFP8(Method):
     output layer) quantized per output row as it loads (`quantize_dynamic_fp8`)."""
 
     name = "fp8"
-    parts = frozenset({"weight"})
+    #: ``weight``, and the names of experts stacked as transformers holds them in memory
+    #: (``mlp.experts.gate_up_proj`` ``[E, 2 I, h]``), which are refused
+    parts = frozenset({"weight", *STACKED_EXPERTS})
 
     def quantized(self, module: str, parts: set[str]) -> bool:
+        if parts & STACKED_EXPERTS:
+            raise ModelLoadError(
+                f"--quantization fp8 quantizes a mixture-of-experts checkpoint's experts stored one tensor per "
+                f"expert and projection (what save_pretrained writes), not {module}'s stacked "
+                f"{' and '.join(sorted(parts & STACKED_EXPERTS))}"
+            )
         return "weight" in parts and module != "lm_head" and LINEAR_MODULE.fullmatch(module) is not None
 
     def convert(self, module: str, tensors: dict[str, Tensor]) -> QuantizedWeight:

@@ -11,7 +11,7 @@ dequantized).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import structlog
@@ -58,30 +58,43 @@ def quantized_modules(names: list[str], method: Method) -> dict[str, set[str]]:
 
 
 def load_quantized_checkpoint(
-    model: DecoderForCausalLM, model_dir: Path, method: Method, source: str, *, dequantize_weights: bool = False
+    model: DecoderForCausalLM,
+    model_dir: Path,
+    method: Method,
+    source: str,
+    *,
+    dequantize_weights: bool = False,
+    skip: Callable[[str], bool] | None = None,
 ) -> Installed:
     """Load the safetensors checkpoint in `model_dir` into `model` (built on its device), the
     modules `method` finds quantized as quantized layers; returns what was installed.
 
     `dequantize_weights`: the quantized modules' weights are dequantized (exactly, then cast to
-    the model's dtype) into the ordinary linear layers instead, the reference path. Every failure
-    is a ModelLoadError naming `source`.
+    the model's dtype) into the ordinary linear layers instead, the reference path. `skip`: tensor
+    names never read (``--enable-ep-weight-filter``: other expert-parallel ranks' experts). Every
+    failure is a ModelLoadError naming `source`.
     """
     try:
-        return _load(model, model_dir, method, dequantize_weights)
+        return _load(model, model_dir, method, dequantize_weights, skip)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{source}: {exc}") from exc
 
 
-def _load(model: DecoderForCausalLM, model_dir: Path, method: Method, dequantize_weights: bool) -> Installed:
+def _load(
+    model: DecoderForCausalLM,
+    model_dir: Path,
+    method: Method,
+    dequantize_weights: bool,
+    skip: Callable[[str], bool] | None,
+) -> Installed:
     files = safetensors_files(model_dir)
-    plan = quantized_modules(tensor_names(files), method)
+    plan = quantized_modules([n for n in tensor_names(files) if skip is None or not skip(n)], method)
     pending: dict[str, dict[str, Tensor]] = {}
     converted: dict[str, QuantizedWeight] = {}
     plain: set[str] = set()
 
     def plain_tensors() -> Iterator[tuple[str, Tensor]]:
-        for name, tensor in iter_safetensors(files):
+        for name, tensor in iter_safetensors(files, "lazy", skip):
             module, _, part = name.rpartition(".")
             if module in plan and part in method.parts:
                 got = pending.setdefault(module, {})

@@ -24,8 +24,13 @@ from sonar.models.decoder import QUANTIZED
 from sonar.models.errors import ModelLoadError
 
 #: The Hugging Face names of the linear layers of the decoders Sonar serves, the only modules a
-#: checkpoint may store quantized (q/k/v and gate/up are fused on install).
-LINEAR_MODULE = re.compile(r"(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)|lm_head)")
+#: checkpoint may store quantized (q/k/v and gate/up are fused on install): attention, the dense
+#: MLP, and the mixture-of-experts families' experts and shared experts (Mixtral's experts as its
+#: checkpoints name them, ``block_sparse_moe.experts.E.w1`` / ``w3`` / ``w2``). Routers stay plain.
+LINEAR_MODULE = re.compile(
+    r"(model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_expert\.|experts\.\d+\.)?(gate|up|down)_proj"
+    r"|block_sparse_moe\.experts\.\d+\.w[123])|lm_head)"
+)
 
 
 class Method(ABC):

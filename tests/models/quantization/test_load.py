@@ -11,6 +11,7 @@ tests/models/test_architectures.py: 1e-4.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,19 +39,22 @@ LINEARS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
-# modules reading the same input share GPTQ's act-order (the same Hessian orders their columns)
-INPUT_OF = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 2, "up_proj": 2}
+# modules reading the same input share GPTQ's act-order (the same Hessian orders their columns;
+# Mixtral's w1 / w3 are an expert's gate / up)
+INPUT_OF = {"q_proj": 1, "k_proj": 1, "v_proj": 1, "gate_proj": 2, "up_proj": 2, "w1": 2, "w3": 2}
 
 Quantizer = Callable[[str, torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]]
 
 
 def _seed(module: str, shared: bool = True) -> int:
-    """A layer's act-order seed: `shared`, one per layer and input (q/k/v alike, gate/up alike);
-    otherwise one per module."""
+    """A layer's act-order seed: `shared`, one per layer, expert and input (q/k/v alike, an
+    expert's gate/up alike); otherwise one per module."""
     layer = int(module.split(".")[2]) if module.startswith("model.layers.") else len(LINEARS)
+    expert = re.search(r"\.experts\.(\d+)\.", module)
     leaf = module.rsplit(".", 1)[-1]
     own = next((i for i, name in enumerate(LINEARS) if name.endswith(leaf)), len(LINEARS))
-    return 100 * layer + (INPUT_OF[leaf] if shared and leaf in INPUT_OF else 10 + own)
+    base = 100 * layer + 10_000 * (int(expert[1]) + 1 if expert else 0)
+    return base + (INPUT_OF[leaf] if shared and leaf in INPUT_OF else 10 + own)
 
 
 def _fp8_static(module: str, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
@@ -143,16 +147,23 @@ def _quantized_modules(hf: Any, with_lm_head: bool) -> list[str]:
 def _write(hf: Any, out: Path, quantize: Quantizer, qc: dict, with_lm_head: bool) -> dict[str, torch.Tensor]:
     """Save `hf` with its linear layers quantized; returns the dequantized weights by parameter name."""
     state = {k: v.detach().clone().contiguous() for k, v in hf.state_dict().items()}
+    return write_quantized(state, hf.config.to_dict(), _quantized_modules(hf, with_lm_head), out, quantize, qc)
+
+
+def write_quantized(
+    state: dict[str, torch.Tensor], config: dict, modules: list[str], out: Path, quantize: Quantizer, qc: dict
+) -> dict[str, torch.Tensor]:
+    """Save checkpoint `state` with `modules` quantized and `qc` as the config's
+    ``quantization_config``; returns the dequantized weights by checkpoint name."""
+    state = dict(state)
     dequantized = {}
-    for module in _quantized_modules(hf, with_lm_head):
+    for module in modules:
         tensors, ref = quantize(module, state.pop(f"{module}.weight"))
         state.update({f"{module}.{part}": t.contiguous() for part, t in tensors.items()})
         dequantized[f"{module}.weight"] = ref
     out.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out / "model.safetensors"))
-    config = hf.config.to_dict()
-    config["quantization_config"] = qc
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
     return dequantized
 
 
