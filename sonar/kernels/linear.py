@@ -2,10 +2,14 @@
 
 bfloat16 weights on a CPU with AVX512-BF16 are packed for Sonar's own kernel
 (``torch.ops.sonar_cpu.linear_bf16``, `sonar.kernels.native`): tiles of 16 output columns
-contiguous along the input dimension, read once per step. On SmolLM2-135M's layer shapes, 2 cores,
-it measured ~1.7x faster than oneDNN's packed path at batch 1 (the weights stream at ~26 GB/s),
-~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; it serves every row
-count. Elsewhere (no such CPU, float16, the native kernels off) the oneDNN packing below is used.
+contiguous along the input dimension, read once per step. On SmolLM2-135M's layer shapes, 2 cores
+of an AMD EPYC, it measured ~1.7x faster than oneDNN's packed path at batch 1 (the weights stream
+at ~26 GB/s), ~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; there
+it serves every row count. On a CPU with AMX (Intel Xeon since Sapphire Rapids) oneDNN runs
+``F.linear``'s bfloat16 products on the tile unit: from `ONEDNN_AMX_ROWS` rows on those go to
+``F.linear`` on the layer's own weight (`onednn_serves`; no second copy): a decode step of 24-64
+rows 1.2-2x faster, a prefill ~5x; fewer rows keep the native kernel, faster there. Elsewhere (no AVX512-BF16, float16, the native
+kernels off) the oneDNN packing below is used.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
 layout on every call; for the small batches of decoding that copy costs more than the matmul
@@ -36,6 +40,13 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 PACKED_MAX_ROWS = 256
 
 
+#: From this many rows a bfloat16 product on a CPU with AMX goes to oneDNN (``F.linear``), not to
+#: the native kernel. One layer alone (its weight in cache) crosses over at ~8 rows, but a decode
+#: step streams every weight from memory and oneDNN reorders (copies) each weight per call: the
+#: whole SmolLM2-135M decode step (2 cores of a Xeon with AMX) measured 5 % slower through oneDNN
+#: at 16 rows, 6 % faster at 20, 1.2x at 24, 1.4x at 32, 2x at 64 (BENCHMARKS.md).
+ONEDNN_AMX_ROWS = 20
+
 _generation = 0
 
 
@@ -61,6 +72,19 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 products on AMX tiles here: the CPU has AMX-BF16 and the kernel
+    lets this process use the tile state (torch asks for it once, as oneDNN would)."""
+    return "amx_bf16" in native.cpu_flags() and bool(torch._C._cpu._init_amx())
+
+
+def onednn_serves(rows: int) -> bool:
+    """Whether a bfloat16 product of `rows` rows over a natively packed weight goes to ``F.linear``
+    (oneDNN on AMX) rather than to the native kernel."""
+    return rows >= ONEDNN_AMX_ROWS and amx_bf16()
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -104,11 +128,13 @@ def pack_native(weight: Tensor) -> Tensor:
 
 def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
     """`PackedLinear`'s arithmetic on its tensors (also what the compiled model's opaque operator
-    runs): the native kernel on its layout, oneDNN on its own up to `PACKED_MAX_ROWS` rows,
-    ``F.linear`` for anything else."""
+    runs): the native kernel on its layout (``F.linear`` where `onednn_serves` the rows), oneDNN on
+    its own up to `PACKED_MAX_ROWS` rows, ``F.linear`` for anything else."""
     if x.dim() != 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if native_layout:
+        if onednn_serves(x.shape[0]):
+            return F.linear(x, weight, bias)
         return torch.ops.sonar_cpu.linear_bf16(x.contiguous(), packed, bias, weight.shape[0])
     if x.shape[0] > PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)

@@ -19,7 +19,7 @@ mixed steps, CUDA, code that ``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,14 @@ class LayerWeights:
     lora_b: list[Tensor]
     lora_layers: list[LoRALinear | None]  # four per layer as `kinds` (None: no adapters); [] without LoRA
     lora_context: LoRAContext | None  # the adapters' rows of each step; None without LoRA
+    onednn: LayerWeights | None = None
+    """The same with each bfloat16-packed layer as its own plain matrix (``at::linear``: oneDNN on
+    AMX), for the steps `sonar.kernels.linear.onednn_serves` gives oneDNN, as the per-op path's
+    `PackedLinear` does; None without AMX or such a layer."""
+
+    def for_rows(self, rows: int) -> LayerWeights:
+        """The weights a step of `rows` rows runs on."""
+        return self.onednn if self.onednn is not None and packed_linear.onednn_serves(rows) else self
 
     def lora_b_packed(self) -> list[Tensor]:
         """Each layer's B as the native kernel reads it (an empty tensor: ``b`` itself), packed
@@ -63,6 +71,14 @@ class LayerWeights:
         empty = torch.empty(0)
         packed = [empty if layer is None else layer.packed_b() for layer in self.lora_layers]
         return [empty if p is None else p for p in packed]
+
+
+def _plain(layer: nn.Module) -> Tensor | None:
+    """A bfloat16-packed layer's own matrix (a `LoRALinear`'s base layer's); None for the others."""
+    layer = _base(layer)
+    if isinstance(layer, packed_linear.PackedLinear) and layer.native_layout:
+        return layer.weight
+    return None
 
 
 def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
@@ -96,6 +112,8 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     }
     kinds: list[int] = []
     groups: list[int] = []
+    plain: dict[str, list[Tensor]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
+    plain_kinds: list[int] = []
     quantized: set[int] = set()  # ids of the packed quantized weights: bytes, not the model's dtype
     adapters = _Adapters()
     hidden = model.config.hidden_size
@@ -119,6 +137,9 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
             lists[name].append(weight)
             kinds.append(kind)
             groups.append(group)
+            matrix = _plain(module)
+            plain[name].append(weight if matrix is None else matrix)
+            plain_kinds.append(kind if matrix is None else PLAIN)
             if kind >= QUANTIZED:
                 quantized.add(id(weight))
         for name, biases in (
@@ -136,7 +157,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         return None
     if quantized and final_norm.dtype not in quant_cpu.ACTIVATION_DTYPES:
         return None
-    return LayerWeights(
+    weights = LayerWeights(
         **lists,
         final_norm=final_norm,
         windows=[layer.self_attn.sliding_window or -1 for layer in model.model.layers],
@@ -147,6 +168,9 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         lora_layers=adapters.layers if adapters.context else [],
         lora_context=adapters.context,
     )
+    if plain_kinds == kinds or not packed_linear.amx_bf16():
+        return weights
+    return replace(weights, onednn=replace(weights, **plain, kinds=plain_kinds))
 
 
 def _base(layer: nn.Module) -> nn.Module:
@@ -208,7 +232,7 @@ class FusedDecode:
 
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
         """The final hidden states ``[num_seqs, hidden_size]`` of a step `serves` accepted."""
-        model, w = self.model, self._weights
+        model, w = self.model, self._weights.for_rows(input_ids.shape[0])
         x = model.model.embed_tokens(input_ids)
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
         attn = model.model.layers[0].self_attn

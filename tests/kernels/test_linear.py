@@ -1,4 +1,5 @@
-"""Prepacked oneDNN linear layers against ``F.linear``, and the module swap that installs them."""
+"""Prepacked linear layers (Sonar's bf16 layout or oneDNN's) against ``F.linear``, which rows go to
+oneDNN on a CPU with AMX, and the module swap that installs them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sonar.kernels.linear import PackedLinear, can_pack, prepack_linears
+from sonar.kernels import linear
+from sonar.kernels.linear import ONEDNN_AMX_ROWS, PackedLinear, can_pack, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,3 +71,24 @@ def test_float32_is_left_alone() -> None:
     model = nn.Sequential(nn.Linear(8, 8))
     assert not can_pack(model[0].weight)
     assert prepack_linears(model) == 0 and type(model[0]) is nn.Linear
+
+
+@pytest.mark.parametrize("rows", [1, ONEDNN_AMX_ROWS - 1, ONEDNN_AMX_ROWS, 300])
+def test_natively_packed_rows_go_to_onednn_on_amx(rows: int) -> None:
+    """On a CPU with AMX, a natively packed layer gives ``F.linear``'s bits from `ONEDNN_AMX_ROWS`
+    rows on (oneDNN on the tile unit), the native kernel's below; elsewhere the native kernel's at
+    every row count."""
+    gen = torch.Generator().manual_seed(rows)
+    layer = nn.Linear(96, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(40, 96, generator=gen))
+        layer.bias.copy_(torch.randn(40, generator=gen))
+    packed = _prepacked(layer, batch_hint=16)
+    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
+    if not isinstance(packed, PackedLinear) or not packed.native_layout:
+        assert not linear.can_pack_native(layer.weight)  # no AVX512-BF16: test_packed_equals_f_linear's paths
+        return
+    oned = linear.amx_bf16() and rows >= ONEDNN_AMX_ROWS
+    assert linear.onednn_serves(rows) == oned
+    native = torch.ops.sonar_cpu.linear_bf16(x, packed.packed, layer.bias, 40)
+    assert torch.equal(packed(x), F.linear(x, layer.weight, layer.bias) if oned else native)
