@@ -74,17 +74,10 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
-@functools.cache
-def amx_bf16() -> bool:
-    """Whether oneDNN runs bfloat16 products on AMX tiles here: the CPU has AMX-BF16 and the kernel
-    lets this process use the tile state (torch asks for it once, as oneDNN would)."""
-    return "amx_bf16" in native.cpu_flags() and bool(torch._C._cpu._init_amx())
-
-
 def onednn_serves(rows: int) -> bool:
     """Whether a bfloat16 product of `rows` rows over a natively packed weight goes to ``F.linear``
     (oneDNN on AMX) rather than to the native kernel."""
-    return rows >= ONEDNN_AMX_ROWS and amx_bf16()
+    return rows >= ONEDNN_AMX_ROWS and native.amx_bf16()
 
 
 def can_pack(weight: Tensor) -> bool:

@@ -90,6 +90,14 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpu_flags().partition(":")[2].split())
 
 
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether oneDNN (``F.linear``, SDPA's flash kernel) runs bfloat16 products on AMX tiles here:
+    the CPU has AMX-BF16 and the kernel lets this process use the tile state (torch asks for it
+    once, as oneDNN would)."""
+    return "amx_bf16" in cpu_flags() and bool(torch._C._cpu._init_amx())
+
+
 def best_isa(flags: frozenset[str]) -> str:
     """The quantized kernel's fastest path for a CPU reporting `flags`."""
     for isa in ("avx512", "avx2"):

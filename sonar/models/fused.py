@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from sonar.kernels import linear as packed_linear
-from sonar.kernels import ops, quant_cpu
+from sonar.kernels import native, ops, quant_cpu
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.quant_linear import QuantLinear
 from sonar.models.lora import LoRAContext, LoRALinear
@@ -168,7 +168,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         lora_layers=adapters.layers if adapters.context else [],
         lora_context=adapters.context,
     )
-    if plain_kinds == kinds or not packed_linear.amx_bf16():
+    if plain_kinds == kinds or not native.amx_bf16():
         return weights
     return replace(weights, onednn=replace(weights, **plain, kinds=plain_kinds))
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sonar.kernels import linear
+from sonar.kernels import linear, native
 from sonar.kernels.linear import ONEDNN_AMX_ROWS, PackedLinear, can_pack, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,7 +88,7 @@ def test_natively_packed_rows_go_to_onednn_on_amx(rows: int) -> None:
     if not isinstance(packed, PackedLinear) or not packed.native_layout:
         assert not linear.can_pack_native(layer.weight)  # no AVX512-BF16: test_packed_equals_f_linear's paths
         return
-    oned = linear.amx_bf16() and rows >= ONEDNN_AMX_ROWS
+    oned = native.amx_bf16() and rows >= ONEDNN_AMX_ROWS
     assert linear.onednn_serves(rows) == oned
-    native = torch.ops.sonar_cpu.linear_bf16(x, packed.packed, layer.bias, 40)
-    assert torch.equal(packed(x), F.linear(x, layer.weight, layer.bias) if oned else native)
+    by_kernel = torch.ops.sonar_cpu.linear_bf16(x, packed.packed, layer.bias, 40)
+    assert torch.equal(packed(x), F.linear(x, layer.weight, layer.bias) if oned else by_kernel)

@@ -126,6 +126,7 @@ def test_decode_attention_matches_the_reference(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(ops, "PREFILL_AS_DECODES_MAX_LEN", max_len)
+    monkeypatch.setattr(ops, "AMX_PREFILL_AS_DECODES_MAX_LEN", max_len)  # bfloat16 on a CPU with AMX
     block_size, num_blocks = 16, 96
     # one prefill chunk over a cached prefix, a fresh prompt and decodes of several lengths
     query_lens = [1, 5, 1, 1, 12, 1, 1]

@@ -116,7 +116,7 @@ def test_smollm2_packed_bf16_at_many_rows_equals_the_per_op_path(monkeypatch: py
         assert weights is None or weights.onednn is None
         return
     rows = linear.ONEDNN_AMX_ROWS
-    assert (weights.onednn is not None) == linear.amx_bf16()
+    assert (weights.onednn is not None) == native.amx_bf16()
     assert weights.for_rows(rows) is (weights.onednn or weights) and weights.for_rows(rows - 1) is weights
     if weights.onednn is not None:
         assert set(weights.onednn.kinds) == {PLAIN}
