@@ -9,7 +9,8 @@ serves every row count. On a CPU with AMX (Intel Xeon since Sapphire Rapids) the
 products of `amx_rows` rows or more on the tile unit, reading the same packed weight (its layout is
 AMX's B-tile layout): on 2 cores of such a Xeon ~3-4x faster than its AVX-512 path and 1.5-4x
 faster than ``F.linear`` (oneDNN on AMX, which copies the weight per call) from 4 to 128 rows, and
-level with it at 1024 (BENCHMARKS.md, "AMX"). Elsewhere (no AVX512-BF16, float16, the native
+~1.2x at 1024; from `ONEDNN_AMX_ROWS` rows (prefills), where oneDNN's blocking measured ~1.2x
+faster, products go to ``F.linear`` (`onednn_serves`) (BENCHMARKS.md, "AMX"). Elsewhere (no AVX512-BF16, float16, the native
 kernels off) the oneDNN packing below is used.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
@@ -41,6 +42,12 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 PACKED_MAX_ROWS = 256
 
 
+#: From this many rows a bfloat16 product on a CPU with AMX goes to oneDNN (``F.linear`` on the
+#: layer's own weight), not to the native kernel's AMX path: at prefill sizes oneDNN's blocking
+#: wins. SmolLM2-135M's four layer products, 2 cores of a Xeon with AMX: native 2.83 ms, oneDNN
+#: 3.33 ms at 1024 rows; native 5.71 ms, oneDNN 4.76 ms at 2048 (BENCHMARKS.md, "AMX").
+ONEDNN_AMX_ROWS = 1536
+
 _generation = 0
 
 
@@ -66,6 +73,12 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def onednn_serves(rows: int) -> bool:
+    """Whether a bfloat16 product of `rows` rows over a natively packed weight goes to ``F.linear``
+    (oneDNN on AMX) rather than to the native kernel: from `ONEDNN_AMX_ROWS` rows, on AMX."""
+    return rows >= ONEDNN_AMX_ROWS and native.amx_bf16()
 
 
 def amx_rows() -> int:
@@ -120,11 +133,13 @@ def pack_native(weight: Tensor) -> Tensor:
 
 def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
     """`PackedLinear`'s arithmetic on its tensors (also what the compiled model's opaque operator
-    runs): the native kernel on its layout (any row count), oneDNN on
+    runs): the native kernel on its layout (``F.linear`` where `onednn_serves` the rows), oneDNN on
     its own up to `PACKED_MAX_ROWS` rows, ``F.linear`` for anything else."""
     if x.dim() != 2 or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     if native_layout:
+        if onednn_serves(x.shape[0]):
+            return F.linear(x, weight, bias)
         return torch.ops.sonar_cpu.linear_bf16(x.contiguous(), packed, bias, weight.shape[0])
     if x.shape[0] > PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)

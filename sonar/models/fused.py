@@ -203,6 +203,8 @@ class FusedDecode:
         caches in the model's dtype, the kernels enabled, not under ``torch.compile``."""
         if meta.max_query_len != 1 or meta.num_tokens != meta.num_seqs or not ops.use_native(*kv_caches):
             return False
+        if packed_linear.onednn_serves(meta.num_tokens):  # the per-op path's oneDNN products, bit for bit
+            return False
         weights = self.weights()
         return weights is not None and weights.final_norm.dtype == kv_caches[0].dtype
 

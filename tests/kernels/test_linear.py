@@ -74,11 +74,11 @@ def test_float32_is_left_alone() -> None:
     assert prepack_linears(model) == 0 and type(model[0]) is nn.Linear
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 16, 20, 300])
-def test_natively_packed_rows_all_go_to_the_native_kernel(rows: int) -> None:
-    """A natively packed layer runs the native kernel at every row count (on a CPU with AMX, its
-    tile path from `linear.amx_rows` rows on: no routing to oneDNN), within bf16 rounding of
-    ``F.linear``."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 20, 300, linear.ONEDNN_AMX_ROWS])
+def test_natively_packed_rows_go_to_the_native_kernel(rows: int) -> None:
+    """A natively packed layer runs the native kernel (on a CPU with AMX, its tile path from
+    `linear.amx_rows` rows on), within bf16 rounding of ``F.linear``; on AMX, from
+    `linear.ONEDNN_AMX_ROWS` rows (prefills) ``F.linear`` itself."""
     gen = torch.Generator().manual_seed(rows)
     layer = nn.Linear(96, 40, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -91,7 +91,9 @@ def test_natively_packed_rows_all_go_to_the_native_kernel(rows: int) -> None:
         assert linear.amx_rows() == 0
         return
     assert (linear.amx_rows() > 0) == native.amx_bf16()
+    oned = native.amx_bf16() and rows >= linear.ONEDNN_AMX_ROWS
+    assert linear.onednn_serves(rows) == oned
     by_kernel = torch.ops.sonar_cpu.linear_bf16(x, packed.packed, layer.bias, 40)
-    assert torch.equal(packed(x), by_kernel)
+    assert torch.equal(packed(x), F.linear(x, layer.weight, layer.bias) if oned else by_kernel)
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
     assert ((by_kernel.float() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()
