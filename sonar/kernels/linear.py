@@ -4,11 +4,13 @@ bfloat16 weights on a CPU with AVX512-BF16 are packed for Sonar's own kernel
 (``torch.ops.sonar_cpu.linear_bf16``, `sonar.kernels.native`): tiles of 16 output columns
 contiguous along the input dimension, read once per step. On SmolLM2-135M's layer shapes, 2 cores
 of an AMD EPYC, it measured ~1.7x faster than oneDNN's packed path at batch 1 (the weights stream
-at ~26 GB/s), ~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; there
-it serves every row count. On a CPU with AMX (Intel Xeon since Sapphire Rapids) oneDNN runs
-``F.linear``'s bfloat16 products on the tile unit: from `ONEDNN_AMX_ROWS` rows on those go to
-``F.linear`` on the layer's own weight (`onednn_serves`; no second copy): a decode step of 24-64
-rows 1.2-2x faster, a prefill ~5x; fewer rows keep the native kernel, faster there. Elsewhere (no AVX512-BF16, float16, the native
+at ~26 GB/s), ~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; it
+serves every row count. On a CPU with AMX (Intel Xeon since Sapphire Rapids) the same kernel runs
+products of `amx_rows` rows or more on the tile unit, reading the same packed weight (its layout is
+AMX's B-tile layout): on 2 cores of such a Xeon ~3-4x faster than its AVX-512 path and 1.5-4x
+faster than ``F.linear`` (oneDNN on AMX, which copies the weight per call) from 4 to 128 rows, and
+~1.2x at 1024; from `ONEDNN_AMX_ROWS` rows (prefills), where oneDNN's blocking measured ~1.2x
+faster, products go to ``F.linear`` (`onednn_serves`) (BENCHMARKS.md, "AMX"). Elsewhere (no AVX512-BF16, float16, the native
 kernels off) the oneDNN packing below is used.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
@@ -40,12 +42,11 @@ PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 PACKED_MAX_ROWS = 256
 
 
-#: From this many rows a bfloat16 product on a CPU with AMX goes to oneDNN (``F.linear``), not to
-#: the native kernel. One layer alone (its weight in cache) crosses over at ~8 rows, but a decode
-#: step streams every weight from memory and oneDNN reorders (copies) each weight per call: the
-#: whole SmolLM2-135M decode step (2 cores of a Xeon with AMX) measured 5 % slower through oneDNN
-#: at 16 rows, 6 % faster at 20, 1.2x at 24, 1.4x at 32, 2x at 64 (BENCHMARKS.md).
-ONEDNN_AMX_ROWS = 20
+#: From this many rows a bfloat16 product on a CPU with AMX goes to oneDNN (``F.linear`` on the
+#: layer's own weight), not to the native kernel's AMX path: at prefill sizes oneDNN's blocking
+#: wins. SmolLM2-135M's four layer products, 2 cores of a Xeon with AMX: native 2.83 ms, oneDNN
+#: 3.33 ms at 1024 rows; native 5.71 ms, oneDNN 4.76 ms at 2048 (BENCHMARKS.md, "AMX").
+ONEDNN_AMX_ROWS = 1536
 
 _generation = 0
 
@@ -76,8 +77,14 @@ def _onednn_packs(dtype: torch.dtype) -> bool:
 
 def onednn_serves(rows: int) -> bool:
     """Whether a bfloat16 product of `rows` rows over a natively packed weight goes to ``F.linear``
-    (oneDNN on AMX) rather than to the native kernel."""
+    (oneDNN on AMX) rather than to the native kernel: from `ONEDNN_AMX_ROWS` rows, on AMX."""
     return rows >= ONEDNN_AMX_ROWS and native.amx_bf16()
+
+
+def amx_rows() -> int:
+    """From how many rows ``linear_bf16`` runs on AMX tiles here; 0 where it never does (no AMX,
+    the kernel refused the tile state, the native kernels off or not built)."""
+    return int(torch.ops.sonar_cpu.linear_amx_rows()) if can_pack_native_dtype() else 0
 
 
 def can_pack(weight: Tensor) -> bool:
@@ -94,6 +101,11 @@ def can_pack(weight: Tensor) -> bool:
 @functools.cache
 def _linear_bf16_built() -> bool:
     return native.available() and bool(torch.ops.sonar_cpu.has_linear_bf16())
+
+
+def can_pack_native_dtype() -> bool:
+    """Whether Sonar's bf16 kernel is built and enabled here."""
+    return native.enabled() and _linear_bf16_built()
 
 
 def can_pack_native(weight: Tensor) -> bool:

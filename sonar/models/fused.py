@@ -19,13 +19,13 @@ mixed steps, CUDA, code that ``torch.compile`` traces, ``SONAR_NATIVE_KERNELS=0`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from sonar.kernels import linear as packed_linear
-from sonar.kernels import native, ops, quant_cpu
+from sonar.kernels import ops, quant_cpu
 from sonar.kernels.attention import AttentionMetadata
 from sonar.kernels.quant_linear import QuantLinear
 from sonar.models.lora import LoRAContext, LoRALinear
@@ -56,14 +56,6 @@ class LayerWeights:
     lora_b: list[Tensor]
     lora_layers: list[LoRALinear | None]  # four per layer as `kinds` (None: no adapters); [] without LoRA
     lora_context: LoRAContext | None  # the adapters' rows of each step; None without LoRA
-    onednn: LayerWeights | None = None
-    """The same with each bfloat16-packed layer as its own plain matrix (``at::linear``: oneDNN on
-    AMX), for the steps `sonar.kernels.linear.onednn_serves` gives oneDNN, as the per-op path's
-    `PackedLinear` does; None without AMX or such a layer."""
-
-    def for_rows(self, rows: int) -> LayerWeights:
-        """The weights a step of `rows` rows runs on."""
-        return self.onednn if self.onednn is not None and packed_linear.onednn_serves(rows) else self
 
     def lora_b_packed(self) -> list[Tensor]:
         """Each layer's B as the native kernel reads it (an empty tensor: ``b`` itself), packed
@@ -71,14 +63,6 @@ class LayerWeights:
         empty = torch.empty(0)
         packed = [empty if layer is None else layer.packed_b() for layer in self.lora_layers]
         return [empty if p is None else p for p in packed]
-
-
-def _plain(layer: nn.Module) -> Tensor | None:
-    """A bfloat16-packed layer's own matrix (a `LoRALinear`'s base layer's); None for the others."""
-    layer = _base(layer)
-    if isinstance(layer, packed_linear.PackedLinear) and layer.native_layout:
-        return layer.weight
-    return None
 
 
 def _weight(layer: nn.Module) -> tuple[Tensor, int, int] | None:
@@ -112,8 +96,6 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
     }
     kinds: list[int] = []
     groups: list[int] = []
-    plain: dict[str, list[Tensor]] = {k: [] for k in ("qkv", "o", "gate_up", "down")}
-    plain_kinds: list[int] = []
     quantized: set[int] = set()  # ids of the packed quantized weights: bytes, not the model's dtype
     adapters = _Adapters()
     hidden = model.config.hidden_size
@@ -137,9 +119,6 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
             lists[name].append(weight)
             kinds.append(kind)
             groups.append(group)
-            matrix = _plain(module)
-            plain[name].append(weight if matrix is None else matrix)
-            plain_kinds.append(kind if matrix is None else PLAIN)
             if kind >= QUANTIZED:
                 quantized.add(id(weight))
         for name, biases in (
@@ -157,7 +136,7 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         return None
     if quantized and final_norm.dtype not in quant_cpu.ACTIVATION_DTYPES:
         return None
-    weights = LayerWeights(
+    return LayerWeights(
         **lists,
         final_norm=final_norm,
         windows=[layer.self_attn.sliding_window or -1 for layer in model.model.layers],
@@ -168,9 +147,6 @@ def layer_weights(model: nn.Module) -> LayerWeights | None:
         lora_layers=adapters.layers if adapters.context else [],
         lora_context=adapters.context,
     )
-    if plain_kinds == kinds or not native.amx_bf16():
-        return weights
-    return replace(weights, onednn=replace(weights, **plain, kinds=plain_kinds))
 
 
 def _base(layer: nn.Module) -> nn.Module:
@@ -227,12 +203,14 @@ class FusedDecode:
         caches in the model's dtype, the kernels enabled, not under ``torch.compile``."""
         if meta.max_query_len != 1 or meta.num_tokens != meta.num_seqs or not ops.use_native(*kv_caches):
             return False
+        if packed_linear.onednn_serves(meta.num_tokens):  # the per-op path's oneDNN products, bit for bit
+            return False
         weights = self.weights()
         return weights is not None and weights.final_norm.dtype == kv_caches[0].dtype
 
     def run(self, input_ids: Tensor, positions: Tensor, kv_caches: list[Tensor], meta: AttentionMetadata) -> Tensor:
         """The final hidden states ``[num_seqs, hidden_size]`` of a step `serves` accepted."""
-        model, w = self.model, self._weights.for_rows(input_ids.shape[0])
+        model, w = self.model, self._weights
         x = model.model.embed_tokens(input_ids)
         cos, sin = model.rotary.cos_sin(positions, x.dtype)
         attn = model.model.layers[0].self_attn

@@ -1,5 +1,6 @@
-"""Prepacked linear layers (Sonar's bf16 layout or oneDNN's) against ``F.linear``, which rows go to
-oneDNN on a CPU with AMX, and the module swap that installs them."""
+"""Prepacked linear layers (Sonar's bf16 layout or oneDNN's) against ``F.linear``, the native
+kernel serving every row count (on AMX tiles from `linear.amx_rows` rows), and the module swap that
+installs them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar.kernels import linear, native
-from sonar.kernels.linear import ONEDNN_AMX_ROWS, PackedLinear, can_pack, prepack_linears
+from sonar.kernels.linear import PackedLinear, can_pack, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -73,11 +74,11 @@ def test_float32_is_left_alone() -> None:
     assert prepack_linears(model) == 0 and type(model[0]) is nn.Linear
 
 
-@pytest.mark.parametrize("rows", [1, ONEDNN_AMX_ROWS - 1, ONEDNN_AMX_ROWS, 300])
-def test_natively_packed_rows_go_to_onednn_on_amx(rows: int) -> None:
-    """On a CPU with AMX, a natively packed layer gives ``F.linear``'s bits from `ONEDNN_AMX_ROWS`
-    rows on (oneDNN on the tile unit), the native kernel's below; elsewhere the native kernel's at
-    every row count."""
+@pytest.mark.parametrize("rows", [1, 3, 4, 16, 20, 300, linear.ONEDNN_AMX_ROWS])
+def test_natively_packed_rows_go_to_the_native_kernel(rows: int) -> None:
+    """A natively packed layer runs the native kernel (on a CPU with AMX, its tile path from
+    `linear.amx_rows` rows on), within bf16 rounding of ``F.linear``; on AMX, from
+    `linear.ONEDNN_AMX_ROWS` rows (prefills) ``F.linear`` itself."""
     gen = torch.Generator().manual_seed(rows)
     layer = nn.Linear(96, 40, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -87,8 +88,12 @@ def test_natively_packed_rows_go_to_onednn_on_amx(rows: int) -> None:
     x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
     if not isinstance(packed, PackedLinear) or not packed.native_layout:
         assert not linear.can_pack_native(layer.weight)  # no AVX512-BF16: test_packed_equals_f_linear's paths
+        assert linear.amx_rows() == 0
         return
-    oned = native.amx_bf16() and rows >= ONEDNN_AMX_ROWS
+    assert (linear.amx_rows() > 0) == native.amx_bf16()
+    oned = native.amx_bf16() and rows >= linear.ONEDNN_AMX_ROWS
     assert linear.onednn_serves(rows) == oned
     by_kernel = torch.ops.sonar_cpu.linear_bf16(x, packed.packed, layer.bias, 40)
     assert torch.equal(packed(x), F.linear(x, layer.weight, layer.bias) if oned else by_kernel)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float())
+    assert ((by_kernel.float() - want).abs() <= want.abs() * 2**-8 + 1e-5).all()

@@ -282,6 +282,37 @@ def test_linear_bf16_matches_float32(rows: int, out_features: int, bias: bool) -
     assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("in_features", [96, 80, 576, 1536])
+@pytest.mark.parametrize("rows", [16, 17, 33, 128, 300])
+def test_linear_bf16_amx_shapes(rows: int, in_features: int, bias: bool, threads: int) -> None:
+    """The shapes the AMX path pads: a last block of fewer than 16 rows, K not a multiple of 32,
+    N not a multiple of 16 (on a CPU without AMX the AVX-512 path runs them, the same bound)."""
+    out_features = 100 if in_features % 32 else 40
+    gen = torch.Generator().manual_seed(rows * in_features + threads)
+    weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
+    b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    if not torch.ops.sonar_cpu.has_linear_bf16():  # a CPU without AVX512-BF16: a clear refusal
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
+        return
+    amx = torch.ops.sonar_cpu.linear_amx_rows()
+    assert bool(torch.ops.sonar_cpu.has_linear_amx()) == (amx > 0) == native.amx_bf16()
+    if amx:
+        assert amx <= rows  # these rows take the tile path
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
+    finally:
+        torch.set_num_threads(before)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert ((got.float() - want).abs() <= want.abs() * 2**-8 + 1e-6).all()
+
+
 def test_packed_linear_uses_the_native_layout_where_it_can() -> None:
     linear = nn.Linear(64, 48, dtype=torch.bfloat16)
     assert can_pack_native(linear.weight) == bool(torch.ops.sonar_cpu.has_linear_bf16())

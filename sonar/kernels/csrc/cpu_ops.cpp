@@ -28,6 +28,11 @@
 #include <tuple>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SONAR_AVX512 1
 #include <immintrin.h>
@@ -1192,6 +1197,9 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // tiles of its range, or after its last group, its first group in the next linear layer when the
 // caller names that layer (`decode_layers` does). Measured on SmolLM2's decode at batch 16: the
 // layers' 120 linears 12.7-14.0 -> 11.5-11.8 ms, the whole step 22.8-25.4 -> 19.2-19.4 ms.
+//
+// On a CPU with AMX, from kLinearAmxRows rows the products run on the tile unit instead (below:
+// `linear_amx`, same packed weight, same threads' split, no prefetch).
 
 #if defined(SONAR_AVX512) && defined(__AVX512BF16__)
 #define SONAR_LINEAR_BF16 1
@@ -1254,6 +1262,149 @@ inline void linear_tail(int64_t rows, const int32_t* x, int64_t kp_count, const 
 }
 #endif
 
+// --- the AMX path (Intel Xeon since Sapphire Rapids), from kLinearAmxRows rows -------------------
+//
+// The packed layout is AMX's B-tile layout for `tdpbf16ps`: 16 K-pair rows of one column tile
+// (64 bytes each: 16 columns x 2 bf16) are one 1 KB B tile, loaded in place (stride 64). A tiles
+// are 16 rows of x x 32 k (stride K * 2 bytes), C tiles 16 x 16 float32. A register block is up to
+// 2 blocks of 16 rows x 2 column tiles: 4 C tiles, 2 A, 2 B (tmm0-3, tmm4-5, tmm6-7; one tile
+// configuration, every tile 16 rows x 64 bytes). A last block of fewer than 16 rows, and a K that
+// is not a multiple of 32, read zero-padded copies (of x's last rows, of each tile's last K-pairs),
+// so no tile reads past its tensor. The sums are stored to a scratch tile, the bias added in
+// float32 and the sum rounded to bfloat16 once, as on the AVX-512 path; only the order of the
+// float32 additions differs (results may differ from it in the last bit). The AMX instructions
+// fault until the kernel grants this process the tile state: it is asked for once
+// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), and where that fails the AVX-512 path
+// serves every row count. Threads split the tiles as on the AVX-512 path; no prefetch (the next
+// group's weights are 1-2 KB per K step, and a block of rows reuses each one 16-32 times).
+#if defined(SONAR_LINEAR_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define SONAR_LINEAR_AMX 1
+
+// From this many rows linear_bf16 takes the AMX path (measured: BENCHMARKS.md, "AMX").
+constexpr int64_t kLinearAmxRows = 4;
+
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) {
+    config.colsb[i] = 64;
+    config.rows[i] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// C = A @ B over `steps` steps of 32 k for RB blocks of 16 rows (a[i], `a_stride` bytes per row)
+// and CT column tiles (w[j], 512 bf16 per step; the last step from tail[j] when `tail` is set),
+// stored to c[(i * CT + j) * 256 ...] as 16 x 16 float32.
+template <int RB, int CT>
+inline void amx_block(const Bf16* const* a, int64_t a_stride, const Bf16* const* w, const Bf16* const* tail,
+                      int64_t steps, float* c) {
+  _tile_zero(0);
+  if constexpr (CT > 1) _tile_zero(1);
+  if constexpr (RB > 1) _tile_zero(2);
+  if constexpr (RB > 1 && CT > 1) _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    const bool last = tail != nullptr && s == steps - 1;
+    _tile_loadd(4, a[0] + s * 32, a_stride);
+    _tile_loadd(6, last ? tail[0] : w[0] + s * 512, 64);
+    if constexpr (CT > 1) _tile_loadd(7, last ? tail[1] : w[1] + s * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (CT > 1) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (RB > 1) {
+      _tile_loadd(5, a[1] + s * 32, a_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (CT > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  if constexpr (CT > 1) _tile_stored(1, c + 256, 64);
+  if constexpr (RB > 1) _tile_stored(2, c + CT * 256, 64);
+  if constexpr (RB > 1 && CT > 1) _tile_stored(3, c + CT * 256 + 256, 64);
+}
+
+// Blocks of 16 rows per pass over a thread's column tiles: a pass's rows of x (128 x K bf16) stay in
+// L2 while each pair of tiles reads them. Without it a prefill of 2048 rows re-read all of x from
+// memory for every pair of tiles (SmolLM2's prefill at batch 16: 463 ms through oneDNN, 697 ms).
+constexpr int64_t kAmxChunkBlocks = 8;
+
+void linear_amx(const Bf16* xs, int64_t rows, int64_t k, const Bf16* ws, int64_t tiles, const Bf16* bs, Bf16* ys,
+                int64_t out_features) {
+  const int64_t kp_count = k / 2, steps = (kp_count + 15) / 16, tail_pairs = kp_count % 16;
+  const int64_t tile_elems = kp_count * 32;  // bf16 per packed tile
+  const int64_t blocks = (rows + 15) / 16, full_blocks = rows / 16;
+  // x's rows as A tiles read them: in place when K is a multiple of 32, else a zero-padded copy;
+  // the last partial block of rows from a zero-padded copy.
+  const int64_t k_pad = steps * 32;
+  std::vector<Bf16> padded;
+  const Bf16* xa = xs;
+  int64_t x_stride = k;  // elements
+  if (k_pad != k) {
+    padded.assign(blocks * 16 * k_pad, Bf16{});
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(padded.data() + r * k_pad, xs + r * k, k * sizeof(Bf16));
+    xa = padded.data();
+    x_stride = k_pad;
+  }
+  std::vector<Bf16> last_rows;
+  if (blocks != full_blocks && k_pad == k) {
+    last_rows.assign(16 * k, Bf16{});
+    std::memcpy(last_rows.data(), xs + full_blocks * 16 * k, (rows - full_blocks * 16) * k * sizeof(Bf16));
+  }
+  const auto block_rows = [&](int64_t b) -> const Bf16* {
+    return b < full_blocks || last_rows.empty() ? xa + b * 16 * x_stride : last_rows.data();
+  };
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    alignas(64) float c[4 * 256];
+    alignas(64) Bf16 tails[2][512];
+    for (int64_t chunk = 0; chunk < blocks; chunk += kAmxChunkBlocks)
+    for (int64_t t = begin; t < end; t += 2) {
+      const int ct = std::min<int64_t>(2, end - t);
+      const Bf16* w[2] = {ws + t * tile_elems, ws + (t + ct - 1) * tile_elems};
+      const Bf16* tail[2] = {tails[0], tails[1]};
+      if (tail_pairs != 0) {
+        for (int j = 0; j < ct; ++j) {
+          std::memset(tails[j], 0, sizeof(tails[j]));
+          std::memcpy(tails[j], w[j] + (steps - 1) * 512, tail_pairs * 32 * sizeof(Bf16));
+        }
+      }
+      const Bf16* const* tp = tail_pairs != 0 ? tail : nullptr;
+      for (int64_t b = chunk, stop = std::min(blocks, chunk + kAmxChunkBlocks); b < stop; b += 2) {
+        const int rb = std::min<int64_t>(2, stop - b);
+        const Bf16* a[2] = {block_rows(b), block_rows(b + rb - 1)};
+        const int64_t stride = x_stride * sizeof(Bf16);
+        if (rb == 2 && ct == 2) amx_block<2, 2>(a, stride, w, tp, steps, c);
+        else if (rb == 2) amx_block<2, 1>(a, stride, w, tp, steps, c);
+        else if (ct == 2) amx_block<1, 2>(a, stride, w, tp, steps, c);
+        else amx_block<1, 1>(a, stride, w, tp, steps, c);
+        for (int i = 0; i < rb; ++i) {
+          const int64_t row0 = (b + i) * 16, n_rows = std::min<int64_t>(16, rows - row0);
+          for (int j = 0; j < ct; ++j) {
+            const int64_t col = (t + j) * 16, n = std::min<int64_t>(16, out_features - col);
+            const __m512 bias = bs ? loadn(bs + col, n) : _mm512_setzero_ps();
+            const float* cs = c + (i * ct + j) * 256;
+            for (int64_t r = 0; r < n_rows; ++r)
+              storen(ys + (row0 + r) * out_features + col, _mm512_add_ps(_mm512_load_ps(cs + r * 16), bias), n);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // Called inside a parallel_for: the first tile this thread will take in the next parallel_for over
 // `tiles` tiles with grain 1 (ATen's OpenMP split: the team's threads, at most one per tile, take
 // equal contiguous chunks in thread order), or -1 if it takes none. Only a prefetch depends on it.
@@ -1299,6 +1450,13 @@ at::Tensor linear_bf16_then(const at::Tensor& x, const at::Tensor& packed, const
 #ifdef SONAR_LINEAR_BF16
   const int64_t rows = x.size(0), kp_count = packed.size(1), tiles = packed.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
+#ifdef SONAR_LINEAR_AMX
+  if (rows >= kLinearAmxRows && amx_permitted()) {
+    linear_amx(data<const Bf16>(x), rows, x.size(1), data<const Bf16>(packed), tiles, bias ? data<const Bf16>(*bias) : nullptr,
+               data<Bf16>(y), out_features);
+    return y;
+  }
+#endif
   const int32_t* xs = data<const int32_t>(x);
   const int32_t* ws = data<const int32_t>(packed);
   const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
@@ -1340,6 +1498,18 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, const std:
                        int64_t out_features) {
   return linear_bf16_then(x, packed, bias, out_features, nullptr);
 }
+
+// Whether linear_bf16 runs products of kLinearAmxRows rows or more on AMX tiles here (compiled in,
+// and the kernel granted the tile state); 0 where it does not.
+int64_t linear_amx_rows() {
+#ifdef SONAR_LINEAR_AMX
+  return amx_permitted() ? kLinearAmxRows : 0;
+#else
+  return 0;
+#endif
+}
+
+bool has_linear_amx() { return linear_amx_rows() > 0; }
 
 bool has_linear_bf16() {
 #ifdef SONAR_LINEAR_BF16
@@ -2829,6 +2999,8 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("has_linear_bf16() -> bool", &has_linear_bf16);
+  m.def("has_linear_amx() -> bool", &has_linear_amx);
+  m.def("linear_amx_rows() -> int", &linear_amx_rows);
   m.def("decode_layers(Tensor x, Tensor cos, Tensor sin, Tensor[] input_norms, Tensor[] qkv, Tensor[] qkv_bias, "
         "Tensor[] o, Tensor[] o_bias, Tensor[] post_norms, Tensor[] gate_up, Tensor[] mlp_bias, Tensor[] down, "
         "Tensor final_norm, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
