@@ -66,6 +66,20 @@ def one_rank_logits(model_source: str) -> list[torch.Tensor]:
     return out
 
 
+def assert_ranks_give_one(
+    sources: list[str], got: list[list[torch.Tensor]], atol: float, label: object, same_argmax: bool = False
+) -> None:
+    """Each source's logits from a group (`got`, as `main` writes them) within `atol` of
+    `one_rank_logits`, row for row (and with the same argmax on every row where `same_argmax`);
+    `label` names the case in a failure."""
+    for source, ranked in zip(sources, got, strict=True):
+        for want, have in zip(one_rank_logits(source), ranked, strict=True):
+            assert have.shape == want.shape
+            assert (have - want).abs().max() < atol, (source, label)
+            if same_argmax:
+                assert torch.equal(have.argmax(-1), want.argmax(-1)), (source, label)
+
+
 def _meta(q_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
     return AttentionMetadata.build(q_lens, seq_lens, [[0], [1]], 16)
 

@@ -290,10 +290,7 @@ def test_split_over_ranks_gives_the_logits_of_one(
     layers (dense and sparse) in two stages; or both."""
     sources = [str(checkpoints[name][0]) for name in ("v2_lite", "v3")]
     got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
-    for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() < TP_ATOL, source
+    parallel_rank.assert_ranks_give_one(sources, got, TP_ATOL, (tp, pp))
 
 
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
@@ -307,10 +304,7 @@ def test_expert_parallel_gives_the_logits_of_one(
 
     sources = [str(checkpoints[name][0]) for name in ("v2", "v3")]
     got = _ep_group_logits(rank_pool, 2, placement, sources, tmp_path / "logits.pt")
-    for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() < EP_ATOL, (source, placement)
+    parallel_rank.assert_ranks_give_one(sources, got, EP_ATOL, placement)
 
 
 @pytest.mark.anyio

@@ -260,11 +260,7 @@ def test_split_over_ranks_gives_the_logits_of_one(
     two of them), the stages pass OLMo 2's post-normed residual stream on."""
     sources = [str(tiny_checkpoints[n].path) for n in names]
     got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
-    assert len(got) == len(names)
-    for name, source, ranked in zip(names, sources, got):
-        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() < PARALLEL_ATOL, (name, tp, pp)
+    parallel_rank.assert_ranks_give_one(sources, got, PARALLEL_ATOL, (tp, pp))
 
 
 def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(

@@ -207,10 +207,7 @@ def test_split_over_ranks_gives_the_logits_of_one(
     layers') split between them, or the layers (sparse and dense) in two stages."""
     sources = [str(checkpoints[name][0]) for name in ("mixtral", "qwen2_moe")]
     got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
-    for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() < TP_ATOL, source
+    parallel_rank.assert_ranks_give_one(sources, got, TP_ATOL, (tp, pp))
 
 
 @pytest.mark.anyio

@@ -144,10 +144,7 @@ def test_tiny_models_split_over_ranks_give_the_logits_of_one(
     tp: int, pp: int, sources: list[str], rank_pool: RankPool, tmp_path: Path
 ) -> None:
     got = _group_logits(rank_pool, tp, pp, sources, tmp_path / "logits.pt")
-    for source, ranked in zip(sources, got):
-        for want, have in zip(parallel_rank.one_rank_logits(source), ranked):
-            assert have.shape == want.shape
-            assert (have - want).abs().max() < ATOL, (source, tp, pp)
+    parallel_rank.assert_ranks_give_one(sources, got, ATOL, (tp, pp))
 
 
 def test_smollm2_at_three_ranks_gives_the_logits_of_one(smollm2_fp32: Any, rank_pool: RankPool, tmp_path: Path) -> None:
