@@ -31,7 +31,9 @@ from tests.models.against import assert_greedy_equals_transformers
 from tests.models.driver import GreedyDriver
 from tests.models.gguf_writer import write_gguf
 from tests.models.rank_pool import RankPool
+from tests.models.test_expert_parallel import _group_logits as ep_group_logits
 from tests.models.test_gguf_families import _configs, _prompts, _reference
+from tests.models.test_parallel import _group_logits as tp_group_logits
 
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 QUANT_TOLERANCE = 0.05
@@ -230,9 +232,13 @@ def test_two_ranks_give_the_logits_of_one(
 ) -> None:
     """Real two-rank gloo groups (`parallel_rank`, `ep_rank`) serving the quants in float32: the
     logits of one rank within `SPLIT_ATOL`, the same greedy tokens."""
-    out = tmp_path / "logits.pt"
+    got = two_ranks(rank_pool, mode, "round_robin", split_files, tmp_path / "logits.pt")
+    parallel_rank.assert_ranks_give_one(split_files, got, SPLIT_ATOL, mode, same_argmax=True)
+
+
+def two_ranks(pool: RankPool, mode: str, placement: str, sources: list[str], out: Path) -> list[list[torch.Tensor]]:
+    """Each source's logits from two gloo ranks: tensor-parallel (`mode` "tensor") or expert-parallel
+    with `placement`."""
     if mode == "tensor":
-        rank_pool.world("tests.models.parallel_rank", 2, ["2", "1", str(out), *split_files])
-    else:
-        rank_pool.world("tests.models.ep_rank", 2, ["2", "round_robin", str(out), *split_files])
-    parallel_rank.assert_ranks_give_one(split_files, torch.load(out), SPLIT_ATOL, mode, same_argmax=True)
+        return tp_group_logits(pool, 2, 1, sources, out)
+    return ep_group_logits(pool, 2, placement, sources, out)

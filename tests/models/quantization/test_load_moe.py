@@ -33,6 +33,7 @@ from tests.models import parallel_rank
 from tests.models.quantization import formats as f
 from tests.models.quantization.test_load import CASES, _compare, _load, _tiny, write_quantized
 from tests.models.rank_pool import RankPool
+from tests.models.test_gguf_moe import two_ranks
 from tests.models.test_parallel import ATOL as TP_ATOL
 
 #: The checkpoint modules the tests quantize: every projection of the layers (not the routers).
@@ -220,12 +221,8 @@ def test_two_ranks_give_the_logits_of_one(
     for family, case in (("qwen3_moe", "ct-w4a16"), ("mixtral", "gptq-int8-sym-v2")):  # groups whole per rank
         _write_moe(tiny_moe[family][1], tmp_path / family, case)
         sources.append(str(tmp_path / family))
-    out = tmp_path / "logits.pt"
-    if mode == "tensor":
-        rank_pool.world("tests.models.parallel_rank", 2, ["2", "1", str(out), *sources])
-    else:
-        rank_pool.world("tests.models.ep_rank", 2, ["2", "linear", str(out), *sources])
-    parallel_rank.assert_ranks_give_one(sources, torch.load(out), TP_ATOL, mode, same_argmax=True)
+    got = two_ranks(rank_pool, mode, "linear", sources, tmp_path / "logits.pt")
+    parallel_rank.assert_ranks_give_one(sources, got, TP_ATOL, mode, same_argmax=True)
 
 
 def test_the_weight_filter_leaves_other_ranks_quantized_experts_unread(
