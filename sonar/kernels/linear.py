@@ -10,8 +10,8 @@ products of `amx_rows` rows or more on the tile unit, reading the same packed we
 AMX's B-tile layout): on 2 cores of such a Xeon ~3-4x faster than its AVX-512 path and 1.5-4x
 faster than ``F.linear`` (oneDNN on AMX, which copies the weight per call) from 4 to 128 rows, and
 ~1.2x at 1024; from `ONEDNN_AMX_ROWS` rows (prefills), where oneDNN's blocking measured ~1.2x
-faster, products go to ``F.linear`` (`onednn_serves`) (BENCHMARKS.md, "AMX"). Elsewhere (no AVX512-BF16, float16, the native
-kernels off) the oneDNN packing below is used.
+faster, products go to ``F.linear`` (`onednn_serves`; BENCHMARKS.md, "AMX"). Elsewhere (no
+AVX512-BF16, float16, the native kernels off) the oneDNN packing below is used.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
 layout on every call; for the small batches of decoding that copy costs more than the matmul
@@ -116,8 +116,7 @@ def can_pack_native(weight: Tensor) -> bool:
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
-        and native.enabled()
-        and _linear_bf16_built()
+        and can_pack_native_dtype()
     )
 
 
