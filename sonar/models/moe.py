@@ -44,11 +44,9 @@ skips them).
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
@@ -67,15 +65,6 @@ from sonar.models.errors import ModelLoadError
 from sonar.models.parallel import Shard, TensorParallel
 
 log = get_logger("sonar.moe")
-
-
-@functools.cache
-def _triton_moe() -> ModuleType:
-    """`sonar.kernels.triton.fused_moe`, imported on the first grouped call on CUDA (importing
-    this module never imports Triton)."""
-    from sonar.kernels.triton import fused_moe
-
-    return fused_moe
 
 
 def _triton_parts(packed: dict[str, Tensor]) -> dict[str, Tensor | None]:
@@ -224,13 +213,14 @@ class QuantizedExperts(nn.ModuleList):
             return self.per_expert(x, weights, ids)
         up, down = stacked.gate_up_meta, stacked.down_meta
         if stacked.backend == "triton":
-            kernels = _triton_moe()
-            return kernels.fused_experts(
+            from sonar.kernels.triton import fused_moe  # here: importing this module never imports Triton
+
+            return fused_moe.fused_experts(
                 x,
                 weights,
                 ids,
-                kernels.PackedExperts(up.format, up.group, up.in_features, **_triton_parts(stacked.gate_up)),
-                kernels.PackedExperts(down.format, down.group, down.in_features, **_triton_parts(stacked.down)),
+                fused_moe.PackedExperts(up.format, up.group, up.in_features, **_triton_parts(stacked.gate_up)),
+                fused_moe.PackedExperts(down.format, down.group, down.in_features, **_triton_parts(stacked.down)),
                 self.gate_up_proj_bias,
                 self.down_proj_bias,
                 self.swiglu_limit,
