@@ -58,7 +58,9 @@ class AttentionMetadata:
     num_splits: int | None = None
     _plans: dict[int, _ReferencePlan] = field(default_factory=dict, init=False, repr=False)
     _split: DecodeSplit | None = field(default=None, init=False, repr=False)
-    _token_splits: dict[int, TokenSplit] = field(default_factory=dict, init=False, repr=False)
+    _token_splits: dict[tuple[int, int | None, int | None], TokenSplit] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:
@@ -118,12 +120,16 @@ class AttentionMetadata:
             self._split = DecodeSplit.build(self)
         return self._split
 
-    def token_split(self, max_len: int) -> TokenSplit:
+    def token_split(
+        self, max_len: int, kernel_min_query: int | None = None, kernel_max_len: int | None = None
+    ) -> TokenSplit:
         """Every query token of the sequences up to ``max_len`` long as a one-token query over its
-        own prefix (see `TokenSplit`), computed once per step."""
-        split = self._token_splits.get(max_len)
+        own prefix, the chunks for the prefill kernel apart (see `TokenSplit`), computed once per
+        step."""
+        key = (max_len, kernel_min_query, kernel_max_len)
+        split = self._token_splits.get(key)
         if split is None:
-            split = self._token_splits[max_len] = TokenSplit.build(self, max_len)
+            split = self._token_splits[key] = TokenSplit.build(self, max_len, kernel_min_query, kernel_max_len)
         return split
 
     def reference_plan(self, block_size: int) -> _ReferencePlan:
@@ -187,43 +193,63 @@ class TokenSplit:
     sits at position ``seq_len - q_len + j`` and attends causally to positions up to its own:
     exactly a decode of a sequence ``seq_len - q_len + j + 1`` long with the same block table. So
     a prefill chunk is as many decodes, each reading its keys and values straight from the paged
-    cache (from L1/L2 after the chunk's first token). Sequences longer than the split's
-    ``max_len`` with more than one query token are left out, in ``prefills``, for a kernel that
-    reuses keys across queries. ``rows``: the int64 query row of each entry, empty when entry
-    ``i`` is row ``i`` (no sequence left out); ``block_tables`` / ``seq_lens``: per entry.
+    cache (from L1/L2 after the chunk's first token). Left out: sequences with more than one
+    query token that are longer than the split's ``max_len`` (in ``prefills``, for a kernel that
+    reuses keys across queries), and with a ``kernel_min_query`` those of at least that many query
+    tokens and at most ``kernel_max_len`` long (in ``kernel_prefills``, for the native prefill
+    kernel). ``rows``: the int64 query row of each entry, empty when entry ``i`` is row ``i`` (no
+    sequence left out); ``block_tables`` / ``seq_lens``: per entry.
     """
 
     rows: Tensor
     block_tables: Tensor
     seq_lens: Tensor
     prefills: list[int]
+    kernel_prefills: list[int]
 
     @property
     def num_rows(self) -> int:
         return self.seq_lens.shape[0]
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, max_len: int) -> TokenSplit:
+    def build(
+        cls,
+        meta: AttentionMetadata,
+        max_len: int,
+        kernel_min_query: int | None = None,
+        kernel_max_len: int | None = None,
+    ) -> TokenSplit:
         split = meta.decode_split()
         if not split.prefills:
-            return cls(split.rows, split.block_tables, split.seq_lens, [])
+            return cls(split.rows, split.block_tables, split.seq_lens, [], [])
         device = meta.seq_lens.device
         seq_lens = meta.seq_lens.to(torch.int64)
         host_lens = seq_lens.tolist()
-        prefills = [i for i in split.prefills if host_lens[i] > max_len]
+        kernel = [
+            i
+            for i in split.prefills
+            if kernel_min_query is not None
+            and split.query_lens[i] >= kernel_min_query
+            and (kernel_max_len is None or host_lens[i] <= kernel_max_len)
+        ]
+        prefills = [i for i in split.prefills if host_lens[i] > max_len and i not in kernel]
         starts = meta.query_start_loc.to(torch.int64)
         seq_of = seq_of_tokens(starts, meta.num_tokens)
         token = torch.arange(meta.num_tokens, device=device)
         ends = starts[1:]
         lens = (seq_lens[seq_of] - (ends[seq_of] - token) + 1).to(torch.int32)
-        if not prefills:
+        if not prefills and not kernel:
             return cls(
-                torch.empty(0, dtype=torch.int64, device=device), meta.block_tables.index_select(0, seq_of), lens, []
+                torch.empty(0, dtype=torch.int64, device=device),
+                meta.block_tables.index_select(0, seq_of),
+                lens,
+                [],
+                [],
             )
         kept = torch.ones(meta.num_seqs, dtype=torch.bool, device=device)
-        kept[prefills] = False
+        kept[prefills + kernel] = False
         mask = kept[seq_of]
-        return cls(token[mask], meta.block_tables.index_select(0, seq_of[mask]), lens[mask], prefills)
+        return cls(token[mask], meta.block_tables.index_select(0, seq_of[mask]), lens[mask], prefills, kernel)
 
 
 @dataclass(eq=False)

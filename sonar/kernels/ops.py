@@ -1,9 +1,10 @@
 """Kernel dispatch: the Triton kernel for CUDA tensors when Triton is importable, the native CPU
 kernel (`sonar.kernels.native`) for CPU tensors when it is built, the torch reference otherwise.
 
-On the CPU the native kernels serve the KV-cache write, decode attention (the prefills of a step
-keep the reference's SDPA), RMSNorm (with the residual add fused), SiLU-and-mul and the
-halves-layout rotary embedding, for the model's float dtypes; anything else (float8 caches,
+On the CPU the native kernels serve the KV-cache write, decode attention (and prefill chunks a
+token at a time), prefill attention for bfloat16 chunks (`PREFILL_KERNEL_MIN_QUERY`), RMSNorm
+(with the residual add fused), SiLU-and-mul and the halves-layout rotary embedding, for the
+model's float dtypes; anything else (float8 caches,
 strided inputs, mixed dtypes, code that ``torch.compile`` traces) takes the reference.
 ``SONAR_NATIVE_KERNELS=0`` forces the references.
 
@@ -158,6 +159,17 @@ PREFILL_AS_DECODES_MAX_LEN = 4096
 #: Xeon, decode kernel vs SDPA: 128 tokens 56-62 vs 54-74 ms, 512 239-252 vs 151 ms, 1024 729 vs
 #: 326-335 ms, 2048 2.52-2.60 vs 0.85-0.86 s.
 AMX_PREFILL_AS_DECODES_MAX_LEN = 256
+#: bfloat16 chunks of at least this many query tokens go to the native prefill kernel
+#: (`sonar_cpu::prefill_attention`, which packs each sequence's keys once and reuses them across
+#: its queries) instead of the decode kernel token by token, at any length (with AMX, up to
+#: `AMX_PREFILL_AS_DECODES_MAX_LEN`; SDPA serves longer ones there). Without softcapping.
+PREFILL_KERNEL_MIN_QUERY = 16
+PREFILL_KERNEL_HEAD_DIMS = (32, 64, 128)
+
+
+@functools.cache
+def _prefill_kernel_built() -> bool:
+    return bool(torch.ops.sonar_cpu.has_prefill_attention())
 
 
 def _native_paged_attention(
@@ -169,12 +181,25 @@ def _native_paged_attention(
     softcap: float | None = None,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Every query token of a sequence up to `PREFILL_AS_DECODES_MAX_LEN` long (with AMX and
-    bfloat16, `AMX_PREFILL_AS_DECODES_MAX_LEN`) through the native decode kernel, straight from
-    the paged cache; the prefills of longer ones as the reference."""
+    """Each sequence's query tokens through one of three: bfloat16 prefill chunks of at least
+    `PREFILL_KERNEL_MIN_QUERY` tokens through the native prefill kernel; the other tokens of
+    sequences up to `PREFILL_AS_DECODES_MAX_LEN` long (with AMX and bfloat16,
+    `AMX_PREFILL_AS_DECODES_MAX_LEN`) through the native decode kernel, straight from the paged
+    cache; the prefills of longer ones as the reference."""
     amx = query.dtype == torch.bfloat16 and native.amx_bf16()
-    split = meta.token_split(AMX_PREFILL_AS_DECODES_MAX_LEN if amx else PREFILL_AS_DECODES_MAX_LEN)
+    max_len = AMX_PREFILL_AS_DECODES_MAX_LEN if amx else PREFILL_AS_DECODES_MAX_LEN
+    kernel = (
+        query.dtype == torch.bfloat16
+        and softcap is None
+        and query.shape[-1] in PREFILL_KERNEL_HEAD_DIMS
+        and _prefill_kernel_built()
+    )
+    if kernel:
+        split = meta.token_split(max_len, PREFILL_KERNEL_MIN_QUERY, max_len if amx else None)
+    else:
+        split = meta.token_split(max_len)
     out = torch.empty(query.shape, dtype=query.dtype)
+    sink_logits = None if sinks is None else sinks.float().contiguous()
     if split.num_rows:
         torch.ops.sonar_cpu.decode_attention(
             out,
@@ -186,7 +211,20 @@ def _native_paged_attention(
             scale,
             sliding_window or -1,
             softcap or 0.0,
-            None if sinks is None else sinks.float().contiguous(),
+            sink_logits,
+        )
+    if split.kernel_prefills:
+        torch.ops.sonar_cpu.prefill_attention(
+            out,
+            query,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            torch.tensor(split.kernel_prefills, dtype=torch.int64),
+            scale,
+            sliding_window or -1,
+            sink_logits,
         )
     if split.prefills:
         attention.prefill_attention(query, kv_cache, meta, scale, sliding_window, out, split.prefills, softcap, sinks)

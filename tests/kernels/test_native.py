@@ -1,6 +1,7 @@
 """The native CPU kernels (``sonar/kernels/csrc/cpu_ops.cpp``) against their torch references: the
 build and its cache, decode attention over the paged cache (mixed batches, GQA, sliding windows,
-poisoned unused slots, both work splits, the AVX-512 and portable paths), RMSNorm, SiLU-and-mul,
+poisoned unused slots, both work splits, the AVX-512 and portable paths), prefill attention
+(chunks over cached prefixes, several spans of keys, sinks, block sizes), RMSNorm, SiLU-and-mul,
 rotary, the bf16 linear kernel, and the typed errors on bad input. (``lora_add`` has its own
 module, ``test_lora.py``; the portable build's check here covers it too.)"""
 
@@ -189,6 +190,74 @@ def test_decode_attention_rejects_bad_input() -> None:
     with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
         bad = torch.randn(1, 3, 64)
         torch.ops.sonar_cpu.decode_attention(torch.empty_like(bad), bad, cache, tables, lens, rows, 1.0, -1)
+
+
+# --- prefill attention --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 128), (8, 2, 32)])
+@pytest.mark.parametrize("window", [None, 7, 300])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_prefill_kernel_matches_the_reference(
+    heads: int, kv_heads: int, head_dim: int, window: int | None, block_size: int, sinks: bool
+) -> None:
+    """bfloat16 chunks of 16 query tokens and more go to `sonar_cpu::prefill_attention` (on a CPU
+    with AVX512-BF16; elsewhere to the decode kernel), the others to the decode kernel, in one step;
+    against the float32 reference on the same values."""
+    # decodes, a fresh prompt, a chunk over 183 cached tokens, exactly 16 fresh, a 3-token chunk
+    # (the decode kernel's), 100 over 500 cached (two spans of keys) and 33 fresh (a partial tile)
+    query_lens = [1, 40, 1, 17, 16, 3, 100, 33]
+    seq_lens = [30, 40, 9, 200, 16, 50, 600, 33]
+    meta = _batch(query_lens, seq_lens, block_size, 96 * 16 // block_size, seed=head_dim)
+    cache = _poisoned_cache(96 * 16 // block_size, block_size, kv_heads, head_dim, torch.bfloat16)
+    _fill_context(cache, meta, seq_lens, seed=heads)
+    gen = torch.Generator().manual_seed(2)
+    qk = torch.randn(meta.num_tokens, heads + kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    query = qk[:, :heads]  # a strided view, as the decoder hands it over
+    logits = torch.randn(heads, generator=gen) * 2 + 1 if sinks else None
+    split = meta.token_split(ops.PREFILL_AS_DECODES_MAX_LEN, ops.PREFILL_KERNEL_MIN_QUERY)
+    assert split.kernel_prefills == [1, 3, 4, 6, 7] and split.prefills == []
+    got = ops.paged_attention(query, cache, meta, head_dim**-0.5, window, sinks=logits)
+    want = reference.paged_attention(query.float(), cache.float(), meta, head_dim**-0.5, window, sinks=logits)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_spreads_a_long_prompt_over_the_threads() -> None:
+    """One 2000-token prompt: 16-row tiles of every head from a shared counter, longest first."""
+    meta = _batch([2000], [2000], 16, 130, seed=5)
+    cache = _poisoned_cache(130, 16, 3, 64, torch.bfloat16)
+    _fill_context(cache, meta, [2000], seed=5)
+    query = torch.randn(2000, 9, 64).to(torch.bfloat16)
+    got = ops.paged_attention(query, cache, meta, 0.125)
+    want = reference.paged_attention(query.float(), cache.float(), meta, 0.125)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_prefill_kernel_rejects_bad_input() -> None:
+    meta = _batch([20], [20], 16, 4, seed=0)
+    cache = torch.zeros(2, 4, 16, 2, 64, dtype=torch.bfloat16)
+    query = torch.randn(20, 4, 64).to(torch.bfloat16)
+    seqs = torch.zeros(1, dtype=torch.int64)
+
+    def call(q: torch.Tensor = query, c: torch.Tensor = cache, which: torch.Tensor = seqs) -> None:
+        torch.ops.sonar_cpu.prefill_attention(
+            torch.empty_like(q), q, c, meta.block_tables, meta.seq_lens, meta.query_start_loc, which, 0.125, -1
+        )
+
+    if not torch.ops.sonar_cpu.has_prefill_attention():  # a CPU without AVX512-BF16: a clear refusal
+        with pytest.raises(RuntimeError, match="needs AVX512-BF16"):
+            call()
+        return
+    with pytest.raises(RuntimeError, match="are bfloat16"):
+        call(q=query.float(), c=cache.float())
+    with pytest.raises(RuntimeError, match="head_dim 32, 64 or 128"):
+        call(q=torch.randn(20, 4, 80).to(torch.bfloat16), c=torch.zeros(2, 4, 16, 2, 80, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="seqs out of range"):
+        call(which=torch.ones(1, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="multiple of the cache's KV heads"):
+        call(q=torch.randn(20, 3, 64).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

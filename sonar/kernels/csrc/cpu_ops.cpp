@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -950,6 +951,299 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
   });
 #endif
   return out;
+}
+
+// --- prefill attention over the paged KV cache ---------------------------------------------------
+//
+// The query tokens of prefill chunks, causal over their sequence's context in the paged cache,
+// bfloat16 on a CPU with AVX512-BF16. The decode kernel can serve a chunk a token at a time, but
+// then every query re-reads its keys and pays a horizontal sum per score; here each (sequence, KV
+// head)'s keys and values are first packed once into the layouts of `EncoderBf16` (K as 16-token
+// tiles of bfloat16 pairs, V as token pairs), then 16 query rows of one head go at a time over
+// spans of keys: scores as 4 x 4 register tiles, an online softmax per row from span to span (the
+// flash recurrence), P V with the probabilities rounded to bfloat16 as torch's CPU flash attention
+// rounds them. Rows of one unit are 16 consecutive tokens of one query head; units are taken from a
+// shared counter, the longest (last) tiles first, so a thread that loses its core is covered.
+
+#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
+constexpr int64_t kPrefillSpan = 512;  // keys per span: 16 rows' float32 scores, 32 KiB, stay in L1/L2
+
+struct PrefillGeometry {
+  int64_t kv_heads, group, block_size, token_stride, block_stride, max_blocks;
+  const Bf16* keys;
+  const Bf16* values;
+  const int32_t* tables;
+};
+
+// One sequence's packed K and V for one KV head, as `EncoderBf16::pack` lays them out (tokens
+// from `len` to the 16-token tile's end are zero: their probabilities are 0 and 0 * 0 stays 0).
+template <int C>
+void pack_prefill_context(const PrefillGeometry& geo, int64_t seq, int64_t head, int64_t len, uint32_t* kp,
+                          uint32_t* vp) {
+  constexpr int64_t D = 16 * C, DP = D / 2;
+  const int64_t padded = (len + 15) / 16 * 16;
+  for (int64_t t = 0; t < padded; ++t) {
+    uint32_t* kt = kp + (t / 16) * DP * 16 + t % 16;
+    Bf16* vt = reinterpret_cast<Bf16*>(vp + (t / 2) * D) + t % 2;
+    if (t >= len) {
+      for (int64_t i = 0; i < DP; ++i) kt[i * 16] = 0u;
+      for (int64_t d = 0; d < D; ++d) vt[2 * d] = 0;
+      continue;
+    }
+    const int64_t slot = geo.tables[seq * geo.max_blocks + t / geo.block_size] * geo.block_stride +
+                         (t % geo.block_size) * geo.token_stride + head * D;
+    const Bf16* krow = geo.keys + slot;
+    const Bf16* vrow = geo.values + slot;
+    for (int64_t i = 0; i < DP; ++i) std::memcpy(kt + i * 16, krow + 2 * i, 4);
+    for (int64_t d = 0; d < D; ++d) vt[2 * d] = vrow[d];
+  }
+}
+
+template <int C>
+struct PrefillRows {
+  static constexpr int64_t D = 16 * C, DP = D / 2, R = kEncRows;
+  alignas(64) uint32_t q[R * DP];                  // the rows' queries as bfloat16 pairs, unscaled
+  alignas(64) float s[R * kPrefillSpan];           // a span's scores, then (in place) nothing
+  alignas(64) uint32_t p[R * kPrefillSpan / 2];    // a span's probabilities as bfloat16 pairs
+  alignas(64) float acc[R * D];
+  float m[R], l[R];
+
+  // scores of rows [0, rows) (a multiple of 4) against keys [t0, t0 + padded) of the packed K
+  void scores(const uint32_t* kp, int64_t t0, int64_t padded, int64_t rows, float scale) {
+    const int64_t tiles = padded / 16;
+    const __m512 sc = _mm512_set1_ps(scale);
+    const uint32_t* k0 = kp + (t0 / 16) * DP * 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4)
+      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
+        const int64_t nj = std::min<int64_t>(4, tiles - j0);
+        __m512 a[4][4];
+        for (auto& row : a)
+          for (auto& x : row) x = _mm512_setzero_ps();
+        for (int64_t i = 0; i < DP; ++i) {
+          __m512bh kv[4];
+          for (int64_t j = 0; j < 4; ++j)
+            kv[j] = (__m512bh)_mm512_loadu_si512(k0 + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
+          for (int64_t r = 0; r < 4; ++r) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
+            for (int64_t j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], qb, kv[j]);
+          }
+        }
+        for (int64_t r = 0; r < 4; ++r)
+          for (int64_t j = 0; j < nj; ++j)
+            _mm512_storeu_ps(s + (r0 + r) * kPrefillSpan + (j0 + j) * 16, _mm512_mul_ps(a[r][j], sc));
+      }
+  }
+
+  // Row r's online-softmax step over the span's keys, of which [a, b) are visible to it (relative
+  // to the span; a < b); the probabilities go to p as bfloat16 pairs, zero outside [a, b).
+  void softmax(int64_t r, int64_t a, int64_t b, int64_t padded) {
+    float* row = s + r * kPrefillSpan;
+    const float neg = -std::numeric_limits<float>::infinity();
+    __m512 mx = _mm512_set1_ps(neg);
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __mmask16 visible = visible_lanes(t, a, b);
+      mx = _mm512_mask_max_ps(mx, visible, mx, _mm512_loadu_ps(row + t));
+    }
+    const float new_m = std::max(m[r], _mm512_reduce_max_ps(mx));
+    const float correction = exp_approx(m[r] - new_m);  // 0 when nothing was seen before
+    const __m512 shift = _mm512_set1_ps(new_m);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __mmask16 visible = visible_lanes(t, a, b);
+      const __m512 e = _mm512_maskz_mov_ps(visible, exp16_bf16(_mm512_sub_ps(_mm512_loadu_ps(row + t), shift)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kPrefillSpan / 2 + t / 2), (__m256i)_mm512_cvtneps_pbh(e));
+      sum = _mm512_add_ps(sum, e);
+    }
+    l[r] = l[r] * correction + _mm512_reduce_add_ps(sum);
+    m[r] = new_m;
+    if (correction != 1.f) {
+      const __m512 c = _mm512_set1_ps(correction);
+      for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), c));
+    }
+  }
+
+  static __mmask16 visible_lanes(int64_t t, int64_t a, int64_t b) {
+    const int64_t lo = std::max<int64_t>(a - t, 0), hi = std::min<int64_t>(b - t, 16);
+    return lo >= hi ? __mmask16(0) : __mmask16(first(hi) & ~first(lo));
+  }
+
+  // acc[r] += P V over the span's keys [t0, t0 + padded), rows [0, rows)
+  void values(const uint32_t* vp, int64_t t0, int64_t padded, int64_t rows) {
+    constexpr int RB = C <= 2 ? 8 : (C <= 4 ? 4 : 2);
+    const int64_t pairs = padded / 2;
+    const uint32_t* v0 = vp + (t0 / 2) * D;
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+      const int nr = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+      __m512 a[RB][C];
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < C; ++c) a[r][c] = r < nr ? _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+      for (int64_t tp = 0; tp < pairs; ++tp) {
+        __m512bh vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v0 + tp * D + 16 * c);
+        for (int r = 0; r < RB; ++r) {
+          if (r >= nr) break;
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[(r0 + r) * kPrefillSpan / 2 + tp]));
+          for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, vv[c]);
+        }
+      }
+      for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
+    }
+  }
+};
+
+template <int C>
+void prefill_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const int32_t* lens, const int32_t* starts,
+                            const int64_t* seqs, int64_t num_seqs, float scale, int64_t window, const float* sinks) {
+  constexpr int64_t D = 16 * C, DP = D / 2, R = kEncRows;
+  PrefillGeometry geo;
+  geo.kv_heads = kv_cache.size(3);
+  geo.group = query.size(1) / geo.kv_heads;
+  geo.block_size = kv_cache.size(2);
+  geo.token_stride = geo.kv_heads * D;
+  geo.block_stride = geo.block_size * geo.token_stride;
+  geo.max_blocks = block_tables.size(1);
+  geo.keys = data<const Bf16>(kv_cache);
+  geo.values = geo.keys + kv_cache.size(1) * geo.block_stride;
+  geo.tables = block_tables.data_ptr<int32_t>();
+
+  // where each (sequence, KV head)'s packed K and V go: padded * D words for the two together
+  std::vector<int64_t> packed_at(num_seqs * geo.kv_heads + 1, 0);
+  for (int64_t i = 0; i < num_seqs; ++i)
+    for (int64_t h = 0; h < geo.kv_heads; ++h) {
+      const int64_t padded = (lens[seqs[i]] + 15) / 16 * 16;
+      packed_at[i * geo.kv_heads + h + 1] = packed_at[i * geo.kv_heads + h] + padded * D;
+    }
+  std::unique_ptr<uint32_t[]> packed(new uint32_t[packed_at.back()]);
+  at::parallel_for(0, num_seqs * geo.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t i = unit / geo.kv_heads, h = unit % geo.kv_heads;
+      const int64_t len = lens[seqs[i]], padded = (len + 15) / 16 * 16;
+      uint32_t* kp = packed.get() + packed_at[unit];
+      pack_prefill_context<C>(geo, seqs[i], h, len, kp, kp + padded * DP);
+    }
+  });
+
+  // units: (sequence, query head, 16-row tile), the tiles that see the most keys first
+  struct Unit {
+    int64_t keys, index, head, row0;  // index: into seqs
+  };
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t seq = seqs[i], q_len = starts[seq + 1] - starts[seq], pos0 = lens[seq] - q_len;
+    for (int64_t row0 = 0; row0 < q_len; row0 += R)
+      for (int64_t head = 0; head < query.size(1); ++head)
+        units.push_back({pos0 + std::min(row0 + R, q_len), i, head, row0});
+  }
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.keys > b.keys; });
+  std::atomic<int64_t> next{0};
+  const Bf16* q_base = data<const Bf16>(query);
+  Bf16* o_base = data<Bf16>(out);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    auto rows = std::make_unique<PrefillRows<C>>();
+    for (int64_t u = next++; u < static_cast<int64_t>(units.size()); u = next++) {
+      const Unit& unit = units[u];
+      const int64_t seq = seqs[unit.index], len = lens[seq], q_len = starts[seq + 1] - starts[seq];
+      const int64_t pos0 = len - q_len + unit.row0, n = std::min<int64_t>(R, q_len - unit.row0);
+      const int64_t kv_head = unit.head / geo.group;
+      const int64_t padded_len = (len + 15) / 16 * 16;
+      const uint32_t* kp = packed.get() + packed_at[unit.index * geo.kv_heads + kv_head];
+      const uint32_t* vp = kp + padded_len * DP;
+      std::fill(rows->q, rows->q + R * DP, 0u);
+      for (int64_t r = 0; r < n; ++r)
+        std::memcpy(rows->q + r * DP, q_base + (starts[seq] + unit.row0 + r) * query.stride(0) + unit.head * query.stride(1),
+                    D * sizeof(Bf16));
+      std::fill(rows->acc, rows->acc + R * D, 0.f);
+      for (int64_t r = 0; r < R; ++r) {  // a sink (GPT-OSS) is a logit with no value, seen first
+        rows->m[r] = sinks ? sinks[unit.head] : -std::numeric_limits<float>::infinity();
+        rows->l[r] = sinks ? 1.f : 0.f;
+      }
+      // keys [first, end): from the first row's window start (a whole tile) to the last row
+      const int64_t end = pos0 + n;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) / 16 * 16 : 0;
+      const int64_t scored_rows = (n + 3) / 4 * 4;
+      for (int64_t t0 = first; t0 < end; t0 += kPrefillSpan) {
+        const int64_t t1 = std::min(end, t0 + kPrefillSpan), padded = (t1 - t0 + 15) / 16 * 16;
+        rows->scores(kp, t0, padded, scored_rows, scale);
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t position = pos0 + r;
+          const int64_t a = std::max<int64_t>(window > 0 ? position - window + 1 : 0, t0) - t0;
+          const int64_t b = std::min(position + 1, t1) - t0;
+          if (a < b) {
+            rows->softmax(r, a, b, padded);
+          } else {
+            std::fill(rows->p + r * kPrefillSpan / 2, rows->p + r * kPrefillSpan / 2 + padded / 2, 0u);
+          }
+        }
+        rows->values(vp, t0, padded, n);
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        Bf16* dst = o_base + (starts[seq] + unit.row0 + r) * out.stride(0) + unit.head * out.stride(1);
+        const __m512 inv = _mm512_set1_ps(rows->l[r] > 0.f ? 1.f / rows->l[r] : 0.f);
+        for (int64_t d = 0; d < D; d += 16) storen(dst + d, _mm512_mul_ps(_mm512_loadu_ps(rows->acc + r * D + d), inv), 16);
+      }
+    }
+  });
+}
+#endif
+
+bool has_prefill_attention() {
+#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                       const at::Tensor& seqs, double scale, int64_t window, const std::optional<at::Tensor>& sinks) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &query, &kv_cache, &block_tables, &seq_lens,
+                                                                      &query_start_loc, &seqs})
+    check_cpu(*t, "every tensor");
+  TORCH_CHECK(has_prefill_attention(), "sonar_cpu::prefill_attention: needs AVX512-BF16");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "sonar_cpu::prefill_attention: query and out [tokens, heads, head_dim]");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "sonar_cpu::prefill_attention: query, out and kv_cache are bfloat16");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "sonar_cpu::prefill_attention: a contiguous kv_cache [2, blocks, block_size, kv_heads, head_dim]");
+  const int64_t head_dim = query.size(2);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && query.size(1) % kv_cache.size(3) == 0,
+              "sonar_cpu::prefill_attention: query heads must be a multiple of the cache's KV heads, same head_dim");
+  TORCH_CHECK(head_dim == 32 || head_dim == 64 || head_dim == 128, "sonar_cpu::prefill_attention: head_dim 32, 64 or 128");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous() &&
+                  seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && block_tables.size(0) == seq_lens.size(0),
+              "sonar_cpu::prefill_attention: int32 block_tables [seqs, max_blocks] and seq_lens [seqs]");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.is_contiguous() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "sonar_cpu::prefill_attention: int32 query_start_loc [seqs + 1]");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 1 && seqs.is_contiguous(),
+              "sonar_cpu::prefill_attention: seqs is int64 [n]");
+  TORCH_CHECK(!sinks || (sinks->device().is_cpu() && sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                         sinks->dim() == 1 && sinks->size(0) == query.size(1)),
+              "sonar_cpu::prefill_attention: sinks is a contiguous float32 [heads] CPU tensor");
+  check_last_contiguous(query, "query");
+  check_last_contiguous(out, "out");
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t* which = seqs.data_ptr<int64_t>();
+  const int64_t num_seqs = seqs.numel();
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(which[i] >= 0 && which[i] < seq_lens.numel(), "sonar_cpu::prefill_attention: seqs out of range");
+    const int64_t q_len = starts[which[i] + 1] - starts[which[i]];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[which[i]] && starts[which[i] + 1] <= query.size(0) &&
+                    (lens[which[i]] + kv_cache.size(2) - 1) / kv_cache.size(2) <= block_tables.size(1),
+                "sonar_cpu::prefill_attention: a sequence's query rows, length and block table disagree");
+  }
+#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
+  const float* sink_logits = sinks ? sinks->data_ptr<float>() : nullptr;
+  const float s = static_cast<float>(scale);
+  if (head_dim == 32) return prefill_attention_impl<2>(out, query, kv_cache, block_tables, lens, starts, which, num_seqs, s, window, sink_logits);
+  if (head_dim == 64) return prefill_attention_impl<4>(out, query, kv_cache, block_tables, lens, starts, which, num_seqs, s, window, sink_logits);
+  prefill_attention_impl<8>(out, query, kv_cache, block_tables, lens, starts, which, num_seqs, s, window, sink_logits);
+#endif
 }
 
 // --- RMSNorm -------------------------------------------------------------------------------------
@@ -2992,6 +3286,9 @@ TORCH_LIBRARY(sonar_cpu, m) {
         "Tensor rows, float scale, int window, float softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("encoder_attention(Tensor q, Tensor k, Tensor v, Tensor starts, float scale) -> Tensor");
   m.def("has_encoder_attention() -> bool", &has_encoder_attention);
+  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, Tensor seqs, float scale, int window, Tensor? sinks=None) -> ()");
+  m.def("has_prefill_attention() -> bool", &has_prefill_attention);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
@@ -3018,6 +3315,7 @@ TORCH_LIBRARY(sonar_cpu, m) {
 TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("encoder_attention", &encoder_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("write_kv_cache", &write_kv_cache);
