@@ -13,8 +13,10 @@ server answers from a cache warmed by an earlier run; within the shared-prefix w
 prefix repeats, as it should. The weight-read floor of a decode step is measured in the same
 run: the model's weight bytes over this machine's read bandwidth, read with every server idle.
 Peak memory is the proportional set size of each server's whole process tree, sampled while it
-runs. Writes ``compare.json``, ``compare.md`` (one table per workload, the goals of issue 20
-judged per cell) and one PNG per workload into ``--out``.
+runs. Writes ``compare.json`` and ``compare.md`` (one table per workload, the goals of issue 20
+judged per cell) into ``--out`` after every run, marked partial until the last, and one PNG per
+workload at the end. SIGINT or SIGTERM stops every server it started, writes what was measured
+and exits with 128 + the signal's number.
 
 usage: python -m sonar bench compare --out DIR [--model-dir HF_DIR] [--llama-server BIN --gguf FILE]
        [--vllm-venv DIR] [--peer NAME=COMMAND] [--concurrency 1,4,16,64] [--input-len 128,1024,4096]
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from sonar.bench.bandwidth import read_bandwidth_gbs
-from sonar.bench.compare_report import RUN_KEYS, cell_checks, format_markdown
+from sonar.bench.compare_report import RUN_KEYS, format_markdown, judge, runs_done
 from sonar.bench.floor import DTYPE_BYTES
 from sonar.bench.launch import LaunchedServer, ServerFailed, launch, stop
 from sonar.bench.peers import (
@@ -256,6 +258,43 @@ def _stop_all(servers: dict[str, tuple[ServerSpec, LaunchedServer]]) -> None:
             pass
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived while the grid ran. A KeyboardInterrupt, so that SIGTERM unwinds
+    as Ctrl-C does: asyncio lets it out of the event loop at once instead of handing it to one
+    request's task, where `bench serve` would count it as that request's failure."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """While entered, the first SIGINT or SIGTERM raises `Stopped` as long as `armed`; any later one
+    (or one after `armed` is cleared) is only noted in `signum`, so that stopping the servers and
+    writing what was measured are not cut short. The previous handlers come back on exit."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        self._previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signum = self.signum or signum
+        if self.armed:
+            self.armed = False
+            raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cells = grid_cells(args)
@@ -269,81 +308,136 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    servers: dict[str, tuple[ServerSpec, LaunchedServer]] = {}
-    info: dict[str, dict[str, Any]] = {}
-    try:
-        for spec in specs:
-            print(f"bench compare: starting {spec.name}: {spec.command}", flush=True)
-            server = launch(
-                [],
-                out / "logs",
-                command=spec.command,
-                env=spec.env,
-                timeout=args.server_timeout,
-                name=spec.name,
-                new_session=True,
-            )
-            servers[spec.name] = (spec, server)
-            info[spec.name] = {**asdict(spec), "ready_s": server.ready_seconds, "peak_pss_bytes": 0}
-            print(f"bench compare: {spec.name} ready in {server.ready_seconds:.1f} s", flush=True)
-            if spec.pause_when_idle:
-                pause(server.proc.pid)
-        bandwidth = read_bandwidth_gbs()
-        floor = _floor(args, bandwidth)
-        floor_text = f"{floor['floor_ms']:.2f} ms per decode step" if floor else "unknown (no model size)"
-        print(f"bench compare: read bandwidth {bandwidth:.1f} GB/s; weight-read floor {floor_text}", flush=True)
-        warm = warm_up_cell(cells, load.max_concurrency)
-        for r in range(args.rounds):
-            order = list(servers)[r % len(servers) :] + list(servers)[: r % len(servers)]
-            for i, cell in enumerate([warm] + cells if r == 0 else cells):
-                for name in order:
-                    spec, server = servers[name]
-                    if spec.pause_when_idle:
-                        resume(server.proc.pid)
-                    try:
-                        with MemoryWatch(server.proc.pid) as watch:
-                            run = run_cell(args, server, cell, seed=1000 * (r + 1) + i)
-                    finally:
-                        if spec.pause_when_idle:
-                            pause(server.proc.pid)
-                    info[name]["peak_pss_bytes"] = max(info[name]["peak_pss_bytes"], watch.peak)
-                    if cell is warm:
-                        continue
-                    cell.setdefault("runs", {}).setdefault(name, []).append(run)
-                    print(
-                        f"bench compare: round {r + 1} {cell['workload']} c={cell['concurrency']} "
-                        f"in={cell['input_len']} {name}: {run['output_throughput']:.1f} tok/s, "
-                        f"TTFT {run['mean_ttft_ms']:.0f} ms, TPOT {run['mean_tpot_ms']:.1f} ms, "
-                        f"{run['failed']} failed",
-                        flush=True,
-                    )
-    except (ServerFailed, RuntimeError) as exc:
-        print(f"bench compare: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        _stop_all(servers)
-    floor_ms = floor["floor_ms"] if floor else None
-    for cell in cells:
-        cell["checks"] = [c.to_dict() for c in cell_checks(cell["concurrency"], cell["runs"], SUBJECT, floor_ms)]
-    result = {
+    result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "subject": SUBJECT,
         "argv": sys.argv[1:] if argv is None else argv,
         "cpus": os.cpu_count(),
-        "floor": floor,
-        "servers": list(info.values()),
+        "floor": None,
+        "servers": [],
         "cells": cells,
+        "runs_planned": args.rounds * len(cells) * len(specs),
     }
-    (out / "compare.json").write_text(json.dumps(result, indent=2))
-    report = format_markdown(result)
-    (out / "compare.md").write_text(report)
+    servers: dict[str, tuple[ServerSpec, LaunchedServer]] = {}
+    error: Exception | None = None
+    with StopSignals() as signals:
+        try:
+            _measure(args, specs, out, servers, result)
+        except Stopped:
+            pass  # `signals.signum` says which
+        except (ServerFailed, RuntimeError) as exc:
+            error = exc
+        finally:
+            signals.armed = False
+            _stop_all(servers)
+        if signals.signum:
+            result["stopped_by"] = signal.Signals(signals.signum).name
+        report = _write_results(out, result)
+        if error:
+            print(f"bench compare: {error}", file=sys.stderr)
+        if signals.signum or error:
+            print(
+                f"bench compare: stopped after {result['runs_done']} of {result['runs_planned']} runs; written to {out}",
+                file=sys.stderr,
+            )
+            return 128 + signals.signum if signals.signum else 1
     from sonar.bench.plot import plot_compare
 
+    names = [s["name"] for s in result["servers"]]
     for workload in dict.fromkeys(c["workload"] for c in cells):
-        plot_compare([c for c in cells if c["workload"] == workload], list(info), out / f"compare-{workload}.png")
+        plot_compare([c for c in cells if c["workload"] == workload], names, out / f"compare-{workload}.png")
     print(report)
     print(f"bench compare: written to {out}")
     return 0 if all(not r["failed"] for c in cells for runs in c["runs"].values() for r in runs) else 1
+
+
+def _measure(
+    args: argparse.Namespace,
+    specs: list[ServerSpec],
+    out: Path,
+    servers: dict[str, tuple[ServerSpec, LaunchedServer]],
+    result: dict[str, Any],
+) -> None:
+    """Start every server (into `servers`, for the caller to stop), then run the grid's rounds,
+    adding each run to its cell of ``result["cells"]`` and writing the results after each."""
+    cells = result["cells"]
+    info: dict[str, dict[str, Any]] = {}
+    for spec in specs:
+        print(f"bench compare: starting {spec.name}: {spec.command}", flush=True)
+        server = launch(
+            [],
+            out / "logs",
+            command=spec.command,
+            env=spec.env,
+            timeout=args.server_timeout,
+            name=spec.name,
+            new_session=True,
+        )
+        servers[spec.name] = (spec, server)
+        # the pid also names the server's process group: a reader can check none outlived the run
+        info[spec.name] = {
+            **asdict(spec),
+            "pid": server.proc.pid,
+            "ready_s": server.ready_seconds,
+            "peak_pss_bytes": 0,
+        }
+        result["servers"].append(info[spec.name])
+        print(f"bench compare: {spec.name} ready in {server.ready_seconds:.1f} s", flush=True)
+        if spec.pause_when_idle:
+            pause(server.proc.pid)
+    bandwidth = read_bandwidth_gbs()
+    floor = result["floor"] = _floor(args, bandwidth)
+    floor_text = f"{floor['floor_ms']:.2f} ms per decode step" if floor else "unknown (no model size)"
+    print(f"bench compare: read bandwidth {bandwidth:.1f} GB/s; weight-read floor {floor_text}", flush=True)
+    warm = warm_up_cell(cells, max(c["concurrency"] for c in cells))
+    for r in range(args.rounds):
+        order = list(servers)[r % len(servers) :] + list(servers)[: r % len(servers)]
+        for i, cell in enumerate([warm] + cells if r == 0 else cells):
+            for name in order:
+                spec, server = servers[name]
+                if spec.pause_when_idle:
+                    resume(server.proc.pid)
+                try:
+                    with MemoryWatch(server.proc.pid) as watch:
+                        run = run_cell(args, server, cell, seed=1000 * (r + 1) + i)
+                finally:
+                    if spec.pause_when_idle:
+                        pause(server.proc.pid)
+                info[name]["peak_pss_bytes"] = max(info[name]["peak_pss_bytes"], watch.peak)
+                if cell is warm:
+                    continue
+                cell.setdefault("runs", {}).setdefault(name, []).append(run)
+                print(
+                    f"bench compare: round {r + 1} {cell['workload']} c={cell['concurrency']} "
+                    f"in={cell['input_len']} {name}: {run['output_throughput']:.1f} tok/s, "
+                    f"TTFT {run['mean_ttft_ms']:.0f} ms, TPOT {run['mean_tpot_ms']:.1f} ms, "
+                    f"{run['failed']} failed",
+                    flush=True,
+                )
+                _write_results(out, result)
+
+
+def _write_results(out: Path, result: dict[str, Any]) -> str:
+    """Judge the cells on the runs they have and write compare.json and compare.md; the markdown."""
+    floor = result["floor"]
+    judge(result["cells"], SUBJECT, floor["floor_ms"] if floor else None)
+    result["runs_done"] = runs_done(result["cells"])
+    result["partial"] = result["runs_done"] < result["runs_planned"]
+    report = format_markdown(result)
+    _write_atomically(out / "compare.json", json.dumps(result, indent=2))
+    _write_atomically(out / "compare.md", report)
+    return report
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write through a temporary file in the same folder: a reader (or a stop midway) sees the
+    previous version or the new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _floor(args: argparse.Namespace, bandwidth_gbs: float) -> dict[str, Any] | None:

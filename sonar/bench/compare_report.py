@@ -4,6 +4,10 @@ subject's ratios against the best peer, and whether each goal is met (no I/O her
 The goals are issue 20's: at concurrency 4 and above the subject's output throughput is at
 least 1.3x the best peer's and its mean TTFT at most 0.8x the best peer's; at concurrency 1 its
 decode TPOT (the median, a step's steady cost) is within 1.1x of the weight-read floor and its TTFT at most 0.8x the best peer's.
+
+A result may be partial (written after every run while the grid is measured, or when it was
+stopped early): a cell without runs yet, or without some server's, is reported and judged on
+what it has.
 """
 
 from __future__ import annotations
@@ -110,6 +114,18 @@ def cell_checks(
     return checks
 
 
+def judge(cells: Sequence[dict[str, Any]], subject: str, floor_ms: float | None) -> None:
+    """Set each cell's ``checks`` from the runs it has so far."""
+    for cell in cells:
+        checks = cell_checks(cell["concurrency"], cell.get("runs", {}), subject, floor_ms)
+        cell["checks"] = [c.to_dict() for c in checks]
+
+
+def runs_done(cells: Sequence[dict[str, Any]]) -> int:
+    """How many runs the cells hold, over every server and round."""
+    return sum(len(runs) for cell in cells for runs in cell.get("runs", {}).values())
+
+
 def _cell_label(cell: dict[str, Any]) -> str:
     if cell["workload"] == "shared-prefix":
         return f"{cell['prefix_len']}+{cell['input_len'] - cell['prefix_len']}"
@@ -126,10 +142,11 @@ def grid_table(cells: Sequence[dict[str, Any]], servers: Sequence[str], subject:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for cell in cells:
         row = [str(cell["concurrency"]), _cell_label(cell)]
-        per = {name: spreads(cell["runs"].get(name) or []) for name in servers}
+        runs = cell.get("runs", {})
+        per = {name: spreads(runs.get(name) or []) for name in servers}
         for key, digits in (("output_throughput", 1), ("mean_ttft_ms", 0), ("mean_tpot_ms", 1)):
             for name in servers:
-                failed = sum(r.get("failed") or 0 for r in cell["runs"].get(name) or [])
+                failed = sum(r.get("failed") or 0 for r in runs.get(name) or [])
                 value = per[name][key].text(digits) if per[name][key] else "n/a"
                 row.append(f"{value} ({failed} failed)" if failed else value)
         row.append("; ".join(Check(**_check_args(c)).text() for c in cell.get("checks", [])) or "—")
@@ -143,11 +160,15 @@ def _check_args(c: dict[str, Any]) -> dict[str, Any]:
 
 def format_markdown(result: dict[str, Any]) -> str:
     """The whole comparison as markdown: the machine and floor, each server's ready time and peak
-    memory, one table per workload and how many goals were met."""
+    memory, one table per workload and how many goals were met; first, while runs are missing, how
+    many of those planned are in."""
     subject = result["subject"]
     names = [s["name"] for s in result["servers"]]
     floor = result.get("floor") or {}
     out = [f"# bench compare, {result['date']}", ""]
+    progress = _progress_line(result)
+    if progress:
+        out += [progress, ""]
     if floor:
         out.append(
             f"Weight-read floor of a decode step: {floor['weight_bytes'] / 1e6:.0f} MB of weights / "
@@ -165,3 +186,14 @@ def format_markdown(result: dict[str, Any]) -> str:
     met = sum(1 for c in checks if c["met"])
     out += ["", f"Goals met: {met} of {len(checks)}."]
     return "\n".join(out) + "\n"
+
+
+def _progress_line(result: dict[str, Any]) -> str | None:
+    """``partial: 7 of 24 runs`` (and what stopped it) while runs are missing; None once all are in
+    (or for a result that does not say how many were planned)."""
+    planned = result.get("runs_planned")
+    done = runs_done(result["cells"])
+    if planned is None or done >= planned:
+        return None
+    stopped = f", stopped by {result['stopped_by']}" if result.get("stopped_by") else ""
+    return f"partial: {done} of {planned} runs{stopped}"

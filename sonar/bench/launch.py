@@ -102,21 +102,32 @@ def launch(
     with out.open("wb") as fout, err.open("wb") as ferr:
         proc = subprocess.Popen(argv, env=full_env, stdout=fout, stderr=ferr, start_new_session=new_session)
     server = LaunchedServer(proc, f"http://127.0.0.1:{port}", out, err, started, argv=argv)
+    try:
+        _wait_ready(server, timeout)
+    except BaseException:
+        # timed out, or interrupted (Ctrl-C, a bench's SIGTERM handler): the caller never gets
+        # this server, so it is stopped here rather than left running
+        stop(server)
+        raise
+    return server
+
+
+def _wait_ready(server: LaunchedServer, timeout: float) -> None:
+    """Poll ``GET /health`` until it answers 200 (setting `ready_seconds`); raises `ServerFailed`."""
     with httpx.Client(timeout=2.0) as client:
-        while time.perf_counter() - started < timeout:
-            if proc.poll() is not None:
+        while time.perf_counter() - server.started < timeout:
+            if server.proc.poll() is not None:
                 raise ServerFailed(
-                    f"the server exited with {proc.returncode} before it was ready "
-                    f"({' '.join(argv)}):\n{server.err()[-3000:]}"
+                    f"the server exited with {server.proc.returncode} before it was ready "
+                    f"({' '.join(server.argv)}):\n{server.err()[-3000:]}"
                 )
             try:
                 if client.get(f"{server.base_url}/health").status_code == 200:
-                    server.ready_seconds = time.perf_counter() - started
-                    return server
+                    server.ready_seconds = time.perf_counter() - server.started
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-    stop(server)
     raise ServerFailed(f"the server did not answer /health within {timeout:.0f} s:\n{server.err()[-3000:]}")
 
 

@@ -18,51 +18,56 @@ import pytest
 from sonar.__main__ import main
 from sonar.bench.compare import build_parser, grid_cells, server_specs, warm_up_cell
 from sonar.bench.peers import Load, kv_bytes_per_token, kv_gib, pause, resume
-from tests.bench.conftest import SERVER_ARGS, assert_png
+from tests.bench.conftest import SERVER_ARGS, assert_png, env_of_subprocess
 
 OUTPUT_LEN = 4
 
 
-def test_sonar_against_a_peer(tmp_path: Path) -> None:
-    """The peer is Sonar again with its worker in the API process, paused while Sonar runs."""
+def _small_grid(out: Path, rounds: int) -> list[str]:
+    """`bench compare` of Sonar against a second Sonar (its worker in the API process, paused
+    while Sonar runs) on a small grid: concurrency 1 and 4, 16-token prompts and a 24+8 shared
+    prefix, 4 requests of 4 tokens out per cell."""
     sonar_args = shlex.join(SERVER_ARGS)
     peer = f"{shlex.quote(sys.executable)} -m sonar serve --port {{port}} --placement worker=inprocess {sonar_args}"
+    return [
+        "bench",
+        "compare",
+        "--out",
+        str(out),
+        "--sonar-args",
+        sonar_args,
+        "--peer",
+        f"inproc={peer}",
+        "--pause-idle",
+        "inproc",
+        "--concurrency",
+        "1,4",
+        "--input-len",
+        "16",
+        "--output-len",
+        str(OUTPUT_LEN),
+        "--prefix-len",
+        "24",
+        "--suffix-len",
+        "8",
+        "--rounds",
+        str(rounds),
+        "--min-prompts",
+        "4",
+        "--prompts-per-slot",
+        "1",
+    ]
+
+
+def test_sonar_against_a_peer(tmp_path: Path) -> None:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = main(
-            [
-                "bench",
-                "compare",
-                "--out",
-                str(tmp_path),
-                "--sonar-args",
-                sonar_args,
-                "--peer",
-                f"inproc={peer}",
-                "--pause-idle",
-                "inproc",
-                "--concurrency",
-                "1,4",
-                "--input-len",
-                "16",
-                "--output-len",
-                str(OUTPUT_LEN),
-                "--prefix-len",
-                "24",
-                "--suffix-len",
-                "8",
-                "--rounds",
-                "1",
-                "--min-prompts",
-                "4",
-                "--prompts-per-slot",
-                "1",
-            ]
-        )
+        code = main(_small_grid(tmp_path, rounds=1))
     report = out.getvalue()
     assert code == 0, report
     result = json.loads((tmp_path / "compare.json").read_text())
     assert [s["name"] for s in result["servers"]] == ["sonar", "inproc"]
+    assert result["runs_done"] == result["runs_planned"] == 8 and not result["partial"]
     for server in result["servers"]:
         assert server["ready_s"] > 0
         # the model's weights and the KV cache at least: a whole process tree was measured
@@ -85,9 +90,53 @@ def test_sonar_against_a_peer(tmp_path: Path) -> None:
     assert cells[("shared-prefix", 4)]["runs"]["sonar"][0]["prefix_cache_hit_rate"] > 0
     md = (tmp_path / "compare.md").read_text()
     assert "## random" in md and "## shared-prefix" in md and "| 4 | 24+8 |" in md and "Goals met:" in md
-    assert md in report
+    assert md in report and "partial" not in md
     for workload in ("random", "shared-prefix"):
         assert_png(tmp_path / f"compare-{workload}.png")
+
+
+def test_sigterm_stops_the_servers_and_keeps_the_runs(tmp_path: Path) -> None:
+    """Stopped after its first run, the comparison stops both servers (the peer while paused too)
+    and leaves the runs it measured, marked partial, and exits as killed by SIGTERM."""
+    log = tmp_path / "compare.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sonar", *_small_grid(tmp_path, rounds=3)],
+            env=env_of_subprocess(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    result: dict = {}
+    try:
+        deadline = time.monotonic() + 120
+        while not result.get("runs_done"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+            if (tmp_path / "compare.json").exists():  # written atomically: never half a file
+                result = json.loads((tmp_path / "compare.json").read_text())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for server in result.get("servers", []):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server["pid"], signal.SIGKILL)
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["partial"] and result["stopped_by"] == "SIGTERM"
+    runs = [run for cell in result["cells"] for runs in cell.get("runs", {}).values() for run in runs]
+    assert 1 <= result["runs_done"] == len(runs) < result["runs_planned"] == 24
+    assert all(run["failed"] == 0 for run in runs)
+    md = (tmp_path / "compare.md").read_text()
+    assert f"partial: {len(runs)} of 24 runs, stopped by SIGTERM" in md and "## random" in md
+    assert [s["name"] for s in result["servers"]] == ["sonar", "inproc"]
+    for server in result["servers"]:  # each leads a process group: the server and its children
+        deadline = time.monotonic() + 5
+        while _group(server["pid"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _group(server["pid"]) == [], f"{server['name']} is still running"
+    assert not list(tmp_path.glob(".compare.*")), "a temporary file was left behind"
 
 
 def test_a_paused_server_and_its_children_stop_and_resume() -> None:
@@ -110,13 +159,15 @@ def test_a_paused_server_and_its_children_stop_and_resume() -> None:
 
 
 def _group(pgid: int) -> list[int]:
+    """The live processes of the group `pgid` (a zombie has exited; only its parent has yet to
+    reap it, which for an orphan in a container may be never)."""
     members = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:
+        if int(fields[2]) == pgid and fields[0] != "Z":
             members.append(int(stat.parent.name))
     return members
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sonar.bench.compare_report import cell_checks, format_markdown
+from sonar.bench.compare_report import cell_checks, format_markdown, judge
 
 
 def _run(tput: float, ttft: float, tpot: float, failed: int = 0) -> dict:
@@ -72,3 +72,32 @@ def test_the_markdown_names_each_server_and_the_spread_over_rounds() -> None:
     assert "| 16 | 128 | 805.0–847.0 | 450.0 (2 failed) |" in md
     # the peer failed requests: nothing is judged against it
     assert md.rstrip().endswith("Goals met: 0 of 0.")
+
+
+def test_a_partial_result_is_reported_on_the_runs_it_has() -> None:
+    """Written after every run: a cell with no runs yet, or only the subject's, is listed and judged
+    on what it has, and the report says how many of the planned runs are in."""
+    done = {"workload": "random", "concurrency": 4, "input_len": 128, "output_len": 128}
+    done["runs"] = {"sonar": [_run(800, 300, 17)], "peer": [_run(400, 600, 30)]}
+    half = {"workload": "random", "concurrency": 16, "input_len": 128, "output_len": 128}
+    half["runs"] = {"sonar": [_run(900, 350, 18)]}
+    empty = {"workload": "shared-prefix", "concurrency": 4, "input_len": 1152, "prefix_len": 1024, "output_len": 128}
+    cells = [done, half, empty]
+    judge(cells, "sonar", floor_ms=6.0)
+    assert {c["name"]: c["ratio"] for c in done["checks"]} == {"tok/s": 2.0, "TTFT": 0.5}
+    assert half["checks"] == [] and empty["checks"] == [], "no peer to judge against yet"
+    result = {
+        "date": "2026-12-04T00:00:00Z",
+        "subject": "sonar",
+        "floor": None,
+        "servers": [{"name": "sonar", "ready_s": 4.2}, {"name": "peer", "ready_s": 1.0}],
+        "cells": cells,
+        "runs_planned": 12,
+    }
+    md = format_markdown(result)
+    assert "\npartial: 3 of 12 runs\n" in md
+    assert "| 16 | 128 | 900.0 | n/a | 350 | n/a | 18.0 | n/a | — |" in md
+    assert "| 4 | 1024+128 | n/a | n/a | n/a | n/a | n/a | n/a | — |" in md
+    assert md.rstrip().endswith("Goals met: 2 of 2.")
+    assert "partial: 3 of 12 runs, stopped by SIGTERM" in format_markdown({**result, "stopped_by": "SIGTERM"})
+    assert "partial" not in format_markdown({**result, "runs_planned": 3}), "all runs are in"
