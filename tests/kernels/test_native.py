@@ -173,6 +173,27 @@ def test_decode_only_batches_either_split(num_seqs: int) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seq_lens", [[600], [1000, 300], [700, 5, 400]])  # fewer sequences than 2 per thread
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_attention_splits_long_sequences_into_shares(
+    dtype: torch.dtype, seq_lens: list[int], window: int | None, sinks: bool
+) -> None:
+    """A few long decodes: every head over a share of the blocks per unit, the shares merged
+    (a share past a short sequence's end, or before its window, sees nothing); the sinks count once."""
+    num_seqs = len(seq_lens)
+    meta = _batch([1] * num_seqs, seq_lens, 16, 160, seed=len(seq_lens))
+    cache = _poisoned_cache(160, 16, 3, 64, dtype)
+    _fill_context(cache, meta, seq_lens, seed=7)
+    query = torch.randn(num_seqs, 9, 64).to(dtype)
+    logits = torch.randn(9) * 2 + 1 if sinks else None
+    got = ops.paged_attention(query, cache, meta, 0.125, window, sinks=logits)
+    want = reference.paged_attention(query.float(), cache.float(), meta, 0.125, window, sinks=logits)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
 def test_decode_attention_rejects_bad_input() -> None:
     cache = torch.zeros(2, 4, 16, 2, 64)
     tables, lens, rows = (

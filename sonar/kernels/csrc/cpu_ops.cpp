@@ -493,6 +493,10 @@ struct Bf16DotBlock : BlockKernelDefaults {
 #endif
 #endif
 
+// Blocks per share of a sequence that decode attention splits over its threads (see below): a
+// share's merge costs about as much as a block.
+constexpr int64_t kDecodeSplitBlocks = 8;
+
 template <typename T, typename Kernel>
 void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -521,22 +525,38 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t* row_of = rows.numel() ? rows.data_ptr<int64_t>() : nullptr;
   const float qscale = Kernel::kScalesScores ? 1.f : static_cast<float>(scale);
 
-  // A unit of work is a sequence's KV heads [h0, h1): all of them when there are enough
-  // sequences to keep every thread busy (a block's K, then V, rows are then read in address
-  // order, which the hardware prefetcher follows), one each otherwise (batch 1 uses every thread).
-  const int64_t heads_per_unit = num_seqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
-  const int64_t units_per_seq = num_kv_heads / heads_per_unit;
+  // A unit of work is a sequence's KV heads [h0, h1) over a share of its blocks. With enough
+  // sequences to keep every thread busy: all heads, all blocks (a block's K, then V, rows are then
+  // read in address order, which the hardware prefetcher follows). With fewer: one head each over
+  // all blocks, unless the longest sequence has `kDecodeSplitBlocks` blocks per share for two
+  // units per thread; then all heads over a share of the blocks each (contiguous rows again, and
+  // the threads' work even where the heads do not divide among them), each share's softmax
+  // statistics and unnormalized output merged after (flash decoding).
+  const int64_t threads = at::get_num_threads();
+  int64_t longest = 0;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) longest = std::max<int64_t>(longest, lens[seq]);
+  const int64_t wanted = num_seqs >= 2 * threads ? 1 : (2 * threads + num_seqs - 1) / num_seqs;
+  const int64_t shares = std::max<int64_t>(1, std::min(wanted, longest / block_size / kDecodeSplitBlocks));
+  const int64_t heads_per_unit = num_seqs >= 2 * threads || shares > 1 ? num_kv_heads : 1;
+  const int64_t units_per_seq = num_kv_heads / heads_per_unit * shares;
   const int64_t per_head = group * head_dim;
+  const int64_t num_heads = num_kv_heads * group;
   const int64_t unit_bytes = heads_per_unit * head_dim * static_cast<int64_t>(sizeof(T));  // of a K or V row
+  // with shares: each (sequence, share)'s running max, sum and accumulators of every query head
+  std::vector<float> share_m(shares > 1 ? num_seqs * shares * num_heads : 0), share_l(share_m.size()),
+      share_acc(share_m.size() * head_dim);
   at::parallel_for(0, num_seqs * units_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(heads_per_unit * per_head), acc(q.size()), s(group * block_size),
         m(heads_per_unit * group), l(m.size());
     Kernel kernel(geo);
     for (int64_t unit = begin; unit < end; ++unit) {
-      const int64_t seq = unit / units_per_seq, h0 = (unit % units_per_seq) * heads_per_unit;
+      const int64_t seq = unit / units_per_seq, share = unit % units_per_seq % shares;
+      const int64_t h0 = unit % units_per_seq / shares * heads_per_unit;
       const int64_t len = lens[seq];
       const int64_t row = row_of ? row_of[seq] : seq;
       const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t first_block = start / block_size, blocks = (len + block_size - 1) / block_size - first_block;
+      const int64_t b0 = first_block + blocks * share / shares, b1 = first_block + blocks * (share + 1) / shares;
       for (int64_t h = 0; h < heads_per_unit; ++h)
         for (int64_t g = 0; g < group; ++g) {
           const T* src = q_base + row * q_row + ((h0 + h) * group + g) * q_head;
@@ -545,18 +565,19 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      // A sink (GPT-OSS) is a logit with no value: start each head's softmax as if it had seen it.
-      if (sinks)
+      // A sink (GPT-OSS) is a logit with no value: start each head's softmax as if it had seen it
+      // (once: in the first share).
+      if (sinks && share == 0)
         for (int64_t i = 0; i < heads_per_unit * group; ++i) {
           m[i] = sinks[h0 * group + i];
           l[i] = 1.f;
         }
-      for (int64_t b = start / block_size; b * block_size < len; ++b) {
+      for (int64_t b = b0; b < b1; ++b) {
         const int64_t block = tables[seq * geo.max_blocks + b];
         const int64_t t0 = std::max<int64_t>(start - b * block_size, 0);
         const int64_t t1 = std::min<int64_t>(len - b * block_size, block_size);
-        // where the sequence's next block starts in the K (and V) half of the cache, -1 after its last
-        const int64_t next = (b + 1) * block_size < len ? tables[seq * geo.max_blocks + b + 1] * geo.block_stride : -1;
+        // where the share's next block starts in the K (and V) half of the cache, -1 after its last
+        const int64_t next = b + 1 < b1 ? tables[seq * geo.max_blocks + b + 1] * geo.block_stride : -1;
         for (int64_t h = 0; h < heads_per_unit; ++h) {
           const int64_t base = block * geo.block_stride + (h0 + h) * head_dim;
           kernel.scores(geo, keys + base, t0, t1, &q[h * per_head], s.data());
@@ -581,12 +602,41 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         }
       }
       for (int64_t h = 0; h < heads_per_unit; ++h) kernel.finish(geo, &acc[h * per_head]);
+      if (shares > 1) {
+        const int64_t at = (seq * shares + share) * num_heads + h0 * group;
+        std::copy(m.begin(), m.end(), share_m.begin() + at);
+        std::copy(l.begin(), l.end(), share_l.begin() + at);
+        std::copy(acc.begin(), acc.end(), share_acc.begin() + at * head_dim);
+        continue;
+      }
       for (int64_t h = 0; h < heads_per_unit; ++h)
         for (int64_t g = 0; g < group; ++g) {
           T* dst = o_base + row * o_row + ((h0 + h) * group + g) * o_head;
           const float inv = l[h * group + g] > 0.f ? 1.f / l[h * group + g] : 0.f;
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(acc[h * per_head + g * head_dim + d] * inv);
         }
+    }
+  });
+  if (shares == 1) return;
+  // the shares of each (sequence, query head) merged: rescaled to their common max, summed
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(head_dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t seq = i / num_heads, head = i % num_heads;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t share = 0; share < shares; ++share) top = std::max(top, share_m[(seq * shares + share) * num_heads + head]);
+      float sum = 0.f;
+      std::fill(merged.begin(), merged.end(), 0.f);
+      for (int64_t share = 0; share < shares; ++share) {
+        const int64_t at = (seq * shares + share) * num_heads + head;
+        const float weight = exp_approx(share_m[at] - top);  // 0 for a share that saw nothing
+        if (weight == 0.f) continue;
+        sum += share_l[at] * weight;
+        for (int64_t d = 0; d < head_dim; ++d) merged[d] += share_acc[at * head_dim + d] * weight;
+      }
+      T* dst = o_base + (row_of ? row_of[seq] : seq) * o_row + head * o_head;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = from_float<T>(merged[d] * inv);
     }
   });
 }
