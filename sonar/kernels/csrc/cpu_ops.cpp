@@ -837,6 +837,59 @@ struct EncoderF32 {
 };
 
 #ifdef __AVX512BF16__
+// Scores of queries [0, rows) (a multiple of 4; q [rows][DP] bfloat16 pairs) against `tiles`
+// 16-token tiles of packed keys (kp [tile][DP][16] pairs), scaled, into s[r * stride + t]: 4 x 4
+// register tiles of `vdpbf16ps` products.
+template <int64_t DP>
+inline void pair_scores(const uint32_t* q, const uint32_t* kp, int64_t rows, int64_t tiles, float scale, float* s,
+                        int64_t stride) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4)
+    for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
+      const int64_t nj = std::min<int64_t>(4, tiles - j0);
+      __m512 acc[4][4];
+      for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_ps();
+      for (int64_t i = 0; i < DP; ++i) {
+        __m512bh kv[4];
+        for (int64_t j = 0; j < 4; ++j)
+          kv[j] = (__m512bh)_mm512_loadu_si512(kp + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
+        for (int64_t r = 0; r < 4; ++r) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
+          for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, kv[j]);
+        }
+      }
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(s + (r0 + r) * stride + (j0 + j) * 16, _mm512_mul_ps(acc[r][j], sc));
+    }
+}
+
+// P V of rows [0, rows) into acc [rows][16 C] (`add`: onto what acc holds, else over it): p
+// [r][p_stride] bfloat16 pairs of probabilities, vp [pairs][16 C] token pairs of values.
+template <int C>
+inline void pair_values(const uint32_t* p, int64_t p_stride, const uint32_t* vp, int64_t pairs, int64_t rows,
+                        float* acc, bool add) {
+  constexpr int64_t D = 16 * C;
+  constexpr int RB = C <= 2 ? 8 : (C <= 4 ? 4 : 2);
+  for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+    const int nr = static_cast<int>(std::min<int64_t>(RB, rows - r0));
+    __m512 a[RB][C];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < C; ++c)
+        a[r][c] = add && r < nr ? _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
+    for (int64_t tp = 0; tp < pairs; ++tp) {
+      __m512bh vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + tp * D + 16 * c);
+      for (int r = 0; r < nr; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[(r0 + r) * p_stride + tp]));
+        for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, vv[c]);
+      }
+    }
+    for (int r = 0; r < nr; ++r)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
+  }
+}
+
 template <int C>
 struct EncoderBf16 {
   static constexpr int64_t D = 16 * C, DP = D / 2;
@@ -867,27 +920,7 @@ struct EncoderBf16 {
   }
 
   void scores(int64_t padded, float scale) {
-    const int64_t tiles = padded / 16;
-    const __m512 sc = _mm512_set1_ps(scale);
-    for (int64_t r0 = 0; r0 < kEncRows; r0 += 4)
-      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
-        const int64_t nj = std::min<int64_t>(4, tiles - j0);
-        __m512 acc[4][4];
-        for (auto& a : acc)
-          for (auto& x : a) x = _mm512_setzero_ps();
-        for (int64_t i = 0; i < DP; ++i) {
-          __m512bh kv[4];
-          for (int64_t j = 0; j < 4; ++j)
-            kv[j] = (__m512bh)_mm512_loadu_si512(kp.data() + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
-          for (int64_t r = 0; r < 4; ++r) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
-            for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, kv[j]);
-          }
-        }
-        for (int64_t r = 0; r < 4; ++r)
-          for (int64_t j = 0; j < nj; ++j)
-            _mm512_storeu_ps(s.data() + (r0 + r) * padded + (j0 + j) * 16, _mm512_mul_ps(acc[r][j], sc));
-      }
+    pair_scores<DP>(q.data(), kp.data(), kEncRows, padded / 16, scale, s.data(), padded);
   }
 
   void softmax(int64_t len, int64_t padded, float* sums) {
@@ -895,23 +928,7 @@ struct EncoderBf16 {
   }
 
   void values(int64_t padded, float* out) {
-    constexpr int RB = C <= 2 ? 8 : (C <= 4 ? 4 : 2);
-    const int64_t pairs = padded / 2;
-    for (int64_t r0 = 0; r0 < kEncRows; r0 += RB) {
-      __m512 acc[RB][C];
-      for (auto& a : acc)
-        for (auto& x : a) x = _mm512_setzero_ps();
-      for (int64_t tp = 0; tp < pairs; ++tp) {
-        __m512bh vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp.data() + tp * D + 16 * c);
-        for (int r = 0; r < RB; ++r) {
-          const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[(r0 + r) * pairs + tp]));
-          for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
-        }
-      }
-      for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + (r0 + r) * D + 16 * c, acc[r][c]);
-    }
+    pair_values<C>(p.data(), padded / 2, vp.data(), padded / 2, kEncRows, out, false);
   }
 };
 #endif
@@ -1060,28 +1077,7 @@ struct PrefillRows {
 
   // scores of rows [0, rows) (a multiple of 4) against keys [t0, t0 + padded) of the packed K
   void scores(const uint32_t* kp, int64_t t0, int64_t padded, int64_t rows, float scale) {
-    const int64_t tiles = padded / 16;
-    const __m512 sc = _mm512_set1_ps(scale);
-    const uint32_t* k0 = kp + (t0 / 16) * DP * 16;
-    for (int64_t r0 = 0; r0 < rows; r0 += 4)
-      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
-        const int64_t nj = std::min<int64_t>(4, tiles - j0);
-        __m512 a[4][4];
-        for (auto& row : a)
-          for (auto& x : row) x = _mm512_setzero_ps();
-        for (int64_t i = 0; i < DP; ++i) {
-          __m512bh kv[4];
-          for (int64_t j = 0; j < 4; ++j)
-            kv[j] = (__m512bh)_mm512_loadu_si512(k0 + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
-          for (int64_t r = 0; r < 4; ++r) {
-            const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
-            for (int64_t j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], qb, kv[j]);
-          }
-        }
-        for (int64_t r = 0; r < 4; ++r)
-          for (int64_t j = 0; j < nj; ++j)
-            _mm512_storeu_ps(s + (r0 + r) * kPrefillSpan + (j0 + j) * 16, _mm512_mul_ps(a[r][j], sc));
-      }
+    pair_scores<DP>(q, kp + (t0 / 16) * DP * 16, rows, padded / 16, scale, s, kPrefillSpan);
   }
 
   // Row r's online-softmax step over the span's keys, of which [a, b) are visible to it (relative
@@ -1119,26 +1115,7 @@ struct PrefillRows {
 
   // acc[r] += P V over the span's keys [t0, t0 + padded), rows [0, rows)
   void values(const uint32_t* vp, int64_t t0, int64_t padded, int64_t rows) {
-    constexpr int RB = C <= 2 ? 8 : (C <= 4 ? 4 : 2);
-    const int64_t pairs = padded / 2;
-    const uint32_t* v0 = vp + (t0 / 2) * D;
-    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-      const int nr = static_cast<int>(std::min<int64_t>(RB, rows - r0));
-      __m512 a[RB][C];
-      for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < C; ++c) a[r][c] = r < nr ? _mm512_loadu_ps(acc + (r0 + r) * D + 16 * c) : _mm512_setzero_ps();
-      for (int64_t tp = 0; tp < pairs; ++tp) {
-        __m512bh vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v0 + tp * D + 16 * c);
-        for (int r = 0; r < RB; ++r) {
-          if (r >= nr) break;
-          const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[(r0 + r) * kPrefillSpan / 2 + tp]));
-          for (int c = 0; c < C; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], pb, vv[c]);
-        }
-      }
-      for (int r = 0; r < nr; ++r)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * c, a[r][c]);
-    }
+    pair_values<C>(p, kPrefillSpan / 2, vp + (t0 / 2) * D, padded / 2, rows, acc, true);
   }
 };
 
