@@ -197,8 +197,9 @@ class TokenSplit:
     query token that are longer than the split's ``max_len`` (in ``prefills``, for a kernel that
     reuses keys across queries), and with a ``kernel_min_query`` those of at least that many query
     tokens and at most ``kernel_max_len`` long (in ``kernel_prefills``, for the native prefill
-    kernel). ``rows``: the int64 query row of each entry, empty when entry ``i`` is row ``i`` (no
-    sequence left out); ``block_tables`` / ``seq_lens``: per entry.
+    kernel, and as the int64 tensor ``kernel_seqs``). ``rows``: the int64 query row of each entry,
+    empty when entry ``i`` is row ``i`` (no sequence left out); ``block_tables`` / ``seq_lens``: per
+    entry.
     """
 
     rows: Tensor
@@ -206,6 +207,7 @@ class TokenSplit:
     seq_lens: Tensor
     prefills: list[int]
     kernel_prefills: list[int]
+    kernel_seqs: Tensor
 
     @property
     def num_rows(self) -> int:
@@ -220,9 +222,10 @@ class TokenSplit:
         kernel_max_len: int | None = None,
     ) -> TokenSplit:
         split = meta.decode_split()
-        if not split.prefills:
-            return cls(split.rows, split.block_tables, split.seq_lens, [], [])
         device = meta.seq_lens.device
+        none = torch.empty(0, dtype=torch.int64, device=device)
+        if not split.prefills:
+            return cls(split.rows, split.block_tables, split.seq_lens, [], [], none)
         seq_lens = meta.seq_lens.to(torch.int64)
         host_lens = seq_lens.tolist()
         kernel = [
@@ -239,17 +242,18 @@ class TokenSplit:
         ends = starts[1:]
         lens = (seq_lens[seq_of] - (ends[seq_of] - token) + 1).to(torch.int32)
         if not prefills and not kernel:
-            return cls(
-                torch.empty(0, dtype=torch.int64, device=device),
-                meta.block_tables.index_select(0, seq_of),
-                lens,
-                [],
-                [],
-            )
+            return cls(none, meta.block_tables.index_select(0, seq_of), lens, [], [], none)
         kept = torch.ones(meta.num_seqs, dtype=torch.bool, device=device)
         kept[prefills + kernel] = False
         mask = kept[seq_of]
-        return cls(token[mask], meta.block_tables.index_select(0, seq_of[mask]), lens[mask], prefills, kernel)
+        return cls(
+            token[mask],
+            meta.block_tables.index_select(0, seq_of[mask]),
+            lens[mask],
+            prefills,
+            kernel,
+            torch.tensor(kernel, dtype=torch.int64, device=device),
+        )
 
 
 @dataclass(eq=False)

@@ -221,7 +221,7 @@ def _native_paged_attention(
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            torch.tensor(split.kernel_prefills, dtype=torch.int64),
+            split.kernel_seqs,
             scale,
             sliding_window or -1,
             sink_logits,
