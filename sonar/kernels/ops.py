@@ -4,8 +4,8 @@ kernel (`sonar.kernels.native`) for CPU tensors when it is built, the torch refe
 On the CPU the native kernels serve the KV-cache write, decode attention (and prefill chunks a
 token at a time), prefill attention for bfloat16 chunks (`PREFILL_KERNEL_MIN_QUERY`), RMSNorm
 (with the residual add fused), SiLU-and-mul and the halves-layout rotary embedding, for the
-model's float dtypes; anything else (float8 caches,
-strided inputs, mixed dtypes, code that ``torch.compile`` traces) takes the reference.
+model's float dtypes; anything else (float8 caches, strided inputs, mixed dtypes, code that
+``torch.compile`` traces) takes the reference.
 ``SONAR_NATIVE_KERNELS=0`` forces the references.
 
 ``sonar.kernels.triton`` is imported lazily, on the first CUDA call, so importing this module
