@@ -258,20 +258,13 @@ def _stop_all(servers: dict[str, tuple[ServerSpec, LaunchedServer]]) -> None:
             pass
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived while the grid ran. A KeyboardInterrupt, so that SIGTERM unwinds
-    as Ctrl-C does: asyncio lets it out of the event loop at once instead of handing it to one
-    request's task, where `bench serve` would count it as that request's failure."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 class StopSignals:
-    """While entered, the first SIGINT or SIGTERM raises `Stopped` as long as `armed`; any later one
-    (or one after `armed` is cleared) is only noted in `signum`, so that stopping the servers and
-    writing what was measured are not cut short. The previous handlers come back on exit."""
+    """While entered, the first SIGINT or SIGTERM raises KeyboardInterrupt as long as `armed`; any
+    later one (or one after `armed` is cleared) is only noted in `signum`, so that stopping the
+    servers and writing what was measured are not cut short. The previous handlers come back on
+    exit. A KeyboardInterrupt for SIGTERM too, so that it unwinds as Ctrl-C does: asyncio lets one
+    out of the event loop at once instead of handing it to one request's task, where `bench serve`
+    would count it as that request's failure."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -292,7 +285,7 @@ class StopSignals:
         self.signum = self.signum or signum
         if self.armed:
             self.armed = False
-            raise Stopped(signum)
+            raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -323,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     with StopSignals() as signals:
         try:
             _measure(args, specs, out, servers, result)
-        except Stopped:
-            pass  # `signals.signum` says which
+        except KeyboardInterrupt:
+            pass  # raised by `signals` (SIGINT's handler too while entered), whose `signum` says which
         except (ServerFailed, RuntimeError) as exc:
             error = exc
         finally:
