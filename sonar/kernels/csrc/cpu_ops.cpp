@@ -770,6 +770,44 @@ inline void encoder_softmax_rows(float* s, int64_t len, int64_t padded, float* s
   }
 }
 
+// Scores of query rows [0, rows) (a multiple of 4) against `tiles` 16-token tiles of packed keys,
+// scaled, into s[r * stride + t]: 4 x 4 register tiles over the depth of `Dot`, which loads a
+// key vector, broadcasts a query element and accumulates their product (float32 FMAs, or
+// bfloat16 pairs through `vdpbf16ps`).
+template <typename Dot>
+inline void tiled_scores(const Dot& dot, int64_t rows, int64_t tiles, float scale, float* s, int64_t stride) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += 4)
+    for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
+      const int64_t nj = std::min<int64_t>(4, tiles - j0);
+      __m512 acc[4][4];
+      for (auto& a : acc)
+        for (auto& x : a) x = _mm512_setzero_ps();
+      for (int64_t i = 0; i < Dot::kDepth; ++i) {
+        typename Dot::Vec kv[4];
+        for (int64_t j = 0; j < 4; ++j) kv[j] = dot.key(j0 + std::min(j, nj - 1), i);
+        for (int64_t r = 0; r < 4; ++r) {
+          const typename Dot::Vec qb = dot.query(r0 + r, i);
+          for (int64_t j = 0; j < 4; ++j) acc[r][j] = Dot::mac(acc[r][j], qb, kv[j]);
+        }
+      }
+      for (int64_t r = 0; r < 4; ++r)
+        for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(s + (r0 + r) * stride + (j0 + j) * 16, _mm512_mul_ps(acc[r][j], sc));
+    }
+}
+
+// Query rows of float32 q [row][D] against keys packed kp [tile][D][16].
+template <int64_t D>
+struct F32Dot {
+  using Vec = __m512;
+  static constexpr int64_t kDepth = D;
+  const float* q;
+  const float* kp;
+  Vec key(int64_t tile, int64_t i) const { return _mm512_loadu_ps(kp + (tile * D + i) * 16); }
+  Vec query(int64_t r, int64_t i) const { return _mm512_set1_ps(q[r * D + i]); }
+  static __m512 mac(__m512 acc, Vec a, Vec b) { return _mm512_fmadd_ps(a, b, acc); }
+};
+
 template <typename T, int C>
 struct EncoderF32 {
   static constexpr int64_t D = 16 * C;
@@ -793,26 +831,7 @@ struct EncoderF32 {
       for (int64_t d = 0; d < D; ++d) q[r * D + d] = to_float(src[r * q_row + d]) * scale;
   }
 
-  void scores(int64_t padded) {
-    const int64_t tiles = padded / 16;
-    for (int64_t r0 = 0; r0 < kEncRows; r0 += 4)
-      for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
-        const int64_t nj = std::min<int64_t>(4, tiles - j0);
-        __m512 acc[4][4];
-        for (auto& a : acc)
-          for (auto& x : a) x = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; ++d) {
-          __m512 kv[4];
-          for (int64_t j = 0; j < 4; ++j) kv[j] = j < nj ? _mm512_loadu_ps(kp.data() + ((j0 + j) * D + d) * 16) : kv[0];
-          for (int64_t r = 0; r < 4; ++r) {
-            const __m512 qb = _mm512_set1_ps(q[(r0 + r) * D + d]);
-            for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(qb, kv[j], acc[r][j]);
-          }
-        }
-        for (int64_t r = 0; r < 4; ++r)
-          for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(s.data() + (r0 + r) * padded + (j0 + j) * 16, acc[r][j]);
-      }
-  }
+  void scores(int64_t padded) { tiled_scores(F32Dot<D>{q.data(), kp.data()}, kEncRows, padded / 16, 1.f, s.data(), padded); }
 
   void softmax(int64_t len, int64_t padded, float* sums) { encoder_softmax_rows<false>(s.data(), len, padded, sums); }
 
@@ -837,32 +856,17 @@ struct EncoderF32 {
 };
 
 #ifdef __AVX512BF16__
-// Scores of queries [0, rows) (a multiple of 4; q [rows][DP] bfloat16 pairs) against `tiles`
-// 16-token tiles of packed keys (kp [tile][DP][16] pairs), scaled, into s[r * stride + t]: 4 x 4
-// register tiles of `vdpbf16ps` products.
+// Query rows of bfloat16 pairs q [row][DP] against keys packed as pairs kp [tile][DP][16].
 template <int64_t DP>
-inline void pair_scores(const uint32_t* q, const uint32_t* kp, int64_t rows, int64_t tiles, float scale, float* s,
-                        int64_t stride) {
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int64_t r0 = 0; r0 < rows; r0 += 4)
-    for (int64_t j0 = 0; j0 < tiles; j0 += 4) {
-      const int64_t nj = std::min<int64_t>(4, tiles - j0);
-      __m512 acc[4][4];
-      for (auto& a : acc)
-        for (auto& x : a) x = _mm512_setzero_ps();
-      for (int64_t i = 0; i < DP; ++i) {
-        __m512bh kv[4];
-        for (int64_t j = 0; j < 4; ++j)
-          kv[j] = (__m512bh)_mm512_loadu_si512(kp + ((j0 + std::min(j, nj - 1)) * DP + i) * 16);
-        for (int64_t r = 0; r < 4; ++r) {
-          const __m512bh qb = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[(r0 + r) * DP + i]));
-          for (int64_t j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], qb, kv[j]);
-        }
-      }
-      for (int64_t r = 0; r < 4; ++r)
-        for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(s + (r0 + r) * stride + (j0 + j) * 16, _mm512_mul_ps(acc[r][j], sc));
-    }
-}
+struct PairDot {
+  using Vec = __m512bh;
+  static constexpr int64_t kDepth = DP;
+  const uint32_t* q;
+  const uint32_t* kp;
+  Vec key(int64_t tile, int64_t i) const { return (__m512bh)_mm512_loadu_si512(kp + (tile * DP + i) * 16); }
+  Vec query(int64_t r, int64_t i) const { return (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r * DP + i])); }
+  static __m512 mac(__m512 acc, Vec a, Vec b) { return _mm512_dpbf16_ps(acc, a, b); }
+};
 
 // P V of rows [0, rows) into acc [rows][16 C] (`add`: onto what acc holds, else over it): p
 // [r][p_stride] bfloat16 pairs of probabilities, vp [pairs][16 C] token pairs of values.
@@ -920,7 +924,7 @@ struct EncoderBf16 {
   }
 
   void scores(int64_t padded, float scale) {
-    pair_scores<DP>(q.data(), kp.data(), kEncRows, padded / 16, scale, s.data(), padded);
+    tiled_scores(PairDot<DP>{q.data(), kp.data()}, kEncRows, padded / 16, scale, s.data(), padded);
   }
 
   void softmax(int64_t len, int64_t padded, float* sums) {
@@ -1077,7 +1081,7 @@ struct PrefillRows {
 
   // scores of rows [0, rows) (a multiple of 4) against keys [t0, t0 + padded) of the packed K
   void scores(const uint32_t* kp, int64_t t0, int64_t padded, int64_t rows, float scale) {
-    pair_scores<DP>(q, kp + (t0 / 16) * DP * 16, rows, padded / 16, scale, s, kPrefillSpan);
+    tiled_scores(PairDot<DP>{q, kp + (t0 / 16) * DP * 16}, rows, padded / 16, scale, s, kPrefillSpan);
   }
 
   // Row r's online-softmax step over the span's keys, of which [a, b) are visible to it (relative
