@@ -84,6 +84,7 @@ async def send_request(
     body = request_body(backend, model, sample, ignore_eos, extra)
     usage_tokens: int | None = None
     pieces: list[str] = []
+    first_chunk: float | None = None  # the first chunk with a choice, text or not
     start = result.start = time.perf_counter()
     last = start
     try:
@@ -104,6 +105,7 @@ async def send_request(
                     return result
                 now = time.perf_counter()
                 if choices := data.get("choices"):
+                    first_chunk = now if first_chunk is None else first_chunk
                     piece = (choices[0].get("delta") or {}).get("content") if chat else choices[0].get("text")
                     if piece:
                         if not result.token_times:
@@ -119,7 +121,13 @@ async def send_request(
                         result.prompt_len = int(usage["prompt_tokens"])
         result.text = "".join(pieces)
         result.output_tokens = int(usage_tokens) if usage_tokens is not None else len(result.token_times)
-        result.success = bool(result.token_times)
+        # Tokens that all decode to no text (special tokens, skipped) still came: the request's
+        # first token is then its first chunk, as the reference client counts it.
+        if not result.token_times and first_chunk is not None and result.output_tokens > 0:
+            result.ttft = first_chunk - start
+            result.success = True
+        else:
+            result.success = bool(result.token_times)
         if not result.success:
             result.error = "the stream carried no token"
     except (httpx.HTTPError, ValueError) as exc:

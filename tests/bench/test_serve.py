@@ -196,3 +196,32 @@ def test_sharegpt_at_a_request_rate(server: Any, tmp_path: Path) -> None:
     assert result["request_rate"] == 20.0 and result["dataset_name"] == "sharegpt"
     starts = result["start_times"]
     assert starts == sorted(starts) and starts[-1] > 0  # sent on the arrival schedule, not all at once
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_a_stream_of_tokens_without_text_counts_as_answered(server: Any, backend: str) -> None:
+    """Every token biased to a special one (skipped in the text, EOS ignored): the request
+    answered all its tokens, so it is a success timed from its first chunk, not "no token"."""
+    import anyio
+    import httpx
+
+    from sonar.bench.datasets import SampleRequest
+    from sonar.bench.endpoint import BACKENDS, send_request
+
+    special = httpx.post(f"{server.base_url}/tokenize", json={"prompt": "<|im_end|>"}).json()["tokens"]
+    assert len(special) == 1
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    sample = SampleRequest("Name a colour.", 5, 6)
+
+    async def run(extra: dict[str, Any] | None) -> Any:
+        async with httpx.AsyncClient(timeout=60) as client:
+            url = server.base_url + BACKENDS[backend]
+            return await send_request(client, url, backend, model, sample, True, extra)
+
+    silent = anyio.run(run, {"logit_bias": {str(special[0]): 100}})
+    assert silent.success and not silent.error
+    assert silent.text == "" and silent.token_times == []
+    assert silent.output_tokens == 6
+    assert 0 < silent.ttft <= silent.latency
+    spoken = anyio.run(run, None)  # the same request with text: timed from its first piece of text
+    assert spoken.success and spoken.text and spoken.output_tokens == 6 and len(spoken.token_times) >= 1
