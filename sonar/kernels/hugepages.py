@@ -11,7 +11,7 @@ Linux hands out huge pages for anonymous memory only where the mapping asks for 
 for memory not touched yet. `empty` therefore maps fresh private anonymous memory of its own (not
 the allocator's, which may hand back pages it already touched), a little more than asked,
 advises the 2 MiB-aligned span inside it with ``madvise(MADV_HUGEPAGE)`` before anything writes
-to it, and returns a view of that span; `gather` puts many smaller tensors side by side in one
+to it, and returns a view of that span; `arena` lays many smaller tensors side by side in one
 such span. The kernel backs the advised span with huge pages as it can (best effort: memory too
 fragmented gets 4 KiB pages). Where advising is not possible (not Linux, tensors under 2 MiB, the
 call failing) it is plain ``torch.empty``: huge pages are a speed-up, never a requirement.
@@ -76,24 +76,16 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return mapped[1].view(dtype).view(shape)
 
 
-def gather(tensors: list[Tensor]) -> list[Tensor]:
-    """Contiguous copies of CPU tensors of one dtype, side by side in one allocation on huge
-    pages where the system gives them (each copy 64-byte aligned). Many tensors under 2 MiB
-    each — a small model's per-layer weights — share huge pages this way."""
-    if not tensors:
+def arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
+    """Uninitialized contiguous tensors of `shapes`, side by side in one allocation on huge pages
+    where the system gives them, each 64-byte aligned. Many tensors under 2 MiB each — a small
+    model's per-layer weights — share huge pages this way."""
+    if not shapes:
         return []
-    dtype = tensors[0].dtype
-    if any(t.dtype != dtype for t in tensors):
-        raise ValueError("hugepages.gather: tensors of one dtype only")
-    align = max(1, 64 // tensors[0].element_size())
+    align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
     starts, total = [], 0
-    for t in tensors:
+    for shape in shapes:
         starts.append(total)
-        total += -(-t.numel() // align) * align
-    arena = empty((total,), dtype)
-    out = []
-    for t, start in zip(tensors, starts):
-        view = arena[start : start + t.numel()].view(t.shape)
-        view.copy_(t)
-        out.append(view)
-    return out
+        total += -(-math.prod(shape) // align) * align
+    space = empty((total,), dtype)
+    return [space[start : start + math.prod(shape)].view(shape) for shape, start in zip(shapes, starts)]

@@ -120,14 +120,28 @@ def can_pack_native(weight: Tensor) -> bool:
     )
 
 
-def pack_native(weight: Tensor) -> Tensor:
+def native_shape(out_features: int, in_features: int) -> tuple[int, int, int, int]:
+    """The shape of a ``[out_features, in_features]`` weight packed for ``linear_bf16``."""
+    return (-(-out_features // 16), in_features // 2, 16, 2)
+
+
+def pack_native(weight: Tensor, out: Tensor | None = None) -> Tensor:
     """``weight`` ``[N, K]`` as ``linear_bf16`` reads it: ``[ceil(N / 16), K / 2, 16, 2]``, the
-    last tile's missing columns zero."""
+    last tile's missing columns zero; written into `out` (contiguous, of that shape and dtype)
+    when given, so a caller that placed it (`prepack_linears`: on huge pages) pays one copy."""
     n, k = weight.shape
-    padded = -(-n // 16) * 16
-    if padded != n:
-        weight = torch.cat((weight, weight.new_zeros(padded - n, k)))
-    return weight.reshape(padded // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    tiles, full = -(-n // 16), n // 16
+    if out is None:
+        out = torch.empty(native_shape(n, k), dtype=weight.dtype)
+    # Two consecutive k of one column are one 4-byte unit in both layouts: packing is a transpose
+    # of [tiles, 16, K / 2] units, which copies ~2.5x faster than permuting 2-byte elements.
+    units = out.view(torch.int32).view(tiles, k // 2, 16)
+    source = weight.contiguous().view(torch.int32)
+    units[:full].copy_(source[: full * 16].view(full, 16, k // 2).transpose(1, 2))
+    if full < tiles:
+        units[full].zero_()
+        units[full, :, : n - full * 16].copy_(source[full * 16 :].t())
+    return out
 
 
 def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
@@ -154,7 +168,9 @@ class PackedLinear(nn.Module):
     weight afterwards and the layer does not see it: call `repack`.
     """
 
-    def __init__(self, linear: nn.Linear, batch_hint: int) -> None:
+    def __init__(self, linear: nn.Linear, batch_hint: int, into: Tensor | None = None) -> None:
+        """`into`: where to write the packed weight in Sonar's layout (`native_shape`), or None
+        to allocate it."""
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -162,16 +178,18 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.batch_hint = batch_hint
         self.native_layout = can_pack_native(self.weight)
-        self.register_buffer("packed", self._pack(), persistent=False)
+        self.register_buffer("packed", self._pack(into), persistent=False)
 
-    def _pack(self) -> Tensor:
+    def _pack(self, into: Tensor | None = None) -> Tensor:
         count_packing()
         if self.native_layout:
-            return pack_native(self.weight.detach())
+            return pack_native(self.weight.detach(), into)
         return torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), self.batch_hint)
 
     def repack(self) -> None:
-        self.packed = self._pack()
+        """Pack the weight again (after it changed): in place in Sonar's layout, so the packed
+        weight stays where `prepack_linears` put it."""
+        self.packed = self._pack(self.packed if self.native_layout else None)
 
     def forward(self, x: Tensor) -> Tensor:
         return packed_forward(x, self.weight, self.packed, self.bias, self.native_layout)
@@ -189,15 +207,20 @@ def prepack_linears(module: nn.Module, batch_hint: int = 16) -> int:
     `batch_hint` is the row count oneDNN tunes its layout for; any row count works. Returns the
     number of layers replaced.
     """
+    found = [
+        (parent, name, child)
+        for parent in list(module.modules())
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and can_pack(child.weight)
+    ]
+    # a decode step streams every packed weight once: those in Sonar's layout side by side on huge
+    # pages, each packed straight into its place there
+    native_layout = [child.weight for _, _, child in found if can_pack_native(child.weight)]
+    places = iter(hugepages.arena([native_shape(*w.shape) for w in native_layout], torch.bfloat16))
     replaced: list[PackedLinear] = []
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and can_pack(child.weight):
-                packed = PackedLinear(child, batch_hint)
-                setattr(parent, name, packed)
-                replaced.append(packed)
-    # a decode step streams every packed weight once: all of them side by side on huge pages
-    native_layout = [layer for layer in replaced if layer.native_layout]
-    for layer, moved in zip(native_layout, hugepages.gather([layer.packed for layer in native_layout])):
-        layer.packed = moved
+    for parent, name, child in found:
+        into = next(places) if can_pack_native(child.weight) else None
+        packed = PackedLinear(child, batch_hint, into)
+        setattr(parent, name, packed)
+        replaced.append(packed)
     return len(replaced)

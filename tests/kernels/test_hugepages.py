@@ -9,7 +9,6 @@ import array
 import mmap
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -54,18 +53,19 @@ def test_large_tensor_is_aligned_and_advised_for_huge_pages() -> None:
     assert float(t.float().sum()) == 3.0 * 5 * (1 << 20)
 
 
-def test_small_tensor_and_gather() -> None:
+def test_small_tensor_and_arena() -> None:
     small = hugepages.empty((3, 4), torch.float32)
     assert small.shape == (3, 4) and small.is_contiguous()
-    sources = [torch.randn(300, 7).t(), torch.randn(5), torch.randn(1024, 1024)]  # one strided
-    out = hugepages.gather(sources)
+    shapes = [(300, 7), (5,), (1024, 1024)]
+    out = hugepages.arena(shapes, torch.float32)
     assert out[0].data_ptr() % hugepages.HUGE_PAGE == 0
-    for a, b in zip(out, sources, strict=True):
-        assert a.is_contiguous() and a.data_ptr() % 64 == 0 and torch.equal(a, b)
+    for i, (t, shape) in enumerate(zip(out, shapes, strict=True)):
+        assert t.shape == shape and t.is_contiguous() and t.data_ptr() % 64 == 0
+        t.fill_(i)
+    assert [float(t.unique()) for t in out] == [0.0, 1.0, 2.0]  # none overlaps another
     assert out[1].data_ptr() > out[0].data_ptr() and out[2].data_ptr() > out[1].data_ptr()  # one span
     assert out[2].data_ptr() - out[0].data_ptr() < 2 * 300 * 7 * 4
-    with pytest.raises(ValueError):
-        hugepages.gather([torch.zeros(3), torch.zeros(3, dtype=torch.bfloat16)])
+    assert hugepages.arena([], torch.float32) == []
 
 
 def test_packed_weights_share_huge_pages() -> None:
@@ -77,6 +77,13 @@ def test_packed_weights_share_huge_pages() -> None:
         assert layers[1].packed.data_ptr() == layers[0].packed.data_ptr() + layers[0].packed.nbytes
         for layer in layers:
             assert torch.equal(layer.packed, pack_native(layer.weight.detach()))
+        # a weight update packs again in place: the packed weight stays on the huge pages
+        where = layers[1].packed.data_ptr()
+        with torch.no_grad():
+            layers[1].weight.mul_(-2)
+        layers[1].repack()
+        assert layers[1].packed.data_ptr() == where
+        assert torch.equal(layers[1].packed, pack_native(layers[1].weight.detach()))
 
 
 def test_zeros_are_zero_and_cost_nothing_until_touched() -> None:

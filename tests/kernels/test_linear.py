@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sonar.kernels import linear, native
-from sonar.kernels.linear import PackedLinear, can_pack, prepack_linears
+from sonar.kernels.linear import PackedLinear, can_pack, native_shape, pack_native, prepack_linears
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,6 +26,20 @@ def _prepacked(linear: nn.Linear, batch_hint: int) -> nn.Module:
     assert prepack_linears(holder, batch_hint) == int(BF16_PACKS)
     assert isinstance(holder[0], PackedLinear) == BF16_PACKS
     return holder[0]
+
+
+@pytest.mark.parametrize("out_features", [7, 16, 40])
+def test_native_layout_is_16_column_tiles_along_pairs_of_k(out_features: int) -> None:
+    gen = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 12, generator=gen).to(torch.bfloat16)
+    padded = torch.cat((weight, weight.new_zeros(-out_features % 16, 12)))  # the last tile's missing columns
+    expected = padded.reshape(-1, 16, 6, 2).permute(0, 2, 1, 3)  # [tile, k pair, column, k in pair]
+    assert native_shape(out_features, 12) == expected.shape
+    assert torch.equal(pack_native(weight), expected)
+    into = torch.full(expected.shape, float("nan"), dtype=torch.bfloat16)
+    assert pack_native(weight, into) is into and torch.equal(into, expected)
+    transposed = weight.t().contiguous().t()  # not contiguous: packs the same
+    assert torch.equal(pack_native(transposed), expected)
 
 
 @pytest.mark.parametrize("bias", [False, True])
