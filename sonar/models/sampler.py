@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sonar.kernels import ops
 from sonar.sampling_params import GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -271,7 +272,7 @@ class Sampler:
 
         greedy_ids = greedy_failed = None
         if batch.greedy is not None:
-            best, greedy_ids = x.max(dim=-1)
+            best, greedy_ids = ops.row_max(x)
             greedy_failed = ~(best > _NEG_INF)  # all -inf, or NaN (which max propagates)
         if batch.all_greedy:
             assert greedy_ids is not None and greedy_failed is not None
@@ -308,7 +309,7 @@ class Sampler:
     def greedy(logits: torch.Tensor) -> SamplerOutput:
         """The fast path for a batch of `is_plain_greedy` requests: the argmax of each row
         (the same token the full path picks for them); a row of NaN or -inf fails."""
-        best, ids = logits.max(dim=-1)
+        best, ids = ops.row_max(logits)
         sampled, failed = _only_in_vocabulary(ids, ~(best > _NEG_INF), logits.shape[-1])
         return SamplerOutput(sampled_token_ids=sampled, logprobs=None, failed=failed)
 

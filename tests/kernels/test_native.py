@@ -339,6 +339,39 @@ def test_silu_and_mul(dtype: torch.dtype, width: int) -> None:
     _close_and_mostly_equal(ops.silu_and_mul(x), reference.silu_and_mul(x), dtype)
 
 
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 49152])
+def test_row_max_is_torch_max(n: int) -> None:
+    """Each row's largest value and its first index, as ``torch.max(x, dim=-1)``: ties, infinities
+    and NaN (which counts as the largest) included."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1] = torch.randint(0, 3, (n,), generator=gen).float()  # ties: the first of them wins
+    x[2] = float("-inf")  # nothing to pick: -inf at index 0
+    x[3, n // 2 :] = float("inf")
+    x[4, n - 1] = float("nan")
+    x[5, n // 3] = float("nan")
+    x[5, n - 1] = float("nan")
+    x[6] = float("nan")
+    x[7, -1] = 1e30  # the last element
+    best, index = ops.row_max(x)
+    want, want_index = x.max(dim=-1)
+    torch.testing.assert_close(best, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(index, want_index)
+    assert best.dtype == torch.float32 and index.dtype == torch.int64
+
+
+def test_row_max_leaves_other_tensors_to_torch() -> None:
+    x = torch.randn(3, 40).to(torch.bfloat16)
+    for t in (x, x.float().t().contiguous().t(), x.float()[:, :0]):  # bfloat16, strided, no columns
+        if t.shape[1] == 0:
+            with pytest.raises((IndexError, RuntimeError)):
+                ops.row_max(t)
+            continue
+        best, index = ops.row_max(t)
+        want, want_index = t.max(dim=-1)
+        assert torch.equal(best, want) and torch.equal(index, want_index)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 40])
 def test_rotary_is_bit_identical(dtype: torch.dtype, head_dim: int) -> None:
@@ -470,6 +503,12 @@ for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
     reference.lora_add(want, x, a, b, rows, (16, 8))
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(got[1], y[1]) and not torch.equal(got[0], y[0])
+logits = torch.randint(0, 4, (3, 1000), generator=gen).float()
+logits[1, 700] = float("nan")
+best, index = torch.ops.sonar_cpu.row_max(logits)
+want, want_index = logits.max(dim=-1)
+torch.testing.assert_close(best, want, equal_nan=True, rtol=0, atol=0)
+assert torch.equal(index, want_index)
 print("ok")
 """
 

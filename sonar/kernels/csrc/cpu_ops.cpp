@@ -1446,6 +1446,72 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// --- each row's largest value and its index (greedy sampling) -----------------------------------
+//
+// torch.max(x, dim=-1) for float32 x [rows, n]: the largest value of each row and the index of its
+// first occurrence, NaN counting as the largest (a row with one gives NaN and its first NaN's
+// index). torch's reduction with indices is not vectorized on the CPU: ~50 us per row of a
+// 49,152-token vocabulary, 1.5-2.7 ms for 64 rows on 2 cores. With AVX-512 one pass takes the
+// maximum (NaNs noted apart), a second finds the first lane that holds it; the portable loop is
+// one scalar pass.
+
+void row_max_one(const float* x, int64_t n, float& best, int64_t& index) {
+#ifdef SONAR_AVX512
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 top = lowest;
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = i + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(lowest, lanes, x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    top = _mm512_max_ps(v, top);  // a NaN in v yields top: NaNs are noted above, not kept here
+  }
+  best = nan ? std::numeric_limits<float>::quiet_NaN() : _mm512_reduce_max_ps(top);
+  const __m512 wanted = _mm512_set1_ps(best);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 lanes = i + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 v = _mm512_mask_loadu_ps(lowest, lanes, x + i);
+    const __mmask16 hit = nan ? _mm512_mask_cmp_ps_mask(lanes, v, v, _CMP_UNORD_Q)
+                              : _mm512_mask_cmp_ps_mask(lanes, v, wanted, _CMP_EQ_OQ);
+    if (hit) {
+      index = i + __builtin_ctz(hit);
+      return;
+    }
+  }
+  index = 0;  // every value -inf: the first
+#else
+  best = -std::numeric_limits<float>::infinity();
+  index = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] != x[i]) {  // the first NaN
+      best = x[i];
+      index = i;
+      return;
+    }
+    if (x[i] > best) {  // strictly: the first of equal values stays
+      best = x[i];
+      index = i;
+    }
+  }
+#endif
+}
+
+std::tuple<at::Tensor, at::Tensor> row_max(const at::Tensor& x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "sonar_cpu::row_max: contiguous float32 x [rows, n], n > 0");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor values = at::empty({rows}, x.options());
+  at::Tensor indices = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xs = data<const float>(x);
+  float* vs = data<float>(values);
+  int64_t* is = data<int64_t>(indices);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) row_max_one(xs + r * n, n, vs[r], is[r]);
+  });
+  return {values, indices};
+}
+
 // --- rotary embedding (halves layout) ------------------------------------------------------------
 //
 // out = x * cos + rotate_half(x) * sin for x [tokens, heads, head_dim] and cos/sin [tokens,
@@ -3324,6 +3390,7 @@ TORCH_LIBRARY(sonar_cpu, m) {
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("row_max(Tensor x) -> (Tensor, Tensor)");
   m.def("rotary(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor packed, Tensor? bias, int out_features) -> Tensor");
   m.def("has_linear_bf16() -> bool", &has_linear_bf16);
@@ -3351,6 +3418,7 @@ TORCH_LIBRARY_IMPL(sonar_cpu, CPU, m) {
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("row_max", &row_max);
   m.impl("rotary", &rotary);
   m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_quant", &linear_quant);
