@@ -5,7 +5,7 @@ Builds a `ModelRunner` and drives `execute` with synthetic scheduler outputs: a 
 most, like the scheduler's token budget; decodes of prefilled requests go first), then
 ``--decode-steps`` decode steps of the whole batch. Prints the median and mean time per step of each phase, the output tokens/s the decode
 steps alone would give, and the physical floor of a decode step on this machine (weights read
-once per step at ``--bandwidth`` GB/s, or the FLOPs at ``--flops`` GFLOP/s, whichever is larger; a
+once per step at ``--bandwidth`` GB/s (measured here when not given: `sonar.bench.bandwidth`), or the FLOPs at ``--flops`` GFLOP/s, whichever is larger; a
 mixture-of-experts model reads only the experts its tokens are routed to: `step_weights`).
 ``--profile`` adds a torch profiler table of a few decode steps. ``--compare-eager`` times
 prefill and decode steps alternating between the prepacked linears and plain ``nn.Linear``
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from sonar.bench.bandwidth import read_bandwidth_gbs
 from sonar.core.outputs import ScheduledRequest, SchedulerOutput
 from sonar.core.request import LoRARequest
 from sonar.engine.config import EngineConfig
@@ -387,7 +388,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also time decode steps of requests using N random LoRA adapters against base-model ones, interleaved",
     )
     ap.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank for --compare-lora")
-    ap.add_argument("--bandwidth", type=float, default=26.0, help="GB/s of weight reads (half the copy figure)")
+    ap.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="GB/s of weight reads (default: measured here after the timed steps, as `bench compare` does)",
+    )
     ap.add_argument("--flops", type=float, default=390.0, help="GFLOP/s of bf16 matmul")
     args = ap.parse_args(argv)
     if args.threads is not None:
@@ -423,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     decode = [driver.step(args.batch) for _ in range(args.decode_steps)]
     read, per_token = step_weights(runner.model, args.batch)
     element = runner.loaded.dtype.itemsize
-    floor = decode_floor_ms(read, per_token, element, args.batch, args.bandwidth, args.flops)
+    bandwidth = args.bandwidth or read_bandwidth_gbs(threads=args.threads)
+    floor = decode_floor_ms(read, per_token, element, args.batch, bandwidth, args.flops)
     med = statistics.median(decode)
     print(
         f"threads {torch.get_num_threads()}, dtype {runner.info.dtype}, batch {args.batch}, "
@@ -438,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"decode: median {1000 * med:.1f} ms, mean {1000 * statistics.mean(decode):.1f} ms, "
         f"min {1000 * min(decode):.1f} ms per step -> {args.batch / med:.0f} tok/s; "
-        f"floor {floor:.1f} ms ({floor / (1000 * med):.0%} of it reached)"
+        f"floor {floor:.1f} ms at {bandwidth:.1f} GB/s{'' if args.bandwidth else ' measured'} "
+        f"({floor / (1000 * med):.0%} of it reached)"
     )
     if args.compare_eager:
         compare_eager(runner, driver, args.batch, args.decode_steps)
