@@ -82,7 +82,7 @@ def arena(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[Tensor]:
     model's per-layer weights — share huge pages this way."""
     if not shapes:
         return []
-    align = max(1, 64 // torch.empty((), dtype=dtype).element_size())
+    align = max(1, 64 // dtype.itemsize)
     starts, total = [], 0
     for shape in shapes:
         starts.append(total)

@@ -1478,7 +1478,7 @@ void row_max_one(const float* x, int64_t n, float& best, int64_t& index) {
       return;
     }
   }
-  index = 0;  // every value -inf: the first
+  index = 0;  // not reached: the row holds its maximum (or a NaN)
 #else
   best = -std::numeric_limits<float>::infinity();
   index = 0;
