@@ -208,8 +208,10 @@ class MemoryWatch:
         self.peak = max(self.peak, tree_proportional_bytes(self.pid) or 0)
 
 
-def serve_args(args: argparse.Namespace, cell: dict[str, Any], seed: int, pid: int) -> argparse.Namespace:
-    """The `bench serve` flags of one cell's run."""
+def serve_args(
+    args: argparse.Namespace, cell: dict[str, Any], seed: int, pid: int, bandwidth_gbs: float
+) -> argparse.Namespace:
+    """The `bench serve` flags of one cell's run (its floor at the run's one measured bandwidth)."""
     from sonar.bench.serve import build_parser as serve_parser
 
     argv = ["--ignore-eos", "--disable-tqdm", "--seed", str(seed), "--max-concurrency", str(cell["concurrency"])]
@@ -225,16 +227,20 @@ def serve_args(args: argparse.Namespace, cell: dict[str, Any], seed: int, pid: i
     tokenizer = args.tokenizer or args.model_dir
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
+    argv += ["--peak-bandwidth-gbs", str(bandwidth_gbs)]
     ns = serve_parser().parse_args(argv)
     ns.server_pid = pid
     return ns
 
 
-def run_cell(args: argparse.Namespace, server: LaunchedServer, cell: dict[str, Any], seed: int) -> dict[str, Any]:
+def run_cell(
+    args: argparse.Namespace, server: LaunchedServer, cell: dict[str, Any], seed: int, bandwidth_gbs: float
+) -> dict[str, Any]:
     """One `bench serve` run of `cell` against `server`: the figures a comparison keeps."""
     from sonar.bench.serve import run_serve
 
-    result, _, _ = asyncio.run(run_serve(serve_args(args, cell, seed, server.proc.pid), server.base_url, log=_quiet))
+    ns = serve_args(args, cell, seed, server.proc.pid, bandwidth_gbs)
+    result, _, _ = asyncio.run(run_serve(ns, server.base_url, log=_quiet))
     kept = {k: result.get(k) for k in RUN_KEYS}
     kept["errors"] = sorted({e for e in result.get("errors") or [] if e})
     kept["prefix_cache_hit_rate"] = (result.get("server") or {}).get("prefix_cache_hit_rate")
@@ -392,7 +398,7 @@ def _measure(
                     resume(server.proc.pid)
                 try:
                     with MemoryWatch(server.proc.pid) as watch:
-                        run = run_cell(args, server, cell, seed=1000 * (r + 1) + i)
+                        run = run_cell(args, server, cell, 1000 * (r + 1) + i, bandwidth)
                 finally:
                     if spec.pause_when_idle:
                         pause(server.proc.pid)

@@ -1,19 +1,25 @@
 """The physical floor of one decode step, and how close a measured TPOT comes to it.
 
-One decode step reads every weight once (bandwidth-bound: weight bytes / memory bandwidth) and
-does 2 FLOPs per parameter per sequence in the batch (compute-bound: 2 · params · batch / FLOP
+One decode step reads every weight once (bandwidth-bound: weight bytes / memory read bandwidth)
+and does 2 FLOPs per parameter per sequence in the batch (compute-bound: 2 · params · batch / FLOP
 rate); the step cannot be faster than the larger of the two. Attention, norms and everything
 else come on top, so a real engine sits above this floor: the ratio says how far.
+
+The read bandwidth is the server machine's: `bench serve` measures it on its own machine after the
+run (`sonar.bench.bandwidth`) when the server is there too (a loopback address, `is_local`), and
+needs ``--peak-bandwidth-gbs`` for a server elsewhere. A constant from another machine would put
+the floor wherever that machine's memory is: on a VM whose bandwidth moves by a third within
+minutes, the same TPOT reads as a different distance from the floor each hour.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-#: This machine's measured ceilings (see BENCHMARKS.md): copy bandwidth counting read + write,
-#: and matmul throughput per dtype.
-DEFAULT_BANDWIDTH_GBS = 50.0
+#: Matmul throughput per dtype, measured on a 2-core AVX512-BF16 EPYC (BENCHMARKS.md).
 DEFAULT_GFLOPS = {"bfloat16": 390.0, "float16": 390.0, "float32": 157.0}
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -42,8 +48,9 @@ def add_floor_arguments(parser: Any) -> None:
     g.add_argument(
         "--peak-bandwidth-gbs",
         type=float,
-        default=DEFAULT_BANDWIDTH_GBS,
-        help="memory bandwidth in GB/s (this machine copies ~50 GB/s read+write)",
+        default=None,
+        help="the server machine's memory read bandwidth in GB/s (default: measured here after the "
+        "run when the server is on this machine, a loopback address; needed for a server elsewhere)",
     )
     g.add_argument(
         "--peak-gflops-bf16", type=float, default=DEFAULT_GFLOPS["bfloat16"], help="bf16/fp16 matmul rate in GFLOP/s"
@@ -62,6 +69,8 @@ class Floor:
     dtype: str
     batch: float
     bandwidth_gbs: float
+    #: whether `bandwidth_gbs` was measured on the server's machine in this run (else given)
+    bandwidth_measured: bool
     gflops: float
     bandwidth_floor_ms: float
     compute_floor_ms: float
@@ -81,11 +90,13 @@ def step_floor(
     batch: float,
     tpot_ms: float | None,
     *,
+    bandwidth_gbs: float,
+    bandwidth_measured: bool = False,
     weight_bytes: float | None = None,
-    bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
     gflops: float | None = None,
 ) -> Floor:
-    """The floor of one decode step of `batch` sequences (at least 1) for a model of `params`."""
+    """The floor of one decode step of `batch` sequences (at least 1) for a model of `params`, at
+    `bandwidth_gbs` GB/s of memory reads."""
     batch = max(1.0, batch)
     weight_bytes = weight_bytes if weight_bytes is not None else params * DTYPE_BYTES[dtype]
     gflops = gflops if gflops is not None else DEFAULT_GFLOPS[dtype]
@@ -99,6 +110,7 @@ def step_floor(
         dtype,
         batch,
         bandwidth_gbs,
+        bandwidth_measured,
         gflops,
         bw_ms,
         fl_ms,
@@ -109,10 +121,29 @@ def step_floor(
     )
 
 
-def floor_from_args(args: Any, config_params: int | None, batch: float, tpot_ms: float | None) -> Floor | None:
-    """The floor for parsed flags (see `add_floor_arguments`), or None when the size is unknown."""
+def is_local(base_url: str) -> bool:
+    """Whether `base_url` names this machine: ``localhost`` or a loopback address. (A server bound
+    to another address of this machine counts as elsewhere: say its bandwidth.)"""
+    host = urlsplit(base_url).hostname
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def floor_from_args(
+    args: Any, config_params: int | None, batch: float, tpot_ms: float | None, measured_gbs: float | None = None
+) -> Floor | None:
+    """The floor for parsed flags (see `add_floor_arguments`) at ``--peak-bandwidth-gbs``, else at
+    `measured_gbs` (measured on the server's machine); None when the model's size or the bandwidth
+    is unknown (`missing_floor` says which)."""
     params = args.model_params or config_params
-    if not params:
+    bandwidth = args.peak_bandwidth_gbs or measured_gbs
+    if not params or not bandwidth:
         return None
     gflops = args.peak_gflops_fp32 if args.floor_dtype == "float32" else args.peak_gflops_bf16
     return step_floor(
@@ -120,10 +151,18 @@ def floor_from_args(args: Any, config_params: int | None, batch: float, tpot_ms:
         args.floor_dtype,
         batch,
         tpot_ms,
+        bandwidth_gbs=bandwidth,
+        bandwidth_measured=not args.peak_bandwidth_gbs,
         weight_bytes=args.model_bytes,
-        bandwidth_gbs=args.peak_bandwidth_gbs,
         gflops=gflops,
     )
+
+
+def missing_floor(params: float | None) -> str:
+    """Why `floor_from_args` had no floor for a model of `params` (None: unknown), as a report line."""
+    if not params:
+        return "unknown model size: pass --model-params"
+    return "the server is not on this machine, so its memory bandwidth was not measured: pass --peak-bandwidth-gbs"
 
 
 def format_floor(f: Floor) -> list[str]:
@@ -131,7 +170,8 @@ def format_floor(f: Floor) -> list[str]:
     lines = [
         f"model: {f.params / 1e6:.1f} M params, {f.weight_bytes / 1e6:.0f} MB of {f.dtype} weights; "
         f"mean batch {f.batch:.1f}",
-        f"floor per step: bandwidth {f.bandwidth_floor_ms:.2f} ms ({f.bandwidth_gbs:g} GB/s), "
+        f"floor per step: bandwidth {f.bandwidth_floor_ms:.2f} ms ({f.bandwidth_gbs:.1f} GB/s of reads, "
+        f"{'measured here' if f.bandwidth_measured else 'given'}), "
         f"compute {f.compute_floor_ms:.2f} ms ({f.gflops:g} GFLOP/s) -> {f.floor_ms:.2f} ms ({f.bound}-bound)",
     ]
     if f.tpot_over_floor is not None:

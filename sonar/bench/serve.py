@@ -6,8 +6,9 @@ gaps with shape ``--burstiness``; ``inf`` sends everything at once), at most
 ``--max-concurrency`` in flight. The report gives completed/failed requests, request and token
 throughput, TTFT/TPOT/ITL/E2EL statistics, goodput under ``--goodput`` SLOs, the server's own
 figures from ``/metrics`` (peak KV cache usage, preemptions, prefix-cache hit rate, process
-memory) and the physical floor of a decode step at the run's mean batch. Flag names follow
-``vllm bench serve``.
+memory) and the physical floor of a decode step at the run's mean batch (at the memory bandwidth
+measured here after the run when the server is on this machine: `sonar.bench.floor`). Flag names
+follow ``vllm bench serve``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
+from sonar.bench.bandwidth import read_bandwidth_gbs
 from sonar.bench.datasets import SampleRequest, add_dataset_arguments, dataset_args, sample_requests
 from sonar.bench.endpoint import BACKENDS, RequestResult, send_request
-from sonar.bench.floor import add_floor_arguments, floor_from_args, format_floor
+from sonar.bench.floor import add_floor_arguments, floor_from_args, format_floor, is_local, missing_floor
 from sonar.bench.model_info import load_tokenizer, model_params, resolve_model_files
 from sonar.bench.server_metrics import MetricsPoller, scrape, server_summary, with_rss
 from sonar.bench.stats import (
@@ -196,7 +198,10 @@ async def run_serve(
     summary = summarize(results, duration, percentiles, slos, t0)
     server = server_summary(before, after, poller)
     params = None if args.model_params else await asyncio.to_thread(model_params, files)
-    floor = floor_from_args(args, params, summary["mean_concurrency"], summary["mean_tpot_ms"] or None)
+    measured = None
+    if not args.peak_bandwidth_gbs and (args.model_params or params) and is_local(base_url):
+        measured = await asyncio.to_thread(read_bandwidth_gbs)  # the server is idle now
+    floor = floor_from_args(args, params, summary["mean_concurrency"], summary["mean_tpot_ms"] or None, measured)
     ok = [r for r in results if r.success]
     result: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -219,6 +224,7 @@ async def run_serve(
         **summary,
         "server": server,
         "floor": floor.to_dict() if floor else None,
+        "floor_missing": None if floor else missing_floor(args.model_params or params),
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results],
@@ -342,7 +348,7 @@ def format_report(result: dict[str, Any]) -> str:
 
         lines.extend(format_floor(Floor(**floor)))
     else:
-        lines.append("unknown model size: pass --model-params")
+        lines.append(result.get("floor_missing") or "unknown model size: pass --model-params")
     lines.append("=" * width)
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ import pytest
 
 from sonar.bench.datasets import DatasetArgs, sample_requests
 from sonar.bench.endpoint import RequestResult
-from sonar.bench.floor import step_floor
+from sonar.bench.floor import floor_from_args, format_floor, is_local, missing_floor, step_floor
 from sonar.bench.json_schemas import SCHEMAS
 from sonar.bench.model_info import load_tokenizer, model_params, param_count, resolve_model_files
 from sonar.bench.serve import arrival_delays
@@ -181,11 +181,33 @@ def test_floor_and_parameter_count() -> None:
     # the Llama formula would undercount a mixture of experts and miscount latent attention
     assert param_count({**config, "num_local_experts": 8}) is None
     assert param_count({**config, "kv_lora_rank": 512}) is None
-    one = step_floor(134.5e6, "bfloat16", 1, 26.6)
+    one = step_floor(134.5e6, "bfloat16", 1, 26.6, bandwidth_gbs=50.0)
     assert one.bound == "bandwidth" and one.floor_ms == pytest.approx(269e6 / 50e9 * 1e3, rel=0.01)
-    sixteen = step_floor(134.5e6, "bfloat16", 16, 56.0)
+    sixteen = step_floor(134.5e6, "bfloat16", 16, 56.0, bandwidth_gbs=50.0)
     assert sixteen.bound == "compute" and sixteen.floor_ms == pytest.approx(2 * 134.5e6 * 16 / 390e9 * 1e3)
     assert sixteen.tpot_over_floor == pytest.approx(56.0 / sixteen.floor_ms)
+
+
+def test_floor_bandwidth_is_given_or_measured_on_the_servers_machine() -> None:
+    from sonar.bench.serve import build_parser
+
+    for url in ("http://127.0.0.1:8000", "http://localhost:8000/v1", "http://[::1]:8000", "http://127.0.0.2:9"):
+        assert is_local(url), url
+    for url in ("http://10.0.0.5:8000", "http://gpu-box:8000", "http://[2001:db8::1]:8000", "unix-socket"):
+        assert not is_local(url), url
+
+    measured = floor_from_args(build_parser().parse_args([]), 134.5e6, 1.0, 12.0, measured_gbs=30.0)
+    assert measured.bandwidth_measured and measured.bandwidth_gbs == 30.0
+    assert measured.floor_ms == pytest.approx(269e6 / 30e9 * 1e3, rel=0.01)
+    assert "30.0 GB/s of reads, measured here" in "\n".join(format_floor(measured))
+    # a bandwidth given on the command line wins over one measured here
+    given = floor_from_args(build_parser().parse_args(["--peak-bandwidth-gbs", "40"]), 134.5e6, 1.0, 12.0, 30.0)
+    assert not given.bandwidth_measured and given.bandwidth_gbs == 40.0
+    assert "given" in "\n".join(format_floor(given))
+    # a server elsewhere, no bandwidth given: no floor rather than one at another machine's bandwidth
+    assert floor_from_args(build_parser().parse_args([]), 134.5e6, 1.0, 12.0) is None
+    assert "--peak-bandwidth-gbs" in missing_floor(134.5e6)
+    assert "--model-params" in missing_floor(None)
 
 
 def test_bench_grammar_times_each_schema_cold_and_cached() -> None:

@@ -112,6 +112,8 @@ def test_random_completions_report(server: Any, tmp_path: Path) -> None:
     assert floor["params"] == pytest.approx(134.5e6, rel=0.01)  # SmolLM2-135M, from its local config
     assert floor["weight_bytes"] == pytest.approx(4 * floor["params"])
     assert floor["floor_ms"] > 0 and floor["tpot_over_floor"] > 1
+    # the server is on this machine: its read bandwidth was measured here, after the run
+    assert floor["bandwidth_measured"] and floor["bandwidth_gbs"] > 0.5 and result["floor_missing"] is None
 
     for line in (
         "Serving Benchmark Result",
