@@ -169,6 +169,7 @@ class LinearSwitch:
         for parent in list(model.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, PackedLinear):
+                    child.restore_weight()  # for the plain layer; the packed one reads its copy
                     plain = torch.nn.Linear(
                         child.in_features, child.out_features, bias=child.bias is not None, device="meta"
                     )
@@ -296,7 +297,7 @@ class CompiledCopy:
             revision=cfg.revision,
             download_dir=cfg.download_dir,
         ).model
-        prepack_linears(self.model)  # as the runner does; compile_forward keeps them as opaque oneDNN calls
+        prepack_linears(self.model, keep_weights=True)  # as the runner does when it compiles
         key = {
             "model": runner.loaded.source,
             "revision": cfg.revision,

@@ -205,6 +205,7 @@ def make_linears_compilable(module: nn.Module) -> int:
     changed = 0
     for child in module.modules():
         if type(child) is PackedLinear:
+            child.restore_weight()  # the graph takes it as an input
             child.__class__ = CompilablePackedLinear
             changed += 1
     return changed
@@ -217,6 +218,7 @@ def unpack_linears(module: nn.Module) -> int:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, PackedLinear):
+                child.restore_weight()
                 plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
                 plain.weight, plain.bias = child.weight, child.bias
                 setattr(parent, name, plain)

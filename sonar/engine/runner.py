@@ -282,7 +282,8 @@ class ModelRunner:
         if not cuda:
             native.available()  # builds the native CPU kernels on a machine's first start, then loads them
         if not cuda and not cfg.enforce_eager:  # enforce_eager: plain eager torch linears
-            prepack_linears(self.model)
+            # a compiled forward pass takes every weight as an input of its graph: kept there
+            prepack_linears(self.model, keep_weights=compile_wanted(cfg, device))
         self.lora: AdapterSlots | None = None
         """LoRA (``--enable-lora``): the adapter slots of the model's wrapped linears."""
         if cfg.enable_lora:

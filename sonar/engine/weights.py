@@ -6,7 +6,9 @@ its safetensors headers (the header alone: no tensor is read). Everything is che
 first parameter is written, so a refused update leaves the old weights whole. Writing goes through
 the model's own `load_weights` (the one startup used: fused projections, tied embeddings, casts),
 in place, so CUDA graphs and compiled graphs, which hold the parameters' addresses, stay valid;
-the CPU's prepacked copies of linear weights are packed again.
+the CPU's prepacked copies of linear weights are packed again. On the CPU the linear weights that
+live only in their packed copy (`sonar.kernels.linear.materialized`) are unpacked for the update
+and given up again after it: for its length the weights take twice their memory.
 
 Served from anything but unquantized safetensors (a GGUF file, a quantized checkpoint, PyTorch
 ``.bin`` files, ``--load-format dummy``) the model has no manifest, and updates are refused.
@@ -25,7 +27,7 @@ import torch
 
 from sonar.core.weights import Manifest, TensorSpec, WeightUpdateConflictError, WeightUpdateError, check_update
 from sonar.engine.runner import ModelRunner
-from sonar.kernels.linear import PackedLinear
+from sonar.kernels.linear import PackedLinear, materialized
 from sonar.log import get_logger
 from sonar.models.errors import ModelLoadError
 from sonar.models.weights import has_safetensors, iter_safetensors, safetensors_files
@@ -138,12 +140,12 @@ class WeightUpdater:
                 nbytes += tensor.nbytes
                 yield name, tensor
 
-        with torch.no_grad():
+        with torch.no_grad(), materialized(runner.model):
             runner.model.load_weights(counted())
+            for module in runner.model.modules():
+                if isinstance(module, PackedLinear):
+                    module.repack()
         runner.encoder_cache.clear()  # rows the old tower gave
-        for module in runner.model.modules():
-            if isinstance(module, PackedLinear):
-                module.repack()
         self.updates += 1
         seconds = time.perf_counter() - started
         log.info("worker.weights_updated", source=source, tensors=len(update), bytes=nbytes, seconds=round(seconds, 3))

@@ -58,11 +58,15 @@ def test_packed_equals_f_linear(rows: int, bias: bool) -> None:
     torch.testing.assert_close(got.float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.06, rtol=1e-2)
 
 
-def test_other_inputs_take_f_linear() -> None:
+def test_leading_dimensions_are_rows_and_other_inputs_take_f_linear() -> None:
     linear = nn.Linear(8, 4, dtype=torch.bfloat16)
-    packed = _prepacked(linear, batch_hint=1)
-    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)  # not a flat batch
-    torch.testing.assert_close(packed(x), F.linear(x, linear.weight, linear.bias))
+    weight, bias = linear.weight.detach().clone(), linear.bias.detach().clone()
+    packed = _prepacked(linear, batch_hint=1)  # its weight given up where packed natively
+    x = torch.randn(2, 3, 8, dtype=torch.bfloat16)  # not a flat batch: its rows, packed
+    assert torch.equal(packed(x), packed(x.view(6, 8)).view(2, 3, 4))
+    torch.testing.assert_close(packed(x), F.linear(x, weight, bias))
+    one = torch.randn(8, dtype=torch.bfloat16)  # one vector: F.linear, on the weight unpacked again
+    assert torch.equal(packed(one), F.linear(one, weight, bias))
 
 
 def test_prepack_keeps_parameters_and_ties() -> None:
@@ -75,11 +79,48 @@ def test_prepack_keeps_parameters_and_ties() -> None:
             self.head.weight = self.embed.weight
 
     model = Tied().to(torch.bfloat16)
-    names = {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)}
+    before = {n: (id(p), p.shape, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
     assert prepack_linears(model) == (3 if BF16_PACKS else 0)
-    assert {n: id(p) for n, p in model.named_parameters(remove_duplicate=False)} == names
+    after = {n: (id(p), p.shape, p.dtype) for n, p in model.named_parameters(remove_duplicate=False)}
+    assert {n: v[1:] for n, v in after.items()} == {n: v[1:] for n, v in before.items()}
     assert isinstance(model.head, PackedLinear) == BF16_PACKS and model.head.weight is model.embed.weight
+    assert not model.head.weight.is_meta, "a tied weight is kept: the embedding reads it"
     assert set(model.state_dict()) == {"embed.weight", "proj.0.weight", "proj.0.bias", "proj.1.weight", "head.weight"}
+    # the untied weights packed in Sonar's layout give up their memory (not on AMX: oneDNN reads them)
+    dropped = BF16_PACKS and model.proj[0].native_layout and not native.amx_bf16()
+    for name in ("proj.0.weight", "proj.1.weight"):
+        assert dict(model.named_parameters())[name].is_meta == dropped
+        assert (after[name][0] == before[name][0]) != dropped
+    assert after["proj.0.bias"][0] == before["proj.0.bias"][0]
+
+
+@pytest.mark.skipif(not linear.can_pack_native_dtype() or native.amx_bf16(), reason="drops in Sonar's layout, no AMX")
+def test_a_dropped_weight_is_served_and_restored_from_the_packed_copy() -> None:
+    gen = torch.Generator().manual_seed(5)
+    plain = nn.Sequential(nn.Linear(96, 40), nn.Linear(40, 96, bias=False)).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    weights = [layer.weight.detach().clone() for layer in plain]
+    x = torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+    model = nn.Sequential(*plain)
+    expected = model(x)
+    assert prepack_linears(model) == 2 and all(layer.weight.is_meta for layer in model)
+    assert torch.equal(model(x), expected)
+    # what the kernel does not take is served from the weight unpacked again: the same numbers
+    assert torch.equal(model(x.view(1, 5, 96)), expected.view(1, 5, 96))
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(x.float())  # as F.linear refuses it
+    # a weight update writes into the parameters: inside, each holds its weight again
+    with linear.materialized(model):
+        assert all(torch.equal(layer.weight, w) for layer, w in zip(model, weights))
+        with torch.no_grad():
+            model[1].weight.mul_(2)
+        model[1].repack()
+    assert all(layer.weight.is_meta for layer in model)
+    torch.testing.assert_close(model(x).float(), (expected.float() * 2), rtol=1e-2, atol=0.5)
+    with pytest.raises(RuntimeError, match="restore_weight first"):
+        model[0].repack()
 
 
 def test_float32_is_left_alone() -> None:

@@ -163,9 +163,9 @@ def test_repacked_weights_are_picked_up(monkeypatch: pytest.MonkeyPatch) -> None
         return
     before = model.fused_decode.weights()
     layer = model.model.layers[3].mlp.down_proj
-    with torch.no_grad():
+    with torch.no_grad(), linear.materialized(model):  # as a weight update writes
         layer.weight.mul_(0.5)
-    layer.repack()
+        layer.repack()
     after = model.fused_decode.weights()
     assert after is not before
     assert after.down[3] is (layer.packed if after.kinds[4 * 3 + 3] == PACKED_BF16 else layer.weight)
