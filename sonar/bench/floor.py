@@ -6,18 +6,17 @@ rate); the step cannot be faster than the larger of the two. Attention, norms an
 else come on top, so a real engine sits above this floor: the ratio says how far.
 
 The read bandwidth is the server machine's: `bench serve` measures it on its own machine after the
-run (`sonar.bench.bandwidth`) when the server is there too (a loopback address, `is_local`), and
-needs ``--peak-bandwidth-gbs`` for a server elsewhere. A constant from another machine would put
+run (`sonar.bench.bandwidth`) when the server is there too (a loopback address), and needs
+``--peak-bandwidth-gbs`` for a server elsewhere (one bound to another address of this machine
+counts as elsewhere: say its bandwidth). A constant from another machine would put
 the floor wherever that machine's memory is: on a VM whose bandwidth moves by a third within
 minutes, the same TPOT reads as a different distance from the floor each hour.
 """
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import asdict, dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 #: Matmul throughput per dtype, measured on a 2-core AVX512-BF16 EPYC (BENCHMARKS.md).
 DEFAULT_GFLOPS = {"bfloat16": 390.0, "float16": 390.0, "float32": 157.0}
@@ -119,20 +118,6 @@ def step_floor(
         tpot_ms,
         ratio,
     )
-
-
-def is_local(base_url: str) -> bool:
-    """Whether `base_url` names this machine: ``localhost`` or a loopback address. (A server bound
-    to another address of this machine counts as elsewhere: say its bandwidth.)"""
-    host = urlsplit(base_url).hostname
-    if host is None:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def floor_from_args(

@@ -28,10 +28,11 @@ from typing import Any, Sequence
 import httpx
 import numpy as np
 
+from sonar.actors.host import is_loopback
 from sonar.bench.bandwidth import read_bandwidth_gbs
 from sonar.bench.datasets import SampleRequest, add_dataset_arguments, dataset_args, sample_requests
 from sonar.bench.endpoint import BACKENDS, RequestResult, send_request
-from sonar.bench.floor import add_floor_arguments, floor_from_args, format_floor, is_local, missing_floor
+from sonar.bench.floor import add_floor_arguments, floor_from_args, format_floor, missing_floor
 from sonar.bench.model_info import load_tokenizer, model_params, resolve_model_files
 from sonar.bench.server_metrics import MetricsPoller, scrape, server_summary, with_rss
 from sonar.bench.stats import (
@@ -199,7 +200,7 @@ async def run_serve(
     server = server_summary(before, after, poller)
     params = None if args.model_params else await asyncio.to_thread(model_params, files)
     measured = None
-    if not args.peak_bandwidth_gbs and (args.model_params or params) and is_local(base_url):
+    if not args.peak_bandwidth_gbs and (args.model_params or params) and is_loopback(base_url):
         measured = await asyncio.to_thread(read_bandwidth_gbs)  # the server is idle now
     floor = floor_from_args(args, params, summary["mean_concurrency"], summary["mean_tpot_ms"] or None, measured)
     ok = [r for r in results if r.success]

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from sonar.actors.host import is_loopback
 from sonar.bench.datasets import DatasetArgs, sample_requests
 from sonar.bench.endpoint import RequestResult
-from sonar.bench.floor import floor_from_args, format_floor, is_local, missing_floor, step_floor
+from sonar.bench.floor import floor_from_args, format_floor, missing_floor, step_floor
 from sonar.bench.json_schemas import SCHEMAS
 from sonar.bench.model_info import load_tokenizer, model_params, param_count, resolve_model_files
 from sonar.bench.serve import arrival_delays
@@ -192,9 +193,9 @@ def test_floor_bandwidth_is_given_or_measured_on_the_servers_machine() -> None:
     from sonar.bench.serve import build_parser
 
     for url in ("http://127.0.0.1:8000", "http://localhost:8000/v1", "http://[::1]:8000", "http://127.0.0.2:9"):
-        assert is_local(url), url
+        assert is_loopback(url), url  # bench serve measures the bandwidth here for these
     for url in ("http://10.0.0.5:8000", "http://gpu-box:8000", "http://[2001:db8::1]:8000", "unix-socket"):
-        assert not is_local(url), url
+        assert not is_loopback(url), url
 
     measured = floor_from_args(build_parser().parse_args([]), 134.5e6, 1.0, 12.0, measured_gbs=30.0)
     assert measured.bandwidth_measured and measured.bandwidth_gbs == 30.0
