@@ -349,7 +349,7 @@ def format_report(result: dict[str, Any]) -> str:
 
         lines.extend(format_floor(Floor(**floor)))
     else:
-        lines.append(result.get("floor_missing") or "unknown model size: pass --model-params")
+        lines.append(result["floor_missing"])
     lines.append("=" * width)
     return "\n".join(lines)
 

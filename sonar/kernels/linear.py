@@ -166,6 +166,11 @@ def unpack_native(packed: Tensor, out_features: int) -> Tensor:
     return weight.copy_(units[:out_features]).view(packed.dtype)
 
 
+def plain_weight(weight: Tensor, packed: Tensor) -> Tensor:
+    """`weight` itself, or unpacked from `packed` where it was given up (on the meta device)."""
+    return unpack_native(packed, weight.shape[0]) if weight.is_meta else weight
+
+
 def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, native_layout: bool) -> Tensor:
     """`PackedLinear`'s arithmetic on its tensors (also what the compiled model's opaque operator
     runs): the native kernel on its layout (``F.linear`` where `onednn_serves` the rows), oneDNN on
@@ -176,10 +181,10 @@ def packed_forward(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | Non
         flat = packed_forward(x.reshape(-1, x.shape[-1]), weight, packed, bias, native_layout)
         return flat.view(*x.shape[:-1], weight.shape[0])
     if x.dim() != 2 or x.dtype != weight.dtype:
-        return F.linear(x, unpack_native(packed, weight.shape[0]) if weight.is_meta else weight, bias)
+        return F.linear(x, plain_weight(weight, packed), bias)
     if native_layout:
         if onednn_serves(x.shape[0]):
-            return F.linear(x, unpack_native(packed, weight.shape[0]) if weight.is_meta else weight, bias)
+            return F.linear(x, plain_weight(weight, packed), bias)
         return torch.ops.sonar_cpu.linear_bf16(x.contiguous(), packed, bias, weight.shape[0])
     if x.shape[0] > PACKED_MAX_ROWS:
         return F.linear(x, weight, bias)
@@ -234,7 +239,7 @@ class PackedLinear(nn.Module):
     def restore_weight(self) -> None:
         """The ``[N, K]`` weight again, unpacked from the packed copy (after `drop_weight`)."""
         if self.weight.is_meta:
-            self.weight = nn.Parameter(unpack_native(self.packed, self.out_features), requires_grad=False)
+            self.weight = nn.Parameter(plain_weight(self.weight, self.packed), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return packed_forward(x, self.weight, self.packed, self.bias, self.native_layout)
