@@ -278,6 +278,9 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
                 "of the exported request spans, and the per-step spans go there too)"
             )
         engine_args["otlp_traces_endpoint"] = serve_args["otlp_traces_endpoint"]  # the scheduler's step spans
+    # tokens held back for the stream may as well be decoded without a trip through the scheduler
+    if serve_args.get("stream_interval", 1) > 1:
+        engine_args["decode_steps"] = serve_args["stream_interval"]
     sample = explicit.get("--kv-cache-metrics-sample")
     if (
         sample is not None

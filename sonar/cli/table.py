@@ -855,7 +855,8 @@ GROUPS: tuple[Group, ...] = (
                               "when given; ngram and suffix drafts are then made by the worker)"),
         _f("--stream-interval", I, 1,
            "Tokens collected before a streaming chunk is sent; 1 sends every token at once, larger values "
-           "save overhead.", to=S, check=positive),
+           "save overhead: the engine then also decodes up to that many tokens per trip through its "
+           "scheduler while nothing waits (multi-step decode).", to=S, check=positive),
     ),
     _group(
         "CompilationConfig", "torch.compile and CUDA graph capture.",

@@ -115,6 +115,11 @@ class SchedulerOutput(msgspec.Struct, gc=False):
     """Chunks to offload, gathered before this step's forward pass (empty without offloading)."""
     kv_loads: list[KVLoadSpec] = []
     """Prefix blocks to load from the offload tiers, off the step's critical path."""
+    decode_steps: int = 1
+    """Multi-step decode (`SchedulerConfig.decode_steps`): every request is a decode, and the runner
+    decodes this many tokens for each, back to back, each step feeding the token the one before
+    sampled (its KV slots are in ``block_ids``). It may stop early (`CutSteps`); the result then has
+    fewer tokens, the same number for every request."""
 
     @property
     def is_empty(self) -> bool:
@@ -209,8 +214,8 @@ class SchedulerStats(msgspec.Struct, gc=False):
     num_loading: int = 0
     """Requests waiting for their prefix to be loaded from the offload tiers."""
     num_steps: int = 0
-    """Engine steps run since start (a prompt prefilled in chunks takes one per chunk); the
-    scheduler's shell counts them."""
+    """Engine steps run since start (a prompt prefilled in chunks takes one per chunk, a multi-step
+    decode one per decode step); the scheduler's shell counts them."""
     mm_encoder_runs: int = 0
     """Images the worker ran through the vision tower since start,"""
     mm_encoder_cache_hits: int = 0

@@ -167,6 +167,7 @@ class Request:
         "num_placeholders",
         "spec_token_ids",
         "draft_slots",
+        "decode_steps",
         "proposed",
         "spec_misses",
         "spec_skip",
@@ -261,6 +262,10 @@ class Request:
         """Speculation with async scheduling (`SchedulerConfig.worker_drafts`): per sampling step in
         flight, oldest first, how many draft slots it had; each such step counts ``1 + slots``
         placeholders (as if every draft were kept), given back when its result shows how many were."""
+        self.decode_steps = 0
+        """Multi-step decode (`SchedulerConfig.decode_steps`): the tokens the step in flight decodes
+        for this request back to back, counted as that many placeholders until its result is back
+        (0: none in flight)."""
         self.proposed: list[int] = []
         """Drafts the worker's draft model proposed with the request's last step, for its next."""
         self.spec_misses = 0

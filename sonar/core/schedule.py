@@ -27,6 +27,10 @@ placeholder is resolved before the next ``schedule``, and nothing changes. With
 ``pipeline_stages`` > 1 a request with a placeholder is not scheduled at all until its token is
 back, so no step carries a placeholder and several steps (micro-batches) may be in flight.
 
+Multi-step decode (``SchedulerConfig.decode_steps``): a step of plain decodes, with nothing waiting,
+may decode several tokens per request back to back on the worker; ``update_from_output`` takes
+back the positions of those a worker that stopped early did not compute.
+
 Speculative decoding (``SchedulerConfig.speculative``): a decoding request may carry drafts from
 the proposer (`sonar.core.speculative`), or from the worker's draft model or EAGLE head (with the
 step before, plus ``lookahead`` KV slots for the draft's own KV), after its last token; they take
@@ -125,6 +129,17 @@ class SchedulerConfig:
     step's positions back by the drafts that were not, and uses as many of the slots as its
     proposer fills. ``update_from_output`` gives back what the step did not use
     (`Request.draft_slots`)."""
+    decode_steps: int = 1
+    """Multi-step decode: the most decode steps one step runs back to back on the worker, each
+    feeding the token the one before sampled, so that the trip through the scheduler and the
+    messages around it are paid once for that many tokens. A step is multi-step only when it is
+    made of plain decodes (no prefill, grammar or token in flight) and nothing waits to be
+    admitted or loaded; it then decodes, for every request, as many tokens as the request with the
+    least room takes (``max_tokens``, ``max_model_len``, LongRoPE's switch), with the KV slots of
+    every one (else one step, never a preemption). The worker may cut it short (a request arrived):
+    ``update_from_output`` takes back the positions of the tokens that did not come. Not with
+    speculative decoding or pipeline stages, and only in the synchronous loop: the shell schedules
+    nothing while such a step is out."""
     max_loras: int = 0
     """LoRA: the most distinct adapters among the running requests (the worker's slots); a waiting
     request of another adapter waits while that many run, and those behind it may go first. 0:
@@ -169,6 +184,10 @@ class SchedulerConfig:
             )
         if self.worker_drafts and (self.speculative is None or self.pipeline_stages > 1):
             raise ValueError("worker_drafts needs speculation and one pipeline stage")
+        if isinstance(self.decode_steps, bool) or not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
+            raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
+        if self.decode_steps > 1 and (self.speculative is not None or self.pipeline_stages > 1):
+            raise ValueError("decode_steps above 1 runs without speculative decoding, on one pipeline stage")
         switch = self.longrope_switch
         if switch is not None and (isinstance(switch, bool) or not isinstance(switch, int) or switch <= 0):
             raise ValueError(f"longrope_switch must be a positive integer or None, got {switch!r}")
@@ -422,6 +441,7 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit(budget, threshold, scheduled, admitted, cap)
+        steps = self._decode_steps(scheduled) if config.decode_steps > 1 and not preempted and not admitted else 1
 
         step = []
         total = 0
@@ -453,17 +473,55 @@ class Scheduler:
                     long_rope=request.long_rope,
                 )
             )
-            request.num_computed_tokens = end
+            request.num_computed_tokens = end + steps - 1
             if sample:
-                request.num_placeholders += 1 + (num_drafts if worker_drafts else 0)
+                request.num_placeholders += steps + (num_drafts if worker_drafts else 0)
                 if worker_drafts:
                     request.draft_slots.append(num_drafts)
-            total += num_new
+                if steps > 1:
+                    request.decode_steps = steps
+            total += num_new + steps - 1
         if self._fresh:
             self._fresh.difference_update(scheduled)
         finished, self._finished_ids = self._finished_ids, []
         loads, self._kv_loads = self._kv_loads, []
-        return SchedulerOutput(next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads)
+        return SchedulerOutput(
+            next(self._step_ids), step, total, preempted, finished, bm.take_kv_stores(), loads, decode_steps=steps
+        )
+
+    def _decode_steps(self, scheduled: dict[str, int]) -> int:
+        """Multi-step decode: how many decode steps the step of ``scheduled`` (one token each so far)
+        runs back to back (`SchedulerConfig.decode_steps`), with every step's KV slots allocated;
+        1 where it cannot be more. Slots allocated for a number that then failed for another
+        request stay with theirs, for their next decodes."""
+        if self.waiting or self.loading or self._kv_loads or not scheduled:
+            return 1
+        config = self.config
+        steps = config.decode_steps
+        requests = []
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            if (
+                num_new != 1
+                or request.num_tokens - request.num_computed_tokens != 1
+                or request.num_placeholders
+                or request.grammar is not None
+                or request_id in self._fresh
+            ):
+                return 1
+            # its step j computes position num_tokens - 1 + j, as a lone decode of a sequence of
+            # num_tokens + j tokens would: within max_model_len and short of LongRoPE's switch
+            room = min(config.max_model_len - request.num_tokens, self._before_switch(request, request.num_tokens) + 1)
+            if request.max_tokens is not None:
+                room = min(room, request.max_tokens - request.num_output_tokens)
+            steps = min(steps, room)
+            requests.append(request)
+        if steps <= 1:
+            return 1
+        for request in requests:
+            if not self.block_manager.allocate_slots(request, steps):
+                return 1
+        return steps
 
     def _lookahead(self, request: Request, num_new: int) -> int:
         """KV slots past a sampling step's ``num_new`` tokens that a draft model writes
@@ -810,8 +868,12 @@ class Scheduler:
             if request is None or not token_ids:
                 continue
             in_flight = request.num_placeholders > 0
+            steps = request.decode_steps
             if request.draft_slots:
                 self._give_back_slots(request, len(token_ids), (drafted or {}).get(request_id, 0))
+            elif steps:
+                request.decode_steps = 0
+                request.num_placeholders -= steps
             elif in_flight:
                 request.num_placeholders -= 1
             drafts = request.spec_token_ids
@@ -861,6 +923,10 @@ class Scheduler:
                 ):
                     request.status = RequestStatus.FINISHED_LENGTH
                     break
+            if steps and request.num_computed_tokens >= len(all_ids):
+                # a multi-step decode cut short, or past its request's end: the positions of the
+                # tokens it did not keep are recomputed (their slots stay the request's)
+                request.num_computed_tokens = len(all_ids) - 1
             if request.status == status:
                 bm.update_hashes(request)
                 if proposed and status == _RUNNING:
@@ -981,6 +1047,7 @@ class Scheduler:
         for request in self.requests.values():  # the steps in flight died too
             request.num_placeholders = 0
             request.draft_slots = []
+            request.decode_steps = 0
         # Loads in flight died with the worker: recompute those requests too.
         self._load_of.clear()
         for request_id, request in list(self.loading.items()):

@@ -83,6 +83,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Schedule and send step N+1 while step N runs (`sonar.engine.scheduler`). None: on for a
     CUDA device, off on the CPU, where the scheduler's work then competes with the step's
     threads for the cores (measured slower on 2 cores, BENCHMARKS.md). Off with KV offloading."""
+    decode_steps: int = 1
+    """Multi-step decode: the most decode steps the worker runs back to back for one message from
+    the scheduler, when every running request decodes and nothing waits (`sonar.core.schedule`),
+    so the trip between them and the outputs' messages are paid once per that many tokens; a
+    request that arrives meanwhile waits for one decode step, not for all. ``serve`` sets it from
+    ``--stream-interval``, which holds tokens back for as long anyway. It is 1 (and the scheduler
+    says so at start) with async scheduling, speculative decoding or pipeline stages."""
     max_logprobs: int = 20
     enforce_eager: bool = False
     optimization_level: int = 2
@@ -417,6 +424,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be at least 1, got {self.decode_steps}")
         for actor, where in self.placement.items():
             if actor not in ACTORS:
                 raise ValueError(f"placement: unknown actor {actor!r} (one of {', '.join(ACTORS)})")

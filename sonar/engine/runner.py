@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import torch
 
-from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest
+from sonar.core.outputs import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from sonar.core.request import LoRARequest
 from sonar.core.speculative import Proposer, make_proposer
 from sonar.engine import memory
@@ -220,6 +220,8 @@ class ModelRunner:
         self.config = cfg = config
         self.topology = topology
         self.requests: dict[str, _RequestState] = {}
+        self._cut = -1
+        """The multi-step decode to end after its current step (`cut`)."""
         self.device = device = device or select_device(cfg.device_ids)
         self.graphs: CudaGraphs | None = None
         self._decode_buffers: DecodeBuffers | None = None
@@ -679,9 +681,52 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, msg: ExecuteStep, wait_bitmask: Callable[[], torch.Tensor] | None = None) -> StepResult:
-        """Run one step. With `msg.grammar_rows`, `wait_bitmask` gives their token bitmask (it may
-        block until the scheduler has sent it): called after the forward pass, applied to those
-        rows' logits before either sampler sees them."""
+        """Run one step (a multi-step decode's steps, `_execute_steps`). With `msg.grammar_rows`,
+        `wait_bitmask` gives their token bitmask (it may block until the scheduler has sent it):
+        called after the forward pass, applied to those rows' logits before either sampler sees
+        them."""
+        if msg.output.decode_steps > 1:
+            return self._execute_steps(msg)
+        return self._execute(msg, wait_bitmask)
+
+    def cut(self, step_id: int) -> None:
+        """End multi-step decode ``step_id`` after the step it is running, so that a request
+        waiting to be admitted gets the next step (`sonar.engine.worker`, from its mailbox thread).
+        Ignored with tensor ranks (they must all run the same steps), and once that step is over."""
+        self._cut = step_id
+
+    def _execute_steps(self, msg: ExecuteStep) -> StepResult:
+        """A multi-step decode (`SchedulerOutput.decode_steps`): its decode steps one after another,
+        each feeding the token the one before sampled (a `PLACEHOLDER_TOKEN` this runner fills, as
+        with async scheduling), until all ran or `cut` ended it; one result with each request's
+        tokens in order. A request that failed stays in the later steps (every tensor rank runs the
+        same batches) but gets nothing after its failure."""
+        out = msg.output
+        result = self._execute(msgspec.structs.replace(msg, output=msgspec.structs.replace(out, decode_steps=1)))
+        alone = self.topology.tp.size == 1
+        for j in range(1, out.decode_steps):
+            if alone and self._cut == out.step_id:
+                break
+            decodes = [
+                msgspec.structs.replace(s, token_ids=[PLACEHOLDER_TOKEN], start_pos=s.start_pos + j, is_new=False)
+                for s in out.requests
+            ]
+            step = SchedulerOutput(out.step_id, decodes, len(decodes), [], [])
+            later = self._execute(msgspec.structs.replace(msg, output=step, new_requests=[]))
+            for rid, tokens in later.sampled.items():
+                if rid not in result.failed:
+                    result.sampled[rid] += tokens
+                    if rid in later.logprobs:
+                        result.logprobs[rid] += later.logprobs[rid]
+            for rid, reason in later.failed.items():
+                result.failed.setdefault(rid, reason)
+            result.uncache += [rid for rid in later.uncache if rid not in result.uncache]
+            result.seconds += later.seconds
+            result.forward_seconds += later.forward_seconds
+            result.spans += later.spans
+        return result
+
+    def _execute(self, msg: ExecuteStep, wait_bitmask: Callable[[], torch.Tensor] | None = None) -> StepResult:
         started = time.perf_counter()
         spans = self.config.step_spans  # --collect-detailed-traces: time the step's parts for its span
         execute_ns = time.monotonic_ns() if spans else 0

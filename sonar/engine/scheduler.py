@@ -28,6 +28,11 @@ fed back. At most one step is in flight besides the one running. A failed step t
 sent after it down too. Off with KV offloading and with a draft model or head; with ``ngram`` and
 ``suffix`` the worker makes the drafts (`SchedulerConfig.worker_drafts`).
 
+Multi-step decode (``decode_steps``, from ``--stream-interval``; synchronous loop only): a step of
+plain decodes with nothing waiting may decode several tokens per request on the worker
+(`sonar.core.schedule`). A request that arrives (or ends) while one is out sends the worker
+`CutSteps`, so a newcomer waits for one decode step rather than all of them.
+
 Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
 (`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.
 
@@ -97,6 +102,7 @@ from sonar.protocol.engine import (
     AddRequest,
     CacheState,
     CountRequests,
+    CutSteps,
     DescribeCache,
     DescribeWorker,
     DetokenizerMsg,
@@ -172,6 +178,9 @@ class SchedulerActor(Actor):
         self.tier_seq = 0
         self.pipelined = False
         """Async scheduling: send the next step before the current one's result is back."""
+        self.multi_step: int | None = None
+        """The id of the multi-step decode out (`SchedulerOutput.decode_steps`), until its result is
+        back or it was cut short (`_cut_steps`)."""
         self.steps_overlapped = 0
         """Steps sent while an earlier one was still running (`SchedulerStats.steps_overlapped`)."""
         self.stages = 1
@@ -247,6 +256,13 @@ class SchedulerActor(Actor):
             self.tracer = step_tracer(cfg.otlp_traces_endpoint)
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
+        decode_steps = cfg.decode_steps
+        if decode_steps > 1 and (self.pipelined or self.stages > 1 or speculative is not None):
+            why = "async scheduling" if self.pipelined else "pipeline stages" if self.stages > 1 else "speculation"
+            log.warning(
+                "scheduler.multi_step_off", decode_steps=decode_steps, reason=f"one decode step per step with {why}"
+            )
+            decode_steps = 1
         self.core = Scheduler(
             SchedulerConfig(
                 max_model_len=info.max_model_len,
@@ -260,6 +276,7 @@ class SchedulerActor(Actor):
                 pipeline_stages=self.stages,
                 speculative=speculative,
                 worker_drafts=self.pipelined and speculative is not None,
+                decode_steps=decode_steps,
                 max_loras=cfg.max_loras if cfg.enable_lora else 0,
                 whole_media=info.vision is not None and info.vision.bidirectional,
                 longrope_switch=info.longrope_switch,
@@ -300,9 +317,11 @@ class SchedulerActor(Actor):
             self.pending = [t for t in self.pending if t.req_id not in dropped]
             if found:
                 await self.detokenizer.send(Forget(found))
+                await self._cut_steps()
             return None
         if isinstance(msg, StopStringHit):
-            self.core.finish_stopped(msg.hits)
+            if self.core.finish_stopped(msg.hits):
+                await self._cut_steps()
             return None
         if isinstance(msg, GetStats):
             stats = self.core.stats()
@@ -437,7 +456,19 @@ class SchedulerActor(Actor):
         self.pending.append(TrackRequest(msg.request_id, params, msg.prompt_token_ids, msg.sink))
         self.kicked = True
         self.wake.set()
+        await self._cut_steps()
         return Accepted()
+
+    async def _cut_steps(self) -> None:
+        """A request arrived, or one ended, while a multi-step decode is out: the worker ends it
+        after the decode step it is running, so the newcomer waits one decode step, not the rest
+        of them (and an ended request's steps are not run for nothing)."""
+        step_id, self.multi_step = self.multi_step, None
+        if step_id is not None:
+            try:
+                await self.worker.send(CutSteps(step_id))
+            except (ActorError, ActorNotFound):  # the step fails too; the loop recovers
+                pass
 
     def _whole_media_problem(self, msg: AddRequest) -> str | None:
         """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`), or
@@ -621,6 +652,8 @@ class SchedulerActor(Actor):
                 self._marks[output.step_id] = StepMarks(output, *self._scheduled)
             step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
             self._sent.add(step)
+            if output.decode_steps > 1:
+                self.multi_step = output.step_id
             return step
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
@@ -700,15 +733,20 @@ class SchedulerActor(Actor):
         cost = self._costs.pop(result.step_id, None)
         stepped = self._step_requests.pop(result.step_id, None)
         marks = self._marks.pop(result.step_id, None)
+        if self.multi_step == result.step_id:
+            self.multi_step = None
+        # decode steps run: without speculation (decode_steps above 1 runs without), a request
+        # gets a token per decode step
+        runs = max(map(len, result.sampled.values()), default=1) if self.core.config.decode_steps > 1 else 1
         if not apply:
             return True
-        self.steps += 1
+        self.steps += runs
         self.images_encoded += result.images_encoded
         self.images_reused += result.images_reused
         if cost is not None and self.mfu is not None:
             ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
-            self.mfu.flops += cost.flops // ranks
-            self.mfu.read_bytes += cost.read_bytes // ranks
+            self.mfu.flops += runs * cost.flops // ranks
+            self.mfu.read_bytes += runs * cost.read_bytes // ranks
             self.mfu.busy_seconds += result.seconds
         iteration = self._iterations.pop(result.step_id, None)
         if iteration is not None:

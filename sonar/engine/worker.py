@@ -7,6 +7,8 @@ watchdog beside the loop (`run`) enforces the worker's own liveness deadline on 
 stuck thread goes with it) and its supervisor restarts it; in-process it crashes (the thread
 cannot be stopped and is left behind, so the `process` placement is the one to use in earnest).
 An exception in a step crashes the worker, as does an injected fault (`sonar.engine.faults`).
+A multi-step decode (`SchedulerOutput.decode_steps`) is one step of several decode steps; a
+`CutSteps` from the mailbox ends it after the one its thread is running.
 
 KV offloading: a step's `kv_stores` are copied out of the cache first, before its forward pass
 (their blocks may already belong to requests of this very step), and sent to the offload manager
@@ -75,6 +77,7 @@ from sonar.errors import NotEnabledError, SonarError
 from sonar.log import get_logger
 from sonar.offload.transfer import gather_chunks, scatter_chunks
 from sonar.protocol.engine import (
+    CutSteps,
     DescribeWorker,
     ExecuteStep,
     JoinGroup,
@@ -289,6 +292,10 @@ class WorkerActor(Actor):
             slot = self._bitmask_slot(msg.step_id)
             slot.bitmask = msg.bitmask
             slot.ready.set()
+            return None
+        if isinstance(msg, CutSteps):  # read between the decode steps of the step thread
+            if self.runner is not None:
+                self.runner.cut(msg.step_id)
             return None
         if isinstance(msg, DescribeWorker):
             return self.info if self.sleeper is None else msgspec.structs.replace(self.info, sleep=self.sleeper.state)

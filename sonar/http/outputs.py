@@ -98,11 +98,17 @@ def _merge(a: StreamDelta, b: StreamDelta) -> StreamDelta:
 
 
 async def batched(deltas: AsyncIterator[StreamDelta], interval: int) -> AsyncIterator[StreamDelta]:
-    """--stream-interval: hold each choice's deltas until it has `interval` new tokens or finishes,
-    then yield them as one delta. An interval of 1 passes the deltas through."""
+    """--stream-interval: after each choice's first delta, which goes at once (the time to the
+    first token is not stretched, as in vLLM), hold its deltas until it has `interval` new tokens
+    or finishes, then yield them as one delta. An interval of 1 passes the deltas through."""
     held: dict[int, StreamDelta] = {}
+    started: set[int] = set()
     async for d in deltas:
         if interval <= 1:
+            yield d
+            continue
+        if d.index not in started:
+            started.add(d.index)
             yield d
             continue
         d = _merge(held.pop(d.index), d) if d.index in held else d

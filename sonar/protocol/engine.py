@@ -220,6 +220,14 @@ class StepBitmask(msgspec.Struct, tag="worker.bitmask"):
     bitmask: Any
 
 
+class CutSteps(msgspec.Struct, tag="worker.cut"):
+    """End multi-step decode ``step_id`` (`SchedulerOutput.decode_steps`) after the decode step it
+    is running: a request arrived, and it gets the next step instead of waiting out the rest. Its
+    result has the tokens of the steps that ran. Late or for another step, it changes nothing."""
+
+    step_id: int
+
+
 class JoinGroup(Ask, tag="worker.join"):
     """To a tensor-parallel rank other than 0, from rank 0: join this incarnation of the group at
     the rendezvous store ``host:port`` and load the model's shards; answered once it has (no value).
@@ -303,6 +311,7 @@ WorkerMsg = Union[
     DescribeWorker,
     ExecuteStep,
     StepBitmask,
+    CutSteps,
     JoinGroup,
     StepDone,
     Sleep,

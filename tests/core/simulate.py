@@ -11,6 +11,9 @@ every token it sampled) and puts those in for `PLACEHOLDER_TOKEN`. ``step`` is t
 loop; ``step_async`` schedules and runs step N+1 before it feeds back step N's tokens, as the
 scheduler actor does with async scheduling.
 
+A multi-step decode (`SchedulerOutput.decode_steps`) runs as that many decode steps back to back,
+each feeding the token the one before sampled; ``cut`` stands for a worker that stops it early.
+
 With worker drafts (`SchedulerConfig.worker_drafts`), ``propose`` stands for the worker's proposer:
 a step's draft slots are filled, as the real runner does, after the request's last sampled token,
 which is where the kept tokens end rather than where the scheduler placed the step.
@@ -39,10 +42,19 @@ def fingerprint(prev: Fingerprint | None, token: int, salt: object) -> Fingerpri
 class FakeRunner:
     """Simulates the worker's KV cache and checks each step the scheduler produces."""
 
-    def __init__(self, scheduler: Scheduler, propose: Callable[[list[int], int], list[int]] | None = None) -> None:
-        """`propose`: with worker drafts, up to ``n`` drafts after a request's tokens."""
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        propose: Callable[[list[int], int], list[int]] | None = None,
+        cut: Callable[[int], int] | None = None,
+    ) -> None:
+        """`propose`: with worker drafts, up to ``n`` drafts after a request's tokens. `cut`: how many
+        of a multi-step decode's ``n`` steps run (all of them without it)."""
         self.scheduler = scheduler
         self.propose = propose
+        self.cut = cut
+        self.multi_steps = 0
+        """Multi-step decodes run."""
         self.drafted: dict[str, int] = {}
         """Worker drafts: how many drafts each request of the last step run got."""
         self.block_size = scheduler.block_manager.block_size
@@ -78,8 +90,15 @@ class FakeRunner:
 
     def check_output(self, out: SchedulerOutput) -> None:
         config = self.scheduler.config
+        steps = out.decode_steps
         total = sum(len(r.token_ids) for r in out.requests)
-        assert total == out.num_scheduled_tokens <= config.max_num_batched_tokens
+        assert total <= config.max_num_batched_tokens
+        assert total + (steps - 1) * len(out.requests) == out.num_scheduled_tokens
+        if steps > 1:  # plain decodes, each with room for all its steps
+            assert all(len(r.token_ids) == 1 and r.sample and not r.num_drafts for r in out.requests), out
+            for r in out.requests:
+                assert len(r.block_ids) * self.block_size >= r.start_pos + steps, r
+                assert config.max_model_len >= r.start_pos + 1 + steps, r
         assert len(out.requests) <= config.max_num_seqs
         assert len({r.req_id for r in out.requests}) == len(out.requests)
         for r in out.requests:
@@ -118,6 +137,8 @@ class FakeRunner:
         `model`: the next token of a sequence (else `sample` gives it by request). A request with
         drafts (speculative decoding) gets a token at each of its last ``1 + num_drafts``
         positions and keeps the drafts its tokens agree with, then the first that differs."""
+        if out.decode_steps > 1:
+            return self._execute_steps(out, sample, model)
         for r in out.requests:
             salt = self.salts[r.req_id]
             seq = self.seq[r.req_id]
@@ -148,6 +169,25 @@ class FakeRunner:
                         break
                 seq += kept
                 sampled[r.req_id] = kept
+        return sampled
+
+    def _execute_steps(
+        self, out: SchedulerOutput, sample: Callable[[str], int], model: Callable[[list[int]], int] | None
+    ) -> dict[str, list[int]]:
+        """A multi-step decode: its steps one after another (as many as `cut` lets run), each a
+        decode of the token the one before sampled."""
+        steps = out.decode_steps if self.cut is None else self.cut(out.decode_steps)
+        self.multi_steps += 1
+        sampled: dict[str, list[int]] = {r.req_id: [] for r in out.requests}
+        for j in range(steps):
+            requests = [
+                msgspec.structs.replace(r, token_ids=[self.seq[r.req_id][-1]], start_pos=r.start_pos + j)
+                for r in out.requests
+            ]
+            for rid, tokens in self.execute(
+                msgspec.structs.replace(out, requests=requests, decode_steps=1), sample, model
+            ).items():
+                sampled[rid] += tokens
         return sampled
 
     def step(

@@ -672,6 +672,129 @@ def test_async_preempted_in_flight_keeps_its_token() -> None:
     assert_all_free(scheduler)
 
 
+# Multi-step decode: several decode steps of one step, back to back on the worker.
+
+
+def test_multi_step_decodes_steady_requests_several_tokens_per_step() -> None:
+    scheduler, runner = make_runner(decode_steps=4)
+    runner.add(req("a", 5, max_tokens=20))
+    runner.add(req("b", 3, max_tokens=20))
+    first, _ = runner.step(sample=lambda rid: 11)
+    assert first.decode_steps == 1  # prefills run one step
+    counter = itertools.count(20)
+    second, updates = runner.step(sample=lambda rid: next(counter))
+    assert second.decode_steps == 4 and chunks(second) == {"a": (5, 1), "b": (3, 1)}
+    assert second.num_scheduled_tokens == 8
+    # each request got four tokens, in the order the worker's steps sampled them
+    assert {u.req_id: u.new_token_ids for u in updates} == {"a": [20, 22, 24, 26], "b": [21, 23, 25, 27]}
+    a = scheduler.get_request("a")
+    assert a.num_computed_tokens == a.num_tokens - 1 and a.num_placeholders == 0 and a.decode_steps == 0
+    third, _ = runner.step()
+    assert chunks(third) == {"a": (9, 1), "b": (7, 1)}  # on from the last token kept
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_multi_step_takes_as_many_steps_as_the_request_with_least_room() -> None:
+    scheduler, runner = make_runner(decode_steps=8, max_model_len=16)
+    runner.add(req("short", 3, max_tokens=4))  # 3 tokens left after its first
+    runner.add(req("long", 10, max_tokens=50))  # 5 tokens left before max_model_len after its first
+    runner.step()
+    out, updates = runner.step()
+    assert out.decode_steps == 3
+    assert {u.req_id: (len(u.new_token_ids), u.finish_reason) for u in updates} == {
+        "short": (3, "length"),
+        "long": (3, None),
+    }
+    out, updates = runner.step()
+    assert out.decode_steps == 2 and [(len(u.new_token_ids), u.finish_reason) for u in updates] == [(2, "length")]
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_multi_step_waits_while_anything_else_is_to_do() -> None:
+    scheduler, runner = make_runner(decode_steps=4, max_num_seqs=1)
+    runner.add(req("a", 5, max_tokens=20))
+    runner.add(req("b", 5, max_tokens=20))
+    runner.step()
+    out, _ = runner.step()
+    assert out.decode_steps == 1  # "b" waits for a seat: one token at a time until it gets one
+    scheduler.abort(["b"])
+    runner.forget("b")
+    out, _ = runner.step()
+    assert out.decode_steps == 4
+    runner.add(req("c", 6, max_tokens=3))
+    out, _ = runner.step()
+    assert out.decode_steps == 1 and chunks(out) == {"a": (10, 1)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_multi_step_cut_short_gives_back_the_positions_it_did_not_compute() -> None:
+    scheduler, runner = make_runner(decode_steps=4)
+    runner.cut = lambda steps: 2  # the worker stops after two steps (a request arrived)
+    runner.add(req("a", 6, max_tokens=20))
+    runner.step()
+    out, updates = runner.step(sample=lambda _: 5)
+    assert out.decode_steps == 4 and [u.new_token_ids for u in updates] == [[5, 5]]
+    a = scheduler.get_request("a")
+    assert a.num_computed_tokens == 8 == a.num_tokens - 1
+    runner.cut = None
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (8, 1)}  # FakeRunner checks that every position read holds its KV
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_multi_step_stop_token_ends_the_request_and_drops_what_followed() -> None:
+    scheduler, runner = make_runner(decode_steps=4)
+    runner.add(req("a", 6, max_tokens=20, stop_token_ids=[3]))
+    runner.step(sample=lambda _: 9)
+    tokens = iter([9, 3, 9, 9])
+    out, updates = runner.step(sample=lambda _: next(tokens))
+    assert out.decode_steps == 4
+    assert [(u.new_token_ids, u.finish_reason) for u in updates] == [([9, 3], "stop")]
+    assert_all_free(scheduler)
+
+
+def test_multi_step_without_room_in_the_cache_runs_one_step_and_preempts_nobody() -> None:
+    # 4 blocks of 4: "a" (7 tokens) and "b" (7) hold two each; four more tokens need a fifth block
+    scheduler, runner = make_runner(num_blocks=4, max_model_len=16, decode_steps=4)
+    runner.add(req("a", 7, max_tokens=8))
+    runner.add(req("b", 7, max_tokens=8))
+    runner.step()
+    out, _ = runner.step()
+    assert out.decode_steps == 1 and not out.preempted_req_ids and chunks(out) == {"a": (7, 1), "b": (7, 1)}
+    runner.drain()
+    assert_all_free(scheduler)
+
+
+def test_multi_step_refuses_what_it_cannot_run_with() -> None:
+    from sonar.core.speculative import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="decode_steps must be a positive integer"):
+        SchedulerConfig(max_model_len=64, decode_steps=0)
+    with pytest.raises(ValueError, match="decode_steps above 1 runs without speculative decoding"):
+        SchedulerConfig(max_model_len=64, decode_steps=2, speculative=SpeculativeConfig("ngram", 2))
+    with pytest.raises(ValueError, match="on one pipeline stage"):
+        SchedulerConfig(max_model_len=64, decode_steps=2, pipeline_stages=2)
+
+
+def test_multi_step_worker_crash_forgets_the_steps_in_flight() -> None:
+    scheduler, runner = make_runner(decode_steps=4)
+    runner.add(req("a", 6, max_tokens=20))
+    runner.step()
+    scheduler.schedule()  # a multi-step decode goes out, and the worker dies in it
+    assert scheduler.get_request("a").decode_steps == 4
+    scheduler.reset_after_worker_failure()
+    runner.crash()
+    a = scheduler.get_request("a")
+    assert a.decode_steps == 0 and a.num_placeholders == 0 and a.status == RequestStatus.PREEMPTED
+    scheduler.check_invariants()
+    runner.drain()
+    assert_all_free(scheduler)
+
+
 # Cost per step as the number of running requests grows.
 
 

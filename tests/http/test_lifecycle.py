@@ -238,7 +238,8 @@ def test_stream_interval_batches_tokens_and_logprob_tokens_are_ids(uds: httpx.Cl
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = [e["choices"][0] for e in events[:-1]]
-    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [4, 4, 2]
+    # the first token at once, then four at a time (decoded four per step: multi-step decode)
+    assert [len(c["logprobs"]["tokens"]) for c in chunks] == [1, 4, 4, 1]
     assert chunks[-1]["finish_reason"] == "length"
     assert {e["system_fingerprint"] for e in events[:-1]} == {FINGERPRINT}
     tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]

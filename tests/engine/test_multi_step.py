@@ -1,0 +1,127 @@
+"""Multi-step decode through the whole engine (SmolLM2, real worker): with `decode_steps` the worker
+decodes several tokens per trip, and the tokens, finish reasons, logprobs and penalties are those of
+one decode step per trip — with stop tokens, `max_tokens`, seeded sampling, a worker in its own
+process (its cut over ZMQ) and an injected fault; a request that arrives during a long multi-step
+decode cuts it short instead of waiting it out."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import sonar
+from sonar import SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0, max_num_seqs=4)
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three colors:",
+    "Hello! How are you today?",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)  # EOS ends some of them early
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
+PENALIZED = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+
+
+async def _run(**engine) -> list[tuple[list[int], str | None, list[list[tuple[int, float]]]]]:
+    async with sonar.open(**ENGINE, **engine) as llm:
+        assert llm.info.device == "cpu"
+        outs = await llm.generate_many(PROMPTS, GREEDY)
+        outs += await llm.generate_many(PROMPTS[:2], SEEDED)
+        outs += await llm.generate_many(PROMPTS[2:4], PENALIZED)
+        assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+        assert (await llm.stats()).kv_usage == 0.0
+    return [
+        (
+            o.outputs[0].token_ids,
+            o.outputs[0].finish_reason,
+            [[(lp.token_id, lp.logprob) for lp in p.top] for p in o.outputs[0].logprobs or []],
+        )
+        for o in outs
+    ]
+
+
+def _same(got, want) -> None:
+    assert [(t, r) for t, r, _ in got] == [(t, r) for t, r, _ in want]
+    for (_, _, got_lp), (_, _, want_lp) in zip(got, want):
+        assert [[t for t, _ in p] for p in got_lp] == [[t for t, _ in p] for p in want_lp]
+        for g, w in zip(got_lp, want_lp):
+            assert [lp for _, lp in g] == pytest.approx([lp for _, lp in w], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def reference():
+    return await _run()
+
+
+async def test_same_outputs_as_one_decode_step_per_trip(reference, one_thread) -> None:
+    _same(await _run(decode_steps=4), reference)
+    reasons = [reason for _, reason, _ in reference]
+    assert "stop" in reasons and "length" in reasons  # both ways of ending are covered
+    assert all(lps for _, _, lps in reference[-2:])  # and logprobs under penalties
+
+
+async def test_tokens_come_several_per_trip(one_thread) -> None:
+    async with sonar.open(**ENGINE, decode_steps=4) as llm:
+        sizes = [
+            len(d.token_ids)
+            async for d in llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        ]
+    assert sizes == [1, 4, 4, 1]  # the prefill's token, then as many as max_tokens leaves room for
+
+
+async def test_worker_in_its_own_process_and_a_fault(reference, one_thread) -> None:
+    _same(await _run(decode_steps=4, placement="worker=process"), reference)
+    async with sonar.open(**ENGINE, decode_steps=4, fault_injection="raise@step=6") as llm:
+        outs = await llm.generate_many(PROMPTS, GREEDY)
+        worker = next(c for c in llm.tree().children if c.name == "worker")
+        assert worker.restarts == 1
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [(t, r) for t, r, _ in reference[:5]]
+
+
+async def test_an_arrival_cuts_a_long_multi_step_decode_short(one_thread) -> None:
+    async with sonar.open(**ENGINE) as llm:
+        want_long = (await llm.generate(PROMPTS[0], LONG)).outputs[0].token_ids
+        want_short = (await llm.generate(PROMPTS[1], GREEDY)).outputs[0].token_ids
+    async with sonar.open(**ENGINE, decode_steps=100, placement="worker=process") as llm:
+        sizes: list[int] = []
+        tokens: list[int] = []
+        short = None
+
+        async def arrive() -> None:
+            nonlocal short
+            await anyio.sleep(0.2)  # inside the 100 decode steps that follow the first token
+            short = await llm.generate(PROMPTS[1], GREEDY)
+
+        async with anyio.create_task_group() as tg:
+            async for d in llm.stream(PROMPTS[0], LONG):
+                sizes.append(len(d.token_ids))
+                tokens += d.token_ids
+                if len(sizes) == 1:
+                    tg.start_soon(arrive)
+        assert short is not None
+    assert tokens == want_long and short.outputs[0].token_ids == want_short
+    # cut after a few of its 100 decode steps: the newcomer's prefill came next
+    assert sizes[0] == 1 and sizes[1] < 50, sizes
+
+
+async def test_a_stream_left_early_cuts_its_steps_short_and_frees_everything(one_thread) -> None:
+    async with sonar.open(**ENGINE, decode_steps=100) as llm:
+        async for _ in llm.stream(PROMPTS[0], LONG):
+            break  # after the prefill's token: the abort reaches the scheduler during the decode steps
+        with anyio.fail_after(20):
+            while (stats := await llm.stats()).num_steps < 2:  # the multi-step decode came back
+                await anyio.sleep(0.02)
+        assert stats.num_steps < 50  # the prefill, then the decode steps run before the cut
+        assert stats.num_running == 0 and stats.kv_usage == 0.0
+        assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
