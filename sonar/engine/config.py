@@ -181,7 +181,8 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     data_parallel_index: int = 0
     """Which replica this engine is; set by the engine tree for each replica, not a flag."""
     step_timeout: float = 600.0
-    """Seconds the scheduler waits for one step before it counts the worker as failed."""
+    """Seconds the scheduler waits for one step (a multi-step decode: for each of its decode steps)
+    before it counts the worker as failed."""
     hang_margin: float = 10.0
     """Slack of the worker's liveness deadline: a step counts as hung past four times what earlier
     steps predict for its size plus this many seconds (`step_timeout` until a first step has

@@ -680,13 +680,19 @@ class ModelRunner:
         return profile
 
     @torch.inference_mode()
-    def execute(self, msg: ExecuteStep, wait_bitmask: Callable[[], torch.Tensor] | None = None) -> StepResult:
+    def execute(
+        self,
+        msg: ExecuteStep,
+        wait_bitmask: Callable[[], torch.Tensor] | None = None,
+        decode_step: Callable[[], None] | None = None,
+    ) -> StepResult:
         """Run one step (a multi-step decode's steps, `_execute_steps`). With `msg.grammar_rows`,
         `wait_bitmask` gives their token bitmask (it may block until the scheduler has sent it):
         called after the forward pass, applied to those rows' logits before either sampler sees
-        them."""
+        them. `decode_step`: called before each decode step of a multi-step decode after the first
+        (the worker's watchdog times each on its own)."""
         if msg.output.decode_steps > 1:
-            return self._execute_steps(msg)
+            return self._execute_steps(msg, decode_step)
         return self._execute(msg, wait_bitmask)
 
     def cut(self, step_id: int) -> None:
@@ -695,7 +701,7 @@ class ModelRunner:
         Ignored with tensor ranks (they must all run the same steps), and once that step is over."""
         self._cut = step_id
 
-    def _execute_steps(self, msg: ExecuteStep) -> StepResult:
+    def _execute_steps(self, msg: ExecuteStep, decode_step: Callable[[], None] | None) -> StepResult:
         """A multi-step decode (`SchedulerOutput.decode_steps`): its decode steps one after another,
         each feeding the token the one before sampled (a `PLACEHOLDER_TOKEN` this runner fills, as
         with async scheduling), until all ran or `cut` ended it; one result with each request's
@@ -707,6 +713,8 @@ class ModelRunner:
         for j in range(1, out.decode_steps):
             if alone and self._cut == out.step_id:
                 break
+            if decode_step is not None:
+                decode_step()
             decodes = [
                 msgspec.structs.replace(s, token_ids=[PLACEHOLDER_TOKEN], start_pos=s.start_pos + j, is_new=False)
                 for s in out.requests

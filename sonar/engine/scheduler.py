@@ -721,7 +721,8 @@ class SchedulerActor(Actor):
         bitmask goes out right after the tokens are fed, before the outputs are passed on."""
         self._sent.discard(step)
         try:
-            result = await step.result(timeout=self.config.step_timeout)
+            # a multi-step decode may run its decode steps' worth
+            result = await step.result(timeout=self.config.step_timeout * self.core.config.decode_steps)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc

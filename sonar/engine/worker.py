@@ -468,7 +468,8 @@ class WorkerActor(Actor):
         async with self.lock:  # steps run one at a time, in the order they came
             if self.stages > 1 and self.rank == 0 and msg.reply_to is not None:
                 self._awaiting[msg.output.step_id] = msg.reply_to
-            self.step_tokens = msg.output.num_scheduled_tokens
+            # a multi-step decode is watched one decode step at a time (`_decode_step`)
+            self.step_tokens = msg.output.num_scheduled_tokens // msg.output.decode_steps
             self.step_started = time.monotonic()
             try:
                 if self.followers:  # the same step on every rank, in the same order
@@ -497,10 +498,7 @@ class WorkerActor(Actor):
                 raise
             finally:
                 if self.step_started is not None:
-                    took = time.monotonic() - self.step_started
-                    self.slowest = max(self.slowest, took)
-                    if self.step_tokens:
-                        self.worst_per_token = max(self.worst_per_token, took / self.step_tokens)
+                    self._timed(self.step_started, time.monotonic())
                 self.step_started = None
             if self.profiler is not None and self.profiler.running:  # past the watchdog: a trace may be written
                 await self._compute(self.profiler.step)
@@ -607,13 +605,28 @@ class WorkerActor(Actor):
         if msg.fault is not None and msg.fault_rank == self.rank:
             self._inject(msg.fault, msg.output.step_id)
         if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks
-            return self.runner.execute(msg)
+            return self.runner.execute(msg, decode_step=self._decode_step)
         step_id = msg.output.step_id
         slot = self._bitmasks.get(step_id) or _BitmaskSlot()  # gone: dropped as too old
         try:
             return self.runner.execute(msg, partial(self._wait_bitmask, step_id, slot))
         finally:
             self._bitmasks.pop(step_id, None)
+
+    def _decode_step(self) -> None:
+        """The next decode step of a multi-step decode starts (in the step thread): the one before
+        counts as a step of its own, and the liveness deadline starts again, for one decode step."""
+        now = time.monotonic()
+        if self.step_started is not None:
+            self._timed(self.step_started, now)
+        self.step_started = now
+
+    def _timed(self, started: float, ended: float) -> None:
+        """A step of `step_tokens` ran from `started` to `ended`: what the deadline predicts from."""
+        took = ended - started
+        self.slowest = max(self.slowest, took)
+        if self.step_tokens:
+            self.worst_per_token = max(self.worst_per_token, took / self.step_tokens)
 
     def _inject(self, action: str, step_id: int) -> None:
         log.warning("worker.fault_injected", action=action, step=step_id)

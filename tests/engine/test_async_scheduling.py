@@ -10,19 +10,9 @@ import pytest
 
 import sonar
 from sonar import SamplingParams
+from tests.engine.step_loops import ENGINE, GREEDY, PROMPTS, SEEDED
 
 pytestmark = pytest.mark.anyio
-
-ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0, max_num_seqs=4)
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three colors:",
-    "Hello! How are you today?",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=24)  # EOS ends some of them early
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
 
 
 async def _run(**engine) -> list[tuple[list[int], str | None]]:

@@ -11,19 +11,10 @@ import pytest
 
 import sonar
 from sonar import SamplingParams
+from tests.engine.step_loops import ENGINE, GREEDY, PROMPTS, SEEDED
 
 pytestmark = pytest.mark.anyio
 
-ENGINE = dict(dtype="float32", max_model_len=256, num_gpu_blocks_override=64, seed=0, max_num_seqs=4)
-PROMPTS = [
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three colors:",
-    "Hello! How are you today?",
-]
-GREEDY = SamplingParams(temperature=0, max_tokens=24)  # EOS ends some of them early
-SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=16)
 PENALIZED = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
@@ -125,3 +116,14 @@ async def test_a_stream_left_early_cuts_its_steps_short_and_frees_everything(one
         assert stats.num_steps < 50  # the prefill, then the decode steps run before the cut
         assert stats.num_running == 0 and stats.kv_usage == 0.0
         assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
+
+
+async def test_the_liveness_deadline_counts_each_decode_step(one_thread) -> None:
+    """A multi-step decode runs far longer than one step; the worker's watchdog times each of its
+    decode steps, so a tight deadline (4x the slowest step so far + 1 s) does not take it for a hang."""
+    longer = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+    async with sonar.open(**ENGINE, decode_steps=240, hang_margin=1.0) as llm:
+        out = await llm.generate(PROMPTS[0], longer)
+        worker = next(c for c in llm.tree().children if c.name == "worker")
+        assert worker.restarts == 0
+    assert len(out.outputs[0].token_ids) == 240
