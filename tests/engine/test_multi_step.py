@@ -62,13 +62,14 @@ async def test_same_outputs_as_one_decode_step_per_trip(reference, one_thread) -
     assert all(lps for _, _, lps in reference[-2:])  # and logprobs under penalties
 
 
-async def test_tokens_come_several_per_trip(one_thread) -> None:
+async def test_tokens_come_several_per_trip_but_not_with_async_scheduling(one_thread) -> None:
+    ten = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     async with sonar.open(**ENGINE, decode_steps=4) as llm:
-        sizes = [
-            len(d.token_ids)
-            async for d in llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
-        ]
+        sizes = [len(d.token_ids) async for d in llm.stream(PROMPTS[0], ten)]
     assert sizes == [1, 4, 4, 1]  # the prefill's token, then as many as max_tokens leaves room for
+    async with sonar.open(**ENGINE, decode_steps=4, async_scheduling=True) as llm:  # one step per trip there
+        sizes = [len(d.token_ids) async for d in llm.stream(PROMPTS[0], ten)]
+    assert sizes == [1] * 10
 
 
 async def test_worker_in_its_own_process_and_a_fault(reference, one_thread) -> None:
