@@ -109,9 +109,13 @@ def reference(tiny_engine_checkpoints: dict[str, TinyCheckpoint]) -> dict[str, A
     return {"path": str(ckpt.path), "prompts": prompts, "tokens": anyio.run(run, backend="asyncio")}
 
 
-@pytest.mark.parametrize("bpc", [1, 2, 4])
-async def test_evicted_prefix_comes_back_from_the_cpu_tier(reference: dict[str, Any], bpc: int) -> None:
-    async with sonar.open(reference["path"], **_engine_args(kv_transfer_config=_transfer(bpc))) as llm:
+@pytest.mark.parametrize(("bpc", "decode_steps"), [(1, 1), (2, 1), (4, 1), (1, 4)])
+async def test_evicted_prefix_comes_back_from_the_cpu_tier(
+    reference: dict[str, Any], bpc: int, decode_steps: int
+) -> None:
+    """``decode_steps`` 4: multi-step decode, whose requests end with more positions than tokens kept."""
+    engine = _engine_args(kv_transfer_config=_transfer(bpc), decode_steps=decode_steps)
+    async with sonar.open(reference["path"], **engine) as llm:
         outs, stats = await _evict_and_reuse(llm, reference["prompts"])
         offload: OffloadStats = await _offload(llm, GetOffloadStats())
     assert [o.token_ids for o in outs] == reference["tokens"]
@@ -223,15 +227,18 @@ async def test_offload_manager_crash_is_survived(reference: dict[str, Any], tmp_
     assert stats.tier("CPU").hit_blocks + stats.tier("DISK").hit_blocks == REUSABLE_BLOCKS
 
 
-async def test_preemptions_with_offloading_keep_outputs(reference: dict[str, Any]) -> None:
+@pytest.mark.parametrize("decode_steps", [1, 4])
+async def test_preemptions_with_offloading_keep_outputs(reference: dict[str, Any], decode_steps: int) -> None:
     """Four requests that outgrow the 12-block cache together: some are preempted (their chunks
     offered to the CPU tier) and resumed (loading back what the tier holds by then); every output
-    equals the one computed alone without offloading."""
+    equals the one computed alone without offloading (with multi-step decode too, whose KV slots
+    ahead take more of the cache)."""
     prompts = [p[:40] for p in _prompts(4)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     async with sonar.open(reference["path"], **_engine_args()) as llm:
         expected = [(await llm.generate(p, params)).token_ids for p in prompts]
-    async with sonar.open(reference["path"], **_engine_args(kv_transfer_config=_transfer(1))) as llm:
+    engine = _engine_args(kv_transfer_config=_transfer(1), decode_steps=decode_steps)
+    async with sonar.open(reference["path"], **engine) as llm:
         outs = await llm.generate_many(prompts, params)
         stats = await llm.stats()
     assert [o.token_ids for o in outs] == expected
