@@ -128,3 +128,31 @@ async def test_the_liveness_deadline_counts_each_decode_step(one_thread) -> None
         worker = next(c for c in llm.tree().children if c.name == "worker")
         assert worker.restarts == 0
     assert len(out.outputs[0].token_ids) == 240
+
+
+async def test_a_grammar_request_beside_plain_ones_decodes_one_step_per_trip(one_thread) -> None:
+    """A request under a grammar needs its bitmask every decode step: while it runs, no step is
+    multi-step, and both it and the plain request get what one step per trip gives them."""
+    import re
+
+    from sonar.sampling_params import StructuredOutputsParams
+
+    regex = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,8}( [a-z]{3,8}){2}")
+    )
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    async def run(**engine) -> list[list[int]]:
+        outs: list = [None, None]
+        async with sonar.open(**ENGINE, **engine) as llm:
+
+            async def one(i: int, prompt: str, params: SamplingParams) -> None:
+                outs[i] = await llm.generate(prompt, params)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, 0, PROMPTS[3], regex)
+                tg.start_soon(one, 1, PROMPTS[0], plain)
+        assert re.fullmatch("[a-z]{3,8}( [a-z]{3,8}){2}", outs[0].text), outs[0].text
+        return [o.outputs[0].token_ids for o in outs]
+
+    assert await run(decode_steps=4) == await run()
