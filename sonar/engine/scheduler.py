@@ -178,9 +178,9 @@ class SchedulerActor(Actor):
         self.tier_seq = 0
         self.pipelined = False
         """Async scheduling: send the next step before the current one's result is back."""
-        self.multi_step: int | None = None
-        """The id of the multi-step decode out (`SchedulerOutput.decode_steps`), until its result is
-        back or it was cut short (`_cut_steps`)."""
+        self.multi_step: tuple[int, int] | None = None
+        """The multi-step decode out (`SchedulerOutput.decode_steps`): its step id and decode steps,
+        until its result is back (only the synchronous loop sends one: it is the step awaited)."""
         self.steps_overlapped = 0
         """Steps sent while an earlier one was still running (`SchedulerStats.steps_overlapped`)."""
         self.stages = 1
@@ -463,10 +463,9 @@ class SchedulerActor(Actor):
         """A request arrived, or one ended, while a multi-step decode is out: the worker ends it
         after the decode step it is running, so the newcomer waits one decode step, not the rest
         of them (and an ended request's steps are not run for nothing)."""
-        step_id, self.multi_step = self.multi_step, None
-        if step_id is not None:
+        if self.multi_step is not None:
             try:
-                await self.worker.send(CutSteps(step_id))
+                await self.worker.send(CutSteps(self.multi_step[0]))
             except (ActorError, ActorNotFound):  # the step fails too; the loop recovers
                 pass
 
@@ -653,7 +652,7 @@ class SchedulerActor(Actor):
             step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
             self._sent.add(step)
             if output.decode_steps > 1:
-                self.multi_step = output.step_id
+                self.multi_step = (output.step_id, output.decode_steps)
             return step
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
@@ -720,10 +719,11 @@ class SchedulerActor(Actor):
         step failed (`self.failure` says how). `bitmask_of`: the step sent after this one, whose
         bitmask goes out right after the tokens are fed, before the outputs are passed on."""
         self._sent.discard(step)
-        try:
-            # a multi-step decode may run its decode steps' worth
-            result = await step.result(timeout=self.config.step_timeout * self.core.config.decode_steps)
+        decode_steps = self.multi_step[1] if self.multi_step is not None else 1
+        try:  # a multi-step decode may take its decode steps' worth
+            result = await step.result(timeout=self.config.step_timeout * decode_steps)
         except (ActorError, AskTimeout, ActorNotFound) as exc:
+            self.multi_step = None
             if apply:  # a voided step's failure only follows the one that counts
                 self.failure = exc
             self._iterations.clear()  # what is in flight is voided or recomputed
@@ -734,11 +734,10 @@ class SchedulerActor(Actor):
         cost = self._costs.pop(result.step_id, None)
         stepped = self._step_requests.pop(result.step_id, None)
         marks = self._marks.pop(result.step_id, None)
-        if self.multi_step == result.step_id:
+        runs = 1  # decode steps: those a multi-step decode ran, one token per request each
+        if self.multi_step is not None and self.multi_step[0] == result.step_id:
             self.multi_step = None
-        # decode steps run: without speculation (decode_steps above 1 runs without), a request
-        # gets a token per decode step
-        runs = max(map(len, result.sampled.values()), default=1) if self.core.config.decode_steps > 1 else 1
+            runs = max(map(len, result.sampled.values()), default=1)
         if not apply:
             return True
         self.steps += runs
