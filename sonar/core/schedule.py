@@ -158,7 +158,7 @@ class SchedulerConfig:
     drops its cache there and prefills again; `sonar.models.rotary`). Drafts stop short of it."""
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs", "decode_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -184,8 +184,6 @@ class SchedulerConfig:
             )
         if self.worker_drafts and (self.speculative is None or self.pipeline_stages > 1):
             raise ValueError("worker_drafts needs speculation and one pipeline stage")
-        if isinstance(self.decode_steps, bool) or not isinstance(self.decode_steps, int) or self.decode_steps <= 0:
-            raise ValueError(f"decode_steps must be a positive integer, got {self.decode_steps!r}")
         if self.decode_steps > 1 and (self.speculative is not None or self.pipeline_stages > 1):
             raise ValueError("decode_steps above 1 runs without speculative decoding, on one pipeline stage")
         switch = self.longrope_switch
