@@ -1,10 +1,12 @@
-"""One streamed request to an OpenAI-compatible server, timed token by token.
+"""One request to an OpenAI-compatible server, streamed and timed token by token (or answered
+whole, `stream` false: then only its whole latency is seen).
 
 Backends: ``openai`` posts to ``/v1/completions`` (``choices[0].text``), ``openai-chat`` to
 ``/v1/chat/completions`` (``choices[0].delta.content``). Both stream with
 ``stream_options.include_usage``, greedy, and take the output length from the final ``usage``
 chunk when the server sends one (else the number of text chunks). A chunk with text is one token
 arrival: the first sets the time to first token, each later one adds an inter-token latency.
+A request answered whole has its first token, and all others, when the answer comes.
 """
 
 from __future__ import annotations
@@ -36,10 +38,17 @@ class RequestResult:
     start: float = 0.0
     token_times: list[float] = field(default_factory=list)
     text: str = ""
+    streamed: bool = True
+    """False: answered whole; `ttft` is then the whole latency."""
 
 
 def request_body(
-    backend: str, model: str, sample: SampleRequest, ignore_eos: bool, extra: dict[str, Any] | None = None
+    backend: str,
+    model: str,
+    sample: SampleRequest,
+    ignore_eos: bool,
+    extra: dict[str, Any] | None = None,
+    stream: bool = True,
 ) -> dict[str, Any]:
     """The JSON body for `sample`: the fields the reference benchmark client sends."""
     if backend == "openai":
@@ -52,7 +61,9 @@ def request_body(
         }
     else:
         raise ValueError(f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)})")
-    body.update({"temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}})
+    body["temperature"] = 0.0
+    if stream:
+        body.update({"stream": True, "stream_options": {"include_usage": True}})
     if ignore_eos:
         body["ignore_eos"] = True
     if sample.json_schema is not None:
@@ -77,8 +88,11 @@ async def send_request(
     sample: SampleRequest,
     ignore_eos: bool,
     extra: dict[str, Any] | None = None,
+    stream: bool = True,
 ) -> RequestResult:
-    """Send one streamed request and time it; a failure is recorded in the result, never raised."""
+    """Send one request and time it; a failure is recorded in the result, never raised."""
+    if not stream:
+        return await _send_whole(client, url, backend, request_body(backend, model, sample, ignore_eos, extra, False))
     chat = backend == "openai-chat"
     result = RequestResult(prompt_len=sample.prompt_len)
     body = request_body(backend, model, sample, ignore_eos, extra)
@@ -131,6 +145,33 @@ async def send_request(
         if not result.success:
             result.error = "the stream carried no token"
     except (httpx.HTTPError, ValueError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        result.latency = time.perf_counter() - start
+    return result
+
+
+async def _send_whole(client: httpx.AsyncClient, url: str, backend: str, body: dict[str, Any]) -> RequestResult:
+    """A request answered whole: its output length from ``usage``, every token at its end."""
+    result = RequestResult(streamed=False)
+    start = result.start = time.perf_counter()
+    try:
+        response = await client.post(url, json=body, headers=headers())
+        end = time.perf_counter()
+        if response.status_code != 200:
+            result.error = f"HTTP {response.status_code}: {response.text[:500]}"
+            return result
+        data = response.json()
+        choice = data["choices"][0]
+        result.text = (choice["message"]["content"] or "") if backend == "openai-chat" else choice["text"]
+        result.prompt_len = int(data["usage"]["prompt_tokens"])
+        result.output_tokens = int(data["usage"]["completion_tokens"])
+        result.ttft = end - start
+        result.token_times = [end] * result.output_tokens
+        result.success = result.output_tokens > 0
+        if not result.success:
+            result.error = "the answer carried no token"
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         result.latency = time.perf_counter() - start

@@ -96,6 +96,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser, *, server: bool = True)
     )
     g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     g.add_argument("--ignore-eos", action="store_true", help="ask the server to generate all max_tokens")
+    g.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="ask for each answer whole (stream false): TTFT is then its whole latency, TPOT that over its tokens",
+    )
     g.add_argument("--num-warmups", type=int, default=0, help="requests sent and not counted before the run")
     g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds one request may take")
     g = parser.add_argument_group("report")
@@ -180,7 +185,12 @@ async def run_serve(
             warm_args = dataclasses.replace(dataset_args(args), seed=args.seed + 1, num_prompts=args.num_warmups)
             warm_samples = await asyncio.to_thread(sample_requests, warm_args, tokenizer)
             warm = await asyncio.gather(
-                *(send_request(client, url, args.backend, request_model, s, args.ignore_eos) for s in warm_samples)
+                *(
+                    send_request(
+                        client, url, args.backend, request_model, s, args.ignore_eos, stream=not args.no_stream
+                    )
+                    for s in warm_samples
+                )
             )
             if not any(r.success for r in warm):
                 raise RuntimeError(f"every warm-up request failed: {warm[0].error}")
@@ -219,6 +229,7 @@ async def run_serve(
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "ignore_eos": args.ignore_eos,
+        "stream": not args.no_stream,
         "seed": args.seed,
         "percentile_metrics": metric_names,
         "metric_percentiles": percentiles,
@@ -258,11 +269,12 @@ async def _run_requests(
     models = [pick.choice(adapters) for _ in samples] if adapters else [model] * len(samples)
 
     async def one(sample: SampleRequest, model: str) -> RequestResult:
+        stream = not args.no_stream
         if limit is None:
-            result = await send_request(client, url, args.backend, model, sample, args.ignore_eos)
+            result = await send_request(client, url, args.backend, model, sample, args.ignore_eos, stream=stream)
         else:
             async with limit:
-                result = await send_request(client, url, args.backend, model, sample, args.ignore_eos)
+                result = await send_request(client, url, args.backend, model, sample, args.ignore_eos, stream=stream)
         bar.update(1)
         return result
 

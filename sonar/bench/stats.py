@@ -52,6 +52,8 @@ def parse_metric_names(text: str) -> list[str]:
 
 
 def _tpot(r: RequestResult) -> float | None:
+    if not r.streamed:  # answered whole: its latency over its tokens
+        return r.latency / r.output_tokens if r.output_tokens else None
     return (r.latency - r.ttft) / (r.output_tokens - 1) if r.output_tokens > 1 else None
 
 

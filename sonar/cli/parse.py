@@ -279,8 +279,10 @@ def _build(explicit: dict[str, Any]) -> ServeConfig:
             )
         engine_args["otlp_traces_endpoint"] = serve_args["otlp_traces_endpoint"]  # the scheduler's step spans
     # tokens held back for the stream may as well be decoded without a trip through the scheduler
+    # (the streams' tokens then go out with the step's result, not one by one)
     if serve_args.get("stream_interval", 1) > 1:
         engine_args["decode_steps"] = serve_args["stream_interval"]
+        engine_args["stream_steps"] = False
     sample = explicit.get("--kv-cache-metrics-sample")
     if (
         sample is not None

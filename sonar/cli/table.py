@@ -855,8 +855,9 @@ GROUPS: tuple[Group, ...] = (
                               "when given; ngram and suffix drafts are then made by the worker)"),
         _f("--stream-interval", I, 1,
            "Tokens collected before a streaming chunk is sent; 1 sends every token at once, larger values "
-           "save overhead: the engine then also decodes up to that many tokens per trip through its "
-           "scheduler while nothing waits (multi-step decode).", to=S, check=positive),
+           "save overhead: the engine then decodes up to that many tokens per trip through its scheduler "
+           "while nothing waits (multi-step decode) and hands a stream's tokens over with the trip's "
+           "answer, not one by one as it does at 1 (with up to 8 per trip).", to=S, check=positive),
     ),
     _group(
         "CompilationConfig", "torch.compile and CUDA graph capture.",
@@ -1032,7 +1033,8 @@ GROUPS: tuple[Group, ...] = (
            "whose input holds token ID: a request with ID in its prompt fails every step that computes it, "
            "like a poison request, until it is quarantined); ACTION is raise (an exception in the forward "
            "pass), hang (a step that never returns) or exit (the worker process dies). A trailing @rank=R "
-           "makes rank R of a tensor/pipeline group fail instead of rank 0. Off by default.",
+           "makes rank R of a tensor/pipeline group fail instead of rank 0. Steps then decode one token per trip "
+           "unless --stream-interval says otherwise, so that N counts tokens and ID is seen. Off by default.",
            to=E, metavar="ACTION@step=N|ACTION@p=P|ACTION@token=ID[,...]"),
     ),
 )

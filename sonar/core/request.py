@@ -162,6 +162,7 @@ class Request:
         "pooling_params",
         "grammar",
         "prompt_embeds",
+        "streams",
         "status",
         "num_computed_tokens",
         "num_placeholders",
@@ -201,6 +202,7 @@ class Request:
         pooling_params: Any = None,
         grammar: GrammarMatcher | None = None,
         prompt_embeds: bytes | None = None,
+        streams: bool = True,
     ) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise RequestRejectedError(request_id, f"max_tokens must be >= 1, got {max_tokens}")
@@ -234,6 +236,9 @@ class Request:
         placeholder tokens (`sonar.core.prefix`)."""
         self.media_inputs = media_inputs
         """What the worker needs to compute the images' embeddings (opaque here)."""
+        self.streams = streams
+        """Its tokens are shown as they come (a stream), not only once it ends: the engine hands
+        them over in the middle of a multi-step decode (`sonar.engine.scheduler`)."""
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         """Compute the whole prompt even if its blocks are cached (prompt logprobs need every
         position's logits); its blocks still enter the cache for other requests."""

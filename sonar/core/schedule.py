@@ -842,6 +842,7 @@ class Scheduler:
         sampled: Mapping[str, Sequence[int]],
         proposed: Mapping[str, list[int]] | None = None,
         drafted: Mapping[str, int] | None = None,
+        partial: bool = False,
     ) -> list[RequestUpdate]:
         """Apply a step's results: append sampled tokens, finish what ended, free its blocks.
 
@@ -855,7 +856,9 @@ class Scheduler:
         flight, which keeps the token it computed. Returns one update per request that got
         tokens or ended. ``proposed``: a draft model's drafts for the next step of requests of this
         one (`SchedulerConfig.speculative`). ``drafted``: with worker drafts, how many drafts the
-        runner made for each request of this step.
+        runner made for each request of this step. ``partial``: tokens of a multi-step decode still
+        running (`SchedulerOutput.decode_steps`), streamed ahead of its result, which then brings
+        only the rest (the slots and positions of its later decode steps stay counted until then).
         """
         max_model_len = self.config.max_model_len
         bm = self.block_manager
@@ -870,8 +873,9 @@ class Scheduler:
             if request.draft_slots:
                 self._give_back_slots(request, len(token_ids), (drafted or {}).get(request_id, 0))
             elif steps:
-                request.decode_steps = 0
-                request.num_placeholders -= steps
+                done = len(token_ids) if partial else steps
+                request.decode_steps -= done
+                request.num_placeholders -= done
             elif in_flight:
                 request.num_placeholders -= 1
             drafts = request.spec_token_ids
@@ -921,7 +925,7 @@ class Scheduler:
                 ):
                     request.status = RequestStatus.FINISHED_LENGTH
                     break
-            if steps and request.num_computed_tokens >= len(all_ids):
+            if steps and not partial and request.num_computed_tokens >= len(all_ids):
                 # a multi-step decode cut short, or past its request's end: the positions of the
                 # tokens it did not keep are recomputed (their slots stay the request's)
                 request.num_computed_tokens = len(all_ids) - 1

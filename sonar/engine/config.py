@@ -34,6 +34,9 @@ LIMITS = (
 
 #: The step's token budget when none is given (and `max_num_seqs` is not larger).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DECODE_STEPS = 8
+"""Decode steps per trip by default (`EngineConfig.decode_steps`): the trip is then ~1/8 of its
+cost per token, and a stream sees each token as it is sampled all the same (BENCHMARKS.md)."""
 
 
 class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
@@ -83,13 +86,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
     """Schedule and send step N+1 while step N runs (`sonar.engine.scheduler`). None: on for a
     CUDA device, off on the CPU, where the scheduler's work then competes with the step's
     threads for the cores (measured slower on 2 cores, BENCHMARKS.md). Off with KV offloading."""
-    decode_steps: int = 1
+    decode_steps: int | None = None
     """Multi-step decode: the most decode steps the worker runs back to back for one message from
     the scheduler, when every running request decodes and nothing waits (`sonar.core.schedule`),
-    so the trip between them and the outputs' messages are paid once per that many tokens; a
-    request that arrives meanwhile waits for one decode step, not for all. ``serve`` sets it from
-    ``--stream-interval``, which holds tokens back for as long anyway. It is 1 (and the scheduler
-    says so at start) with async scheduling, speculative decoding or pipeline stages."""
+    so the trip between them is paid once per that many tokens; a request that arrives meanwhile
+    waits for one decode step, not for all. None: `DECODE_STEPS` on one rank where it can run,
+    else 1 (also with a fault plan or detailed traces, which count decode steps). An explicit
+    number above 1 falls back to 1, with a warning at start, under async scheduling (the GPU
+    default), speculative decoding or pipeline stages, which keep one decode step per trip."""
+    stream_steps: bool = True
+    """A multi-step decode's tokens go out as each of its decode steps samples them, while the
+    next one runs, so a stream sees each token as soon as it would without it; False: with the
+    step's result (``serve`` with ``--stream-interval`` above 1, which holds them back anyway)."""
     max_logprobs: int = 20
     enforce_eager: bool = False
     optimization_level: int = 2
@@ -425,7 +433,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, frozen=True):
             )
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
-        if self.decode_steps < 1:
+        if self.decode_steps is not None and self.decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {self.decode_steps}")
         for actor, where in self.placement.items():
             if actor not in ACTORS:

@@ -286,7 +286,7 @@ class LLM:
         outputs = [CompletionOutput(i) for i in range(params.n)]
         result = RequestOutput(rid, text, prompt_ids, outputs)
         async for delta in self._run(
-            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds
+            rid, prompt_ids, params, priority, cache_salt, adapter, images=images, prompt_embeds=embeds, streamed=False
         ):
             if on_delta is not None:
                 on_delta(delta)
@@ -1127,8 +1127,10 @@ class LLM:
         pooling: PoolingParams | None = None,
         images: Sequence[ImageInput] = (),
         prompt_embeds: bytes | None = None,
+        streamed: bool = True,
     ) -> AsyncIterator[StreamDelta]:
-        """Submit the request (n completions as n engine requests) and yield their deltas."""
+        """Submit the request (n completions as n engine requests) and yield their deltas.
+        `streamed`: its deltas are shown as they come (False: `generate` shows the sum at the end)."""
         problem = cache_salt_problem(cache_salt)
         if problem is not None:
             raise InvalidRequestError(problem, param="cache_salt")
@@ -1167,6 +1169,7 @@ class LLM:
                 pooling=pooling,
                 images=list(images),
                 prompt_embeds=prompt_embeds,
+                stream=streamed,
             )
 
         try:

@@ -66,6 +66,7 @@ from sonar.protocol.engine import (
     ExecuteStep,
     ImageInput,
     StepResult,
+    StepTokens,
     TokenLogprobs,
     VisionInfo,
     WorkerInfo,
@@ -685,14 +686,16 @@ class ModelRunner:
         msg: ExecuteStep,
         wait_bitmask: Callable[[], torch.Tensor] | None = None,
         decode_step: Callable[[], None] | None = None,
+        emit: Callable[[StepTokens], None] | None = None,
     ) -> StepResult:
         """Run one step (a multi-step decode's steps, `_execute_steps`). With `msg.grammar_rows`,
         `wait_bitmask` gives their token bitmask (it may block until the scheduler has sent it):
         called after the forward pass, applied to those rows' logits before either sampler sees
         them. `decode_step`: called before each decode step of a multi-step decode after the first
-        (the worker's watchdog times each on its own)."""
+        (the worker's watchdog times each on its own). `emit`: given each decode step's tokens but
+        the last one's, as the decode step after it starts (`StepTokens`)."""
         if msg.output.decode_steps > 1:
-            return self._execute_steps(msg, decode_step)
+            return self._execute_steps(msg, decode_step, emit)
         return self._execute(msg, wait_bitmask)
 
     def cut(self, step_id: int) -> None:
@@ -701,18 +704,33 @@ class ModelRunner:
         Ignored with tensor ranks (they must all run the same steps), and once that step is over."""
         self._cut = step_id
 
-    def _execute_steps(self, msg: ExecuteStep, decode_step: Callable[[], None] | None) -> StepResult:
+    def _execute_steps(
+        self, msg: ExecuteStep, decode_step: Callable[[], None] | None, emit: Callable[[StepTokens], None] | None
+    ) -> StepResult:
         """A multi-step decode (`SchedulerOutput.decode_steps`): its decode steps one after another,
         each feeding the token the one before sampled (a `PLACEHOLDER_TOKEN` this runner fills, as
         with async scheduling), until all ran or `cut` ended it; one result with each request's
         tokens in order. A request that failed stays in the later steps (every tensor rank runs the
-        same batches) but gets nothing after its failure."""
+        same batches) but gets nothing after its failure. With `emit`, a decode step that is not
+        cut also hands over the tokens the one before it sampled for `ExecuteStep.streamed`, so
+        they stream while it runs; the last decode step's tokens are only in the result."""
         out = msg.output
         result = self._execute(msgspec.structs.replace(msg, output=msgspec.structs.replace(out, decode_steps=1)))
+        last = result
+        streamed = [rid for rid in msg.streamed if rid not in result.failed]
         alone = self.topology.tp.size == 1
         for j in range(1, out.decode_steps):
             if alone and self._cut == out.step_id:
                 break
+            if emit is not None:
+                emit(
+                    StepTokens(
+                        out.step_id,
+                        j - 1,
+                        {rid: last.sampled[rid][-1:] for rid in streamed if rid in last.sampled},
+                        {rid: last.logprobs[rid][-1:] for rid in streamed if rid in last.logprobs},
+                    )
+                )
             if decode_step is not None:
                 decode_step()
             decodes = [
@@ -720,18 +738,20 @@ class ModelRunner:
                 for s in out.requests
             ]
             step = SchedulerOutput(out.step_id, decodes, len(decodes), [], [])
-            later = self._execute(msgspec.structs.replace(msg, output=step, new_requests=[]))
-            for rid, tokens in later.sampled.items():
+            last = self._execute(msgspec.structs.replace(msg, output=step, new_requests=[]))
+            for rid, tokens in last.sampled.items():
                 if rid not in result.failed:
                     result.sampled[rid] += tokens
-                    if rid in later.logprobs:
-                        result.logprobs[rid] += later.logprobs[rid]
-            for rid, reason in later.failed.items():
+                    if rid in last.logprobs:
+                        result.logprobs[rid] += last.logprobs[rid]
+            for rid, reason in last.failed.items():
                 result.failed.setdefault(rid, reason)
-            result.uncache += [rid for rid in later.uncache if rid not in result.uncache]
-            result.seconds += later.seconds
-            result.forward_seconds += later.forward_seconds
-            result.spans += later.spans
+            if last.failed and streamed:
+                streamed = [rid for rid in streamed if rid not in result.failed]
+            result.uncache += [rid for rid in last.uncache if rid not in result.uncache]
+            result.seconds += last.seconds
+            result.forward_seconds += last.forward_seconds
+            result.spans += last.spans
         return result
 
     def _execute(self, msg: ExecuteStep, wait_bitmask: Callable[[], torch.Tensor] | None = None) -> StepResult:

@@ -83,14 +83,14 @@ from sonar.actors.ref import PendingReply
 from sonar.core import BlockManager, Request, RequestRejectedError, Scheduler, SchedulerConfig
 from sonar.core.anyres import feature_rows, num_tiles
 from sonar.core.events import AllBlocksCleared, BlockRemoved
-from sonar.core.flops import MFUStats, ModelShape, StepCost, step_cost
+from sonar.core.flops import MFUStats, ModelShape, step_cost
 from sonar.core.kv_index import KVBlockIndex
 from sonar.core.kv_residency import KVResidency
 from sonar.core.outputs import RequestError, RequestModelTime, RequestUpdate, SchedulerOutput, StepRef
 from sonar.core.schedule import media_runs
 from sonar.core.sleep import SleepRefusedError, SleepState, plan_sleep
 from sonar.core.thinking import ThinkingGate
-from sonar.engine.config import EngineConfig
+from sonar.engine.config import DECODE_STEPS, EngineConfig
 from sonar.engine.faults import FaultPlan
 from sonar.engine.peak import peak_flops
 from sonar.engine.step_spans import MAX_STEP_LINKS, StepMarks, StepTracer, iteration_details, step_tracer
@@ -120,6 +120,7 @@ from sonar.protocol.engine import (
     StepBitmask,
     StepOutputs,
     StepResult,
+    StepTokens,
     StopStringHit,
     TrackRequest,
     UpdateEngineWeights,
@@ -181,6 +182,16 @@ class SchedulerActor(Actor):
         self.multi_step: tuple[int, int] | None = None
         """The multi-step decode out (`SchedulerOutput.decode_steps`): its step id and decode steps,
         until its result is back (only the synchronous loop sends one: it is the step awaited)."""
+        self.stream_steps = False
+        """A multi-step decode's tokens go out as each decode step samples them (`StepTokens`),
+        not with its result (`EngineConfig.stream_steps`)."""
+        self._streamed: dict[str, int] = {}
+        """The tokens of the multi-step decode out that its `StepTokens` brought, per request;"""
+        self._streamed_steps = 0
+        """and how many of its decode steps they were."""
+        self._outputs_lock = anyio.Lock()
+        """Outputs reach the detokenizer in the order their tokens were applied: a step's result
+        waits for the send of the `StepTokens` applied before it."""
         self.steps_overlapped = 0
         """Steps sent while an earlier one was still running (`SchedulerStats.steps_overlapped`)."""
         self.stages = 1
@@ -204,7 +215,7 @@ class SchedulerActor(Actor):
         self.shape: ModelShape | None = None
         """--enable-mfu-metrics: the model's shape, for each step's cost (`_costs`)."""
         self.mfu: MFUStats | None = None
-        self._costs: dict[int, StepCost] = {}
+        self._costs: dict[int, list[tuple[int, int, int]]] = {}
         """--enable-mfu-metrics: the estimated cost of each step in flight."""
         self._step_requests: dict[int, list[str]] = {}
         """--collect-detailed-traces: the requests of each step in flight,"""
@@ -257,12 +268,21 @@ class SchedulerActor(Actor):
         # an encoder's token attends to every other: its prompt is computed whole, in one step
         whole = info.pooling is not None and not info.pooling.causal
         decode_steps = cfg.decode_steps
-        if decode_steps > 1 and (self.pipelined or self.stages > 1 or speculative is not None):
-            why = "async scheduling" if self.pipelined else "pipeline stages" if self.stages > 1 else "speculation"
+        stages = info.pipeline_parallel_size  # torchrun's too: a stage that does not sample has no token to feed
+        if decode_steps is None:  # the default on one rank where it can run, silently 1 elsewhere
+            alone = info.tensor_parallel_size * stages == 1
+            # a fault plan marks steps by their input tokens and counts them, and detailed traces
+            # give each step a span and a request as many steps as tokens: one decode step each
+            observed = self.faults is not None or cfg.collect_detailed_traces is not None
+            plain = not self.pipelined and speculative is None and not observed
+            decode_steps = DECODE_STEPS if alone and plain else 1
+        elif decode_steps > 1 and (self.pipelined or stages > 1 or speculative is not None):
+            why = "async scheduling" if self.pipelined else "pipeline stages" if stages > 1 else "speculation"
             log.warning(
                 "scheduler.multi_step_off", decode_steps=decode_steps, reason=f"one decode step per step with {why}"
             )
             decode_steps = 1
+        self.stream_steps = cfg.stream_steps and not (cfg.collect_detailed_traces or self.tracer is not None)
         self.core = Scheduler(
             SchedulerConfig(
                 max_model_len=info.max_model_len,
@@ -318,6 +338,9 @@ class SchedulerActor(Actor):
             if found:
                 await self.detokenizer.send(Forget(found))
                 await self._cut_steps()
+            return None
+        if isinstance(msg, StepTokens):
+            await self._stream_tokens(msg)
             return None
         if isinstance(msg, StopStringHit):
             if self.core.finish_stopped(msg.hits):
@@ -449,6 +472,7 @@ class SchedulerActor(Actor):
                 skip_reading_prefix_cache=skip_cache,
                 grammar=grammar,
                 prompt_embeds=msg.prompt_embeds,
+                streams=msg.stream,
             )
             self.core.add_request(request)
         except RequestRejectedError as exc:
@@ -468,6 +492,24 @@ class SchedulerActor(Actor):
                 await self.worker.send(CutSteps(self.multi_step[0]))
             except (ActorError, ActorNotFound):  # the step fails too; the loop recovers
                 pass
+
+    async def _stream_tokens(self, msg: StepTokens) -> None:
+        """Apply the tokens of a decode step of the multi-step decode out and pass them on, while
+        the worker runs its next decode step; one that comes late (the result is back) or out of
+        order is dropped, as the result carries its tokens too. A request that ends cuts the
+        rest short, as its seat may be taken at once."""
+        if self.multi_step is None or msg.step_id != self.multi_step[0] or msg.index != self._streamed_steps:
+            return
+        self._streamed_steps += 1
+        for rid, tokens in msg.sampled.items():
+            self._streamed[rid] = self._streamed.get(rid, 0) + len(tokens)
+        updates = self.core.update_from_output(msg.sampled, partial=True)
+        if not updates:
+            return
+        if any(u.finish_reason is not None for u in updates):
+            await self._cut_steps()
+        async with self._outputs_lock:
+            await self.detokenizer.send(StepOutputs(new=[], updates=updates, logprobs=msg.logprobs))
 
     def _whole_media_problem(self, msg: AddRequest) -> str | None:
         """Why the images cannot be computed in one step each (`SchedulerConfig.whole_media`), or
@@ -644,15 +686,26 @@ class SchedulerActor(Actor):
             if self.config.enable_logging_iteration_details:
                 self._iterations[output.step_id] = (time.perf_counter(), iteration_details(output))
             if self.shape is not None:
-                self._costs[output.step_id] = step_cost(self.shape, step_chunks(output))
+                self._costs[output.step_id] = step_chunks(output)
             if self.config.collect_detailed_traces:
                 self._step_requests[output.step_id] = [s.req_id for s in output.requests]
             if self.tracer is not None:
                 self._marks[output.step_id] = StepMarks(output, *self._scheduled)
-            step = await self.worker.ask_soon(ExecuteStep(output, new, action, rows, fault_rank=rank))
+            streamed = self._streamed_ids(output)
+            step = await self.worker.ask_soon(
+                ExecuteStep(
+                    output,
+                    new,
+                    action,
+                    rows,
+                    fault_rank=rank,
+                    streamed=streamed,
+                )
+            )
             self._sent.add(step)
             if output.decode_steps > 1:
                 self.multi_step = (output.step_id, output.decode_steps)
+                self._streamed, self._streamed_steps = {}, 0
             return step
         except (ActorError, ActorNotFound) as exc:
             self._step_rows.pop(output.step_id, None)
@@ -662,6 +715,13 @@ class SchedulerActor(Actor):
             self._marks.pop(output.step_id, None)
             self.failure = exc
             return None
+
+    def _streamed_ids(self, output: SchedulerOutput) -> list[str]:
+        """The requests of a multi-step decode whose tokens are handed over as each decode step
+        samples them (`StepTokens`): the streams, unless streams hold their tokens back too."""
+        if output.decode_steps == 1 or not self.stream_steps:
+            return []
+        return [s.req_id for s in output.requests if self.core.get_request(s.req_id).streams]
 
     def _grammar_rows(self, output: SchedulerOutput) -> list[str]:
         """The requests of a step that sample under a grammar, in step order, once per row they
@@ -731,28 +791,35 @@ class SchedulerActor(Actor):
             self._step_requests.clear()
             self._marks.clear()
             return False
-        cost = self._costs.pop(result.step_id, None)
+        chunks = self._costs.pop(result.step_id, None)
         stepped = self._step_requests.pop(result.step_id, None)
         marks = self._marks.pop(result.step_id, None)
         runs = 1  # decode steps: those a multi-step decode ran, one token per request each
         if self.multi_step is not None and self.multi_step[0] == result.step_id:
             self.multi_step = None
             runs = max(map(len, result.sampled.values()), default=1)
+            if self._streamed:  # what its `StepTokens` brought is applied and passed on already
+                result.sampled = {rid: t[self._streamed.get(rid, 0) :] for rid, t in result.sampled.items()}
+                result.logprobs = {rid: lp[self._streamed.get(rid, 0) :] for rid, lp in result.logprobs.items()}
         if not apply:
             return True
         self.steps += runs
         self.images_encoded += result.images_encoded
         self.images_reused += result.images_reused
-        if cost is not None and self.mfu is not None:
+        if chunks is not None and self.mfu is not None and self.shape is not None:
             ranks = self.info.tensor_parallel_size * self.info.pipeline_parallel_size
-            self.mfu.flops += runs * cost.flops // ranks
-            self.mfu.read_bytes += runs * cost.read_bytes // ranks
+            for j in range(runs):  # decode step j of a multi-step decode attends to j more positions
+                cost = step_cost(self.shape, [(start + j, n, rows) for start, n, rows in chunks])
+                self.mfu.flops += cost.flops // ranks
+                self.mfu.read_bytes += cost.read_bytes // ranks
             self.mfu.busy_seconds += result.seconds
         iteration = self._iterations.pop(result.step_id, None)
         if iteration is not None:
             sent, details = iteration
             elapsed_ms = round((time.perf_counter() - sent) * 1000, 3)
             worker_ms = round(result.seconds * 1000, 3)
+            if runs > 1:  # a multi-step decode: each of its decode steps decoded every request once
+                details = {**details, "generation_tokens": details["generation_requests"] * runs, "decode_steps": runs}
             log.info("scheduler.iteration", step=result.step_id, **details, elapsed_ms=elapsed_ms, worker_ms=worker_ms)
         updates = self.core.update_from_output(result.sampled, result.proposed, result.drafted)
         if result.pooled:
@@ -779,15 +846,16 @@ class SchedulerActor(Actor):
         tracked, self.pending = self.pending, []
         # a prefill chunk that samples nothing still carries its prompt logprobs
         if updates or tracked or result.prompt_logprobs:
-            await self.detokenizer.send(
-                StepOutputs(
-                    new=tracked,
-                    updates=updates,
-                    logprobs=result.logprobs,
-                    prompt_logprobs=result.prompt_logprobs,
-                    pooled=result.pooled,
+            async with self._outputs_lock:
+                await self.detokenizer.send(
+                    StepOutputs(
+                        new=tracked,
+                        updates=updates,
+                        logprobs=result.logprobs,
+                        prompt_logprobs=result.prompt_logprobs,
+                        pooled=result.pooled,
+                    )
                 )
-            )
         return True
 
     def _add_model_time(

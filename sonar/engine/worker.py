@@ -45,6 +45,8 @@ step lock, checked whole before a parameter is written.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import os
 import secrets
 import threading
@@ -57,8 +59,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 import msgspec
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from sonar.actors import Actor, ActorNotFound, ActorRef
+from sonar.actors import Actor, ActorError, ActorNotFound, ActorRef
 from sonar.actors.actor import NO_REPLY
 from sonar.actors.messages import RemoteError, ReplyTo
 from sonar.actors.node import get_node
@@ -89,6 +92,7 @@ from sonar.protocol.engine import (
     StepBitmask,
     StepDone,
     StepResult,
+    StepTokens,
     StopProfile,
     UpdateWeights,
     WakeUp,
@@ -167,6 +171,9 @@ class WorkerActor(Actor):
         self.profiler: TraceProfiler | None = None
         """``--profiler-config``: the profiler of this worker's steps."""
         self._step_thread: ThreadPoolExecutor | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of this actor, for the step thread to hand it tokens (`_emitter`)."""
+        self._tokens_out: MemoryObjectSendStream[StepTokens] | None = None
         """With a profiler: the one thread steps run in (else anyio's thread pool)."""
         self.updater: WeightUpdater | None = None
         """``--weight-transfer-config``: what checks and applies weight updates."""
@@ -466,6 +473,10 @@ class WorkerActor(Actor):
 
     async def _step(self, msg: ExecuteStep) -> None:
         async with self.lock:  # steps run one at a time, in the order they came
+            self._loop = asyncio.get_running_loop()
+            if msg.streamed and self.scheduler is not None:
+                self._tokens_out, tokens = anyio.create_memory_object_stream[StepTokens](math.inf)
+                self.task_group.start_soon(self._send_tokens, self.scheduler, tokens)
             if self.stages > 1 and self.rank == 0 and msg.reply_to is not None:
                 self._awaiting[msg.output.step_id] = msg.reply_to
             # a multi-step decode is watched one decode step at a time (`_decode_step`)
@@ -478,6 +489,7 @@ class WorkerActor(Actor):
                             msgspec.structs.replace(
                                 msg,
                                 reply_to=None,
+                                streamed=[],
                                 fault=msg.fault if msg.fault_rank == rank else None,
                                 # the sampler waits for the grammar rows' bitmask, which rank 0 passes on
                                 grammar_rows=msg.grammar_rows if rank == self.sampler else [],
@@ -500,6 +512,9 @@ class WorkerActor(Actor):
                 if self.step_started is not None:
                     self._timed(self.step_started, time.monotonic())
                 self.step_started = None
+                if self._tokens_out is not None:  # after the tokens the step handed over (FIFO)
+                    self._tokens_out.close()
+                    self._tokens_out = None
             if self.profiler is not None and self.profiler.running:  # past the watchdog: a trace may be written
                 await self._compute(self.profiler.step)
         await self._answer(msg, result)
@@ -605,13 +620,35 @@ class WorkerActor(Actor):
         if msg.fault is not None and msg.fault_rank == self.rank:
             self._inject(msg.fault, msg.output.step_id)
         if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks
-            return self.runner.execute(msg, decode_step=self._decode_step)
+            return self.runner.execute(msg, decode_step=self._decode_step, emit=self._emitter(msg))
         step_id = msg.output.step_id
         slot = self._bitmasks.get(step_id) or _BitmaskSlot()  # gone: dropped as too old
         try:
             return self.runner.execute(msg, partial(self._wait_bitmask, step_id, slot))
         finally:
             self._bitmasks.pop(step_id, None)
+
+    def _emitter(self, msg: ExecuteStep) -> Callable[[StepTokens], None] | None:
+        """Where a streaming multi-step decode's tokens go as they are sampled (`StepTokens`): from
+        the step thread into the stream `_send_tokens` empties on this actor's loop, without
+        waiting for it."""
+        out, loop = self._tokens_out, self._loop
+        if not msg.streamed or out is None or loop is None:
+            return None
+
+        def hand_over(tokens: StepTokens) -> None:
+            with contextlib.suppress(anyio.ClosedResourceError):  # a step abandoned, then done
+                out.send_nowait(tokens)
+
+        return lambda tokens: loop.call_soon_threadsafe(hand_over, tokens)
+
+    async def _send_tokens(self, ref: ActorRef[SchedulerMsg], tokens: MemoryObjectReceiveStream[StepTokens]) -> None:
+        async with tokens:
+            async for msg in tokens:
+                try:
+                    await ref.send(msg)
+                except (ActorError, ActorNotFound):  # the step's result carries them too
+                    pass
 
     def _decode_step(self) -> None:
         """The next decode step of a multi-step decode starts (in the step thread): the one before

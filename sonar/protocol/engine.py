@@ -207,6 +207,10 @@ class ExecuteStep(Ask, tag="worker.step"):
     its forward pass) before it samples."""
     fault_rank: int = 0
     """The rank of a tensor/pipeline group that carries `fault` out."""
+    streamed: list[str] = []
+    """A multi-step decode (`SchedulerOutput.decode_steps`): the requests that stream. What each
+    decode step but the last samples for them goes to the scheduler as a `StepTokens` while the
+    next decode step runs."""
     reply_type = StepResult
 
 
@@ -347,6 +351,9 @@ class AddRequest(Ask, tag="scheduler.add"):
     prompt_embeds: bytes | None = None
     """The prompt as input embeddings (`NewRequestData.prompt_embeds`); `prompt_token_ids` are
     placeholders then, and `cache_salt` keys the prefix cache by the embeddings."""
+    stream: bool = True
+    """Its tokens are shown as they come; False: only once it ends (`generate`, a completion
+    without ``stream``), so the engine may pass them on a multi-step decode at a time."""
     reply_type = Accepted
 
 
@@ -440,6 +447,18 @@ class UpdateEngineWeights(Ask, tag="scheduler.update_weights"):
     reply_type = WeightUpdateReply
 
 
+class StepTokens(msgspec.Struct, tag="scheduler.step_tokens"):
+    """Decode step ``index`` of multi-step decode ``step_id`` sampled these tokens (one per streamed
+    request that has not failed, `ExecuteStep.streamed`), sent by the worker as the next decode step starts, so that they stream
+    now rather than when the whole step answers. The step's result repeats them: the scheduler
+    keeps count of what it applied, and drops one that comes late or out of order."""
+
+    step_id: int
+    index: int
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = {}
+
+
 SchedulerMsg = Union[
     AddRequest,
     Abort,
@@ -452,6 +471,7 @@ SchedulerMsg = Union[
     WakeEngine,
     GetSleepState,
     UpdateEngineWeights,
+    StepTokens,
 ]
 
 

@@ -227,3 +227,31 @@ def test_a_stream_of_tokens_without_text_counts_as_answered(server: Any, backend
     assert 0 < silent.ttft <= silent.latency
     spoken = anyio.run(run, None)  # the same request with text: timed from its first piece of text
     assert spoken.success and spoken.text and spoken.output_tokens == 6 and len(spoken.token_times) >= 1
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_an_answer_asked_for_whole_is_timed_as_a_whole(server: Any, backend: str) -> None:
+    """`--no-stream`: the request goes without ``stream``, its text and output length come from the
+    one answer, and its first token is seen with its last (the report's TPOT: latency over tokens)."""
+    import anyio
+    import httpx
+
+    from sonar.bench.datasets import SampleRequest
+    from sonar.bench.endpoint import BACKENDS, send_request
+    from sonar.bench.stats import summarize
+
+    model = httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]
+    sample = SampleRequest("Name a colour.", 5, 12)
+
+    async def run(stream: bool) -> Any:
+        async with httpx.AsyncClient(timeout=60) as client:
+            url = server.base_url + BACKENDS[backend]
+            return await send_request(client, url, backend, model, sample, True, stream=stream)
+
+    whole, streamed = anyio.run(run, False), anyio.run(run, True)
+    assert whole.success and not whole.streamed and whole.output_tokens == 12
+    assert whole.text == streamed.text  # greedy: the same answer either way
+    assert whole.ttft == pytest.approx(whole.latency, abs=0.01) and whole.itl == []
+    summary = summarize([whole], whole.latency, [50])
+    assert summary["mean_tpot_ms"] == pytest.approx(whole.latency / 12 * 1e3)
+    assert summary["total_output_tokens"] == 12

@@ -47,14 +47,22 @@ class FakeRunner:
         scheduler: Scheduler,
         propose: Callable[[list[int], int], list[int]] | None = None,
         cut: Callable[[int], int] | None = None,
+        ahead: Callable[[int], int] | None = None,
     ) -> None:
         """`propose`: with worker drafts, up to ``n`` drafts after a request's tokens. `cut`: how many
-        of a multi-step decode's ``n`` steps run (all of them without it)."""
+        of a multi-step decode's ``n`` steps run (all of them without it). `ahead`: how many of the
+        ``n`` decode steps that ran are fed back one by one before the result (`StepTokens`, at
+        most ``n - 1``: the last one's tokens only come with it); none without it."""
         self.scheduler = scheduler
         self.propose = propose
         self.cut = cut
+        self.ahead = ahead
         self.multi_steps = 0
         """Multi-step decodes run."""
+        self.streamed_steps = 0
+        """Decode steps of multi-step decodes fed back ahead of their result."""
+        self.ran = 1
+        """The decode steps the last step run ran."""
         self.drafted: dict[str, int] = {}
         """Worker drafts: how many drafts each request of the last step run got."""
         self.block_size = scheduler.block_manager.block_size
@@ -178,6 +186,7 @@ class FakeRunner:
         decode of the token the one before sampled."""
         steps = out.decode_steps if self.cut is None else self.cut(out.decode_steps)
         self.multi_steps += 1
+        self.ran = steps
         sampled: dict[str, list[int]] = {r.req_id: [] for r in out.requests}
         for j in range(steps):
             requests = [
@@ -216,6 +225,7 @@ class FakeRunner:
     def _run(self, sample: Callable[[str], int], model: Callable[[list[int]], int] | None = None) -> SchedulerOutput:
         scheduler = self.scheduler
         out = scheduler.schedule()
+        self.ran = 1
         scheduler.check_invariants()
         out = self._fill_draft_slots(out)
         self.check_output(out)
@@ -258,7 +268,13 @@ class FakeRunner:
     ) -> list[RequestUpdate]:
         scheduler = self.scheduler
         self.in_flight = None
-        updates = scheduler.update_from_output(sampled, None, drafted)
+        updates = []
+        ahead = self.ahead(self.ran) if self.ahead is not None and self.ran > 1 else 0
+        for j in range(ahead):  # each a `StepTokens` while the multi-step decode still runs
+            updates += scheduler.update_from_output({rid: t[j : j + 1] for rid, t in sampled.items()}, partial=True)
+            scheduler.check_invariants()
+        self.streamed_steps += ahead
+        updates += scheduler.update_from_output({rid: t[ahead:] for rid, t in sampled.items()}, None, drafted)
         scheduler.check_invariants()
         for update in updates:
             self.tokens[update.req_id].extend(update.new_token_ids)

@@ -757,6 +757,41 @@ def test_multi_step_stop_token_ends_the_request_and_drops_what_followed() -> Non
     assert_all_free(scheduler)
 
 
+def test_multi_step_tokens_fed_ahead_of_the_result_count_once() -> None:
+    """A stream's tokens come decode step by decode step while the multi-step decode runs
+    (``partial``): each counts once, the slots of the steps still running stay counted until the
+    result brings the rest, and one that ends its request frees its blocks there and then."""
+    scheduler, runner = make_runner(decode_steps=4)
+    runner.add(req("a", 6, max_tokens=20))
+    runner.add(req("b", 6, max_tokens=20, stop_token_ids=[3]))
+    runner.step(sample=lambda _: 9)
+    out = scheduler.schedule()
+    assert out.decode_steps == 4
+    runner.cut = lambda steps: 3  # a request arrived during the third decode step
+    tokens = {"a": iter([5, 5, 7]), "b": iter([6, 3, 9])}
+    assert runner.execute(out, sample=lambda rid: next(tokens[rid])) == {"a": [5, 5, 7], "b": [6, 3, 9]}
+    a, b = scheduler.get_request("a"), scheduler.get_request("b")
+    used = scheduler.block_manager.num_free_blocks
+    first = scheduler.update_from_output({"a": [5], "b": [6]}, partial=True)
+    assert [(u.req_id, u.new_token_ids, u.finish_reason) for u in first] == [("a", [5], None), ("b", [6], None)]
+    assert a.decode_steps == 3 and a.num_placeholders == 3 and a.num_computed_tokens == 10
+    second = scheduler.update_from_output({"a": [5], "b": [3]}, partial=True)
+    assert [(u.req_id, u.new_token_ids, u.finish_reason) for u in second] == [("a", [5], None), ("b", [3], "stop")]
+    assert b.is_finished and scheduler.block_manager.num_free_blocks > used
+    runner.forget("b")
+    last = scheduler.update_from_output({"a": [7], "b": [9]})  # the result: the rest ("b"'s is dropped)
+    assert [(u.req_id, u.new_token_ids) for u in last] == [("a", [7])]
+    assert a.output_token_ids == [9, 5, 5, 7] and a.decode_steps == 0 and a.num_placeholders == 0
+    assert a.num_computed_tokens == a.num_tokens - 1  # the fourth decode step's position is recomputed
+    scheduler.check_invariants()
+    runner.tokens["a"] += [5, 5, 7]
+    runner.cut = None
+    out, _ = runner.step()
+    assert chunks(out) == {"a": (9, 1)}  # FakeRunner checks that every position read holds its KV
+    runner.drain()
+    assert_all_free(scheduler)
+
+
 def test_multi_step_without_room_in_the_cache_runs_one_step_and_preempts_nobody() -> None:
     # 4 blocks of 4: "a" (7 tokens) and "b" (7) hold two each; four more tokens need a fifth block
     scheduler, runner = make_runner(num_blocks=4, max_model_len=16, decode_steps=4)

@@ -44,9 +44,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
     # multi-step decode, the worker cutting some steps short (the synchronous loop only)
     "multi-step": {"decode_steps": 4},
+    # and its tokens fed back decode step by decode step while it runs (a stream's `StepTokens`)
+    "multi-step-streamed": {"decode_steps": 4, "streamed": True},
 }
 
-SYNC_ONLY = {"multi-step"}
+SYNC_ONLY = {"multi-step", "multi-step-streamed"}
 """Configurations the async loop never runs with (the shell keeps them synchronous)."""
 
 STOP_TOKEN = 3
@@ -59,6 +61,7 @@ def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool
     prefix_caching = options.pop("prefix_caching", True)
     hash_algo = options.pop("hash_algo", "sha256")
     alphabet = options.pop("alphabet", 60)
+    streamed = options.pop("streamed", False)
     config = SchedulerConfig(**{"max_model_len": 48, "max_num_batched_tokens": 16, "max_num_seqs": 4, **options})
     num_blocks = -(-config.max_model_len // block_size) + rng.randint(0, 8)
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=prefix_caching, hash_algo=hash_algo)
@@ -70,7 +73,10 @@ def run_workload(seed: int, steps: int, options: dict[str, Any], pipelined: bool
     def cut(steps: int) -> int:  # the worker stops a multi-step decode early, now and then
         return rng.randint(1, steps) if rng.random() < 0.3 else steps
 
-    runner = FakeRunner(scheduler, propose, cut)
+    def ahead(ran: int) -> int:  # how many of them came as sampled; a late one brings the rest with the result
+        return ran - 1 if rng.random() < 0.8 else rng.randint(0, ran - 1)
+
+    runner = FakeRunner(scheduler, propose, cut, ahead if streamed else None)
     prefixes = [[rng.randrange(4, 60) for _ in range(rng.randint(1, 30))] for _ in range(4)]
     ids = iter(range(10**6))
 
@@ -142,3 +148,5 @@ def test_random_workload(name: str, seed: int, pipelined: bool) -> None:
         assert stats.spec_num_accepted_tokens > 0
     if CONFIGS[name].get("decode_steps", 1) > 1:
         assert runner.multi_steps > 0
+    if CONFIGS[name].get("streamed"):
+        assert runner.streamed_steps > 0

@@ -1,16 +1,19 @@
-"""Multi-step decode through the whole engine (SmolLM2, real worker): with `decode_steps` the worker
-decodes several tokens per trip, and the tokens, finish reasons, logprobs and penalties are those of
-one decode step per trip — with stop tokens, `max_tokens`, seeded sampling, a worker in its own
-process (its cut over ZMQ) and an injected fault; a request that arrives during a long multi-step
-decode cuts it short instead of waiting it out."""
+"""Multi-step decode through the whole engine (SmolLM2, real worker): with `decode_steps` (on by
+default) the worker decodes several tokens per trip, and the tokens, finish reasons, logprobs and
+penalties are those of one decode step per trip — answered whole or streamed (each token handed
+over as it is sampled, or held back with the result), with stop tokens, `max_tokens`, seeded
+sampling, a worker in its own process (its cut over ZMQ) and an injected fault; a request that
+arrives during a long multi-step decode cuts it short instead of waiting it out."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import anyio
 import pytest
 
 import sonar
-from sonar import SamplingParams
+from sonar import CompletionOutput, RequestOutput, SamplingParams
 from tests.engine.step_loops import ENGINE, GREEDY, PROMPTS, SEEDED
 
 pytestmark = pytest.mark.anyio
@@ -19,12 +22,30 @@ PENALIZED = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3,
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
 
 
-async def _run(**engine) -> list[tuple[list[int], str | None, list[list[tuple[int, float]]]]]:
+async def _streamed(llm: sonar.LLM, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
+    """`generate_many`, each prompt streamed: its deltas summed as `generate` sums them."""
+    outs: list[RequestOutput] = [RequestOutput(str(i), p, [], [CompletionOutput(0)]) for i, p in enumerate(prompts)]
+
+    async def one(out: RequestOutput) -> None:
+        completion = out.outputs[0]
+        async for d in llm.stream(out.prompt, params):
+            completion.token_ids += d.token_ids
+            completion.logprobs = (completion.logprobs or []) + (d.logprobs or [])
+            completion.finish_reason = d.finish_reason or completion.finish_reason
+
+    async with anyio.create_task_group() as tg:
+        for out in outs:
+            tg.start_soon(one, out)
+    return outs
+
+
+async def _run(stream: bool = False, **engine) -> list[tuple[list[int], str | None, list[list[tuple[int, float]]]]]:
     async with sonar.open(**ENGINE, **engine) as llm:
         assert llm.info.device == "cpu"
-        outs = await llm.generate_many(PROMPTS, GREEDY)
-        outs += await llm.generate_many(PROMPTS[:2], SEEDED)
-        outs += await llm.generate_many(PROMPTS[2:4], PENALIZED)
+        many = partial(_streamed, llm) if stream else llm.generate_many
+        outs = await many(PROMPTS, GREEDY)
+        outs += await many(PROMPTS[:2], SEEDED)
+        outs += await many(PROMPTS[2:4], PENALIZED)
         assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
         assert (await llm.stats()).kv_usage == 0.0
     return [
@@ -52,23 +73,37 @@ def anyio_backend() -> str:
 
 @pytest.fixture(scope="module")
 async def reference():
-    return await _run()
+    return await _run(decode_steps=1)
 
 
-async def test_same_outputs_as_one_decode_step_per_trip(reference, one_thread) -> None:
-    _same(await _run(decode_steps=4), reference)
+@pytest.mark.parametrize(
+    "engine",
+    [dict(decode_steps=4), dict(), dict(stream=True), dict(stream=True, decode_steps=4, stream_steps=False)],
+    ids=["answered-whole", "defaults", "streamed", "streamed-held-back"],
+)
+async def test_same_outputs_as_one_decode_step_per_trip(reference, one_thread, engine) -> None:
+    _same(await _run(**engine), reference)
     reasons = [reason for _, reason, _ in reference]
     assert "stop" in reasons and "length" in reasons  # both ways of ending are covered
     assert all(lps for _, _, lps in reference[-2:])  # and logprobs under penalties
 
 
-async def test_tokens_come_several_per_trip_but_not_with_async_scheduling(one_thread) -> None:
+async def test_a_stream_sees_each_token_as_it_is_sampled_unless_it_holds_them_back(one_thread) -> None:
     ten = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    async with sonar.open(**ENGINE, decode_steps=4) as llm:
+    async with sonar.open(**ENGINE, decode_steps=100) as llm:
+        sizes, steps = [], []
+        async for d in llm.stream(PROMPTS[0], LONG):
+            sizes.append(len(d.token_ids))
+            if len(sizes) == 10:
+                steps.append((await llm.stats()).num_steps)
+    # one token at a time, the tenth while the 100 decode steps after the first were still out
+    assert sizes == [1] * 120 and steps == [1]
+    async with sonar.open(**ENGINE, decode_steps=4, stream_steps=False) as llm:
         sizes = [len(d.token_ids) async for d in llm.stream(PROMPTS[0], ten)]
     assert sizes == [1, 4, 4, 1]  # the prefill's token, then as many as max_tokens leaves room for
     async with sonar.open(**ENGINE, decode_steps=4, async_scheduling=True) as llm:  # one step per trip there
         sizes = [len(d.token_ids) async for d in llm.stream(PROMPTS[0], ten)]
+        assert (await llm.stats()).num_steps == 10
     assert sizes == [1] * 10
 
 
@@ -81,19 +116,22 @@ async def test_worker_in_its_own_process_and_a_fault(reference, one_thread) -> N
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [(t, r) for t, r, _ in reference[:5]]
 
 
-async def test_an_arrival_cuts_a_long_multi_step_decode_short(one_thread) -> None:
-    async with sonar.open(**ENGINE) as llm:
+@pytest.mark.parametrize("stream_steps", [True, False], ids=["streamed", "held-back"])
+async def test_an_arrival_cuts_a_long_multi_step_decode_short(one_thread, stream_steps) -> None:
+    async with sonar.open(**ENGINE, decode_steps=1) as llm:
         want_long = (await llm.generate(PROMPTS[0], LONG)).outputs[0].token_ids
         want_short = (await llm.generate(PROMPTS[1], GREEDY)).outputs[0].token_ids
-    async with sonar.open(**ENGINE, decode_steps=100, placement="worker=process") as llm:
+    async with sonar.open(**ENGINE, decode_steps=100, stream_steps=stream_steps, placement="worker=process") as llm:
         sizes: list[int] = []
         tokens: list[int] = []
         short = None
+        seen = 0  # the long stream's tokens when the newcomer was done
 
         async def arrive() -> None:
-            nonlocal short
+            nonlocal short, seen
             await anyio.sleep(0.2)  # inside the 100 decode steps that follow the first token
             short = await llm.generate(PROMPTS[1], GREEDY)
+            seen = len(tokens)
 
         async with anyio.create_task_group() as tg:
             async for d in llm.stream(PROMPTS[0], LONG):
@@ -103,8 +141,11 @@ async def test_an_arrival_cuts_a_long_multi_step_decode_short(one_thread) -> Non
                     tg.start_soon(arrive)
         assert short is not None
     assert tokens == want_long and short.outputs[0].token_ids == want_short
-    # cut after a few of its 100 decode steps: the newcomer's prefill came next
-    assert sizes[0] == 1 and sizes[1] < 50, sizes
+    # cut after a few of its 100 decode steps: the newcomer's prefill came next, then its 24
+    # decode steps beside the long one's (waiting the 100 out, it would be done past 124)
+    assert seen < 90, seen
+    if not stream_steps:
+        assert sizes[0] == 1 and sizes[1] < 50, sizes
 
 
 async def test_a_stream_left_early_cuts_its_steps_short_and_frees_everything(one_thread) -> None:
