@@ -28,10 +28,12 @@ fed back. At most one step is in flight besides the one running. A failed step t
 sent after it down too. Off with KV offloading and with a draft model or head; with ``ngram`` and
 ``suffix`` the worker makes the drafts (`SchedulerConfig.worker_drafts`).
 
-Multi-step decode (``decode_steps``, from ``--stream-interval``; synchronous loop only): a step of
-plain decodes with nothing waiting may decode several tokens per request on the worker
-(`sonar.core.schedule`). A request that arrives (or ends) while one is out sends the worker
-`CutSteps`, so a newcomer waits for one decode step rather than all of them.
+Multi-step decode (``decode_steps``, 8 by default, ``--stream-interval`` above 1; synchronous loop
+only): a step of plain decodes with nothing waiting may decode several tokens per request on the
+worker (`sonar.core.schedule`). A request that arrives (or ends) while one is out sends the worker
+`CutSteps`, so a newcomer waits for one decode step rather than all of them. The tokens of the
+requests that stream come back as each decode step samples them (`StepTokens`, applied at once);
+the result brings the rest.
 
 Speculative decoding (``--speculative-config``): the core proposes drafts for decoding requests
 (`sonar.core.speculative`) and the worker verifies them; its counters are in `GetStats`.

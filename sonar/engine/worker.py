@@ -171,10 +171,11 @@ class WorkerActor(Actor):
         self.profiler: TraceProfiler | None = None
         """``--profiler-config``: the profiler of this worker's steps."""
         self._step_thread: ThreadPoolExecutor | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop of this actor, for the step thread to hand it tokens (`_emitter`)."""
-        self._tokens_out: MemoryObjectSendStream[StepTokens] | None = None
         """With a profiler: the one thread steps run in (else anyio's thread pool)."""
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of this actor, for the step thread to hand it tokens (`_emitter`),"""
+        self._tokens_out: MemoryObjectSendStream[StepTokens] | None = None
+        """and the stream they go into, for the step running, while it streams."""
         self.updater: WeightUpdater | None = None
         """``--weight-transfer-config``: what checks and applies weight updates."""
         self.world: launcher.World | None = None
