@@ -43,6 +43,9 @@ class DetokenizerUpdate:
 
     text: str
     stop_str: str | None = None
+    kept: int | None = None
+    """Of the ids given, how many the output keeps: those up to the one that completed the stop
+    string (None: all of them)."""
 
     @property
     def stopped(self) -> bool:
@@ -137,10 +140,21 @@ class IncrementalDetokenizer:
         held back for stop strings is released; an incomplete trailing character is dropped.
         `stop_token`: the last id is the EOS / stop token id that ended the request; its text
         is left out unless `include_stop_str_in_output` (implies `final`).
-        Once a stop string has ended the request, further calls return empty updates.
+        Once a stop string has ended the request, further calls return empty updates. Several
+        ids at once (a multi-step decode's) are fed one at a time while there are stop strings,
+        so that the output ends at the one that completed a stop string (`DetokenizerUpdate.kept`).
         """
         if self._finished:
             return DetokenizerUpdate("")
+        if self._stop and len(new_token_ids) > 1:
+            text = ""
+            for i, token in enumerate(new_token_ids):
+                last = i == len(new_token_ids) - 1
+                part = self.update([token], final=final and last, stop_token=stop_token and last)
+                text += part.text
+                if part.stopped:
+                    return DetokenizerUpdate(text, part.stop_str, i + 1)
+            return DetokenizerUpdate(text)
         final = final or stop_token
         self._num_output_tokens += len(new_token_ids)
         if stop_token and not self._include_stop and new_token_ids:

@@ -107,13 +107,17 @@ class DetokenizerActor(Actor):
             finish, reason = u.finish_reason, u.stop_reason
             stop_token = finish == "stop" and isinstance(reason, int)
             update = tracked.detok.update(u.new_token_ids, final=finish is not None, stop_token=stop_token)
-            if update.stopped and finish is None:
+            # a stop string may end a multi-step decode's tokens before their last, and before
+            # the stop token or length that ended the request among the later ones
+            ids = u.new_token_ids if update.kept is None else u.new_token_ids[: update.kept]
+            if update.stopped and (finish is None or len(ids) < len(u.new_token_ids)):
+                if finish is None:
+                    hits[u.req_id] = update.stop_str
                 finish, reason = "stop", update.stop_str
-                hits[u.req_id] = update.stop_str
             delta = OutputDelta(
                 req_id=u.req_id,
                 text=update.text,
-                token_ids=list(u.new_token_ids),
+                token_ids=list(ids),
                 finish_reason=finish,
                 stop_reason=reason,
                 num_prompt_tokens=u.num_prompt_tokens,
@@ -124,8 +128,8 @@ class DetokenizerActor(Actor):
                 model_time=u.model_time,
             )
             lps = msg.logprobs.get(u.req_id)
-            if lps:
-                delta.logprobs = [self._position(lp) for lp in lps]
+            if lps:  # a run's, past a stop token or string, are longer than the tokens kept
+                delta.logprobs = [self._position(lp) for lp in lps[: len(ids)]]
             plps = msg.prompt_logprobs.get(u.req_id)
             if plps is not None and (plps := tracked.fresh_prompt_logprobs(plps)):
                 delta.prompt_logprobs = [self._position(lp) if lp is not None else None for lp in plps]

@@ -717,18 +717,19 @@ class ModelRunner:
         out = msg.output
         result = self._execute(msgspec.structs.replace(msg, output=msgspec.structs.replace(out, decode_steps=1)))
         last = result
-        streamed = [rid for rid in msg.streamed if rid not in result.failed]
         alone = self.topology.tp.size == 1
         for j in range(1, out.decode_steps):
             if alone and self._cut == out.step_id:
                 break
-            if emit is not None:
+            if emit is not None:  # copies: the first decode step's lists grow into the result's
+                ids = [rid for rid in msg.streamed if rid in last.sampled and rid not in result.failed]
+                lps = last.logprobs
                 emit(
                     StepTokens(
                         out.step_id,
                         j - 1,
-                        {rid: last.sampled[rid][-1:] for rid in streamed if rid in last.sampled},
-                        {rid: last.logprobs[rid][-1:] for rid in streamed if rid in last.logprobs},
+                        {rid: last.sampled[rid][-1:] for rid in ids},
+                        {rid: lps[rid][-1:] for rid in ids if rid in lps},
                     )
                 )
             if decode_step is not None:
@@ -746,8 +747,6 @@ class ModelRunner:
                         result.logprobs[rid] += last.logprobs[rid]
             for rid, reason in last.failed.items():
                 result.failed.setdefault(rid, reason)
-            if last.failed and streamed:
-                streamed = [rid for rid in streamed if rid not in result.failed]
             result.uncache += [rid for rid in last.uncache if rid not in result.uncache]
             result.seconds += last.seconds
             result.forward_seconds += last.forward_seconds

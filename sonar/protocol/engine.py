@@ -448,10 +448,11 @@ class UpdateEngineWeights(Ask, tag="scheduler.update_weights"):
 
 
 class StepTokens(msgspec.Struct, tag="scheduler.step_tokens"):
-    """Decode step ``index`` of multi-step decode ``step_id`` sampled these tokens (one per streamed
-    request that has not failed, `ExecuteStep.streamed`), sent by the worker as the next decode step starts, so that they stream
-    now rather than when the whole step answers. The step's result repeats them: the scheduler
-    keeps count of what it applied, and drops one that comes late or out of order."""
+    """Decode step ``index`` of multi-step decode ``step_id`` sampled these tokens (one for each
+    request of `ExecuteStep.streamed` that has not failed), sent by the worker as the next decode
+    step starts, so that they stream now rather than when the whole step answers. The step's
+    result repeats them: the scheduler keeps count of what it applied, and drops one that comes
+    late or out of order."""
 
     step_id: int
     index: int

@@ -130,11 +130,18 @@ def test_stop_prefix_is_held_back_then_released(embedded_tokenizer) -> None:
 
 
 def test_stop_found_inside_a_multi_token_update(embedded_tokenizer) -> None:
+    """A multi-step decode's tokens come several at once: the output keeps those up to the one
+    that completed the stop string, as one at a time would."""
     text = "alpha beta gamma delta epsilon"
     ids = ids_for(embedded_tokenizer, text)
     detok = IncrementalDetokenizer(embedded_tokenizer, stop=["gamma", "beta"])
     update = detok.update(ids)
     assert update.text == "alpha " and update.stop_str == "beta"
+    completes = next(i for i in range(len(ids)) if "beta" in embedded_tokenizer.decode(ids[: i + 1]))
+    assert update.kept == completes + 1 < len(ids)
+    assert detok.num_output_tokens == update.kept
+    plain = IncrementalDetokenizer(embedded_tokenizer).update(ids, final=True)  # no stop strings: all kept
+    assert plain.text == text and plain.kept is None
 
 
 def test_earliest_stop_wins_and_text_after_is_dropped(embedded_tokenizer) -> None:

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.anyio
 
 PENALIZED = SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.5, logprobs=2)
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+# a stop string ends some inside a run: their tokens and logprobs end at the one that completed it
+STOPPED = SamplingParams(temperature=0, max_tokens=24, stop=[" the", "."], logprobs=1)
 
 
 async def _streamed(llm: sonar.LLM, prompts: list[str], params: SamplingParams) -> list[RequestOutput]:
@@ -31,7 +33,8 @@ async def _streamed(llm: sonar.LLM, prompts: list[str], params: SamplingParams) 
         async for d in llm.stream(out.prompt, params):
             completion.token_ids += d.token_ids
             completion.logprobs = (completion.logprobs or []) + (d.logprobs or [])
-            completion.finish_reason = d.finish_reason or completion.finish_reason
+            if d.finish_reason is not None:
+                completion.finish_reason, completion.stop_reason = d.finish_reason, d.stop_reason
 
     async with anyio.create_task_group() as tg:
         for out in outs:
@@ -39,19 +42,22 @@ async def _streamed(llm: sonar.LLM, prompts: list[str], params: SamplingParams) 
     return outs
 
 
-async def _run(stream: bool = False, **engine) -> list[tuple[list[int], str | None, list[list[tuple[int, float]]]]]:
+async def _run(
+    stream: bool = False, **engine
+) -> list[tuple[list[int], tuple[str | None, int | str | None], list[list[tuple[int, float]]]]]:
     async with sonar.open(**ENGINE, **engine) as llm:
         assert llm.info.device == "cpu"
         many = partial(_streamed, llm) if stream else llm.generate_many
         outs = await many(PROMPTS, GREEDY)
         outs += await many(PROMPTS[:2], SEEDED)
         outs += await many(PROMPTS[2:4], PENALIZED)
+        outs += await many(PROMPTS, STOPPED)
         assert await llm.tracked_requests() == {"frontend": 0, "scheduler": 0, "detokenizer": 0}
         assert (await llm.stats()).kv_usage == 0.0
     return [
         (
             o.outputs[0].token_ids,
-            o.outputs[0].finish_reason,
+            (o.outputs[0].finish_reason, o.outputs[0].stop_reason),
             [[(lp.token_id, lp.logprob) for lp in p.top] for p in o.outputs[0].logprobs or []],
         )
         for o in outs
@@ -83,9 +89,10 @@ async def reference():
 )
 async def test_same_outputs_as_one_decode_step_per_trip(reference, one_thread, engine) -> None:
     _same(await _run(**engine), reference)
-    reasons = [reason for _, reason, _ in reference]
+    reasons = [reason for _, (reason, _), _ in reference]
     assert "stop" in reasons and "length" in reasons  # both ways of ending are covered
-    assert all(lps for _, _, lps in reference[-2:])  # and logprobs under penalties
+    assert any(isinstance(stop, str) for _, (_, stop), _ in reference)  # a stop string too
+    assert all(lps for _, _, lps in reference[-7:])  # and logprobs, under penalties and stop strings
 
 
 async def test_a_stream_sees_each_token_as_it_is_sampled_unless_it_holds_them_back(one_thread) -> None:
@@ -113,7 +120,9 @@ async def test_worker_in_its_own_process_and_a_fault(reference, one_thread) -> N
         outs = await llm.generate_many(PROMPTS, GREEDY)
         worker = next(c for c in llm.tree().children if c.name == "worker")
         assert worker.restarts == 1
-    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [(t, r) for t, r, _ in reference[:5]]
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == [
+        (t, r) for t, (r, _), _ in reference[:5]
+    ]
 
 
 @pytest.mark.parametrize("stream_steps", [True, False], ids=["streamed", "held-back"])
@@ -197,3 +206,26 @@ async def test_a_grammar_request_beside_plain_ones_decodes_one_step_per_trip(one
         return [o.outputs[0].token_ids for o in outs]
 
     assert await run(decode_steps=4) == await run()
+
+
+async def test_a_stop_inside_a_run_ends_its_tokens_and_logprobs_there(one_thread) -> None:
+    """Answered whole, a run's tokens come back together: those after a stop token or the token
+    that completed a stop string are dropped, their logprobs with them."""
+    ended = SamplingParams(temperature=0, max_tokens=60, logprobs=1)  # EOS ends some of them
+
+    async def run(**engine) -> list[tuple[list[int], str | None, int | str | None, int]]:
+        async with sonar.open(**ENGINE, **engine) as llm:
+            text = (await llm.generate(PROMPTS[0], LONG)).text
+            start = next(i for i in range(40, len(text) - 3) if text.find(text[i : i + 3]) == i)
+            stopped = SamplingParams(temperature=0, max_tokens=120, stop=[text[start : start + 3]], logprobs=1)
+            outs = [await llm.generate(p, ended) for p in PROMPTS] + [await llm.generate(PROMPTS[0], stopped)]
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason, len(o.outputs[0].logprobs))
+            for o in outs
+        ]
+
+    want = await run(decode_steps=1)
+    assert any(reason == "stop" and len(tokens) < 60 for tokens, reason, _, _ in want[:-1])  # EOS
+    assert isinstance(want[-1][2], str)  # the stop string
+    assert all(len(tokens) == lps for tokens, _, _, lps in want)
+    assert await run(decode_steps=8) == want
