@@ -173,7 +173,8 @@ class WorkerActor(Actor):
         self._step_thread: ThreadPoolExecutor | None = None
         """With a profiler: the one thread steps run in (else anyio's thread pool)."""
         self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop of this actor, for the step thread to hand it tokens (`_emitter`),"""
+        """The loop of this actor (set at start), for the step thread to hand it tokens
+        (`_emitter`),"""
         self._tokens_out: MemoryObjectSendStream[StepTokens] | None = None
         """and the stream they go into, for the step running, while it streams."""
         self.updater: WeightUpdater | None = None
@@ -186,6 +187,7 @@ class WorkerActor(Actor):
             pin_to_cpu_share(self.config)
         self.config = on_replica_gpus(self.config)  # or on its GPUs
         self.lock = anyio.Lock()
+        self._loop = asyncio.get_running_loop()
         profiler = ProfilerConfig.parse(self.config.profiler_config)
         if profiler is not None:
             self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="sonar-step")
@@ -474,7 +476,6 @@ class WorkerActor(Actor):
 
     async def _step(self, msg: ExecuteStep) -> None:
         async with self.lock:  # steps run one at a time, in the order they came
-            self._loop = asyncio.get_running_loop()
             if msg.streamed and self.scheduler is not None:
                 self._tokens_out, tokens = anyio.create_memory_object_stream[StepTokens](math.inf)
                 self.task_group.start_soon(self._send_tokens, self.scheduler, tokens)
@@ -621,7 +622,7 @@ class WorkerActor(Actor):
         if msg.fault is not None and msg.fault_rank == self.rank:
             self._inject(msg.fault, msg.output.step_id)
         if not msg.grammar_rows or self.rank != self.sampler:  # only the sampler applies bitmasks
-            return self.runner.execute(msg, decode_step=self._decode_step, emit=self._emitter(msg))
+            return self.runner.execute(msg, decode_step=self._decode_step, emit=self._emitter())
         step_id = msg.output.step_id
         slot = self._bitmasks.get(step_id) or _BitmaskSlot()  # gone: dropped as too old
         try:
@@ -629,12 +630,12 @@ class WorkerActor(Actor):
         finally:
             self._bitmasks.pop(step_id, None)
 
-    def _emitter(self, msg: ExecuteStep) -> Callable[[StepTokens], None] | None:
+    def _emitter(self) -> Callable[[StepTokens], None] | None:
         """Where a streaming multi-step decode's tokens go as they are sampled (`StepTokens`): from
         the step thread into the stream `_send_tokens` empties on this actor's loop, without
         waiting for it."""
         out, loop = self._tokens_out, self._loop
-        if not msg.streamed or out is None or loop is None:
+        if out is None or loop is None:  # the step does not stream (`_step` opened no stream)
             return None
 
         def hand_over(tokens: StepTokens) -> None:
