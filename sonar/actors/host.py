@@ -16,6 +16,7 @@ takes no `Stop` from a peer. Each refusal is an error reply and an `actor.messag
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import importlib
 import ipaddress
@@ -28,6 +29,7 @@ from urllib.parse import urlsplit
 import anyio
 import msgspec
 
+from sonar import heap
 from sonar.actors import allow, keys
 from sonar.actors.actor import NO_REPLY, Actor, Incarnation, launch
 from sonar.actors.messages import Ask, ExitInfo, RemoteError
@@ -143,7 +145,10 @@ class HostActor(Actor):
             with anyio.move_on_after(5):
                 await old.done.wait()
         actor = cls(**msg.kwargs)
-        inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
+        try:
+            inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
+        finally:
+            heap.settle()  # a child's start ends with its actor's (`main` paused the collector)
         inc.mailbox.owner = msg.owner
         self.actors[msg.name] = inc
         self.owners[msg.name] = msg.owner
@@ -341,10 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     except (keys.KeysError, ValueError) as exc:
         print(f"sonar actor: {exc}", file=sys.stderr)
         return 2
-    if args.parent is not None and args.preload:
-        preload(args.preload)
     try:
-        return anyio.run(_host_main, args, backend="asyncio")
+        with heap.starting() if args.parent is not None else contextlib.nullcontext():
+            if args.parent is not None and args.preload:
+                preload(args.preload)
+            return anyio.run(_host_main, args, backend="asyncio")
     except KeyboardInterrupt:
         return 130
 

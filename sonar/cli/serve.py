@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Sequence
 
+from sonar import heap
 from sonar.cli.config import ServeConfig
 from sonar.cli.errors import PROG, HelpRequested, UsageError
 from sonar.cli.parse import parse_serve_args
@@ -81,7 +82,8 @@ def main(argv: Sequence[str]) -> int:
 
         shared_metrics = share_metrics()
     try:
-        code = anyio.run(serve, config, backend="asyncio")
+        with heap.starting():  # `import_behind` settles it
+            code = anyio.run(serve, config, backend="asyncio")
     finally:
         if shared_metrics is not None:
             shutil.rmtree(shared_metrics, ignore_errors=True)
@@ -354,7 +356,8 @@ def import_behind(config: ServeConfig, listening: threading.Event, patience: flo
     frontend is `listening` (or after `patience` seconds): the supervision tree starts the worker
     process next, so its imports and model load run beside these instead of after them (and the
     frontend's own start does not wait on them). A failed import is left for the importer in the
-    main thread to raise."""
+    main thread to raise. Then it settles this process's heap (`sonar.heap`), which holds most of
+    what the start builds here by now: its collection runs while the worker still loads."""
 
     def run() -> None:
         listening.wait(patience)
@@ -366,6 +369,8 @@ def import_behind(config: ServeConfig, listening: threading.Event, patience: flo
             tokenizers.prefetch_for(server_engine_config(config))
         except Exception as exc:
             _say(f"warning: importing ahead failed: {type(exc).__name__}: {exc}")
+        finally:
+            heap.settle()
 
     thread = threading.Thread(target=run, name="import-behind", daemon=True)
     thread.start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
@@ -67,13 +68,19 @@ class Whoami(Ask, tag=True):
     reply_type = dict[str, Any]
 
 
+class HeapState(Ask, tag=True):
+    """Whether the process collects garbage, and how many objects its start froze."""
+
+    reply_type = dict[str, Any]
+
+
 class AskPeers(Ask, tag=True):
     """Ask each of the actor's `peers` `Whoami`; the answers, in order."""
 
     reply_type = list[dict[str, Any]]
 
 
-SampleMsg = Union[Echo, Add, Note, Notes, Crash, FailAsk, Hang, Freeze, Quit, Tensors, Whoami, AskPeers]
+SampleMsg = Union[Echo, Add, Note, Notes, Crash, FailAsk, Hang, Freeze, Quit, Tensors, Whoami, HeapState, AskPeers]
 
 
 class Other(msgspec.Struct, tag=True):
@@ -149,6 +156,8 @@ class Sample(Actor):
             return {"sums": sums, "first": first}
         if isinstance(msg, Whoami):
             return {"pid": os.getpid(), "name": self.name}
+        if isinstance(msg, HeapState):
+            return {"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()}
         if isinstance(msg, AskPeers):
             return [await peer.ask(Whoami(), timeout=10) for peer in self.peers]
         raise TypeError(msg)

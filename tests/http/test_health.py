@@ -4,6 +4,7 @@ and says 503 (and so does every other route, with an OpenAI error) until the eng
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.http.conftest import ROOT, free_port
+from tests.http.conftest import ROOT, ServerProcess, free_port
 
 
 def test_health_is_503_while_the_engine_starts_then_200(tmp_path: Path) -> None:
@@ -72,3 +73,13 @@ def test_health_is_503_while_the_engine_starts_then_200(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_the_server_and_its_worker_process_each_settle_their_heap_once(plain_server: ServerProcess) -> None:
+    """Each process a start builds collects its garbage once and freezes what survives
+    (`sonar.heap`): serve's own before the first request, the worker's once the model is loaded."""
+    settled = [line for line in plain_server.log().splitlines() if "heap.settled" in line]
+    pids = [int(re.search(r"pid=(\d+)", line).group(1)) for line in settled]
+    frozen = [int(re.search(r"frozen=(\d+)", line).group(1)) for line in settled]
+    assert len(pids) == len(set(pids)) == 2 and plain_server.proc.pid in pids, settled
+    assert min(frozen) > 10_000  # each holds at least torch's modules
