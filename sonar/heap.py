@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import time
 from collections.abc import Iterator
-
-from sonar.log import get_logger
-
-log = get_logger("sonar.heap")
+from typing import NamedTuple
 
 _paused = False
+
+
+class Settled(NamedTuple):
+    """What `settle` did: the objects it froze, and the seconds its collection took."""
+
+    frozen: int
+    seconds: float
 
 
 def pause() -> None:
@@ -34,20 +37,18 @@ def pause() -> None:
         _paused = True
 
 
-def settle() -> int:
+def settle() -> Settled | None:
     """The start is over: collect its garbage once, freeze what survives, collect again from now
-    on. Returns how many objects were frozen; 0, doing nothing, unless `pause` paused."""
+    on. None, doing nothing, unless `pause` paused."""
     global _paused
     if not _paused:
-        return 0
+        return None
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
     gc.enable()
     _paused = False
-    frozen = gc.get_freeze_count()
-    log.info("heap.settled", frozen=frozen, seconds=round(time.perf_counter() - started, 3), pid=os.getpid())
-    return frozen
+    return Settled(gc.get_freeze_count(), time.perf_counter() - started)
 
 
 @contextlib.contextmanager

@@ -8,8 +8,9 @@ run). The floors, lowest first; packages on one floor import nothing of each oth
 0. ``errors`` (the one exception hierarchy every floor raises from), ``lazy`` (names a package
    imports on first use) and the package ``sonar`` itself, whose ``__init__`` imports nothing
    (its ``__version__``; the public names load on first use, by its own ``__getattr__``).
-1. ``units``, ``log``, ``paths``, ``procfs``, ``sampling_params``, ``pooling_params``, ``parsers`` (tool-call and
-   reasoning parsers of generated text): leaves.
+1. ``units``, ``log``, ``paths``, ``procfs``, ``heap`` (the garbage collector around a process's start),
+   ``sampling_params``, ``pooling_params``, ``parsers`` (tool-call and reasoning parsers of generated text):
+   leaves.
 2. ``core`` (pure cores) and ``actors`` (the runtime): nothing above them.
 3. ``protocol`` (the engine's and the offload manager's messages, below every actor that sends
    them) and ``kernels``.
@@ -40,6 +41,7 @@ FLOORS: dict[str, int] = {
     "log": 1,
     "paths": 1,
     "procfs": 1,
+    "heap": 1,
     "sampling_params": 1,
     "pooling_params": 1,
     "parsers": 1,

@@ -148,7 +148,9 @@ class HostActor(Actor):
         try:
             inc = await launch(self.task_group, actor, msg.name, msg.mailbox_size, msg.display)
         finally:
-            heap.settle()  # a child's start ends with its actor's (`main` paused the collector)
+            settled = heap.settle()  # a child's start ends with its actor's (`main` paused the collector)
+            if settled is not None:
+                log.info("heap.settled", frozen=settled.frozen, seconds=round(settled.seconds, 3), pid=os.getpid())
         inc.mailbox.owner = msg.owner
         self.actors[msg.name] = inc
         self.owners[msg.name] = msg.owner

@@ -370,7 +370,13 @@ def import_behind(config: ServeConfig, listening: threading.Event, patience: flo
         except Exception as exc:
             _say(f"warning: importing ahead failed: {type(exc).__name__}: {exc}")
         finally:
-            heap.settle()
+            settled = heap.settle()
+            if settled is not None:
+                from sonar.log import get_logger
+
+                get_logger("sonar.serve").info(
+                    "heap.settled", frozen=settled.frozen, seconds=round(settled.seconds, 3), pid=os.getpid()
+                )
 
     thread = threading.Thread(target=run, name="import-behind", daemon=True)
     thread.start()
