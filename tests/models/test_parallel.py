@@ -164,9 +164,15 @@ def test_the_embedded_gguf_splits_as_quants(
     its float32 dequantized reference as one rank is: the same argmax on every row, and an error
     at most 1.5x one rank's plus bfloat16 noise. The ranks' partial sums are each rounded to
     bfloat16 before the all-reduce, noise that does not shrink with a more exact kernel (measured
-    at tp = 3: 1.40 against 1.28 with the AVX-512 kernel, 1.58 against 0.70 with the AVX2 one)."""
+    at tp = 3: 1.40 against 1.28 with the AVX-512 kernel, 1.58 against 0.70 with the AVX2 one).
+    So the greedy token is one rank's wherever one rank's top two logits are further apart than
+    the two results differ; where they are closer it is one of those two (seen on an AVX2 CPU: a
+    row where the two picked different tokens of its top two)."""
     (ranked,) = _group_logits(rank_pool, tp, pp, ["embedded-quantized"], tmp_path / "logits.pt")
     one = parallel_rank.one_rank_logits("embedded-quantized")
     for ref, want, have in zip(parallel_rank.one_rank_logits("embedded"), one, ranked):
-        assert torch.equal(have.argmax(-1), want.argmax(-1))
         assert (have - ref).abs().max() <= 1.5 * (want - ref).abs().max() + 1.0
+        top2 = want.topk(2, dim=-1)
+        clear = top2.values[:, 0] - top2.values[:, 1] > 2 * (have - want).abs().max()
+        assert torch.equal(have.argmax(-1)[clear], want.argmax(-1)[clear])
+        assert (top2.indices == have.argmax(-1, keepdim=True)).any(-1).all()
