@@ -1,17 +1,19 @@
 """Linear layers with their weights prepacked: the fast CPU matmul path, without compiling.
 
-bfloat16 weights on a CPU with AVX512-BF16 are packed for Sonar's own kernel
+bfloat16 weights on an x86 CPU with AVX512-BF16 or AVX2 are packed for Sonar's own kernel
 (``torch.ops.sonar_cpu.linear_bf16``, `sonar.kernels.native`): tiles of 16 output columns
 contiguous along the input dimension, read once per step. On SmolLM2-135M's layer shapes, 2 cores
-of an AMD EPYC, it measured ~1.7x faster than oneDNN's packed path at batch 1 (the weights stream
-at ~26 GB/s), ~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than ``F.linear``; it
-serves every row count. On a CPU with AMX (Intel Xeon since Sapphire Rapids) the same kernel runs
+of an AMD EPYC with AVX512-BF16, it measured ~1.7x faster than oneDNN's packed path at batch 1 (the
+weights stream at ~26 GB/s), ~1.2x at batch 16 and ~1.1x at prefill sizes (512-2048 rows) than
+``F.linear``; it serves every row count. On an AVX2-only CPU, where oneDNN has no bfloat16 path
+and ``F.linear`` widens the weight on every call, its AVX2 path is what makes bfloat16 serving
+fast at all (BENCHMARKS.md, "AVX2"). On a CPU with AMX (Intel Xeon since Sapphire Rapids) the same kernel runs
 products of `amx_rows` rows or more on the tile unit, reading the same packed weight (its layout is
 AMX's B-tile layout): on 2 cores of such a Xeon ~3-4x faster than its AVX-512 path and 1.5-4x
 faster than ``F.linear`` (oneDNN on AMX, which copies the weight per call) from 4 to 128 rows, and
 ~1.2x at 1024; from `ONEDNN_AMX_ROWS` rows (prefills), where oneDNN's blocking measured ~1.2x
-faster, products go to ``F.linear`` (`onednn_serves`; BENCHMARKS.md, "AMX"). Elsewhere (no
-AVX512-BF16, float16, the native kernels off) the oneDNN packing below is used.
+faster, products go to ``F.linear`` (`onednn_serves`; BENCHMARKS.md, "AMX"). Elsewhere (float16,
+no AVX2, the native kernels off) the oneDNN packing below is used where oneDNN runs.
 
 Eager ``F.linear`` on a bfloat16 weight makes oneDNN reorder (copy) the weight into its blocked
 layout on every call; for the small batches of decoding that copy costs more than the matmul
@@ -124,7 +126,7 @@ def can_pack_native_dtype() -> bool:
 
 def can_pack_native(weight: Tensor) -> bool:
     """Whether Sonar's bf16 kernel serves this weight: a CPU bfloat16 matrix with an even number of
-    columns, on a CPU with AVX512-BF16, the native kernels enabled."""
+    columns, on a CPU with AVX512-BF16 or AVX2, the native kernels enabled."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16

@@ -16,9 +16,9 @@ written to a temporary file and renamed into place.
 When no compiler is found or the build fails, a warning is logged once and every caller keeps the
 torch references (same contracts). ``SONAR_NATIVE_KERNELS=0`` turns the kernels off (A/B checks).
 
-The quantized linear kernel has three paths (`ISAS`): AVX-512 (compiled in by ``-march=native`` on
-a CPU with AVX512-BF16 and VNNI), AVX2 + FMA (compiled into every x86 build through a target
-attribute) and a portable loop. The library runs the fastest one the CPU reports
+The linear kernels (bfloat16 and quantized weights) have three paths each (`ISAS`): AVX-512
+(compiled in by ``-march=native`` on a CPU with AVX512-BF16 and VNNI), AVX2 + FMA (compiled into
+every x86 build through a target attribute) and a portable loop. The library runs the fastest one the CPU reports
 (`best_isa` says which from ``/proc/cpuinfo``'s flags; the C++ side checks ``__builtin_cpu_supports``);
 ``SONAR_CPU_ISA=portable|avx2|avx512`` picks a slower one (tests, A/B measurements), and a path the
 CPU cannot run is refused with `NativeIsaError`.
@@ -205,7 +205,8 @@ def _load() -> bool:
 
 
 def set_quant_isa(name: str) -> None:
-    """Run the quantized kernel's `name` path (one of `ISAS`, or ``auto``: the fastest)."""
+    """Run the linear kernels' `name` path (one of `ISAS`, or ``auto``: the fastest), bfloat16 and
+    quantized alike."""
     if not available():
         raise NativeIsaError(f"{ISA_ENV}={name}: the native kernels are not available here")
     _apply_isa(name)
@@ -221,7 +222,7 @@ def _apply_isa(name: str) -> None:
 
 
 def quant_isa() -> str:
-    """The path the quantized kernel runs now (``reference`` without the native kernels)."""
+    """The path the linear kernels run now (``reference`` without the native kernels)."""
     return str(torch.ops.sonar_cpu.quant_isa()) if available() else "reference"
 
 

@@ -5,6 +5,7 @@ only for CUDA tensors), and ``test_triton_ops.py`` checks that the kernels reall
 """
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,21 @@ from sonar.kernels import native
 def native_built() -> None:
     """Native cases fail, not skip, where the native kernels did not build."""
     assert native.available(), "the native kernels did not build here"
+
+
+#: The paths of the linear kernels (bfloat16 and quantized) this CPU runs, slowest first.
+RUNNABLE = native.ISAS[: native.ISAS.index(native.best_isa(native.cpu_flags())) + 1]
+
+
+@pytest.fixture(params=RUNNABLE)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path of the linear kernels this CPU runs, forced for the test (the others are refused:
+    ``test_quant_cpu.py``'s `test_a_path_the_cpu_cannot_run_is_refused`)."""
+    native.set_quant_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        native.set_quant_isa("auto")
 
 
 #: ``-mno-avx512f``: the build a CPU without AVX-512 gets. ``-O1`` (after the product's ``-O3``, so

@@ -28,7 +28,6 @@ quantization on the AVX-512 and portable paths).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantLinear
 from sonar.models.moe import QuantizedExperts
 from tests.kernels.test_native import assert_portable_check_passes
-from tests.kernels.test_quant_cpu import RUNNABLE, mxfp4_weight, random_weight
+from tests.kernels.test_quant_cpu import mxfp4_weight, random_weight
 
 pytestmark = pytest.mark.usefixtures("one_thread", "native_built")
 
@@ -55,15 +54,6 @@ CASES = [
     ("int4", "int8", 16, True, 64, 48),
     ("mxfp4", "mxfp4", 32, False, 96, 64),
 ]
-
-
-@pytest.fixture(params=RUNNABLE)
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    native.set_quant_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        native.set_quant_isa("auto")
 
 
 def weight(fmt: str, group: int, offsets: bool, n: int, k: int, seed: int) -> QuantizedWeight:

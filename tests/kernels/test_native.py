@@ -388,17 +388,15 @@ def test_rotary_is_bit_identical(dtype: torch.dtype, head_dim: int) -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("out_features", [960, 100, 16])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 16, 77, 300])
-def test_linear_bf16_matches_float32(rows: int, out_features: int, bias: bool) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 77, 300])
+def test_linear_bf16_matches_float32(isa: str, rows: int, out_features: int, bias: bool) -> None:
+    """Every path this CPU runs (AVX-512, AVX2, the portable loop), every register block of each
+    (1-3 rows left over, a last group of fewer tiles, a last tile of fewer columns)."""
     gen = torch.Generator().manual_seed(rows * out_features)
     weight = (torch.randn(out_features, 576, generator=gen) * 0.05).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    if not torch.ops.sonar_cpu.has_linear_bf16():  # a CPU without AVX512-BF16: a clear refusal
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
-        return
     got = torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     # float32 accumulation, one rounding to bf16 at the end: within half a bf16 ulp of the exact sum
@@ -411,17 +409,14 @@ def test_linear_bf16_matches_float32(rows: int, out_features: int, bias: bool) -
 @pytest.mark.parametrize("rows", [16, 17, 33, 128, 300])
 def test_linear_bf16_amx_shapes(rows: int, in_features: int, bias: bool, threads: int) -> None:
     """The shapes the AMX path pads: a last block of fewer than 16 rows, K not a multiple of 32,
-    N not a multiple of 16 (on a CPU without AMX the AVX-512 path runs them, the same bound)."""
+    N not a multiple of 16 (on a CPU without AMX the AVX-512 or AVX2 path runs them, the same
+    bound; at K = 1536 the AVX2 path takes the rows in several chunks)."""
     out_features = 100 if in_features % 32 else 40
     gen = torch.Generator().manual_seed(rows * in_features + threads)
     weight = (torch.randn(out_features, in_features, generator=gen) * 0.05).to(torch.bfloat16)
     b = torch.randn(out_features, generator=gen).to(torch.bfloat16) if bias else None
     x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
     want = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    if not torch.ops.sonar_cpu.has_linear_bf16():  # a CPU without AVX512-BF16: a clear refusal
-        with pytest.raises(RuntimeError, match="AVX512-BF16"):
-            torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), b, out_features)
-        return
     amx = torch.ops.sonar_cpu.linear_amx_rows()
     assert bool(torch.ops.sonar_cpu.has_linear_amx()) == (amx > 0) == native.amx_bf16()
     if amx:
@@ -439,14 +434,19 @@ def test_linear_bf16_amx_shapes(rows: int, in_features: int, bias: bool, threads
 def test_packed_linear_uses_the_native_layout_where_it_can() -> None:
     linear = nn.Linear(64, 48, dtype=torch.bfloat16)
     assert can_pack_native(linear.weight) == bool(torch.ops.sonar_cpu.has_linear_bf16())
-    if not can_pack(linear.weight):  # an AVX2-only CPU: neither kernel runs, the layers stay plain
+    if not can_pack(linear.weight):  # neither AVX2 nor AVX-512 (not x86): the layers stay plain
         holder = nn.Sequential(linear)
         assert prepack_linears(holder) == 0 and holder[0] is linear
         return
     packed = PackedLinear(linear, batch_hint=16)
     assert packed.native_layout == bool(torch.ops.sonar_cpu.has_linear_bf16())
-    odd = PackedLinear(nn.Linear(63, 48, dtype=torch.bfloat16), batch_hint=16)
-    assert not odd.native_layout  # an odd input width keeps oneDNN
+    odd = nn.Linear(63, 48, dtype=torch.bfloat16)
+    assert not can_pack_native(odd.weight)
+    if can_pack(odd.weight):  # an odd input width keeps oneDNN where its bfloat16 path runs (AVX-512)
+        assert not PackedLinear(odd, batch_hint=16).native_layout
+    else:  # an AVX2-only CPU: it stays a plain layer
+        holder = nn.Sequential(odd)
+        assert prepack_linears(holder) == 0 and holder[0] is odd
     x = torch.randn(5, 64).to(torch.bfloat16)
     torch.testing.assert_close(packed(x).float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.06, rtol=1e-2)
     assert packed(x[:, None]).shape == (5, 1, 48)  # not a flat batch: F.linear
@@ -466,10 +466,20 @@ PORTABLE_CHECK = """
 import sys
 import torch
 torch.ops.load_library(sys.argv[1])
-from sonar.kernels import attention, reference
+from sonar.kernels import attention, native, reference
+from sonar.kernels.linear import pack_native
 
-assert not torch.ops.sonar_cpu.has_linear_bf16()
+# the AVX2 path of the linear kernels is in every x86 build; the portable loop serves where it cannot run
+avx2 = native.best_isa(native.cpu_flags()) != "portable"
+assert bool(torch.ops.sonar_cpu.has_linear_bf16()) == avx2
 gen = torch.Generator().manual_seed(0)
+weight, x = torch.randn(40, 96, generator=gen).to(torch.bfloat16), torch.randn(5, 96, generator=gen).to(torch.bfloat16)
+bias = torch.randn(40, generator=gen).to(torch.bfloat16)
+want = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+for path in ("portable", "avx2")[: 1 + avx2]:
+    torch.ops.sonar_cpu.set_quant_isa(path)
+    got = torch.ops.sonar_cpu.linear_bf16(x, pack_native(weight), bias, 40).float()
+    assert ((got - want).abs() <= want.abs() * 2**-8 + 1e-6).all(), path
 for dtype, tol in ((torch.bfloat16, 2e-2), (torch.float32, 1e-5)):
     x = torch.randn(7, 100, generator=gen).to(dtype)
     w = torch.randn(100, generator=gen).to(dtype)

@@ -18,7 +18,6 @@ bytes per 32 weights; every exponent byte (subnormal scales included) read back 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import torch
 from sonar.kernels import native, quant, quant_cpu
 from sonar.kernels.quant import QuantizedWeight
 from sonar.kernels.quant_linear import QuantEmbedding, QuantLinear, ReferenceBackend
+from tests.kernels.conftest import RUNNABLE
 from tests.kernels.test_native import assert_portable_check_passes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -182,19 +182,6 @@ def test_other_activation_dtypes_take_the_reference() -> None:
 
 
 # --- the paths: portable, AVX2, AVX-512 ----------------------------------------------------------
-
-RUNNABLE = native.ISAS[: native.ISAS.index(native.best_isa(native.cpu_flags())) + 1]
-
-
-@pytest.fixture(params=RUNNABLE)
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Each path of the quantized kernel this CPU runs, forced for the test (the others are
-    refused: `test_a_path_the_cpu_cannot_run_is_refused`)."""
-    native.set_quant_isa(request.param)
-    try:
-        yield request.param
-    finally:
-        native.set_quant_isa("auto")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

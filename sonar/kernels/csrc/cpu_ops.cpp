@@ -38,6 +38,21 @@
 #define SONAR_AVX512 1
 #include <immintrin.h>
 #endif
+// The AVX-512 paths of the linear kernels: bfloat16 pairs (`vdpbf16ps`), and for the quantized
+// kernel int8 dot products (VNNI) too.
+#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
+#define SONAR_LINEAR_BF16 1
+#if defined(__AVX512VNNI__)
+#define SONAR_LINEAR_QUANT 1
+#endif
+#endif
+// The AVX2 + FMA paths are compiled into every x86 build through a target attribute, and chosen
+// at run time (`cpu_has_avx2`).
+#if defined(__x86_64__) || defined(__i386__)
+#define SONAR_AVX2 1
+#include <immintrin.h>
+#define SONAR_AVX2_FN __attribute__((target("avx2,fma"))) inline
+#endif
 
 namespace {
 
@@ -110,6 +125,60 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
 #pragma omp simd reduction(+ : acc)
   for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
   return acc;
+}
+
+// --- which path runs ---------------------------------------------------------------------------
+//
+// The linear kernels (bfloat16 and quantized weights) each have an AVX-512, an AVX2 + FMA and a
+// portable path. The fastest this build and CPU can run serves, unless `set_quant_isa` chose a
+// slower one (tests, A/B measurements: SONAR_CPU_ISA, read by sonar/kernels/native.py). avx512
+// (compiled in with -march=native on a CPU with AVX512-BF16 and VNNI) serves bfloat16 x; float32
+// x takes avx2 there.
+
+bool cpu_has_avx2() {
+#ifdef SONAR_AVX2
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return has;
+#else
+  return false;
+#endif
+}
+
+enum QuantIsa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+QuantIsa best_quant_isa() {
+#ifdef SONAR_LINEAR_QUANT
+  return kAvx512;
+#else
+  return cpu_has_avx2() ? kAvx2 : kPortable;
+#endif
+}
+
+std::atomic<int64_t> g_quant_isa{-1};  // -1: best_quant_isa()
+
+QuantIsa quant_isa_now() {
+  const int64_t chosen = g_quant_isa.load(std::memory_order_relaxed);
+  return chosen < 0 ? best_quant_isa() : static_cast<QuantIsa>(chosen);
+}
+
+const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
+
+std::string quant_isa() { return kIsaNames[quant_isa_now()]; }
+
+// Chooses the path by name ("auto": the best one); a path this build or CPU cannot run is refused.
+void set_quant_isa(const std::string& name) {
+  if (name == "auto") {
+    g_quant_isa.store(-1);
+    return;
+  }
+  for (int64_t i = kPortable; i <= kAvx512; ++i) {
+    if (name != kIsaNames[i]) continue;
+    TORCH_CHECK(i <= best_quant_isa(), "sonar_cpu::set_quant_isa: ", name, " cannot run here (the best is ",
+                kIsaNames[best_quant_isa()], ")");
+    g_quant_isa.store(i);
+    return;
+  }
+  TORCH_CHECK(false, "sonar_cpu::set_quant_isa: unknown path ", name, " (auto, portable, avx2, avx512)");
 }
 
 #ifdef SONAR_AVX512
@@ -1592,8 +1661,7 @@ at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 // On a CPU with AMX, from kLinearAmxRows rows the products run on the tile unit instead (below:
 // `linear_amx`, same packed weight, same threads' split, no prefetch).
 
-#if defined(SONAR_AVX512) && defined(__AVX512BF16__)
-#define SONAR_LINEAR_BF16 1
+#ifdef SONAR_LINEAR_BF16
 
 // Cache lines to prefetch while one block of rows runs: `count` lines from `lines`, spread over
 // the block's iterations along K.
@@ -1796,6 +1864,134 @@ void linear_amx(const Bf16* xs, int64_t rows, int64_t k, const Bf16* ws, int64_t
 }
 #endif
 
+// --- the AVX2 + FMA and portable paths of linear_bf16 --------------------------------------------
+//
+// The same packed weight as the AVX-512 path. A bfloat16 is the high half of a float32, so of 8
+// packed units (8 columns' pairs) a shift gives the even k's weights as float32 and a mask the odd
+// k's, exactly; x is widened to float32 once per call. Each product is one `vfmadd` in float32 in K
+// order; the bias is added in float32 and the sum rounded to bfloat16 once, as on the AVX-512 path
+// (which sums each pair before adding it: results may differ from it in the last bit).
+//
+// A register block is 4 rows x 1 tile (8 accumulators, 16 FMAs per K-pair for 2 weight loads) or,
+// for a lone row (a decode at batch 1), 1 row x 4 tiles: 8 independent chains either way, enough to
+// keep both FMA pipes busy, and at batch 1 the weights stream at memory speed. Rows are taken in
+// chunks whose float32 x stays in L2 while each of the thread's tiles reads it.
+
+#ifdef SONAR_AVX2
+constexpr int kAvx2Bf16Rows = 4;
+constexpr int kAvx2Bf16Tiles = 4;  // per block of a lone row
+constexpr int64_t kAvx2Bf16ChunkBytes = 128 * 1024;
+
+template <int ROWS, int TILES>
+__attribute__((target("avx2,fma"))) void avx2_bf16_block(const float* x, int64_t k, const int32_t* w,
+                                                        int64_t tile_stride, const Bf16* bias, Bf16* y,
+                                                        int64_t y_stride, int64_t columns) {
+  __m256 acc[ROWS][TILES][2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int t = 0; t < TILES; ++t) acc[r][t][0] = acc[r][t][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  for (int64_t kp = 0, pairs = k / 2; kp < pairs; ++kp) {
+    for (int t = 0; t < TILES; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256i units = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + t * tile_stride + kp * 16 + h * 8));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(units, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(units, high));
+        for (int r = 0; r < ROWS; ++r) {
+          acc[r][t][h] = _mm256_fmadd_ps(even, _mm256_broadcast_ss(x + r * k + 2 * kp), acc[r][t][h]);
+          acc[r][t][h] = _mm256_fmadd_ps(odd, _mm256_broadcast_ss(x + r * k + 2 * kp + 1), acc[r][t][h]);
+        }
+      }
+    }
+  }
+  alignas(32) float sums[16];
+  for (int t = 0; t < TILES; ++t) {
+    const int64_t n = std::min<int64_t>(16, columns - t * 16);
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_store_ps(sums, acc[r][t][0]);
+      _mm256_store_ps(sums + 8, acc[r][t][1]);
+      for (int64_t c = 0; c < n; ++c)
+        y[r * y_stride + t * 16 + c] = from_float<Bf16>(bias ? sums[c] + to_float(bias[t * 16 + c]) : sums[c]);
+    }
+  }
+}
+
+// Up to TILES tiles (`tiles` of them) against ROWS rows.
+template <int ROWS, int TILES>
+void avx2_bf16_tiles(const float* x, int64_t k, const int32_t* w, int64_t tile_stride, const Bf16* bias, Bf16* y,
+                     int64_t y_stride, int64_t tiles, int64_t columns) {
+  if constexpr (TILES > 1) {
+    if (tiles < TILES) return avx2_bf16_tiles<ROWS, TILES - 1>(x, k, w, tile_stride, bias, y, y_stride, tiles, columns);
+  }
+  avx2_bf16_block<ROWS, TILES>(x, k, w, tile_stride, bias, y, y_stride, columns);
+}
+
+// Tiles [t, end) against ROWS rows, as many tiles per block as keep 8 accumulators or fewer.
+template <int ROWS>
+void avx2_bf16_rows(const float* x, int64_t k, const int32_t* ws, int64_t t, int64_t end, const Bf16* bs, Bf16* y,
+                    int64_t out_features) {
+  constexpr int kTiles = std::max(1, kAvx2Bf16Tiles / ROWS);
+  const int64_t tile_stride = k / 2 * 16;
+  for (; t < end; t += kTiles)
+    avx2_bf16_tiles<ROWS, kTiles>(x, k, ws + t * tile_stride, tile_stride, bs ? bs + t * 16 : nullptr, y + t * 16,
+                                  out_features, end - t, out_features - t * 16);
+}
+
+void linear_bf16_avx2(const float* xs, int64_t rows, int64_t k, const int32_t* ws, int64_t tiles, const Bf16* bs,
+                      Bf16* ys, int64_t out_features) {
+  const int64_t chunk = std::max<int64_t>(1, kAvx2Bf16ChunkBytes / (k * 4) / kAvx2Bf16Rows) * kAvx2Bf16Rows;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const int64_t r1 = std::min(rows, r0 + chunk);
+      // a group of tiles at a time: its weights stay in L2 for all of the chunk's rows
+      for (int64_t t = begin; t < end; t += kAvx2Bf16Tiles) {
+        const int64_t stop = std::min<int64_t>(end, t + kAvx2Bf16Tiles);
+        int64_t r = r0;
+        for (; r + kAvx2Bf16Rows <= r1; r += kAvx2Bf16Rows)
+          avx2_bf16_rows<kAvx2Bf16Rows>(xs + r * k, k, ws, t, stop, bs, ys + r * out_features, out_features);
+        const int64_t left = r1 - r;
+        if (left == 3) avx2_bf16_rows<3>(xs + r * k, k, ws, t, stop, bs, ys + r * out_features, out_features);
+        if (left == 2) avx2_bf16_rows<2>(xs + r * k, k, ws, t, stop, bs, ys + r * out_features, out_features);
+        if (left == 1) avx2_bf16_rows<1>(xs + r * k, k, ws, t, stop, bs, ys + r * out_features, out_features);
+      }
+    }
+  });
+}
+#endif
+
+// The reference loop over the packed layout (SONAR_CPU_ISA=portable; no vector path needed).
+void linear_bf16_portable(const Bf16* xs, int64_t rows, int64_t k, const uint32_t* ws, int64_t tiles, const Bf16* bs,
+                          Bf16* ys, int64_t out_features) {
+  const int64_t pairs = k / 2;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint32_t* w = ws + t * pairs * 16;
+      const int64_t n = std::min<int64_t>(16, out_features - t * 16);
+      for (int64_t r = 0; r < rows; ++r) {
+        float acc[16] = {};
+        for (int64_t kp = 0; kp < pairs; ++kp) {
+          const float even = to_float(xs[r * k + 2 * kp]), odd = to_float(xs[r * k + 2 * kp + 1]);
+          for (int c = 0; c < 16; ++c) {
+            const uint32_t unit = w[kp * 16 + c];
+            acc[c] += to_float(static_cast<Bf16>(unit & 0xffffu)) * even;
+            acc[c] += to_float(static_cast<Bf16>(unit >> 16)) * odd;
+          }
+        }
+        for (int64_t c = 0; c < n; ++c)
+          ys[r * out_features + t * 16 + c] = from_float<Bf16>(bs ? acc[c] + to_float(bs[t * 16 + c]) : acc[c]);
+      }
+    }
+  });
+}
+
+// The path linear_bf16 takes: the AVX-512 one wherever it is compiled in (a CPU with AVX512-BF16
+// but not VNNI included), unless `set_quant_isa` chose a slower one.
+QuantIsa linear_bf16_isa() {
+#ifdef SONAR_LINEAR_BF16
+  if (g_quant_isa.load(std::memory_order_relaxed) < 0) return kAvx512;
+#endif
+  return quant_isa_now();
+}
+
 // Called inside a parallel_for: the first tile this thread will take in the next parallel_for over
 // `tiles` tiles with grain 1 (ATen's OpenMP split: the team's threads, at most one per tile, take
 // equal contiguous chunks in thread order), or -1 if it takes none. Only a prefetch depends on it.
@@ -1838,21 +2034,32 @@ at::Tensor linear_bf16_then(const at::Tensor& x, const at::Tensor& packed, const
     TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == out_features,
                 "sonar_cpu::linear_bf16: bfloat16 bias [N]");
   }
-#ifdef SONAR_LINEAR_BF16
-  const int64_t rows = x.size(0), kp_count = packed.size(1), tiles = packed.size(0);
+  const int64_t rows = x.size(0), tiles = packed.size(0);
   at::Tensor y = at::empty({rows, out_features}, x.options());
+  const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
+  Bf16* ys = data<Bf16>(y);
+  const QuantIsa isa = linear_bf16_isa();
+  if (isa == kPortable) {
+    linear_bf16_portable(data<const Bf16>(x), rows, x.size(1), data<const uint32_t>(packed), tiles, bs, ys, out_features);
+    return y;
+  }
+#ifdef SONAR_AVX2
+  if (isa == kAvx2) {
+    const at::Tensor xf = x.to(at::kFloat);
+    linear_bf16_avx2(data<const float>(xf), rows, x.size(1), data<const int32_t>(packed), tiles, bs, ys, out_features);
+    return y;
+  }
+#endif
+#ifdef SONAR_LINEAR_BF16
 #ifdef SONAR_LINEAR_AMX
   if (rows >= kLinearAmxRows && amx_permitted()) {
-    linear_amx(data<const Bf16>(x), rows, x.size(1), data<const Bf16>(packed), tiles, bias ? data<const Bf16>(*bias) : nullptr,
-               data<Bf16>(y), out_features);
+    linear_amx(data<const Bf16>(x), rows, x.size(1), data<const Bf16>(packed), tiles, bs, ys, out_features);
     return y;
   }
 #endif
   const int32_t* xs = data<const int32_t>(x);
   const int32_t* ws = data<const int32_t>(packed);
-  const Bf16* bs = bias ? data<const Bf16>(*bias) : nullptr;
-  Bf16* ys = data<Bf16>(y);
-  const int64_t tile_stride = kp_count * 16;  // int32 pairs per tile
+  const int64_t kp_count = packed.size(1), tile_stride = kp_count * 16;  // int32 pairs per tile
   const int64_t blocks = rows / kLinearRows;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; t += kLinearTiles) {
@@ -1881,7 +2088,8 @@ at::Tensor linear_bf16_then(const at::Tensor& x, const at::Tensor& packed, const
   });
   return y;
 #else
-  TORCH_CHECK(false, "sonar_cpu::linear_bf16 needs a CPU with AVX512-BF16");
+  (void)next;
+  TORCH_CHECK(false, "sonar_cpu::linear_bf16: no ", kIsaNames[isa], " path in this build");
 #endif
 }
 
@@ -1902,11 +2110,13 @@ int64_t linear_amx_rows() {
 
 bool has_linear_amx() { return linear_amx_rows() > 0; }
 
+// Whether linear_bf16 has a vector path here (AVX-512 or AVX2): what the Python side packs weights
+// for. Its portable path serves only when chosen.
 bool has_linear_bf16() {
 #ifdef SONAR_LINEAR_BF16
   return true;
 #else
-  return false;
+  return cpu_has_avx2();
 #endif
 }
 
@@ -2050,8 +2260,7 @@ void quantize_rows(const Bf16* x, int64_t rows, int64_t k, int64_t group, int8_t
     }
 }
 
-#if defined(SONAR_LINEAR_BF16) && defined(__AVX512VNNI__)
-#define SONAR_LINEAR_QUANT 1
+#ifdef SONAR_LINEAR_QUANT
 
 // One 64-byte int4 or fp8 line of a tile, unpacked one k pair at a time into bfloat16 pair vectors.
 template <int FORMAT>
@@ -2453,10 +2662,7 @@ void linear_quant_portable(const QuantX& xs, int64_t rows, const uint8_t* ws, co
 //     (`vpermps`), bit 3 moved to the float's sign. The exponents become scales through a
 //     256-float table (`vgatherdps`), once per group and 8 columns.
 
-#if defined(__x86_64__) || defined(__i386__)
-#define SONAR_AVX2 1
-#include <immintrin.h>
-#define SONAR_AVX2_FN __attribute__((target("avx2,fma"))) inline
+#ifdef SONAR_AVX2
 
 // e8m0_half of every exponent byte, for the gather.
 const std::array<float, 256> kE8m0Half = [] {
@@ -2610,55 +2816,7 @@ void linear_quant_avx2(const float* x, const float* sums, int64_t rows, const ui
   });
 }
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#else
-bool cpu_has_avx2() { return false; }
 #endif
-
-// --- which path runs ---------------------------------------------------------------------------
-//
-// The fastest path this build and CPU can run, unless `set_quant_isa` chose a slower one (tests,
-// A/B measurements: SONAR_CPU_ISA, read by sonar/kernels/native.py). avx512 (compiled in with
-// -march=native on a CPU with AVX512-BF16 and VNNI) serves bfloat16 x; float32 x takes avx2 there.
-enum QuantIsa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
-
-QuantIsa best_quant_isa() {
-#ifdef SONAR_LINEAR_QUANT
-  return kAvx512;
-#else
-  return cpu_has_avx2() ? kAvx2 : kPortable;
-#endif
-}
-
-std::atomic<int64_t> g_quant_isa{-1};  // -1: best_quant_isa()
-
-QuantIsa quant_isa_now() {
-  const int64_t chosen = g_quant_isa.load(std::memory_order_relaxed);
-  return chosen < 0 ? best_quant_isa() : static_cast<QuantIsa>(chosen);
-}
-
-const char* const kIsaNames[] = {"portable", "avx2", "avx512"};
-
-std::string quant_isa() { return kIsaNames[quant_isa_now()]; }
-
-// Chooses the path by name ("auto": the best one); a path this build or CPU cannot run is refused.
-void set_quant_isa(const std::string& name) {
-  if (name == "auto") {
-    g_quant_isa.store(-1);
-    return;
-  }
-  for (int64_t i = kPortable; i <= kAvx512; ++i) {
-    if (name != kIsaNames[i]) continue;
-    TORCH_CHECK(i <= best_quant_isa(), "sonar_cpu::set_quant_isa: ", name, " cannot run here (the best is ",
-                kIsaNames[best_quant_isa()], ")");
-    g_quant_isa.store(i);
-    return;
-  }
-  TORCH_CHECK(false, "sonar_cpu::set_quant_isa: unknown path ", name, " (auto, portable, avx2, avx512)");
-}
 
 // y = x @ W.T (+ bias) over a packed quantized weight; `next` as in linear_bf16_then.
 at::Tensor linear_quant_then(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
