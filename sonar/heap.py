@@ -51,6 +51,18 @@ def settle() -> Settled | None:
     return Settled(gc.get_freeze_count(), time.perf_counter() - started)
 
 
+def collect_all() -> None:
+    """A full collection that reaches the frozen start too, for a caller that just let go of
+    something the start built (a sleeping worker its model, which sits in reference cycles): frozen
+    objects are never collected, so they are unfrozen for this one collection, and what survives
+    it is frozen again."""
+    frozen = gc.get_freeze_count() > 0
+    gc.unfreeze()
+    gc.collect()
+    if frozen:
+        gc.freeze()
+
+
 @contextlib.contextmanager
 def starting() -> Iterator[None]:
     """`pause` for the block; a start that ends before `settle` (it failed, or was stopped)

@@ -48,6 +48,36 @@ def test_a_start_keeps_its_garbage_until_it_settles_then_collects_it_and_freezes
     )
 
 
+def test_collect_all_reaches_a_frozen_cycle_and_freezes_what_survives_again():
+    run(
+        """
+        with heap.starting():
+            held = [Node()]
+            held[0].other = held  # a cycle the start builds and holds (a worker's model)
+            dropped = weakref.ref(held[0])
+            kept = cycle()
+            keep = kept()
+            heap.settle()
+        del held
+        gc.collect()
+        assert dropped() is not None  # frozen: an ordinary collection never sees it
+        heap.collect_all()
+        assert dropped() is None and kept() is keep
+        assert gc.get_freeze_count() > 0 and gc.isenabled()
+        """
+    )
+
+
+def test_collect_all_without_a_frozen_start_freezes_nothing():
+    run(
+        """
+        garbage = cycle()
+        heap.collect_all()
+        assert garbage() is None and gc.get_freeze_count() == 0
+        """
+    )
+
+
 def test_a_start_that_ends_unsettled_gets_its_collector_back_with_nothing_frozen():
     run(
         """

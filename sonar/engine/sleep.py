@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 
 import msgspec
 import torch
 
+from sonar import heap
 from sonar.core.sleep import SleepState, plan_sleep, plan_wake
 from sonar.engine.config import EngineConfig
 from sonar.engine.runner import ModelRunner
@@ -37,8 +37,9 @@ class WorkerAsleepError(SonarError, RuntimeError):
 
 
 def release_memory(device: torch.device) -> None:
-    """Give what was just freed back to the system."""
-    gc.collect()
+    """Give what was just freed back to the system (a runner built before its process froze its
+    start's heap included: `heap.collect_all`)."""
+    heap.collect_all()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
